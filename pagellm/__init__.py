@@ -1,0 +1,33 @@
+"""pagellm: LLM inference with continuous batching over a paged KV cache.
+
+The public names are imported lazily so that `import pagellm.core` (pure Python) does
+not drag in torch and the model stack.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pagellm.engine.arg_utils import EngineArgs
+    from pagellm.entrypoints.llm import LLM
+    from pagellm.outputs import CompletionOutput, RequestOutput
+    from pagellm.sampling_params import SamplingParams
+
+__all__ = ["LLM", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__version__ = "0.1.0"
+
+_LOCATIONS = {
+    "LLM": "pagellm.entrypoints.llm",
+    "EngineArgs": "pagellm.engine.arg_utils",
+    "SamplingParams": "pagellm.sampling_params",
+    "RequestOutput": "pagellm.outputs",
+    "CompletionOutput": "pagellm.outputs",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LOCATIONS:
+        return getattr(importlib.import_module(_LOCATIONS[name]), name)
+    raise AttributeError(f"module 'pagellm' has no attribute {name!r}")

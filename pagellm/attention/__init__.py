@@ -1,0 +1,5 @@
+"""Attention stage: backends that read and write the paged KV cache."""
+
+from pagellm.attention.backend import AttentionBackend, AttentionMetadata, get_attention_backend
+
+__all__ = ["AttentionBackend", "AttentionMetadata", "get_attention_backend"]

@@ -1,0 +1,60 @@
+"""Attention stage: the interface every attention implementation provides.
+
+A backend writes the step's new K/V into the paged cache (by slot mapping) and computes
+causal attention for a flattened batch in which each request reads its whole context
+through its block table. The model knows nothing else about the cache layout.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each request's tokens sit in the flat batch and where its K/V lives.
+
+    Requests appear in the flat batch in order; request r owns rows
+    query_start_loc[r] : query_start_loc[r + 1]. Its new tokens are the last
+    (query_start_loc[r + 1] - query_start_loc[r]) positions of a context of
+    seq_lens[r] tokens, so the causal mask is offset by the tokens computed earlier.
+    """
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64: block_id * block_size + offset
+    block_tables: torch.Tensor  # [num_reqs, max_num_blocks_per_req] int64
+    query_start_loc: list[int]  # [num_reqs + 1]
+    seq_lens: list[int]  # [num_reqs] context length including this step's tokens
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.seq_lens)
+
+
+class AttentionBackend(ABC):
+    """One attention implementation (reference torch, fast CPU, Triton...)."""
+
+    name: str = "abstract"
+
+    @abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """Store key/value in the cache, then attend over each request's context."""
+
+
+def get_attention_backend(name: str = "torch") -> AttentionBackend:
+    """The backend called `name`; "torch" is the reference implementation."""
+    if name == "torch":
+        from pagellm.attention.torch_backend import TorchAttentionBackend
+
+        return TorchAttentionBackend()
+    raise ValueError(f"unknown attention backend {name!r} (available: 'torch')")

@@ -1,0 +1,76 @@
+"""Attention stage: the reference implementation in plain PyTorch.
+
+Correct for any mix of prefill chunks and decode tokens; each request gathers its K/V
+from its blocks and runs scaled dot-product attention with a causal mask that is offset
+by the tokens it computed in earlier steps.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pagellm.attention.backend import AttentionBackend, AttentionMetadata
+
+
+def write_kv_to_cache(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens]
+) -> None:
+    """Scatter the new tokens' K/V into their cache slots."""
+    num_kv_heads, head_dim = kv_cache.shape[-2:]
+    key_slots = kv_cache[0].view(-1, num_kv_heads, head_dim)
+    value_slots = kv_cache[1].view(-1, num_kv_heads, head_dim)
+    key_slots.index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
+    value_slots.index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+
+
+def gather_context(
+    cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_table: torch.Tensor,  # [max_num_blocks_per_req]
+    seq_len: int,
+) -> torch.Tensor:  # [seq_len, num_kv_heads, head_dim]
+    block_size = cache.shape[1]
+    num_blocks = -(-seq_len // block_size)
+    blocks = cache.index_select(0, block_table[:num_blocks])
+    return blocks.flatten(0, 1)[:seq_len]
+
+
+class TorchAttentionBackend(AttentionBackend):
+    name = "torch"
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        write_kv_to_cache(key, value, kv_cache, metadata.slot_mapping)
+        num_heads = query.shape[1]
+        num_kv_heads = kv_cache.shape[-2]
+        group = num_heads // num_kv_heads
+        output = torch.empty_like(query)
+        starts = metadata.query_start_loc
+        for r, seq_len in enumerate(metadata.seq_lens):
+            start, end = starts[r], starts[r + 1]
+            query_len = end - start
+            k = gather_context(kv_cache[0], metadata.block_tables[r], seq_len)
+            v = gather_context(kv_cache[1], metadata.block_tables[r], seq_len)
+            # [heads, tokens, head_dim]; K/V heads repeated for grouped-query attention.
+            q = query[start:end].transpose(0, 1)
+            k = k.transpose(0, 1).repeat_interleave(group, dim=0).to(q.dtype)
+            v = v.transpose(0, 1).repeat_interleave(group, dim=0).to(q.dtype)
+            mask = None
+            if query_len > 1:
+                # Query i sits at context position (seq_len - query_len + i).
+                device = query.device
+                q_pos = torch.arange(seq_len - query_len, seq_len, device=device).unsqueeze(1)
+                mask = torch.arange(seq_len, device=device).unsqueeze(0) <= q_pos
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+            output[start:end] = out.transpose(0, 1)
+        return output

@@ -1,0 +1,108 @@
+"""Engine configuration (setup stage): frozen dataclasses validated on construction.
+
+Configs are never mutated. A derived value (for instance the number of KV blocks measured
+after the model is loaded) is resolved into a new object with `dataclasses.replace`,
+which runs the validation again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from pagellm.errors import ConfigError
+
+SchedulingPolicy = Literal["fcfs", "priority"]
+PreemptionMode = Literal["recompute", "swap"]
+
+SCHEDULING_POLICIES: tuple[str, ...] = ("fcfs", "priority")
+PREEMPTION_MODES: tuple[str, ...] = ("recompute", "swap")
+
+
+def _check_int(owner: str, name: str, value: object, minimum: int) -> None:
+    # bool is an int subclass; `block_size=True` is a bug, not a size.
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ConfigError(f"{owner}.{name} must be an integer, got {value!r}.")
+    if value < minimum:
+        raise ConfigError(f"{owner}.{name} must be at least {minimum}, got {value}.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CacheConfig:
+    """Shape of the paged KV cache.
+
+    num_gpu_blocks counts every device block including block 0, which the block pool
+    reserves as a null block; the usable capacity is (num_gpu_blocks - 1) * block_size
+    tokens. num_cpu_blocks is the host pool used when requests are swapped out
+    (0 = swapping impossible; swap preemption then falls back to recompute).
+    """
+
+    block_size: int = 16
+    num_gpu_blocks: int
+    num_cpu_blocks: int = 0
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        _check_int("CacheConfig", "block_size", self.block_size, 1)
+        # Block 0 is the null block, so one more is needed to hold any token at all.
+        _check_int("CacheConfig", "num_gpu_blocks", self.num_gpu_blocks, 2)
+        _check_int("CacheConfig", "num_cpu_blocks", self.num_cpu_blocks, 0)
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ConfigError(
+                "CacheConfig.enable_prefix_caching must be a bool, "
+                f"got {self.enable_prefix_caching!r}."
+            )
+
+    @property
+    def num_usable_gpu_blocks(self) -> int:
+        """Device blocks that can hold tokens (all but the null block)."""
+        return self.num_gpu_blocks - 1
+
+    @property
+    def max_num_cached_tokens(self) -> int:
+        """Most tokens the device cache can hold at once."""
+        return self.num_usable_gpu_blocks * self.block_size
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchedulerConfig:
+    """Limits and policy of the continuous-batching scheduler.
+
+    max_num_batched_tokens is the token budget of one forward pass; max_num_seqs caps the
+    number of running requests. Without chunked prefill a prompt is only ever scheduled
+    whole, so the budget must be able to hold the longest possible one.
+    """
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int
+    enable_chunked_prefill: bool = True
+    scheduling_policy: SchedulingPolicy = "fcfs"
+    preemption_mode: PreemptionMode = "recompute"
+
+    def __post_init__(self) -> None:
+        _check_int("SchedulerConfig", "max_num_seqs", self.max_num_seqs, 1)
+        _check_int("SchedulerConfig", "max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        _check_int("SchedulerConfig", "max_model_len", self.max_model_len, 1)
+        if not isinstance(self.enable_chunked_prefill, bool):
+            raise ConfigError(
+                "SchedulerConfig.enable_chunked_prefill must be a bool, "
+                f"got {self.enable_chunked_prefill!r}."
+            )
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ConfigError(
+                f"SchedulerConfig.scheduling_policy must be one of {SCHEDULING_POLICIES}, "
+                f"got {self.scheduling_policy!r}."
+            )
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ConfigError(
+                f"SchedulerConfig.preemption_mode must be one of {PREEMPTION_MODES}, "
+                f"got {self.preemption_mode!r}."
+            )
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ConfigError(
+                "With chunked prefill disabled a prompt is scheduled whole, so "
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
+                f"max_model_len ({self.max_model_len}). Raise max_num_batched_tokens, lower "
+                "max_model_len, or enable chunked prefill."
+            )

@@ -1,0 +1,258 @@
+"""KV block pool (scheduling stage): blocks, ref counts, LRU free queue, prefix-cache map.
+
+A pool owns `num_blocks` fixed-size blocks identified by their index. The device pool
+reserves block 0 as a null block that is never handed out (a runner may point padding
+slots at it), so it has num_blocks - 1 usable blocks. The host (swap) pool uses the same
+class without the null block and without prefix caching.
+
+Free blocks wait in a queue in eviction order: allocation takes from the head. A freed
+block keeps its prefix-cache hash, so it can still be hit until it is reused; the hash
+is dropped lazily, at the moment the block is taken for a new allocation (eviction).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Iterator
+
+from pagellm.request import BlockHash
+
+logger = logging.getLogger(__name__)
+
+NULL_BLOCK_ID = 0
+
+
+class KVBlock:
+    """One block's bookkeeping; the KV tensors themselves live in the runner."""
+
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        # Set while the block is registered in the prefix-cache map (full and computed).
+        self.block_hash: BlockHash | None = None
+        # Links of the free queue; both None while the block is not in it.
+        self.prev_free: KVBlock | None = None
+        self.next_free: KVBlock | None = None
+
+    def __repr__(self) -> str:
+        cached = " cached" if self.block_hash is not None else ""
+        return f"KVBlock({self.block_id}, ref={self.ref_cnt}{cached})"
+
+
+class FreeBlockQueue:
+    """Doubly linked list of free blocks with O(1) pop, push at both ends and removal.
+
+    Removal from the middle is what a prefix hit on a free cached block needs, which is
+    why this is not a deque.
+    """
+
+    def __init__(self) -> None:
+        # Sentinels so that no operation has to special-case an empty list.
+        self._head = KVBlock(-1)
+        self._tail = KVBlock(-1)
+        self._head.next_free = self._tail
+        self._tail.prev_free = self._head
+        self._len = 0
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __iter__(self) -> Iterator[KVBlock]:
+        node = self._head.next_free
+        while node is not self._tail:
+            assert node is not None
+            yield node
+            node = node.next_free
+
+    def _link_after(self, anchor: KVBlock, block: KVBlock) -> None:
+        assert block.prev_free is None and block.next_free is None, f"{block} already queued"
+        successor = anchor.next_free
+        assert successor is not None
+        block.prev_free, block.next_free = anchor, successor
+        anchor.next_free = block
+        successor.prev_free = block
+        self._len += 1
+
+    def append(self, block: KVBlock) -> None:
+        """Queue at the tail: evicted last."""
+        prev = self._tail.prev_free
+        assert prev is not None
+        self._link_after(prev, block)
+
+    def appendleft(self, block: KVBlock) -> None:
+        """Queue at the head: reused first."""
+        self._link_after(self._head, block)
+
+    def remove(self, block: KVBlock) -> None:
+        prev, nxt = block.prev_free, block.next_free
+        assert prev is not None and nxt is not None, f"{block} is not in the free queue"
+        prev.next_free = nxt
+        nxt.prev_free = prev
+        block.prev_free = block.next_free = None
+        self._len -= 1
+
+    def popleft(self) -> KVBlock:
+        block = self._head.next_free
+        if block is self._tail or block is None:
+            raise IndexError("pop from an empty free block queue")
+        self.remove(block)
+        return block
+
+    def is_queued(self, block: KVBlock) -> bool:
+        return block.prev_free is not None
+
+
+class BlockPool:
+    """Blocks with ref counts, the free queue and the block-hash -> block map."""
+
+    def __init__(
+        self, num_blocks: int, *, enable_caching: bool, reserve_null_block: bool = True
+    ) -> None:
+        first_usable = 1 if reserve_null_block else 0
+        if num_blocks < first_usable:
+            raise ValueError(
+                f"a block pool needs at least {first_usable} block(s), got {num_blocks}"
+            )
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks: list[KVBlock] = [KVBlock(i) for i in range(num_blocks)]
+        self.null_block: KVBlock | None = (
+            self.blocks[NULL_BLOCK_ID] if reserve_null_block else None
+        )
+        self._usable_blocks = self.blocks[first_usable:]
+        self.free_queue = FreeBlockQueue()
+        for block in self._usable_blocks:
+            self.free_queue.append(block)
+        self.cached_blocks: dict[BlockHash, KVBlock] = {}
+        self.num_evictions = 0
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return len(self._usable_blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that can be allocated now, cached-but-free ones included."""
+        return len(self.free_queue)
+
+    def get_usage(self) -> float:
+        """Fraction of usable blocks referenced by some request."""
+        if not self._usable_blocks:
+            return 0.0
+        return 1.0 - self.num_free_blocks / self.num_usable_blocks
+
+    def get_cached_block(self, block_hash: BlockHash) -> KVBlock | None:
+        if not self.enable_caching:
+            return None
+        return self.cached_blocks.get(block_hash)
+
+    def allocate(self, num_blocks: int) -> list[KVBlock]:
+        """Take `num_blocks` blocks from the head of the free queue, ref count 1 each.
+
+        The caller checks `num_free_blocks` first; asking for more is a bug.
+        """
+        if num_blocks > self.num_free_blocks:
+            raise ValueError(
+                f"cannot allocate {num_blocks} blocks, only {self.num_free_blocks} free"
+            )
+        allocated = []
+        for _ in range(num_blocks):
+            block = self.free_queue.popleft()
+            self._evict(block)
+            assert block.ref_cnt == 0
+            block.ref_cnt = 1
+            allocated.append(block)
+        return allocated
+
+    def _evict(self, block: KVBlock) -> None:
+        """Forget a reused block's cached content (the lazy half of eviction)."""
+        if block.block_hash is None:
+            return
+        removed = self.cached_blocks.pop(block.block_hash, None)
+        assert removed is block, "a hashed block must be the one its hash maps to"
+        block.block_hash = None
+        self.num_evictions += 1
+
+    def touch(self, blocks: Iterable[KVBlock]) -> None:
+        """Take one more reference on prefix-hit blocks, pulling free ones out of the queue."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+            block.ref_cnt += 1
+
+    def free(self, blocks: Iterable[KVBlock]) -> None:
+        """Drop one reference from each block, in the given order.
+
+        A block that reaches zero is queued: at the tail if it holds cached content
+        (evicted last, LRU), at the head if it holds nothing reusable (reused first, so
+        that no cached block is evicted while worthless blocks are free).
+        """
+        for block in blocks:
+            assert block.ref_cnt > 0, f"double free of {block}"
+            assert block is not self.null_block, "the null block is never allocated"
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                if block.block_hash is not None:
+                    self.free_queue.append(block)
+                else:
+                    self.free_queue.appendleft(block)
+
+    def cache_block(self, block: KVBlock, block_hash: BlockHash) -> bool:
+        """Register a full, computed block under its hash.
+
+        Returns False (and leaves the block uncached) when caching is off or another
+        block already holds the same content: two requests with the same prefix that
+        were admitted together compute duplicate blocks, and one copy is enough.
+        """
+        if not self.enable_caching:
+            return False
+        assert block.ref_cnt > 0, "only a block in use can be registered"
+        if block.block_hash is not None:
+            assert block.block_hash == block_hash, "block re-registered with other content"
+            return False
+        if block_hash in self.cached_blocks:
+            return False
+        block.block_hash = block_hash
+        self.cached_blocks[block_hash] = block
+        return True
+
+    def reset_prefix_cache(self) -> int:
+        """Forget the content of every free cached block (e.g. between benchmark runs).
+
+        Blocks in use keep their hash: their content stays valid. Returns how many were
+        dropped.
+        """
+        dropped = 0
+        for block in self.free_queue:
+            if block.block_hash is not None:
+                del self.cached_blocks[block.block_hash]
+                block.block_hash = None
+                dropped += 1
+        return dropped
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError if the pool's bookkeeping contradicts itself."""
+        queued = list(self.free_queue)
+        assert len(queued) == len(self.free_queue), "free count differs from queue length"
+        queued_ids = {b.block_id for b in queued}
+        assert len(queued_ids) == len(queued), "a block is queued twice"
+        if self.null_block is not None:
+            nb = self.null_block
+            assert nb.ref_cnt == 0 and nb.block_hash is None, "null block was used"
+            assert not self.free_queue.is_queued(nb), "null block is in the free queue"
+        for block in self._usable_blocks:
+            assert block.ref_cnt >= 0, f"negative ref count on {block}"
+            is_free = block.block_id in queued_ids
+            assert is_free == (block.ref_cnt == 0), (
+                f"{block} is {'free' if is_free else 'not free'} with ref count {block.ref_cnt}"
+            )
+            assert is_free == self.free_queue.is_queued(block), f"{block} has stale links"
+            if block.block_hash is not None:
+                assert self.enable_caching, f"{block} hashed with caching off"
+                assert self.cached_blocks.get(block.block_hash) is block, (
+                    f"{block} has a hash missing from the cache map"
+                )
+        for block_hash, block in self.cached_blocks.items():
+            assert block.block_hash is block_hash, f"map entry of {block} is stale"

@@ -1,0 +1,87 @@
+"""Request limits (scheduling stage): which requests can be served, and when one stops."""
+
+from __future__ import annotations
+
+from pagellm.errors import InvalidRequestError
+from pagellm.request import Request, RequestStatus
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def check_request_fits(
+    request: Request, max_model_len: int, block_size: int, num_usable_blocks: int
+) -> None:
+    """Refuse a request that could never finish; resolve max_tokens when it is None.
+
+    A refused request would wait forever (or be preempted forever), so refusing it at
+    add time is what guarantees that an idle engine can always admit its next request.
+    The KV of the last sampled token is never stored (it is never fed back), so a
+    request needs at most cdiv(prompt + max_tokens - 1, block_size) blocks.
+    Raises InvalidRequestError naming the parameter to change.
+    """
+    num_prompt = request.num_prompt_tokens
+    if num_prompt == 0:
+        raise InvalidRequestError("The prompt is empty; it needs at least one token.", "prompt")
+    if num_prompt >= max_model_len:
+        raise InvalidRequestError(
+            f"The prompt has {num_prompt} tokens, but this model's maximum context length "
+            f"is {max_model_len} tokens, which leaves no room to generate. Shorten the "
+            "prompt.",
+            "prompt",
+        )
+    cache_tokens = num_usable_blocks * block_size
+    num_prompt_blocks = _cdiv(num_prompt, block_size)
+    if num_prompt_blocks > num_usable_blocks:
+        raise InvalidRequestError(
+            f"The prompt has {num_prompt} tokens and needs {num_prompt_blocks} KV cache "
+            f"blocks, but the whole cache holds {num_usable_blocks} blocks of {block_size} "
+            f"tokens ({cache_tokens} tokens). Shorten the prompt.",
+            "prompt",
+        )
+
+    if request.max_tokens is None:
+        request.max_tokens = max_model_len - num_prompt
+    max_tokens = request.max_tokens
+    if max_tokens < 1:
+        raise InvalidRequestError(f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens")
+    if num_prompt + max_tokens > max_model_len:
+        raise InvalidRequestError(
+            f"This model's maximum context length is {max_model_len} tokens, but "
+            f"{num_prompt + max_tokens} were requested ({num_prompt} in the prompt and "
+            f"{max_tokens} for the completion). Reduce max_tokens to at most "
+            f"{max_model_len - num_prompt} or shorten the prompt.",
+            "max_tokens",
+        )
+    num_max_blocks = _cdiv(num_prompt + max_tokens - 1, block_size)
+    if num_max_blocks > num_usable_blocks:
+        raise InvalidRequestError(
+            f"The request may need {num_max_blocks} KV cache blocks ({num_prompt} prompt "
+            f"tokens + max_tokens={max_tokens}), but the whole cache holds "
+            f"{num_usable_blocks} blocks of {block_size} tokens ({cache_tokens} tokens). "
+            f"Reduce max_tokens to at most {cache_tokens - num_prompt + 1}.",
+            "max_tokens",
+        )
+
+
+def check_stop(request: Request, token_id: int, max_model_len: int) -> RequestStatus | None:
+    """The finished status caused by the just-appended `token_id`, or None.
+
+    Order: stop_token_ids, then EOS (unless ignore_eos), neither before min_tokens
+    outputs; then max_tokens, then max_model_len. A stop token is recorded in
+    request.stop_reason; EOS leaves it None (OpenAI/vLLM convention).
+    """
+    params = request.sampling_params
+    if request.num_output_tokens >= params.min_tokens:
+        if token_id in params.stop_token_ids:
+            request.stop_reason = token_id
+            return RequestStatus.FINISHED_STOPPED
+        if not params.ignore_eos and token_id in request.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+    assert request.max_tokens is not None, "resolved by check_request_fits"
+    if request.num_output_tokens >= request.max_tokens:
+        return RequestStatus.FINISHED_LENGTH
+    if request.num_tokens >= max_model_len:
+        return RequestStatus.FINISHED_LENGTH
+    return None

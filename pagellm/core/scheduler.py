@@ -1,0 +1,463 @@
+"""Continuous-batching scheduler (scheduling stage): what runs each step, how many tokens.
+
+Every request has num_computed_tokens; each step tops requests up toward their token
+count within a token budget (max_num_batched_tokens) and a cap on running requests
+(max_num_seqs). Running requests are served first, in admission order; then swapped
+requests are brought back; then waiting requests are admitted. When a running request
+cannot get blocks, another one is preempted (recompute or swap).
+
+num_computed_tokens is advanced in update_from_output, once the runner has executed
+the step: it always means "KV written in the cache". Between schedule() and
+update_from_output() it still holds the value the runner was told.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Iterable
+
+from pagellm.config import CacheConfig, SchedulerConfig
+from pagellm.core.kv_cache_manager import KVCacheManager
+from pagellm.core.request_limits import check_request_fits, check_stop
+from pagellm.core.request_queue import RequestQueue
+from pagellm.core.scheduler_output import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    RequestProgress,
+    SchedulerOutput,
+)
+from pagellm.errors import InvalidRequestError
+from pagellm.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerStats:
+    """A snapshot: queue sizes and usage now, counters cumulative since start."""
+
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    kv_cache_usage: float
+    host_kv_cache_usage: float
+    num_prefix_query_tokens: int
+    num_prefix_hit_tokens: int
+    num_allocation_attempts: int
+    num_allocation_failures: int
+    num_preemptions_recompute: int
+    num_preemptions_swap: int
+    num_swapped_in_blocks: int
+    num_swapped_out_blocks: int
+
+
+@dataclasses.dataclass
+class _StepPlan:
+    """What one schedule() call has decided so far."""
+
+    token_budget: int
+    num_scheduled_tokens: dict[str, int] = dataclasses.field(default_factory=dict)
+    new_block_ids: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    # Requests the runner holds no state for: admitted or swapped in this step.
+    resumed_req_ids: set[str] = dataclasses.field(default_factory=set)
+    preempted_req_ids: set[str] = dataclasses.field(default_factory=set)
+    blocks_to_swap_out: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+
+    def schedule(self, request: Request, num_tokens: int, block_ids: list[int]) -> None:
+        self.num_scheduled_tokens[request.request_id] = num_tokens
+        self.new_block_ids[request.request_id] = block_ids
+        self.token_budget -= num_tokens
+
+    def unschedule(self, request: Request) -> None:
+        """Give back the budget of a request preempted after it was scheduled."""
+        num_tokens = self.num_scheduled_tokens.pop(request.request_id, 0)
+        self.new_block_ids.pop(request.request_id, None)
+        self.token_budget += num_tokens
+
+
+class Scheduler:
+    """Owns every unfinished request and the KV cache manager."""
+
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
+        self.scheduler_config = scheduler_config
+        self.cache_config = cache_config
+        self.max_model_len = scheduler_config.max_model_len
+        self.kv_cache_manager = KVCacheManager(cache_config, self.max_model_len)
+
+        self.requests: dict[str, Request] = {}
+        self._arrival_index: dict[str, int] = {}
+        self._next_arrival_index = 0
+        sort_key = (
+            self._priority_key
+            if scheduler_config.scheduling_policy == "priority"
+            else self._arrival_key
+        )
+        self.waiting = RequestQueue(sort_key)
+        self.swapped = RequestQueue(sort_key)
+        self.running: list[Request] = []  # admission order
+        self._finished_req_ids: set[str] = set()
+        self._num_preemptions = {"recompute": 0, "swap": 0}
+
+        if scheduler_config.preemption_mode == "swap" and cache_config.num_cpu_blocks == 0:
+            logger.warning(
+                "preemption_mode='swap' with num_cpu_blocks=0: every preemption will "
+                "fall back to recompute."
+            )
+        if cache_config.max_num_cached_tokens < self.max_model_len:
+            logger.warning(
+                "The KV cache holds %d tokens, less than max_model_len=%d: requests that "
+                "could grow past the cache are refused when added.",
+                cache_config.max_num_cached_tokens,
+                self.max_model_len,
+            )
+
+    # ---------------------------------------------------------------- queues
+
+    def _arrival_key(self, request: Request) -> int:
+        return self._arrival_index[request.request_id]
+
+    def _priority_key(self, request: Request) -> tuple[int, float, int]:
+        return (request.priority, request.arrival_time, self._arrival_index[request.request_id])
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_swapped(self) -> int:
+        return len(self.swapped)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    # ------------------------------------------------------------ add / finish
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request, or refuse one that could never be served.
+
+        Resolves request.max_tokens when it is None (up to max_model_len). Raises
+        InvalidRequestError naming the parameter to change.
+        """
+        if request.request_id in self.requests:
+            raise InvalidRequestError(
+                f"A request with id {request.request_id!r} is already running.", "request_id"
+            )
+        if request.status is not RequestStatus.WAITING or request.num_computed_tokens:
+            raise InvalidRequestError("Only a new request can be added.", "request_id")
+        check_request_fits(
+            request,
+            self.max_model_len,
+            self.cache_config.block_size,
+            self.kv_cache_manager.num_usable_blocks,
+        )
+        self.requests[request.request_id] = request
+        self._arrival_index[request.request_id] = self._next_arrival_index
+        self._next_arrival_index += 1
+        self.waiting.add(request)
+
+    def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
+        """Finish requests from outside (abort, stop string), whatever state they are in.
+
+        Unknown or already finished ids are ignored: an abort may race a natural finish.
+        The ids are reported in the next SchedulerOutput.finished_req_ids.
+        """
+        if not status.is_finished:
+            raise ValueError(f"finish_requests needs a finished status, got {status}")
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            if request.status is RequestStatus.RUNNING:
+                self.running.remove(request)
+            elif request.status is RequestStatus.WAITING:
+                self.waiting.remove(request)
+            else:
+                assert request.status is RequestStatus.SWAPPED
+                self.swapped.remove(request)
+            self._release(request, status)
+
+    def _release(self, request: Request, status: RequestStatus) -> None:
+        """Free a finished request, already out of its queue."""
+        self.kv_cache_manager.free(request)
+        request.status = status
+        del self.requests[request.request_id]
+        del self._arrival_index[request.request_id]
+        self._finished_req_ids.add(request.request_id)
+
+    # --------------------------------------------------------------- schedule
+
+    def schedule(self) -> SchedulerOutput:
+        """Decide this step: the requests to run, their tokens, blocks and swaps."""
+        plan = _StepPlan(token_budget=self.scheduler_config.max_num_batched_tokens)
+        self._schedule_running(plan)
+        # A step that had to preempt is short of blocks: bringing requests in now would
+        # only get them (or others) preempted again, and swap-ins must not share a step
+        # with swap-outs (the host blocks they free could be overwritten).
+        if not plan.preempted_req_ids:
+            self._schedule_swapped(plan)
+            # Swapped requests go first, or new ones could starve them of blocks.
+            if not self.swapped:
+                self._schedule_waiting(plan)
+        return self._make_output(plan)
+
+    def _num_tokens_to_schedule(self, request: Request, token_budget: int) -> int:
+        """Tokens of the request's gap that fit the budget; 0 if it must wait."""
+        gap = request.num_tokens - request.num_computed_tokens
+        assert gap > 0, f"{request} has nothing to compute"
+        if self.scheduler_config.enable_chunked_prefill:
+            return min(gap, token_budget)
+        return gap if gap <= token_budget else 0
+
+    def _schedule_running(self, plan: _StepPlan) -> None:
+        kv = self.kv_cache_manager
+        index = 0
+        while index < len(self.running) and plan.token_budget > 0:
+            request = self.running[index]
+            num_tokens = self._num_tokens_to_schedule(request, plan.token_budget)
+            if num_tokens == 0:
+                index += 1
+                continue
+            block_ids = kv.allocate_slots(request, num_tokens)
+            while block_ids is None:
+                victim = self._choose_victim()
+                victim_index = self.running.index(victim)
+                self._preempt(victim, plan)
+                if victim is request:
+                    break
+                if victim_index < index:
+                    index -= 1
+                block_ids = kv.allocate_slots(request, num_tokens)
+            if block_ids is None:
+                continue  # the request itself was preempted; `index` is the next one
+            plan.schedule(request, num_tokens, block_ids)
+            index += 1
+
+    def _choose_victim(self) -> Request:
+        if self.scheduler_config.scheduling_policy == "priority":
+            return max(self.running, key=self._priority_key)
+        return self.running[-1]
+
+    def _preempt(self, request: Request, plan: _StepPlan) -> None:
+        self.running.remove(request)
+        plan.unschedule(request)
+        plan.preempted_req_ids.add(request.request_id)
+        request.num_preemptions += 1
+        if self.scheduler_config.preemption_mode == "swap" and request.num_computed_tokens:
+            pairs = self.kv_cache_manager.swap_out(request)
+            if pairs is not None:
+                request.status = RequestStatus.SWAPPED
+                self.swapped.add(request)
+                plan.blocks_to_swap_out.extend(pairs)
+                self._num_preemptions["swap"] += 1
+                logger.debug("preempted %s by swap (%d blocks)", request.request_id, len(pairs))
+                return
+            logger.debug("host pool full, preempting %s by recompute", request.request_id)
+        self.kv_cache_manager.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        self.waiting.add(request)
+        self._num_preemptions["recompute"] += 1
+        logger.debug("preempted %s by recompute", request.request_id)
+
+    def _has_room_for_another(self, plan: _StepPlan) -> bool:
+        return (
+            plan.token_budget > 0
+            and len(self.running) < self.scheduler_config.max_num_seqs
+        )
+
+    def _schedule_swapped(self, plan: _StepPlan) -> None:
+        kv = self.kv_cache_manager
+        while self.swapped and self._has_room_for_another(plan):
+            request = self.swapped.peek()
+            num_tokens = self._num_tokens_to_schedule(request, plan.token_budget)
+            if num_tokens == 0 or not kv.can_swap_in(request, num_tokens):
+                break
+            pairs = kv.swap_in(request)
+            block_ids = kv.allocate_slots(request, num_tokens)
+            assert pairs is not None and block_ids is not None, "can_swap_in promised room"
+            self.swapped.pop()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            plan.blocks_to_swap_in.extend(pairs)
+            plan.resumed_req_ids.add(request.request_id)
+            plan.schedule(request, num_tokens, block_ids)
+
+    def _schedule_waiting(self, plan: _StepPlan) -> None:
+        kv = self.kv_cache_manager
+        while self.waiting and self._has_room_for_another(plan):
+            request = self.waiting.peek()
+            assert request.num_computed_tokens == 0
+            computed = kv.get_computed_blocks(request)
+            gap = request.num_tokens - computed.num_computed_tokens
+            if self.scheduler_config.enable_chunked_prefill:
+                num_tokens = min(gap, plan.token_budget)
+            elif gap <= plan.token_budget:
+                num_tokens = gap
+            else:
+                break  # head-of-line: later requests must not overtake it
+            block_ids = kv.allocate_slots(request, num_tokens, computed)
+            if block_ids is None:
+                break
+            self.waiting.pop()
+            request.num_computed_tokens = computed.num_computed_tokens
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = computed.num_computed_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            plan.resumed_req_ids.add(request.request_id)
+            plan.schedule(request, num_tokens, block_ids)
+
+    def _make_output(self, plan: _StepPlan) -> SchedulerOutput:
+        new_reqs: list[NewRequestData] = []
+        cached_reqs: list[CachedRequestData] = []
+        for request_id in plan.num_scheduled_tokens:
+            request = self.requests[request_id]
+            if request_id in plan.resumed_req_ids:
+                new_reqs.append(
+                    NewRequestData(
+                        req_id=request_id,
+                        # Copies: the runner may keep them and append its own samples.
+                        prompt_token_ids=list(request.prompt_token_ids),
+                        output_token_ids=list(request.output_token_ids),
+                        sampling_params=request.sampling_params,
+                        block_ids=self.kv_cache_manager.get_block_ids(request_id),
+                        num_computed_tokens=request.num_computed_tokens,
+                        eos_token_ids=request.eos_token_ids,
+                    )
+                )
+            else:
+                cached_reqs.append(
+                    CachedRequestData(
+                        req_id=request_id,
+                        new_block_ids=plan.new_block_ids[request_id],
+                        num_computed_tokens=request.num_computed_tokens,
+                    )
+                )
+        finished, self._finished_req_ids = self._finished_req_ids, set()
+        return SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached_reqs,
+            num_scheduled_tokens=plan.num_scheduled_tokens,
+            total_num_scheduled_tokens=sum(plan.num_scheduled_tokens.values()),
+            preempted_req_ids=plan.preempted_req_ids,
+            finished_req_ids=finished,
+            blocks_to_swap_out=plan.blocks_to_swap_out,
+            blocks_to_swap_in=plan.blocks_to_swap_in,
+        )
+
+    # ----------------------------------------------------------------- update
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[RequestProgress]:
+        """Account for an executed step: advance, append samples, check stops, finish.
+
+        Returns progress for every request that got tokens or finished in this step.
+        Requests finished from outside since schedule() are skipped.
+        """
+        kv = self.kv_cache_manager
+        progress: list[RequestProgress] = []
+        finished: list[Request] = []
+        for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            request = self.requests.get(request_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue
+            request.num_computed_tokens += num_tokens
+            assert request.num_computed_tokens <= request.num_tokens
+            kv.cache_blocks(request, request.num_computed_tokens)
+            if request.num_computed_tokens < request.num_tokens:
+                continue  # partial prefill chunk: nothing sampled
+            sampled = runner_output.sampled_token_ids.get(request_id)
+            if not sampled:
+                raise RuntimeError(
+                    f"The runner returned no sampled token for request {request_id!r}, "
+                    "which reached the end of its tokens this step."
+                )
+            new_token_ids: list[int] = []
+            status: RequestStatus | None = None
+            for token_id in sampled:
+                request.append_output_token_ids(token_id)
+                new_token_ids.append(token_id)
+                status = check_stop(request, token_id, self.max_model_len)
+                if status is not None:
+                    break
+            if status is not None:
+                request.status = status
+                finished.append(request)
+            progress.append(
+                RequestProgress(
+                    req_id=request_id,
+                    new_token_ids=new_token_ids,
+                    finish_reason=request.finish_reason,
+                    stop_reason=request.stop_reason,
+                )
+            )
+        if finished:
+            finished_ids = {request.request_id for request in finished}
+            self.running = [r for r in self.running if r.request_id not in finished_ids]
+            for request in finished:
+                self._release(request, request.status)
+        return progress
+
+    # ------------------------------------------------------------ inspection
+
+    def make_stats(self) -> SchedulerStats:
+        kv = self.kv_cache_manager
+        kv_stats = kv.make_stats()
+        return SchedulerStats(
+            num_running=self.num_running,
+            num_waiting=self.num_waiting,
+            num_swapped=self.num_swapped,
+            kv_cache_usage=kv.get_usage(),
+            host_kv_cache_usage=kv.get_host_usage(),
+            num_prefix_query_tokens=kv_stats.num_prefix_query_tokens,
+            num_prefix_hit_tokens=kv_stats.num_prefix_hit_tokens,
+            num_allocation_attempts=kv_stats.num_allocation_attempts,
+            num_allocation_failures=kv_stats.num_allocation_failures,
+            num_preemptions_recompute=self._num_preemptions["recompute"],
+            num_preemptions_swap=self._num_preemptions["swap"],
+            num_swapped_in_blocks=kv_stats.num_swapped_in_blocks,
+            num_swapped_out_blocks=kv_stats.num_swapped_out_blocks,
+        )
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError if queues, request states and blocks disagree."""
+        kv = self.kv_cache_manager
+        kv.check_integrity(self.running)
+        queued = [(r, RequestStatus.RUNNING) for r in self.running]
+        queued += [(r, RequestStatus.WAITING) for r in self.waiting]
+        queued += [(r, RequestStatus.SWAPPED) for r in self.swapped]
+        assert len(queued) == len(self.requests), "a request is lost or queued twice"
+        assert len(self.running) <= self.scheduler_config.max_num_seqs
+        for request, status in queued:
+            request_id = request.request_id
+            assert self.requests.get(request_id) is request, f"{request} queued but unknown"
+            assert request.status is status, f"{request} sits in the {status.name} queue"
+            # Between steps a request always has at least its last token to compute.
+            assert 0 <= request.num_computed_tokens < request.num_tokens, (
+                f"{request} computed count out of range"
+            )
+            num_device_blocks = len(kv.get_block_ids(request_id))
+            is_swapped_out = kv.is_swapped_out(request_id)
+            if status is RequestStatus.WAITING:
+                assert request.num_computed_tokens == 0 and not kv.holds_blocks(request_id)
+            elif status is RequestStatus.SWAPPED:
+                assert is_swapped_out and not num_device_blocks, f"{request} not on host"
+            else:
+                assert not is_swapped_out and num_device_blocks >= (
+                    kv.num_blocks_for_tokens(request.num_computed_tokens)
+                ), f"{request} runs without blocks for its computed tokens"
+        for request_id in kv.request_ids_holding_blocks():
+            assert request_id in self.requests, f"finished request {request_id} holds blocks"

@@ -1,0 +1,103 @@
+"""Scheduler <-> runner contract (between scheduling and execution stages).
+
+Plain dataclasses of ints and lists, never tensors, so that a runner could live in
+another process. How a runner reads a SchedulerOutput, in this order:
+
+1. Drop the state of every request in `finished_req_ids` and `preempted_req_ids`.
+2. Copy `blocks_to_swap_out` (device -> host), then `blocks_to_swap_in` (host -> device),
+   then `blocks_to_copy` (device -> device), all before the forward pass.
+3. Add `scheduled_new_reqs` (first scheduling, or resumption after any preemption; the
+   runner's token list is prompt_token_ids + output_token_ids and the block table is
+   complete). For `scheduled_cached_reqs`, append `new_block_ids` to the table it kept.
+4. Run `num_scheduled_tokens[req_id]` tokens of each request, starting at position
+   `num_computed_tokens`.
+5. A request needs a sampled token iff num_computed_tokens + num_scheduled_tokens
+   reaches the number of tokens the runner knows for it (prompt + outputs, the runner
+   appending every token it samples). Otherwise it is in a partial prefill chunk and
+   gets an empty list in ModelRunnerOutput.sampled_token_ids.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagellm.request import FinishReason
+from pagellm.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """Everything a runner needs about a request it holds no state for."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]  # the full device block table
+    num_computed_tokens: int  # KV already in the cache (prefix hit or swapped back in)
+    # The sampler needs EOS ids to hold them back before min_tokens outputs.
+    eos_token_ids: frozenset[int] = frozenset()
+
+
+@dataclass
+class CachedRequestData:
+    """A request the runner already holds, scheduled again: only what changed."""
+
+    req_id: str
+    new_block_ids: list[int]  # appended to the block table this step (often empty)
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    """What to run in one step."""
+
+    scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
+    scheduled_cached_reqs: list[CachedRequestData] = field(default_factory=list)
+    # Tokens to compute this step per scheduled request; insertion order is the batch order.
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    total_num_scheduled_tokens: int = 0
+    preempted_req_ids: set[str] = field(default_factory=set)
+    # Requests finished since the previous step (stopped, length, aborted).
+    finished_req_ids: set[str] = field(default_factory=set)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) device
+
+    @property
+    def num_scheduled_reqs(self) -> int:
+        return len(self.num_scheduled_tokens)
+
+    @property
+    def is_empty(self) -> bool:
+        """Nothing to execute (the runner may still need to drop finished state)."""
+        return (
+            not self.num_scheduled_tokens
+            and not self.blocks_to_swap_out
+            and not self.blocks_to_swap_in
+            and not self.blocks_to_copy
+        )
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What the runner produced in one step."""
+
+    req_ids: list[str]
+    # Empty list for a request in a partial prefill chunk.
+    sampled_token_ids: dict[str, list[int]]
+    logprobs: dict | None = None
+
+
+@dataclass
+class RequestProgress:
+    """One request's news from a step: tokens appended, and whether it finished."""
+
+    req_id: str
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None
+    stop_reason: int | None  # the stop_token_ids entry that stopped it; None for EOS
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

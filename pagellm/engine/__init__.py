@@ -1,0 +1,1 @@
+"""Engine stage: the step loop and input/output processing."""

@@ -1,0 +1,82 @@
+"""Setup stage: the engine arguments users set, with vLLM's names and defaults."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from pagellm.config import PREEMPTION_MODES, SCHEDULING_POLICIES
+from pagellm.errors import ConfigError
+
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineArgs:
+    """Everything that shapes an engine. Each field is also a CLI flag (--max-num-seqs)."""
+
+    model: str | None = None  # GGUF file or HF folder; None = embedded SmolLM2
+    dtype: str = "auto"  # auto = float32 on CPU, bfloat16 on GPU
+    device: str = "auto"  # auto = cuda if available
+    seed: int = 0
+    max_model_len: int | None = None  # None = the model's context length
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None  # None = 2048 (chunked) or max_model_len
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None
+    num_gpu_blocks_override: int | None = None
+    swap_space: float = 4.0  # GiB of host memory for swapped-out blocks
+    preemption_mode: str = "recompute"
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    scheduling_policy: str = "fcfs"
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_CHOICES:
+            raise ConfigError(f"dtype must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
+        if self.device not in DEVICE_CHOICES:
+            raise ConfigError(f"device must be one of {DEVICE_CHOICES}, got {self.device!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.swap_space < 0:
+            raise ConfigError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ConfigError(
+                f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}"
+            )
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
+            raise ConfigError(
+                "num_gpu_blocks_override must be at least 2 (block 0 is reserved), "
+                f"got {self.num_gpu_blocks_override}"
+            )
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ConfigError(f"max_model_len must be positive, got {self.max_model_len}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ConfigError(
+                f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}"
+            )
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ConfigError(
+                f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
+                f"got {self.scheduling_policy!r}"
+            )
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: object) -> EngineArgs:
+        """EngineArgs from keyword arguments, naming any unknown one."""
+        unknown = sorted(set(kwargs) - set(cls.field_names()))
+        if unknown:
+            raise ConfigError(
+                f"unknown engine argument(s): {', '.join(unknown)} "
+                f"(known: {', '.join(cls.field_names())})"
+            )
+        return cls(**kwargs)  # type: ignore[arg-type]

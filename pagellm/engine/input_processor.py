@@ -1,0 +1,75 @@
+"""Engine stage: validate and tokenize a prompt into a Request for the scheduler."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from pagellm.errors import InvalidRequestError
+from pagellm.request import Request
+from pagellm.sampling_params import SamplingParams
+from pagellm.tokenizer import Tokenizer
+
+PromptInput = str | Sequence[int]
+
+
+class InputProcessor:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+
+    def tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
+        """(prompt text or None, prompt token ids), validated."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("the prompt is empty", "prompt")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, Sequence):
+            raise InvalidRequestError(
+                f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}",
+                "prompt",
+            )
+        token_ids = list(prompt)
+        if not token_ids:
+            raise InvalidRequestError("the prompt has no tokens", "prompt")
+        for token in token_ids:
+            if isinstance(token, bool) or not isinstance(token, int):
+                raise InvalidRequestError(
+                    f"prompt token ids must be integers, got {token!r}", "prompt"
+                )
+            if not 0 <= token < self.vocab_size:
+                raise InvalidRequestError(
+                    f"prompt token id {token} is out of range [0, {self.vocab_size})", "prompt"
+                )
+        return None, token_ids
+
+    def make_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> Request:
+        if params.n != 1:
+            raise InvalidRequestError("n > 1 is not supported yet", "n")
+        num_prompt = len(prompt_token_ids)
+        if num_prompt >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {num_prompt} tokens, but max_model_len is "
+                f"{self.max_model_len}: no room for any new token",
+                "prompt",
+            )
+        max_tokens = params.max_tokens
+        if max_tokens is None:
+            max_tokens = self.max_model_len - num_prompt
+        return Request(
+            request_id,
+            prompt_token_ids,
+            params,
+            eos_token_ids=self.tokenizer.eos_token_ids,
+            arrival_time=time.time() if arrival_time is None else arrival_time,
+            priority=priority,
+            max_tokens=max_tokens,
+        )

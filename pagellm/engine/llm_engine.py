@@ -1,0 +1,228 @@
+"""Engine stage: the synchronous step loop that ties scheduler, runner and outputs.
+
+Each step is: schedule() -> runner.execute_model() -> update_from_output() -> outputs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from pagellm.config import CacheConfig, SchedulerConfig
+from pagellm.core.scheduler import Scheduler, SchedulerStats
+from pagellm.engine.arg_utils import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineArgs
+from pagellm.engine.input_processor import InputProcessor, PromptInput
+from pagellm.engine.output_processor import OutputProcessor, RequestState
+from pagellm.errors import ConfigError, InvalidRequestError
+from pagellm.model.config import ModelConfig
+from pagellm.model.loader import (
+    ModelSource,
+    load_model,
+    load_model_config,
+    load_tokenizer,
+    resolve_model_source,
+)
+from pagellm.outputs import RequestOutput
+from pagellm.request import RequestStatus
+from pagellm.sampling_params import SamplingParams
+from pagellm.tokenizer import Tokenizer
+from pagellm.attention import get_attention_backend
+from pagellm.worker.cache_sizing import GiB, decide_cache_size
+from pagellm.worker.kv_cache import kv_cache_bytes_per_block
+from pagellm.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Every resolved setting of a running engine."""
+
+    source: ModelSource
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    device: torch.device
+    dtype: torch.dtype
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device 'cuda' was asked for, but no CUDA device is available")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+def resolve_max_model_len(args: EngineArgs, model_config: ModelConfig) -> int:
+    model_max = model_config.max_position_embeddings
+    if model_config.sliding_window is not None:
+        # Without sliding-window attention, results are exact only within the window.
+        model_max = min(model_max, model_config.sliding_window)
+    if args.max_model_len is None:
+        return model_max
+    if args.max_model_len > model_max:
+        raise ConfigError(
+            f"max_model_len={args.max_model_len} exceeds what the model supports ({model_max})"
+        )
+    return args.max_model_len
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        tokenizer: Tokenizer,
+        runner: ModelRunner,
+    ) -> None:
+        self.config = config
+        self.model_config = config.model_config
+        self.tokenizer = tokenizer
+        self.runner = runner
+        self.scheduler = Scheduler(config.scheduler_config, config.cache_config)
+        self.input_processor = InputProcessor(
+            tokenizer, config.model_config.vocab_size, config.scheduler_config.max_model_len
+        )
+        self.output_processor = OutputProcessor(tokenizer)
+        self._request_counter = itertools.count()
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
+        device = resolve_device(args.device)
+        dtype = resolve_dtype(args.dtype, device)
+        torch.manual_seed(args.seed)
+        source = resolve_model_source(args.model)
+        model_config = load_model_config(source)
+        tokenizer = load_tokenizer(source, model_config)
+        max_model_len = resolve_max_model_len(args, model_config)
+        max_num_batched_tokens = args.max_num_batched_tokens
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = (
+                DEFAULT_MAX_NUM_BATCHED_TOKENS if args.enable_chunked_prefill else max_model_len
+            )
+        scheduler_config = SchedulerConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            enable_chunked_prefill=args.enable_chunked_prefill,
+            scheduling_policy=args.scheduling_policy,  # type: ignore[arg-type]
+            preemption_mode=args.preemption_mode,  # type: ignore[arg-type]
+        )
+        model = load_model(source, model_config, get_attention_backend(), dtype, device)
+
+        bytes_per_block = kv_cache_bytes_per_block(model_config, args.block_size, dtype)
+        peak = None
+        if device.type == "cuda" and args.num_gpu_blocks_override is None and args.kv_cache_memory_bytes is None:
+            from pagellm.worker.profiling import profile_peak_memory
+
+            peak = profile_peak_memory(model, scheduler_config, args.block_size, dtype, device)
+        size = decide_cache_size(
+            bytes_per_block=bytes_per_block,
+            device=device,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+            num_gpu_blocks_override=args.num_gpu_blocks_override,
+            # Host blocks are only ever used by swap preemption.
+            swap_space_bytes=int(args.swap_space * GiB) if args.preemption_mode == "swap" else 0,
+            profiled_peak_bytes=peak,
+        )
+        cache_config = CacheConfig(
+            block_size=args.block_size,
+            num_gpu_blocks=size.num_gpu_blocks,
+            num_cpu_blocks=size.num_cpu_blocks,
+            enable_prefix_caching=args.enable_prefix_caching,
+        )
+        capacity = cache_config.max_num_cached_tokens
+        # A request of max_model_len needs ceil(len / block) whole blocks.
+        blocks_per_max_request = -(-max_model_len // args.block_size)
+        if blocks_per_max_request > cache_config.num_usable_gpu_blocks:
+            raise ConfigError(
+                f"the KV cache ({size.how}) holds {capacity} tokens, too few for one request "
+                f"of max_model_len={max_model_len}; the largest max_model_len that fits is "
+                f"{capacity}. Lower max_model_len or give the cache more memory."
+            )
+        logger.info(
+            "KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB, %s); max concurrency at "
+            "max_model_len=%d: %.2fx; swap space: %d host blocks",
+            cache_config.num_usable_gpu_blocks,
+            args.block_size,
+            capacity,
+            size.kv_cache_bytes / GiB,
+            size.how,
+            max_model_len,
+            capacity / max_model_len,
+            size.num_cpu_blocks,
+        )
+        runner = ModelRunner(
+            model, args.block_size, size.num_gpu_blocks, size.num_cpu_blocks, dtype, device
+        )
+        config = EngineConfig(source, model_config, cache_config, scheduler_config, device, dtype)
+        return cls(config, tokenizer, runner)
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(
+        self,
+        request_id: str | None,
+        prompt: PromptInput,
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> str:
+        """Queue a request; returns its id. Raises InvalidRequestError if it can never run."""
+        params = params or SamplingParams()
+        if request_id is None:
+            request_id = f"req-{next(self._request_counter)}"
+        if request_id in self.scheduler.requests or self.output_processor.has_request(request_id):
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
+        prompt_text, prompt_ids = self.input_processor.tokenize(prompt)
+        request = self.input_processor.make_request(
+            request_id, prompt_ids, params, arrival_time, priority
+        )
+        self.scheduler.add_request(request)
+        self.output_processor.add_request(
+            RequestState(request_id, prompt_text, prompt_ids, params)
+        )
+        return request_id
+
+    def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
+        """Abort requests in any state; their blocks are freed at once."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        known = [rid for rid in ids if rid in self.scheduler.requests]
+        self.scheduler.finish_requests(known, RequestStatus.FINISHED_ABORTED)
+        outputs = [self.output_processor.abort(rid) for rid in ids]
+        return [o for o in outputs if o is not None]
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.scheduler.get_num_unfinished_requests()
+
+    # ---------------------------------------------------------------------- step
+
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration; returns the requests that progressed (or finished)."""
+        scheduler_output = self.scheduler.schedule()
+        cached = {
+            rid: self.scheduler.requests[rid].num_cached_tokens
+            for rid in scheduler_output.num_scheduled_tokens
+        }
+        runner_output = self.runner.execute_model(scheduler_output)
+        progress = self.scheduler.update_from_output(scheduler_output, runner_output)
+        return self.output_processor.process(progress, cached)
+
+    def get_stats(self) -> SchedulerStats:
+        return self.scheduler.make_stats()

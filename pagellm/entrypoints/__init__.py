@@ -1,0 +1,1 @@
+"""Entrypoints: offline API, command line, HTTP server."""

@@ -1,0 +1,59 @@
+"""Entrypoints: the `pagellm` command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from pagellm.entrypoints.cli_args import add_engine_args
+from pagellm.errors import PagellmError
+
+logger = logging.getLogger("pagellm")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pagellm",
+        description="LLM inference with continuous batching over a paged KV cache.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    gen = commands.add_parser("generate", help="generate text for a prompt")
+    gen.add_argument("prompt", help="the prompt text")
+    gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    gen.add_argument("--system", default=None, help="system message (with --chat)")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--sampling-seed", type=int, default=None, help="seed of this request")
+    add_engine_args(gen)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        if args.command == "generate":
+            from pagellm.entrypoints.generate_command import run_generate
+
+            run_generate(args)
+        return 0
+    except PagellmError as e:
+        print(f"pagellm: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("pagellm: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

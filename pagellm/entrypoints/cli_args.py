@@ -1,0 +1,61 @@
+"""Entrypoints: every EngineArgs field as a command-line flag with the same name."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+
+from pagellm.engine.arg_utils import DEVICE_CHOICES, DTYPE_CHOICES, EngineArgs
+
+_CHOICES = {
+    "dtype": DTYPE_CHOICES,
+    "device": DEVICE_CHOICES,
+    "preemption_mode": ("recompute", "swap"),
+    "scheduling_policy": ("fcfs", "priority"),
+}
+_HELP = {
+    "model": "GGUF file or HF checkpoint folder (default: embedded SmolLM2-135M-Instruct)",
+    "dtype": "weights and activations; auto = float32 on CPU, bfloat16 on GPU",
+    "max_model_len": "longest prompt + output (default: the model's context length)",
+    "max_num_seqs": "most requests running at once",
+    "max_num_batched_tokens": "token budget of one step (default 2048)",
+    "block_size": "tokens per KV cache block",
+    "gpu_memory_utilization": "fraction of GPU memory the engine may use",
+    "kv_cache_memory_bytes": "KV cache size in bytes (overrides the default budget)",
+    "num_gpu_blocks_override": "exact number of KV blocks (mostly for tests)",
+    "swap_space": "GiB of host memory for swapped-out requests (preemption_mode=swap)",
+}
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    hints = typing.get_type_hints(EngineArgs)
+    group = parser.add_argument_group("engine")
+    for field in dataclasses.fields(EngineArgs):
+        flag = "--" + field.name.replace("_", "-")
+        kind = hints[field.name]
+        # `int | None` -> int
+        args = [a for a in typing.get_args(kind) if a is not type(None)]
+        if isinstance(kind, types.UnionType) or typing.get_origin(kind) is typing.Union:
+            kind = args[0]
+        help_text = _HELP.get(field.name, "")
+        if kind is bool:
+            group.add_argument(
+                flag,
+                action=argparse.BooleanOptionalAction,
+                default=field.default,
+                help=help_text or None,
+            )
+        else:
+            group.add_argument(
+                flag,
+                type=kind,
+                default=field.default,
+                choices=_CHOICES.get(field.name),
+                help=(help_text + f" (default: {field.default})").strip(),
+            )
+
+
+def engine_args_from_namespace(ns: argparse.Namespace) -> EngineArgs:
+    return EngineArgs(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs)})

@@ -1,0 +1,123 @@
+"""Entrypoints: the offline API, `LLM(model=...).generate(prompts, sampling_params)`."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from pagellm.engine.arg_utils import EngineArgs
+from pagellm.engine.llm_engine import LLMEngine
+from pagellm.errors import InvalidRequestError
+from pagellm.outputs import RequestOutput
+from pagellm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | Sequence[int] | dict[str, Any]
+
+
+class LLM:
+    """An engine for offline batch generation.
+
+    `LLM(model="path/to/model.gguf", max_num_seqs=64, ...)` takes every EngineArgs field
+    as a keyword; with no model it loads the embedded SmolLM2-135M-Instruct.
+    """
+
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        args = EngineArgs.from_kwargs(model=model, **engine_args)
+        self.engine = LLMEngine.from_engine_args(args)
+        self._counter = 0
+
+    def get_tokenizer(self):  # noqa: ANN201 - pagellm.tokenizer.Tokenizer
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in the order of the prompts.
+
+        A prompt is a string, a list of token ids, or {"prompt": str} /
+        {"prompt_token_ids": [...]}. A single prompt may be passed without a list.
+        """
+        prompt_list = _as_prompt_list(prompts)
+        if isinstance(sampling_params, SamplingParams) or sampling_params is None:
+            params_list = [sampling_params or SamplingParams()] * len(prompt_list)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompt_list):
+                raise InvalidRequestError(
+                    f"got {len(params_list)} sampling params for {len(prompt_list)} prompts",
+                    "sampling_params",
+                )
+        if priority is not None and len(priority) != len(prompt_list):
+            raise InvalidRequestError(
+                f"got {len(priority)} priorities for {len(prompt_list)} prompts", "priority"
+            )
+        request_ids: list[str] = []
+        try:
+            for i, (prompt, params) in enumerate(zip(prompt_list, params_list)):
+                request_id = f"offline-{self._counter}"
+                self._counter += 1
+                self.engine.add_request(
+                    request_id,
+                    _prompt_value(prompt),
+                    params,
+                    priority=priority[i] if priority is not None else 0,
+                )
+                request_ids.append(request_id)
+            return self._run(request_ids, use_tqdm)
+        except BaseException:
+            # A bad prompt (or Ctrl-C) must not leave earlier ones queued in the engine.
+            self.engine.abort_request(request_ids)
+            raise
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        wanted = set(request_ids)
+        progress = None
+        if use_tqdm and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            progress = tqdm(total=len(request_ids), desc="generating", unit="req")
+        try:
+            while len(finished) < len(request_ids):
+                for output in self.engine.step():
+                    if output.finished and output.request_id in wanted:
+                        finished[output.request_id] = output
+                        if progress is not None:
+                            progress.update(1)
+        finally:
+            if progress is not None:
+                progress.close()
+        return [finished[rid] for rid in request_ids]
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if isinstance(prompts, Sequence) and prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one prompt given as token ids
+    if isinstance(prompts, Sequence):
+        return list(prompts)
+    raise InvalidRequestError(
+        f"prompts must be a string, token ids, or a list of them; got {type(prompts).__name__}",
+        "prompts",
+    )
+
+
+def _prompt_value(prompt: Prompt) -> str | Sequence[int]:
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return prompt["prompt_token_ids"]
+        if "prompt" in prompt:
+            return prompt["prompt"]
+        raise InvalidRequestError(
+            "a prompt dict needs 'prompt' or 'prompt_token_ids'", "prompts"
+        )
+    return prompt

@@ -1,0 +1,1 @@
+"""Model stage: Llama-family model definition and checkpoint loaders."""

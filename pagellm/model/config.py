@@ -1,0 +1,74 @@
+"""Model stage: the architecture description of a Llama-family checkpoint."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagellm.errors import UnsupportedModelError
+
+# Architectures the one Llama-family implementation covers; the differences between
+# them are all expressed by ModelConfig fields (biases, tying, rope, sliding window).
+SUPPORTED_HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Rotary embedding frequency scaling: "linear" or Llama 3's "llama3"."""
+
+    rope_type: str
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in ("linear", "llama3"):
+            raise UnsupportedModelError(
+                f"rope scaling type {self.rope_type!r} is not supported "
+                "(supported: none/default, 'linear', 'llama3')."
+            )
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape and numerics of a Llama-family decoder, independent of the file format."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # biases on q/k/v (Qwen2; Llama with attention_bias)
+    attention_out_bias: bool = False  # bias on o_proj (Llama with attention_bias)
+    sliding_window: int | None = None  # exact only while contexts stay within it
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads != 0:
+            raise UnsupportedModelError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})."
+            )
+
+    @property
+    def num_queries_per_kv(self) -> int:
+        return self.num_attention_heads // self.num_key_value_heads
+
+    def num_parameters(self) -> int:
+        """Parameter count, used for FLOP estimates and logging."""
+        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        q = self.num_attention_heads * self.head_dim
+        kv = self.num_key_value_heads * self.head_dim
+        per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
+        embed = v * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_hidden_layers * per_layer + embed + h

@@ -1,0 +1,91 @@
+"""Model stage: the building blocks of a Llama-family layer (norm, rotary embedding)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from pagellm.model.config import RopeScaling
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalize in float32 whatever the model dtype, as the reference does.
+        dtype = x.dtype
+        x32 = x.to(torch.float32)
+        variance = x32.pow(2).mean(-1, keepdim=True)
+        x32 = x32 * torch.rsqrt(variance + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rope_inv_freq(
+    head_dim: int, theta: float, scaling: RopeScaling | None
+) -> torch.Tensor:  # [head_dim // 2] float32
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim)
+    )
+    if scaling is None:
+        return inv_freq
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    # llama3: long wavelengths are slowed by `factor`, short ones kept, and the band in
+    # between interpolated smoothly.
+    low_freq_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+    high_freq_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding in the "rotate half" layout of HF checkpoints.
+
+    cos/sin are precomputed in float32 for every position up to max_positions and
+    looked up per token, so a flattened batch with arbitrary positions costs one gather.
+    """
+
+    def __init__(
+        self,
+        head_dim: int,
+        max_positions: int,
+        theta: float,
+        scaling: RopeScaling | None = None,
+        freq_divisors: torch.Tensor | None = None,
+    ) -> None:
+        super().__init__()
+        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        if freq_divisors is not None:
+            # GGUF files of Llama 3 models store the scaling as per-frequency divisors.
+            inv_freq = inv_freq / freq_divisors.to(torch.float32)
+        positions = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(positions, inv_freq)  # [max_positions, head_dim // 2]
+        self.register_buffer("cos_cache", freqs.cos(), persistent=False)
+        self.register_buffer("sin_cache", freqs.sin(), persistent=False)
+
+    def forward(
+        self,
+        positions: torch.Tensor,  # [num_tokens]
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos_cache[positions].unsqueeze(1).to(query.dtype)  # [num_tokens, 1, half]
+        sin = self.sin_cache[positions].unsqueeze(1).to(query.dtype)
+        return _rotate(query, cos, sin), _rotate(key, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

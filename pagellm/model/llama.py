@@ -1,0 +1,203 @@
+"""Model stage: a Llama-family decoder over a flattened batch and a paged KV cache.
+
+One forward takes the tokens of several requests at once (prefill chunks and single
+decode tokens mixed, no padding) with their positions; attention reads and writes K/V
+through the attention backend. Logits are computed only for the rows that need a next
+token (`compute_logits` on selected hidden states).
+
+Covers LlamaForCausalLM, MistralForCausalLM and Qwen2ForCausalLM: they differ only in
+q/k/v biases, tied embeddings and rope settings, all carried by ModelConfig.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagellm.attention.backend import AttentionBackend, AttentionMetadata
+from pagellm.errors import ModelLoadError
+from pagellm.model.config import ModelConfig
+from pagellm.model.layers import RMSNorm, RotaryEmbedding
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        # q, k and v projections fused into one matmul.
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.attention_out_bias)
+        self.rotary = rotary
+
+    def forward(
+        self,
+        positions: torch.Tensor,  # [num_tokens]
+        hidden: torch.Tensor,  # [num_tokens, hidden_size]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        metadata: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:  # [num_tokens, hidden_size]
+        num_tokens = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        out = backend.forward(q, k, v, kv_cache, metadata, self.scale)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        # gate and up projections fused into one matmul.
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, rotary)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        hidden = hidden + self.self_attn(
+            positions, self.input_layernorm(hidden), kv_cache, metadata, backend
+        )
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+# HF checkpoint names of the separate projections -> (fused parameter, shard index).
+_STACKED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(
+        self,
+        config: ModelConfig,
+        backend: AttentionBackend,
+        rope_freq_divisors: torch.Tensor | None = None,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.backend = backend
+        self.rotary = RotaryEmbedding(
+            config.head_dim,
+            config.max_position_embeddings,
+            config.rope_theta,
+            config.rope_scaling,
+            rope_freq_divisors,
+        )
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, self.rotary) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if config.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, kv_heads, head_dim]
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, hidden_size]
+        hidden = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden = layer(positions, hidden, kv_cache, metadata, self.backend)
+        return self.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, vocab_size]
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight)
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load tensors named as in HF checkpoints (`model.layers.0.self_attn.q_proj.weight`).
+
+        Every parameter must be provided exactly once; a missing or unexpected tensor is
+        a ModelLoadError naming it.
+        """
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        fused_parts: dict[str, dict[int, torch.Tensor]] = {}
+        for hf_name, tensor in weights:
+            name = _local_name(hf_name)
+            if name is None:
+                continue
+            parts = name.split(".")
+            stacked = _STACKED.get(parts[-2]) if len(parts) >= 2 else None
+            if stacked is not None:
+                fused_name = ".".join(parts[:-2] + [stacked[0], parts[-1]])
+                fused_parts.setdefault(fused_name, {})[stacked[1]] = tensor
+                continue
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied checkpoints sometimes store the copy anyway
+            _copy_param(params, name, tensor)
+            loaded.add(name)
+        for fused_name, shards in fused_parts.items():
+            expected = 3 if ".qkv_proj." in fused_name else 2
+            if sorted(shards) != list(range(expected)):
+                raise ModelLoadError(f"checkpoint is missing part of {fused_name}")
+            _copy_param(params, fused_name, torch.cat([shards[i] for i in range(expected)], 0))
+            loaded.add(fused_name)
+        missing = sorted(set(params) - loaded)
+        if missing:
+            raise ModelLoadError(
+                f"checkpoint is missing {len(missing)} tensor(s), e.g. {missing[:3]}"
+            )
+
+
+def _local_name(hf_name: str) -> str | None:
+    """Our parameter name for an HF tensor name, or None for tensors we do not keep."""
+    if "rotary_emb.inv_freq" in hf_name:
+        return None
+    if hf_name.startswith("model."):
+        return hf_name[len("model.") :]
+    return hf_name
+
+
+def _copy_param(params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor) -> None:
+    param = params.get(name)
+    if param is None:
+        raise ModelLoadError(f"unexpected tensor {name!r} in checkpoint")
+    if tuple(param.shape) != tuple(tensor.shape):
+        raise ModelLoadError(
+            f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
+        )
+    param.copy_(tensor.to(dtype=param.dtype, device=param.device))

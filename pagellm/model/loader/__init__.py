@@ -1,0 +1,113 @@
+"""Model stage: find a checkpoint (GGUF file or HF folder) and load model + tokenizer."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from pagellm.attention.backend import AttentionBackend
+from pagellm.errors import ModelLoadError
+from pagellm.model.config import ModelConfig
+from pagellm.model.llama import LlamaForCausalLM
+from pagellm.model.loader import gguf_loader, hf_loader
+from pagellm.model.loader.default_model import DEFAULT_MODEL_NAME, default_model_path
+
+if TYPE_CHECKING:
+    from pagellm.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A resolved checkpoint: a GGUF file or an HF checkpoint folder."""
+
+    format: str  # "gguf" | "hf"
+    path: Path
+    name: str  # what the user calls it (served model name by default)
+
+
+def resolve_model_source(model: str | None) -> ModelSource:
+    """Turn --model (None = the embedded default) into a checkpoint on disk."""
+    if model is None:
+        return ModelSource("gguf", default_model_path(), DEFAULT_MODEL_NAME)
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ModelLoadError(
+            f"model path {model!r} does not exist (pagellm loads local GGUF files and HF "
+            "checkpoint folders; it never downloads from a hub)"
+        )
+    if path.is_file():
+        return ModelSource("gguf", path, path.stem)
+    if (path / "config.json").is_file():
+        return ModelSource("hf", path, path.name)
+    ggufs = sorted(path.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return ModelSource("gguf", ggufs[0], ggufs[0].stem)
+    if len(ggufs) > 1:
+        raise ModelLoadError(
+            f"{path} holds several GGUF files ({', '.join(p.name for p in ggufs)}); "
+            "pass the file itself"
+        )
+    raise ModelLoadError(f"{path} holds neither config.json (HF checkpoint) nor a .gguf file")
+
+
+def load_model_config(source: ModelSource) -> ModelConfig:
+    if source.format == "gguf":
+        return gguf_loader.gguf_model_config(gguf_loader.open_gguf(source.path), source.path)
+    return hf_loader.hf_model_config(source.path)
+
+
+def load_tokenizer(source: ModelSource, config: ModelConfig) -> "Tokenizer":
+    from pagellm.tokenizer.gguf_tokenizer import read_gguf_tokenizer_fields, tokenizer_from_gguf_metadata
+    from pagellm.tokenizer.hf_tokenizer import tokenizer_from_hf_folder
+
+    if source.format == "gguf":
+        reader = gguf_loader.open_gguf(source.path)
+        tokenizer = tokenizer_from_gguf_metadata(read_gguf_tokenizer_fields(reader))
+    else:
+        tokenizer = tokenizer_from_hf_folder(source.path)
+    return tokenizer.with_extra_eos_token_ids(config.eos_token_ids)
+
+
+def load_model(
+    source: ModelSource,
+    config: ModelConfig,
+    backend: AttentionBackend,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> LlamaForCausalLM:
+    """Build the model on `device` in `dtype` and fill it from the checkpoint."""
+    start = time.perf_counter()
+    divisors = None
+    if source.format == "gguf":
+        reader = gguf_loader.open_gguf(source.path)
+        weights = gguf_loader.iter_gguf_weights(reader, config)
+        divisors = gguf_loader.rope_freq_divisors(reader)
+    else:
+        weights = hf_loader.iter_hf_weights(source.path)
+    previous_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(config, backend, rope_freq_divisors=divisors)
+    finally:
+        torch.set_default_dtype(previous_dtype)
+    # The rotary tables stay float32 whatever the model dtype.
+    model.rotary.float()
+    model.load_weights(weights)
+    model.eval()
+    logger.info(
+        "loaded %s (%s, %.1fM parameters, %s) in %.1fs",
+        source.name,
+        source.format,
+        sum(p.numel() for p in model.parameters()) / 1e6,
+        str(dtype).removeprefix("torch."),
+        time.perf_counter() - start,
+    )
+    return model

@@ -1,0 +1,174 @@
+"""Model stage: load a GGUF file (llama.cpp's format): config, weights, tokenizer."""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize
+
+from pagellm.errors import ModelLoadError, UnsupportedModelError
+from pagellm.model.config import SUPPORTED_GGUF_ARCHITECTURES, ModelConfig, RopeScaling
+
+logger = logging.getLogger(__name__)
+
+# GGUF tensor names -> HF names (per layer names after "blk.N.").
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+# rope frequency divisors (Llama 3 GGUFs) are not a parameter but shape the rotary cache.
+ROPE_FREQS_TENSOR = "rope_freqs.weight"
+
+
+def open_gguf(path: Path) -> GGUFReader:
+    try:
+        return GGUFReader(str(path))
+    except Exception as e:  # the reader raises bare ValueError/struct errors on bad bytes
+        raise ModelLoadError(f"{path} is not a readable GGUF file ({e})") from None
+
+
+def gguf_fields(reader: GGUFReader) -> dict[str, Any]:
+    """Scalar metadata as plain Python values (large arrays such as vocabularies skipped)."""
+    fields: dict[str, Any] = {}
+    for key, field in reader.fields.items():
+        if key.startswith("tokenizer.ggml.") and len(field.data) > 1:
+            continue
+        try:
+            fields[key] = field.contents()
+        except Exception:  # an unreadable metadata value is not needed for the model
+            continue
+    return fields
+
+
+def gguf_model_config(reader: GGUFReader, path: Path) -> ModelConfig:
+    meta = gguf_fields(reader)
+    arch = meta.get("general.architecture")
+    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"GGUF architecture {arch!r} in {path} is not supported; "
+            f"supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}"
+        )
+
+    def get(key: str, default: Any = None) -> Any:
+        value = meta.get(f"{arch}.{key}", default)
+        if value is None:
+            raise ModelLoadError(f"GGUF file {path} lacks metadata key {arch}.{key}")
+        return value
+
+    names = {t.name for t in reader.tensors}
+    hidden = int(get("embedding_length"))
+    num_heads = int(get("attention.head_count"))
+    vocab_size = meta.get(f"{arch}.vocab_size")
+    if vocab_size is None:
+        embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
+        vocab_size = int(embd.shape[1])
+    scaling = None
+    scaling_type = meta.get(f"{arch}.rope.scaling.type")
+    if scaling_type == "linear":
+        scaling = RopeScaling("linear", factor=float(get("rope.scaling.factor")))
+    elif scaling_type not in (None, "none"):
+        raise UnsupportedModelError(f"GGUF rope scaling {scaling_type!r} is not supported")
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=int(vocab_size),
+        hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length")),
+        num_hidden_layers=int(get("block_count")),
+        num_attention_heads=num_heads,
+        num_key_value_heads=int(get("attention.head_count_kv", num_heads)),
+        head_dim=int(get("attention.key_length", hidden // num_heads)),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        rope_scaling=scaling,
+        max_position_embeddings=int(get("context_length")),
+        tie_word_embeddings="output.weight" not in names,
+        attention_bias="blk.0.attn_q.bias" in names,
+        attention_out_bias="blk.0.attn_output.bias" in names,
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=(int(eos),) if eos is not None else (),
+    )
+
+
+def dequantize_tensor(tensor: Any) -> np.ndarray:
+    """A GGUF tensor as float32 in PyTorch's (row-major, outermost first) shape."""
+    qtype = GGMLQuantizationType(tensor.tensor_type)
+    try:
+        values = dequantize(tensor.data, qtype)
+    except NotImplementedError:
+        raise UnsupportedModelError(
+            f"tensor {tensor.name} uses quantization {qtype.name}, which cannot be dequantized"
+        ) from None
+    shape = tuple(int(d) for d in reversed(tensor.shape))
+    return np.asarray(values, dtype=np.float32).reshape(shape)
+
+
+def undo_rope_permutation(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Reorder q/k rows from llama.cpp's interleaved rotary layout to the HF one.
+
+    llama.cpp's converter reorders each head's rows so rotary pairs are adjacent
+    (0, half, 1, half+1, ...); our rotary embedding rotates the two halves of a head.
+    """
+    rows = weight.shape[0]
+    half = rows // num_heads // 2
+    per_head = weight.reshape(num_heads, half, 2, *weight.shape[1:])
+    return per_head.swapaxes(1, 2).reshape(weight.shape)
+
+
+def iter_gguf_weights(
+    reader: GGUFReader, config: ModelConfig
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, float32 tensor) for every model tensor of the file."""
+    permute = config.architecture == "llama"
+    for tensor in reader.tensors:
+        if tensor.name == ROPE_FREQS_TENSOR:
+            continue
+        hf_name = _hf_name(tensor.name)
+        values = dequantize_tensor(tensor)
+        if permute and (".q_proj." in hf_name or ".k_proj." in hf_name):
+            heads = (
+                config.num_attention_heads
+                if ".q_proj." in hf_name
+                else config.num_key_value_heads
+            )
+            values = undo_rope_permutation(values, heads)
+        if not values.flags.writeable:
+            values = values.copy()  # unquantized tensors are read-only views of the mmap
+        yield hf_name, torch.from_numpy(np.ascontiguousarray(values))
+
+
+def rope_freq_divisors(reader: GGUFReader) -> torch.Tensor | None:
+    for tensor in reader.tensors:
+        if tensor.name == ROPE_FREQS_TENSOR:
+            return torch.from_numpy(np.array(dequantize_tensor(tensor)))
+    return None
+
+
+def _hf_name(gguf_name: str) -> str:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    match = _LAYER_TENSOR.match(gguf_name)
+    if match is None or match.group(2) not in _LAYER_NAMES:
+        raise UnsupportedModelError(f"unexpected tensor {gguf_name!r} in GGUF file")
+    layer, kind, suffix = match.groups()
+    return f"model.layers.{layer}.{_LAYER_NAMES[kind]}.{suffix}"

@@ -1,0 +1,134 @@
+"""Model stage: load an HF checkpoint folder (config.json + safetensors)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from pagellm.errors import ModelLoadError, UnsupportedModelError
+from pagellm.model.config import SUPPORTED_HF_ARCHITECTURES, ModelConfig, RopeScaling
+
+logger = logging.getLogger(__name__)
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{path} is not valid JSON ({e})") from None
+    except OSError as e:
+        raise ModelLoadError(f"cannot read {path}: {e.strerror}") from None
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path} must hold a JSON object")
+    return data
+
+
+def hf_model_config(folder: Path) -> ModelConfig:
+    """ModelConfig from config.json (and generation_config.json for EOS ids)."""
+    cfg = read_json(folder / "config.json")
+    architectures = cfg.get("architectures") or []
+    arch = architectures[0] if architectures else None
+    if arch not in SUPPORTED_HF_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"architecture {arch!r} in {folder / 'config.json'} is not supported; "
+            f"supported: {', '.join(SUPPORTED_HF_ARCHITECTURES)}"
+        )
+    if cfg.get("mlp_bias"):
+        raise UnsupportedModelError("Llama checkpoints with mlp_bias=true are not supported")
+    try:
+        hidden = int(cfg["hidden_size"])
+        num_heads = int(cfg["num_attention_heads"])
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        rope_theta = float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0)
+        is_qwen2 = arch == "Qwen2ForCausalLM"
+        attention_bias = bool(cfg.get("attention_bias", False))
+        sliding_window = cfg.get("sliding_window")
+        if is_qwen2 and not cfg.get("use_sliding_window", False):
+            sliding_window = None
+        return ModelConfig(
+            architecture=arch,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_hidden_layers=int(cfg["num_hidden_layers"]),
+            num_attention_heads=num_heads,
+            num_key_value_heads=int(cfg.get("num_key_value_heads") or num_heads),
+            head_dim=int(cfg.get("head_dim") or hidden // num_heads),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=_rope_scaling(rope),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=is_qwen2 or attention_bias,
+            attention_out_bias=(not is_qwen2) and attention_bias,
+            sliding_window=int(sliding_window) if sliding_window else None,
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=_eos_ids(cfg, folder),
+        )
+    except (KeyError, TypeError, ValueError) as e:
+        if isinstance(e, UnsupportedModelError):
+            raise
+        raise ModelLoadError(f"{folder / 'config.json'} is incomplete or invalid: {e!r}") from None
+
+
+def _rope_scaling(rope: dict[str, Any]) -> RopeScaling | None:
+    rope_type = rope.get("rope_type") or rope.get("type") or "default"
+    if rope_type == "default":
+        return None
+    return RopeScaling(
+        rope_type=rope_type,
+        factor=float(rope.get("factor", 1.0)),
+        low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(rope.get("original_max_position_embeddings", 8192)),
+    )
+
+
+def _eos_ids(cfg: dict[str, Any], folder: Path) -> tuple[int, ...]:
+    ids: list[int] = []
+    sources = [cfg.get("eos_token_id")]
+    gen_path = folder / "generation_config.json"
+    if gen_path.is_file():
+        sources.append(read_json(gen_path).get("eos_token_id"))
+    for value in sources:
+        for token_id in value if isinstance(value, list) else [value]:
+            if isinstance(token_id, int) and token_id not in ids:
+                ids.append(token_id)
+    return tuple(ids)
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ModelLoadError(f"{index} has no weight_map")
+        files = [folder / name for name in sorted(set(weight_map.values()))]
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(
+            f"no *.safetensors weights in {folder} (only safetensors checkpoints are supported)"
+        )
+    for path in files:
+        if not path.is_file():
+            raise ModelLoadError(f"weight shard {path} listed in the index is missing")
+    return files
+
+
+def iter_hf_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor of every safetensors shard."""
+    for path in safetensors_files(folder):
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        except (SafetensorError, OSError) as e:
+            raise ModelLoadError(f"cannot read weights from {path}: {e}") from None

@@ -1,0 +1,1 @@
+"""Sampling stage: logits -> next tokens, batched over the step."""

@@ -1,0 +1,1 @@
+"""Worker stage: KV cache tensors, model inputs and the model runner."""

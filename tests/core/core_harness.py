@@ -1,0 +1,204 @@
+"""Test harness of the scheduler: configs, requests, a fake runner that checks KV content.
+
+The fake runner plays the runner's side of the SchedulerOutput contract. Instead of
+tensors it keeps, per cache slot, the (token id, position) whose KV it holds; every step
+it checks that each scheduled request's earlier positions read back, through its block
+table, exactly its own tokens. So a block shared, evicted, swapped or reused wrongly
+shows up as a failed assertion, not only as a wrong count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+from collections.abc import Callable
+
+from pagellm.config import CacheConfig, SchedulerConfig
+from pagellm.core import ModelRunnerOutput, RequestProgress, Scheduler, SchedulerOutput
+from pagellm.request import Request
+from pagellm.sampling_params import SamplingParams
+
+Slot = tuple[int, int]  # (token id, position) whose KV a cache slot holds
+SampleFn = Callable[[str, list[int]], int]  # (request id, its tokens so far) -> token
+
+
+def make_scheduler(
+    *,
+    block_size: int = 4,
+    num_gpu_blocks: int = 64,
+    num_cpu_blocks: int = 0,
+    enable_prefix_caching: bool = True,
+    max_num_seqs: int = 16,
+    max_num_batched_tokens: int = 64,
+    max_model_len: int = 64,
+    enable_chunked_prefill: bool = True,
+    scheduling_policy: str = "fcfs",
+    preemption_mode: str = "recompute",
+) -> Scheduler:
+    cache_config = CacheConfig(
+        block_size=block_size,
+        num_gpu_blocks=num_gpu_blocks,
+        num_cpu_blocks=num_cpu_blocks,
+        enable_prefix_caching=enable_prefix_caching,
+    )
+    scheduler_config = SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        enable_chunked_prefill=enable_chunked_prefill,
+        scheduling_policy=scheduling_policy,  # type: ignore[arg-type]
+        preemption_mode=preemption_mode,  # type: ignore[arg-type]
+    )
+    return Scheduler(scheduler_config, cache_config)
+
+
+def make_request(
+    request_id: str,
+    prompt: list[int] | int,
+    *,
+    max_tokens: int | None = 4,
+    priority: int = 0,
+    arrival_time: float = 0.0,
+    eos_token_ids: tuple[int, ...] = (),
+    **params: object,
+) -> Request:
+    """A request; an int prompt means that many distinct tokens derived from the id."""
+    if isinstance(prompt, int):
+        # crc32, not hash(): str hashes change between runs.
+        base = 1000 * (zlib.crc32(request_id.encode()) % 100_000 + 1)
+        prompt = [base + i for i in range(prompt)]
+    return Request(
+        request_id,
+        prompt,
+        SamplingParams(max_tokens=max_tokens, **params),  # type: ignore[arg-type]
+        eos_token_ids=eos_token_ids,
+        arrival_time=arrival_time,
+        priority=priority,
+    )
+
+
+def sample_seven(request_id: str, tokens: list[int]) -> int:
+    return 7
+
+
+@dataclasses.dataclass
+class _RunnerRequest:
+    token_ids: list[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+class FakeRunner:
+    """Executes SchedulerOutputs on a simulated KV cache (see module docstring)."""
+
+    def __init__(self, block_size: int, sample: SampleFn = sample_seven) -> None:
+        self.block_size = block_size
+        self.sample = sample
+        self.device: dict[int, list[Slot | None]] = {}
+        self.host: dict[int, list[Slot | None]] = {}
+        self.requests: dict[str, _RunnerRequest] = {}
+        self.num_steps = 0
+
+    def _slot(self, state: _RunnerRequest, position: int) -> tuple[int, int]:
+        index = position // self.block_size
+        assert index < len(state.block_ids), "position beyond the block table"
+        return state.block_ids[index], position % self.block_size
+
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        self.num_steps += 1
+        for request_id in out.finished_req_ids | out.preempted_req_ids:
+            self.requests.pop(request_id, None)
+        assert out.blocks_to_copy == []
+        for device_id, host_id in out.blocks_to_swap_out:
+            self.host[host_id] = list(self.device[device_id])
+        for host_id, device_id in out.blocks_to_swap_in:
+            self.device[device_id] = list(self.host[host_id])
+        for new in out.scheduled_new_reqs:
+            assert new.req_id not in self.requests, "new request the runner already holds"
+            assert 0 not in new.block_ids, "the null block was handed out"
+            self.requests[new.req_id] = _RunnerRequest(
+                new.prompt_token_ids + new.output_token_ids,
+                list(new.block_ids),
+                new.num_computed_tokens,
+            )
+        for cached in out.scheduled_cached_reqs:
+            state = self.requests[cached.req_id]
+            assert cached.num_computed_tokens == state.num_computed_tokens
+            assert 0 not in cached.new_block_ids
+            state.block_ids.extend(cached.new_block_ids)
+        assert set(out.num_scheduled_tokens) == {
+            r.req_id for r in out.scheduled_new_reqs
+        } | {r.req_id for r in out.scheduled_cached_reqs}
+        assert out.total_num_scheduled_tokens == sum(out.num_scheduled_tokens.values())
+
+        sampled: dict[str, list[int]] = {}
+        for request_id, num_tokens in out.num_scheduled_tokens.items():
+            state = self.requests[request_id]
+            start = state.num_computed_tokens
+            end = start + num_tokens
+            assert num_tokens > 0 and end <= len(state.token_ids)
+            # Attention reads every earlier position through the block table.
+            for position in range(start):
+                block_id, offset = self._slot(state, position)
+                held = self.device.get(block_id, [None] * self.block_size)[offset]
+                assert held == (state.token_ids[position], position), (
+                    f"{request_id} position {position} reads {held} from block {block_id}"
+                )
+            for position in range(start, end):
+                block_id, offset = self._slot(state, position)
+                block = self.device.setdefault(block_id, [None] * self.block_size)
+                block[offset] = (state.token_ids[position], position)
+            state.num_computed_tokens = end
+            if end == len(state.token_ids):
+                token = self.sample(request_id, list(state.token_ids))
+                state.token_ids.append(token)
+                sampled[request_id] = [token]
+            else:
+                sampled[request_id] = []
+        return ModelRunnerOutput(list(out.num_scheduled_tokens), sampled)
+
+
+@dataclasses.dataclass
+class StepResult:
+    output: SchedulerOutput
+    progress: list[RequestProgress]
+
+
+def step(scheduler: Scheduler, runner: FakeRunner) -> StepResult:
+    """One engine step: schedule -> fake execute -> update, then check integrity."""
+    out = scheduler.schedule()
+    progress = scheduler.update_from_output(out, runner.execute(out))
+    scheduler.check_integrity()
+    return StepResult(out, progress)
+
+
+def run_to_completion(
+    scheduler: Scheduler, runner: FakeRunner, max_steps: int = 10_000
+) -> list[StepResult]:
+    """Step until nothing is unfinished; a step that schedules nothing while requests
+    wait is a liveness bug (nothing would ever change)."""
+    results = []
+    for _ in range(max_steps):
+        if not scheduler.has_unfinished_requests():
+            return results
+        result = step(scheduler, runner)
+        assert not result.output.is_empty, "idle step with unfinished requests"
+        results.append(result)
+    raise AssertionError(f"not finished after {max_steps} steps")
+
+
+def scheduled(result: StepResult) -> dict[str, int]:
+    return dict(result.output.num_scheduled_tokens)
+
+
+def assert_drained(scheduler: Scheduler) -> None:
+    """No request left, every block free, every ref count zero, bookkeeping consistent."""
+    scheduler.check_integrity()
+    assert not scheduler.has_unfinished_requests(), f"left over: {list(scheduler.requests)}"
+    assert scheduler.num_running == scheduler.num_waiting == scheduler.num_swapped == 0
+    kv = scheduler.kv_cache_manager
+    assert not kv.request_ids_holding_blocks()
+    for pool in (kv.device_pool, kv.host_pool):
+        assert pool.num_free_blocks == pool.num_usable_blocks
+        assert all(block.ref_cnt == 0 for block in pool.blocks)
+    assert kv.get_usage() == 0.0

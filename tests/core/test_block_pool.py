@@ -1,0 +1,178 @@
+"""Block pool: null block, ref counts, LRU free queue, lazy eviction, integrity checks."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagellm.core.block_pool import BlockPool, FreeBlockQueue, KVBlock
+from pagellm.request import BlockHash
+
+
+def ids(blocks: object) -> list[int]:
+    return [block.block_id for block in blocks]  # type: ignore[attr-defined]
+
+
+def key(*tokens: int, parent: BlockHash | None = None) -> BlockHash:
+    return BlockHash(parent, tokens)
+
+
+def assert_all_free(pool: BlockPool) -> None:
+    pool.check_integrity()
+    assert pool.num_free_blocks == pool.num_usable_blocks
+    assert all(block.ref_cnt == 0 for block in pool.blocks)
+
+
+def test_free_queue_operations() -> None:
+    queue = FreeBlockQueue()
+    blocks = [KVBlock(i) for i in range(5)]
+    for block in blocks[1:4]:
+        queue.append(block)
+    queue.appendleft(blocks[0])
+    queue.append(blocks[4])
+    assert ids(queue) == [0, 1, 2, 3, 4] and len(queue) == 5
+    queue.remove(blocks[2])  # from the middle, O(1)
+    assert ids(queue) == [0, 1, 3, 4]
+    assert not queue.is_queued(blocks[2])
+    assert queue.popleft() is blocks[0]
+    assert ids(queue) == [1, 3, 4] and len(queue) == 3
+    for _ in range(3):
+        queue.popleft()
+    with pytest.raises(IndexError):
+        queue.popleft()
+
+
+def test_null_block_is_never_handed_out() -> None:
+    pool = BlockPool(5, enable_caching=True)
+    assert pool.num_usable_blocks == 4
+    assert pool.null_block is pool.blocks[0]
+    blocks = pool.allocate(4)
+    assert ids(blocks) == [1, 2, 3, 4]
+    assert pool.num_free_blocks == 0 and pool.get_usage() == 1.0
+    with pytest.raises(ValueError, match="only 0 free"):
+        pool.allocate(1)
+    pool.free(reversed(blocks))
+    assert_all_free(pool)
+    # The host pool variant has no null block.
+    host = BlockPool(3, enable_caching=False, reserve_null_block=False)
+    assert ids(host.allocate(3)) == [0, 1, 2]
+
+
+def test_usage_and_ref_counts() -> None:
+    pool = BlockPool(5, enable_caching=True)
+    a, b = pool.allocate(2)
+    assert pool.get_usage() == 0.5
+    pool.touch([a])  # a second user (prefix sharing)
+    assert a.ref_cnt == 2
+    pool.free([a])
+    assert a.ref_cnt == 1 and pool.num_free_blocks == 2
+    pool.free([a, b])
+    assert_all_free(pool)
+    with pytest.raises(AssertionError, match="double free"):
+        pool.free([a])
+
+
+def test_freed_blocks_queue_uncached_first_then_cached_in_lru_order() -> None:
+    pool = BlockPool(7, enable_caching=True)
+    blocks = pool.allocate(4)  # 1 2 3 4
+    k1 = key(1)
+    k2 = key(2, parent=k1)
+    assert pool.cache_block(blocks[0], k1) and pool.cache_block(blocks[1], k2)
+    # A request frees its table tail first.
+    pool.free(reversed(blocks))
+    # Uncached 4 and 3 jump to the head (worthless), cached 2 then 1 queue at the tail.
+    assert ids(pool.free_queue) == [3, 4, 5, 6, 2, 1]
+    # Cached blocks stay hit-able while free.
+    assert pool.get_cached_block(key(1)) is blocks[0]
+    assert_all_free(pool)
+
+
+def test_lazy_eviction_when_a_cached_free_block_is_reused() -> None:
+    pool = BlockPool(3, enable_caching=True)
+    a, b = pool.allocate(2)
+    pool.cache_block(a, key(1))
+    pool.cache_block(b, key(2))
+    pool.free([b, a])  # queue: b, a (b evicted first)
+    assert ids(pool.free_queue) == [2, 1]
+    (taken,) = pool.allocate(1)
+    assert taken is b and b.block_hash is None
+    assert pool.get_cached_block(key(2)) is None  # evicted now, not when freed
+    assert pool.get_cached_block(key(1)) is a
+    assert pool.num_evictions == 1
+    pool.free([taken])
+    assert_all_free(pool)
+
+
+def test_touch_pulls_a_free_cached_block_out_of_the_queue() -> None:
+    pool = BlockPool(4, enable_caching=True)
+    a, b, c = pool.allocate(3)
+    pool.cache_block(b, key(9))
+    pool.free([a, b, c])
+    hit = pool.get_cached_block(key(9))
+    assert hit is b
+    pool.touch([hit])
+    assert b.ref_cnt == 1 and not pool.free_queue.is_queued(b)
+    assert ids(pool.free_queue) == [3, 1]
+    pool.free([b])
+    assert ids(pool.free_queue) == [3, 1, 2]
+    assert_all_free(pool)
+
+
+def test_duplicate_content_is_registered_once() -> None:
+    pool = BlockPool(3, enable_caching=True)
+    a, b = pool.allocate(2)
+    assert pool.cache_block(a, key(1, 2))
+    assert not pool.cache_block(b, key(1, 2))
+    assert b.block_hash is None
+    assert not pool.cache_block(a, a.block_hash)  # already registered: no-op
+    pool.free([a, b])
+    assert_all_free(pool)
+
+
+def test_caching_off_registers_nothing() -> None:
+    pool = BlockPool(3, enable_caching=False)
+    (a,) = pool.allocate(1)
+    assert not pool.cache_block(a, key(1))
+    assert pool.get_cached_block(key(1)) is None
+    pool.free([a])
+    assert_all_free(pool)
+
+
+def test_reset_prefix_cache_forgets_free_cached_blocks_only() -> None:
+    pool = BlockPool(4, enable_caching=True)
+    a, b = pool.allocate(2)
+    pool.cache_block(a, key(1))
+    pool.cache_block(b, key(2))
+    pool.free([a])
+    assert pool.reset_prefix_cache() == 1
+    assert pool.get_cached_block(key(1)) is None
+    assert pool.get_cached_block(key(2)) is b
+    pool.free([b])
+    assert_all_free(pool)
+
+
+@pytest.mark.parametrize(
+    "corrupt, message",
+    [
+        (lambda p: setattr(p.blocks[1], "ref_cnt", 1), "free with ref count 1"),
+        (lambda p: setattr(p.blocks[1], "ref_cnt", -1), "negative ref count"),
+        (lambda p: setattr(p.blocks[1], "block_hash", key(5)), "missing from the cache map"),
+        (lambda p: p.free_queue.remove(p.blocks[2]), "not free with ref count 0"),
+        (lambda p: setattr(p.free_queue, "_len", 2), "free count differs"),
+        (lambda p: setattr(p.blocks[0], "ref_cnt", 1), "null block was used"),
+    ],
+)
+def test_check_integrity_catches_corruption(corrupt: object, message: str) -> None:
+    pool = BlockPool(4, enable_caching=True)
+    pool.check_integrity()
+    corrupt(pool)  # type: ignore[operator]
+    with pytest.raises(AssertionError, match=message):
+        pool.check_integrity()
+
+
+def test_check_integrity_catches_a_stale_map_entry() -> None:
+    pool = BlockPool(4, enable_caching=True)
+    (a,) = pool.allocate(1)
+    pool.cache_block(a, key(1))
+    a.block_hash = None
+    with pytest.raises(AssertionError, match="stale"):
+        pool.check_integrity()

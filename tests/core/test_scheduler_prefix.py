@@ -1,0 +1,103 @@
+"""Automatic prefix caching through the scheduler: hits, sharing, duplicates, stats."""
+
+from __future__ import annotations
+
+from core_harness import FakeRunner, assert_drained, make_request, scheduled, step
+
+
+def refs(scheduler, block_ids: list[int]) -> list[int]:
+    blocks = scheduler.kv_cache_manager.device_pool.blocks
+    return [blocks[i].ref_cnt for i in block_ids]
+
+
+def finish_all(scheduler, runner) -> None:
+    while scheduler.has_unfinished_requests():
+        step(scheduler, runner)
+
+
+def test_a_later_request_shares_the_cached_prefix_blocks(new_scheduler) -> None:
+    scheduler = new_scheduler()
+    runner = FakeRunner(4)
+    a = make_request("a", list(range(10)), max_tokens=3)
+    scheduler.add_request(a)
+    r1 = step(scheduler, runner)
+    assert r1.output.scheduled_new_reqs[0].block_ids == [1, 2, 3]
+
+    b = make_request("b", list(range(8)) + [50, 51, 52], max_tokens=3)
+    scheduler.add_request(b)
+    r2 = step(scheduler, runner)
+    assert scheduled(r2) == {"a": 1, "b": 3}
+    new = r2.output.scheduled_new_reqs[0]
+    assert (new.req_id, new.block_ids, new.num_computed_tokens) == ("b", [1, 2, 4], 8)
+    assert b.num_cached_tokens == 8 and a.num_cached_tokens == 0
+    assert refs(scheduler, [1, 2, 3, 4]) == [2, 2, 1, 1]
+    stats = scheduler.make_stats()
+    assert (stats.num_prefix_query_tokens, stats.num_prefix_hit_tokens) == (21, 8)
+
+    finish_all(scheduler, runner)
+    assert a.output_token_ids == b.output_token_ids == [7, 7, 7]
+    assert_drained(scheduler)
+
+
+def test_a_fully_cached_prompt_still_computes_its_last_token(new_scheduler) -> None:
+    scheduler = new_scheduler()
+    runner = FakeRunner(4)
+    scheduler.add_request(make_request("a", list(range(8)), max_tokens=1))
+    finish_all(scheduler, runner)
+    scheduler.add_request(make_request("same", list(range(8)), max_tokens=1))
+    result = step(scheduler, runner)
+    # Block-aligned prompt: the last block is given up so that 4 tokens are computed.
+    assert scheduled(result) == {"same": 4}
+    assert result.output.scheduled_new_reqs[0].num_computed_tokens == 4
+    scheduler.add_request(make_request("longer", list(range(9)), max_tokens=1))
+    assert scheduled(step(scheduler, runner)) == {"longer": 1}
+    assert_drained(scheduler)
+
+
+def test_identical_prompts_admitted_together_cache_one_copy(new_scheduler) -> None:
+    scheduler = new_scheduler()
+    runner = FakeRunner(4)
+    scheduler.add_request(make_request("a", list(range(10)), max_tokens=2))
+    scheduler.add_request(make_request("b", list(range(10)), max_tokens=2))
+    r1 = step(scheduler, runner)
+    assert {n.req_id: n.block_ids for n in r1.output.scheduled_new_reqs} == {
+        "a": [1, 2, 3],
+        "b": [4, 5, 6],
+    }
+    pool = scheduler.kv_cache_manager.device_pool
+    assert [pool.blocks[i].block_hash is not None for i in range(1, 7)] == [
+        True, True, False, False, False, False,
+    ]
+    scheduler.add_request(make_request("c", list(range(10)), max_tokens=1))
+    r2 = step(scheduler, runner)
+    assert r2.output.scheduled_new_reqs[0].block_ids == [1, 2, 7]
+    finish_all(scheduler, runner)
+    assert_drained(scheduler)
+
+
+def test_decoded_tokens_fill_blocks_that_become_hits(new_scheduler) -> None:
+    scheduler = new_scheduler()
+    runner = FakeRunner(4, sample=lambda rid, tokens: 100 + len(tokens))
+    a = make_request("a", list(range(6)), max_tokens=4)
+    scheduler.add_request(a)
+    finish_all(scheduler, runner)
+    assert a.all_token_ids == [0, 1, 2, 3, 4, 5, 106, 107, 108, 109]
+    # Positions 0..8 were computed: blocks [0..3] and [4, 5, 106, 107] are full.
+    follow_up = make_request("f", a.all_token_ids + [1, 2], max_tokens=1)
+    scheduler.add_request(follow_up)
+    result = step(scheduler, runner)
+    assert result.output.scheduled_new_reqs[0].num_computed_tokens == 8
+    assert scheduled(result) == {"f": 4}
+    assert_drained(scheduler)
+
+
+def test_prefix_caching_off_never_hits(new_scheduler) -> None:
+    scheduler = new_scheduler(enable_prefix_caching=False)
+    runner = FakeRunner(4)
+    scheduler.add_request(make_request("a", list(range(10)), max_tokens=1))
+    finish_all(scheduler, runner)
+    scheduler.add_request(make_request("b", list(range(10)), max_tokens=1))
+    assert scheduled(step(scheduler, runner)) == {"b": 10}
+    stats = scheduler.make_stats()
+    assert (stats.num_prefix_query_tokens, stats.num_prefix_hit_tokens) == (0, 0)
+    assert_drained(scheduler)

@@ -1,0 +1,200 @@
+"""Property test: random add / step / abort / stop sequences on small pools.
+
+Every configuration axis is drawn (block size, pool sizes, chunked prefill, budget,
+max_num_seqs, prefix caching, policy, preemption mode). After every operation the
+scheduler's integrity holds; the fake runner checks every KV read; at the end every
+request finishes, each output token is the one the sampler gave for its history (none
+lost, repeated or reordered by preemption), and the scheduler is drained.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from core_harness import FakeRunner, assert_drained, make_scheduler, run_to_completion, step
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pagellm.errors import InvalidRequestError
+from pagellm.request import Request, RequestStatus
+from pagellm.sampling_params import SamplingParams
+
+EOS = 3
+STOP = 4
+# Shared prompt beginnings, so that prefix hits (and duplicate blocks) happen.
+PREFIXES = [list(range(10, 26)), list(range(30, 46)), [10, 11, 12, 13, 99, 98, 97, 96]]
+
+
+def sample(request_id: str, tokens: list[int]) -> int:
+    """Deterministic in the token history; emits EOS or STOP now and then."""
+    return (sum(tokens[-3:]) * 31 + len(tokens)) % 61
+
+
+@dataclass(frozen=True)
+class Setup:
+    block_size: int
+    num_gpu_blocks: int
+    num_cpu_blocks: int
+    enable_prefix_caching: bool
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    enable_chunked_prefill: bool
+    scheduling_policy: str
+    preemption_mode: str
+
+
+@st.composite
+def setups(draw) -> Setup:
+    chunked = draw(st.booleans())
+    max_model_len = draw(st.integers(4, 40))
+    budget = draw(st.integers(1, 24))
+    if not chunked:
+        budget = max(budget, max_model_len)
+    return Setup(
+        block_size=draw(st.sampled_from([1, 2, 4])),
+        num_gpu_blocks=draw(st.integers(3, 14)),
+        num_cpu_blocks=draw(st.integers(0, 16)),
+        enable_prefix_caching=draw(st.booleans()),
+        max_num_seqs=draw(st.integers(1, 6)),
+        max_num_batched_tokens=budget,
+        max_model_len=max_model_len,
+        enable_chunked_prefill=chunked,
+        scheduling_policy=draw(st.sampled_from(["fcfs", "priority"])),
+        preemption_mode=draw(st.sampled_from(["recompute", "swap"])),
+    )
+
+
+def request_limit(setup: Setup) -> int:
+    """Largest prompt + max_tokens that add_request accepts under this setup."""
+    cache_tokens = (setup.num_gpu_blocks - 1) * setup.block_size
+    return min(setup.max_model_len, cache_tokens + 1)
+
+
+def operations(setup: Setup) -> st.SearchStrategy[list[tuple]]:
+    limit = request_limit(setup)
+    fitting = st.integers(2, max(2, limit)).flatmap(
+        lambda total: st.tuples(st.integers(1, max(1, total - 1)), st.just(total))
+    )
+    # Now and then a request over the limit, to check that exactly those are refused.
+    oversized = st.integers(limit + 1, limit + 8).map(lambda total: (total - 1, total))
+    sizes = st.one_of(fitting, fitting, fitting, fitting, oversized)
+    add = st.tuples(
+        st.just("add"),
+        sizes,
+        st.integers(0, len(PREFIXES)),  # which prefix; len(PREFIXES) = none
+        st.integers(0, 50),  # first token of its own part
+        st.integers(0, 3),  # priority
+        st.integers(0, 3),  # min_tokens
+        st.booleans(),  # ignore_eos
+    )
+    others = st.one_of(
+        add,
+        add,
+        add,
+        st.tuples(st.just("step")),
+        st.tuples(st.just("step")),
+        st.tuples(st.just("step")),
+        st.tuples(st.just("abort"), st.integers(0, 30)),
+        st.tuples(st.just("stop"), st.integers(0, 30)),
+    )
+    # A burst of arrivals first puts the small pools under pressure at once.
+    return st.tuples(
+        st.lists(add, min_size=1, max_size=10), st.lists(others, min_size=0, max_size=40)
+    ).map(lambda parts: parts[0] + parts[1])
+
+
+def make_prompt(num_tokens: int, which: int, first_own_token: int) -> list[int]:
+    prefix = PREFIXES[which] if which < len(PREFIXES) else []
+    own = [first_own_token + i for i in range(num_tokens)]
+    return (prefix + own)[:num_tokens]
+
+
+def would_fit(setup: Setup, num_prompt: int, max_tokens: int) -> bool:
+    usable = setup.num_gpu_blocks - 1
+    blocks = -(-(num_prompt + max_tokens - 1) // setup.block_size)
+    return 0 < num_prompt and num_prompt + max_tokens <= setup.max_model_len and blocks <= usable
+
+
+def check_outputs(request: Request, setup: Setup, aborted: set[str]) -> None:
+    tokens = list(request.prompt_token_ids)
+    for token in request.output_token_ids:
+        assert token == sample(request.request_id, tokens), "output token lost or repeated"
+        tokens.append(token)
+    status = request.status
+    if request.request_id in aborted:
+        assert status.is_finished
+        return
+    last = request.output_token_ids[-1]
+    params = request.sampling_params
+    if status is RequestStatus.FINISHED_STOPPED:
+        assert last == STOP or (last == EOS and not params.ignore_eos)
+        assert request.num_output_tokens >= params.min_tokens
+    else:
+        assert status is RequestStatus.FINISHED_LENGTH
+        assert (
+            request.num_output_tokens == request.max_tokens
+            or request.num_tokens == setup.max_model_len
+        )
+
+
+@settings(
+    # PAGELLM_CORE_EXAMPLES=20000 for a long bug hunt; the default keeps the suite fast.
+    max_examples=int(os.environ.get("PAGELLM_CORE_EXAMPLES", "600")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(setup=setups(), data=st.data())
+def test_random_workloads_finish_and_keep_invariants(setup: Setup, data) -> None:
+    scheduler = make_scheduler(**setup.__dict__)
+    runner = FakeRunner(setup.block_size, sample=sample)
+    requests: list[Request] = []
+    aborted: set[str] = set()
+    for op in data.draw(operations(setup)):
+        kind = op[0]
+        if kind == "add":
+            _, (num_prompt, total), which, first_own_token, priority, min_tokens, ignore_eos = op
+            prompt = make_prompt(num_prompt, which, first_own_token)
+            max_tokens = total - num_prompt
+            request = Request(
+                f"r{len(requests)}",
+                prompt,
+                SamplingParams(
+                    max_tokens=max_tokens,
+                    min_tokens=min(min_tokens, max_tokens),
+                    stop_token_ids=[STOP],
+                    ignore_eos=ignore_eos,
+                ),
+                eos_token_ids={EOS},
+                priority=priority,
+                arrival_time=float(len(requests) % 3),  # ties on purpose
+            )
+            try:
+                scheduler.add_request(request)
+            except InvalidRequestError:
+                assert not would_fit(setup, len(prompt), max_tokens)
+            else:
+                assert would_fit(setup, len(prompt), max_tokens)
+                requests.append(request)
+        elif kind == "step":
+            step(scheduler, runner)
+        else:
+            if requests:
+                target = requests[op[1] % len(requests)]
+                status = (
+                    RequestStatus.FINISHED_ABORTED
+                    if kind == "abort"
+                    else RequestStatus.FINISHED_STOPPED
+                )
+                if not target.is_finished:
+                    aborted.add(target.request_id)
+                scheduler.finish_requests(target.request_id, status)
+        scheduler.check_integrity()
+
+    run_to_completion(scheduler, runner, max_steps=5_000)
+    for request in requests:
+        check_outputs(request, setup, aborted)
+    step(scheduler, runner)  # hands the last finished ids to the runner
+    assert runner.requests == {}, "the runner still holds state of finished requests"
+    assert_drained(scheduler)

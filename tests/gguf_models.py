@@ -1,0 +1,102 @@
+"""Tiny GGUF files written in the test run with the gguf package (no hub access)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+from safetensors.numpy import load_file
+
+# Each tensor kind is stored in a different type, so one file covers them all.
+QUANT_BY_KIND = {
+    "token_embd": gguf.GGMLQuantizationType.Q8_0,
+    "attn_q": gguf.GGMLQuantizationType.Q4_0,
+    "attn_k": gguf.GGMLQuantizationType.Q4_1,
+    "attn_v": gguf.GGMLQuantizationType.F16,
+    "attn_output": gguf.GGMLQuantizationType.BF16,
+    "ffn_gate": gguf.GGMLQuantizationType.Q8_0,
+    "ffn_up": gguf.GGMLQuantizationType.Q4_1,
+    "ffn_down": gguf.GGMLQuantizationType.Q4_0,
+    "output": gguf.GGMLQuantizationType.F16,
+}
+
+_LAYER = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def llama_cpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """The q/k row order llama.cpp's converter writes (rotary pairs adjacent)."""
+    half = w.shape[0] // num_heads // 2
+    return w.reshape(num_heads, 2, half, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf_from_hf(folder: Path, out: Path, cfg: dict, vocab: list[str] | None = None) -> Path:
+    """Convert a tiny HF Llama checkpoint to a GGUF file with mixed tensor types."""
+    tensors = load_file(str(folder / "model.safetensors"))
+    writer = gguf.GGUFWriter(str(out), "llama")
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(cfg["num_attention_heads"])
+    writer.add_head_count_kv(cfg["num_key_value_heads"])
+    writer.add_rope_freq_base(cfg.get("rope_theta", 10000.0))
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    writer.add_rope_dimension_count(cfg["hidden_size"] // cfg["num_attention_heads"])
+    writer.add_vocab_size(cfg["vocab_size"])
+    # A byte-level vocabulary: one token per byte value (spelled as GPT-2 does).
+    tokens = vocab or [_byte_char(b) for b in range(cfg["vocab_size"])]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * len(tokens))
+    writer.add_token_merges([])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    for name, value in tensors.items():
+        gguf_name, kind = _gguf_name(name)
+        value = value.astype(np.float32)
+        if kind == "attn_q":
+            value = llama_cpp_permute(value, cfg["num_attention_heads"])
+        elif kind == "attn_k":
+            value = llama_cpp_permute(value, cfg["num_key_value_heads"])
+        qtype = QUANT_BY_KIND.get(kind, gguf.GGMLQuantizationType.F32)
+        if value.ndim == 1:
+            qtype = gguf.GGMLQuantizationType.F32
+        data = gguf.quants.quantize(value, qtype) if qtype != gguf.GGMLQuantizationType.F32 else value
+        writer.add_tensor(gguf_name, data, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def _gguf_name(hf_name: str) -> tuple[str, str]:
+    if hf_name == "model.embed_tokens.weight":
+        return "token_embd.weight", "token_embd"
+    if hf_name == "model.norm.weight":
+        return "output_norm.weight", "output_norm"
+    if hf_name == "lm_head.weight":
+        return "output.weight", "output"
+    _, _, layer, rest = hf_name.split(".", 3)
+    module, suffix = rest.rsplit(".", 1)
+    kind = _LAYER[module]
+    return f"blk.{layer}.{kind}.{suffix}", kind
+
+
+def _byte_char(b: int) -> str:
+    printable = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
+    if b in printable:
+        return chr(b)
+    return chr(256 + [x for x in range(256) if x not in printable].index(b))
