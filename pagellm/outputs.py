@@ -1,8 +1,26 @@
-"""Output stage: what users get back for a request."""
+"""Output stage: what users get back for a request.
+
+Each engine step yields a RequestOutput for every request that progressed. A completion
+carries its cumulative `text` / `token_ids` / `logprobs` and, for streaming, the part
+added by this step (`delta_text`, `delta_token_ids`, `delta_logprobs`).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Logprob:
+    """Log-probability of one token at one position, with its rank in the distribution."""
+
+    logprob: float
+    rank: int  # 1 = the most likely token
+    decoded_token: str | None = None
+
+
+# For one position: token id -> Logprob (the top-k, plus the sampled token).
+PositionLogprobs = dict[int, Logprob]
 
 
 @dataclass
@@ -15,7 +33,10 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop", "length", "abort"; None while running
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     cumulative_logprob: float | None = None
-    logprobs: list | None = None
+    logprobs: list[PositionLogprobs] | None = None  # one entry per token, if asked for
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+    delta_logprobs: list[PositionLogprobs] | None = None
 
     @property
     def finished(self) -> bool:
@@ -32,3 +53,5 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # One entry per prompt token (None for the first), if prompt_logprobs was asked for.
+    prompt_logprobs: list[PositionLogprobs | None] | None = None

@@ -67,7 +67,16 @@ def write_byte_tokenizer(folder: Path, vocab_size: int) -> None:
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.save(str(folder / "tokenizer.json"))
-    config = {"bos_token": byte_tokens[1], "eos_token": byte_tokens[2], "add_bos_token": False}
+    template = (
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    config = {
+        "bos_token": byte_tokens[1],
+        "eos_token": byte_tokens[2],
+        "add_bos_token": False,
+        "chat_template": template,
+    }
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
 
 
