@@ -51,6 +51,11 @@ _FINISH_REASONS: dict[RequestStatus, FinishReason] = {
 }
 
 
+def child_request_id(parent_request_id: str, completion_index: int) -> str:
+    """Scheduler id of completion `completion_index` (>= 1) of an n > 1 request."""
+    return f"{parent_request_id}#{completion_index}"
+
+
 class BlockHash:
     """Prefix-cache key of one full block: its token ids and, recursively, its parent's.
 
@@ -127,6 +132,12 @@ class Request:
         self.num_preemptions = 0
         # Prefix-cache hit tokens when first admitted (later re-admissions don't count).
         self.num_cached_tokens = 0
+
+        # Parallel sampling (n > 1): this request is completion 0 and, once its prompt is
+        # computed, forks n - 1 siblings that share the prompt's KV blocks.
+        self.num_pending_forks = sampling_params.n - 1
+        self.parent_request_id: str | None = None
+        self.completion_index = 0
 
         # Prompt + outputs in one list so block hashing can slice it cheaply.
         self._all_token_ids: list[int] = list(self.prompt_token_ids)

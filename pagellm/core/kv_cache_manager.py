@@ -62,6 +62,10 @@ class KVCacheManager:
         self._host_block_tables: dict[str, list[int]] = {}
         # Leading blocks of each device table already registered or found in the cache.
         self._num_cached_blocks: dict[str, int] = {}
+        # Forked requests whose last (partial) block is still shared with the parent:
+        # it is copied the first time they are given slots (copy-on-write).
+        self._copy_on_write: set[str] = set()
+        self._pending_copies: list[tuple[int, int]] = []
         self.stats = KVCacheStats()
 
     # ----------------------------------------------------------------- queries
@@ -173,12 +177,15 @@ class KVCacheManager:
         hit_blocks = [pool.blocks[block_id] for block_id in hit_ids]
         # Hit blocks sitting in the free queue stop being free once touched.
         num_free_hits = sum(1 for block in hit_blocks if block.ref_cnt == 0)
+        copy_last = self._needs_copy_on_write(request_id, table)
 
         self.stats.num_allocation_attempts += 1
-        if num_new_blocks + num_free_hits > pool.num_free_blocks:
+        if num_new_blocks + num_free_hits + int(copy_last) > pool.num_free_blocks:
             self.stats.num_allocation_failures += 1
             return None
 
+        if copy_last:
+            self._copy_last_block(request_id, table)
         # Touch before allocating so the allocation cannot evict a block being hit.
         pool.touch(hit_blocks)
         new_blocks = pool.allocate(num_new_blocks)
@@ -193,6 +200,50 @@ class KVCacheManager:
             self.stats.num_prefix_hit_tokens += num_hit_tokens
         return new_ids
 
+    # ------------------------------------------------------ parallel sampling
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Give `child` the parent's blocks for its first child.num_computed_tokens tokens.
+
+        The blocks are shared (one more reference each), so the prompt's KV is computed
+        once for all n completions. A partial last block is copied the first time the
+        child gets slots: the parent keeps writing its own tokens after the prompt in it.
+        Forking needs no free block, so it cannot fail.
+        """
+        num_blocks = cdiv(child.num_computed_tokens, self.block_size)
+        table = self._block_tables[parent.request_id][:num_blocks]
+        assert len(table) == num_blocks, f"{parent} lacks blocks for its prompt"
+        self.device_pool.touch(self.device_pool.blocks[block_id] for block_id in table)
+        self._block_tables[child.request_id] = list(table)
+        self._num_cached_blocks[child.request_id] = min(
+            self._num_cached_blocks.get(parent.request_id, 0), child.num_computed_tokens // self.block_size
+        )
+        if child.num_computed_tokens % self.block_size:
+            self._copy_on_write.add(child.request_id)
+
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        """(source, target) device block copies decided since the last call."""
+        copies, self._pending_copies = self._pending_copies, []
+        return copies
+
+    def _needs_copy_on_write(self, request_id: str, table: list[int]) -> bool:
+        if request_id not in self._copy_on_write:
+            return False
+        if self.device_pool.blocks[table[-1]].ref_cnt > 1:
+            return True
+        # Everyone else let go of the block: it is this request's own now.
+        self._copy_on_write.discard(request_id)
+        return False
+
+    def _copy_last_block(self, request_id: str, table: list[int]) -> None:
+        pool = self.device_pool
+        shared = pool.blocks[table[-1]]
+        [private] = pool.allocate(1)
+        table[-1] = private.block_id
+        pool.free([shared])
+        self._pending_copies.append((shared.block_id, private.block_id))
+        self._copy_on_write.discard(request_id)
+
     def free(self, request: Request) -> None:
         """Release every block the request holds, on device and on host."""
         self._free_device(request.request_id)
@@ -203,6 +254,7 @@ class KVCacheManager:
 
     def _free_device(self, request_id: str) -> None:
         self._num_cached_blocks.pop(request_id, None)
+        self._copy_on_write.discard(request_id)
         table = self._block_tables.pop(request_id, None)
         if table:
             # Tail first: the free queue evicts from its head, so the end of a chain

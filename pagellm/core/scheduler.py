@@ -18,7 +18,9 @@ import logging
 from collections.abc import Iterable
 
 from pagellm.config import CacheConfig, SchedulerConfig
-from pagellm.core.kv_cache_manager import KVCacheManager
+from pagellm.core.kv_cache_manager import ComputedBlocks, KVCacheManager
+from pagellm.core.parallel_sampling import make_child_request
+from pagellm.core.scheduler_stats import SchedulerStats
 from pagellm.core.request_limits import check_request_fits, check_stop
 from pagellm.core.request_queue import RequestQueue
 from pagellm.core.scheduler_output import (
@@ -32,25 +34,6 @@ from pagellm.errors import InvalidRequestError
 from pagellm.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class SchedulerStats:
-    """A snapshot: queue sizes and usage now, counters cumulative since start."""
-
-    num_running: int
-    num_waiting: int
-    num_swapped: int
-    kv_cache_usage: float
-    host_kv_cache_usage: float
-    num_prefix_query_tokens: int
-    num_prefix_hit_tokens: int
-    num_allocation_attempts: int
-    num_allocation_failures: int
-    num_preemptions_recompute: int
-    num_preemptions_swap: int
-    num_swapped_in_blocks: int
-    num_swapped_out_blocks: int
 
 
 @dataclasses.dataclass
@@ -99,6 +82,12 @@ class Scheduler:
         self.swapped = RequestQueue(sort_key)
         self.running: list[Request] = []  # admission order
         self._finished_req_ids: set[str] = set()
+        # Forked completions the runner has not been told about yet.
+        self._unsent_req_ids: set[str] = set()
+        # Tokens computed, split by position: prompt positions (prefill) and output
+        # positions fed back (decode).
+        self._num_prefill_tokens = 0
+        self._num_decode_tokens = 0
         self._num_preemptions = {"recompute": 0, "swap": 0}
 
         if scheduler_config.preemption_mode == "swap" and cache_config.num_cpu_blocks == 0:
@@ -271,16 +260,21 @@ class Scheduler:
         self._num_preemptions["recompute"] += 1
         logger.debug("preempted %s by recompute", request.request_id)
 
-    def _has_room_for_another(self, plan: _StepPlan) -> bool:
+    def _has_room_for(self, request: Request, plan: _StepPlan) -> bool:
+        # An n > 1 request reserves seats for the completions it will fork, so that
+        # forking never pushes the running set past max_num_seqs.
+        seats = 1 + request.num_pending_forks
         return (
             plan.token_budget > 0
-            and len(self.running) < self.scheduler_config.max_num_seqs
+            and len(self.running) + seats <= self.scheduler_config.max_num_seqs
         )
 
     def _schedule_swapped(self, plan: _StepPlan) -> None:
         kv = self.kv_cache_manager
-        while self.swapped and self._has_room_for_another(plan):
+        while self.swapped:
             request = self.swapped.peek()
+            if not self._has_room_for(request, plan):
+                break
             num_tokens = self._num_tokens_to_schedule(request, plan.token_budget)
             if num_tokens == 0 or not kv.can_swap_in(request, num_tokens):
                 break
@@ -296,10 +290,16 @@ class Scheduler:
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
         kv = self.kv_cache_manager
-        while self.waiting and self._has_room_for_another(plan):
+        while self.waiting:
             request = self.waiting.peek()
+            if not self._has_room_for(request, plan):
+                break
             assert request.num_computed_tokens == 0
-            computed = kv.get_computed_blocks(request)
+            if request.sampling_params.prompt_logprobs is None:
+                computed = kv.get_computed_blocks(request)
+            else:
+                # Prompt logprobs need the logits of every prompt position.
+                computed = ComputedBlocks([], 0)
             gap = request.num_tokens - computed.num_computed_tokens
             if self.scheduler_config.enable_chunked_prefill:
                 num_tokens = min(gap, plan.token_budget)
@@ -324,7 +324,8 @@ class Scheduler:
         cached_reqs: list[CachedRequestData] = []
         for request_id in plan.num_scheduled_tokens:
             request = self.requests[request_id]
-            if request_id in plan.resumed_req_ids:
+            if request_id in plan.resumed_req_ids or request_id in self._unsent_req_ids:
+                self._unsent_req_ids.discard(request_id)
                 new_reqs.append(
                     NewRequestData(
                         req_id=request_id,
@@ -335,6 +336,7 @@ class Scheduler:
                         block_ids=self.kv_cache_manager.get_block_ids(request_id),
                         num_computed_tokens=request.num_computed_tokens,
                         eos_token_ids=request.eos_token_ids,
+                        num_pending_forks=request.num_pending_forks,
                     )
                 )
             else:
@@ -355,6 +357,7 @@ class Scheduler:
             finished_req_ids=finished,
             blocks_to_swap_out=plan.blocks_to_swap_out,
             blocks_to_swap_in=plan.blocks_to_swap_in,
+            blocks_to_copy=self.kv_cache_manager.take_pending_copies(),
         )
 
     # ----------------------------------------------------------------- update
@@ -374,6 +377,11 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue
+            num_prompt_part = max(
+                0, min(request.num_prompt_tokens - request.num_computed_tokens, num_tokens)
+            )
+            self._num_prefill_tokens += num_prompt_part
+            self._num_decode_tokens += num_tokens - num_prompt_part
             request.num_computed_tokens += num_tokens
             assert request.num_computed_tokens <= request.num_tokens
             kv.cache_blocks(request, request.num_computed_tokens)
@@ -404,11 +412,48 @@ class Scheduler:
                     stop_reason=request.stop_reason,
                 )
             )
+            forked = runner_output.forked_token_ids.get(request_id)
+            if request.num_pending_forks and forked:
+                progress.extend(self._fork(request, forked, finished))
         if finished:
             finished_ids = {request.request_id for request in finished}
             self.running = [r for r in self.running if r.request_id not in finished_ids]
             for request in finished:
                 self._release(request, request.status)
+        return progress
+
+    def _fork(
+        self, parent: Request, first_token_ids: list[int], finished: list[Request]
+    ) -> list[RequestProgress]:
+        """Start completions 1..n-1 of `parent`, sharing its prompt blocks.
+
+        Each child begins with its own first token (sampled by the runner from the
+        parent's prompt logits) and the prompt's KV already computed.
+        """
+        assert len(first_token_ids) == parent.num_pending_forks
+        parent.num_pending_forks = 0
+        progress = []
+        for index, token_id in enumerate(first_token_ids, start=1):
+            child = make_child_request(parent, index)
+            self.kv_cache_manager.fork(parent, child)
+            self.requests[child.request_id] = child
+            self._arrival_index[child.request_id] = self._next_arrival_index
+            self._next_arrival_index += 1
+            self.running.append(child)
+            self._unsent_req_ids.add(child.request_id)
+            child.append_output_token_ids(token_id)
+            status = check_stop(child, token_id, self.max_model_len)
+            if status is not None:
+                child.status = status
+                finished.append(child)
+            progress.append(
+                RequestProgress(
+                    req_id=child.request_id,
+                    new_token_ids=[token_id],
+                    finish_reason=child.finish_reason,
+                    stop_reason=child.stop_reason,
+                )
+            )
         return progress
 
     # ------------------------------------------------------------ inspection
@@ -430,6 +475,8 @@ class Scheduler:
             num_preemptions_swap=self._num_preemptions["swap"],
             num_swapped_in_blocks=kv_stats.num_swapped_in_blocks,
             num_swapped_out_blocks=kv_stats.num_swapped_out_blocks,
+            num_prefill_tokens=self._num_prefill_tokens,
+            num_decode_tokens=self._num_decode_tokens,
         )
 
     def check_integrity(self) -> None:

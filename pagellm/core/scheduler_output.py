@@ -4,8 +4,10 @@ Plain dataclasses of ints and lists, never tensors, so that a runner could live 
 another process. How a runner reads a SchedulerOutput, in this order:
 
 1. Drop the state of every request in `finished_req_ids` and `preempted_req_ids`.
-2. Copy `blocks_to_swap_out` (device -> host), then `blocks_to_swap_in` (host -> device),
-   then `blocks_to_copy` (device -> device), all before the forward pass.
+2. Copy `blocks_to_swap_out` (device -> host), then `blocks_to_copy` (device -> device,
+   copy-on-write of forked requests), then `blocks_to_swap_in` (host -> device), all
+   before the forward pass. (A block swapped out may be reused as a copy target in the
+   same step, so swap-outs go first.)
 3. Add `scheduled_new_reqs` (first scheduling, or resumption after any preemption; the
    runner's token list is prompt_token_ids + output_token_ids and the block table is
    complete). For `scheduled_cached_reqs`, append `new_block_ids` to the table it kept.
@@ -20,6 +22,7 @@ another process. How a runner reads a SchedulerOutput, in this order:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from pagellm.request import FinishReason
 from pagellm.sampling_params import SamplingParams
@@ -37,6 +40,9 @@ class NewRequestData:
     num_computed_tokens: int  # KV already in the cache (prefix hit or swapped back in)
     # The sampler needs EOS ids to hold them back before min_tokens outputs.
     eos_token_ids: frozenset[int] = frozenset()
+    # n > 1 and not forked yet: the runner samples 1 + num_pending_forks tokens from the
+    # prompt's last logits (one per completion) and reports the extra ones as forks.
+    num_pending_forks: int = 0
 
 
 @dataclass
@@ -79,6 +85,17 @@ class SchedulerOutput:
         )
 
 
+class TokenLogprobs(NamedTuple):
+    """Log-probabilities at one position: the chosen token first, then the top-k.
+
+    `ranks[i]` is the 1-based rank of `token_ids[i]` in that position's distribution.
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    ranks: list[int]
+
+
 @dataclass
 class ModelRunnerOutput:
     """What the runner produced in one step."""
@@ -86,7 +103,14 @@ class ModelRunnerOutput:
     req_ids: list[str]
     # Empty list for a request in a partial prefill chunk.
     sampled_token_ids: dict[str, list[int]]
-    logprobs: dict | None = None
+    # Per request id (forked children included): one entry per sampled token.
+    logprobs: dict[str, list[TokenLogprobs]] | None = None
+    # Per request id: entries for the prompt positions computed this step (position 0
+    # has none, so the first chunk starts at position 1).
+    prompt_logprobs: dict[str, list[TokenLogprobs]] | None = None
+    # Parent id -> first tokens of completions 1..n-1, sampled from the same logits as
+    # the parent's own first token.
+    forked_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass

@@ -33,6 +33,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"
+    max_logprobs: int = 20  # most logprobs / prompt_logprobs a request may ask for
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
@@ -56,6 +57,8 @@ class EngineArgs:
             )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"max_model_len must be positive, got {self.max_model_len}")
+        if self.max_logprobs < 0:
+            raise ConfigError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ConfigError(
                 f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}"

@@ -52,8 +52,6 @@ class InputProcessor:
         arrival_time: float | None = None,
         priority: int = 0,
     ) -> Request:
-        if params.n != 1:
-            raise InvalidRequestError("n > 1 is not supported yet", "n")
         num_prompt = len(prompt_token_ids)
         if num_prompt >= self.max_model_len:
             raise InvalidRequestError(

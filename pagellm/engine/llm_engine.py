@@ -16,7 +16,7 @@ from pagellm.config import CacheConfig, SchedulerConfig
 from pagellm.core.scheduler import Scheduler, SchedulerStats
 from pagellm.engine.arg_utils import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineArgs
 from pagellm.engine.input_processor import InputProcessor, PromptInput
-from pagellm.engine.output_processor import OutputProcessor, RequestState
+from pagellm.engine.output_processor import OutputProcessor
 from pagellm.errors import ConfigError, InvalidRequestError
 from pagellm.model.config import ModelConfig
 from pagellm.model.loader import (
@@ -86,6 +86,7 @@ class LLMEngine:
         config: EngineConfig,
         tokenizer: Tokenizer,
         runner: ModelRunner,
+        max_logprobs: int = 20,
     ) -> None:
         self.config = config
         self.model_config = config.model_config
@@ -96,6 +97,7 @@ class LLMEngine:
             tokenizer, config.model_config.vocab_size, config.scheduler_config.max_model_len
         )
         self.output_processor = OutputProcessor(tokenizer)
+        self.max_logprobs = max_logprobs
         self._request_counter = itertools.count()
 
     @classmethod
@@ -169,7 +171,7 @@ class LLMEngine:
             model, args.block_size, size.num_gpu_blocks, size.num_cpu_blocks, dtype, device
         )
         config = EngineConfig(source, model_config, cache_config, scheduler_config, device, dtype)
-        return cls(config, tokenizer, runner)
+        return cls(config, tokenizer, runner, args.max_logprobs)
 
     # ------------------------------------------------------------------ requests
 
@@ -187,21 +189,23 @@ class LLMEngine:
             request_id = f"req-{next(self._request_counter)}"
         if request_id in self.scheduler.requests or self.output_processor.has_request(request_id):
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
+        params.check_against_model(self.model_config.vocab_size, self.max_logprobs)
         prompt_text, prompt_ids = self.input_processor.tokenize(prompt)
         request = self.input_processor.make_request(
             request_id, prompt_ids, params, arrival_time, priority
         )
         self.scheduler.add_request(request)
-        self.output_processor.add_request(
-            RequestState(request_id, prompt_text, prompt_ids, params)
-        )
+        self.output_processor.add_request(request_id, prompt_text, prompt_ids, params)
         return request_id
 
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
-        """Abort requests in any state; their blocks are freed at once."""
+        """Abort requests (all their completions) in any state; blocks are freed at once."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        known = [rid for rid in ids if rid in self.scheduler.requests]
-        self.scheduler.finish_requests(known, RequestStatus.FINISHED_ABORTED)
+        scheduler_ids = [sid for rid in ids for sid in self.output_processor.scheduler_ids(rid)]
+        self.scheduler.finish_requests(
+            [sid for sid in scheduler_ids if sid in self.scheduler.requests],
+            RequestStatus.FINISHED_ABORTED,
+        )
         outputs = [self.output_processor.abort(rid) for rid in ids]
         return [o for o in outputs if o is not None]
 
@@ -222,7 +226,13 @@ class LLMEngine:
         }
         runner_output = self.runner.execute_model(scheduler_output)
         progress = self.scheduler.update_from_output(scheduler_output, runner_output)
-        return self.output_processor.process(progress, cached)
+        result = self.output_processor.process(
+            progress, runner_output.logprobs, runner_output.prompt_logprobs, cached
+        )
+        if result.stopped_req_ids:
+            # A stop string ended these completions: free their blocks now.
+            self.scheduler.finish_requests(result.stopped_req_ids, RequestStatus.FINISHED_STOPPED)
+        return result.outputs
 
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()

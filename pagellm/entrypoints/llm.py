@@ -77,6 +77,37 @@ class LLM:
             self.engine.abort_request(request_ids)
             raise
 
+    def chat(
+        self,
+        messages: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of conversations.
+
+        Each conversation is a list of {"role": ..., "content": ...} messages, rendered
+        with the model's chat template (or `chat_template`).
+        """
+        if not isinstance(messages, Sequence) or isinstance(messages, (str, dict)) or not messages:
+            raise InvalidRequestError(
+                "messages must be a conversation (list of messages) or a list of them",
+                "messages",
+            )
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        tokenizer = self.engine.tokenizer
+        prompts: list[Prompt] = []
+        for conversation in conversations:
+            text = tokenizer.apply_chat_template(
+                list(conversation),
+                add_generation_prompt=add_generation_prompt,
+                chat_template=chat_template,
+            )
+            # The template writes special tokens (BOS etc.) itself.
+            prompts.append(tokenizer.encode(text, add_special_tokens=False))
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
         wanted = set(request_ids)

@@ -1,16 +1,23 @@
 """Sampling stage: turn one step's logits into next tokens for every request at once.
 
-Greedy rows take an argmax; the others are sampled after temperature, top-k, top-p and
-min-p filtering, all as batched tensor operations. A request with a seed draws from its
-own generator, so its tokens do not depend on what else is in the batch.
+Order, per row: logit_bias, then tokens held back before min_tokens, then penalties,
+then greedy argmax or temperature / top-k / top-p / min-p sampling. Each step is a
+handful of batched tensor operations; Python loops touch only the rows that use a rare
+feature (logit_bias, min_tokens, seeds). A request with a seed draws from its own
+generator, so its tokens do not depend on what else is in the batch.
+
+Logprobs are those of the model's raw distribution (log_softmax of the logits before any
+processing), as vLLM and the OpenAI API report them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from pagellm.core.scheduler_output import TokenLogprobs
+from pagellm.sample.penalties import apply_penalties
 from pagellm.sampling_params import SamplingParams
 
 
@@ -22,56 +29,132 @@ class SamplingBatch:
     generators: list[torch.Generator | None]  # per row: the request's own, if seeded
     # Per row: token ids that may not be sampled yet (EOS/stop ids before min_tokens).
     banned_token_ids: list[list[int]]
+    # Rows with penalties, and their [len(penalty_rows), vocab] token statistics.
+    penalty_rows: list[int] = field(default_factory=list)
+    output_counts: torch.Tensor | None = None
+    prompt_mask: torch.Tensor | None = None
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]  # per row, when the request asked for them
 
 
 class Sampler:
     def __call__(
-        self, logits: torch.Tensor, batch: SamplingBatch  # [num_rows, vocab_size]
-    ) -> list[int]:
+        self, logits: torch.Tensor, batch: SamplingBatch  # logits: [num_rows, vocab]
+    ) -> SamplerOutput:
+        # The sampler owns `logits` and edits it in place (a float32 input is not copied).
         logits = logits.float()
+        num_rows = logits.shape[0]
+        wants_logprobs = [p.logprobs is not None for p in batch.params]
+        raw_logprobs = logits.log_softmax(dim=-1) if any(wants_logprobs) else None
+
+        self._apply_logit_bias(logits, batch.params)
         for row, banned in enumerate(batch.banned_token_ids):
             if banned:
                 logits[row, banned] = float("-inf")
-        greedy_rows = [i for i, p in enumerate(batch.params) if p.temperature == 0.0]
-        if len(greedy_rows) == len(batch.params):
-            return logits.argmax(dim=-1).tolist()
+        if batch.penalty_rows:
+            assert batch.output_counts is not None and batch.prompt_mask is not None
+            index = torch.tensor(batch.penalty_rows, device=logits.device)
+            penalized = logits[index]
+            apply_penalties(
+                penalized,
+                batch.output_counts,
+                batch.prompt_mask,
+                [batch.params[i] for i in batch.penalty_rows],
+            )
+            logits[index] = penalized
+
         tokens = logits.argmax(dim=-1)
         sample_rows = [i for i, p in enumerate(batch.params) if p.temperature > 0.0]
-        index = torch.tensor(sample_rows, device=logits.device)
-        probs = self._filtered_probs(logits[index], [batch.params[i] for i in sample_rows])
-        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p; each seeded row
-        # draws its noise from its own generator.
-        noise = torch.empty_like(probs).exponential_()
-        for j, row in enumerate(sample_rows):
-            generator = batch.generators[row]
-            if generator is not None:
-                noise[j].exponential_(generator=generator)
-        tokens[index] = (probs / noise).argmax(dim=-1)
-        return tokens.tolist()
+        if sample_rows:
+            index = torch.tensor(sample_rows, device=logits.device)
+            probs = _filtered_probs(logits[index], [batch.params[i] for i in sample_rows])
+            # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p; each seeded
+            # row draws its noise from its own generator.
+            noise = torch.empty_like(probs).exponential_()
+            for j, row in enumerate(sample_rows):
+                generator = batch.generators[row]
+                if generator is not None:
+                    noise[j].exponential_(generator=generator)
+            tokens[index] = (probs / noise).argmax(dim=-1)
+
+        token_list = tokens.tolist()
+        logprobs: list[TokenLogprobs | None] = [None] * num_rows
+        if raw_logprobs is not None:
+            logprobs = _gather_logprobs(raw_logprobs, tokens, batch.params)
+        return SamplerOutput(token_ids=token_list, logprobs=logprobs)
 
     @staticmethod
-    def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-        device = logits.device
-        temperature = torch.tensor([p.temperature for p in params], device=device)
-        logits = logits / temperature.unsqueeze(1)
-        vocab = logits.shape[1]
-        top_k = torch.tensor(
-            [p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device
-        )
-        top_p = torch.tensor([p.top_p for p in params], device=device)
-        min_p = torch.tensor([p.min_p for p in params], device=device)
-        if (top_k < vocab).any() or (top_p < 1.0).any():
-            sorted_logits, order = logits.sort(dim=-1, descending=True)
-            ranks = torch.arange(vocab, device=device).unsqueeze(0)
-            drop = ranks >= top_k.unsqueeze(1)
-            sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
-            # Keep the smallest prefix whose mass reaches top_p (the first token always).
-            mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-            drop |= mass_before >= top_p.unsqueeze(1)
-            sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-            logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
-        probs = logits.softmax(dim=-1)
-        if (min_p > 0).any():
-            threshold = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
-            probs = probs.masked_fill(probs < threshold, 0.0)
-        return probs
+    def _apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> None:
+        rows: list[int] = []
+        cols: list[int] = []
+        values: list[float] = []
+        for row, p in enumerate(params):
+            if p.logit_bias:
+                rows.extend([row] * len(p.logit_bias))
+                cols.extend(p.logit_bias.keys())
+                values.extend(p.logit_bias.values())
+        if rows:
+            device = logits.device
+            logits.index_put_(
+                (torch.tensor(rows, device=device), torch.tensor(cols, device=device)),
+                torch.tensor(values, device=device, dtype=logits.dtype),
+                accumulate=True,
+            )
+
+
+def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    device = logits.device
+    temperature = torch.tensor([p.temperature for p in params], device=device)
+    logits = logits / temperature.unsqueeze(1)
+    vocab = logits.shape[1]
+    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device)
+    top_p = torch.tensor([p.top_p for p in params], device=device)
+    min_p = torch.tensor([p.min_p for p in params], device=device)
+    if (top_k < vocab).any() or (top_p < 1.0).any():
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        ranks = torch.arange(vocab, device=device).unsqueeze(0)
+        drop = ranks >= top_k.unsqueeze(1)
+        sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+        # Keep the smallest prefix whose mass reaches top_p (the first token always).
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        drop |= mass_before >= top_p.unsqueeze(1)
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    probs = logits.softmax(dim=-1)
+    if (min_p > 0).any():
+        threshold = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
+        probs = probs.masked_fill(probs < threshold, 0.0)
+    return probs
+
+
+def _gather_logprobs(
+    logprobs: torch.Tensor,  # [num_rows, vocab]
+    tokens: torch.Tensor,  # [num_rows]
+    params: list[SamplingParams],
+) -> list[TokenLogprobs | None]:
+    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    index = torch.tensor(rows, device=logprobs.device)
+    selected = logprobs[index]
+    chosen = tokens[index]
+    chosen_logprobs = selected.gather(1, chosen.unsqueeze(1))  # [rows, 1]
+    # Rank 1 = most likely; ties share the better rank.
+    chosen_ranks = (selected > chosen_logprobs).sum(dim=1) + 1
+    max_k = max(params[i].logprobs or 0 for i in rows)
+    top_values, top_ids = selected.topk(max_k, dim=1) if max_k else (None, None)
+    result: list[TokenLogprobs | None] = [None] * len(params)
+    for j, row in enumerate(rows):
+        k = params[row].logprobs or 0
+        ids = [int(chosen[j])]
+        values = [float(chosen_logprobs[j, 0])]
+        ranks = [int(chosen_ranks[j])]
+        if k:
+            assert top_ids is not None and top_values is not None
+            ids += top_ids[j, :k].tolist()
+            values += top_values[j, :k].tolist()
+            ranks += list(range(1, k + 1))
+        result[row] = TokenLogprobs(ids, values, ranks)
+    return result

@@ -3,7 +3,8 @@
 The runner keeps, per running request, the token ids and block table the scheduler told
 it about, turns each step into flattened model inputs, runs the model, samples the rows
 that need a next token and reports them in a ModelRunnerOutput. It also performs the
-swap copies between the device KV cache and the host KV cache.
+block copies: swaps between the device and host KV caches, and copy-on-write of forked
+completions.
 """
 
 from __future__ import annotations
@@ -13,8 +14,15 @@ from dataclasses import dataclass
 
 import torch
 
-from pagellm.core.scheduler_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from pagellm.core.scheduler_output import (
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+    TokenLogprobs,
+)
 from pagellm.model.llama import LlamaForCausalLM
+from pagellm.request import child_request_id
+from pagellm.sample.penalties import PenaltyState
 from pagellm.sample.sampler import Sampler, SamplingBatch
 from pagellm.sampling_params import SamplingParams
 from pagellm.worker.kv_cache import allocate_kv_caches
@@ -33,10 +41,20 @@ class RunnerRequestState:
     num_computed_tokens: int
     sampling_params: SamplingParams
     eos_token_ids: frozenset[int]
+    num_pending_forks: int = 0
 
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+
+@dataclass
+class _SampleRow:
+    """One row of the step's sampling batch."""
+
+    req_id: str  # who receives the token (a forked child for fork rows)
+    owner_id: str  # the request whose logits and state the row uses
+    hidden_row: int  # row of the flat batch whose hidden state gives the logits
 
 
 class ModelRunner:
@@ -53,7 +71,9 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         config = model.config
-        self.kv_caches = allocate_kv_caches(config, num_device_blocks, block_size, kv_cache_dtype, device)
+        self.kv_caches = allocate_kv_caches(
+            config, num_device_blocks, block_size, kv_cache_dtype, device
+        )
         self.host_kv_caches = (
             allocate_kv_caches(
                 config,
@@ -67,6 +87,7 @@ class ModelRunner:
             else []
         )
         self.sampler = Sampler()
+        self.penalties = PenaltyState(config.vocab_size, device)
         self.requests: dict[str, RunnerRequestState] = {}
         # Seeded generators outlive preemption so a request's draws stay reproducible.
         self.generators: dict[str, torch.Generator] = {}
@@ -74,11 +95,11 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         for req_id in scheduler_output.finished_req_ids:
-            self.requests.pop(req_id, None)
+            self._drop(req_id)
             self.generators.pop(req_id, None)
         for req_id in scheduler_output.preempted_req_ids:
-            self.requests.pop(req_id, None)
-        self._swap(scheduler_output)
+            self._drop(req_id)
+        self._copy_blocks_for(scheduler_output)
         for new in scheduler_output.scheduled_new_reqs:
             self._add_request(new)
         for cached in scheduler_output.scheduled_cached_reqs:
@@ -90,51 +111,74 @@ class ModelRunner:
         if not req_ids:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids={})
         sequences: list[ScheduledSequence] = []
-        sampled_req_ids: list[str] = []
         for req_id in req_ids:
             state = self.requests[req_id]
             start = state.num_computed_tokens
             end = start + scheduler_output.num_scheduled_tokens[req_id]
-            needs_token = end == len(state.token_ids)
             sequences.append(
-                ScheduledSequence(state.token_ids[start:end], start, state.block_ids, needs_token)
+                ScheduledSequence(
+                    state.token_ids[start:end], start, state.block_ids, end == len(state.token_ids)
+                )
             )
-            if needs_token:
-                sampled_req_ids.append(req_id)
-
         inputs = prepare_model_inputs(sequences, self.block_size, self.device)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
-        sampled: dict[str, list[int]] = {req_id: [] for req_id in req_ids}
-        if sampled_req_ids:
-            logits = self.model.compute_logits(hidden[inputs.logits_indices])
-            tokens = self.sampler(logits, self._sampling_batch(sampled_req_ids))
-            for req_id, token in zip(sampled_req_ids, tokens, strict=True):
-                self.requests[req_id].token_ids.append(token)
-                sampled[req_id] = [token]
-        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
 
-    def _add_request(self, new: NewRequestData) -> None:
-        self.requests[new.req_id] = RunnerRequestState(
-            token_ids=list(new.prompt_token_ids) + list(new.output_token_ids),
-            num_prompt_tokens=len(new.prompt_token_ids),
-            block_ids=list(new.block_ids),
-            num_computed_tokens=new.num_computed_tokens,
-            sampling_params=new.sampling_params,
-            eos_token_ids=new.eos_token_ids,
+        output = ModelRunnerOutput(
+            req_ids=req_ids, sampled_token_ids={req_id: [] for req_id in req_ids}
         )
-        seed = new.sampling_params.seed
-        if seed is not None and new.req_id not in self.generators:
-            generator = torch.Generator(device=self.device)
-            generator.manual_seed(seed)
-            self.generators[new.req_id] = generator
+        self._prompt_logprobs(req_ids, sequences, inputs.metadata.query_start_loc, hidden, output)
+        rows = self._sample_rows(req_ids, sequences, inputs.metadata.query_start_loc)
+        if rows:
+            self._sample(rows, hidden, output)
+        return output
 
-    def _sampling_batch(self, req_ids: list[str]) -> SamplingBatch:
-        params, generators, banned = [], [], []
-        for req_id in req_ids:
+    # ------------------------------------------------------------- sampling
+
+    def _sample_rows(
+        self, req_ids: list[str], sequences: list[ScheduledSequence], starts: list[int]
+    ) -> list[_SampleRow]:
+        rows: list[_SampleRow] = []
+        for index, (req_id, seq) in enumerate(zip(req_ids, sequences, strict=True)):
+            if not seq.needs_logits:
+                continue
+            last_row = starts[index + 1] - 1
+            rows.append(_SampleRow(req_id, req_id, last_row))
             state = self.requests[req_id]
+            # n > 1: the other completions draw their first token from the same logits.
+            for fork in range(1, state.num_pending_forks + 1):
+                rows.append(_SampleRow(child_request_id(req_id, fork), req_id, last_row))
+        return rows
+
+    def _sample(self, rows: list[_SampleRow], hidden: torch.Tensor, output: ModelRunnerOutput) -> None:
+        index = torch.tensor([row.hidden_row for row in rows], device=self.device)
+        logits = self.model.compute_logits(hidden[index])
+        result = self.sampler(logits, self._sampling_batch(rows))
+        owners: list[str] = []
+        owner_tokens: list[int] = []
+        for row, token, logprobs in zip(rows, result.token_ids, result.logprobs, strict=True):
+            if logprobs is not None:
+                if output.logprobs is None:
+                    output.logprobs = {}
+                output.logprobs[row.req_id] = [logprobs]
+            if row.req_id == row.owner_id:
+                self.requests[row.req_id].token_ids.append(token)
+                output.sampled_token_ids[row.req_id] = [token]
+                owners.append(row.req_id)
+                owner_tokens.append(token)
+            else:
+                output.forked_token_ids.setdefault(row.owner_id, []).append(token)
+                self.requests[row.owner_id].num_pending_forks = 0
+        self.penalties.record(owners, owner_tokens)
+
+    def _sampling_batch(self, rows: list[_SampleRow]) -> SamplingBatch:
+        params, generators, banned, penalty_rows, penalty_owners = [], [], [], [], []
+        for position, row in enumerate(rows):
+            state = self.requests[row.owner_id]
             sp = state.sampling_params
             params.append(sp)
-            generators.append(self.generators.get(req_id))
+            if row.req_id != row.owner_id and sp.seed is not None:
+                self._ensure_generator(row.req_id, sp.seed + int(row.req_id.rsplit("#", 1)[1]))
+            generators.append(self.generators.get(row.req_id))
             if state.num_output_tokens < sp.min_tokens:
                 held_back = set(sp.stop_token_ids)
                 if not sp.ignore_eos:
@@ -142,30 +186,110 @@ class ModelRunner:
                 banned.append(sorted(held_back))
             else:
                 banned.append([])
-        return SamplingBatch(params=params, generators=generators, banned_token_ids=banned)
+            if self.penalties.has(row.owner_id):
+                penalty_rows.append(position)
+                penalty_owners.append(row.owner_id)
+        batch = SamplingBatch(params=params, generators=generators, banned_token_ids=banned)
+        if penalty_rows:
+            index = self.penalties.rows_of(penalty_owners)
+            batch.penalty_rows = penalty_rows
+            batch.output_counts = self.penalties.output_counts[index]
+            batch.prompt_mask = self.penalties.prompt_mask[index]
+        return batch
 
-    def _swap(self, scheduler_output: SchedulerOutput) -> None:
-        """Copy whole blocks between device and host caches, every layer, K and V."""
+    def _prompt_logprobs(
+        self,
+        req_ids: list[str],
+        sequences: list[ScheduledSequence],
+        starts: list[int],
+        hidden: torch.Tensor,
+        output: ModelRunnerOutput,
+    ) -> None:
+        """Logprobs of each prompt token given the tokens before it, chunk by chunk."""
+        for index, (req_id, seq) in enumerate(zip(req_ids, sequences, strict=True)):
+            state = self.requests[req_id]
+            k = state.sampling_params.prompt_logprobs
+            if k is None:
+                continue
+            # Row i predicts the token at position start + i + 1, while that is a prompt token.
+            count = min(len(seq.token_ids), state.num_prompt_tokens - 1 - seq.start_position)
+            if count <= 0:
+                continue
+            first = starts[index]
+            logprobs = self.model.compute_logits(hidden[first : first + count]).float()
+            logprobs = logprobs.log_softmax(dim=-1)
+            positions = range(seq.start_position + 1, seq.start_position + 1 + count)
+            targets = torch.tensor([state.token_ids[p] for p in positions], device=self.device)
+            target_logprobs = logprobs.gather(1, targets.unsqueeze(1))
+            target_ranks = (logprobs > target_logprobs).sum(dim=1) + 1
+            top_values, top_ids = logprobs.topk(k, dim=1) if k else (None, None)
+            entries = []
+            for i in range(count):
+                ids, values, ranks = [int(targets[i])], [float(target_logprobs[i, 0])], [int(target_ranks[i])]
+                if k:
+                    assert top_ids is not None and top_values is not None
+                    ids += top_ids[i].tolist()
+                    values += top_values[i].tolist()
+                    ranks += list(range(1, k + 1))
+                entries.append(TokenLogprobs(ids, values, ranks))
+            if output.prompt_logprobs is None:
+                output.prompt_logprobs = {}
+            output.prompt_logprobs[req_id] = entries
+
+    # ---------------------------------------------------------------- state
+
+    def _add_request(self, new: NewRequestData) -> None:
+        state = RunnerRequestState(
+            token_ids=list(new.prompt_token_ids) + list(new.output_token_ids),
+            num_prompt_tokens=len(new.prompt_token_ids),
+            block_ids=list(new.block_ids),
+            num_computed_tokens=new.num_computed_tokens,
+            sampling_params=new.sampling_params,
+            eos_token_ids=new.eos_token_ids,
+            num_pending_forks=new.num_pending_forks,
+        )
+        self.requests[new.req_id] = state
+        if new.sampling_params.seed is not None:
+            self._ensure_generator(new.req_id, new.sampling_params.seed)
+        if new.sampling_params.has_penalties:
+            self.penalties.remove(new.req_id)
+            self.penalties.add(new.req_id, new.prompt_token_ids, new.output_token_ids)
+
+    def _ensure_generator(self, req_id: str, seed: int) -> None:
+        if req_id not in self.generators:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(seed)
+            self.generators[req_id] = generator
+
+    def _drop(self, req_id: str) -> None:
+        self.requests.pop(req_id, None)
+        self.penalties.remove(req_id)
+
+    # ---------------------------------------------------------------- copies
+
+    def _copy_blocks_for(self, scheduler_output: SchedulerOutput) -> None:
+        """Swap-outs, then copy-on-write copies, then swap-ins (see SchedulerOutput)."""
         if scheduler_output.blocks_to_swap_out:
             src, dst = zip(*scheduler_output.blocks_to_swap_out, strict=True)
-            self._copy_blocks(self.kv_caches, self.host_kv_caches, src, dst)
-        if scheduler_output.blocks_to_swap_in:
-            src, dst = zip(*scheduler_output.blocks_to_swap_in, strict=True)
-            self._copy_blocks(self.host_kv_caches, self.kv_caches, src, dst)
+            _copy_blocks(self.kv_caches, self.host_kv_caches, src, dst)
         if scheduler_output.blocks_to_copy:
             src, dst = zip(*scheduler_output.blocks_to_copy, strict=True)
-            self._copy_blocks(self.kv_caches, self.kv_caches, src, dst)
+            _copy_blocks(self.kv_caches, self.kv_caches, src, dst)
+        if scheduler_output.blocks_to_swap_in:
+            src, dst = zip(*scheduler_output.blocks_to_swap_in, strict=True)
+            _copy_blocks(self.host_kv_caches, self.kv_caches, src, dst)
 
-    @staticmethod
-    def _copy_blocks(
-        source: list[torch.Tensor],
-        target: list[torch.Tensor],
-        source_ids: tuple[int, ...],
-        target_ids: tuple[int, ...],
-    ) -> None:
-        src_index = torch.tensor(source_ids, device=source[0].device)
-        dst_index = torch.tensor(target_ids, device=target[0].device)
-        for src_layer, dst_layer in zip(source, target, strict=True):
-            # [2, n, block_size, kv_heads, head_dim]
-            blocks = src_layer.index_select(1, src_index).to(dst_layer.device, non_blocking=True)
-            dst_layer.index_copy_(1, dst_index, blocks)
+
+def _copy_blocks(
+    source: list[torch.Tensor],
+    target: list[torch.Tensor],
+    source_ids: tuple[int, ...],
+    target_ids: tuple[int, ...],
+) -> None:
+    """Copy whole blocks (every layer, K and V) from one cache to another."""
+    src_index = torch.tensor(source_ids, device=source[0].device)
+    dst_index = torch.tensor(target_ids, device=target[0].device)
+    for src_layer, dst_layer in zip(source, target, strict=True):
+        # [2, n, block_size, kv_heads, head_dim]
+        blocks = src_layer.index_select(1, src_index).to(dst_layer.device, non_blocking=True)
+        dst_layer.index_copy_(1, dst_index, blocks)

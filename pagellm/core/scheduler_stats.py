@@ -1,0 +1,26 @@
+"""Scheduling stage: the snapshot of scheduler counters and gauges the engine exports."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerStats:
+    """A snapshot: queue sizes and usage now, counters cumulative since start."""
+
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    kv_cache_usage: float
+    host_kv_cache_usage: float
+    num_prefix_query_tokens: int
+    num_prefix_hit_tokens: int
+    num_allocation_attempts: int
+    num_allocation_failures: int
+    num_preemptions_recompute: int
+    num_preemptions_swap: int
+    num_swapped_in_blocks: int
+    num_swapped_out_blocks: int
+    num_prefill_tokens: int  # prompt tokens computed (recomputation included)
+    num_decode_tokens: int  # output tokens fed back and computed
