@@ -13,7 +13,7 @@ is dropped lazily, at the moment the block is taken for a new allocation (evicti
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from pagellm.request import BlockHash
 
@@ -127,6 +127,8 @@ class BlockPool:
             self.free_queue.append(block)
         self.cached_blocks: dict[BlockHash, KVBlock] = {}
         self.num_evictions = 0
+        # Called with the ids of blocks whose cached content is dropped (event log).
+        self.on_evict: Callable[[list[int]], None] | None = None
 
     @property
     def num_usable_blocks(self) -> int:
@@ -174,6 +176,8 @@ class BlockPool:
         assert removed is block, "a hashed block must be the one its hash maps to"
         block.block_hash = None
         self.num_evictions += 1
+        if self.on_evict is not None:
+            self.on_evict([block.block_id])
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
         """Take one more reference on prefix-hit blocks, pulling free ones out of the queue."""
@@ -230,6 +234,8 @@ class BlockPool:
                 del self.cached_blocks[block.block_hash]
                 block.block_hash = None
                 dropped += 1
+                if self.on_evict is not None:
+                    self.on_evict([block.block_id])
         return dropped
 
     def check_integrity(self) -> None:

@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from typing import NamedTuple
 
 from pagellm.config import CacheConfig
+from pagellm.core.kv_events import KVEventLog
 from pagellm.core.block_pool import BlockPool
 from pagellm.request import Request
 
@@ -67,6 +68,14 @@ class KVCacheManager:
         self._copy_on_write: set[str] = set()
         self._pending_copies: list[tuple[int, int]] = []
         self.stats = KVCacheStats()
+        self.events: KVEventLog | None = None
+
+    def set_event_log(self, events: KVEventLog | None) -> None:
+        """Record every block event to `events` (None: stop recording)."""
+        self.events = events
+        self.device_pool.on_evict = (
+            None if events is None else (lambda ids: events.record("evict", block_ids=ids))
+        )
 
     # ----------------------------------------------------------------- queries
 
@@ -139,9 +148,13 @@ class KVCacheManager:
             return
         hashes = request.get_block_hashes(self.block_size)
         blocks = self.device_pool.blocks
+        newly_cached = []
         for index in range(start, num_full):
-            self.device_pool.cache_block(blocks[table[index]], hashes[index])
+            if self.device_pool.cache_block(blocks[table[index]], hashes[index]):
+                newly_cached.append(table[index])
         self._num_cached_blocks[request_id] = num_full
+        if self.events is not None and newly_cached:
+            self.events.record("cache", request_id, newly_cached)
 
     def reset_prefix_cache(self) -> int:
         return self.device_pool.reset_prefix_cache()
@@ -195,6 +208,11 @@ class KVCacheManager:
             self._num_cached_blocks[request_id] = len(hit_ids)
         table.extend(hit_ids)
         table.extend(new_ids)
+        if self.events is not None:
+            if hit_ids:
+                self.events.record("cache_hit", request_id, hit_ids)
+            if new_ids:
+                self.events.record("allocate", request_id, new_ids)
         if new_computed_blocks is not None and self.enable_caching:
             self.stats.num_prefix_query_tokens += request.num_tokens
             self.stats.num_prefix_hit_tokens += num_hit_tokens
@@ -215,6 +233,8 @@ class KVCacheManager:
         assert len(table) == num_blocks, f"{parent} lacks blocks for its prompt"
         self.device_pool.touch(self.device_pool.blocks[block_id] for block_id in table)
         self._block_tables[child.request_id] = list(table)
+        if self.events is not None:
+            self.events.record("fork", child.request_id, table, parent_id=parent.request_id)
         self._num_cached_blocks[child.request_id] = min(
             self._num_cached_blocks.get(parent.request_id, 0), child.num_computed_tokens // self.block_size
         )
@@ -242,6 +262,8 @@ class KVCacheManager:
         table[-1] = private.block_id
         pool.free([shared])
         self._pending_copies.append((shared.block_id, private.block_id))
+        if self.events is not None:
+            self.events.record("copy_on_write", request_id, [shared.block_id, private.block_id])
         self._copy_on_write.discard(request_id)
 
     def free(self, request: Request) -> None:
@@ -261,6 +283,8 @@ class KVCacheManager:
             # (the least likely to be shared) goes before its beginning.
             blocks = self.device_pool.blocks
             self.device_pool.free(blocks[block_id] for block_id in reversed(table))
+            if self.events is not None:
+                self.events.record("free", request_id, reversed(table))
 
     # ------------------------------------------------------------------- swap
 
@@ -280,6 +304,8 @@ class KVCacheManager:
         host_blocks = self.host_pool.allocate(num_to_copy)
         host_ids = [block.block_id for block in host_blocks]
         pairs = list(zip(table[:num_to_copy], host_ids))
+        if self.events is not None:
+            self.events.record("swap_out", request_id, table[:num_to_copy], host_block_ids=host_ids)
         self._free_device(request_id)
         self._host_block_tables[request_id] = host_ids
         self.stats.num_swapped_out_blocks += num_to_copy
@@ -314,6 +340,8 @@ class KVCacheManager:
         host_blocks = self.host_pool.blocks
         self.host_pool.free(host_blocks[block_id] for block_id in reversed(host_ids))
         self._block_tables[request_id] = device_ids
+        if self.events is not None:
+            self.events.record("swap_in", request_id, device_ids, host_block_ids=host_ids)
         # The copies hold the same content, but are registered again only once the
         # runner has done the copy (cache_blocks after the step).
         self._num_cached_blocks[request_id] = 0

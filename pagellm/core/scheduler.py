@@ -242,6 +242,9 @@ class Scheduler:
         self.running.remove(request)
         plan.unschedule(request)
         plan.preempted_req_ids.add(request.request_id)
+        events = self.kv_cache_manager.events
+        if events is not None:
+            events.record("preempt", request.request_id, mode=self.scheduler_config.preemption_mode)
         request.num_preemptions += 1
         if self.scheduler_config.preemption_mode == "swap" and request.num_computed_tokens:
             pairs = self.kv_cache_manager.swap_out(request)
@@ -466,6 +469,7 @@ class Scheduler:
             num_waiting=self.num_waiting,
             num_swapped=self.num_swapped,
             kv_cache_usage=kv.get_usage(),
+            num_free_blocks=kv.num_free_blocks,
             host_kv_cache_usage=kv.get_host_usage(),
             num_prefix_query_tokens=kv_stats.num_prefix_query_tokens,
             num_prefix_hit_tokens=kv_stats.num_prefix_hit_tokens,

@@ -13,6 +13,7 @@ class SchedulerStats:
     num_waiting: int
     num_swapped: int
     kv_cache_usage: float
+    num_free_blocks: int  # device blocks free (cached-free included)
     host_kv_cache_usage: float
     num_prefix_query_tokens: int
     num_prefix_hit_tokens: int

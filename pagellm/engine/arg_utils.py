@@ -34,6 +34,10 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"
     max_logprobs: int = 20  # most logprobs / prompt_logprobs a request may ask for
+    disable_log_stats: bool = False  # no periodic stats line
+    log_stats_interval: float = 5.0  # seconds between stats lines while busy
+    metrics_series_file: str | None = None  # JSONL time series (one point per second)
+    kv_events_file: str | None = None  # JSONL log of every KV block event
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
@@ -57,6 +61,11 @@ class EngineArgs:
             )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"max_model_len must be positive, got {self.max_model_len}")
+        if self.log_stats_interval <= 0:
+            raise ConfigError(
+                f"log_stats_interval must be positive (use disable_log_stats to turn the "
+                f"stats line off), got {self.log_stats_interval}"
+            )
         if self.max_logprobs < 0:
             raise ConfigError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
         if self.preemption_mode not in PREEMPTION_MODES:

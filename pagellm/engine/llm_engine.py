@@ -13,7 +13,9 @@ from dataclasses import dataclass
 import torch
 
 from pagellm.config import CacheConfig, SchedulerConfig
+from pagellm.core.kv_events import KVEventLog
 from pagellm.core.scheduler import Scheduler, SchedulerStats
+from pagellm.metrics.engine_metrics import EngineMetrics, MetricsSnapshot
 from pagellm.engine.arg_utils import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineArgs
 from pagellm.engine.input_processor import InputProcessor, PromptInput
 from pagellm.engine.output_processor import OutputProcessor
@@ -87,6 +89,8 @@ class LLMEngine:
         tokenizer: Tokenizer,
         runner: ModelRunner,
         max_logprobs: int = 20,
+        metrics: EngineMetrics | None = None,
+        kv_events_file: str | None = None,
     ) -> None:
         self.config = config
         self.model_config = config.model_config
@@ -98,6 +102,12 @@ class LLMEngine:
         )
         self.output_processor = OutputProcessor(tokenizer)
         self.max_logprobs = max_logprobs
+        self.metrics = metrics or EngineMetrics(config.source.name, log_stats_interval=None)
+        self.num_steps = 0
+        self.kv_events: KVEventLog | None = None
+        if kv_events_file:
+            self.kv_events = KVEventLog(kv_events_file)
+            self.scheduler.kv_cache_manager.set_event_log(self.kv_events)
         self._request_counter = itertools.count()
 
     @classmethod
@@ -171,7 +181,12 @@ class LLMEngine:
             model, args.block_size, size.num_gpu_blocks, size.num_cpu_blocks, dtype, device
         )
         config = EngineConfig(source, model_config, cache_config, scheduler_config, device, dtype)
-        return cls(config, tokenizer, runner, args.max_logprobs)
+        metrics = EngineMetrics(
+            source.name,
+            log_stats_interval=None if args.disable_log_stats else args.log_stats_interval,
+            series_file=args.metrics_series_file,
+        )
+        return cls(config, tokenizer, runner, args.max_logprobs, metrics, args.kv_events_file)
 
     # ------------------------------------------------------------------ requests
 
@@ -189,13 +204,18 @@ class LLMEngine:
             request_id = f"req-{next(self._request_counter)}"
         if request_id in self.scheduler.requests or self.output_processor.has_request(request_id):
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
-        params.check_against_model(self.model_config.vocab_size, self.max_logprobs)
-        prompt_text, prompt_ids = self.input_processor.tokenize(prompt)
-        request = self.input_processor.make_request(
-            request_id, prompt_ids, params, arrival_time, priority
-        )
-        self.scheduler.add_request(request)
+        try:
+            params.check_against_model(self.model_config.vocab_size, self.max_logprobs)
+            prompt_text, prompt_ids = self.input_processor.tokenize(prompt)
+            request = self.input_processor.make_request(
+                request_id, prompt_ids, params, arrival_time, priority
+            )
+            self.scheduler.add_request(request)
+        except InvalidRequestError as e:
+            self.metrics.request_rejected(e.parameter or "invalid")
+            raise
         self.output_processor.add_request(request_id, prompt_text, prompt_ids, params)
+        self.metrics.request_added(request_id, len(prompt_ids), time.time())
         return request_id
 
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
@@ -206,8 +226,9 @@ class LLMEngine:
             [sid for sid in scheduler_ids if sid in self.scheduler.requests],
             RequestStatus.FINISHED_ABORTED,
         )
-        outputs = [self.output_processor.abort(rid) for rid in ids]
-        return [o for o in outputs if o is not None]
+        outputs = [o for o in (self.output_processor.abort(rid) for rid in ids) if o is not None]
+        self.metrics.record_outputs(outputs, time.time())
+        return outputs
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -219,6 +240,9 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one iteration; returns the requests that progressed (or finished)."""
+        self.num_steps += 1
+        if self.kv_events is not None:
+            self.kv_events.step = self.num_steps
         scheduler_output = self.scheduler.schedule()
         cached = {
             rid: self.scheduler.requests[rid].num_cached_tokens
@@ -232,7 +256,22 @@ class LLMEngine:
         if result.stopped_req_ids:
             # A stop string ended these completions: free their blocks now.
             self.scheduler.finish_requests(result.stopped_req_ids, RequestStatus.FINISHED_STOPPED)
+        self.metrics.record_step(
+            scheduler_output, result.outputs, self.scheduler.make_stats(), time.time()
+        )
+        if self.kv_events is not None:
+            self.kv_events.flush()
         return result.outputs
+
+    def close(self) -> None:
+        """Release files the engine writes (event log, metrics series)."""
+        if self.kv_events is not None:
+            self.kv_events.close()
+        self.metrics.close()
 
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()
+
+    def get_metrics(self) -> MetricsSnapshot:
+        """Counters, gauges and latency summaries since the engine started."""
+        return self.metrics.snapshot(self.scheduler.make_stats())

@@ -30,6 +30,10 @@ class LLM:
         self.engine = LLMEngine.from_engine_args(args)
         self._counter = 0
 
+    def get_metrics(self):  # noqa: ANN201 - pagellm.metrics.engine_metrics.MetricsSnapshot
+        """The engine's counters, gauges and latency summaries (see README: Metrics)."""
+        return self.engine.get_metrics()
+
     def get_tokenizer(self):  # noqa: ANN201 - pagellm.tokenizer.Tokenizer
         return self.engine.tokenizer
 

@@ -1,0 +1,1 @@
+"""Metrics stage: what the engine is doing, for Prometheus, logs and people."""

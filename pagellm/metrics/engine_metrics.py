@@ -1,0 +1,320 @@
+"""Metrics stage: per-step accounting of what the engine did, kept cheap.
+
+The engine calls `record_step` once per step with what ran and what came out. From that
+this module keeps: the Prometheus metrics (prometheus_metrics.py), per-request timings
+(queue, prefill, TTFT, inter-token, end-to-end), a time series sampled every second (for
+the dashboard and offline reports), a periodic stats line in the log, and a snapshot
+for the offline API.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from pagellm.core.scheduler_output import SchedulerOutput
+from pagellm.core.scheduler_stats import SchedulerStats
+from pagellm.metrics.prometheus_metrics import PrometheusMetrics
+from pagellm.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+# Scheduler counters that are mirrored as Prometheus counters (cumulative -> deltas).
+_MIRRORED_COUNTERS = {
+    "num_prefill_tokens": "prefill_tokens",
+    "num_decode_tokens": "decode_tokens",
+    "num_prefix_query_tokens": "prefix_cache_queries",
+    "num_prefix_hit_tokens": "prefix_cache_hits",
+    "num_swapped_in_blocks": "swapped_in_blocks",
+    "num_swapped_out_blocks": "swapped_out_blocks",
+    "num_allocation_attempts": "block_allocation_attempts",
+    "num_allocation_failures": "block_allocation_failures",
+}
+
+
+@dataclass
+class _RequestTiming:
+    arrival: float
+    num_prompt_tokens: int
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    last_token: dict[int, float] = field(default_factory=dict)  # per completion index
+
+
+@dataclass(frozen=True)
+class LatencySummary:
+    count: int
+    mean: float
+    p50: float
+    p90: float
+    p99: float
+
+
+@dataclass(frozen=True)
+class MetricsSnapshot:
+    """Everything the engine counted so far (the offline API's stats object)."""
+
+    scheduler: SchedulerStats
+    num_steps: int
+    prompt_tokens: int
+    generation_tokens: int
+    finished_requests: dict[str, int]
+    rejected_requests: dict[str, int]
+    latencies: dict[str, LatencySummary]  # ttft, itl, e2e, queue_time, prefill_time, decode_time
+
+
+class _Window:
+    """Counter values at the start of a reporting window, to turn totals into rates."""
+
+    def __init__(self, now: float, totals: dict[str, float]) -> None:
+        self.start = now
+        self.totals = dict(totals)
+        self.busy = False
+
+
+class EngineMetrics:
+    def __init__(
+        self,
+        model_name: str,
+        log_stats_interval: float | None = 5.0,
+        series_interval: float = 1.0,
+        series_file: str | None = None,
+        max_series_points: int = 3600,
+        reservoir_size: int = 10000,
+    ) -> None:
+        self.prom = PrometheusMetrics(model_name)
+        self.log_stats_interval = log_stats_interval
+        self.series_interval = series_interval
+        self.series: deque[dict[str, Any]] = deque(maxlen=max_series_points)
+        self._series_file = open(series_file, "a", encoding="utf-8") if series_file else None  # noqa: SIM115
+        self._timings: dict[str, _RequestTiming] = {}
+        self._last_stats: SchedulerStats | None = None
+        self._latencies: dict[str, deque[float]] = {
+            name: deque(maxlen=reservoir_size)
+            for name in ("ttft", "itl", "e2e", "queue_time", "prefill_time", "decode_time")
+        }
+        self._interval_latencies: dict[str, list[float]] = {"ttft": [], "itl": []}
+        self.num_steps = 0
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.finished: dict[str, int] = {}
+        self.rejected: dict[str, int] = {}
+        now = time.monotonic()
+        self._series_window = _Window(now, self._totals(None))
+        self._log_window = _Window(now, self._totals(None))
+
+    # ------------------------------------------------------------- requests
+
+    def request_added(self, request_id: str, num_prompt_tokens: int, arrival: float) -> None:
+        self._timings[request_id] = _RequestTiming(arrival, num_prompt_tokens)
+
+    def request_rejected(self, reason: str) -> None:
+        self.rejected[reason] = self.rejected.get(reason, 0) + 1
+        self.prom.request_rejected(reason).inc()
+
+    def record_outputs(self, outputs: list[RequestOutput], now: float) -> None:
+        """Token timings and finishes, from the outputs of a step (or of an abort)."""
+        prom = self.prom
+        for output in outputs:
+            timing = self._timings.get(output.request_id)
+            if timing is None:
+                continue
+            for completion in output.outputs:
+                count = len(completion.delta_token_ids)
+                if not count:
+                    continue
+                self.generation_tokens += count
+                prom.generation_tokens.inc(count)
+                previous = timing.last_token.get(completion.index)
+                if previous is not None:
+                    self._observe("itl", prom.inter_token_latency, now - previous)
+                timing.last_token[completion.index] = now
+            if timing.first_token is None and timing.last_token:
+                timing.first_token = now
+                self.prompt_tokens += timing.num_prompt_tokens
+                prom.prompt_tokens.inc(timing.num_prompt_tokens)
+                self._observe("ttft", prom.time_to_first_token, now - timing.arrival)
+                if timing.first_scheduled is not None:
+                    self._observe("prefill_time", prom.request_prefill_time, now - timing.first_scheduled)
+            if output.finished:
+                del self._timings[output.request_id]
+                self._observe("e2e", prom.e2e_request_latency, now - timing.arrival)
+                if timing.first_token is not None:
+                    self._observe("decode_time", prom.request_decode_time, now - timing.first_token)
+                prom.request_prompt_tokens.observe(timing.num_prompt_tokens)
+                prom.request_generation_tokens.observe(sum(len(c.token_ids) for c in output.outputs))
+                for completion in output.outputs:
+                    reason = completion.finish_reason or "abort"
+                    self.finished[reason] = self.finished.get(reason, 0) + 1
+                    prom.request_success(reason).inc()
+
+    # ----------------------------------------------------------------- steps
+
+    def record_step(
+        self,
+        scheduler_output: SchedulerOutput,
+        outputs: list[RequestOutput],
+        stats: SchedulerStats,
+        now: float,
+    ) -> None:
+        prom = self.prom
+        self.num_steps += 1
+        scheduled = scheduler_output.num_scheduled_tokens
+        if scheduled:
+            prom.iteration_tokens.observe(scheduler_output.total_num_scheduled_tokens)
+            prom.iteration_requests.observe(len(scheduled))
+            for request_id in scheduled:
+                timing = self._timings.get(request_id)
+                if timing is not None and timing.first_scheduled is None:
+                    timing.first_scheduled = now
+                    self._observe("queue_time", prom.request_queue_time, now - timing.arrival)
+        self.record_outputs(outputs, now)
+        self._update_scheduler_metrics(stats)
+        active = bool(scheduled) or stats.num_waiting > 0
+        self._series_window.busy |= active
+        self._log_window.busy |= active
+        monotonic = time.monotonic()
+        if monotonic - self._series_window.start >= self.series_interval:
+            self._append_series_point(monotonic, stats)
+        if self.log_stats_interval and monotonic - self._log_window.start >= self.log_stats_interval:
+            self._log_stats_line(monotonic, stats)
+
+    def _update_scheduler_metrics(self, stats: SchedulerStats) -> None:
+        prom = self.prom
+        prom.num_requests_running.set(stats.num_running)
+        prom.num_requests_waiting.set(stats.num_waiting)
+        prom.num_requests_swapped.set(stats.num_swapped)
+        prom.kv_cache_usage_perc.set(stats.kv_cache_usage)
+        prom.cpu_kv_cache_usage_perc.set(stats.host_kv_cache_usage)
+        prom.num_free_blocks.set(stats.num_free_blocks)
+        last = self._last_stats
+        for field_name, metric_name in _MIRRORED_COUNTERS.items():
+            delta = getattr(stats, field_name) - (getattr(last, field_name) if last else 0)
+            if delta:
+                getattr(prom, metric_name).inc(delta)
+        for mode in ("recompute", "swap"):
+            field_name = f"num_preemptions_{mode}"
+            delta = getattr(stats, field_name) - (getattr(last, field_name) if last else 0)
+            if delta:
+                prom.preemptions[mode].inc(delta)
+        self._last_stats = stats
+
+    def _observe(self, name: str, histogram: Any, value: float) -> None:
+        histogram.observe(value)
+        self._latencies[name].append(value)
+        if name in self._interval_latencies:
+            self._interval_latencies[name].append(value)
+
+    # -------------------------------------------------------------- reports
+
+    def _totals(self, stats: SchedulerStats | None) -> dict[str, float]:
+        totals: dict[str, float] = {
+            "prompt_tokens": self.prompt_tokens,
+            "generation_tokens": self.generation_tokens,
+            "steps": self.num_steps,
+        }
+        for field_name in (*_MIRRORED_COUNTERS, "num_preemptions_recompute", "num_preemptions_swap"):
+            totals[field_name] = getattr(stats, field_name) if stats else 0
+        return totals
+
+    def _rates(self, window: _Window, now: float, stats: SchedulerStats) -> dict[str, float]:
+        elapsed = max(now - window.start, 1e-9)
+        totals = self._totals(stats)
+        delta = {k: totals[k] - window.totals.get(k, 0) for k in totals}
+        queries = delta["num_prefix_query_tokens"]
+        attempts = delta["num_allocation_attempts"]
+        return {
+            "elapsed": elapsed,
+            "prompt_tps": delta["prompt_tokens"] / elapsed,
+            "generation_tps": delta["generation_tokens"] / elapsed,
+            "prefill_tps": delta["num_prefill_tokens"] / elapsed,
+            "decode_tps": delta["num_decode_tokens"] / elapsed,
+            "steps_per_s": delta["steps"] / elapsed,
+            "prefix_hit_rate": delta["num_prefix_hit_tokens"] / queries if queries else 0.0,
+            "allocation_failure_rate": delta["num_allocation_failures"] / attempts if attempts else 0.0,
+            "preemptions": delta["num_preemptions_recompute"] + delta["num_preemptions_swap"],
+        }
+
+    def _append_series_point(self, now: float, stats: SchedulerStats) -> None:
+        window = self._series_window
+        rates = self._rates(window, now, stats)
+        point = {
+            "time": time.time(),
+            **{k: round(v, 4) for k, v in rates.items() if k != "elapsed"},
+            "running": stats.num_running,
+            "waiting": stats.num_waiting,
+            "swapped": stats.num_swapped,
+            "kv_usage": round(stats.kv_cache_usage, 4),
+            "ttft_p50": _percentile(self._interval_latencies["ttft"], 50),
+            "ttft_p90": _percentile(self._interval_latencies["ttft"], 90),
+            "itl_p50": _percentile(self._interval_latencies["itl"], 50),
+            "itl_p90": _percentile(self._interval_latencies["itl"], 90),
+        }
+        for values in self._interval_latencies.values():
+            values.clear()
+        if window.busy:
+            self.series.append(point)
+            if self._series_file is not None:
+                self._series_file.write(json.dumps(point) + "\n")
+                self._series_file.flush()
+        self._series_window = _Window(now, self._totals(stats))
+
+    def _log_stats_line(self, now: float, stats: SchedulerStats) -> None:
+        window = self._log_window
+        if window.busy:
+            r = self._rates(window, now, stats)
+            ratio = r["prefill_tps"] / r["decode_tps"] if r["decode_tps"] else float("inf")
+            logger.info(
+                "prompt %.1f tok/s, generation %.1f tok/s | prefill %.1f tok/s, decode %.1f tok/s "
+                "(prefill:decode %.2f) | running %d, waiting %d, swapped %d | KV %.1f%% | "
+                "prefix hit %.1f%% | alloc failures %.1f%% | preemptions %d",
+                r["prompt_tps"], r["generation_tps"], r["prefill_tps"], r["decode_tps"], ratio,
+                stats.num_running, stats.num_waiting, stats.num_swapped,
+                100 * stats.kv_cache_usage, 100 * r["prefix_hit_rate"],
+                100 * r["allocation_failure_rate"], r["preemptions"],
+            )  # fmt: skip
+        self._log_window = _Window(now, self._totals(stats))
+
+    def snapshot(self, stats: SchedulerStats) -> MetricsSnapshot:
+        return MetricsSnapshot(
+            scheduler=stats,
+            num_steps=self.num_steps,
+            prompt_tokens=self.prompt_tokens,
+            generation_tokens=self.generation_tokens,
+            finished_requests=dict(self.finished),
+            rejected_requests=dict(self.rejected),
+            latencies={name: _summary(values) for name, values in self._latencies.items()},
+        )
+
+    def close(self) -> None:
+        if self._series_file is not None:
+            self._series_file.close()
+            self._series_file = None
+
+
+def _percentile(values: list[float] | deque[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[index]
+
+
+def _summary(values: deque[float]) -> LatencySummary:
+    if not values:
+        return LatencySummary(0, 0.0, 0.0, 0.0, 0.0)
+    return LatencySummary(
+        count=len(values),
+        mean=sum(values) / len(values),
+        p50=_percentile(values, 50) or 0.0,
+        p90=_percentile(values, 90) or 0.0,
+        p99=_percentile(values, 99) or 0.0,
+    )
+
+
+def snapshot_as_dict(snapshot: MetricsSnapshot) -> dict[str, Any]:
+    return asdict(snapshot)

@@ -1,0 +1,99 @@
+"""Metrics stage: the Prometheus metric objects of one engine.
+
+Names follow vLLM's where the metric is the same, under a `pagellm:` prefix, and every
+metric carries a `model_name` label. Each engine has its own registry, so several
+engines (tests, benchmarks) never collide.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0,
+)  # fmt: skip
+_LENGTH_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
+_STEP_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+class PrometheusMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        reg = self.registry
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"pagellm:{name}", doc, labels, registry=reg).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(f"pagellm:{name}", doc, labels, registry=reg).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets: tuple) -> Histogram:
+            return Histogram(
+                f"pagellm:{name}", doc, labels, buckets=buckets, registry=reg
+            ).labels(model_name)
+
+        self.num_requests_running = gauge("num_requests_running", "Requests in the running set.")
+        self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting for admission.")
+        self.num_requests_swapped = gauge("num_requests_swapped", "Requests swapped out to host memory.")
+        self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).")
+        self.cpu_kv_cache_usage_perc = gauge("cpu_kv_cache_usage_perc", "Fraction of host (swap) blocks in use (0-1).")
+        self.num_free_blocks = gauge("num_free_blocks", "Free KV cache blocks (cached-free included).")
+
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests whose prefill finished.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.prefill_tokens = counter("prefill_tokens", "Prompt-position tokens computed (recomputation included).")
+        self.decode_tokens = counter("decode_tokens", "Output-position tokens computed.")
+        self.prefix_cache_queries = counter("prefix_cache_queries", "Tokens looked up in the prefix cache.")
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Tokens found in the prefix cache.")
+        preemptions = Counter("pagellm:num_preemptions", "Preemptions, by mode.", ["model_name", "mode"], registry=reg)
+        self.preemptions = {mode: preemptions.labels(model_name, mode) for mode in ("recompute", "swap")}
+        self.swapped_in_blocks = counter("swapped_in_blocks", "Blocks copied host -> device.")
+        self.swapped_out_blocks = counter("swapped_out_blocks", "Blocks copied device -> host.")
+        self.block_allocation_attempts = counter("block_allocation_attempts", "Calls to allocate_slots.")
+        self.block_allocation_failures = counter(
+            "block_allocation_failures", "allocate_slots calls that found no room."
+        )
+        self._success = Counter(
+            "pagellm:request_success", "Finished requests, by finish reason.",
+            ["model_name", "finished_reason"], registry=reg,
+        )  # fmt: skip
+        self._rejected = Counter(
+            "pagellm:request_rejected", "Refused requests, by reason.",
+            ["model_name", "reason"], registry=reg,
+        )  # fmt: skip
+        self._model_name = model_name
+
+        self.time_to_first_token = histogram(
+            "time_to_first_token_seconds", "Arrival to first token.", _LATENCY_BUCKETS
+        )
+        self.inter_token_latency = histogram(
+            "inter_token_latency_seconds", "Time between two tokens of a completion.", _LATENCY_BUCKETS
+        )
+        self.e2e_request_latency = histogram(
+            "e2e_request_latency_seconds", "Arrival to finish.", _LATENCY_BUCKETS
+        )
+        self.request_queue_time = histogram(
+            "request_queue_time_seconds", "Arrival to first scheduling.", _LATENCY_BUCKETS
+        )
+        self.request_prefill_time = histogram(
+            "request_prefill_time_seconds", "First scheduling to first token.", _LATENCY_BUCKETS
+        )
+        self.request_decode_time = histogram(
+            "request_decode_time_seconds", "First token to finish.", _LATENCY_BUCKETS
+        )
+        self.request_prompt_tokens = histogram(
+            "request_prompt_tokens", "Prompt length per request.", _LENGTH_BUCKETS
+        )
+        self.request_generation_tokens = histogram(
+            "request_generation_tokens", "Generated tokens per request (all completions).", _LENGTH_BUCKETS
+        )
+        self.iteration_tokens = histogram("iteration_tokens", "Tokens computed per step.", _STEP_BUCKETS)
+        self.iteration_requests = histogram("iteration_requests", "Requests scheduled per step.", _STEP_BUCKETS)
+
+    def request_success(self, finished_reason: str) -> Counter:
+        return self._success.labels(self._model_name, finished_reason)
+
+    def request_rejected(self, reason: str) -> Counter:
+        return self._rejected.labels(self._model_name, reason)

@@ -1,0 +1,155 @@
+"""Metrics, the stats line, the time series and the KV event log on scripted runs."""
+
+import json
+import logging
+
+import pytest
+from hf_models import make_tiny_hf_checkpoint
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from pagellm import LLM, SamplingParams
+from pagellm.core.kv_replay import block_map_of, read_events, replay
+from pagellm.errors import InvalidRequestError
+
+PROMPTS = [[5 + i] * n for i, n in enumerate([3, 17, 32, 9, 40])]
+MAX_TOKENS = [4, 10, 1, 7, 12]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return str(make_tiny_hf_checkpoint(tmp_path_factory.mktemp("tiny"), "llama", seed=2))
+
+
+def sample(llm, name, **labels):
+    labels.setdefault("model_name", llm.engine.config.source.name)
+    return llm.engine.metrics.prom.registry.get_sample_value(name, labels)
+
+
+def run(llm, prompts=PROMPTS, max_tokens=MAX_TOKENS, **kwargs):
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True, **kwargs) for m in max_tokens]
+    return llm.generate(prompts, params, use_tqdm=False)
+
+
+def test_counters_equal_the_work_done_and_gauges_return_to_zero(folder):
+    llm = LLM(folder, max_model_len=128, enable_prefix_caching=False, max_num_batched_tokens=16)
+    run(llm)
+    m = llm.get_metrics()
+    assert m.prompt_tokens == sum(map(len, PROMPTS))
+    assert m.generation_tokens == sum(MAX_TOKENS)
+    assert m.scheduler.num_prefill_tokens == sum(map(len, PROMPTS))
+    # The last token of each request is sampled but never fed back.
+    assert m.scheduler.num_decode_tokens == sum(t - 1 for t in MAX_TOKENS)
+    assert m.finished_requests == {"length": len(PROMPTS)}
+    assert m.latencies["ttft"].count == len(PROMPTS)
+    assert m.latencies["itl"].count == sum(t - 1 for t in MAX_TOKENS)
+    assert m.latencies["e2e"].count == m.latencies["queue_time"].count == len(PROMPTS)
+    assert m.latencies["ttft"].p50 <= m.latencies["e2e"].p99
+    # The Prometheus view agrees.
+    assert sample(llm, "pagellm:prompt_tokens_total") == m.prompt_tokens
+    assert sample(llm, "pagellm:generation_tokens_total") == m.generation_tokens
+    assert sample(llm, "pagellm:prefill_tokens_total") == m.scheduler.num_prefill_tokens
+    assert sample(llm, "pagellm:decode_tokens_total") == m.scheduler.num_decode_tokens
+    assert sample(llm, "pagellm:request_success_total", finished_reason="length") == len(PROMPTS)
+    assert sample(llm, "pagellm:time_to_first_token_seconds_count") == len(PROMPTS)
+    assert sample(llm, "pagellm:iteration_tokens_sum") == m.scheduler.num_prefill_tokens + m.scheduler.num_decode_tokens
+    assert sample(llm, "pagellm:request_generation_tokens_sum") == sum(MAX_TOKENS)
+    for gauge in ("num_requests_running", "num_requests_waiting", "num_requests_swapped", "kv_cache_usage_perc"):
+        assert sample(llm, f"pagellm:{gauge}") == 0
+    assert sample(llm, "pagellm:num_free_blocks") == llm.engine.scheduler.kv_cache_manager.num_usable_blocks
+
+
+def test_preemption_and_allocation_failures_are_counted(folder):
+    llm = LLM(folder, max_model_len=64, num_gpu_blocks_override=7, enable_prefix_caching=False)
+    run(llm, prompts=[[7] * 20] * 6, max_tokens=[30] * 6)
+    stats = llm.get_metrics().scheduler
+    assert stats.num_preemptions_recompute > 0 and stats.num_allocation_failures > 0
+    assert sample(llm, "pagellm:num_preemptions_total", mode="recompute") == stats.num_preemptions_recompute
+    assert sample(llm, "pagellm:block_allocation_failures_total") == stats.num_allocation_failures
+    assert sample(llm, "pagellm:block_allocation_attempts_total") == stats.num_allocation_attempts
+
+
+def test_prefix_hits_and_rejections_are_counted(folder):
+    llm = LLM(folder, max_model_len=128)
+    shared = list(range(3, 51))  # 3 full blocks
+    run(llm, prompts=[shared + [60]], max_tokens=[2])
+    run(llm, prompts=[shared + [61], shared + [62]], max_tokens=[2, 2])
+    stats = llm.get_metrics().scheduler
+    assert stats.num_prefix_hit_tokens == 2 * 48
+    assert sample(llm, "pagellm:prefix_cache_hits_total") == 2 * 48
+    assert sample(llm, "pagellm:prefix_cache_queries_total") == stats.num_prefix_query_tokens
+    with pytest.raises(InvalidRequestError):
+        llm.generate([[5] * 200], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert llm.get_metrics().rejected_requests == {"prompt": 1}
+    assert sample(llm, "pagellm:request_rejected_total", reason="prompt") == 1
+
+
+def test_exposition_parses_and_carries_every_metric(folder):
+    llm = LLM(folder, max_model_len=128)
+    run(llm)
+    text = generate_latest(llm.engine.metrics.prom.registry).decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    expected = {
+        "pagellm:num_requests_running", "pagellm:num_requests_waiting", "pagellm:num_requests_swapped",
+        "pagellm:kv_cache_usage_perc", "pagellm:cpu_kv_cache_usage_perc", "pagellm:num_free_blocks",
+        "pagellm:prompt_tokens", "pagellm:generation_tokens", "pagellm:prefill_tokens", "pagellm:decode_tokens",
+        "pagellm:prefix_cache_queries", "pagellm:prefix_cache_hits", "pagellm:num_preemptions",
+        "pagellm:swapped_in_blocks", "pagellm:swapped_out_blocks", "pagellm:block_allocation_attempts",
+        "pagellm:block_allocation_failures", "pagellm:request_success", "pagellm:request_rejected",
+        "pagellm:time_to_first_token_seconds", "pagellm:inter_token_latency_seconds",
+        "pagellm:e2e_request_latency_seconds", "pagellm:request_queue_time_seconds",
+        "pagellm:request_prefill_time_seconds", "pagellm:request_decode_time_seconds",
+        "pagellm:request_prompt_tokens", "pagellm:request_generation_tokens",
+        "pagellm:iteration_tokens", "pagellm:iteration_requests",
+    }  # fmt: skip
+    assert expected <= set(families)
+    for family in families.values():
+        for s in family.samples:
+            assert s.labels.get("model_name") == llm.engine.config.source.name
+
+
+def test_stats_line_and_series_file(folder, tmp_path, caplog):
+    series = tmp_path / "series.jsonl"
+    llm = LLM(folder, max_model_len=128, log_stats_interval=1e-6, metrics_series_file=str(series))
+    llm.engine.metrics.series_interval = 1e-6
+    with caplog.at_level(logging.INFO, logger="pagellm.metrics.engine_metrics"):
+        run(llm)
+    lines = [r.getMessage() for r in caplog.records if "prefill:decode" in r.getMessage()]
+    assert lines and "KV" in lines[0] and "prefix hit" in lines[0] and "preemptions" in lines[0]
+    llm.engine.close()
+    points = [json.loads(line) for line in series.read_text().splitlines()]
+    assert points and {"generation_tps", "prefill_tps", "decode_tps", "kv_usage", "ttft_p50"} <= set(points[0])
+    assert sum(p["running"] for p in points) > 0
+
+
+def test_event_log_replay_matches_the_engine_at_every_step(folder, tmp_path):
+    """Swap preemption, prefix hits, n > 1 forks with copy-on-write, aborts."""
+    path = tmp_path / "kv.jsonl"
+    llm = LLM(
+        folder,
+        max_model_len=64,
+        num_gpu_blocks_override=10,
+        preemption_mode="swap",
+        swap_space=0.001,
+        kv_events_file=str(path),
+    )
+    engine = llm.engine
+    shared = list(range(3, 35))  # 2 full blocks
+    for i in range(5):
+        engine.add_request(f"r{i}", shared + [40 + i] * (3 + i), SamplingParams(temperature=1.0, seed=i, max_tokens=20, ignore_eos=True))
+    engine.add_request("fan", shared + [90, 91, 92], SamplingParams(n=3, temperature=1.0, seed=9, max_tokens=15, ignore_eos=True))
+    snapshots = {}
+    while engine.has_unfinished_requests():
+        engine.step()
+        snapshots[engine.num_steps] = block_map_of(engine.scheduler.kv_cache_manager).normalized()
+        if engine.num_steps == 6:
+            engine.abort_request("r4")
+            snapshots[engine.num_steps] = block_map_of(engine.scheduler.kv_cache_manager).normalized()
+    engine.close()
+    events = read_events(path)
+    kinds = {e["event"] for e in events}
+    assert {"allocate", "free", "cache", "cache_hit", "swap_out", "swap_in", "preempt", "fork", "copy_on_write"} <= kinds
+    for step, expected in snapshots.items():
+        assert replay(events, until_step=step).normalized() == expected, f"step {step}"
+    final = replay(events).normalized()
+    assert final["device"] == {} and final["host"] == {}
