@@ -153,3 +153,18 @@ def test_event_log_replay_matches_the_engine_at_every_step(folder, tmp_path):
         assert replay(events, until_step=step).normalized() == expected, f"step {step}"
     final = replay(events).normalized()
     assert final["device"] == {} and final["host"] == {}
+
+
+def test_report_renders_png_charts(folder, tmp_path):
+    pytest.importorskip("matplotlib")
+    from pagellm.metrics.report import read_series, render_report
+
+    series_path = tmp_path / "series.jsonl"
+    llm = LLM(folder, max_model_len=128, metrics_series_file=str(series_path))
+    llm.engine.metrics.series_interval = 1e-6
+    run(llm)
+    llm.engine.close()
+    files = render_report(read_series(series_path), tmp_path / "charts")
+    assert {f.name for f in files} == {"throughput.png", "prefill_decode.png", "kv_usage.png", "queues.png", "latency.png"}
+    for f in files:
+        assert f.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f.stat().st_size > 5000
