@@ -39,6 +39,9 @@ def gather_context(
 
 
 class TorchAttentionBackend(AttentionBackend):
+    """Decode rows (one query token) are batched into one masked attention call over
+    their gathered, padded contexts; prefill chunks run one request at a time."""
+
     name = "torch"
 
     def forward(
@@ -51,26 +54,76 @@ class TorchAttentionBackend(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:
         write_kv_to_cache(key, value, kv_cache, metadata.slot_mapping)
-        num_heads = query.shape[1]
-        num_kv_heads = kv_cache.shape[-2]
-        group = num_heads // num_kv_heads
         output = torch.empty_like(query)
         starts = metadata.query_start_loc
-        for r, seq_len in enumerate(metadata.seq_lens):
-            start, end = starts[r], starts[r + 1]
-            query_len = end - start
-            k = gather_context(kv_cache[0], metadata.block_tables[r], seq_len)
-            v = gather_context(kv_cache[1], metadata.block_tables[r], seq_len)
-            # [heads, tokens, head_dim]; K/V heads repeated for grouped-query attention.
-            q = query[start:end].transpose(0, 1)
-            k = k.transpose(0, 1).repeat_interleave(group, dim=0).to(q.dtype)
-            v = v.transpose(0, 1).repeat_interleave(group, dim=0).to(q.dtype)
-            mask = None
-            if query_len > 1:
-                # Query i sits at context position (seq_len - query_len + i).
-                device = query.device
-                q_pos = torch.arange(seq_len - query_len, seq_len, device=device).unsqueeze(1)
-                mask = torch.arange(seq_len, device=device).unsqueeze(0) <= q_pos
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-            output[start:end] = out.transpose(0, 1)
+        decodes = [r for r in range(metadata.num_reqs) if starts[r + 1] - starts[r] == 1]
+        if len(decodes) > 1:
+            self._batched_decode(query, kv_cache, metadata, decodes, scale, output)
+            others = [r for r in range(metadata.num_reqs) if starts[r + 1] - starts[r] != 1]
+        else:
+            others = list(range(metadata.num_reqs))
+        for r in others:
+            self._one_request(query, kv_cache, metadata, r, scale, output)
         return output
+
+    @staticmethod
+    def _one_request(
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        r: int,
+        scale: float,
+        output: torch.Tensor,
+    ) -> None:
+        start, end = metadata.query_start_loc[r], metadata.query_start_loc[r + 1]
+        seq_len = metadata.seq_lens[r]
+        query_len = end - start
+        group = query.shape[1] // kv_cache.shape[-2]
+        k = gather_context(kv_cache[0], metadata.block_tables[r], seq_len)
+        v = gather_context(kv_cache[1], metadata.block_tables[r], seq_len)
+        # [heads, tokens, head_dim]; K/V heads repeated for grouped-query attention.
+        q = query[start:end].transpose(0, 1)
+        k = k.transpose(0, 1).repeat_interleave(group, dim=0).to(q.dtype)
+        v = v.transpose(0, 1).repeat_interleave(group, dim=0).to(q.dtype)
+        mask = None
+        if query_len > 1:
+            # Query i sits at context position (seq_len - query_len + i).
+            device = query.device
+            q_pos = torch.arange(seq_len - query_len, seq_len, device=device).unsqueeze(1)
+            mask = torch.arange(seq_len, device=device).unsqueeze(0) <= q_pos
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        output[start:end] = out.transpose(0, 1)
+
+    @staticmethod
+    def _batched_decode(
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        decodes: list[int],
+        scale: float,
+        output: torch.Tensor,
+    ) -> None:
+        device = query.device
+        block_size = kv_cache.shape[2]
+        num_kv_heads, head_dim = kv_cache.shape[-2:]
+        rows = torch.tensor([metadata.query_start_loc[r] for r in decodes], device=device)
+        seq_lens = [metadata.seq_lens[r] for r in decodes]
+        num_blocks = -(-max(seq_lens) // block_size)
+        tables = metadata.block_tables[torch.tensor(decodes, device=device), :num_blocks]
+        num = len(decodes)
+        width = num_blocks * block_size
+        # [num, kv_heads, width, head_dim]: each request's context, padded to the longest.
+        k = kv_cache[0][tables].view(num, width, num_kv_heads, head_dim).transpose(1, 2)
+        v = kv_cache[1][tables].view(num, width, num_kv_heads, head_dim).transpose(1, 2)
+        q = query[rows].unsqueeze(2)  # [num, heads, 1, head_dim]
+        lengths = torch.tensor(seq_lens, device=device)
+        valid = torch.arange(width, device=device).unsqueeze(0) < lengths.unsqueeze(1)
+        mask = valid[:, None, None, :]  # [num, 1, 1, width]
+        group = query.shape[1] // num_kv_heads
+        if group > 1:
+            k = k.repeat_interleave(group, dim=1)
+            v = v.repeat_interleave(group, dim=1)
+        out = F.scaled_dot_product_attention(
+            q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale
+        )
+        output[rows] = out.squeeze(2)

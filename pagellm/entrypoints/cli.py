@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from pagellm.entrypoints.cli_args import add_engine_args
+from pagellm.entrypoints.openai.serve_command import add_serve_parser, run_serve
 from pagellm.errors import PagellmError
 
 logger = logging.getLogger("pagellm")
@@ -31,6 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--sampling-seed", type=int, default=None, help="seed of this request")
     add_engine_args(gen)
+
+    add_serve_parser(commands)
     return parser
 
 
@@ -46,6 +49,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             from pagellm.entrypoints.generate_command import run_generate
 
             run_generate(args)
+        elif args.command == "serve":
+            run_serve(args)
         return 0
     except PagellmError as e:
         print(f"pagellm: error: {e}", file=sys.stderr)

@@ -1,0 +1,425 @@
+"""Engine stage (async): one engine thread steps the LLMEngine; asyncio callers stream outputs.
+
+The LLMEngine is not thread-safe, so every call into it (add_request, abort_request, step,
+get_stats) happens on one dedicated engine thread. Callers on the asyncio event loop talk
+to that thread only through a thread-safe command queue (add / abort / stop); the thread
+drains the queue between steps, so an abort takes effect within one step. Outputs travel
+back in one `loop.call_soon_threadsafe` per step, which feeds each request group's own
+asyncio queue. The event loop therefore never waits for a model step, and every request
+in flight shares the engine's batch (continuous batching).
+
+If the engine thread dies, every waiting caller gets an EngineDeadError (never a hang),
+and so does every later one; `is_alive` says so for health checks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import queue
+import threading
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+
+from pagellm.core.scheduler_stats import SchedulerStats
+from pagellm.engine.arg_utils import EngineArgs
+from pagellm.engine.input_processor import PromptInput
+from pagellm.engine.llm_engine import LLMEngine
+from pagellm.errors import PagellmError
+from pagellm.outputs import RequestOutput
+from pagellm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(PagellmError):
+    """The engine loop has stopped (crashed or shut down): nothing more can be served."""
+
+
+class EngineOverloadedError(PagellmError):
+    """Too many requests are already waiting; the caller should retry later."""
+
+
+@dataclass(frozen=True)
+class NewRequest:
+    """One request to add: the engine's add_request arguments."""
+
+    request_id: str
+    prompt: PromptInput
+    params: SamplingParams
+    priority: int = 0
+    arrival_time: float | None = None
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """The engine's state after its latest step, readable from any thread."""
+
+    stats: SchedulerStats
+    num_free_blocks: int
+    num_usable_blocks: int
+    num_unfinished_requests: int
+
+
+class OutputStream:
+    """The outputs of a group of requests added together, as the engine makes them.
+
+    Iterate it for RequestOutputs (each group member's last one has finished=True); it
+    ends when all have finished. It raises EngineDeadError if the engine dies first.
+    Call `cancel()` when done early (client gone): unfinished members are aborted.
+    """
+
+    def __init__(self, owner: AsyncLLM, request_ids: Sequence[str]) -> None:
+        self.request_ids = list(request_ids)
+        self._owner = owner
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._unfinished = set(self.request_ids)
+
+    @property
+    def finished(self) -> bool:
+        return not self._unfinished
+
+    def _put(self, item: RequestOutput | BaseException) -> None:
+        """Called on the event loop thread with what the engine thread sent."""
+        self._queue.put_nowait(item)
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        while self._unfinished:
+            item = await self._queue.get()
+            if isinstance(item, BaseException):
+                self._unfinished.clear()
+                raise item
+            if item.request_id not in self._unfinished:
+                continue  # e.g. an abort echo after cancel()
+            if item.finished:
+                self._unfinished.discard(item.request_id)
+            return item
+        raise StopAsyncIteration
+
+    def cancel(self) -> None:
+        """Abort every member that has not finished; safe to call more than once."""
+        if self._unfinished:
+            self._owner.abort(list(self._unfinished))
+            self._unfinished.clear()
+
+
+@dataclass
+class _AddCommand:
+    requests: list[NewRequest]
+    stream: OutputStream
+    accepted: asyncio.Future[None]
+
+
+@dataclass
+class _AbortCommand:
+    request_ids: list[str] | None  # None: every request in flight
+
+
+_STOP = object()
+
+
+class AsyncLLM:
+    """An asyncio front to one LLMEngine, stepped by its own thread.
+
+    `max_num_queued_requests` caps the engine's waiting queue: an add that would grow it
+    past the cap is refused with EngineOverloadedError, so a burst cannot grow the queue
+    without bound. None means no cap.
+    """
+
+    def __init__(self, engine: LLMEngine, max_num_queued_requests: int | None = None) -> None:
+        if max_num_queued_requests is not None and max_num_queued_requests < 1:
+            raise ValueError(
+                f"max_num_queued_requests must be at least 1, got {max_num_queued_requests}"
+            )
+        self.engine = engine
+        self.max_num_queued_requests = max_num_queued_requests
+        self._commands: queue.SimpleQueue[object] = queue.SimpleQueue()
+        # Guards _closed_error and every put to _commands, so that no command can slip in
+        # after the engine thread has drained the queue for the last time.
+        self._lock = threading.Lock()
+        self._closed_error: EngineDeadError | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        # Owned by the engine thread.
+        self._streams: dict[str, OutputStream] = {}
+        # Commands taken off the queue and not yet applied (answered if the loop dies).
+        self._taken: deque[object] = deque()
+        self._deliveries: list[Callable[[], None]] = []
+        self._snapshot = self._make_snapshot()
+
+    @classmethod
+    def from_engine_args(
+        cls, args: EngineArgs, max_num_queued_requests: int | None = None
+    ) -> AsyncLLM:
+        return cls(LLMEngine.from_engine_args(args), max_num_queued_requests)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        """Start the engine thread; call from the event loop that will consume outputs.
+
+        Requests added before (from the same loop) wait in the command queue until then.
+        """
+        if self._thread is not None:
+            raise RuntimeError("the engine loop is already started")
+        self._bind_loop()
+        self._thread = threading.Thread(target=self._run, name="pagellm-engine", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Abort whatever is still in flight and stop the engine thread."""
+        with self._lock:
+            if self._closed_error is None:
+                self._closed_error = EngineDeadError("the server is shutting down")
+                self._commands.put(_STOP)
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, timeout_s)
+            if self._thread.is_alive():
+                logger.error("the engine thread did not stop within %.0f s", timeout_s)
+
+    @property
+    def is_alive(self) -> bool:
+        """True while the engine thread runs and accepts requests."""
+        return (
+            self._closed_error is None and self._thread is not None and self._thread.is_alive()
+        )
+
+    @property
+    def dead_error(self) -> EngineDeadError | None:
+        """Why the engine no longer serves, or None while it does."""
+        if self._closed_error is not None:
+            return self._closed_error
+        if self._thread is not None and not self._thread.is_alive():
+            return EngineDeadError("the engine thread has exited")
+        return None
+
+    @property
+    def snapshot(self) -> EngineSnapshot:
+        return self._snapshot
+
+    # ------------------------------------------------------------------- requests
+
+    async def add_requests(self, requests: Sequence[NewRequest]) -> OutputStream:
+        """Add a group of requests at once: all are accepted, or none.
+
+        Raises InvalidRequestError (bad prompt or parameters; `.parameter` names it),
+        EngineOverloadedError (queue full) or EngineDeadError (engine stopped).
+        """
+        loop = self._bind_loop()
+        stream = OutputStream(self, [r.request_id for r in requests])
+        command = _AddCommand(list(requests), stream, loop.create_future())
+        self._send(command)
+        try:
+            await command.accepted
+        except asyncio.CancelledError:
+            # The caller went away before the engine thread answered: the add may still
+            # happen, so abort it (a no-op for ids the engine does not know).
+            self.abort(stream.request_ids)
+            raise
+        return stream
+
+    async def generate(
+        self,
+        prompt: PromptInput,
+        params: SamplingParams,
+        request_id: str,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        """Outputs of one request; leaving the iteration early aborts it."""
+        stream = await self.add_requests([NewRequest(request_id, prompt, params, priority)])
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            stream.cancel()
+
+    def _bind_loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop outputs are delivered to: the first one that uses this engine."""
+        loop = asyncio.get_running_loop()
+        if self._loop is None:
+            self._loop = loop
+        elif self._loop is not loop:
+            raise RuntimeError("an AsyncLLM serves the one event loop that first used it")
+        return loop
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        """Ask the engine thread to abort requests; takes effect before its next step."""
+        try:
+            self._send(_AbortCommand(list(request_ids)))
+        except EngineDeadError:
+            pass  # nothing runs any more
+
+    def abort_all(self) -> None:
+        """Abort every request in flight; each stream ends with finish_reason "abort"."""
+        try:
+            self._send(_AbortCommand(None))
+        except EngineDeadError:
+            pass
+
+    def _send(self, command: object) -> None:
+        with self._lock:
+            if self._closed_error is not None:
+                raise self._closed_error
+            self._commands.put(command)
+
+    # ------------------------------------------------------- engine thread only
+
+    def _run(self) -> None:
+        try:
+            self._loop_forever()
+        except BaseException as e:  # noqa: BLE001 - any escape means the engine is gone
+            logger.exception("the engine loop died")
+            self._die(EngineDeadError(f"the engine loop died: {e!r}"))
+
+    def _loop_forever(self) -> None:
+        engine = self.engine
+        while True:
+            self._taken.extend(self._next_commands(block=not engine.has_unfinished_requests()))
+            while self._taken:
+                command = self._taken[0]
+                if command is _STOP:
+                    self._stop()
+                    return
+                self._apply(command)
+                self._taken.popleft()
+            if engine.has_unfinished_requests():
+                self._route(engine.step())
+            self._snapshot = self._make_snapshot()
+            self._flush()
+
+    def _next_commands(self, block: bool) -> list[object]:
+        """Every queued command; when idle, wait for at least one."""
+        commands = [self._commands.get()] if block else []
+        while True:
+            try:
+                commands.append(self._commands.get_nowait())
+            except queue.Empty:
+                return commands
+
+    def _apply(self, command: object) -> None:
+        if isinstance(command, _AbortCommand):
+            request_ids = command.request_ids
+            if request_ids is None:
+                request_ids = list(self._streams)
+            self._route(self.engine.abort_request(request_ids))
+        elif isinstance(command, _AddCommand):
+            self._add(command)
+        else:
+            raise TypeError(f"unknown engine command {command!r}")
+
+    def _add(self, command: _AddCommand) -> None:
+        limit = self.max_num_queued_requests
+        num_waiting = self.engine.scheduler.num_waiting
+        # Counted in sequences (n of them per request), as the scheduler queues them. An
+        # empty queue admits any group, so that no group is refused forever.
+        num_new = sum(request.params.n for request in command.requests)
+        if limit is not None and num_waiting > 0 and num_waiting + num_new > limit:
+            self.engine.metrics.request_rejected("overloaded")
+            self._reject(
+                command,
+                EngineOverloadedError(
+                    f"The server is overloaded: {num_waiting} requests are already waiting "
+                    f"(--max-num-queued-requests={limit}). Retry later."
+                ),
+            )
+            return
+        added: list[str] = []
+        try:
+            for request in command.requests:
+                self.engine.add_request(
+                    request.request_id,
+                    request.prompt,
+                    request.params,
+                    arrival_time=request.arrival_time,
+                    priority=request.priority,
+                )
+                added.append(request.request_id)
+        except Exception as e:  # noqa: BLE001 - a bad request fails alone, never the engine
+            if not isinstance(e, PagellmError):
+                logger.exception("adding request %s failed", command.stream.request_ids)
+            self.engine.abort_request(added)  # all or none of the group
+            self._reject(command, e)
+            return
+        for request_id in added:
+            self._streams[request_id] = command.stream
+        self._deliveries.append(functools.partial(_resolve, command.accepted, None))
+
+    def _reject(self, command: _AddCommand, error: BaseException) -> None:
+        self._deliveries.append(functools.partial(_resolve, command.accepted, error))
+
+    def _route(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if output.finished:
+                self._streams.pop(output.request_id, None)
+            if stream is not None:
+                self._deliveries.append(functools.partial(stream._put, output))
+
+    def _flush(self) -> None:
+        """Hand this step's deliveries to the event loop in one call."""
+        if not self._deliveries:
+            return
+        batch, self._deliveries = self._deliveries, []
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(_run_all, batch)
+        except RuntimeError:
+            logger.warning("the event loop is closed; dropping %d engine outputs", len(batch))
+
+    def _stop(self) -> None:
+        """Shutdown: abort what is in flight, refuse what was still queued."""
+        in_flight = list(self._streams)
+        if in_flight:
+            logger.info("shutting down: aborting %d requests in flight", len(in_flight))
+            self._route(self.engine.abort_request(in_flight))
+        self._refuse_queued(self._closed_error or EngineDeadError("the engine has stopped"))
+        self._snapshot = self._make_snapshot()
+        self._flush()
+
+    def _die(self, error: EngineDeadError) -> None:
+        with self._lock:
+            if self._closed_error is None:
+                self._closed_error = error
+        for stream in set(self._streams.values()):
+            self._deliveries.append(functools.partial(stream._put, error))
+        self._streams.clear()
+        self._refuse_queued(error)
+        self._flush()
+
+    def _refuse_queued(self, error: EngineDeadError) -> None:
+        # _closed_error is set, so nothing new is put after this drain. An add that was
+        # being applied when the loop died may be answered twice; _resolve keeps the first.
+        self._taken.extend(self._next_commands(block=False))
+        while self._taken:
+            command = self._taken.popleft()
+            if isinstance(command, _AddCommand):
+                self._reject(command, error)
+
+    def _make_snapshot(self) -> EngineSnapshot:
+        manager = self.engine.scheduler.kv_cache_manager
+        return EngineSnapshot(
+            stats=self.engine.get_stats(),
+            num_free_blocks=manager.num_free_blocks,
+            num_usable_blocks=manager.num_usable_blocks,
+            num_unfinished_requests=self.engine.get_num_unfinished_requests(),
+        )
+
+
+def _resolve(future: asyncio.Future[None], error: BaseException | None) -> None:
+    if future.done():
+        return  # the caller was cancelled meanwhile
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)
+
+
+def _run_all(callbacks: list[Callable[[], None]]) -> None:
+    for callback in callbacks:
+        callback()
+

@@ -1,0 +1,1 @@
+"""Entrypoints (HTTP): the OpenAI-compatible server (`pagellm serve`)."""

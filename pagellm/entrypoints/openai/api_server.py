@@ -1,0 +1,199 @@
+"""Entrypoints (HTTP): the OpenAI-compatible server: routes, app factory and `run_server`.
+
+`build_app` wires the endpoints to one AsyncLLM; the engine loop starts with the app
+(lifespan startup) and stops with it. `run_server` binds the port first (so a busy port
+fails before a model is loaded), builds the engine, and serves with uvicorn until SIGINT
+or SIGTERM: then it stops accepting, lets in-flight requests finish for
+`--shutdown-timeout` seconds, aborts what is left, stops the engine and returns.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+from collections.abc import AsyncIterator, Callable
+from types import FrameType
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from pagellm.engine.async_llm import AsyncLLM
+from pagellm.entrypoints.cli_args import engine_args_from_namespace
+from pagellm.entrypoints.openai import metrics
+from pagellm.entrypoints.openai.auth import ApiKeyMiddleware
+from pagellm.entrypoints.openai.errors import install_error_handlers, to_api_error
+from pagellm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from pagellm.entrypoints.openai.serving_chat import ChatServing
+from pagellm.entrypoints.openai.serving_common import ServingContext
+from pagellm.entrypoints.openai.serving_completion import CompletionServing
+from pagellm.entrypoints.openai.serving_tokens import TokenServing
+from pagellm.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+
+def build_app(
+    async_llm: AsyncLLM,
+    served_model_name: str | None = None,
+    api_key: str | None = None,
+    on_ready: Callable[[], None] | None = None,
+) -> FastAPI:
+    """The FastAPI app serving `async_llm`; its lifespan starts and stops the engine loop."""
+    name = served_model_name or async_llm.engine.config.source.name
+    context = ServingContext(async_llm, name)
+    completions = CompletionServing(context)
+    chat = ChatServing(context)
+    tokens = TokenServing(context)
+    registry = metrics.make_registry(async_llm, name)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        async_llm.start()
+        if on_ready is not None:
+            on_ready()
+        try:
+            yield
+        finally:
+            await async_llm.shutdown()
+
+    app = FastAPI(title="pagellm", lifespan=lifespan)
+    install_error_handlers(app)
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+
+    @app.get("/health")
+    async def health() -> Response:
+        error = async_llm.dead_error
+        if error is not None:
+            return to_api_error(error).response()
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def get_metrics() -> Response:
+        body, content_type = metrics.render(registry)
+        return Response(body, media_type=content_type)
+
+    @app.get("/v1/models")
+    async def list_models() -> ModelList:
+        # No file path in `root`: clients need not learn the server's file layout.
+        return ModelList(data=[ModelCard(id=name, root=name, max_model_len=context.max_model_len)])
+
+    @app.post("/v1/completions")
+    async def create_completion(body: CompletionRequest, raw: Request) -> Response:
+        return await completions.create(body, raw)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Response:
+        return await chat.create(body, raw)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        return tokens.tokenize(body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        return tokens.detokenize(body)
+
+    return app
+
+
+# ---------------------------------------------------------------------- running
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _ready_message(async_llm: AsyncLLM, name: str, sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    config = async_llm.engine.config
+    cache = config.cache_config
+    return (
+        f"pagellm is ready: model '{name}' at http://{host}:{port}/v1 "
+        f"(KV cache: {cache.num_usable_gpu_blocks} blocks of {cache.block_size} tokens = "
+        f"{cache.max_num_cached_tokens} tokens; max_model_len={config.scheduler_config.max_model_len})"
+    )
+
+
+def run_server(args: argparse.Namespace) -> None:
+    """`pagellm serve`: serve until SIGINT/SIGTERM, then shut down gracefully."""
+    sock = bind_socket(args.host, args.port)
+    async_llm = AsyncLLM.from_engine_args(
+        engine_args_from_namespace(args), args.max_num_queued_requests
+    )
+    name = args.served_model_name or async_llm.engine.config.source.name
+    app = build_app(
+        async_llm,
+        name,
+        args.api_key,
+        on_ready=lambda: logger.info("%s", _ready_message(async_llm, name, sock)),
+    )
+    config = uvicorn.Config(
+        app,
+        log_config=None,  # keep the process' logging setup
+        access_log=False,
+        lifespan="on",
+        # A backstop: in-flight requests are aborted (and so end) after shutdown_timeout.
+        timeout_graceful_shutdown=args.shutdown_timeout + 10,
+    )
+    server = uvicorn.Server(config)
+    _keep_signals_from_killing()
+    asyncio.run(_serve(server, async_llm, sock, args.shutdown_timeout))
+    logger.info("pagellm server stopped")
+
+
+async def _serve(
+    server: uvicorn.Server, async_llm: AsyncLLM, sock: socket.socket, grace_s: float
+) -> None:
+    watcher = asyncio.create_task(_abort_after_grace(server, async_llm, grace_s))
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        watcher.cancel()
+
+
+async def _abort_after_grace(server: uvicorn.Server, async_llm: AsyncLLM, grace_s: float) -> None:
+    while not server.should_exit:
+        await asyncio.sleep(0.1)
+    logger.info("shutting down: in-flight requests get %.0f s to finish", grace_s)
+    await asyncio.sleep(grace_s)
+    async_llm.abort_all()
+
+
+def _keep_signals_from_killing() -> None:
+    """Make SIGINT/SIGTERM harmless outside uvicorn's own handling.
+
+    uvicorn handles both while it serves, then re-raises the signal once it has shut
+    down; with these handlers in place that re-raise is a no-op, so a graceful shutdown
+    exits 0 instead of dying by the signal.
+    """
+
+    def note(signum: int, _: FrameType | None) -> None:
+        logger.debug("signal %d after shutdown: ignored", signum)
+
+    signal.signal(signal.SIGINT, note)
+    signal.signal(signal.SIGTERM, note)

@@ -1,0 +1,39 @@
+"""Entrypoints (HTTP): the API key check, before any body is read.
+
+A plain ASGI middleware (not Starlette's BaseHTTPMiddleware, which gets in the way of
+streaming and of noticing disconnects). Health and metrics stay open so that probes and
+scrapers need no secret.
+"""
+
+from __future__ import annotations
+
+import hmac
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from pagellm.entrypoints.openai.errors import APIError
+
+OPEN_PATHS = frozenset({"/health", "/metrics"})
+
+
+class ApiKeyMiddleware:
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or self._authorized(scope):
+            await self.app(scope, receive, send)
+            return
+        response = APIError(
+            401, "Invalid or missing API key.", code="invalid_api_key"
+        ).response()
+        response.headers["WWW-Authenticate"] = "Bearer"
+        await response(scope, receive, send)
+
+    def _authorized(self, scope: Scope) -> bool:
+        for name, value in scope.get("headers", ()):
+            if name == b"authorization":
+                # Constant-time, so that timing does not reveal the key.
+                return hmac.compare_digest(value, self._expected)
+        return False

@@ -1,0 +1,113 @@
+"""Entrypoints (HTTP): every failure as an OpenAI-shaped error body with the right status.
+
+`{"error": {"message", "type", "param", "code"}}`: 400 for bad input (including malformed
+JSON and wrong types, where FastAPI would say 422), 401 for a missing or wrong API key,
+404 for an unknown model or route, 503 when the engine is overloaded or stopped. Anything
+else is a bug: it is logged with its traceback and answered 500, in the same shape.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pagellm.engine.async_llm import EngineDeadError, EngineOverloadedError
+from pagellm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
+from pagellm.errors import ChatTemplateError, InvalidRequestError, PagellmError
+
+logger = logging.getLogger(__name__)
+
+_TYPE_BY_STATUS = {
+    400: "invalid_request_error",
+    401: "invalid_request_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    500: "internal_server_error",
+    503: "service_unavailable",
+}
+
+
+class APIError(Exception):
+    """An error to answer with; raised anywhere in a handler."""
+
+    def __init__(
+        self, status: int, message: str, param: str | None = None, code: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+    def body(self) -> ErrorResponse:
+        error_type = _TYPE_BY_STATUS.get(self.status, "invalid_request_error")
+        return ErrorResponse(
+            error=ErrorInfo(message=self.message, type=error_type, param=self.param, code=self.code)
+        )
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body().model_dump(mode="json"), status_code=self.status)
+
+
+def to_api_error(exc: BaseException) -> APIError:
+    """The answer for an exception raised while serving a request."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, InvalidRequestError):
+        return APIError(400, str(exc), param=exc.parameter)
+    if isinstance(exc, ChatTemplateError):
+        return APIError(400, str(exc), param="messages")
+    if isinstance(exc, EngineOverloadedError):
+        return APIError(503, str(exc), code="overloaded")
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, f"The engine is not running: {exc}", code="engine_dead")
+    logger.error("internal error while serving a request", exc_info=exc)
+    return APIError(500, f"Internal server error: {type(exc).__name__}", code="internal_error")
+
+
+def validation_error(errors: Sequence[Any]) -> APIError:
+    """A 400 for pydantic/FastAPI validation errors, naming the first bad field."""
+    if not errors:
+        return APIError(400, "The request body is invalid.")
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        detail = first.get("ctx", {}).get("error", "")
+        return APIError(400, f"The request body is not valid JSON: {detail}".rstrip(": "))
+    loc = [part for part in first.get("loc", ()) if part != "body"]
+    if not loc and first.get("type") == "missing":
+        return APIError(400, "The request needs a JSON body.")
+    param = str(loc[0]) if loc else None
+    messages = [f"{_path(e.get('loc', ()))}: {e.get('msg', 'invalid')}" for e in errors[:3]]
+    more = f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
+    return APIError(400, "Invalid request: " + "; ".join(messages) + more, param=param)
+
+
+def _path(loc: Sequence[Any]) -> str:
+    parts = [str(p) for p in loc if p != "body"]
+    return ".".join(parts) or "body"
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    async def on_api_error(_: Request, exc: Exception) -> JSONResponse:
+        return to_api_error(exc).response()
+
+    async def on_validation_error(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        return validation_error(exc.errors()).response()
+
+    async def on_http_error(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
+        return APIError(exc.status_code, str(exc.detail)).response()
+
+    app.add_exception_handler(APIError, on_api_error)
+    app.add_exception_handler(PagellmError, on_api_error)
+    app.add_exception_handler(RequestValidationError, on_validation_error)
+    app.add_exception_handler(StarletteHTTPException, on_http_error)
+    # Anything else: the 500 handler of the outermost middleware, still OpenAI-shaped.
+    app.add_exception_handler(Exception, on_api_error)

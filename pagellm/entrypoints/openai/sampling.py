@@ -1,0 +1,114 @@
+"""Entrypoints (HTTP): request fields -> SamplingParams, under vLLM's parameter names.
+
+Every field is passed through by name, so SamplingParams stays the one place that checks
+value ranges. A field the engine's SamplingParams does not have (yet) is refused with a
+400 naming it, unless its value is the neutral one that changes nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from pagellm.entrypoints.openai.errors import APIError
+from pagellm.entrypoints.openai.protocol import SamplingFields
+from pagellm.sampling_params import SamplingParams
+
+# Values that ask for nothing: harmless to drop where SamplingParams lacks the field.
+_NEUTRAL: dict[str, Any] = {
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "stop": [],
+    "stop_token_ids": [],
+    "logit_bias": {},
+    "include_stop_str_in_output": False,
+    "ignore_eos": False,
+    "min_tokens": 0,
+    "skip_special_tokens": True,
+    "n": 1,
+}
+
+# OpenAI caps a bias at +-100; larger values only ever mean "always" / "never".
+_MAX_LOGIT_BIAS = 100.0
+
+
+def _supported_fields() -> set[str]:
+    return {f.name for f in dataclasses.fields(SamplingParams)}
+
+
+def common_sampling_fields(request: SamplingFields, vocab_size: int) -> dict[str, Any]:
+    """The sampling fields both endpoints share, checked against the vocabulary."""
+    stop = request.stop
+    if isinstance(stop, str):
+        stop = [stop]
+    if request.stop_token_ids is not None:
+        for token_id in request.stop_token_ids:
+            if not 0 <= token_id < vocab_size:
+                raise APIError(
+                    400,
+                    f"stop_token_ids: token id {token_id} is out of range [0, {vocab_size}).",
+                    param="stop_token_ids",
+                )
+    return {
+        "n": request.n,
+        "temperature": request.temperature,
+        "top_p": request.top_p,
+        "top_k": request.top_k,
+        "min_p": request.min_p,
+        "presence_penalty": request.presence_penalty,
+        "frequency_penalty": request.frequency_penalty,
+        "repetition_penalty": request.repetition_penalty,
+        "seed": request.seed,
+        "stop": stop,
+        "stop_token_ids": request.stop_token_ids,
+        "include_stop_str_in_output": request.include_stop_str_in_output,
+        "ignore_eos": request.ignore_eos,
+        "min_tokens": request.min_tokens,
+        "logit_bias": _logit_bias(request.logit_bias, vocab_size),
+        "skip_special_tokens": request.skip_special_tokens,
+    }
+
+
+def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:
+    if bias is None:
+        return None
+    checked: dict[int, float] = {}
+    for key, value in bias.items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            raise APIError(
+                400, f"logit_bias keys must be token ids, got {key!r}.", param="logit_bias"
+            ) from None
+        if not 0 <= token_id < vocab_size:
+            raise APIError(
+                400,
+                f"logit_bias: token id {token_id} is out of range [0, {vocab_size}).",
+                param="logit_bias",
+            )
+        if not math.isfinite(value) or abs(value) > _MAX_LOGIT_BIAS:
+            raise APIError(
+                400,
+                f"logit_bias values must be in [-100, 100], got {value} for token {token_id}.",
+                param="logit_bias",
+            )
+        checked[token_id] = value
+    return checked
+
+
+def make_sampling_params(fields: dict[str, Any]) -> SamplingParams:
+    """SamplingParams from vLLM-named fields; None means "the default"."""
+    supported = _supported_fields()
+    kwargs: dict[str, Any] = {}
+    for name, value in fields.items():
+        if value is None:
+            continue
+        if name in supported:
+            kwargs[name] = value
+        elif name in _NEUTRAL and value == _NEUTRAL[name]:
+            continue
+        else:
+            raise APIError(400, f"'{name}' is not supported by this server yet.", param=name)
+    return SamplingParams(**kwargs)

@@ -1,0 +1,67 @@
+"""Entrypoints (CLI): `pagellm serve`, its flags, and the hand-off to the HTTP server.
+
+Only argparse is imported here, so that `pagellm --help` and the other commands never pay
+for importing FastAPI, uvicorn or the model stack.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from pagellm.entrypoints.cli_args import add_engine_args
+from pagellm.errors import ConfigError
+
+API_KEY_ENV = "PAGELLM_API_KEY"
+
+
+def add_serve_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    serve = commands.add_parser(
+        "serve",
+        help="serve the model over an OpenAI-compatible HTTP API",
+        description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, "
+        "/v1/chat/completions, /v1/models, /health, /metrics, /tokenize, /detokenize).",
+    )
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=int, default=8000, help="port (0 = any free port)")
+    serve.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model name clients use (default: the model file or folder name)",
+    )
+    serve.add_argument(
+        "--api-key",
+        default=None,
+        help=f"require 'Authorization: Bearer KEY' on the API (default: ${API_KEY_ENV})",
+    )
+    serve.add_argument(
+        "--max-num-queued-requests",
+        type=int,
+        default=None,
+        help="most requests waiting for the batch; more get 503 (default: no limit)",
+    )
+    serve.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=5.0,
+        help="seconds in-flight requests get to finish after SIGINT/SIGTERM before they "
+        "are aborted (default: 5)",
+    )
+    add_engine_args(serve)
+    return serve
+
+
+def run_serve(args: argparse.Namespace) -> None:
+    if args.api_key is None:
+        args.api_key = os.environ.get(API_KEY_ENV) or None
+    if args.max_num_queued_requests is not None and args.max_num_queued_requests < 1:
+        raise ConfigError(
+            f"--max-num-queued-requests must be at least 1, got {args.max_num_queued_requests}"
+        )
+    if not 0 <= args.port <= 65535:
+        raise ConfigError(f"--port must be in [0, 65535], got {args.port}")
+    if args.shutdown_timeout < 0:
+        raise ConfigError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+    from pagellm.entrypoints.openai.api_server import run_server
+
+    run_server(args)

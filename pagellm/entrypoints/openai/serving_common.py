@@ -1,0 +1,80 @@
+"""Entrypoints (HTTP): what every endpoint handler shares: the engine, the model, ids, usage."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from pagellm.engine.async_llm import AsyncLLM, OutputStream
+from pagellm.entrypoints.openai.errors import APIError
+from pagellm.entrypoints.openai.protocol import UsageInfo
+from pagellm.outputs import RequestOutput
+from pagellm.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class ServingContext:
+    async_llm: AsyncLLM
+    served_model_name: str
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.async_llm.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.async_llm.engine.config.scheduler_config.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.async_llm.engine.config.model_config.vocab_size
+
+    def check_model(self, model: str | None) -> None:
+        """404 unless `model` is the served one (None means "whatever is served")."""
+        if model is not None and model != self.served_model_name:
+            raise APIError(
+                404,
+                f"The model `{model}` does not exist; this server serves "
+                f"`{self.served_model_name}`.",
+                param="model",
+                code="model_not_found",
+            )
+
+    def check_token_ids(self, token_ids: Iterable[int], param: str) -> None:
+        for token_id in token_ids:
+            if not 0 <= token_id < self.vocab_size:
+                raise APIError(
+                    400,
+                    f"token id {token_id} is out of range [0, {self.vocab_size}).",
+                    param=param,
+                )
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage_of(outputs: Iterable[RequestOutput]) -> UsageInfo:
+    """Token counts of the latest outputs: the prompt once per request, every completion."""
+    prompt_tokens = completion_tokens = 0
+    for output in outputs:
+        prompt_tokens += len(output.prompt_token_ids)
+        completion_tokens += sum(len(c.token_ids) for c in output.outputs)
+    return UsageInfo(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+    )
+
+
+async def collect_finals(stream: OutputStream) -> dict[str, RequestOutput]:
+    """The final output of every request in the stream, by request id."""
+    finals: dict[str, RequestOutput] = {}
+    try:
+        async for output in stream:
+            if output.finished:
+                finals[output.request_id] = output
+    finally:
+        stream.cancel()  # a no-op when all finished; aborts the rest if cancelled
+    return finals

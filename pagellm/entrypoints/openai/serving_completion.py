@@ -1,0 +1,221 @@
+"""Entrypoints (HTTP): POST /v1/completions, streamed or not.
+
+Each prompt of the request becomes one engine request with all n completions; choice
+index = prompt index * n + completion index, as in the OpenAI API. The prompts are added
+as one group, so either all run or the request fails as a whole.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from pagellm.engine.async_llm import NewRequest, OutputStream
+from pagellm.entrypoints.openai.errors import APIError, to_api_error
+from pagellm.entrypoints.openai.logprobs import CompletionLogprobsBuilder
+from pagellm.entrypoints.openai.protocol import (
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    UsageInfo,
+)
+from pagellm.entrypoints.openai.sampling import (
+    common_sampling_fields,
+    make_sampling_params,
+)
+from pagellm.entrypoints.openai.serving_common import (
+    ServingContext,
+    collect_finals,
+    new_request_id,
+    usage_of,
+)
+from pagellm.entrypoints.openai.streaming import (
+    SSE_DONE,
+    EventStreamResponse,
+    cancel_on_disconnect,
+    sse_event,
+)
+from pagellm.outputs import RequestOutput
+from pagellm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Job:
+    """One completions request as it runs: its engine requests and how to report them."""
+
+    response_id: str
+    model: str
+    body: CompletionRequest
+    prompts: list[str | list[int]]
+    engine_ids: list[str]
+
+    def prompt_index(self, engine_id: str) -> int:
+        return int(engine_id.rsplit("-", 1)[1])
+
+
+def normalize_prompts(prompt: str | list) -> list[str | list[int]]:
+    """The request's prompt field as a list of prompts (text or token ids)."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise APIError(400, "The prompt is empty.", param="prompt")
+    if all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]
+    return list(prompt)
+
+
+class CompletionServing:
+    def __init__(self, context: ServingContext) -> None:
+        self.context = context
+
+    def _sampling_params(self, body: CompletionRequest) -> SamplingParams:
+        if body.suffix is not None:
+            raise APIError(400, "'suffix' is not supported.", param="suffix")
+        if body.best_of is not None and body.best_of != body.n:
+            raise APIError(400, "'best_of' other than n is not supported.", param="best_of")
+        fields = common_sampling_fields(body, self.context.vocab_size)
+        fields["max_tokens"] = body.max_tokens
+        fields["logprobs"] = body.logprobs
+        if body.echo and body.logprobs is not None:
+            fields["prompt_logprobs"] = body.logprobs
+        return make_sampling_params(fields)
+
+    async def create(self, body: CompletionRequest, raw: Request) -> Response:
+        arrival_time = time.time()  # queueing in the server counts toward latency
+        context = self.context
+        context.check_model(body.model)
+        prompts = normalize_prompts(body.prompt)
+        params = self._sampling_params(body)
+        response_id = new_request_id("cmpl")
+        engine_ids = [f"{response_id}-{i}" for i in range(len(prompts))]
+        job = _Job(response_id, context.served_model_name, body, prompts, engine_ids)
+        stream = await context.async_llm.add_requests(
+            [
+                NewRequest(rid, prompt, params, body.priority, arrival_time)
+                for rid, prompt in zip(engine_ids, prompts)
+            ]
+        )
+        if body.stream:
+            return EventStreamResponse(self._stream(job, stream), on_close=stream.cancel)
+        finals = await cancel_on_disconnect(raw, collect_finals(stream))
+        return JSONResponse(self._response(job, finals).model_dump(mode="json"))
+
+    # -------------------------------------------------------------- whole answer
+
+    def _prompt_text(self, job: _Job, output: RequestOutput) -> str:
+        if output.prompt is not None:
+            return output.prompt
+        return self.context.tokenizer.decode(output.prompt_token_ids, skip_special_tokens=False)
+
+    def _response(self, job: _Job, finals: dict[str, RequestOutput]) -> CompletionResponse:
+        body = job.body
+        choices = []
+        for prompt_index, engine_id in enumerate(job.engine_ids):
+            output = finals[engine_id]
+            prefix = self._prompt_text(job, output) if body.echo else ""
+            for completion in output.outputs:
+                logprobs = None
+                if body.logprobs is not None:
+                    builder = CompletionLogprobsBuilder(self.context.tokenizer, body.logprobs)
+                    token_ids, positions = [], []
+                    if body.echo:
+                        token_ids += output.prompt_token_ids
+                        positions += output.prompt_logprobs or [None] * len(token_ids)
+                    token_ids += completion.token_ids
+                    positions += completion.logprobs or [None] * len(completion.token_ids)
+                    logprobs = builder.build(token_ids, positions)
+                choices.append(
+                    CompletionChoice(
+                        index=prompt_index * body.n + completion.index,
+                        text=prefix + completion.text,
+                        logprobs=logprobs,
+                        finish_reason=completion.finish_reason,
+                        stop_reason=completion.stop_reason,
+                    )
+                )
+        choices.sort(key=lambda choice: choice.index)
+        return CompletionResponse(
+            id=job.response_id, model=job.model, choices=choices, usage=usage_of(finals.values())
+        )
+
+    # ----------------------------------------------------------------- streaming
+
+    async def _stream(self, job: _Job, stream: OutputStream) -> AsyncIterator[str]:
+        body = job.body
+        builders: dict[int, CompletionLogprobsBuilder] = {}
+        latest: dict[str, RequestOutput] = {}
+        try:
+            async for output in stream:
+                prompt_index = job.prompt_index(output.request_id)
+                choices = []
+                if output.request_id not in latest and body.echo:
+                    choices += self._echo_choices(job, prompt_index, output, builders)
+                latest[output.request_id] = output
+                for completion in output.outputs:
+                    # Only what this step added: the engine's delta fields.
+                    new_token_ids = completion.delta_token_ids
+                    if not (completion.delta_text or new_token_ids or completion.finished):
+                        continue
+                    index = prompt_index * body.n + completion.index
+                    logprobs = None
+                    if body.logprobs is not None:
+                        builder = builders.setdefault(
+                            index, CompletionLogprobsBuilder(self.context.tokenizer, body.logprobs)
+                        )
+                        positions = completion.delta_logprobs or [None] * len(new_token_ids)
+                        logprobs = builder.build(new_token_ids, positions)
+                    choices.append(
+                        CompletionChoice(
+                            index=index,
+                            text=completion.delta_text,
+                            logprobs=logprobs,
+                            finish_reason=completion.finish_reason,
+                            stop_reason=completion.stop_reason,
+                        )
+                    )
+                if choices:
+                    yield self._chunk(job, choices)
+            if body.stream_options is not None and body.stream_options.include_usage:
+                yield self._chunk(job, [], usage_of(latest.values()))
+        except Exception as e:  # noqa: BLE001 - the status is sent: report in the stream
+            yield sse_event(to_api_error(e).body().model_dump_json())
+        finally:
+            stream.cancel()
+        yield SSE_DONE
+
+    def _echo_choices(
+        self,
+        job: _Job,
+        prompt_index: int,
+        output: RequestOutput,
+        builders: dict[int, CompletionLogprobsBuilder],
+    ) -> list[CompletionChoice]:
+        body = job.body
+        text = self._prompt_text(job, output)
+        choices = []
+        for completion_index in range(body.n):
+            index = prompt_index * body.n + completion_index
+            logprobs = None
+            if body.logprobs is not None:
+                builder = CompletionLogprobsBuilder(self.context.tokenizer, body.logprobs)
+                builders[index] = builder
+                positions = output.prompt_logprobs or [None] * len(output.prompt_token_ids)
+                logprobs = builder.build(output.prompt_token_ids, positions)
+            choices.append(CompletionChoice(index=index, text=text, logprobs=logprobs))
+        return choices
+
+    @staticmethod
+    def _chunk(
+        job: _Job, choices: list[CompletionChoice], usage: UsageInfo | None = None
+    ) -> str:
+        chunk = CompletionResponse(
+            id=job.response_id, model=job.model, choices=choices, usage=usage
+        )
+        return sse_event(chunk.model_dump_json())

@@ -1,0 +1,179 @@
+"""AsyncLLM: one engine thread, asyncio callers, aborts, shutdown and a dying engine."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import pytest
+from hf_models import make_tiny_hf_checkpoint
+
+from pagellm import LLM, EngineArgs, SamplingParams
+from pagellm.engine.async_llm import (
+    AsyncLLM,
+    EngineDeadError,
+    EngineOverloadedError,
+    NewRequest,
+)
+from pagellm.errors import InvalidRequestError
+
+ENGINE = {"max_model_len": 128, "num_gpu_blocks_override": 64}
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(make_tiny_hf_checkpoint(tmp_path_factory.mktemp("tiny-async"), "llama", seed=4))
+
+
+@pytest.fixture(scope="module")
+def offline(folder: str) -> LLM:
+    return LLM(folder, **ENGINE)
+
+
+@pytest.fixture
+def async_llm(folder: str) -> Iterator[AsyncLLM]:
+    llm = AsyncLLM.from_engine_args(EngineArgs(model=folder, **ENGINE), max_num_queued_requests=4)
+    yield llm
+    if llm.is_alive:
+        # Every test leaves the engine empty: no request, every block free.
+        snapshot = llm.snapshot
+        assert snapshot.num_unfinished_requests == 0
+        assert snapshot.num_free_blocks == snapshot.num_usable_blocks
+
+
+def run(coroutine):  # noqa: ANN001, ANN201
+    return asyncio.run(asyncio.wait_for(coroutine, timeout=120))
+
+
+async def collect(llm: AsyncLLM, prompt: str | list[int], request_id: str) -> list:
+    return [out async for out in llm.generate(prompt, GREEDY, request_id)]
+
+
+async def settle(llm: AsyncLLM) -> None:
+    """Let the engine thread take in what was sent (it publishes a snapshot per loop)."""
+    for _ in range(200):
+        if llm.snapshot.num_unfinished_requests == 0:
+            return
+        await asyncio.sleep(0.01)
+
+
+def test_concurrent_requests_stream_the_offline_answers(async_llm, offline):
+    prompts = ["alpha", "beta beta", [5, 6, 7, 8], "gamma"]
+    expected = [o.outputs[0].text for o in offline.generate(prompts, GREEDY, use_tqdm=False)]
+
+    async def main() -> list[list]:
+        async_llm.start()
+        try:
+            return await asyncio.gather(
+                *(collect(async_llm, p, f"r{i}") for i, p in enumerate(prompts))
+            )
+        finally:
+            await async_llm.shutdown()
+
+    streams = run(main())
+    assert [s[-1].outputs[0].text for s in streams] == expected
+    for stream in streams:
+        assert stream[-1].finished and not any(o.finished for o in stream[:-1])
+        assert len(stream) == 12  # one output per step, each with one new token
+
+
+def test_cancel_aborts_and_frees_blocks(async_llm):
+    async def main() -> None:
+        async_llm.start()
+        stream = await async_llm.add_requests(
+            [NewRequest("long", "x", SamplingParams(max_tokens=100, ignore_eos=True))]
+        )
+        first = await stream.__anext__()
+        assert not first.finished
+        stream.cancel()
+        await settle(async_llm)
+        snapshot = async_llm.snapshot
+        assert snapshot.num_unfinished_requests == 0
+        assert snapshot.num_free_blocks == snapshot.num_usable_blocks
+        assert async_llm.engine.metrics.finished == {"abort": 1}
+        # The engine still serves.
+        outputs = await collect(async_llm, "after", "after")
+        assert outputs[-1].outputs[0].finish_reason == "length"
+        await async_llm.shutdown()
+
+    run(main())
+
+
+def test_a_group_is_added_all_or_none(async_llm):
+    async def main() -> None:
+        async_llm.start()
+        group = [NewRequest("ok", "fine", GREEDY), NewRequest("bad", [1, 10**6], GREEDY)]
+        with pytest.raises(InvalidRequestError) as err:
+            await async_llm.add_requests(group)
+        assert err.value.parameter == "prompt"
+        await settle(async_llm)
+        assert async_llm.snapshot.num_unfinished_requests == 0
+        await async_llm.shutdown()
+
+    run(main())
+
+
+def test_queue_limit_refuses_what_does_not_fit(async_llm):
+    """A group that would grow a non-empty waiting queue past the limit is refused."""
+
+    async def main() -> None:
+        # Added before the thread starts: it takes them all in before its first step, so
+        # nothing leaves the waiting queue in between.
+        params = SamplingParams(max_tokens=4)
+        adds = [
+            asyncio.ensure_future(async_llm.add_requests([NewRequest(f"q{i}", "x", params)]))
+            for i in range(6)
+        ]
+        await asyncio.sleep(0)  # every add is queued now
+        async_llm.start()
+        results = await asyncio.gather(*adds, return_exceptions=True)
+        refused = [r for r in results if isinstance(r, EngineOverloadedError)]
+        accepted = [r for r in results if not isinstance(r, BaseException)]
+        assert len(accepted) == 4 and len(refused) == 2
+        assert "max-num-queued-requests=4" in str(refused[0])
+        assert async_llm.engine.metrics.rejected == {"overloaded": 2}
+        for stream in accepted:
+            assert [o async for o in stream][-1].finished
+        await async_llm.shutdown()
+
+    run(main())
+
+
+def test_shutdown_aborts_in_flight_and_refuses_new(async_llm):
+    async def main() -> None:
+        async_llm.start()
+        stream = await async_llm.add_requests(
+            [NewRequest("long", "x", SamplingParams(max_tokens=100, ignore_eos=True))]
+        )
+        await stream.__anext__()
+        await async_llm.shutdown()
+        rest = [o async for o in stream]
+        assert rest[-1].finished and rest[-1].outputs[0].finish_reason == "abort"
+        assert not async_llm.is_alive
+        with pytest.raises(EngineDeadError):
+            await async_llm.add_requests([NewRequest("late", "x", GREEDY)])
+
+    run(main())
+
+
+def test_a_dying_engine_fails_every_caller_instead_of_hanging(async_llm):
+    async def main() -> None:
+        async_llm.start()
+        stream = await async_llm.add_requests([NewRequest("a", "x", GREEDY)])
+
+        def broken_step():  # noqa: ANN202
+            raise RuntimeError("device lost")
+
+        async_llm.engine.step = broken_step
+        with pytest.raises(EngineDeadError, match="device lost"):
+            async for _ in stream:
+                pass
+        assert not async_llm.is_alive
+        assert "device lost" in str(async_llm.dead_error)
+        with pytest.raises(EngineDeadError):
+            await async_llm.add_requests([NewRequest("b", "x", GREEDY)])
+        async_llm.abort(["a"])  # harmless now
+        await async_llm.shutdown()
+
+    run(main())

@@ -1,0 +1,192 @@
+"""Every refused request gets its status and an OpenAI-shaped error body; none gets a 500."""
+
+from __future__ import annotations
+
+import threading
+
+import httpx2
+import openai
+import pytest
+from serve_helpers import MAX_MODEL_LEN, greedy_offline
+
+
+def post(server, path: str, body=None, content: bytes | None = None, headers=None):  # noqa: ANN001, ANN201
+    all_headers = {**server.headers(), **(headers or {})}
+    if content is not None:
+        all_headers.setdefault("Content-Type", "application/json")
+        return httpx2.post(server.base_url + path, content=content, headers=all_headers, timeout=60)
+    return httpx2.post(server.base_url + path, json=body, headers=all_headers, timeout=60)
+
+
+def assert_error(response, status: int, param: str | None = None, *fragments: str) -> dict:  # noqa: ANN001
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    if param is not None:
+        assert error["param"] == param, error
+    for fragment in fragments:
+        assert fragment in error["message"], error["message"]
+    return error
+
+
+def completion(**fields):  # noqa: ANN003, ANN201
+    return {"prompt": "hello", "max_tokens": 4, **fields}
+
+
+def chat(**fields):  # noqa: ANN003, ANN201
+    return {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **fields}
+
+
+# ------------------------------------------------------------------------ 401 / 404
+
+
+def test_api_key_is_required_on_the_api(server, model_name):
+    url = server.api_url + "/completions"
+    missing = httpx2.post(url, json=completion(), timeout=30)
+    assert_error(missing, 401)
+    wrong = httpx2.post(url, json=completion(), headers={"Authorization": "Bearer nope"}, timeout=30)
+    assert wrong.json()["error"]["code"] == "invalid_api_key"
+    assert_error(httpx2.get(server.api_url + "/models", timeout=30), 401)
+    with openai.OpenAI(base_url=server.api_url, api_key="wrong", max_retries=0) as bad_client:
+        with pytest.raises(openai.AuthenticationError):
+            bad_client.models.list()
+    # Probes and scrapers need no key.
+    assert httpx2.get(server.base_url + "/health", timeout=30).status_code == 200
+    assert httpx2.get(server.base_url + "/metrics", timeout=30).status_code == 200
+
+
+def test_unknown_model_is_404(server):
+    for path, body in (("/v1/completions", completion()), ("/v1/chat/completions", chat())):
+        error = assert_error(post(server, path, {**body, "model": "gpt-7"}), 404, "model", "gpt-7")
+        assert error["code"] == "model_not_found"
+    assert_error(httpx2.get(server.base_url + "/v1/nowhere", headers=server.headers()), 404)
+
+
+def test_openai_client_sees_typed_errors(client, model_name):
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-7", prompt="hi", max_tokens=2)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=model_name, prompt="hi", max_tokens=2, temperature=-1)
+    assert err.value.body["param"] == "temperature"
+
+
+# ----------------------------------------------------------------------------- 400
+
+
+def test_prompt_longer_than_max_model_len(server):
+    too_long = "a" * (MAX_MODEL_LEN + 10)  # one token per byte
+    assert_error(
+        post(server, "/v1/completions", completion(prompt=too_long)),
+        400, "prompt", str(MAX_MODEL_LEN + 10), str(MAX_MODEL_LEN),
+    )
+    messages = [{"role": "user", "content": too_long}]
+    assert_error(post(server, "/v1/chat/completions", chat(messages=messages)), 400, "prompt")
+
+
+def test_max_tokens_past_the_context(server):
+    error = assert_error(
+        post(server, "/v1/completions", completion(max_tokens=MAX_MODEL_LEN)),
+        400, "max_tokens", str(MAX_MODEL_LEN),
+    )
+    assert "5" in error["message"]  # the prompt's 5 tokens
+    assert_error(post(server, "/v1/chat/completions", chat(max_completion_tokens=10**9)), 400, "max_tokens")
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("temperature", -0.5),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("top_k", -7),
+        ("min_p", 2.0),
+        ("n", 0),
+        ("max_tokens", 0),
+        ("min_tokens", -1),
+        ("seed", 2**70),
+        ("logprobs", 1000),
+        ("stop_token_ids", [100000]),
+        ("logit_bias", {"not-a-token": 1}),
+        ("logit_bias", {"5": 1000}),
+        ("n", 10**6),
+    ],
+)
+def test_invalid_sampling_parameter_names_its_param(server, field, value):
+    assert_error(post(server, "/v1/completions", completion(**{field: value})), 400, field)
+
+
+def test_invalid_chat_parameters(server):
+    assert_error(post(server, "/v1/chat/completions", chat(top_logprobs=3)), 400, "top_logprobs")
+    assert_error(post(server, "/v1/chat/completions", chat(top_logprobs=99, logprobs=True)), 400, "top_logprobs")
+    assert_error(post(server, "/v1/chat/completions", chat(temperature=-1)), 400, "temperature")
+
+
+@pytest.mark.parametrize("prompt", ["", [], [[]], [""], [[1, 2], []]])
+def test_empty_prompts(server, prompt):
+    assert_error(post(server, "/v1/completions", completion(prompt=prompt)), 400, "prompt")
+
+
+@pytest.mark.parametrize("prompt", [[1, 999], [-1], [[5], [256]], [2**64]])
+def test_out_of_vocabulary_token_ids(server, prompt):
+    assert_error(post(server, "/v1/completions", completion(prompt=prompt)), 400, "prompt")
+
+
+def test_malformed_json_and_wrong_types(server):
+    assert_error(post(server, "/v1/completions", content=b'{"prompt": "hi",'), 400, None, "JSON")
+    assert_error(post(server, "/v1/completions", content=b"NaN"), 400)
+    assert_error(post(server, "/v1/completions", content=b""), 400)
+    assert_error(post(server, "/v1/completions", content=b"[1, 2]"), 400)
+    assert_error(post(server, "/v1/completions", {"max_tokens": 3}), 400, "prompt")
+    assert_error(post(server, "/v1/completions", completion(prompt=5)), 400, "prompt")
+    assert_error(post(server, "/v1/completions", completion(prompt=[1.5])), 400, "prompt")
+    assert_error(post(server, "/v1/completions", completion(max_tokens="x")), 400, "max_tokens")
+    assert_error(post(server, "/v1/completions", completion(temperature="hot")), 400, "temperature")
+    assert_error(post(server, "/v1/completions", completion(stream=[1])), 400, "stream")
+    assert_error(post(server, "/v1/completions", content=b'{"prompt":"hi","temperature":NaN}'), 400, "temperature")
+    assert_error(post(server, "/v1/completions", content=b'{"prompt":"hi","top_p":Infinity}'), 400, "top_p")
+    assert_error(post(server, "/v1/chat/completions", chat(messages="hi")), 400, "messages")
+    assert_error(post(server, "/v1/chat/completions", chat(messages=[])), 400, "messages")
+    assert_error(post(server, "/v1/chat/completions", chat(messages=[{"content": "x"}])), 400, "messages")
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    assert_error(post(server, "/v1/chat/completions", chat(messages=image)), 400, "messages")
+    assert_error(post(server, "/tokenize", {"prompt": 3}), 400, "prompt")
+    assert_error(post(server, "/detokenize", {"tokens": [1, 4096]}), 400, "tokens")
+
+
+def test_unsupported_fields_are_refused_not_ignored(server):
+    assert_error(post(server, "/v1/completions", completion(suffix="x")), 400, "suffix")
+    assert_error(post(server, "/v1/completions", completion(best_of=3)), 400, "best_of")
+
+
+def test_a_bad_request_fails_alone(server, model_name, offline_llm):
+    """Refusals while a stream runs leave it untouched."""
+    max_tokens = 1500
+    expected = greedy_offline(offline_llm, "steady", max_tokens, ignore_eos=True).outputs[0].text
+    streamed: list[str] = []
+    started = threading.Event()
+
+    def run_stream() -> None:
+        with openai.OpenAI(base_url=server.api_url, api_key=server.api_key, max_retries=0) as c:
+            for chunk in c.completions.create(
+                model=model_name, prompt="steady", max_tokens=max_tokens, temperature=0,
+                stream=True, extra_body={"ignore_eos": True},
+            ):
+                streamed.append(chunk.choices[0].text)
+                started.set()
+
+    thread = threading.Thread(target=run_stream)
+    thread.start()
+    assert started.wait(120)
+    for bad in (completion(prompt=[999]), completion(temperature=-1), completion(model="x")):
+        assert post(server, "/v1/completions", bad).status_code in (400, 404)
+    thread.join(120)
+    assert "".join(streamed) == expected
+
+
+def test_tokenize_and_detokenize(server, model_name):
+    tokens = post(server, "/tokenize", {"prompt": "hi!", "model": model_name}).json()
+    assert tokens == {"count": 3, "max_model_len": MAX_MODEL_LEN, "tokens": list(b"hi!")}
+    chat_tokens = post(server, "/tokenize", {"messages": [{"role": "user", "content": "hi"}]}).json()
+    assert bytes(chat_tokens["tokens"]) == b"<user>hi\n<assistant>"
+    assert post(server, "/detokenize", {"tokens": list(b"hi!")}).json() == {"prompt": "hi!"}
