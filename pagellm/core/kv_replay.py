@@ -72,6 +72,8 @@ def replay(events: Iterable[dict[str, Any]], until_step: int | None = None) -> B
             for b in blocks:
                 hold(b, rid)
         # "preempt" is informational: its block changes come as free / swap_out events.
+    if until_step is not None:
+        state.step = until_step
     return state
 
 

@@ -22,6 +22,7 @@ import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from pagellm.core.scheduler_stats import SchedulerStats
 from pagellm.engine.arg_utils import EngineArgs
@@ -113,6 +114,15 @@ class _AddCommand:
     requests: list[NewRequest]
     stream: OutputStream
     accepted: asyncio.Future[None]
+
+
+@dataclass
+class _QueryCommand:
+    """Run `fn(engine)` on the engine thread between steps and hand back its result."""
+
+    fn: Callable[[LLMEngine], Any]
+    result: asyncio.Future[Any]
+    loop: asyncio.AbstractEventLoop
 
 
 @dataclass
@@ -254,6 +264,16 @@ class AsyncLLM:
         except EngineDeadError:
             pass  # nothing runs any more
 
+    async def query(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """`fn(engine)` evaluated on the engine thread (engine state is not thread-safe).
+
+        Costs the engine nothing unless called: used by the dashboard's state endpoint.
+        """
+        loop = self._bind_loop()
+        result: asyncio.Future[Any] = loop.create_future()
+        self._send(_QueryCommand(fn, result, loop))
+        return await result
+
     def abort_all(self) -> None:
         """Abort every request in flight; each stream ends with finish_reason "abort"."""
         try:
@@ -309,6 +329,12 @@ class AsyncLLM:
             self._route(self.engine.abort_request(request_ids))
         elif isinstance(command, _AddCommand):
             self._add(command)
+        elif isinstance(command, _QueryCommand):
+            try:
+                value, error = command.fn(self.engine), None
+            except Exception as e:  # noqa: BLE001 - the caller gets the error, the engine lives on
+                value, error = None, e
+            command.loop.call_soon_threadsafe(_set_result, command.result, value, error)
         else:
             raise TypeError(f"unknown engine command {command!r}")
 
@@ -408,6 +434,15 @@ class AsyncLLM:
             num_usable_blocks=manager.num_usable_blocks,
             num_unfinished_requests=self.engine.get_num_unfinished_requests(),
         )
+
+
+def _set_result(future: asyncio.Future[Any], value: Any, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(value)
 
 
 def _resolve(future: asyncio.Future[None], error: BaseException | None) -> None:

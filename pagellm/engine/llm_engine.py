@@ -228,6 +228,9 @@ class LLMEngine:
         )
         outputs = [o for o in (self.output_processor.abort(rid) for rid in ids) if o is not None]
         self.metrics.record_outputs(outputs, time.time())
+        # Gauges otherwise move only when the engine steps; an idle engine would keep
+        # showing the aborted requests.
+        self.metrics.update_scheduler_metrics(self.scheduler.make_stats())
         return outputs
 
     def has_unfinished_requests(self) -> bool:

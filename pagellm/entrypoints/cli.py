@@ -34,7 +34,36 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(gen)
 
     add_serve_parser(commands)
+
+    report = commands.add_parser("report", help="render a metrics series (JSONL) as PNG charts")
+    report.add_argument("series", help="file written with --metrics-series-file")
+    report.add_argument("--out", default="pagellm-report", help="folder for the PNG files")
+
+    replay = commands.add_parser("kv-replay", help="rebuild the KV block map from an event log")
+    replay.add_argument("events", help="file written with --kv-events-file")
+    replay.add_argument("--step", type=int, default=None, help="stop after this step")
     return parser
+
+
+def run_kv_replay(path: str, step: int | None) -> None:
+    import json
+
+    from pagellm.core.kv_replay import read_events, replay
+
+    try:
+        events = read_events(path)
+    except (OSError, ValueError) as e:
+        raise PagellmError(f"cannot read the KV event log {path}: {e}") from None
+    state = replay(events, until_step=step)
+    summary = {
+        "step": state.step,
+        "blocks_in_use": len(state.device),
+        "shared_blocks": sum(1 for holders in state.device.values() if len(holders) > 1),
+        "cached_blocks": len(state.cached),
+        "host_blocks_in_use": len(state.host),
+        "requests": sorted({r for holders in state.device.values() for r in holders}),
+    }
+    print(json.dumps({"summary": summary, "block_map": state.normalized()}))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -51,6 +80,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             run_generate(args)
         elif args.command == "serve":
             run_serve(args)
+        elif args.command == "report":
+            from pagellm.metrics.report import read_series, render_report
+
+            for path in render_report(read_series(args.series), args.out):
+                print(path)
+        elif args.command == "kv-replay":
+            run_kv_replay(args.events, args.step)
         return 0
     except PagellmError as e:
         print(f"pagellm: error: {e}", file=sys.stderr)

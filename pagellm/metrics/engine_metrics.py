@@ -173,7 +173,7 @@ class EngineMetrics:
                     timing.first_scheduled = now
                     self._observe("queue_time", prom.request_queue_time, now - timing.arrival)
         self.record_outputs(outputs, now)
-        self._update_scheduler_metrics(stats)
+        self.update_scheduler_metrics(stats)
         active = bool(scheduled) or stats.num_waiting > 0
         self._series_window.busy |= active
         self._log_window.busy |= active
@@ -183,7 +183,8 @@ class EngineMetrics:
         if self.log_stats_interval and monotonic - self._log_window.start >= self.log_stats_interval:
             self._log_stats_line(monotonic, stats)
 
-    def _update_scheduler_metrics(self, stats: SchedulerStats) -> None:
+    def update_scheduler_metrics(self, stats: SchedulerStats) -> None:
+        """Gauges from a scheduler snapshot, and its counters' growth since the last one."""
         prom = self.prom
         prom.num_requests_running.set(stats.num_running)
         prom.num_requests_waiting.set(stats.num_waiting)

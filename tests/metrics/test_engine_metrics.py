@@ -168,3 +168,40 @@ def test_report_renders_png_charts(folder, tmp_path):
     assert {f.name for f in files} == {"throughput.png", "prefill_decode.png", "kv_usage.png", "queues.png", "latency.png"}
     for f in files:
         assert f.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f.stat().st_size > 5000
+
+
+def test_cli_report_and_kv_replay(folder, tmp_path):
+    import subprocess
+    import sys
+
+    series, events = tmp_path / "series.jsonl", tmp_path / "kv.jsonl"
+    llm = LLM(folder, max_model_len=128, metrics_series_file=str(series), kv_events_file=str(events))
+    llm.engine.metrics.series_interval = 1e-6
+    run(llm)
+    llm.engine.close()
+
+    def cli(*args):
+        code = f"import sys; from pagellm.entrypoints.cli import main; sys.exit(main({list(args)!r}))"
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+
+    report = cli("report", str(series), "--out", str(tmp_path / "charts"))
+    assert report.returncode == 0, report.stderr
+    assert len(list((tmp_path / "charts").glob("*.png"))) == 5
+    replayed = cli("kv-replay", str(events), "--step", "2")
+    assert replayed.returncode == 0, replayed.stderr
+    out = json.loads(replayed.stdout)
+    assert out["summary"]["step"] == 2 and out["summary"]["blocks_in_use"] > 0
+    missing = cli("kv-replay", str(tmp_path / "nope.jsonl"))
+    assert missing.returncode == 1 and "cannot read the KV event log" in missing.stderr
+    assert "Traceback" not in missing.stderr
+
+
+def test_abort_on_an_idle_engine_updates_the_gauges(folder):
+    llm = LLM(folder, max_model_len=128)
+    engine = llm.engine
+    engine.add_request("a", [5] * 10, SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.step()
+    assert sample(llm, "pagellm:num_requests_running") == 1
+    engine.abort_request("a")
+    assert sample(llm, "pagellm:num_requests_running") == 0
+    assert sample(llm, "pagellm:request_success_total", finished_reason="abort") == 1

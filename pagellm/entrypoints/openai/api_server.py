@@ -20,7 +20,8 @@ from types import FrameType
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, RedirectResponse, Response
+from fastapi.staticfiles import StaticFiles
 
 from pagellm.engine.async_llm import AsyncLLM
 from pagellm.entrypoints.cli_args import engine_args_from_namespace
@@ -41,7 +42,9 @@ from pagellm.entrypoints.openai.serving_chat import ChatServing
 from pagellm.entrypoints.openai.serving_common import ServingContext
 from pagellm.entrypoints.openai.serving_completion import CompletionServing
 from pagellm.entrypoints.openai.serving_tokens import TokenServing
+from pagellm.entrypoints.dashboard import STATIC_DIR
 from pagellm.errors import ConfigError
+from pagellm.metrics.dashboard_state import dashboard_state
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +102,22 @@ def build_app(
     @app.post("/v1/chat/completions")
     async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Response:
         return await chat.create(body, raw)
+
+    @app.get("/v1/engine/state")
+    async def engine_state() -> Response:
+        """The block map, queues and time series the dashboard draws."""
+        error = async_llm.dead_error
+        if error is not None:
+            return to_api_error(error).response()
+        state = await async_llm.query(dashboard_state)
+        state["model"] = name
+        return JSONResponse(state)
+
+    @app.get("/dashboard", include_in_schema=False)
+    async def dashboard_redirect() -> Response:
+        return RedirectResponse("/dashboard/")
+
+    app.mount("/dashboard", StaticFiles(directory=STATIC_DIR, html=True), name="dashboard")
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:

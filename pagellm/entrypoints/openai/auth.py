@@ -13,7 +13,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagellm.entrypoints.openai.errors import APIError
 
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+# The dashboard is an operator view like /metrics (a browser page cannot send the key).
+OPEN_PATHS = frozenset({"/health", "/metrics", "/v1/engine/state", "/dashboard"})
+OPEN_PREFIXES = ("/dashboard/",)
 
 
 class ApiKeyMiddleware:
@@ -22,7 +24,9 @@ class ApiKeyMiddleware:
         self._expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or self._authorized(scope):
+        path = scope.get("path", "")
+        is_open = path in OPEN_PATHS or path.startswith(OPEN_PREFIXES)
+        if scope["type"] != "http" or is_open or self._authorized(scope):
             await self.app(scope, receive, send)
             return
         response = APIError(

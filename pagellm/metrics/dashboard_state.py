@@ -1,0 +1,76 @@
+"""Metrics stage: the JSON picture of the engine that the dashboard draws.
+
+Built on demand (only when someone watches), from the scheduler's queues, the KV cache
+manager's block tables and the metrics' time series.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pagellm.engine.llm_engine import LLMEngine
+
+# Block states in `blocks.state` (owners are in `blocks.owner`).
+FREE, CACHED_FREE, NULL, OWNED, SHARED = 0, 1, 2, 3, 4
+
+
+def dashboard_state(engine: LLMEngine, max_series_points: int = 300) -> dict[str, Any]:
+    scheduler = engine.scheduler
+    manager = scheduler.kv_cache_manager
+    pool = manager.device_pool
+    requests = []
+    index_of: dict[str, int] = {}
+    for status, queue in (("running", scheduler.running), ("swapped", scheduler.swapped), ("waiting", scheduler.waiting)):
+        for request in queue:
+            index_of[request.request_id] = len(requests)
+            requests.append(
+                {
+                    "id": request.request_id,
+                    "status": status,
+                    "prompt_tokens": request.num_prompt_tokens,
+                    "output_tokens": request.num_output_tokens,
+                    "computed_tokens": request.num_computed_tokens,
+                    "device_blocks": len(manager.get_block_ids(request.request_id)),
+                    "host_blocks": len(manager.get_host_block_ids(request.request_id)),
+                }
+            )
+    num_blocks = len(pool.blocks)
+    state = [FREE] * num_blocks
+    owner = [-1] * num_blocks
+    for block in pool.blocks:
+        if block is pool.null_block:
+            state[block.block_id] = NULL
+        elif block.ref_cnt == 0 and block.block_hash is not None:
+            state[block.block_id] = CACHED_FREE
+        elif block.ref_cnt > 1:
+            state[block.block_id] = SHARED
+        elif block.ref_cnt == 1:
+            state[block.block_id] = OWNED
+    for request_id, table in manager._block_tables.items():
+        for block_id in table:
+            if owner[block_id] == -1:
+                owner[block_id] = index_of.get(request_id, -1)
+    stats = scheduler.make_stats()
+    series = list(engine.metrics.series)[-max_series_points:]
+    return {
+        "time": time.time(),
+        "model": engine.config.source.name,
+        "step": engine.num_steps,
+        "block_size": manager.block_size,
+        "blocks": {"state": state, "owner": owner},
+        "host_blocks": {"total": len(manager.host_pool.blocks), "usage": stats.host_kv_cache_usage},
+        "requests": requests,
+        "queues": {"running": stats.num_running, "waiting": stats.num_waiting, "swapped": stats.num_swapped},
+        "kv_usage": stats.kv_cache_usage,
+        "counters": {
+            "preemptions": stats.num_preemptions_recompute + stats.num_preemptions_swap,
+            "allocation_failures": stats.num_allocation_failures,
+            "prefix_hit_tokens": stats.num_prefix_hit_tokens,
+            "prefix_query_tokens": stats.num_prefix_query_tokens,
+            "prefill_tokens": stats.num_prefill_tokens,
+            "decode_tokens": stats.num_decode_tokens,
+        },
+        "series": series,
+    }
