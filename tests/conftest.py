@@ -1,5 +1,10 @@
+import os
 import sys
 from pathlib import Path
+
+# float32 is the exactness reference: "auto" would pick bfloat16 on CPUs with native
+# bf16. Set before anything starts, so server subprocesses inherit it too.
+os.environ["PAGELLM_CPU_DTYPE"] = "float32"
 
 # Test helpers (tests/hf_models.py) are imported as plain modules.
 sys.path.insert(0, str(Path(__file__).parent))

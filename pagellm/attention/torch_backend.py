@@ -63,12 +63,14 @@ class TorchAttentionBackend(AttentionBackend):
         else:
             others = list(range(metadata.num_reqs))
         for r in others:
-            self._one_request(query, kv_cache, metadata, r, scale, output)
+            self._one_request(query, key, value, kv_cache, metadata, r, scale, output)
         return output
 
     @staticmethod
     def _one_request(
         query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         r: int,
@@ -78,20 +80,22 @@ class TorchAttentionBackend(AttentionBackend):
         start, end = metadata.query_start_loc[r], metadata.query_start_loc[r + 1]
         seq_len = metadata.seq_lens[r]
         query_len = end - start
-        group = query.shape[1] // kv_cache.shape[-2]
-        k = gather_context(kv_cache[0], metadata.block_tables[r], seq_len)
-        v = gather_context(kv_cache[1], metadata.block_tables[r], seq_len)
-        # [heads, tokens, head_dim]; K/V heads repeated for grouped-query attention.
-        q = query[start:end].transpose(0, 1)
-        k = k.transpose(0, 1).repeat_interleave(group, dim=0).to(q.dtype)
-        v = v.transpose(0, 1).repeat_interleave(group, dim=0).to(q.dtype)
-        mask = None
-        if query_len > 1:
-            # Query i sits at context position (seq_len - query_len + i).
-            device = query.device
-            q_pos = torch.arange(seq_len - query_len, seq_len, device=device).unsqueeze(1)
-            mask = torch.arange(seq_len, device=device).unsqueeze(0) <= q_pos
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        q = query[start:end].transpose(0, 1)  # [heads, tokens, head_dim]
+        if query_len == seq_len:
+            # Nothing cached before this chunk: attend over its own new K/V directly.
+            k = key[start:end].transpose(0, 1)
+            v = value[start:end].transpose(0, 1)
+            out = _sdpa(q, k.to(q.dtype), v.to(q.dtype), None, scale, causal=query_len > 1)
+        else:
+            k = gather_context(kv_cache[0], metadata.block_tables[r], seq_len).transpose(0, 1)
+            v = gather_context(kv_cache[1], metadata.block_tables[r], seq_len).transpose(0, 1)
+            mask = None
+            if query_len > 1:
+                # Query i sits at context position (seq_len - query_len + i).
+                device = query.device
+                q_pos = torch.arange(seq_len - query_len, seq_len, device=device).unsqueeze(1)
+                mask = torch.arange(seq_len, device=device).unsqueeze(0) <= q_pos
+            out = _sdpa(q, k.to(q.dtype), v.to(q.dtype), mask, scale)
         output[start:end] = out.transpose(0, 1)
 
     @staticmethod
@@ -119,11 +123,29 @@ class TorchAttentionBackend(AttentionBackend):
         lengths = torch.tensor(seq_lens, device=device)
         valid = torch.arange(width, device=device).unsqueeze(0) < lengths.unsqueeze(1)
         mask = valid[:, None, None, :]  # [num, 1, 1, width]
-        group = query.shape[1] // num_kv_heads
-        if group > 1:
-            k = k.repeat_interleave(group, dim=1)
-            v = v.repeat_interleave(group, dim=1)
-        out = F.scaled_dot_product_attention(
-            q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale
-        )
+        out = _sdpa(q, k.to(q.dtype), v.to(q.dtype), mask, scale)
         output[rows] = out.squeeze(2)
+
+
+def _sdpa(
+    q: torch.Tensor,  # [..., heads, q_len, head_dim]
+    k: torch.Tensor,  # [..., kv_heads, kv_len, head_dim]
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    causal: bool = False,
+) -> torch.Tensor:
+    """Scaled dot-product attention with grouped K/V heads shared by several query heads."""
+    group = q.shape[-3] // k.shape[-3]
+    if group > 1 and _HAS_GQA:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=scale, is_causal=causal, enable_gqa=True
+        )
+    if group > 1:
+        k = k.repeat_interleave(group, dim=-3)
+        v = v.repeat_interleave(group, dim=-3)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, is_causal=causal)
+
+
+# enable_gqa arrived in torch 2.5; older builds repeat the K/V heads instead.
+_HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")

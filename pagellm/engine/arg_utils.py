@@ -18,7 +18,7 @@ class EngineArgs:
     """Everything that shapes an engine. Each field is also a CLI flag (--max-num-seqs)."""
 
     model: str | None = None  # GGUF file or HF folder; None = embedded SmolLM2
-    dtype: str = "auto"  # auto = float32 on CPU, bfloat16 on GPU
+    dtype: str = "auto"  # auto = bfloat16 on GPU and on CPUs with native bf16, else float32
     device: str = "auto"  # auto = cuda if available
     seed: int = 0
     max_model_len: int | None = None  # None = the model's context length

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -62,10 +63,35 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes bfloat16 natively (AVX-512 BF16 or AMX)."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool(flags & {"avx512_bf16", "amx_bf16"})
+    except OSError:
+        pass
+    return False
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[name]
+    """"auto": bfloat16 on GPUs and on CPUs with native bf16, else float32.
+
+    PAGELLM_CPU_DTYPE=float32 pins the CPU choice (the tests do: float32 is the
+    exactness reference against HF transformers).
+    """
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cuda":
+        return torch.bfloat16
+    forced = os.environ.get("PAGELLM_CPU_DTYPE")
+    if forced:
+        if forced not in _DTYPES:
+            raise ConfigError(f"PAGELLM_CPU_DTYPE must be one of {sorted(_DTYPES)}, got {forced!r}")
+        return _DTYPES[forced]
+    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
 
 
 def resolve_max_model_len(args: EngineArgs, model_config: ModelConfig) -> int:

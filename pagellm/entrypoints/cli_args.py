@@ -17,7 +17,7 @@ _CHOICES = {
 }
 _HELP = {
     "model": "GGUF file or HF checkpoint folder (default: embedded SmolLM2-135M-Instruct)",
-    "dtype": "weights and activations; auto = float32 on CPU, bfloat16 on GPU",
+    "dtype": "weights and activations; auto = bfloat16 on GPU and on CPUs with native bf16 (AVX-512 BF16, AMX), else float32",
     "max_model_len": "longest prompt + output (default: the model's context length)",
     "max_num_seqs": "most requests running at once",
     "max_num_batched_tokens": "token budget of one step (default 2048)",

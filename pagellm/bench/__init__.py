@@ -1,0 +1,1 @@
+"""Benchmarks: `pagellm bench throughput|serve` and the peer backends they compare with."""

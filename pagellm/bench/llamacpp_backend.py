@@ -1,0 +1,143 @@
+"""Benchmarks: llama.cpp (llama-cpp-python) on the same GGUF, several sequences per batch.
+
+Uses the low-level `llama_cpp` API the way llama.cpp's own server batches: up to
+`parallel` sequences live in one context; every llama_decode call carries one new token
+for each decoding sequence plus prompt tokens of newly admitted ones; a finished
+sequence's KV is dropped and the next request takes its slot (continuous batching).
+Greedy, ignore-EOS, exact output lengths, as for the other backends.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from pagellm.bench.backends import BackendResult
+from pagellm.bench.workload import BenchRequest
+from pagellm.errors import PagellmError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Slot:
+    request: BenchRequest
+    seq_id: int
+    position: int = 0  # tokens of this sequence in the KV cache
+    pending: list[int] | None = None  # tokens to feed (prompt, then the last sampled one)
+    generated: int = 0
+
+
+def _seq_rm(llama_cpp, ctx, seq_id: int) -> None:
+    """Drop a sequence's KV (the function's name changed across llama.cpp versions)."""
+    if hasattr(llama_cpp, "llama_memory_seq_rm") and hasattr(llama_cpp, "llama_get_memory"):
+        llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(ctx), seq_id, -1, -1)
+    elif hasattr(llama_cpp, "llama_kv_self_seq_rm"):
+        llama_cpp.llama_kv_self_seq_rm(ctx, seq_id, -1, -1)
+    else:
+        llama_cpp.llama_kv_cache_seq_rm(ctx, seq_id, -1, -1)
+
+
+def run_llamacpp(
+    requests: list[BenchRequest], model_path: Path, parallel: int, n_batch: int = 512
+) -> BackendResult:
+    try:
+        import llama_cpp
+        from llama_cpp import Llama
+    except ImportError:
+        raise PagellmError(
+            "the llama.cpp backend needs llama-cpp-python: pip install llama-cpp-python"
+        ) from None
+    threads = os.cpu_count() or 1
+    longest = max(len(r.prompt_token_ids) + r.output_len for r in requests)
+    n_ctx = parallel * longest
+    llm = Llama(
+        str(model_path), n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch, n_threads=threads,
+        n_threads_batch=threads, n_seq_max=parallel, kv_unified=True, verbose=False,
+    ) if "kv_unified" in Llama.__init__.__code__.co_varnames else Llama(
+        str(model_path), n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch, n_threads=threads,
+        n_threads_batch=threads, n_seq_max=parallel, verbose=False,
+    )  # fmt: skip
+    ctx = llm._ctx.ctx
+    n_vocab = llm.n_vocab()
+    batch = llama_cpp.llama_batch_init(n_batch, 0, parallel)
+    try:
+        _decode_all(llama_cpp, ctx, batch, requests[: min(2, len(requests))], parallel, n_batch, n_vocab)
+        for seq in range(parallel):
+            _seq_rm(llama_cpp, ctx, seq)
+        start = time.perf_counter()
+        produced = _decode_all(llama_cpp, ctx, batch, requests, parallel, n_batch, n_vocab)
+        elapsed = time.perf_counter() - start
+    finally:
+        llama_cpp.llama_batch_free(batch)
+    expected = sum(r.output_len for r in requests)
+    if produced != expected:
+        raise PagellmError(f"llama.cpp produced {produced} tokens, {expected} were asked for")
+    return BackendResult(
+        "llamacpp", elapsed, produced, sum(len(r.prompt_token_ids) for r in requests),
+        settings={"parallel": parallel, "n_batch": n_batch, "threads": threads,
+                  "weights": "GGUF as stored (Q4_1/Q8_0 kernels)",
+                  "version": getattr(llama_cpp, "__version__", "?")},
+    )  # fmt: skip
+
+
+def _decode_all(llama_cpp, ctx, batch, requests, parallel, n_batch, n_vocab) -> int:  # noqa: ANN001
+    queue = list(requests)
+    free_seqs = list(range(parallel - 1, -1, -1))
+    active: list[_Slot] = []
+    produced = 0
+    while queue or active:
+        while queue and free_seqs:
+            request = queue.pop(0)
+            active.append(_Slot(request, free_seqs.pop(), pending=list(request.prompt_token_ids)))
+        # One decode call: every decoding slot's token, then prompt chunks while room lasts.
+        entries: list[tuple[_Slot, int, bool]] = []  # (slot, token, wants logits)
+        for slot in sorted(active, key=lambda s: len(s.pending or ())):
+            room = n_batch - len(entries)
+            if room <= 0:
+                break
+            take = (slot.pending or [])[:room]
+            for k, token in enumerate(take):
+                last = k == len(take) - 1 and len(take) == len(slot.pending or [])
+                entries.append((slot, token, last))
+        batch.n_tokens = len(entries)
+        for i, (slot, token, wants) in enumerate(entries):
+            batch.token[i] = token
+            batch.pos[i] = slot.position
+            batch.n_seq_id[i] = 1
+            batch.seq_id[i][0] = slot.seq_id
+            batch.logits[i] = wants
+            slot.position += 1
+        if llama_cpp.llama_decode(ctx, batch) != 0:
+            raise PagellmError("llama_decode failed (KV cache full?)")
+        finished = []
+        consumed: dict[int, int] = {}
+        for i, (slot, _, wants) in enumerate(entries):
+            consumed[id(slot)] = consumed.get(id(slot), 0) + 1
+            if not wants:
+                continue
+            logits = np.ctypeslib.as_array(
+                ctypes.cast(llama_cpp.llama_get_logits_ith(ctx, i), ctypes.POINTER(ctypes.c_float)),
+                shape=(n_vocab,),
+            )
+            token = int(logits.argmax())
+            slot.generated += 1
+            produced += 1
+            slot.pending = [token]
+            if slot.generated >= slot.request.output_len:
+                finished.append(slot)
+        for slot in active:
+            n = consumed.get(id(slot), 0)
+            if n and slot.pending is not None and len(slot.pending) > 1:
+                slot.pending = slot.pending[n:]
+        for slot in finished:
+            active.remove(slot)
+            _seq_rm(llama_cpp, ctx, slot.seq_id)
+            free_seqs.append(slot.seq_id)
+    return produced

@@ -1,0 +1,146 @@
+"""Benchmarks: `pagellm bench throughput`, offline throughput on one request list.
+
+Prints its configuration and results as one JSON line plus a table, and appends the
+JSON line to --result-file. Achieved GFLOP/s (matmul FLOPs of the work actually asked
+for, over wall time) is reported against the matmul ceiling measured at start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pagellm.bench.backends import BackendResult, run_hf, run_pagellm
+from pagellm.bench.ceiling import measure_matmul_ceiling, workload_flops
+from pagellm.bench.workload import WORKLOADS, WorkloadSpec, make_workload
+from pagellm.errors import PagellmError
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("pagellm", "hf", "llamacpp")
+
+
+def add_workload_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workload", choices=WORKLOADS, default="mixed")
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, nargs=2, default=(16, 256), metavar=("LO", "HI"))
+    parser.add_argument("--output-len", type=int, nargs=2, default=(16, 256), metavar=("LO", "HI"))
+    parser.add_argument("--shared-prefix-len", type=int, default=512)
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def workload_spec_from_args(args: argparse.Namespace) -> WorkloadSpec:
+    return WorkloadSpec(
+        kind=args.workload,
+        num_requests=args.num_requests,
+        prompt_len=tuple(args.prompt_len),
+        output_len=tuple(args.output_len),
+        shared_prefix_len=args.shared_prefix_len,
+        seed=args.seed,
+    )
+
+
+def add_bench_throughput_parser(bench_commands: Any) -> None:
+    p = bench_commands.add_parser("throughput", help="offline throughput on a synthetic workload")
+    p.add_argument("--backend", choices=BACKENDS, default="pagellm")
+    p.add_argument("--model", default=None, help="GGUF file or HF folder (default: embedded SmolLM2)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--hf-batch-sizes", type=int, nargs="+", default=[16, 32, 64])
+    p.add_argument("--llamacpp-parallel", type=int, default=64, help="sequences decoded together")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--result-file", default="bench-results/throughput.jsonl")
+    add_workload_args(p)
+
+
+def run_bench_throughput(args: argparse.Namespace) -> dict[str, Any]:
+    from pagellm.model.loader import load_model_config, resolve_model_source
+
+    source = resolve_model_source(args.model)
+    config = load_model_config(source)
+    requests = make_workload(workload_spec_from_args(args), max_model_len=args.max_model_len)
+    torch_dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
+    ceiling = measure_matmul_ceiling(torch_dtype)
+    if args.backend == "pagellm":
+        engine_args: dict[str, Any] = {"max_num_seqs": args.max_num_seqs, "max_model_len": args.max_model_len}
+        if args.max_num_batched_tokens:
+            engine_args["max_num_batched_tokens"] = args.max_num_batched_tokens
+        result = run_pagellm(requests, args.model, args.dtype, engine_args)
+    elif args.backend == "hf":
+        result = run_hf(requests, source.path, args.dtype, args.hf_batch_sizes)
+    else:
+        from pagellm.bench.llamacpp_backend import run_llamacpp
+
+        if source.format != "gguf":
+            raise PagellmError("the llama.cpp backend needs a GGUF model")
+        result = run_llamacpp(requests, source.path, args.llamacpp_parallel)
+    flops = workload_flops(config, [len(r.prompt_token_ids) for r in requests], [r.output_len for r in requests])
+    record = make_record(args, source.name, result, flops, ceiling, len(requests))
+    print_result(record)
+    if args.result_file:
+        Path(args.result_file).parent.mkdir(parents=True, exist_ok=True)
+        with open(args.result_file, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+    return record
+
+
+def make_record(
+    args: argparse.Namespace, model: str, result: BackendResult, flops: float, ceiling: float, num_requests: int
+) -> dict[str, Any]:
+    elapsed = result.elapsed_s
+    achieved = flops / elapsed / 1e9
+    return {
+        "bench": "throughput",
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "machine": machine_description(),
+        "model": model,
+        "backend": result.backend,
+        "dtype": getattr(args, "dtype", None),
+        "workload": {
+            "kind": args.workload, "num_requests": num_requests,
+            "prompt_len": list(args.prompt_len), "output_len": list(args.output_len), "seed": args.seed,
+        },
+        "settings": result.settings,
+        "sweep": result.sweep,
+        "elapsed_s": round(elapsed, 3),
+        "requests_per_s": round(num_requests / elapsed, 3),
+        "output_tok_s": round(result.output_tokens / elapsed, 2),
+        "total_tok_s": round((result.output_tokens + result.prompt_tokens) / elapsed, 2),
+        "achieved_gflop_s": round(achieved, 1),
+        "matmul_ceiling_gflop_s": round(ceiling, 1),
+        "fraction_of_ceiling": round(achieved / ceiling, 3) if ceiling else None,
+    }  # fmt: skip
+
+
+def machine_description() -> str:
+    cores = os.cpu_count()
+    return f"{platform.machine()} {platform.processor() or ''} {cores} cores, torch {torch.__version__}".replace("  ", " ")
+
+
+def print_result(record: dict[str, Any]) -> None:
+    print(json.dumps(record))
+    rows = [
+        ("backend", f"{record['backend']} ({record['dtype']})"),
+        ("requests", record["workload"]["num_requests"]),
+        ("elapsed", f"{record['elapsed_s']:.2f} s"),
+        ("requests/s", record["requests_per_s"]),
+        ("output tok/s", record["output_tok_s"]),
+        ("total tok/s", record["total_tok_s"]),
+        ("achieved GFLOP/s", f"{record['achieved_gflop_s']} of {record['matmul_ceiling_gflop_s']} "
+                             f"({100 * (record['fraction_of_ceiling'] or 0):.0f}%)"),
+    ]  # fmt: skip
+    for sweep in record["sweep"]:
+        rows.append((f"  batch {sweep['batch_size']}", f"{sweep['output_tok_s']} tok/s"))
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        print(f"{key:<{width}}  {value}")

@@ -1,0 +1,71 @@
+"""Benchmarks: synthetic request lists (prompt token ids + exact output lengths).
+
+Every backend gets the same list: prompts are random token ids (no tokenizer round
+trip, so lengths are exact) and outputs run with ignore_eos to their exact length.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+from pagellm.errors import ConfigError
+
+WORKLOADS = ("mixed", "fixed", "sharegpt", "shared-prefix")
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    prompt_token_ids: list[int]
+    output_len: int
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    kind: str = "mixed"  # mixed: uniform ranges; fixed; sharegpt: long-tailed; shared-prefix
+    num_requests: int = 64
+    prompt_len: tuple[int, int] = (16, 256)  # uniform range (mixed), or fixed value [0]
+    output_len: tuple[int, int] = (16, 256)
+    shared_prefix_len: int = 512  # shared-prefix: tokens common to every prompt
+    seed: int = 0
+    vocab_low: int = 100  # ordinary tokens only (no specials)
+    vocab_high: int = 30000
+
+    def __post_init__(self) -> None:
+        if self.kind not in WORKLOADS:
+            raise ConfigError(f"workload must be one of {WORKLOADS}, got {self.kind!r}")
+        if self.num_requests < 1:
+            raise ConfigError("the workload needs at least one request")
+
+
+def _lognormal_length(rng: random.Random, mean: float, sigma: float, low: int, high: int) -> int:
+    # E[lognormal] = exp(mu + sigma^2 / 2): choose mu so that the mean is `mean`.
+    mu = math.log(mean) - sigma * sigma / 2
+    return max(low, min(high, int(rng.lognormvariate(mu, sigma))))
+
+
+def make_workload(spec: WorkloadSpec, max_model_len: int | None = None) -> list[BenchRequest]:
+    """The request list for `spec`; lengths are clipped so prompt + output fit max_model_len."""
+    rng = random.Random(spec.seed)
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(spec.vocab_low, spec.vocab_high) for _ in range(n)]
+
+    shared = tokens(spec.shared_prefix_len) if spec.kind == "shared-prefix" else []
+    requests = []
+    for _ in range(spec.num_requests):
+        if spec.kind == "fixed":
+            prompt_len, output_len = spec.prompt_len[0], spec.output_len[0]
+        elif spec.kind == "sharegpt":
+            # A ShareGPT-like mix: mean prompt ~160, mean output ~340, long tails.
+            prompt_len = _lognormal_length(rng, 160, 0.9, 4, 2048)
+            output_len = _lognormal_length(rng, 340, 0.8, 4, 2048)
+        else:
+            prompt_len = rng.randint(*spec.prompt_len)
+            output_len = rng.randint(*spec.output_len)
+        if max_model_len is not None:
+            prompt_len = min(prompt_len, max_model_len - len(shared) - 2)
+            output_len = min(output_len, max_model_len - len(shared) - prompt_len)
+        requests.append(BenchRequest(shared + tokens(prompt_len), output_len))
+    return requests
