@@ -49,23 +49,28 @@ def run_llamacpp(
 ) -> BackendResult:
     try:
         import llama_cpp
-        from llama_cpp import Llama
     except ImportError:
         raise PagellmError(
             "the llama.cpp backend needs llama-cpp-python: pip install llama-cpp-python"
         ) from None
     threads = os.cpu_count() or 1
     longest = max(len(r.prompt_token_ids) + r.output_len for r in requests)
-    n_ctx = parallel * longest
-    llm = Llama(
-        str(model_path), n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch, n_threads=threads,
-        n_threads_batch=threads, n_seq_max=parallel, kv_unified=True, verbose=False,
-    ) if "kv_unified" in Llama.__init__.__code__.co_varnames else Llama(
-        str(model_path), n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch, n_threads=threads,
-        n_threads_batch=threads, n_seq_max=parallel, verbose=False,
-    )  # fmt: skip
-    ctx = llm._ctx.ctx
-    n_vocab = llm.n_vocab()
+    # The high-level Llama class cannot set n_seq_max, so the context is built here.
+    llama_cpp.llama_backend_init()
+    model = llama_cpp.llama_model_load_from_file(str(model_path).encode(), llama_cpp.llama_model_default_params())
+    if not model:
+        raise PagellmError(f"llama.cpp could not load {model_path}")
+    params = llama_cpp.llama_context_default_params()
+    params.n_ctx = parallel * longest
+    params.n_batch = params.n_ubatch = n_batch
+    params.n_seq_max = parallel
+    params.n_threads = params.n_threads_batch = threads
+    if hasattr(params, "kv_unified"):
+        params.kv_unified = True  # one cache shared by all sequences, like pagellm's pool
+    ctx = llama_cpp.llama_init_from_model(model, params)
+    if not ctx:
+        raise PagellmError("llama.cpp could not create a context")
+    n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
     batch = llama_cpp.llama_batch_init(n_batch, 0, parallel)
     try:
         _decode_all(llama_cpp, ctx, batch, requests[: min(2, len(requests))], parallel, n_batch, n_vocab)
@@ -76,6 +81,8 @@ def run_llamacpp(
         elapsed = time.perf_counter() - start
     finally:
         llama_cpp.llama_batch_free(batch)
+        llama_cpp.llama_free(ctx)
+        llama_cpp.llama_model_free(model)
     expected = sum(r.output_len for r in requests)
     if produced != expected:
         raise PagellmError(f"llama.cpp produced {produced} tokens, {expected} were asked for")

@@ -8,6 +8,7 @@ for, over wall time) is reported against the matmul ceiling measured at start.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -21,46 +22,11 @@ import torch
 
 from pagellm.bench.backends import BackendResult, run_hf, run_pagellm
 from pagellm.bench.ceiling import measure_matmul_ceiling, workload_flops
-from pagellm.bench.workload import WORKLOADS, WorkloadSpec, make_workload
+from pagellm.bench.workload import make_workload, workload_spec_from_args
 from pagellm.errors import PagellmError
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("pagellm", "hf", "llamacpp")
-
-
-def add_workload_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workload", choices=WORKLOADS, default="mixed")
-    parser.add_argument("--num-requests", type=int, default=64)
-    parser.add_argument("--prompt-len", type=int, nargs=2, default=(16, 256), metavar=("LO", "HI"))
-    parser.add_argument("--output-len", type=int, nargs=2, default=(16, 256), metavar=("LO", "HI"))
-    parser.add_argument("--shared-prefix-len", type=int, default=512)
-    parser.add_argument("--seed", type=int, default=0)
-
-
-def workload_spec_from_args(args: argparse.Namespace) -> WorkloadSpec:
-    return WorkloadSpec(
-        kind=args.workload,
-        num_requests=args.num_requests,
-        prompt_len=tuple(args.prompt_len),
-        output_len=tuple(args.output_len),
-        shared_prefix_len=args.shared_prefix_len,
-        seed=args.seed,
-    )
-
-
-def add_bench_throughput_parser(bench_commands: Any) -> None:
-    p = bench_commands.add_parser("throughput", help="offline throughput on a synthetic workload")
-    p.add_argument("--backend", choices=BACKENDS, default="pagellm")
-    p.add_argument("--model", default=None, help="GGUF file or HF folder (default: embedded SmolLM2)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    p.add_argument("--hf-batch-sizes", type=int, nargs="+", default=[16, 32, 64])
-    p.add_argument("--llamacpp-parallel", type=int, default=64, help="sequences decoded together")
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--result-file", default="bench-results/throughput.jsonl")
-    add_workload_args(p)
 
 
 def run_bench_throughput(args: argparse.Namespace) -> dict[str, Any]:
@@ -68,7 +34,11 @@ def run_bench_throughput(args: argparse.Namespace) -> dict[str, Any]:
 
     source = resolve_model_source(args.model)
     config = load_model_config(source)
-    requests = make_workload(workload_spec_from_args(args), max_model_len=args.max_model_len)
+    spec = workload_spec_from_args(args)
+    # Prompt ids must exist in this model's vocabulary.
+    high = min(spec.vocab_high, config.vocab_size)
+    spec = dataclasses.replace(spec, vocab_high=high, vocab_low=min(spec.vocab_low, high // 2))
+    requests = make_workload(spec, max_model_len=args.max_model_len)
     torch_dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
     ceiling = measure_matmul_ceiling(torch_dtype)
     if args.backend == "pagellm":

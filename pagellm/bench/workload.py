@@ -6,6 +6,7 @@ trip, so lengths are exact) and outputs run with ignore_eos to their exact lengt
 
 from __future__ import annotations
 
+import argparse
 import math
 import random
 from dataclasses import dataclass
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 from pagellm.errors import ConfigError
 
 WORKLOADS = ("mixed", "fixed", "sharegpt", "shared-prefix")
+BACKENDS = ("pagellm", "hf", "llamacpp")
 
 
 @dataclass(frozen=True)
@@ -69,3 +71,40 @@ def make_workload(spec: WorkloadSpec, max_model_len: int | None = None) -> list[
             output_len = min(output_len, max_model_len - len(shared) - prompt_len)
         requests.append(BenchRequest(shared + tokens(prompt_len), output_len))
     return requests
+
+
+# ---------------------------------------------------------------- command line
+
+
+def add_workload_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workload", choices=WORKLOADS, default="mixed")
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, nargs=2, default=(16, 256), metavar=("LO", "HI"))
+    parser.add_argument("--output-len", type=int, nargs=2, default=(16, 256), metavar=("LO", "HI"))
+    parser.add_argument("--shared-prefix-len", type=int, default=512)
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def workload_spec_from_args(args: argparse.Namespace) -> WorkloadSpec:
+    return WorkloadSpec(
+        kind=args.workload,
+        num_requests=args.num_requests,
+        prompt_len=tuple(args.prompt_len),
+        output_len=tuple(args.output_len),
+        shared_prefix_len=args.shared_prefix_len,
+        seed=args.seed,
+    )
+
+
+def add_bench_throughput_parser(bench_commands: "argparse._SubParsersAction") -> None:
+    p = bench_commands.add_parser("throughput", help="offline throughput on a synthetic workload")
+    p.add_argument("--backend", choices=BACKENDS, default="pagellm")
+    p.add_argument("--model", default=None, help="GGUF file or HF folder (default: embedded SmolLM2)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--hf-batch-sizes", type=int, nargs="+", default=[16, 32, 64])
+    p.add_argument("--llamacpp-parallel", type=int, default=64, help="sequences decoded together")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--result-file", default="bench-results/throughput.jsonl")
+    add_workload_args(p)

@@ -7,6 +7,8 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from pagellm.bench.serve import add_bench_serve_parser
+from pagellm.bench.workload import add_bench_throughput_parser
 from pagellm.entrypoints.cli_args import add_engine_args
 from pagellm.entrypoints.openai.serve_command import add_serve_parser, run_serve
 from pagellm.errors import PagellmError
@@ -42,6 +44,11 @@ def build_parser() -> argparse.ArgumentParser:
     replay = commands.add_parser("kv-replay", help="rebuild the KV block map from an event log")
     replay.add_argument("events", help="file written with --kv-events-file")
     replay.add_argument("--step", type=int, default=None, help="stop after this step")
+
+    bench = commands.add_parser("bench", help="benchmarks: offline throughput, online serving load")
+    bench_commands = bench.add_subparsers(dest="bench_command", required=True)
+    add_bench_serve_parser(bench_commands)
+    add_bench_throughput_parser(bench_commands)
     return parser
 
 
@@ -87,6 +94,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(path)
         elif args.command == "kv-replay":
             run_kv_replay(args.events, args.step)
+        elif args.command == "bench" and args.bench_command == "throughput":
+            from pagellm.bench.throughput import run_bench_throughput
+
+            run_bench_throughput(args)
+        elif args.command == "bench" and args.bench_command == "serve":
+            from pagellm.bench.serve import run_bench_serve
+
+            run_bench_serve(args)
         return 0
     except PagellmError as e:
         print(f"pagellm: error: {e}", file=sys.stderr)

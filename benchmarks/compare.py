@@ -1,0 +1,123 @@
+"""Run pagellm and its peers on the same workloads in one run; write a markdown table.
+
+Each measurement is a `pagellm bench throughput` subprocess (a clean process per backend,
+so one backend's memory or threads never affect another), all on the same request list
+(same seed), one after the other on this machine. Ratios are taken within this run only.
+
+    python benchmarks/compare.py --out benchmarks/results/compare.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SCENARIOS = {
+    # name: (workload flags, [(backend, dtype, extra flags)])
+    "mixed": (
+        ["--workload", "mixed", "--num-requests", "64", "--prompt-len", "16", "256", "--output-len", "16", "256"],
+        [
+            ("pagellm", "float32", []),
+            ("hf", "float32", ["--hf-batch-sizes", "16", "32", "64"]),
+            ("pagellm", "bfloat16", []),
+            ("hf", "bfloat16", ["--hf-batch-sizes", "32", "64"]),
+            ("llamacpp", "gguf", ["--llamacpp-parallel", "64"]),
+        ],
+    ),
+    "single-stream": (
+        ["--workload", "fixed", "--num-requests", "1", "--prompt-len", "16", "16", "--output-len", "128", "128"],
+        [
+            ("pagellm", "bfloat16", []),
+            ("pagellm", "float32", []),
+            ("llamacpp", "gguf", ["--llamacpp-parallel", "1"]),
+        ],
+    ),
+    "large-batch-decode": (
+        ["--workload", "fixed", "--num-requests", "128", "--prompt-len", "16", "16", "--output-len", "128", "128"],
+        [("pagellm", "bfloat16", []), ("pagellm", "float32", [])],
+    ),
+}
+
+
+def run_one(workload: list[str], backend: str, dtype: str, extra: list[str], result_file: Path) -> dict:
+    command = [sys.executable, "-m", "pagellm.entrypoints.cli", "bench", "throughput", "--backend", backend,
+               *workload, *extra, "--result-file", str(result_file)]  # fmt: skip
+    if dtype != "gguf":
+        command += ["--dtype", dtype]
+    print("$", " ".join(command[1:]), flush=True)
+    proc = subprocess.run(command, capture_output=True, text=True)
+    if proc.returncode != 0:
+        print(proc.stdout[-2000:], proc.stderr[-4000:], file=sys.stderr)
+        return {"backend": backend, "dtype": dtype, "error": (proc.stderr.strip().splitlines() or ["failed"])[-1]}
+    record = json.loads(proc.stdout.splitlines()[0])
+    record["dtype"] = dtype
+    print(f"  -> {record['output_tok_s']} output tok/s, {record['achieved_gflop_s']} GFLOP/s", flush=True)
+    return record
+
+
+def render(results: dict[str, list[dict]], machine: str) -> str:
+    lines = [f"Measured {time.strftime('%Y-%m-%d %H:%M')} on {machine}, SmolLM2-135M-Instruct.", ""]
+    for scenario, records in results.items():
+        workload, _ = SCENARIOS[scenario]
+        lines += [f"### {scenario}: `{' '.join(workload)}`", ""]
+        lines += ["| backend | dtype | output tok/s | total tok/s | GFLOP/s (of ceiling) | pagellm / this |",
+                  "|---|---|---:|---:|---:|---:|"]  # fmt: skip
+        best_pagellm = {r["dtype"]: r["output_tok_s"] for r in records if r.get("backend") == "pagellm" and "error" not in r}
+        best_any = max(best_pagellm.values(), default=None)
+        for r in records:
+            if "error" in r:
+                lines.append(f"| {r['backend']} | {r['dtype']} | failed: {r['error']} | | | |")
+                continue
+            name = r["backend"]
+            if r.get("settings", {}).get("batch_size"):
+                name += f" (best batch {r['settings']['batch_size']})"
+            if r["backend"] == "llamacpp":
+                name += f" ({r['settings'].get('parallel')} seqs)"
+            reference = best_pagellm.get(r["dtype"], best_any)
+            ratio = f"{reference / r['output_tok_s']:.2f}x" if reference and r["backend"] != "pagellm" else ""
+            lines.append(
+                f"| {name} | {r['dtype']} | {r['output_tok_s']:.1f} | {r['total_tok_s']:.1f} | "
+                f"{r['achieved_gflop_s']:.0f} of {r['matmul_ceiling_gflop_s']:.0f} "
+                f"({100 * r['fraction_of_ceiling']:.0f}%) | {ratio} |"
+            )
+            for s in r.get("sweep", []):
+                lines.append(f"| &nbsp;&nbsp;HF batch {s['batch_size']} | {r['dtype']} | {s['output_tok_s']} | | | |")
+        lines.append("")
+    lines.append("llama.cpp runs the GGUF as stored (Q4_1/Q8_0 weights); its ratio compares against "
+                 "pagellm's best dtype. GFLOP/s counts the matmul FLOPs of the work asked for.")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--scenarios", nargs="+", choices=list(SCENARIOS), default=list(SCENARIOS))
+    parser.add_argument("--skip", nargs="*", default=[], help="backends to skip (e.g. llamacpp)")
+    parser.add_argument("--out", default="benchmarks/results/compare.md")
+    args = parser.parse_args()
+    results: dict[str, list[dict]] = {}
+    machine = ""
+    with tempfile.TemporaryDirectory() as tmp:
+        for scenario in args.scenarios:
+            workload, runs = SCENARIOS[scenario]
+            results[scenario] = []
+            for backend, dtype, extra in runs:
+                if backend in args.skip:
+                    continue
+                record = run_one(workload, backend, dtype, extra, Path(tmp) / "r.jsonl")
+                machine = record.get("machine", machine)
+                results[scenario].append(record)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(render(results, machine))
+    (out.with_suffix(".jsonl")).write_text("".join(json.dumps(r) + "\n" for rs in results.values() for r in rs))
+    print(out.read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""`pagellm bench throughput`: workloads, FLOP accounting and the backends on a tiny model."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+from hf_models import make_tiny_hf_checkpoint
+
+from pagellm.bench.ceiling import matmul_flops_per_token, workload_flops
+from pagellm.bench.workload import WorkloadSpec, make_workload
+from pagellm.model.loader import ModelSource, load_model_config
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return make_tiny_hf_checkpoint(tmp_path_factory.mktemp("tiny"), "llama", seed=4)
+
+
+def test_workloads_are_deterministic_and_exact():
+    a = make_workload(WorkloadSpec(num_requests=20, seed=3))
+    b = make_workload(WorkloadSpec(num_requests=20, seed=3))
+    assert a == b and len(a) == 20
+    assert all(16 <= len(r.prompt_token_ids) <= 256 and 16 <= r.output_len <= 256 for r in a)
+    share = make_workload(WorkloadSpec(kind="shared-prefix", num_requests=3, shared_prefix_len=40, prompt_len=(5, 5)))
+    assert share[0].prompt_token_ids[:40] == share[2].prompt_token_ids[:40]
+    sharegpt = make_workload(WorkloadSpec(kind="sharegpt", num_requests=2000, seed=1))
+    mean_prompt = sum(len(r.prompt_token_ids) for r in sharegpt) / 2000
+    mean_output = sum(r.output_len for r in sharegpt) / 2000
+    assert 130 < mean_prompt < 190 and 280 < mean_output < 400
+    assert max(r.output_len for r in sharegpt) > 1000  # a long tail
+    clipped = make_workload(WorkloadSpec(kind="fixed", num_requests=1, prompt_len=(300, 300), output_len=(300, 300)), max_model_len=256)
+    assert len(clipped[0].prompt_token_ids) + clipped[0].output_len <= 256
+
+
+def test_flop_accounting_matches_the_parameter_count(folder):
+    config = load_model_config(ModelSource("hf", folder, "tiny"))
+    layer_params = config.num_parameters() - config.vocab_size * config.hidden_size * 2 - config.hidden_size
+    norms = config.num_hidden_layers * 2 * config.hidden_size
+    assert matmul_flops_per_token(config) == 2 * (layer_params - norms)
+    one = workload_flops(config, [1], [1])  # one token, one LM head
+    assert one == pytest.approx(matmul_flops_per_token(config) + 4 * config.num_hidden_layers * config.num_attention_heads * config.head_dim + 2 * config.hidden_size * config.vocab_size)
+
+
+def bench_args(folder, backend, **extra):
+    args = argparse.Namespace(
+        backend=backend, model=str(folder), dtype="float32", hf_batch_sizes=[2, 4], llamacpp_parallel=4,
+        max_num_seqs=256, max_num_batched_tokens=None, max_model_len=256, result_file=None,
+        workload="mixed", num_requests=6, prompt_len=(4, 20), output_len=(3, 9), shared_prefix_len=8, seed=0,
+    )  # fmt: skip
+    for key, value in extra.items():
+        setattr(args, key, value)
+    return args
+
+
+@pytest.mark.parametrize("backend", ["pagellm", "hf"])
+def test_backends_produce_exact_work_and_a_record(folder, backend, tmp_path, capsys):
+    from pagellm.bench.throughput import run_bench_throughput
+
+    result_file = tmp_path / "r.jsonl"
+    record = run_bench_throughput(bench_args(folder, backend, result_file=str(result_file)))
+    requests = make_workload(WorkloadSpec(num_requests=6, prompt_len=(4, 20), output_len=(3, 9), vocab_low=100, vocab_high=256), 256)
+    useful = sum(r.output_len for r in requests)
+    assert record["output_tok_s"] == pytest.approx(useful / record["elapsed_s"], rel=0.02)
+    assert record["matmul_ceiling_gflop_s"] > 0 and 0 < record["fraction_of_ceiling"] < 5
+    assert json.loads(result_file.read_text().splitlines()[0])["backend"] == backend
+    if backend == "hf":
+        assert [s["batch_size"] for s in record["sweep"]] == [2, 4]
+        assert record["settings"]["batch_size"] in (2, 4)
+    out = capsys.readouterr().out
+    assert out.startswith("{") and "output tok/s" in out
