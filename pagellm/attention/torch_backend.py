@@ -57,7 +57,7 @@ class TorchAttentionBackend(AttentionBackend):
         output = torch.empty_like(query)
         starts = metadata.query_start_loc
         decodes = [r for r in range(metadata.num_reqs) if starts[r + 1] - starts[r] == 1]
-        if len(decodes) > 1:
+        if decodes:
             self._batched_decode(query, kv_cache, metadata, decodes, scale, output)
             others = [r for r in range(metadata.num_reqs) if starts[r + 1] - starts[r] != 1]
         else:
@@ -119,12 +119,17 @@ class TorchAttentionBackend(AttentionBackend):
         # [num, kv_heads, width, head_dim]: each request's context, padded to the longest.
         k = kv_cache[0][tables].view(num, width, num_kv_heads, head_dim).transpose(1, 2)
         v = kv_cache[1][tables].view(num, width, num_kv_heads, head_dim).transpose(1, 2)
-        q = query[rows].unsqueeze(2)  # [num, heads, 1, head_dim]
         lengths = torch.tensor(seq_lens, device=device)
-        valid = torch.arange(width, device=device).unsqueeze(0) < lengths.unsqueeze(1)
-        mask = valid[:, None, None, :]  # [num, 1, 1, width]
-        out = _sdpa(q, k.to(q.dtype), v.to(q.dtype), mask, scale)
-        output[rows] = out.squeeze(2)
+        padding = torch.arange(width, device=device).unsqueeze(0) >= lengths.unsqueeze(1)
+        group = query.shape[1] // num_kv_heads
+        # Two batched matmuls with the query heads grouped under their K/V head: for one
+        # query token this is several times faster on CPU than the fused SDPA kernels.
+        q = query[rows].view(num, num_kv_heads, group, head_dim)
+        scores = torch.matmul(q, k.to(q.dtype).transpose(-1, -2)).float() * scale
+        scores.masked_fill_(padding[:, None, None, :], float("-inf"))
+        probs = scores.softmax(dim=-1).to(q.dtype)  # [num, kv_heads, group, width]
+        out = torch.matmul(probs, v.to(q.dtype))  # [num, kv_heads, group, head_dim]
+        output[rows] = out.view(num, num_kv_heads * group, head_dim)
 
 
 def _sdpa(
