@@ -58,7 +58,8 @@ class TorchAttentionBackend(AttentionBackend):
         starts = metadata.query_start_loc
         decodes = [r for r in range(metadata.num_reqs) if starts[r + 1] - starts[r] == 1]
         if decodes:
-            self._batched_decode(query, kv_cache, metadata, decodes, scale, output)
+            for group in _length_groups(decodes, metadata.seq_lens):
+                self._batched_decode(query, kv_cache, metadata, group, scale, output)
             others = [r for r in range(metadata.num_reqs) if starts[r + 1] - starts[r] != 1]
         else:
             others = list(range(metadata.num_reqs))
@@ -130,6 +131,29 @@ class TorchAttentionBackend(AttentionBackend):
         probs = scores.softmax(dim=-1).to(q.dtype)  # [num, kv_heads, group, width]
         out = torch.matmul(probs, v.to(q.dtype))  # [num, kv_heads, group, head_dim]
         output[rows] = out.view(num, num_kv_heads * group, head_dim)
+
+
+def _length_groups(decodes: list[int], seq_lens: list[int], max_waste: float = 0.25) -> list[list[int]]:
+    """Split decode requests into groups of similar context length.
+
+    A group's contexts are gathered padded to its longest one; grouping by length keeps
+    the padding (copied and masked for nothing) under `max_waste` of what is gathered.
+    """
+    ordered = sorted(decodes, key=lambda r: seq_lens[r])
+    groups: list[list[int]] = []
+    current: list[int] = []
+    total = 0
+    for r in ordered:
+        length = seq_lens[r]
+        # Sorted ascending, so `length` would be the group's new maximum.
+        if current and 1 - (total + length) / (length * (len(current) + 1)) > max_waste:
+            groups.append(current)
+            current, total = [], 0
+        current.append(r)
+        total += length
+    if current:
+        groups.append(current)
+    return groups
 
 
 def _sdpa(
