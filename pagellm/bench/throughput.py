@@ -83,6 +83,8 @@ def make_record(
         "settings": result.settings,
         "sweep": result.sweep,
         "elapsed_s": round(elapsed, 3),
+        "output_tokens": result.output_tokens,
+        "prompt_tokens": result.prompt_tokens,
         "requests_per_s": round(num_requests / elapsed, 3),
         "output_tok_s": round(result.output_tokens / elapsed, 2),
         "total_tok_s": round((result.output_tokens + result.prompt_tokens) / elapsed, 2),
