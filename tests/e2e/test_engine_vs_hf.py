@@ -10,6 +10,7 @@ test counts the preemptions / prefix hits so it proves the regime really happene
 import random
 
 import pytest
+from engine_checks import assert_engine_drained
 from hf_models import load_hf_reference, make_tiny_hf_checkpoint
 from reference import hf_greedy, pagellm_greedy
 
@@ -37,19 +38,6 @@ def tiny_model(tmp_path_factory):
     ref = load_hf_reference(folder)
     expected = [hf_greedy(ref, p, NEW_TOKENS) for p in PROMPTS]
     return str(folder), expected
-
-
-def assert_engine_drained(llm):
-    engine = llm.engine
-    assert not engine.has_unfinished_requests()
-    scheduler = engine.scheduler
-    scheduler.check_integrity()
-    manager = scheduler.kv_cache_manager
-    assert manager.num_free_blocks == manager.num_usable_blocks
-    assert not manager.request_ids_holding_blocks()
-    # The runner hears of the last finished requests in the next step's output.
-    assert engine.step() == []
-    assert not engine.runner.requests
 
 
 def run(folder, **engine_args):

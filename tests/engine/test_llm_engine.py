@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from engine_checks import assert_engine_drained
 from hf_models import make_tiny_hf_checkpoint
 
 from pagellm import LLM, SamplingParams
@@ -19,16 +20,6 @@ def llm(folder):
     return LLM(folder, max_model_len=128, num_gpu_blocks_override=40)
 
 
-def assert_drained(llm):
-    engine = llm.engine
-    assert not engine.has_unfinished_requests()
-    engine.scheduler.check_integrity()
-    manager = engine.scheduler.kv_cache_manager
-    assert manager.num_free_blocks == manager.num_usable_blocks
-    engine.step()
-    assert not engine.runner.requests
-
-
 def test_outputs_in_input_order_with_mixed_prompt_kinds(llm):
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 9, 1, 5)]
     prompts = ["hello", [5, 6, 7], {"prompt_token_ids": [9] * 20}, {"prompt": "abc"}]
@@ -40,7 +31,7 @@ def test_outputs_in_input_order_with_mixed_prompt_kinds(llm):
     # The text is the detokenized token ids.
     tokenizer = llm.get_tokenizer()
     assert outputs[1].outputs[0].text == tokenizer.decode(outputs[1].outputs[0].token_ids)
-    assert_drained(llm)
+    assert_engine_drained(llm)
 
 
 def test_abort_mid_run_frees_blocks_and_spares_the_others(llm):
@@ -61,7 +52,7 @@ def test_abort_mid_run_frees_blocks_and_spares_the_others(llm):
     assert list(finished) == [keep]
     alone = llm.generate([[3, 4, 5, 6]], params, use_tqdm=False)[0]
     assert finished[keep].outputs[0].token_ids == alone.outputs[0].token_ids
-    assert_drained(llm)
+    assert_engine_drained(llm)
 
 
 def test_invalid_requests_are_refused_without_leaks(llm):
@@ -81,13 +72,13 @@ def test_invalid_requests_are_refused_without_leaks(llm):
     with pytest.raises(InvalidRequestError, match="already in use"):
         engine.add_request("dup", [6], SamplingParams())
     engine.abort_request("dup")
-    assert_drained(llm)
+    assert_engine_drained(llm)
 
 
 def test_bad_prompt_in_a_batch_leaves_nothing_queued(llm):
     with pytest.raises(InvalidRequestError):
         llm.generate([[5, 6], [5] * 500], SamplingParams(max_tokens=2), use_tqdm=False)
-    assert_drained(llm)
+    assert_engine_drained(llm)
 
 
 def test_seeded_sampling_does_not_depend_on_the_batch(llm):
@@ -96,7 +87,7 @@ def test_seeded_sampling_does_not_depend_on_the_batch(llm):
     alone = llm.generate([[7, 8, 9]], seeded, use_tqdm=False)[0].outputs[0].token_ids
     batch = llm.generate([[1, 2], [7, 8, 9], [4] * 30], [other, seeded, other], use_tqdm=False)
     assert batch[1].outputs[0].token_ids == alone
-    assert_drained(llm)
+    assert_engine_drained(llm)
 
 
 def test_kv_cache_memory_bytes_sets_the_block_count(folder):

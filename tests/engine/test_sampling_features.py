@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from engine_checks import assert_engine_drained
 from hf_models import load_hf_reference, make_tiny_hf_checkpoint
 
 from pagellm import LLM, SamplingParams
@@ -23,16 +24,6 @@ def ref(folder):
 def make_llm(folder, **kwargs):
     kwargs.setdefault("max_model_len", 128)
     return LLM(str(folder), **kwargs)
-
-
-def assert_drained(llm):
-    engine = llm.engine
-    assert not engine.has_unfinished_requests()
-    engine.scheduler.check_integrity()
-    manager = engine.scheduler.kv_cache_manager
-    assert manager.num_free_blocks == manager.num_usable_blocks
-    engine.step()
-    assert not engine.runner.requests and not engine.output_processor.states
 
 
 @torch.inference_mode()
@@ -74,7 +65,7 @@ def test_greedy_with_penalties_and_logit_bias_matches_reference(folder, ref):
     assert ours == tokens
     plain = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
     assert plain[0].outputs[0].token_ids != ours, "penalties changed nothing: test proves little"
-    assert_drained(llm)
+    assert_engine_drained(llm)
 
 
 def test_logprobs_and_prompt_logprobs_equal_reference(folder, ref):
@@ -99,7 +90,7 @@ def test_logprobs_and_prompt_logprobs_equal_reference(folder, ref):
         token = PROMPT[position]
         assert entry[token].logprob == pytest.approx(float(full[position - 1, token]), abs=1e-4)
         assert len(entry) <= 3
-    assert_drained(llm)
+    assert_engine_drained(llm)
 
 
 @pytest.mark.parametrize("preemption", [None, "recompute", "swap"])
@@ -124,7 +115,7 @@ def test_parallel_sampling_shares_the_prompt_and_each_completion_is_exact(folder
     for completion in out.outputs:
         reported = [e[t].logprob for t, e in zip(completion.token_ids, completion.logprobs)]
         assert reported == pytest.approx(teacher_forced_logprobs(ref, PROMPT, completion.token_ids), abs=1e-4)
-    assert_drained(llm)
+    assert_engine_drained(llm)
 
 
 def test_greedy_parallel_sampling_and_seeds_are_reproducible(folder):
@@ -136,7 +127,7 @@ def test_greedy_parallel_sampling_and_seeds_are_reproducible(folder):
     other = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
     mixed = llm.generate([[5, 6], PROMPT, [7] * 30], [other, seeded, other], use_tqdm=False)[1]
     assert [c.token_ids for c in alone.outputs] == [c.token_ids for c in mixed.outputs]
-    assert_drained(llm)
+    assert_engine_drained(llm)
 
 
 def test_abort_parallel_request_frees_every_completion(folder):
@@ -148,7 +139,7 @@ def test_abort_parallel_request_frees_every_completion(folder):
     assert engine.scheduler.num_running == 3
     [aborted] = engine.abort_request("many")
     assert [c.finish_reason for c in aborted.outputs] == ["abort"] * 3
-    assert_drained(llm)
+    assert_engine_drained(llm)
 
 
 def test_stop_strings_and_tokens_through_the_engine(folder):
@@ -168,7 +159,7 @@ def test_stop_strings_and_tokens_through_the_engine(folder):
     assert by_token.token_ids == full.token_ids[: full.token_ids.index(token) + 1]
     assert by_token.stop_reason == token and by_token.finish_reason == "stop"
     assert tokenizer.decode(by_token.token_ids) == by_token.text
-    assert_drained(llm)
+    assert_engine_drained(llm)
 
 
 def test_min_tokens_holds_eos_back(folder):
@@ -178,7 +169,7 @@ def test_min_tokens_holds_eos_back(folder):
     params = SamplingParams(temperature=0, max_tokens=20, min_tokens=5, logit_bias={eos: 100})
     out = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) == 6 and out.token_ids[-1] == eos and out.finish_reason == "stop"
-    assert_drained(llm)
+    assert_engine_drained(llm)
 
 
 def test_streaming_deltas_add_up_to_the_final_output(folder):
@@ -256,4 +247,4 @@ def test_model_dependent_limits_and_a_bad_request_disturbs_no_one(folder):
     while engine.has_unfinished_requests():
         done.update({o.request_id: o for o in engine.step() if o.finished})
     assert done["good"].outputs[0].token_ids == expected
-    assert_drained(llm)
+    assert_engine_drained(llm)
