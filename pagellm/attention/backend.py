@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -27,6 +28,8 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [num_reqs, max_num_blocks_per_req] int64
     query_start_loc: list[int]  # [num_reqs + 1]
     seq_lens: list[int]  # [num_reqs] context length including this step's tokens
+    # What a backend derives from the rest once per step (every layer reuses it).
+    backend_plan: Any = None
 
     @property
     def num_reqs(self) -> int:

@@ -7,6 +7,8 @@ by the tokens it computed in earlier steps.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -38,8 +40,23 @@ def gather_context(
     return blocks.flatten(0, 1)[:seq_len]
 
 
+@dataclass(frozen=True)
+class _DecodeGroup:
+    """Decode requests of similar context length, attended together."""
+
+    rows: torch.Tensor  # [num] rows of the flat batch (one query token each)
+    tables: torch.Tensor  # [num, num_blocks] the blocks to gather
+    padding: torch.Tensor  # [num, num_blocks * block_size] True past a request's context
+
+
+@dataclass(frozen=True)
+class _StepPlan:
+    decode_groups: list[_DecodeGroup]
+    others: list[int]  # requests with more than one query token (prefill chunks)
+
+
 class TorchAttentionBackend(AttentionBackend):
-    """Decode rows (one query token) are batched into one masked attention call over
+    """Decode rows (one query token) are batched into masked attention calls over
     their gathered, padded contexts; prefill chunks run one request at a time."""
 
     name = "torch"
@@ -54,16 +71,13 @@ class TorchAttentionBackend(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:
         write_kv_to_cache(key, value, kv_cache, metadata.slot_mapping)
+        if metadata.backend_plan is None:
+            metadata.backend_plan = _plan_step(metadata, kv_cache.shape[2], query.device)
+        plan: _StepPlan = metadata.backend_plan
         output = torch.empty_like(query)
-        starts = metadata.query_start_loc
-        decodes = [r for r in range(metadata.num_reqs) if starts[r + 1] - starts[r] == 1]
-        if decodes:
-            for group in _length_groups(decodes, metadata.seq_lens):
-                self._batched_decode(query, kv_cache, metadata, group, scale, output)
-            others = [r for r in range(metadata.num_reqs) if starts[r + 1] - starts[r] != 1]
-        else:
-            others = list(range(metadata.num_reqs))
-        for r in others:
+        for group in plan.decode_groups:
+            self._batched_decode(query, kv_cache, group, scale, output)
+        for r in plan.others:
             self._one_request(query, key, value, kv_cache, metadata, r, scale, output)
         return output
 
@@ -103,34 +117,45 @@ class TorchAttentionBackend(AttentionBackend):
     def _batched_decode(
         query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         kv_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-        decodes: list[int],
+        group: _DecodeGroup,
         scale: float,
         output: torch.Tensor,
     ) -> None:
-        device = query.device
-        block_size = kv_cache.shape[2]
+        num, num_blocks = group.tables.shape
         num_kv_heads, head_dim = kv_cache.shape[-2:]
-        rows = torch.tensor([metadata.query_start_loc[r] for r in decodes], device=device)
-        seq_lens = [metadata.seq_lens[r] for r in decodes]
-        num_blocks = -(-max(seq_lens) // block_size)
-        tables = metadata.block_tables[torch.tensor(decodes, device=device), :num_blocks]
-        num = len(decodes)
-        width = num_blocks * block_size
+        width = num_blocks * kv_cache.shape[2]
         # [num, kv_heads, width, head_dim]: each request's context, padded to the longest.
-        k = kv_cache[0][tables].view(num, width, num_kv_heads, head_dim).transpose(1, 2)
-        v = kv_cache[1][tables].view(num, width, num_kv_heads, head_dim).transpose(1, 2)
-        lengths = torch.tensor(seq_lens, device=device)
-        padding = torch.arange(width, device=device).unsqueeze(0) >= lengths.unsqueeze(1)
-        group = query.shape[1] // num_kv_heads
+        k = kv_cache[0][group.tables].view(num, width, num_kv_heads, head_dim).transpose(1, 2)
+        v = kv_cache[1][group.tables].view(num, width, num_kv_heads, head_dim).transpose(1, 2)
+        group_size = query.shape[1] // num_kv_heads
         # Two batched matmuls with the query heads grouped under their K/V head: for one
         # query token this is several times faster on CPU than the fused SDPA kernels.
-        q = query[rows].view(num, num_kv_heads, group, head_dim)
+        q = query[group.rows].view(num, num_kv_heads, group_size, head_dim)
         scores = torch.matmul(q, k.to(q.dtype).transpose(-1, -2)).float() * scale
-        scores.masked_fill_(padding[:, None, None, :], float("-inf"))
-        probs = scores.softmax(dim=-1).to(q.dtype)  # [num, kv_heads, group, width]
-        out = torch.matmul(probs, v.to(q.dtype))  # [num, kv_heads, group, head_dim]
-        output[rows] = out.view(num, num_kv_heads * group, head_dim)
+        scores.masked_fill_(group.padding[:, None, None, :], float("-inf"))
+        probs = scores.softmax(dim=-1).to(q.dtype)  # [num, kv_heads, group_size, width]
+        out = torch.matmul(probs, v.to(q.dtype))  # [num, kv_heads, group_size, head_dim]
+        output[group.rows] = out.view(num, num_kv_heads * group_size, head_dim)
+
+
+def _plan_step(metadata: AttentionMetadata, block_size: int, device: torch.device) -> _StepPlan:
+    """Split the step's requests into decode groups and prefill chunks (once per step)."""
+    starts, seq_lens = metadata.query_start_loc, metadata.seq_lens
+    decodes = [r for r in range(metadata.num_reqs) if starts[r + 1] - starts[r] == 1]
+    others = [r for r in range(metadata.num_reqs) if starts[r + 1] - starts[r] != 1]
+    groups = []
+    for members in _length_groups(decodes, seq_lens):
+        lengths = [seq_lens[r] for r in members]
+        num_blocks = -(-max(lengths) // block_size)
+        positions = torch.arange(num_blocks * block_size, device=device).unsqueeze(0)
+        groups.append(
+            _DecodeGroup(
+                rows=torch.tensor([starts[r] for r in members], device=device),
+                tables=metadata.block_tables[torch.tensor(members, device=device), :num_blocks],
+                padding=positions >= torch.tensor(lengths, device=device).unsqueeze(1),
+            )
+        )
+    return _StepPlan(groups, others)
 
 
 def _length_groups(decodes: list[int], seq_lens: list[int], max_waste: float = 0.25) -> list[list[int]]:

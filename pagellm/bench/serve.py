@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import math
@@ -41,7 +42,13 @@ from pagellm.bench.serve_load import (
     run_requests,
 )
 from pagellm.bench.serve_metrics import parse_goodput_slos, summarize
-from pagellm.bench.workload import WORKLOADS, BenchRequest, WorkloadSpec, make_workload
+from pagellm.bench.workload import (
+    BenchRequest,
+    WorkloadSpec,
+    add_workload_args,
+    make_workload,
+    workload_spec_from_args,
+)
 from pagellm.errors import ConfigError, PagellmError
 
 logger = logging.getLogger(__name__)
@@ -77,17 +84,12 @@ def add_bench_serve_parser(bench_commands: Any) -> argparse.ArgumentParser:
     p.add_argument("--result-file", default="bench-results/serve.jsonl",
                    help="the JSON line is appended here ('' = do not write)")
     p.add_argument("--plot-dir", default=None, help="write PNG charts here (needs matplotlib)")
-    p.add_argument("--workload", choices=WORKLOADS, default="mixed")
-    p.add_argument("--num-requests", type=int, default=64)
-    p.add_argument("--prompt-len", type=int, nargs=2, default=(16, 256), metavar=("LO", "HI"))
-    p.add_argument("--output-len", type=int, nargs=2, default=(16, 256), metavar=("LO", "HI"))
-    p.add_argument("--shared-prefix-len", type=int, default=512)
+    add_workload_args(p)  # the same workload flags as `bench throughput`, --seed included
     p.add_argument("--max-model-len", type=int, default=None,
                    help="clip prompt + output lengths to fit this context")
     p.add_argument("--token-id-range", type=int, nargs=2, default=(100, 30000),
                    metavar=("LO", "HI"),
                    help="prompt token ids are drawn from [LO, HI) (keep HI within the vocabulary)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the workload and the arrivals")
     return p  # fmt: skip
 
 
@@ -122,16 +124,7 @@ def workload_from_args(args: argparse.Namespace) -> tuple[WorkloadSpec, list[Ben
     for flag, (shortest, longest) in lengths:
         if not 1 <= shortest <= longest:
             raise ConfigError(f"{flag} needs 1 <= LO <= HI, got {shortest} {longest}")
-    spec = WorkloadSpec(
-        kind=args.workload,
-        num_requests=args.num_requests,
-        prompt_len=tuple(args.prompt_len),
-        output_len=tuple(args.output_len),
-        shared_prefix_len=args.shared_prefix_len,
-        seed=args.seed,
-        vocab_low=low,
-        vocab_high=high,
-    )
+    spec = dataclasses.replace(workload_spec_from_args(args), vocab_low=low, vocab_high=high)
     return spec, make_workload(spec, max_model_len=args.max_model_len)
 
 

@@ -82,7 +82,7 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-len", type=int, nargs=2, default=(16, 256), metavar=("LO", "HI"))
     parser.add_argument("--output-len", type=int, nargs=2, default=(16, 256), metavar=("LO", "HI"))
     parser.add_argument("--shared-prefix-len", type=int, default=512)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the workload (and of the arrivals in `bench serve`)")
 
 
 def workload_spec_from_args(args: argparse.Namespace) -> WorkloadSpec:

@@ -20,6 +20,7 @@ from collections.abc import Iterable
 from pagellm.config import CacheConfig, SchedulerConfig
 from pagellm.core.kv_cache_manager import ComputedBlocks, KVCacheManager
 from pagellm.core.parallel_sampling import make_child_request
+from pagellm.core.scheduler_integrity import check_scheduler_integrity
 from pagellm.core.scheduler_stats import SchedulerStats
 from pagellm.core.request_limits import check_request_fits, check_stop
 from pagellm.core.request_queue import RequestQueue
@@ -485,30 +486,4 @@ class Scheduler:
 
     def check_integrity(self) -> None:
         """Raise AssertionError if queues, request states and blocks disagree."""
-        kv = self.kv_cache_manager
-        kv.check_integrity(self.running)
-        queued = [(r, RequestStatus.RUNNING) for r in self.running]
-        queued += [(r, RequestStatus.WAITING) for r in self.waiting]
-        queued += [(r, RequestStatus.SWAPPED) for r in self.swapped]
-        assert len(queued) == len(self.requests), "a request is lost or queued twice"
-        assert len(self.running) <= self.scheduler_config.max_num_seqs
-        for request, status in queued:
-            request_id = request.request_id
-            assert self.requests.get(request_id) is request, f"{request} queued but unknown"
-            assert request.status is status, f"{request} sits in the {status.name} queue"
-            # Between steps a request always has at least its last token to compute.
-            assert 0 <= request.num_computed_tokens < request.num_tokens, (
-                f"{request} computed count out of range"
-            )
-            num_device_blocks = len(kv.get_block_ids(request_id))
-            is_swapped_out = kv.is_swapped_out(request_id)
-            if status is RequestStatus.WAITING:
-                assert request.num_computed_tokens == 0 and not kv.holds_blocks(request_id)
-            elif status is RequestStatus.SWAPPED:
-                assert is_swapped_out and not num_device_blocks, f"{request} not on host"
-            else:
-                assert not is_swapped_out and num_device_blocks >= (
-                    kv.num_blocks_for_tokens(request.num_computed_tokens)
-                ), f"{request} runs without blocks for its computed tokens"
-        for request_id in kv.request_ids_holding_blocks():
-            assert request_id in self.requests, f"finished request {request_id} holds blocks"
+        check_scheduler_integrity(self)

@@ -273,9 +273,10 @@ class LLMEngine:
         if self.kv_events is not None:
             self.kv_events.step = self.num_steps
         scheduler_output = self.scheduler.schedule()
+        # Prefix-cache hits are decided when a request is (re)admitted, i.e. sent new.
         cached = {
-            rid: self.scheduler.requests[rid].num_cached_tokens
-            for rid in scheduler_output.num_scheduled_tokens
+            new.req_id: self.scheduler.requests[new.req_id].num_cached_tokens
+            for new in scheduler_output.scheduled_new_reqs
         }
         runner_output = self.runner.execute_model(scheduler_output)
         progress = self.scheduler.update_from_output(scheduler_output, runner_output)

@@ -114,6 +114,11 @@ class OutputProcessor:
             # A recomputed prompt (after preemption) reports its positions again.
             if state.prompt_logprobs is not None and len(state.prompt_logprobs) < len(state.prompt_token_ids):
                 state.prompt_logprobs.extend(self._position_logprobs(e) for e in entries)
+        for req_id, num_cached in num_cached_tokens.items():
+            found = self._completions.get(req_id)
+            if found is not None and found[1] == 0:
+                state = found[0]
+                state.num_cached_tokens = max(state.num_cached_tokens, num_cached)
         for item in progress:
             found = self._completions.get(item.req_id)
             if found is None:
@@ -122,8 +127,6 @@ class OutputProcessor:
             completion = state.completions[index]
             if completion.finish_reason is not None:
                 continue
-            if item.req_id in num_cached_tokens and index == 0:
-                state.num_cached_tokens = max(state.num_cached_tokens, num_cached_tokens[item.req_id])
             touched[state.request_id] = state
             self._add_tokens(completion, item.new_token_ids, (logprobs or {}).get(item.req_id))
             stop = completion.detokenizer.add_tokens(item.new_token_ids)

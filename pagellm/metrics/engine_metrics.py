@@ -13,7 +13,7 @@ import json
 import logging
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from pagellm.core.scheduler_output import SchedulerOutput
@@ -316,6 +316,3 @@ def _summary(values: deque[float]) -> LatencySummary:
         p99=_percentile(values, 99) or 0.0,
     )
 
-
-def snapshot_as_dict(snapshot: MetricsSnapshot) -> dict[str, Any]:
-    return asdict(snapshot)

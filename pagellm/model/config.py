@@ -60,10 +60,6 @@ class ModelConfig:
                 f"num_key_value_heads ({self.num_key_value_heads})."
             )
 
-    @property
-    def num_queries_per_kv(self) -> int:
-        return self.num_attention_heads // self.num_key_value_heads
-
     def num_parameters(self) -> int:
         """Parameter count, used for FLOP estimates and logging."""
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size

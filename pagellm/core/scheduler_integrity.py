@@ -1,0 +1,44 @@
+"""Scheduling stage: the invariants that tie the scheduler's queues to its KV blocks.
+
+Tests call them after every step; a violation is a bug, never a user error.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pagellm.request import RequestStatus
+
+if TYPE_CHECKING:
+    from pagellm.core.scheduler import Scheduler
+
+
+def check_scheduler_integrity(scheduler: Scheduler) -> None:
+    """Raise AssertionError if queues, request states and blocks disagree."""
+    kv = scheduler.kv_cache_manager
+    kv.check_integrity(scheduler.running)
+    queued = [(r, RequestStatus.RUNNING) for r in scheduler.running]
+    queued += [(r, RequestStatus.WAITING) for r in scheduler.waiting]
+    queued += [(r, RequestStatus.SWAPPED) for r in scheduler.swapped]
+    assert len(queued) == len(scheduler.requests), "a request is lost or queued twice"
+    assert len(scheduler.running) <= scheduler.scheduler_config.max_num_seqs
+    for request, status in queued:
+        request_id = request.request_id
+        assert scheduler.requests.get(request_id) is request, f"{request} queued but unknown"
+        assert request.status is status, f"{request} sits in the {status.name} queue"
+        # Between steps a request always has at least its last token to compute.
+        assert 0 <= request.num_computed_tokens < request.num_tokens, (
+            f"{request} computed count out of range"
+        )
+        num_device_blocks = len(kv.get_block_ids(request_id))
+        is_swapped_out = kv.is_swapped_out(request_id)
+        if status is RequestStatus.WAITING:
+            assert request.num_computed_tokens == 0 and not kv.holds_blocks(request_id)
+        elif status is RequestStatus.SWAPPED:
+            assert is_swapped_out and not num_device_blocks, f"{request} not on host"
+        else:
+            assert not is_swapped_out and num_device_blocks >= (
+                kv.num_blocks_for_tokens(request.num_computed_tokens)
+            ), f"{request} runs without blocks for its computed tokens"
+    for request_id in kv.request_ids_holding_blocks():
+        assert request_id in scheduler.requests, f"finished request {request_id} holds blocks"
