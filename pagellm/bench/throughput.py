@@ -75,7 +75,8 @@ def make_record(
         "machine": machine_description(),
         "model": model,
         "backend": result.backend,
-        "dtype": getattr(args, "dtype", None),
+        # llama.cpp runs the GGUF's own (quantized) weights whatever --dtype says.
+        "dtype": "gguf" if result.backend == "llamacpp" else args.dtype,
         "workload": {
             "kind": args.workload, "num_requests": num_requests,
             "prompt_len": list(args.prompt_len), "output_len": list(args.output_len), "seed": args.seed,
