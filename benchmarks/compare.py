@@ -27,6 +27,7 @@ SCENARIOS = {
             ("pagellm", "bfloat16", []),
             ("hf", "bfloat16", ["--hf-batch-sizes", "32", "64"]),
             ("llamacpp", "gguf", ["--llamacpp-parallel", "64"]),
+            ("llamacpp", "bfloat16", ["--llamacpp-parallel", "64", "--llamacpp-weights", "bfloat16"]),
         ],
     ),
     "single-stream": (
@@ -35,6 +36,7 @@ SCENARIOS = {
             ("pagellm", "bfloat16", []),
             ("pagellm", "float32", []),
             ("llamacpp", "gguf", ["--llamacpp-parallel", "1"]),
+            ("llamacpp", "bfloat16", ["--llamacpp-parallel", "1", "--llamacpp-weights", "bfloat16"]),
         ],
     ),
     "large-batch-decode": (
@@ -47,7 +49,7 @@ SCENARIOS = {
 def run_one(workload: list[str], backend: str, dtype: str, extra: list[str], result_file: Path) -> dict:
     command = [sys.executable, "-m", "pagellm.entrypoints.cli", "bench", "throughput", "--backend", backend,
                *workload, *extra, "--result-file", str(result_file)]  # fmt: skip
-    if dtype != "gguf":
+    if backend != "llamacpp":
         command += ["--dtype", dtype]
     print("$", " ".join(command[1:]), flush=True)
     proc = subprocess.run(command, capture_output=True, text=True)
@@ -88,8 +90,10 @@ def render(results: dict[str, list[dict]], machine: str) -> str:
             for s in r.get("sweep", []):
                 lines.append(f"| &nbsp;&nbsp;HF batch {s['batch_size']} | {r['dtype']} | {s['output_tok_s']} | | | |")
         lines.append("")
-    lines.append("llama.cpp runs the GGUF as stored (Q4_1/Q8_0 weights); its ratio compares against "
-                 "pagellm's best dtype. GFLOP/s counts the matmul FLOPs of the work asked for.")
+    lines.append("llama.cpp (gguf) runs the GGUF as stored (Q4_1/Q8_0 weights, a third of the bytes per "
+                 "token) and is compared with pagellm's best dtype; llama.cpp (bfloat16) runs the same "
+                 "weights dequantized to BF16, equal work with pagellm bf16. GFLOP/s counts the matmul "
+                 "FLOPs of the work asked for.")
     return "\n".join(lines) + "\n"
 
 

@@ -54,10 +54,21 @@ class AttentionBackend(ABC):
         """Store key/value in the cache, then attend over each request's context."""
 
 
-def get_attention_backend(name: str = "torch") -> AttentionBackend:
-    """The backend called `name`; "torch" is the reference implementation."""
-    if name == "torch":
-        from pagellm.attention.torch_backend import TorchAttentionBackend
+def get_attention_backend(name: str = "auto", device: torch.device | str = "cpu") -> AttentionBackend:
+    """The backend called `name`: "torch" is the reference implementation, "cpu" decodes
+    through the compiled CPU kernel, "auto" picks the fastest one that works on `device`."""
+    from pagellm.attention.torch_backend import TorchAttentionBackend
 
+    if name not in ("auto", "torch", "cpu"):
+        raise ValueError(f"unknown attention backend {name!r} (available: 'auto', 'torch', 'cpu')")
+    if name == "torch" or torch.device(device).type != "cpu":
         return TorchAttentionBackend()
-    raise ValueError(f"unknown attention backend {name!r} (available: 'torch')")
+    from pagellm.attention.cpu_backend import CpuAttentionBackend
+    from pagellm.attention.native import load_kernels
+
+    kernels = load_kernels()
+    if kernels is not None:
+        return CpuAttentionBackend(kernels)
+    if name == "cpu":
+        raise ValueError("the 'cpu' attention backend needs a C compiler (cc) to build its kernel")
+    return TorchAttentionBackend()

@@ -53,7 +53,13 @@ def run_bench_throughput(args: argparse.Namespace) -> dict[str, Any]:
 
         if source.format != "gguf":
             raise PagellmError("the llama.cpp backend needs a GGUF model")
-        result = run_llamacpp(requests, source.path, args.llamacpp_parallel)
+        model_path = source.path
+        if args.llamacpp_weights != "stored":
+            model_path = float_gguf_copy(source.path, args.llamacpp_weights)
+        result = run_llamacpp(requests, model_path, args.llamacpp_parallel)
+        result.settings["weights"] = (
+            "GGUF as stored" if args.llamacpp_weights == "stored" else f"GGUF dequantized to {args.llamacpp_weights}"
+        )
     flops = workload_flops(config, [len(r.prompt_token_ids) for r in requests], [r.output_len for r in requests])
     record = make_record(args, source.name, result, flops, ceiling, len(requests))
     print_result(record)
@@ -75,8 +81,8 @@ def make_record(
         "machine": machine_description(),
         "model": model,
         "backend": result.backend,
-        # llama.cpp runs the GGUF's own (quantized) weights whatever --dtype says.
-        "dtype": "gguf" if result.backend == "llamacpp" else args.dtype,
+        # llama.cpp runs the GGUF's own (quantized) weights unless asked for a float copy.
+        "dtype": _llamacpp_dtype(args) if result.backend == "llamacpp" else args.dtype,
         "workload": {
             "kind": args.workload, "num_requests": num_requests,
             "prompt_len": list(args.prompt_len), "output_len": list(args.output_len), "seed": args.seed,
@@ -93,6 +99,25 @@ def make_record(
         "matmul_ceiling_gflop_s": round(ceiling, 1),
         "fraction_of_ceiling": round(achieved / ceiling, 3) if ceiling else None,
     }  # fmt: skip
+
+
+def _llamacpp_dtype(args: argparse.Namespace) -> str:
+    return "gguf" if args.llamacpp_weights == "stored" else args.llamacpp_weights
+
+
+def float_gguf_copy(source: Path, dtype: str) -> Path:
+    """A dequantized copy of `source`, written once and kept in the cache folder."""
+    from pagellm.bench.gguf_convert import write_float_gguf
+
+    stat = source.stat()
+    cache = Path(os.environ.get("PAGELLM_CACHE_DIR") or Path.home() / ".cache" / "pagellm") / "gguf"
+    target = cache / f"{source.stem}-{stat.st_size}-{int(stat.st_mtime)}-{dtype}.gguf"
+    if not target.exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        partial = target.with_suffix(".partial")
+        write_float_gguf(source, partial, dtype)
+        os.replace(partial, target)
+    return target
 
 
 def machine_description() -> str:

@@ -103,6 +103,13 @@ def add_bench_throughput_parser(bench_commands: "argparse._SubParsersAction") ->
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--hf-batch-sizes", type=int, nargs="+", default=[16, 32, 64])
     p.add_argument("--llamacpp-parallel", type=int, default=64, help="sequences decoded together")
+    p.add_argument(
+        "--llamacpp-weights",
+        choices=("stored", "bfloat16", "float32"),
+        default="stored",
+        help="llama.cpp runs the GGUF as stored (quantized), or a copy dequantized to this type "
+        "(equal work with pagellm's dtype)",
+    )
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=2048)

@@ -158,7 +158,7 @@ class LLMEngine:
             scheduling_policy=args.scheduling_policy,  # type: ignore[arg-type]
             preemption_mode=args.preemption_mode,  # type: ignore[arg-type]
         )
-        model = load_model(source, model_config, get_attention_backend(), dtype, device)
+        model = load_model(source, model_config, get_attention_backend(device=device), dtype, device)
 
         bytes_per_block = kv_cache_bytes_per_block(model_config, args.block_size, dtype)
         peak = None

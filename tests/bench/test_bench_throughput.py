@@ -65,7 +65,15 @@ def test_backends_produce_exact_work_and_a_record(folder, backend, tmp_path, cap
     assert record["output_tokens"] == useful
     assert record["prompt_tokens"] == sum(len(r.prompt_token_ids) for r in requests)
     assert record["output_tok_s"] > 0 and record["elapsed_s"] >= 0
-    assert record["matmul_ceiling_gflop_s"] > 0 and 0 < record["fraction_of_ceiling"] < 5
+    assert record["matmul_ceiling_gflop_s"] > 0
+    # Achieved FLOP/s is the workload's matmul FLOPs over the elapsed time (speed itself
+    # depends on the machine's load, so only the accounting is checked).
+    config = load_model_config(ModelSource("hf", folder, "tiny"))
+    flops = workload_flops(config, [len(r.prompt_token_ids) for r in requests], [r.output_len for r in requests])
+    assert record["achieved_gflop_s"] == pytest.approx(flops / record["elapsed_s"] / 1e9, rel=0.01, abs=0.06)
+    assert record["fraction_of_ceiling"] == pytest.approx(
+        record["achieved_gflop_s"] / record["matmul_ceiling_gflop_s"], abs=2e-3
+    )
     assert json.loads(result_file.read_text().splitlines()[0])["backend"] == backend
     if backend == "hf":
         assert [s["batch_size"] for s in record["sweep"]] == [2, 4]

@@ -1,0 +1,177 @@
+/* Attention stage, CPU: decode attention read straight from the paged KV cache.
+ *
+ * One query token per request attends over its whole context, found block by block
+ * through its block table: nothing is gathered into a padded copy first, so K and V are
+ * read once from where they lie. Query heads that share a K/V head are handled together
+ * so each K/V row is loaded once per group. Scores, softmax and sums are float32 whatever
+ * the storage type (float32 or bfloat16).
+ *
+ * Compiled with -ffast-math: it lets the compiler reorder the float sums and call the
+ * vector expf of libmvec; nothing here relies on infinities or NaN (NaN is handled on
+ * the integer bits in float_to_bf16).
+ *
+ * Built at run time by pagellm/attention/native.py with the machine's C compiler.
+ */
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+static inline float bf16_to_float(uint16_t bits) {
+    uint32_t wide = (uint32_t)bits << 16;
+    float value;
+    memcpy(&value, &wide, sizeof value);
+    return value;
+}
+
+static inline uint16_t float_to_bf16(float value) {
+    /* Round to nearest even, as torch does; NaN stays NaN. */
+    uint32_t bits;
+    memcpy(&bits, &value, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u);
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+/* head_dim elements starting `offset` elements into `base`, widened to float32. */
+static inline void load_row(const void *base, int64_t offset, int head_dim, int is_bf16, float *dst) {
+    if (is_bf16) {
+        const uint16_t *src = (const uint16_t *)base + offset;
+#pragma omp simd
+        for (int d = 0; d < head_dim; d++) dst[d] = bf16_to_float(src[d]);
+    } else {
+        memcpy(dst, (const float *)base + offset, sizeof(float) * (size_t)head_dim);
+    }
+}
+
+/*
+ * One item: the query heads of kv heads [kv_head, kv_head + span) of one request attend
+ * over its seq_len context positions, read block by block through `table`. With span =
+ * all kv heads, each position's K (and V) row is one contiguous read.
+ * HEAD_DIM is a compile-time constant in the specialised copies below, so the inner
+ * loops unroll fully.
+ * q, acc: [span * group, head_dim]; scores: [span * group, seq_len]
+ */
+#define DEFINE_ATTEND(NAME, HEAD_DIM_EXPR)                                                    \
+static void NAME(const float *q, const void *key_cache, const void *value_cache,            \
+                 const int64_t *table, int64_t seq_len, int kv_head, int span,               \
+                 int num_kv_heads, int group, int head_dim_arg, int block_size, float scale, \
+                 int is_bf16, float *scores, float *acc)                                     \
+{                                                                                            \
+    (void)head_dim_arg;                                                                      \
+    const int head_dim = HEAD_DIM_EXPR;                                                      \
+    const int heads = span * group;                                                          \
+    const int64_t row_stride = (int64_t)num_kv_heads * head_dim;                             \
+    float row[span * head_dim];                                                              \
+    float best[heads], total[heads];                                                         \
+    for (int h = 0; h < heads; h++) best[h] = -FLT_MAX;                                      \
+    /* Pass 1: scaled scores q . k, block by block. */                                       \
+    for (int64_t first = 0; first < seq_len; first += block_size) {                          \
+        const int64_t count = seq_len - first < block_size ? seq_len - first : block_size;   \
+        const int64_t base = (table[first / block_size] * block_size * num_kv_heads + kv_head) * head_dim; \
+        for (int64_t i = 0; i < count; i++) {                                                \
+            load_row(key_cache, base + i * row_stride, span * head_dim, is_bf16, row);       \
+            for (int h = 0; h < heads; h++) {                                                \
+                const float *qh = q + h * head_dim, *kh = row + (h / group) * head_dim;      \
+                float dot = 0.0f;                                                            \
+                for (int d = 0; d < head_dim; d++) dot += qh[d] * kh[d];                     \
+                dot *= scale;                                                                \
+                scores[h * seq_len + first + i] = dot;                                       \
+                best[h] = dot > best[h] ? dot : best[h];                                     \
+            }                                                                                \
+        }                                                                                    \
+    }                                                                                        \
+    /* Softmax weights, unnormalised; the sum divides at the end. */                         \
+    for (int h = 0; h < heads; h++) {                                                        \
+        float *s = scores + h * seq_len, sum = 0.0f;                                         \
+        const float top = best[h];                                                           \
+        for (int64_t pos = 0; pos < seq_len; pos++) {                                        \
+            s[pos] = expf(s[pos] - top);                                                     \
+            sum += s[pos];                                                                   \
+        }                                                                                    \
+        total[h] = sum;                                                                      \
+    }                                                                                        \
+    /* Pass 2: weighted sum of the value rows. */                                            \
+    for (int i = 0; i < heads * head_dim; i++) acc[i] = 0.0f;                                \
+    for (int64_t first = 0; first < seq_len; first += block_size) {                          \
+        const int64_t count = seq_len - first < block_size ? seq_len - first : block_size;   \
+        const int64_t base = (table[first / block_size] * block_size * num_kv_heads + kv_head) * head_dim; \
+        for (int64_t i = 0; i < count; i++) {                                                \
+            load_row(value_cache, base + i * row_stride, span * head_dim, is_bf16, row);     \
+            for (int h = 0; h < heads; h++) {                                                \
+                const float weight = scores[h * seq_len + first + i];                        \
+                const float *vh = row + (h / group) * head_dim;                              \
+                float *ah = acc + h * head_dim;                                              \
+                for (int d = 0; d < head_dim; d++) ah[d] += weight * vh[d];                  \
+            }                                                                                \
+        }                                                                                    \
+    }                                                                                        \
+    for (int h = 0; h < heads; h++) {                                                        \
+        const float inverse = 1.0f / total[h];                                               \
+        for (int d = 0; d < head_dim; d++) acc[h * head_dim + d] *= inverse;                 \
+    }                                                                                        \
+}
+
+DEFINE_ATTEND(attend_64, 64)
+DEFINE_ATTEND(attend_128, 128)
+DEFINE_ATTEND(attend_any, head_dim_arg)
+
+/*
+ * query:        [*, num_heads, head_dim], row r starts at r * query_row_stride elements
+ * key_cache:    [num_blocks, block_size, num_kv_heads, head_dim]
+ * value_cache:  same shape
+ * block_tables: [num_reqs, table_stride]
+ * rows, reqs, seq_lens: [num_decodes] row of the flat batch, request index, context length
+ * out:          [*, num_heads, head_dim], row r starts at r * out_row_stride elements
+ * workspace:    num_threads * max_seq_len * num_heads floats
+ */
+void paged_decode_attention(
+    const void *query, int64_t query_row_stride,
+    const void *key_cache, const void *value_cache,
+    const int64_t *block_tables, int64_t table_stride,
+    const int64_t *rows, const int64_t *reqs, const int64_t *seq_lens, int64_t num_decodes,
+    int num_heads, int num_kv_heads, int head_dim, int block_size,
+    float scale, int is_bf16, int num_threads, int64_t max_seq_len,
+    void *out, int64_t out_row_stride, float *workspace)
+{
+    const int group = num_heads / num_kv_heads;
+    /* Many requests: one item per request, reading whole K/V rows. Few requests: split
+     * by kv head as well so every thread has work. */
+    const int span = num_decodes >= 4 * (int64_t)num_threads ? num_kv_heads : 1;
+    const int items_per_decode = num_kv_heads / span;
+    const int64_t num_items = num_decodes * items_per_decode;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+    for (int64_t item = 0; item < num_items; item++) {
+        int thread = 0;
+#ifdef _OPENMP
+        thread = omp_get_thread_num();
+#endif
+        const int64_t decode = item / items_per_decode;
+        const int kv_head = (int)(item % items_per_decode) * span;
+        const int64_t *table = block_tables + reqs[decode] * table_stride;
+        float *scores = workspace + (int64_t)thread * max_seq_len * num_heads;
+        const int heads = span * group;
+        float q[heads * head_dim], acc[heads * head_dim];
+        const int64_t first_head = (int64_t)kv_head * group * head_dim;
+        load_row(query, rows[decode] * query_row_stride + first_head, heads * head_dim, is_bf16, q);
+        if (head_dim == 64)
+            attend_64(q, key_cache, value_cache, table, seq_lens[decode], kv_head, span, num_kv_heads,
+                      group, head_dim, block_size, scale, is_bf16, scores, acc);
+        else if (head_dim == 128)
+            attend_128(q, key_cache, value_cache, table, seq_lens[decode], kv_head, span, num_kv_heads,
+                       group, head_dim, block_size, scale, is_bf16, scores, acc);
+        else
+            attend_any(q, key_cache, value_cache, table, seq_lens[decode], kv_head, span, num_kv_heads,
+                       group, head_dim, block_size, scale, is_bf16, scores, acc);
+        const int64_t offset = rows[decode] * out_row_stride + first_head;
+        if (is_bf16) {
+            uint16_t *dst = (uint16_t *)out + offset;
+            for (int i = 0; i < heads * head_dim; i++) dst[i] = float_to_bf16(acc[i]);
+        } else {
+            memcpy((float *)out + offset, acc, sizeof(float) * (size_t)(heads * head_dim));
+        }
+    }
+}

@@ -1,0 +1,116 @@
+"""Attention stage, CPU: build and load the C kernels in csrc/ with the machine's compiler.
+
+The kernels are compiled on first use (`cc -O3 -march=native -ffast-math -fopenmp`, about a second)
+into a cache folder keyed by the source, the flags, the compiler and the CPU, then loaded
+with ctypes. Where no compiler works, or PAGELLM_NATIVE_KERNELS=0, `load_kernels()`
+returns None and the caller keeps the plain PyTorch path.
+
+The library links libgomp by soname, so it shares the OpenMP runtime torch has already
+loaded: one thread pool, no two pools spinning against each other.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+_SOURCES = ("paged_decode.c",)
+_COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11", "-Wall")
+# Linked without -ffast-math: with it, GCC adds crtfastmath.o, whose constructor turns on
+# flush-to-zero for the whole process (every float computation, not just these kernels).
+_LINK_FLAGS = ("-shared", "-fopenmp")
+_C_INT64_P = ctypes.POINTER(ctypes.c_int64)
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("PAGELLM_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pagellm"
+    )
+    return Path(root) / "kernels"
+
+
+def _cpu_signature() -> str:
+    """-march=native code is only valid on the CPU it was built for."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            for line in info:
+                if line.startswith(("flags", "Features")):
+                    return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def _build(compiler: str, sources: list[Path], target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename: concurrent processes never see half a file.
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        objects = []
+        for source in sources:
+            objects.append(str(Path(scratch) / (source.stem + ".o")))
+            _run([compiler, *_COMPILE_FLAGS, "-c", str(source), "-o", objects[-1]])
+        partial = Path(scratch) / target.name
+        _run([compiler, *_LINK_FLAGS, *objects, "-o", str(partial), "-lm"])
+        os.replace(partial, target)
+
+
+def _run(command: list[str]) -> None:
+    subprocess.run(command, check=True, capture_output=True, text=True, timeout=120)
+
+
+@functools.cache
+def load_kernels() -> ctypes.CDLL | None:
+    """The compiled kernel library, or None where it cannot be built here."""
+    if os.environ.get("PAGELLM_NATIVE_KERNELS", "1") == "0":
+        return None
+    compiler = _compiler()
+    if compiler is None:
+        logger.warning("no C compiler found: CPU attention uses the slower PyTorch path")
+        return None
+    sources = [Path(__file__).with_name("csrc") / name for name in _SOURCES]
+    digest = hashlib.sha256()
+    flags = " ".join(_COMPILE_FLAGS + _LINK_FLAGS)
+    for part in (compiler, flags, _cpu_signature(), platform.python_implementation()):
+        digest.update(part.encode())
+    for source in sources:
+        digest.update(source.read_bytes())
+    target = _cache_dir() / f"pagellm_kernels_{digest.hexdigest()[:16]}.so"
+    try:
+        if not target.exists():
+            logger.info("compiling CPU attention kernels into %s", target)
+            _build(compiler, sources, target)
+        library = ctypes.CDLL(str(target))
+    except (OSError, subprocess.SubprocessError) as error:
+        detail = getattr(error, "stderr", "") or str(error)
+        logger.warning("CPU attention kernels unavailable (%s): using the PyTorch path", detail.strip()[:500])
+        return None
+    _declare(library)
+    return library
+
+
+def _declare(library: ctypes.CDLL) -> None:
+    c_int64, c_int, c_float, c_void_p = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
+    library.paged_decode_attention.restype = None
+    library.paged_decode_attention.argtypes = [
+        c_void_p, c_int64,  # query, query row stride
+        c_void_p, c_void_p,  # key cache, value cache
+        c_void_p, c_int64,  # block tables, table row stride
+        c_void_p, c_void_p, c_void_p, c_int64,  # rows, request indices, seq lens, num decodes
+        c_int, c_int, c_int, c_int,  # num heads, num kv heads, head dim, block size
+        c_float, c_int, c_int, c_int64,  # scale, is bf16, num threads, max seq len
+        c_void_p, c_int64, c_void_p,  # out, out row stride, workspace
+    ]

@@ -1,0 +1,116 @@
+"""Metrics stage: what bounds the engine, step by step.
+
+From the work of one step (tokens computed, context each token attends to, context
+each request reads) and the model's shape, estimate the FLOPs done and the bytes moved
+(weights once per step, KV read and written), and divide by the step time: model FLOPs
+utilization (MFU) and memory bandwidth utilization (MBU) against the device's ceilings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagellm.model.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class ModelCost:
+    """The per-token and per-step constants of one model at one dtype."""
+
+    matmul_flops_per_token: float  # q/k/v/o and MLP projections, all layers
+    attention_flops_per_pair: float  # scores + weighted values for one (query, key) pair
+    lm_head_flops_per_row: float
+    weight_bytes: float  # every weight matrix, read once per step (embeddings: rows only)
+    kv_bytes_per_token: float  # K and V of one token, all layers
+
+    @classmethod
+    def from_config(cls, config: ModelConfig, dtype_bytes: int, kv_dtype_bytes: int | None = None) -> ModelCost:
+        h = config.hidden_size
+        q = config.num_attention_heads * config.head_dim
+        kv = config.num_key_value_heads * config.head_dim
+        per_layer_params = h * (q + 2 * kv) + q * h + 3 * h * config.intermediate_size
+        layers = config.num_hidden_layers
+        return cls(
+            matmul_flops_per_token=2.0 * layers * per_layer_params,
+            attention_flops_per_pair=4.0 * layers * q,
+            lm_head_flops_per_row=2.0 * h * config.vocab_size,
+            weight_bytes=float((layers * per_layer_params + h * config.vocab_size) * dtype_bytes),
+            kv_bytes_per_token=float(2 * layers * kv * (kv_dtype_bytes or dtype_bytes)),
+        )
+
+
+@dataclass(frozen=True)
+class StepWork:
+    """What one forward pass computed."""
+
+    num_tokens: int  # tokens run through the layers
+    num_logit_rows: int  # rows that went through the LM head
+    num_attended_pairs: int  # (query token, context position) pairs attention scored
+    num_context_tokens: int  # context tokens whose K/V was read (each request's seq_len)
+
+    @classmethod
+    def from_batch(cls, query_lens: list[int], seq_lens: list[int], num_logit_rows: int) -> StepWork:
+        """query_lens[i] new tokens end request i's context of seq_lens[i] tokens."""
+        pairs = 0
+        for q, s in zip(query_lens, seq_lens, strict=True):
+            # Token j of the chunk (0-based) sits at position s - q + j and sees s - q + j + 1.
+            pairs += q * (s - q) + q * (q + 1) // 2
+        return cls(sum(query_lens), num_logit_rows, pairs, sum(seq_lens))
+
+
+@dataclass(frozen=True)
+class StepCost:
+    flops: float
+    bytes: float
+
+
+def step_cost(model: ModelCost, work: StepWork) -> StepCost:
+    """FLOPs of the matmuls and attention; bytes of weights (once) plus KV read and written."""
+    flops = (
+        model.matmul_flops_per_token * work.num_tokens
+        + model.attention_flops_per_pair * work.num_attended_pairs
+        + model.lm_head_flops_per_row * work.num_logit_rows
+    )
+    moved = model.weight_bytes + model.kv_bytes_per_token * (work.num_context_tokens + work.num_tokens)
+    return StepCost(flops, moved)
+
+
+@dataclass(frozen=True)
+class Ceilings:
+    """The device's peaks, and where they came from."""
+
+    flops_per_s: float
+    bytes_per_s: float
+    source: str  # "measured" or the name of a preset
+
+
+@dataclass(frozen=True)
+class Utilization:
+    mfu: float  # achieved FLOP/s over the peak
+    mbu: float  # achieved bytes/s over the peak
+
+    @property
+    def bound(self) -> str:
+        return "memory" if self.mbu >= self.mfu else "compute"
+
+    def describe(self) -> str:
+        """The stats line's summary, e.g. 'bound: memory 82% / compute 31%'."""
+        first, second = ("memory", "compute") if self.bound == "memory" else ("compute", "memory")
+        value = {"memory": self.mbu, "compute": self.mfu}
+        return f"bound: {first} {100 * value[first]:.0f}% / {second} {100 * value[second]:.0f}%"
+
+    def hint(self, num_running: int, num_waiting: int, max_num_seqs: int) -> str | None:
+        """A short suggestion when one resource is near saturation or clearly idle."""
+        if self.mbu >= 0.6 and self.mfu < 0.3:
+            if num_waiting == 0 and num_running < max_num_seqs:
+                return "memory-bound at small batch: more concurrent requests would raise throughput almost for free"
+            return "memory-bound decode: raise max_num_seqs (if KV allows) to amortize weight reads"
+        if self.mfu >= 0.6:
+            return "compute-bound: the batch is large enough; more concurrency will mostly add latency"
+        return None
+
+
+def utilization(cost: StepCost, seconds: float, ceilings: Ceilings) -> Utilization:
+    if seconds <= 0:
+        return Utilization(0.0, 0.0)
+    return Utilization(cost.flops / seconds / ceilings.flops_per_s, cost.bytes / seconds / ceilings.bytes_per_s)
