@@ -12,6 +12,7 @@ from pagellm.bench.workload import add_bench_throughput_parser
 from pagellm.entrypoints.cli_args import add_engine_args
 from pagellm.entrypoints.openai.serve_command import add_serve_parser, run_serve
 from pagellm.errors import PagellmError
+from pagellm.sim.commands import add_calibrate_parser, add_simulate_parser, add_tune_parser
 
 logger = logging.getLogger("pagellm")
 
@@ -49,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench_commands = bench.add_subparsers(dest="bench_command", required=True)
     add_bench_serve_parser(bench_commands)
     add_bench_throughput_parser(bench_commands)
+    add_simulate_parser(commands)
+    add_tune_parser(commands)
+    add_calibrate_parser(commands)
     return parser
 
 
@@ -102,6 +106,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             from pagellm.bench.serve import run_bench_serve
 
             run_bench_serve(args)
+        elif hasattr(args, "run_command"):  # simulate, tune, calibrate (pagellm/sim/commands.py)
+            args.run_command(args)
         return 0
     except PagellmError as e:
         print(f"pagellm: error: {e}", file=sys.stderr)

@@ -1,0 +1,71 @@
+"""Simulation stage: model shapes for the roofline cost model, from each checkpoint's
+own config.json (the Hugging Face repository named in its `source`).
+
+Only the shape matters to a cost model (layers, widths, heads, vocabulary); presets are
+ordinary ModelConfig objects, so the same arithmetic serves a checkpoint loaded with
+pagellm.model.loader.load_model_config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagellm.errors import ConfigError
+from pagellm.model.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class ModelPreset:
+    name: str
+    config: ModelConfig
+    dtype_bytes: int  # bytes per weight and per KV element (the checkpoints are bfloat16)
+    source: str
+
+
+def _preset(name: str, repo: str, architecture: str, **shape: object) -> ModelPreset:
+    config = ModelConfig(architecture=architecture, **shape)  # type: ignore[arg-type]
+    fields = ", ".join(f"{key}={value}" for key, value in shape.items() if key != "rms_norm_eps")
+    return ModelPreset(name, config, 2, f"huggingface.co/{repo} config.json: {fields}, bfloat16")
+
+
+MODEL_PRESETS: dict[str, ModelPreset] = {
+    preset.name: preset
+    for preset in (
+        _preset(
+            "Llama-3-8B", "meta-llama/Meta-Llama-3-8B", "LlamaForCausalLM",
+            vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+            num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+            head_dim=128, max_position_embeddings=8192, tie_word_embeddings=False,
+            rms_norm_eps=1e-5,
+        ),
+        _preset(
+            "Llama-3-70B", "meta-llama/Meta-Llama-3-70B", "LlamaForCausalLM",
+            vocab_size=128256, hidden_size=8192, intermediate_size=28672,
+            num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+            head_dim=128, max_position_embeddings=8192, tie_word_embeddings=False,
+            rms_norm_eps=1e-5,
+        ),
+        _preset(
+            "Qwen2.5-7B", "Qwen/Qwen2.5-7B-Instruct", "Qwen2ForCausalLM",
+            vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+            num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+            head_dim=128, max_position_embeddings=32768, tie_word_embeddings=False,
+            attention_bias=True, rms_norm_eps=1e-6,
+        ),
+        _preset(
+            "SmolLM2-135M", "HuggingFaceTB/SmolLM2-135M", "LlamaForCausalLM",
+            vocab_size=49152, hidden_size=576, intermediate_size=1536,
+            num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+            head_dim=64, max_position_embeddings=8192, tie_word_embeddings=True,
+            rms_norm_eps=1e-5,
+        ),
+    )
+}  # fmt: skip
+
+
+def get_model_preset(name: str) -> ModelPreset:
+    """The preset named `name` (case-insensitive)."""
+    for key, preset in MODEL_PRESETS.items():
+        if key.lower() == name.lower():
+            return preset
+    raise ConfigError(f"unknown model preset {name!r}; presets: {', '.join(MODEL_PRESETS)}")

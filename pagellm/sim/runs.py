@@ -1,0 +1,134 @@
+"""Simulation stage: one simulation from parsed flags to a JSON record.
+
+Shared by `pagellm simulate` (one configuration) and `pagellm tune` (a grid of them):
+resolve the target and the workload once, then simulate engine configurations on them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from pagellm.engine.arg_utils import EngineArgs
+from pagellm.sim.calibrated import CalibratedCostModel
+from pagellm.sim.gpu_presets import GiB, get_gpu_preset
+from pagellm.sim.sim_args import engine_args_from, roofline_params_from, sim_workload_spec_from
+from pagellm.sim.sim_report import summarize_sim
+from pagellm.sim.sim_target import (
+    SimEngineConfig,
+    SimTarget,
+    calibrated_target,
+    resolve_engine_config,
+    roofline_target,
+)
+from pagellm.sim.sim_workload import (
+    SimRequest,
+    SyntheticWorkload,
+    make_synthetic_requests,
+    read_trace,
+)
+from pagellm.sim.simulator import SimResult, Simulator
+
+
+@dataclass(frozen=True)
+class Workload:
+    description: dict[str, Any]
+    requests: list[SimRequest]
+
+
+@dataclass(frozen=True)
+class SimRun:
+    engine_args: EngineArgs
+    engine_config: SimEngineConfig
+    result: SimResult
+    summary: dict[str, Any]
+
+
+def target_from_args(args: argparse.Namespace) -> SimTarget:
+    if args.calibration:
+        return calibrated_target(CalibratedCostModel.load(args.calibration))
+    return roofline_target(args.model, get_gpu_preset(args.gpu), roofline_params_from(args))
+
+
+def workload_from_args(args: argparse.Namespace, max_model_len: int) -> Workload:
+    """The requests to simulate, their lengths clipped to fit max_model_len."""
+    if args.trace:
+        requests = read_trace(args.trace)
+        return Workload({"kind": "trace", "path": args.trace, "num_requests": len(requests),
+                         "description": f"trace {args.trace}, {len(requests)} requests"}, requests)  # fmt: skip
+    spec = sim_workload_spec_from(args)
+    synthetic = SyntheticWorkload(
+        spec, args.request_rate, args.burstiness, args.duration, args.shared_prefix_share
+    )
+    requests = make_synthetic_requests(synthetic, max_model_len)
+    rate = "inf" if math.isinf(args.request_rate) else args.request_rate
+    lengths = (
+        "ShareGPT-like lengths" if spec.kind == "sharegpt"
+        else f"prompt {spec.prompt_len[0]}" if spec.kind == "fixed"
+        else f"prompt {spec.prompt_len[0]}-{spec.prompt_len[1]}"
+    )  # fmt: skip
+    if spec.kind == "fixed":
+        lengths += f", output {spec.output_len[0]}"
+    elif spec.kind != "sharegpt":
+        lengths += f", output {spec.output_len[0]}-{spec.output_len[1]}"
+    arrivals = "all at 0" if rate == "inf" else f"{rate} req/s (burstiness {args.burstiness})"
+    prefix = ""
+    if spec.kind == "shared-prefix" or args.shared_prefix_share:
+        share = 1.0 if spec.kind == "shared-prefix" else args.shared_prefix_share
+        prefix = f", {share:.0%} share a {spec.shared_prefix_len}-token prefix"
+    description = {
+        "kind": spec.kind, "num_requests": len(requests), "prompt_len": list(spec.prompt_len),
+        "output_len": list(spec.output_len), "shared_prefix_len": spec.shared_prefix_len,
+        "shared_prefix_share": 1.0 if spec.kind == "shared-prefix" else args.shared_prefix_share,
+        "request_rate": rate, "burstiness": args.burstiness, "duration_s": args.duration,
+        "seed": spec.seed,
+        "description": f"{spec.kind}: {len(requests)} requests, {lengths}, arrivals {arrivals}{prefix}",
+    }  # fmt: skip
+    return Workload(description, requests)
+
+
+def simulate(target: SimTarget, engine_args: EngineArgs, requests: list[SimRequest]) -> SimRun:
+    """Resolve the engine configuration on the target and run the workload through it."""
+    engine_config = resolve_engine_config(target, engine_args)
+    simulator = Simulator(engine_config.scheduler_config, engine_config.cache_config, target.cost_model)
+    result = simulator.run(requests)
+    return SimRun(engine_args, engine_config, result, summarize_sim(result))
+
+
+def engine_description(run: SimRun, target: SimTarget) -> dict[str, Any]:
+    scheduler = run.engine_config.scheduler_config
+    description = {
+        "max_num_seqs": scheduler.max_num_seqs,
+        "max_num_batched_tokens": scheduler.max_num_batched_tokens,
+        "max_model_len": scheduler.max_model_len,
+        "block_size": run.engine_config.cache_config.block_size,
+    }
+    if target.gpu is not None:
+        description["gpu_memory_utilization"] = run.engine_args.gpu_memory_utilization
+    description.update({
+        "preemption_mode": scheduler.preemption_mode,
+        "enable_prefix_caching": run.engine_config.cache_config.enable_prefix_caching,
+        "enable_chunked_prefill": scheduler.enable_chunked_prefill,
+    })  # fmt: skip
+    return description
+
+
+def make_record(target: SimTarget, workload: Workload, run: SimRun) -> dict[str, Any]:
+    """The JSON line of one simulation: configuration, then results."""
+    kv = run.engine_config.kv
+    return {
+        "bench": "simulate",
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "cost_model": {"name": target.cost_model.name, **target.cost_model.describe()},
+        "target": {"model": target.model_name, "device": target.device_name},
+        "engine": engine_description(run, target),
+        "kv_cache": {
+            "num_gpu_blocks": kv.num_gpu_blocks, "num_cpu_blocks": kv.num_cpu_blocks,
+            "kv_cache_gib": round(kv.kv_cache_bytes / GiB, 3), "how": kv.how,
+        },  # fmt: skip
+        "workload": workload.description,
+        "results": run.summary,
+    }

@@ -1,0 +1,143 @@
+"""Simulation stage: command-line flags shared by `pagellm simulate` and `pagellm tune`.
+
+Three groups: the target (a model preset or checkpoint on a GPU preset with the
+roofline cost model, or a calibration file from `pagellm calibrate`), the workload
+(the benchmarks' workload flags plus arrivals, a shared-prefix share, or a trace), and
+the engine arguments, with EngineArgs' names and defaults. Only argparse-level work
+happens here; nothing heavy is imported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+from typing import Any
+
+from pagellm.bench.workload import add_workload_args, workload_spec_from_args
+from pagellm.config import PREEMPTION_MODES, SCHEDULING_POLICIES
+from pagellm.engine.arg_utils import EngineArgs
+from pagellm.errors import ConfigError
+from pagellm.sim.gpu_presets import GPU_PRESETS
+from pagellm.sim.model_presets import MODEL_PRESETS
+from pagellm.sim.roofline import RooflineParams
+
+_ENGINE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineArgs)}
+# The engine arguments a simulation uses, with their types; `tune` sweeps the first five.
+TUNED_KNOBS: dict[str, type] = {
+    "max_num_seqs": int,
+    "max_num_batched_tokens": int,
+    "gpu_memory_utilization": float,
+    "max_model_len": int,
+    "block_size": int,
+}
+_FIXED_KNOBS: dict[str, type] = {
+    "kv_cache_memory_bytes": int,
+    "num_gpu_blocks_override": int,
+    "swap_space": float,
+}
+_CHOICE_KNOBS = {
+    "preemption_mode": PREEMPTION_MODES,
+    "scheduling_policy": SCHEDULING_POLICIES,
+}
+_BOOL_KNOBS = ("enable_prefix_caching", "enable_chunked_prefill")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_target_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("what to simulate")
+    group.add_argument("--model", default="Llama-3-8B",
+                       help=f"model preset ({', '.join(MODEL_PRESETS)}) or a GGUF file / HF folder "
+                       "whose shape to use (default: Llama-3-8B)")
+    group.add_argument("--gpu", default="H100-SXM",
+                       help=f"GPU preset: {', '.join(GPU_PRESETS)} (default: H100-SXM)")
+    group.add_argument("--calibration", default=None, metavar="FILE",
+                       help="a `pagellm calibrate` fit: simulate the measured engine and machine "
+                       "instead of a model on a GPU preset (--model and --gpu are then ignored)")
+    defaults = RooflineParams()
+    group.add_argument("--compute-efficiency", type=float, default=defaults.compute_efficiency,
+                       help="roofline: fraction of peak FLOP/s the matmuls reach "
+                       f"(default {defaults.compute_efficiency})")
+    group.add_argument("--bandwidth-efficiency", type=float, default=defaults.bandwidth_efficiency,
+                       help="roofline: fraction of peak memory bandwidth reached "
+                       f"(default {defaults.bandwidth_efficiency})")
+    group.add_argument("--step-overhead-ms", type=float, default=defaults.step_overhead_s * 1e3,
+                       help="roofline: fixed CPU time per step the GPU waits for "
+                       f"(default {defaults.step_overhead_s * 1e3:g})")  # fmt: skip
+
+
+def add_sim_workload_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("workload")
+    add_workload_args(group)  # type: ignore[arg-type]  # the benchmarks' length flags and --seed
+    group.add_argument("--request-rate", type=float, default=math.inf,
+                       help="requests per second (default: inf = all at time 0)")
+    group.add_argument("--burstiness", type=float, default=1.0,
+                       help="gamma shape of the arrival gaps: 1 = Poisson, <1 burstier, >1 more even")
+    group.add_argument("--duration", type=float, default=None, metavar="SECONDS",
+                       help="simulate the arrivals of this many seconds (replaces --num-requests)")
+    group.add_argument("--shared-prefix-share", type=float, default=0.0, metavar="FRACTION",
+                       help="this fraction of requests starts with a common --shared-prefix-len "
+                       "prefix (e.g. a system prompt)")
+    group.add_argument("--trace", default=None, metavar="FILE",
+                       help="JSONL trace, one request a line: arrival_time, prompt_len, "
+                       "output_len (replaces the synthetic workload)")  # fmt: skip
+
+
+def add_sim_engine_args(parser: argparse.ArgumentParser, *, sweep: bool = False) -> None:
+    """Engine arguments; with sweep=True the tuned knobs take several values each."""
+    group = parser.add_argument_group("engine arguments (EngineArgs' names and defaults)")
+    for name, kind in TUNED_KNOBS.items():
+        default = _ENGINE_DEFAULTS[name]
+        if sweep:
+            group.add_argument(_flag(name), type=kind, nargs="+", default=None, metavar="V",
+                               help=f"values to try (default: a grid around {default})")
+        else:
+            group.add_argument(_flag(name), type=kind, default=default,
+                               help=f"(default: {default})")
+    for name, kind in _FIXED_KNOBS.items():
+        group.add_argument(_flag(name), type=kind, default=_ENGINE_DEFAULTS[name],
+                           help=f"(default: {_ENGINE_DEFAULTS[name]})")
+    for name, choices in _CHOICE_KNOBS.items():
+        group.add_argument(_flag(name), choices=choices, default=_ENGINE_DEFAULTS[name])
+    for name in _BOOL_KNOBS:
+        group.add_argument(_flag(name), action=argparse.BooleanOptionalAction,
+                           default=_ENGINE_DEFAULTS[name])  # fmt: skip
+
+
+def engine_args_from(args: argparse.Namespace, **overrides: Any) -> EngineArgs:
+    """EngineArgs from the parsed flags, with `overrides` for the knobs being swept."""
+    values = {name: getattr(args, name) for name in (*_FIXED_KNOBS, *_CHOICE_KNOBS, *_BOOL_KNOBS)}
+    for name in TUNED_KNOBS:
+        value = getattr(args, name)
+        # A list is a sweep (set through `overrides`); None is an unswept default.
+        if value is not None and not isinstance(value, list):
+            values[name] = value
+    values.update(overrides)
+    for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
+        value = values.get(name)
+        if value is not None and value < 1:
+            raise ConfigError(f"{_flag(name)} must be at least 1, got {value}")
+    return EngineArgs(**values)
+
+
+def roofline_params_from(args: argparse.Namespace) -> RooflineParams:
+    return RooflineParams(
+        compute_efficiency=args.compute_efficiency,
+        bandwidth_efficiency=args.bandwidth_efficiency,
+        step_overhead_s=args.step_overhead_ms / 1e3,
+    )
+
+
+def sim_workload_spec_from(args: argparse.Namespace) -> Any:
+    """The benchmarks' WorkloadSpec of the length flags, with their checks."""
+    for flag, (shortest, longest) in (("--prompt-len", args.prompt_len), ("--output-len", args.output_len)):
+        if not 1 <= shortest <= longest:
+            raise ConfigError(f"{flag} needs 1 <= LO <= HI, got {shortest} {longest}")
+    if args.shared_prefix_len < 0:
+        raise ConfigError(f"--shared-prefix-len must be >= 0, got {args.shared_prefix_len}")
+    if not (args.request_rate > 0):
+        raise ConfigError(f"--request-rate must be > 0 (or inf), got {args.request_rate}")
+    return workload_spec_from_args(args)

@@ -1,0 +1,122 @@
+"""Simulation stage: what is simulated (a model on a device, with its step cost model)
+and the engine configuration that device would give a set of engine arguments.
+
+Engine arguments are pagellm's own EngineArgs (vLLM's names and defaults); they resolve
+into the SchedulerConfig and CacheConfig the real engine would build, with the KV cache
+sized from the device memory instead of by profiling a real device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from pagellm.config import CacheConfig, SchedulerConfig
+from pagellm.engine.arg_utils import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineArgs
+from pagellm.errors import ConfigError
+from pagellm.model.config import ModelConfig
+from pagellm.sim.calibrated import CalibratedCostModel
+from pagellm.sim.cost_model import StepCostModel
+from pagellm.sim.gpu_presets import GiB, GpuSpec
+from pagellm.sim.kv_capacity import KVCapacity, activation_peak_bytes, kv_capacity
+from pagellm.sim.model_costs import ModelCosts
+from pagellm.sim.model_presets import MODEL_PRESETS, get_model_preset
+from pagellm.sim.roofline import RooflineCostModel, RooflineParams
+
+
+@dataclass(frozen=True)
+class SimTarget:
+    model_name: str
+    model_config: ModelConfig
+    dtype_bytes: int
+    costs: ModelCosts
+    cost_model: StepCostModel
+    gpu: GpuSpec | None  # None: a CPU, whose KV budget is the engine's fixed default
+
+    @property
+    def device_name(self) -> str:
+        return self.gpu.name if self.gpu is not None else "CPU"
+
+
+def resolve_model(name_or_path: str) -> tuple[str, ModelConfig, int]:
+    """(name, shape, bytes per weight) of a preset name, or of a checkpoint's config
+    (GGUF file or HF folder; read as bfloat16, as the GPU engine runs it)."""
+    if name_or_path.lower() in (name.lower() for name in MODEL_PRESETS):
+        preset = get_model_preset(name_or_path)
+        return preset.name, preset.config, preset.dtype_bytes
+    if not Path(name_or_path).expanduser().exists():
+        raise ConfigError(
+            f"--model {name_or_path!r} is neither a preset ({', '.join(MODEL_PRESETS)}) "
+            "nor an existing GGUF file or HF checkpoint folder"
+        )
+    from pagellm.model.loader import load_model_config, resolve_model_source  # imports torch
+
+    source = resolve_model_source(name_or_path)
+    return source.name, load_model_config(source), 2
+
+
+def roofline_target(model: str, gpu: GpuSpec, params: RooflineParams) -> SimTarget:
+    name, config, dtype_bytes = resolve_model(model)
+    costs = ModelCosts.from_config(config, dtype_bytes)
+    return SimTarget(name, config, dtype_bytes, costs, RooflineCostModel(name, costs, gpu, params), gpu)
+
+
+def calibrated_target(model: CalibratedCostModel) -> SimTarget:
+    costs = ModelCosts.from_config(model.model_config, model.dtype_bytes)
+    return SimTarget(model.model_name, model.model_config, model.dtype_bytes, costs, model, None)
+
+
+@dataclass(frozen=True)
+class SimEngineConfig:
+    scheduler_config: SchedulerConfig
+    cache_config: CacheConfig
+    kv: KVCapacity
+
+
+def resolve_engine_config(target: SimTarget, args: EngineArgs) -> SimEngineConfig:
+    """The configs LLMEngine.from_engine_args would build for `args` on the target.
+
+    Raises ConfigError where the engine would refuse to start.
+    """
+    model_max = target.model_config.max_position_embeddings
+    max_model_len = args.max_model_len or model_max
+    if max_model_len > model_max:
+        raise ConfigError(
+            f"max_model_len={max_model_len} exceeds what {target.model_name} supports ({model_max})"
+        )
+    budget = args.max_num_batched_tokens
+    if budget is None:
+        budget = DEFAULT_MAX_NUM_BATCHED_TOKENS if args.enable_chunked_prefill else max_model_len
+    scheduler_config = SchedulerConfig(
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=budget,
+        max_model_len=max_model_len,
+        enable_chunked_prefill=args.enable_chunked_prefill,
+        scheduling_policy=args.scheduling_policy,  # type: ignore[arg-type]
+        preemption_mode=args.preemption_mode,  # type: ignore[arg-type]
+    )
+    kv = kv_capacity(
+        costs=target.costs,
+        block_size=args.block_size,
+        gpu=target.gpu,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        activation_bytes=activation_peak_bytes(
+            target.model_config, target.dtype_bytes, budget, args.max_num_seqs
+        ),
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        num_gpu_blocks_override=args.num_gpu_blocks_override,
+        swap_space_bytes=int(args.swap_space * GiB) if args.preemption_mode == "swap" else 0,
+    )
+    cache_config = CacheConfig(
+        block_size=args.block_size,
+        num_gpu_blocks=kv.num_gpu_blocks,
+        num_cpu_blocks=kv.num_cpu_blocks,
+        enable_prefix_caching=args.enable_prefix_caching,
+    )
+    capacity = cache_config.max_num_cached_tokens
+    if -(-max_model_len // args.block_size) > cache_config.num_usable_gpu_blocks:
+        raise ConfigError(
+            f"the KV cache ({kv.how}) holds {capacity} tokens, too few for one request of "
+            f"max_model_len={max_model_len}; the largest max_model_len that fits is {capacity}"
+        )
+    return SimEngineConfig(scheduler_config, cache_config, kv)

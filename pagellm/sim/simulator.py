@@ -1,0 +1,259 @@
+"""Simulation stage: the real scheduler and KV cache manager on a simulated clock.
+
+The loop is the engine's: schedule() -> execute -> update_from_output(), on the very
+Scheduler (and through it the KVCacheManager and BlockPool) that LLMEngine uses. Only
+the execution is replaced: a fake runner returns one sampled token for every request
+that reaches the end of its tokens, and the clock advances by the step duration the
+cost model predicts. Requests arriving while a step runs join at the next step, as in
+the engine's loop; an idle engine jumps to the next arrival.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from array import array
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from pagellm.config import CacheConfig, SchedulerConfig
+from pagellm.core.scheduler import Scheduler
+from pagellm.core.scheduler_output import ModelRunnerOutput
+from pagellm.core.scheduler_stats import SchedulerStats
+from pagellm.errors import InvalidRequestError
+from pagellm.request import Request
+from pagellm.sampling_params import SamplingParams
+from pagellm.sim.cost_model import StepCostModel
+from pagellm.sim.sim_workload import SimRequest
+from pagellm.sim.step_batch import batch_from_schedule
+
+logger = logging.getLogger(__name__)
+
+# The token every simulated request samples. Its value only feeds the prefix cache's
+# block hashes (the requests ignore EOS and stop at their exact output length).
+FAKE_TOKEN_ID = 0
+# One shared, immutable SamplingParams: the exact length goes in Request.max_tokens.
+_SAMPLING = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=None)
+# A step that schedules nothing can follow a preemption; many in a row mean the engine
+# would hang, which is a scheduler bug the simulation must not hide.
+MAX_IDLE_STEPS = 1000
+# KV samples kept over the run: the interval doubles (and every other sample is
+# dropped) whenever this many accumulate, so any run length stays bounded.
+MAX_KV_SAMPLES = 2048
+FIRST_KV_SAMPLE_INTERVAL_S = 0.05
+
+
+@dataclass(frozen=True)
+class KVSample:
+    """The KV cache at one instant of simulated time."""
+
+    time_s: float
+    usage: float  # fraction of usable blocks in use
+    num_running: int
+    num_waiting: int
+    logical_tokens: int  # KV tokens the running requests have computed
+    paged_tokens: int  # blocks in use x block size (what paging reserves)
+    contiguous_tokens: int  # running x max_model_len (what per-request slabs reserve)
+
+
+@dataclass(frozen=True)
+class SimRequestResult:
+    arrival_s: float
+    num_prompt_tokens: int
+    num_output_tokens: int  # tokens produced (== expected unless rejected)
+    expected_output_tokens: int
+    first_token_s: float | None  # None: rejected
+    finish_s: float | None
+    rejected: str | None = None  # the parameter an add_request refusal named
+
+
+@dataclass(frozen=True)
+class SimResult:
+    requests: list[SimRequestResult]
+    itl_s: array  # every gap between consecutive tokens of a request (array of 'd')
+    kv_samples: list[KVSample]
+    kv_sample_interval_s: float
+    stats: SchedulerStats  # the scheduler's own counters at the end
+    num_steps: int
+    busy_s: float  # simulated time spent in steps (the rest is idle)
+    duration_s: float  # simulated time from 0 to the last step's end
+    num_extrapolated_steps: int  # steps outside a calibrated cost model's measured range
+    wall_s: float  # real seconds the simulation took
+    scheduler_config: SchedulerConfig
+    cache_config: CacheConfig
+    cost_model: dict = field(default_factory=dict)
+
+
+class _Track:
+    __slots__ = ("arrival", "first", "last", "finish", "num_output")
+
+    def __init__(self, arrival: float) -> None:
+        self.arrival = arrival
+        self.first: float | None = None
+        self.last = 0.0
+        self.finish: float | None = None
+        self.num_output = 0
+
+
+class Simulator:
+    """Runs a workload through a real Scheduler with a cost model as the clock."""
+
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        cost_model: StepCostModel,
+    ) -> None:
+        self.scheduler_config = scheduler_config
+        self.cache_config = cache_config
+        self.cost_model = cost_model
+        self.scheduler = Scheduler(scheduler_config, cache_config)
+
+    def run(self, requests: Sequence[SimRequest]) -> SimResult:
+        """Serve every request; returns per-request times, ITLs, KV samples, counters.
+
+        A Simulator runs once: its scheduler keeps the finished run's state.
+        """
+        wall_start = time.perf_counter()
+        scheduler = self.scheduler
+        assert not scheduler.requests and scheduler.make_stats().num_prefill_tokens == 0, (
+            "a Simulator runs one workload"
+        )
+        cost_model = self.cost_model
+        predict = cost_model.predict
+        outside_range = getattr(cost_model, "outside_measured_range", None)
+        block_size = self.cache_config.block_size
+        live = scheduler.requests  # id -> Request, the scheduler's own map
+        order = sorted(range(len(requests)), key=lambda i: requests[i].arrival_s)
+        tracks: dict[str, _Track] = {}
+        rejected: dict[int, str] = {}
+        itl = array("d")
+        sampler = _KVSampler(scheduler, self.scheduler_config.max_model_len, block_size)
+
+        now = 0.0
+        busy = 0.0
+        num_steps = num_idle_steps = num_extrapolated = 0
+        next_index = 0
+        num_requests = len(order)
+        while True:
+            while next_index < num_requests and requests[order[next_index]].arrival_s <= now:
+                index = order[next_index]
+                next_index += 1
+                sim_request = requests[index]
+                request = Request(
+                    str(index), sim_request.prompt_token_ids, _SAMPLING,
+                    arrival_time=sim_request.arrival_s, max_tokens=sim_request.output_len,
+                )  # fmt: skip
+                try:
+                    scheduler.add_request(request)
+                except InvalidRequestError as e:
+                    rejected[index] = e.parameter or "invalid"
+                    continue
+                tracks[request.request_id] = _Track(sim_request.arrival_s)
+            if not live:
+                if next_index >= num_requests:
+                    break
+                now = requests[order[next_index]].arrival_s  # idle until the next arrival
+                sampler.sample_until(now)
+                continue
+
+            output = scheduler.schedule()
+            sampled: list[str] = []
+            batch = batch_from_schedule(output, live, block_size, sampled)
+            seconds = predict(batch)
+            if outside_range is not None and outside_range(batch):
+                num_extrapolated += 1
+            progress = scheduler.update_from_output(
+                output,
+                ModelRunnerOutput(
+                    list(output.num_scheduled_tokens),
+                    {request_id: [FAKE_TOKEN_ID] for request_id in sampled},
+                ),
+            )
+            num_steps += 1
+            now += seconds
+            busy += seconds
+            if output.num_scheduled_tokens:
+                num_idle_steps = 0
+            else:
+                num_idle_steps += 1
+                if num_idle_steps > MAX_IDLE_STEPS:
+                    raise RuntimeError(
+                        f"the scheduler scheduled nothing for {num_idle_steps} steps with "
+                        f"{len(live)} unfinished requests"
+                    )
+            for item in progress:
+                track = tracks[item.req_id]
+                if track.first is None:
+                    track.first = now
+                else:
+                    itl.append(now - track.last)
+                track.last = now
+                track.num_output += len(item.new_token_ids)
+                if item.finish_reason is not None:
+                    track.finish = now
+            sampler.sample_until(now)
+
+        results = []
+        for index, sim_request in enumerate(requests):
+            track = tracks.get(str(index))
+            results.append(SimRequestResult(
+                sim_request.arrival_s, len(sim_request.prompt_token_ids),
+                track.num_output if track else 0, sim_request.output_len,
+                track.first if track else None, track.finish if track else None,
+                rejected.get(index),
+            ))  # fmt: skip
+        return SimResult(
+            requests=results,
+            itl_s=itl,
+            kv_samples=sampler.samples,
+            kv_sample_interval_s=sampler.interval,
+            stats=scheduler.make_stats(),
+            num_steps=num_steps,
+            busy_s=busy,
+            duration_s=now,
+            num_extrapolated_steps=num_extrapolated,
+            wall_s=time.perf_counter() - wall_start,
+            scheduler_config=self.scheduler_config,
+            cache_config=self.cache_config,
+            cost_model=cost_model.describe(),
+        )
+
+
+class _KVSampler:
+    """KV cache state at regular instants of simulated time (the state after the last
+    step before each instant), with a bounded number of samples."""
+
+    def __init__(self, scheduler: Scheduler, max_model_len: int, block_size: int) -> None:
+        self.scheduler = scheduler
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.interval = FIRST_KV_SAMPLE_INTERVAL_S
+        self.next_time = 0.0
+        self.samples: list[KVSample] = []
+
+    def sample_until(self, now: float) -> None:
+        if now < self.next_time:
+            return
+        scheduler = self.scheduler
+        kv = scheduler.kv_cache_manager
+        running = scheduler.running
+        num_used_blocks = kv.num_usable_blocks - kv.num_free_blocks
+        state = (
+            kv.get_usage(),
+            len(running),
+            scheduler.num_waiting,
+            sum(request.num_computed_tokens for request in running),
+            num_used_blocks * self.block_size,
+            len(running) * self.max_model_len,
+        )
+        # One sample per interval boundary passed: a long step (or an idle gap) holds
+        # the same state for several instants, and time averages must see that.
+        while self.next_time <= now:
+            self.samples.append(KVSample(self.next_time, *state))
+            self.next_time += self.interval
+            if len(self.samples) >= MAX_KV_SAMPLES:
+                self.samples = self.samples[::2]
+                self.interval *= 2
+                self.next_time = self.samples[-1].time_s + self.interval

@@ -1,0 +1,119 @@
+"""Simulation stage: one step's batch as a cost model sees it.
+
+A step computes, for every scheduled request, `num_tokens` new tokens on top of the
+`context` tokens whose KV is already cached. A request computing exactly one token is
+a decode (a one-token prefill chunk costs the same: one query row over its context);
+anything longer is a prefill chunk (a prompt, or a prompt plus outputs recomputed after
+a preemption).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from pagellm.core.scheduler_output import SchedulerOutput
+from pagellm.request import Request
+
+
+@dataclass(frozen=True, slots=True)
+class StepBatch:
+    """The work of one forward pass."""
+
+    # Per prefill chunk: tokens computed this step, and tokens already in the KV cache.
+    prefill_num_tokens: tuple[int, ...] = ()
+    prefill_context_lens: tuple[int, ...] = ()
+    # Per decode: tokens already in the KV cache (the new token attends to these + itself).
+    decode_context_lens: tuple[int, ...] = ()
+    # Rows whose logits are computed and sampled: decodes, and prefill chunks that reach
+    # the end of their request's tokens (a partial chunk samples nothing).
+    num_sampled_tokens: int = 0
+    # KV tokens copied between host and device before the forward pass (swap preemption:
+    # whole blocks, so a multiple of the block size).
+    num_swapped_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        assert len(self.prefill_num_tokens) == len(self.prefill_context_lens)
+
+    @property
+    def num_prefills(self) -> int:
+        return len(self.prefill_num_tokens)
+
+    @property
+    def num_decodes(self) -> int:
+        return len(self.decode_context_lens)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.prefill_num_tokens) + len(self.decode_context_lens)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(self.prefill_num_tokens)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.prefill_num_tokens) + len(self.decode_context_lens)
+
+    @property
+    def decode_context_sum(self) -> int:
+        """KV tokens the decodes read."""
+        return sum(self.decode_context_lens)
+
+    @property
+    def prefill_context_sum(self) -> int:
+        """Cached KV tokens the prefill chunks read (prefix hits, earlier chunks)."""
+        return sum(self.prefill_context_lens)
+
+    @property
+    def prefill_attention_pairs(self) -> int:
+        """(query, key) pairs of the prefill chunks: causal inside the chunk, full over
+        the cached context. Token i of a q-token chunk over c cached tokens attends to
+        c + i + 1 positions, so a chunk has q*c + q*(q+1)/2 pairs."""
+        return sum(
+            q * c + q * (q + 1) // 2
+            for q, c in zip(self.prefill_num_tokens, self.prefill_context_lens)
+        )
+
+    @property
+    def decode_attention_pairs(self) -> int:
+        """(query, key) pairs of the decodes: each reads its context plus itself."""
+        return sum(self.decode_context_lens) + len(self.decode_context_lens)
+
+
+def batch_from_schedule(
+    scheduler_output: SchedulerOutput,
+    requests: Mapping[str, Request],
+    block_size: int,
+    sampled_req_ids: list[str] | None = None,
+) -> StepBatch:
+    """The StepBatch of a SchedulerOutput, read before update_from_output advances the
+    requests (num_computed_tokens is then still the context the runner was told).
+
+    If `sampled_req_ids` is given, the ids of the requests that sample a token this step
+    are appended to it (the simulator's fake runner needs them; one pass serves both).
+    """
+    prefill_tokens: list[int] = []
+    prefill_contexts: list[int] = []
+    decode_contexts: list[int] = []
+    num_sampled = 0
+    for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+        request = requests[request_id]
+        context = request.num_computed_tokens
+        if num_tokens == 1:
+            decode_contexts.append(context)
+        else:
+            prefill_tokens.append(num_tokens)
+            prefill_contexts.append(context)
+        if context + num_tokens >= request.num_tokens:
+            num_sampled += 1
+            if sampled_req_ids is not None:
+                sampled_req_ids.append(request_id)
+    return StepBatch(
+        tuple(prefill_tokens),
+        tuple(prefill_contexts),
+        tuple(decode_contexts),
+        num_sampled,
+        block_size
+        * (len(scheduler_output.blocks_to_swap_in) + len(scheduler_output.blocks_to_swap_out)),
+    )

@@ -1,0 +1,59 @@
+"""GPU and model presets: every figure has a source; the SmolLM2 shape is the embedded model's."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagellm.errors import ConfigError
+from pagellm.sim.gpu_presets import GPU_PRESETS, get_gpu_preset
+from pagellm.sim.model_presets import MODEL_PRESETS, get_model_preset
+
+
+def test_the_issue_asks_for_these_presets():
+    assert set(GPU_PRESETS) == {"A100-40GB", "A100-80GB", "H100-SXM", "H200", "L4", "A10G"}
+    assert set(MODEL_PRESETS) == {"Llama-3-8B", "Llama-3-70B", "Qwen2.5-7B", "SmolLM2-135M"}
+
+
+@pytest.mark.parametrize("name", sorted(GPU_PRESETS))
+def test_gpu_figures_name_their_source(name):
+    gpu = GPU_PRESETS[name]
+    assert len(gpu.source) > 40
+    # Each figure appears in its source text as printed there (the dense FLOP/s either
+    # as such or as half the sparse figure).
+    assert f"{gpu.memory_gib:g} GB" in gpu.source.replace(",", "")
+    assert f"{gpu.peak_tflops:g}" in gpu.source or f"{2 * gpu.peak_tflops:,.0f}" in gpu.source
+
+
+@pytest.mark.parametrize("name", sorted(MODEL_PRESETS))
+def test_model_figures_name_their_source(name):
+    preset = MODEL_PRESETS[name]
+    assert preset.source.startswith("huggingface.co/")
+    config = preset.config
+    for field in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_key_value_heads", "vocab_size"):
+        assert f"{field}={getattr(config, field)}" in preset.source
+    assert config.head_dim * config.num_attention_heads == config.hidden_size
+
+
+def test_parameter_counts_match_the_model_names():
+    assert get_model_preset("llama-3-8b").config.num_parameters() == pytest.approx(8.03e9, rel=0.01)
+    assert get_model_preset("LLAMA-3-70B").config.num_parameters() == pytest.approx(70.6e9, rel=0.01)
+    assert get_model_preset("qwen2.5-7b").config.num_parameters() == pytest.approx(7.62e9, rel=0.01)
+    assert get_model_preset("SmolLM2-135M").config.num_parameters() == pytest.approx(134.5e6, rel=0.01)
+
+
+def test_smollm2_preset_is_the_embedded_model(smollm2_path):
+    from pagellm.model.loader import ModelSource, load_model_config
+
+    embedded = load_model_config(ModelSource("gguf", smollm2_path, "smollm2"))
+    preset = get_model_preset("SmolLM2-135M").config
+    for field in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                  "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings"):  # fmt: skip
+        assert getattr(embedded, field) == getattr(preset, field), field
+
+
+def test_unknown_names_list_the_presets():
+    with pytest.raises(ConfigError, match="H100-SXM"):
+        get_gpu_preset("B200")
+    with pytest.raises(ConfigError, match="Llama-3-8B"):
+        get_model_preset("gpt-5")
+    assert get_gpu_preset("h200").name == "H200"
