@@ -91,11 +91,9 @@ def sweep_cases(
         requests = []
         for index in range(num_mixed):
             start = index if every == 1 else (index // 8) * every * 3
-            requests.append(SweepRequest(
-                start,
-                rng.randint(16, min(512, longest_prompt)),
-                rng.randint(4, 24 if quick else 96),
-            ))  # fmt: skip
+            prompt = rng.randint(16, max(16, min(512, longest_prompt)))
+            output = rng.randint(4, 24 if quick else 96)
+            requests.append(SweepRequest(start, prompt, max(1, min(output, max_model_len - prompt))))
         cases.append(SweepCase(label, tuple(requests)))
     return cases
 

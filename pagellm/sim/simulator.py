@@ -33,6 +33,9 @@ logger = logging.getLogger(__name__)
 # The token every simulated request samples. Its value only feeds the prefix cache's
 # block hashes (the requests ignore EOS and stop at their exact output length).
 FAKE_TOKEN_ID = 0
+# One token sequence shared by every sampled request of every step: update_from_output
+# only reads it.
+_SAMPLED = (FAKE_TOKEN_ID,)
 # One shared, immutable SamplingParams: the exact length goes in Request.max_tokens.
 _SAMPLING = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=None)
 # A step that schedules nothing can follow a preemption; many in a row mean the engine
@@ -129,7 +132,7 @@ class Simulator:
         tracks: dict[str, _Track] = {}
         rejected: dict[int, str] = {}
         itl = array("d")
-        sampler = _KVSampler(scheduler, self.scheduler_config.max_model_len, block_size)
+        sampler = KVSampler(scheduler, self.scheduler_config.max_model_len, block_size)
 
         now = 0.0
         busy = 0.0
@@ -168,7 +171,7 @@ class Simulator:
                 output,
                 ModelRunnerOutput(
                     list(output.num_scheduled_tokens),
-                    {request_id: [FAKE_TOKEN_ID] for request_id in sampled},
+                    dict.fromkeys(sampled, _SAMPLED),  # type: ignore[arg-type]
                 ),
             )
             num_steps += 1
@@ -221,7 +224,7 @@ class Simulator:
         )
 
 
-class _KVSampler:
+class KVSampler:
     """KV cache state at regular instants of simulated time (the state after the last
     step before each instant), with a bounded number of samples."""
 

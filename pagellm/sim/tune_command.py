@@ -62,6 +62,9 @@ def run_tune(args: argparse.Namespace) -> dict[str, Any]:
     from pagellm.sim.simulate_command import append_json_line
     from pagellm.sim.tune import DEFAULT_GRID, TuneGoal, grid_points, rank, run_grid
 
+    jobs = default_jobs() if args.jobs is None else args.jobs
+    if jobs < 1:
+        raise ConfigError(f"--jobs must be at least 1, got {jobs}")
     goal = TuneGoal(args.goal, args.max_p99_ttft_ms, args.max_p99_itl_ms, args.latency_metric)
     target = target_from_args(args)
     values: dict[str, tuple[Any, ...]] = {}
@@ -80,9 +83,6 @@ def run_tune(args: argparse.Namespace) -> dict[str, Any]:
     points = grid_points(values)
     longest = max(values.get("max_model_len", (base.max_model_len or target.model_config.max_position_embeddings,)))
     workload = workload_from_args(args, longest)
-    jobs = args.jobs or default_jobs()
-    if jobs < 1:
-        raise ConfigError(f"--jobs must be at least 1, got {jobs}")
     logger.info("simulating %d configurations of %s on %s (%d jobs)", len(points),
                 target.model_name, target.device_name, jobs)  # fmt: skip
     start = time.perf_counter()

@@ -1,0 +1,350 @@
+"""Validate `pagellm simulate` against the real engine on this machine.
+
+1. Calibrate: `pagellm calibrate`'s sweep on the embedded model (SmolLM2-135M, the
+   engine's default dtype) fits the step cost model.
+2. For each configuration below (max_num_seqs, token budget, KV cache size, arrivals),
+   run one workload for real (requests added at their arrival times, every step timed)
+   and in the simulator with the calibrated model and the very SchedulerConfig and
+   CacheConfig the real engine used; compare output throughput, median and p99 TTFT
+   and preemption counts (targets: 10%, 10%, 20%, 10%).
+
+The calibration's workloads and the validation workloads are different (scripted
+sweeps vs Poisson / burst traffic from pagellm/bench/workload.py), so the comparison
+is out of sample.
+
+Timing hygiene on a shared machine: every timed phase holds the benchmark lock
+(/tmp/pagellm-bench.lock, flock), waits until the CPUs are otherwise idle, and measures
+how much CPU other processes took meanwhile; a phase disturbed by more than
+--max-foreign-load of the machine is run again (up to --retries times) and flagged
+if it never ran clean.
+
+    python benchmarks/validate_sim.py                 # ~6 minutes on a 2-core machine
+    python benchmarks/validate_sim.py --configs baseline --quick   # a smoke run
+
+Writes benchmarks/results/validate_sim.jsonl (one JSON line per configuration plus the
+calibration), validate_sim.md (the table) and validate_sim_calibration.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import fcntl
+import gc
+import json
+import logging
+import os
+import platform
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+from pagellm.bench.workload import WorkloadSpec
+from pagellm.sim.calibrated import CalibratedCostModel
+from pagellm.sim.sim_report import summarize_sim
+from pagellm.sim.sim_workload import SimRequest, SyntheticWorkload, make_synthetic_requests
+from pagellm.sim.simulator import Simulator
+
+logger = logging.getLogger("validate_sim")
+RESULTS = Path(__file__).resolve().parent / "results"
+
+# Targets of issue 9: relative error allowed per compared figure.
+TARGETS = {"output_tok_s": 0.10, "ttft_ms_median": 0.10, "ttft_ms_p99": 0.20, "num_preemptions": 0.10}
+
+
+@dataclass(frozen=True)
+class ValidationConfig:
+    name: str
+    engine: dict[str, Any]  # EngineArgs fields
+    workload: WorkloadSpec
+    request_rate: float  # inf = every request at time 0
+    note: str = ""
+
+
+# Frozen before any comparison was made; rates are set so that queues form but the
+# engine keeps up (about 60-90% of what each configuration sustains).
+CONFIGS = (
+    ValidationConfig(
+        "baseline", {"max_num_seqs": 32, "max_num_batched_tokens": 512},
+        WorkloadSpec(kind="mixed", num_requests=80, prompt_len=(16, 256), output_len=(16, 128), seed=1),
+        request_rate=2.0, note="Poisson arrivals, ample KV",
+    ),
+    ValidationConfig(
+        "few-seqs", {"max_num_seqs": 8, "max_num_batched_tokens": 256},
+        WorkloadSpec(kind="mixed", num_requests=60, prompt_len=(16, 256), output_len=(16, 96), seed=2),
+        request_rate=1.0, note="max_num_seqs 8 queues requests",
+    ),
+    ValidationConfig(
+        "big-budget", {"max_num_seqs": 96, "max_num_batched_tokens": 1024},
+        WorkloadSpec(kind="mixed", num_requests=120, prompt_len=(32, 512), output_len=(16, 96), seed=3),
+        request_rate=3.0, note="large batches, long prompts",
+    ),
+    ValidationConfig(
+        "small-kv", {"max_num_seqs": 32, "max_num_batched_tokens": 512, "num_gpu_blocks_override": 97},
+        WorkloadSpec(kind="mixed", num_requests=80, prompt_len=(16, 256), output_len=(32, 128), seed=4),
+        request_rate=2.5, note="96 blocks x 16 tokens: preemption under Poisson load",
+    ),
+    ValidationConfig(
+        "burst-preempt", {"max_num_seqs": 64, "max_num_batched_tokens": 512, "num_gpu_blocks_override": 129},
+        WorkloadSpec(kind="mixed", num_requests=64, prompt_len=(16, 256), output_len=(32, 128), seed=5),
+        request_rate=float("inf"), note="all at once into 128 blocks: heavy preemption",
+    ),
+)
+COMMON_ENGINE = {"max_model_len": 1024, "disable_log_stats": True, "seed": 0}
+
+
+# ----------------------------------------------------------------- timing hygiene
+
+
+def _cpu_busy_seconds() -> float:
+    """CPU-seconds all processes have spent busy since boot (from /proc/stat)."""
+    with open("/proc/stat", encoding="ascii") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_cpu_seconds() -> float:
+    times = os.times()
+    return times.user + times.system
+
+
+@dataclass
+class Disturbance:
+    foreign_load: float = 0.0  # share of all CPUs other processes used
+
+
+@contextmanager
+def measure_disturbance() -> Iterator[Disturbance]:
+    """How much of the machine other processes used while the block ran."""
+    disturbance = Disturbance()
+    busy, own, start = _cpu_busy_seconds(), _own_cpu_seconds(), time.perf_counter()
+    yield disturbance
+    wall = time.perf_counter() - start
+    foreign = (_cpu_busy_seconds() - busy) - (_own_cpu_seconds() - own)
+    disturbance.foreign_load = max(0.0, foreign / (wall * (os.cpu_count() or 1)))
+
+
+def wait_until_idle(max_load: float, timeout_s: float) -> float:
+    """Wait until other processes use under `max_load` of the CPUs over 2 s; returns the
+    last measured share (gives up after timeout_s and carries on)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with measure_disturbance() as d:
+            time.sleep(2.0)
+        if d.foreign_load < max_load or time.monotonic() > deadline:
+            return d.foreign_load
+        logger.info("machine busy (%.0f%% of the CPUs used by others); waiting", 100 * d.foreign_load)
+
+
+@contextmanager
+def bench_lock(path: str) -> Iterator[None]:
+    """flock on the shared benchmark lock file, so two benchmarks never overlap."""
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def timed_phase(args: argparse.Namespace, label: str, run: Any) -> tuple[Any, float]:
+    """run() under the lock on an idle machine, again if something else disturbed it."""
+    result, load = None, 1.0
+    for attempt in range(1, args.retries + 2):
+        with bench_lock(args.lock_file):
+            before = wait_until_idle(args.max_foreign_load, args.idle_timeout)
+            with measure_disturbance() as d:
+                result = run()
+            load = d.foreign_load
+        logger.info("%s: attempt %d, others used %.1f%% of the CPUs (%.1f%% before)",
+                    label, attempt, 100 * load, 100 * before)
+        if load <= args.max_foreign_load:
+            break
+    return result, load
+
+
+# ----------------------------------------------------------------- the runs
+
+
+def make_engine(engine_fields: dict[str, Any]) -> Any:
+    from pagellm.engine.arg_utils import EngineArgs
+    from pagellm.engine.llm_engine import LLMEngine
+
+    return LLMEngine.from_engine_args(EngineArgs(**{**COMMON_ENGINE, **engine_fields}))
+
+
+def warm_up(engine: Any) -> None:
+    """First calls pick kernels (and build the native attention extension once)."""
+    from pagellm.sim.real_run import run_on_engine
+
+    warm = [SimRequest(0.0, list(range(1000 + 40 * i, 1000 + 40 * i + 24 + 8 * i)), 6) for i in range(6)]
+    run_on_engine(engine, warm)
+
+
+def relative_error(simulated: float | None, real: float | None) -> float | None:
+    if simulated is None or real is None:
+        return None
+    if real == 0:
+        return 0.0 if simulated == 0 else float("inf")
+    return (simulated - real) / real
+
+
+def compare(real: dict[str, Any], sim: dict[str, Any]) -> dict[str, Any]:
+    figures = ("output_tok_s", "requests_per_s", "ttft_ms_median", "ttft_ms_p99", "itl_ms_median",
+               "itl_ms_p99", "e2el_ms_median", "num_preemptions", "kv_usage_mean", "duration_s")
+    rows = {}
+    for name in figures:
+        error = relative_error(sim.get(name), real.get(name))
+        rows[name] = {"real": real.get(name), "sim": sim.get(name), "error": error}
+        if name in TARGETS:
+            rows[name]["target"] = TARGETS[name]
+            rows[name]["met"] = error is not None and abs(error) <= TARGETS[name]
+    return rows
+
+
+def validate_config(args: argparse.Namespace, config: ValidationConfig, model: CalibratedCostModel) -> dict[str, Any]:
+    from pagellm.sim.real_run import run_on_engine
+
+    spec = config.workload
+    if args.quick:
+        spec = dataclasses.replace(spec, num_requests=max(8, spec.num_requests // 5))
+    requests = make_synthetic_requests(
+        SyntheticWorkload(spec, request_rate=config.request_rate), COMMON_ENGINE["max_model_len"]
+    )
+    engine = make_engine(config.engine)
+    warm_up(engine)
+    measured, load = timed_phase(args, config.name, lambda: run_on_engine(engine, requests))
+    scheduler_config, cache_config = engine.config.scheduler_config, engine.config.cache_config
+    del engine
+    gc.collect()
+    simulation = Simulator(scheduler_config, cache_config, model).run(requests)
+    real = summarize_sim(measured.result)
+    sim = summarize_sim(simulation)
+    # How well the model predicts this workload's own steps (out of sample).
+    predicted = [model.predict(batch) for batch, _ in measured.steps]
+    seconds = [s for _, s in measured.steps]
+    step_errors = sorted(abs(p - s) / s for p, s in zip(predicted, seconds))
+    return {
+        "config": config.name,
+        "note": config.note,
+        "engine": {"max_num_seqs": scheduler_config.max_num_seqs,
+                   "max_num_batched_tokens": scheduler_config.max_num_batched_tokens,
+                   "max_model_len": scheduler_config.max_model_len,
+                   "num_kv_blocks": cache_config.num_usable_gpu_blocks,
+                   "block_size": cache_config.block_size},
+        "workload": {"kind": spec.kind, "num_requests": spec.num_requests, "prompt_len": list(spec.prompt_len),
+                     "output_len": list(spec.output_len), "seed": spec.seed,
+                     "request_rate": "inf" if config.request_rate == float("inf") else config.request_rate},
+        "foreign_cpu_load": round(load, 3),
+        "disturbed": load > args.max_foreign_load,
+        "comparison": compare(real, sim),
+        "steps": {"real": len(measured.steps), "sim": simulation.num_steps,
+                  "step_error_median": round(step_errors[len(step_errors) // 2], 4),
+                  "busy_s_real": round(sum(seconds), 3), "busy_s_predicted_for_real_steps": round(sum(predicted), 3),
+                  "sim_extrapolated_steps": simulation.num_extrapolated_steps},
+        "real": {k: v for k, v in real.items() if k != "kv_usage_series"},
+        "sim": {k: v for k, v in sim.items() if k != "kv_usage_series"},
+    }  # fmt: skip
+
+
+# ----------------------------------------------------------------- output
+
+
+def _pct(error: float | None) -> str:
+    return "-" if error is None else f"{100 * error:+.1f}%"
+
+
+def _num(value: Any) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.0f}" if isinstance(value, int) or abs(value) >= 100 else f"{value:.1f}"
+
+
+def markdown_table(records: list[dict[str, Any]], calibration: dict[str, Any]) -> str:
+    lines = [
+        f"Measured {time.strftime('%Y-%m-%d %H:%M')} on {calibration['machine']}, "
+        f"{calibration['model']} ({calibration['dtype']}); calibration: {calibration['num_steps']} steps, "
+        f"step-time error median {100 * calibration['median_abs_rel_error']:.1f}%.",
+        "",
+        "| config | engine | workload | output tok/s real / sim (err) | TTFT p50 ms real / sim (err) "
+        "| TTFT p99 ms real / sim (err) | preemptions real / sim (err) | targets met |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in records:
+        c = r["comparison"]
+        e = r["engine"]
+        w = r["workload"]
+        cells = []
+        for name in ("output_tok_s", "ttft_ms_median", "ttft_ms_p99", "num_preemptions"):
+            row = c[name]
+            mark = "" if row["met"] else " ✗"
+            cells.append(f"{_num(row['real'])} / {_num(row['sim'])} ({_pct(row['error'])}){mark}")
+        met = sum(c[name]["met"] for name in TARGETS)
+        engine = f"seqs {e['max_num_seqs']}, budget {e['max_num_batched_tokens']}, {e['num_kv_blocks']} blocks"
+        rate = "burst" if w["request_rate"] == "inf" else f"{w['request_rate']} req/s"
+        workload = f"{w['num_requests']} req, {rate}"
+        flag = " (disturbed)" if r["disturbed"] else ""
+        lines.append(f"| {r['config']}{flag} | {engine} | {workload} | " + " | ".join(cells) + f" | {met}/4 |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--configs", nargs="+", choices=[c.name for c in CONFIGS], default=None)
+    parser.add_argument("--quick", action="store_true", help="smaller sweep and workloads (smoke run)")
+    parser.add_argument("--calibration", default=None, help="reuse this fit instead of measuring one")
+    parser.add_argument("--out", default=str(RESULTS), help="results folder")
+    parser.add_argument("--lock-file", default="/tmp/pagellm-bench.lock")
+    parser.add_argument("--max-foreign-load", type=float, default=0.10,
+                        help="share of the CPUs other processes may use during a timed phase")
+    parser.add_argument("--idle-timeout", type=float, default=300.0, help="seconds to wait for an idle machine")
+    parser.add_argument("--retries", type=int, default=2, help="reruns of a disturbed phase")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    suffix = "_quick" if args.quick else ""
+
+    if args.calibration:
+        model = CalibratedCostModel.load(args.calibration)
+        calibration_load = None
+    else:
+        from pagellm.sim.calibration_sweep import calibrate_engine
+
+        engine = make_engine({"max_num_seqs": 256, "max_num_batched_tokens": 1024})
+        (model, _), calibration_load = timed_phase(args, "calibration", lambda: calibrate_engine(engine, quick=args.quick))
+        del engine
+        gc.collect()
+        model.save(out / f"validate_sim_calibration{suffix}.json")
+    quality = model.fit.quality
+    calibration = {
+        "config": "calibration", "machine": model.metadata.get("machine", platform.machine()),
+        "model": model.model_name, "dtype": model.dtype, "num_steps": quality.num_steps,
+        "median_abs_rel_error": quality.median_abs_rel_error, "r2": quality.r2,
+        "coefficients_s": dict(zip(model.fit.features, model.fit.coefficients_s)),
+        "foreign_cpu_load": calibration_load,
+    }  # fmt: skip
+    print(json.dumps(calibration))
+    records = []
+    for config in CONFIGS:
+        if args.configs and config.name not in args.configs:
+            continue
+        record = validate_config(args, config, model)
+        records.append(record)
+        print(json.dumps({k: record[k] for k in ("config", "comparison", "steps", "foreign_cpu_load")}))
+    table = markdown_table(records, calibration)
+    print(table)
+    with open(out / f"validate_sim{suffix}.jsonl", "a", encoding="utf-8") as f:
+        f.write(json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S"), **calibration}) + "\n")
+        for record in records:
+            f.write(json.dumps(record) + "\n")
+    (out / f"validate_sim{suffix}.md").write_text(table, encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

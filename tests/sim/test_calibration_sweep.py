@@ -1,0 +1,67 @@
+"""`pagellm calibrate`: the sweep on a real (tiny) engine, the fit, the file, and its use."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hf_models import make_tiny_hf_checkpoint
+
+from pagellm.engine.arg_utils import EngineArgs
+from pagellm.engine.llm_engine import LLMEngine
+from pagellm.entrypoints.cli import main
+from pagellm.sim.calibrated import CalibratedCostModel
+from pagellm.sim.calibration_sweep import calibrate_engine, sweep_cases
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return str(make_tiny_hf_checkpoint(tmp_path_factory.mktemp("tiny-calibrate"), "llama", seed=5))
+
+
+def test_cases_respect_the_engine_limits():
+    cases = sweep_cases(max_num_seqs=16, max_num_batched_tokens=200, max_model_len=256)
+    labels = [case.label for case in cases]
+    assert "decode x16 ctx16" in labels and "decode x32 ctx16" not in labels
+    assert all(r.prompt_len <= 200 for case in cases for r in case.requests)
+    assert "prefill 256" not in labels and "prefill 96" in labels
+    assert {"mixed steady", "mixed bursts"} <= set(labels)
+    assert sweep_cases(16, 200, 256, seed=1) == sweep_cases(16, 200, 256, seed=1)
+
+
+def test_calibrating_a_real_engine(tiny_model, tmp_path):
+    engine = LLMEngine.from_engine_args(EngineArgs(
+        model=tiny_model, max_model_len=512, max_num_seqs=32, max_num_batched_tokens=256,
+        disable_log_stats=True,
+    ))  # fmt: skip
+    seen: list[str] = []
+    model, measured = calibrate_engine(engine, quick=True, on_case=lambda case, steps: seen.append(case.label))
+    assert not engine.has_unfinished_requests()
+    assert len(seen) == len(sweep_cases(32, 256, 512, quick=True))
+    assert model.fit.quality.num_steps == len(measured) > 20
+    assert all(m.seconds > 0 and m.batch.num_tokens > 0 for m in measured)
+    # Timing is the machine's business (tests never assert on it): only the shape of the fit.
+    assert all(c >= 0 for c in model.fit.coefficients_s)
+    assert all(model.predict(m.batch) > 0 for m in measured)
+    # Every request the sweep added was computed: prompts as prefill, outputs as decodes.
+    stats = engine.get_stats()
+    assert sum(m.batch.num_tokens for m in measured) < stats.num_prefill_tokens + stats.num_decode_tokens
+    assert model.metadata["max_measured_reqs"] == 16  # the quick sweep decodes 1, 4, 16 at once
+    assert model.model_config.hidden_size == 64 and model.dtype == "float32"
+    path = tmp_path / "fit.json"
+    model.save(path)
+    assert CalibratedCostModel.load(path).predict(measured[0].batch) == model.predict(measured[0].batch)
+
+
+def test_calibrate_then_simulate_on_the_command_line(tiny_model, tmp_path, capsys):
+    path = tmp_path / "cal.json"
+    assert main(["calibrate", "--model", tiny_model, "--quick", "--max-model-len", "256",
+                 "--max-num-seqs", "16", "--output", str(path)]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert json.loads(out.splitlines()[0])["bench"] == "calibrate"
+    assert "fit: R^2" in out and path.exists()
+    assert main(["simulate", "--calibration", str(path), "--num-requests", "12", "--request-rate", "4",
+                 "--prompt-len", "8", "64", "--output-len", "4", "16", "--max-model-len", "256"]) == 0  # fmt: skip
+    record = json.loads(capsys.readouterr().out.splitlines()[0])
+    assert record["cost_model"]["kind"] == "calibrated"
+    assert record["target"]["device"] == "CPU" and record["results"]["completed"] == 12

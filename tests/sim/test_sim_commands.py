@@ -1,0 +1,98 @@
+"""`pagellm simulate` on the command line: a JSON line and a table; bad input gives one
+`pagellm: error:` line and no traceback."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from pagellm.entrypoints.cli import main
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_simulate_prints_a_record_and_a_table(tmp_path, capsys):
+    results = tmp_path / "sim.jsonl"
+    code, out, _ = run(capsys, "simulate", "--model", "Qwen2.5-7B", "--gpu", "A100-80GB", "--workload", "sharegpt",
+                       "--request-rate", "5", "--num-requests", "200", "--shared-prefix-share", "0.5",
+                       "--shared-prefix-len", "256", "--result-file", str(results))  # fmt: skip
+    assert code == 0
+    lines = out.splitlines()
+    record = json.loads(lines[0])
+    assert record == json.loads(results.read_text())
+    r = record["results"]
+    assert r["completed"] == 200 and r["rejected"] == 0
+    assert r["prefix_hit_rate"] > 0.1  # half the prompts share 256 tokens
+    assert record["cost_model"]["name"] == "roofline: Qwen2.5-7B on A100-80GB"
+    assert record["engine"]["gpu_memory_utilization"] == 0.9
+    for key in ("ttft_ms_p99", "itl_ms_median", "tpot_ms_p90", "e2el_ms_mean", "kv_usage_mean",
+                "num_preemptions", "num_allocation_failures", "prefill_decode_ratio"):  # fmt: skip
+        assert r[key] is not None, key
+    waste = r["kv_waste"]
+    assert waste["contiguous_waste_frac"] > waste["paged_waste_frac"]
+    assert waste["contiguous_max_concurrency"] == r["kv_capacity_tokens"] // record["engine"]["max_model_len"]
+    table = "\n".join(lines[1:])
+    for label in ("output tok/s", "KV usage", "preemptions", "TTFT", "ITL", "max_model_len slabs"):
+        assert label in table
+
+
+def test_a_trace_is_served_as_given(tmp_path, capsys):
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps({"arrival_time": i * 0.5, "prompt_len": 100, "output_len": 20}) + "\n" for i in range(10)))
+    code, out, _ = run(capsys, "simulate", "--trace", str(trace), "--model", "SmolLM2-135M", "--gpu", "L4")
+    assert code == 0
+    record = json.loads(out.splitlines()[0])
+    assert record["workload"]["kind"] == "trace"
+    assert record["results"]["total_output_tokens"] == 200 and record["results"]["total_input_tokens"] == 1000
+
+
+@pytest.mark.parametrize("argv,fragment", [
+    (["simulate", "--gpu", "B300"], "unknown GPU 'B300'"),
+    (["simulate", "--model", "/no/such/model"], "neither a preset"),
+    (["simulate", "--calibration", "/no/such.json"], "cannot read the calibration file"),
+    (["simulate", "--trace", "/no/such.jsonl"], "cannot read the trace"),
+    (["simulate", "--max-model-len", "100000"], "exceeds what Llama-3-8B supports (8192)"),
+    (["simulate", "--model", "Llama-3-70B", "--gpu", "L4"], "no memory left for the KV cache on L4"),
+    (["simulate", "--num-gpu-blocks-override", "10"], "too few for one request of max_model_len=8192"),
+    (["simulate", "--request-rate", "0"], "--request-rate must be > 0"),
+    (["simulate", "--prompt-len", "50", "10"], "--prompt-len needs 1 <= LO <= HI"),
+    (["simulate", "--duration", "60"], "--duration needs a finite --request-rate"),
+    (["simulate", "--max-num-seqs", "0"], "--max-num-seqs must be at least 1"),
+    (["simulate", "--gpu-memory-utilization", "1.5"], "gpu_memory_utilization must be in (0, 1]"),
+    (["simulate", "--compute-efficiency", "2"], "compute_efficiency must be in (0, 1]"),
+    (["tune", "--goal", "latency", "--latency-metric", "ttft_p99", "--jobs", "0"], "--jobs must be at least 1"),
+])  # fmt: skip
+def test_bad_input_is_one_error_line(capsys, argv, fragment):
+    code, _, err = run(capsys, *argv)
+    assert code == 1
+    errors = [line for line in err.splitlines() if line.startswith("pagellm: error:")]
+    assert len(errors) == 1 and fragment in errors[0], err
+    assert "Traceback" not in err
+
+
+def test_tune_refuses_memory_utilization_on_a_cpu_calibration(tmp_path, capsys):
+    from pagellm.sim.calibrated import DEFAULT_FEATURES, CalibratedCostModel, FitQuality, StepCostFit
+    from pagellm.sim.model_presets import get_model_preset
+
+    path = tmp_path / "cal.json"
+    fit = StepCostFit(DEFAULT_FEATURES, (0.01, 0.001, 0.0, 0.0, 0.0, 0.0), FitQuality(1, 1.0, 0, 0, 0, 0))
+    CalibratedCostModel(fit, "smol", get_model_preset("SmolLM2-135M").config, "bfloat16", 2).save(path)
+    code, _, err = run(capsys, "tune", "--calibration", str(path), "--gpu-memory-utilization", "0.8", "0.9")
+    assert code == 1 and "has no effect with --calibration" in err
+
+
+def test_the_installed_command_reports_errors_without_traceback():
+    result = subprocess.run(
+        [sys.executable, "-m", "pagellm.entrypoints.cli", "simulate", "--gpu", "nope"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1].startswith("pagellm: error: unknown GPU")
+    assert "Traceback" not in result.stderr
