@@ -12,10 +12,10 @@ from typing import Literal
 
 from pagellm.errors import ConfigError
 
-SchedulingPolicy = Literal["fcfs", "priority"]
+SchedulingPolicy = Literal["fcfs", "priority", "shortest-remaining"]
 PreemptionMode = Literal["recompute", "swap"]
 
-SCHEDULING_POLICIES: tuple[str, ...] = ("fcfs", "priority")
+SCHEDULING_POLICIES: tuple[str, ...] = ("fcfs", "priority", "shortest-remaining")
 PREEMPTION_MODES: tuple[str, ...] = ("recompute", "swap")
 
 
@@ -79,9 +79,23 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     scheduling_policy: SchedulingPolicy = "fcfs"
     preemption_mode: PreemptionMode = "recompute"
+    max_num_partial_prefills: int | None = None
+    long_prefill_token_threshold: int | None = None
+    prefill_share: float = 1.0
 
     def __post_init__(self) -> None:
         _check_int("SchedulerConfig", "max_num_seqs", self.max_num_seqs, 1)
+        if self.max_num_partial_prefills is not None:
+            _check_int("SchedulerConfig", "max_num_partial_prefills", self.max_num_partial_prefills, 1)
+        if self.long_prefill_token_threshold is not None:
+            _check_int("SchedulerConfig", "long_prefill_token_threshold", self.long_prefill_token_threshold, 1)
+        if isinstance(self.prefill_share, bool) or not isinstance(self.prefill_share, (int, float)):
+            raise ConfigError(f"SchedulerConfig.prefill_share must be a number, got {self.prefill_share!r}.")
+        if not 0.0 < self.prefill_share <= 1.0:
+            raise ConfigError(
+                f"SchedulerConfig.prefill_share must be in (0, 1], got {self.prefill_share} "
+                "(0 would starve new requests while any request decodes)."
+            )
         _check_int("SchedulerConfig", "max_num_batched_tokens", self.max_num_batched_tokens, 1)
         _check_int("SchedulerConfig", "max_model_len", self.max_model_len, 1)
         if not isinstance(self.enable_chunked_prefill, bool):
@@ -106,3 +120,17 @@ class SchedulerConfig:
                 f"max_model_len ({self.max_model_len}). Raise max_num_batched_tokens, lower "
                 "max_model_len, or enable chunked prefill."
             )
+        if not self.enable_chunked_prefill and self.balances_prefill:
+            raise ConfigError(
+                "max_num_partial_prefills, long_prefill_token_threshold and prefill_share < 1 "
+                "split prefills over steps: they need chunked prefill enabled."
+            )
+
+    @property
+    def balances_prefill(self) -> bool:
+        """Whether any prefill/decode balance knob is set away from 'no limit'."""
+        return (
+            self.max_num_partial_prefills is not None
+            or self.long_prefill_token_threshold is not None
+            or self.prefill_share < 1.0
+        )

@@ -89,7 +89,7 @@ def make_record(
         },
         "settings": result.settings,
         "sweep": result.sweep,
-        "elapsed_s": round(elapsed, 3),
+        "elapsed_s": round(elapsed, 6),
         "output_tokens": result.output_tokens,
         "prompt_tokens": result.prompt_tokens,
         "requests_per_s": round(num_requests / elapsed, 3),

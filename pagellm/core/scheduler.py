@@ -2,9 +2,11 @@
 
 Every request has num_computed_tokens; each step tops requests up toward their token
 count within a token budget (max_num_batched_tokens) and a cap on running requests
-(max_num_seqs). Running requests are served first, in admission order; then swapped
-requests are brought back; then waiting requests are admitted. When a running request
-cannot get blocks, another one is preempted (recompute or swap).
+(max_num_seqs). Running requests are served first, in admission order (closest to
+finishing first under "shortest-remaining"); then swapped requests are brought back;
+then waiting requests are admitted. When a running request cannot get blocks, another
+one is preempted (recompute or swap). Prefill chunks are bounded by the balance knobs
+of SchedulerConfig (core/prefill_balance.py).
 
 num_computed_tokens is advanced in update_from_output, once the runner has executed
 the step: it always means "KV written in the cache". Between schedule() and
@@ -20,6 +22,7 @@ from collections.abc import Iterable
 from pagellm.config import CacheConfig, SchedulerConfig
 from pagellm.core.kv_cache_manager import ComputedBlocks, KVCacheManager
 from pagellm.core.parallel_sampling import make_child_request
+from pagellm.core.prefill_balance import prefill_chunk_size, prefill_token_cap, remaining_work
 from pagellm.core.scheduler_integrity import check_scheduler_integrity
 from pagellm.core.scheduler_stats import SchedulerStats
 from pagellm.core.request_limits import check_request_fits, check_stop
@@ -42,7 +45,9 @@ class _StepPlan:
     """What one schedule() call has decided so far."""
 
     token_budget: int
+    prefill_budget: int  # tokens prefill chunks may still take (see prefill_token_cap)
     num_scheduled_tokens: dict[str, int] = dataclasses.field(default_factory=dict)
+    prefill_req_ids: set[str] = dataclasses.field(default_factory=set)
     new_block_ids: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     # Requests the runner holds no state for: admitted or swapped in this step.
     resumed_req_ids: set[str] = dataclasses.field(default_factory=set)
@@ -50,16 +55,22 @@ class _StepPlan:
     blocks_to_swap_out: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
-    def schedule(self, request: Request, num_tokens: int, block_ids: list[int]) -> None:
+    def schedule(self, request: Request, num_tokens: int, block_ids: list[int], is_prefill: bool) -> None:
         self.num_scheduled_tokens[request.request_id] = num_tokens
         self.new_block_ids[request.request_id] = block_ids
         self.token_budget -= num_tokens
+        if is_prefill:
+            self.prefill_req_ids.add(request.request_id)
+            self.prefill_budget -= num_tokens
 
     def unschedule(self, request: Request) -> None:
         """Give back the budget of a request preempted after it was scheduled."""
         num_tokens = self.num_scheduled_tokens.pop(request.request_id, 0)
         self.new_block_ids.pop(request.request_id, None)
         self.token_budget += num_tokens
+        if request.request_id in self.prefill_req_ids:
+            self.prefill_req_ids.discard(request.request_id)
+            self.prefill_budget += num_tokens
 
 
 class Scheduler:
@@ -190,7 +201,13 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Decide this step: the requests to run, their tokens, blocks and swaps."""
-        plan = _StepPlan(token_budget=self.scheduler_config.max_num_batched_tokens)
+        config = self.scheduler_config
+        if config.scheduling_policy == "shortest-remaining":
+            # Closest to finishing first; the victim (the last) has the most work left.
+            self.running.sort(key=lambda r: (remaining_work(r), self._arrival_index[r.request_id]))
+        num_decodes = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
+        budget = config.max_num_batched_tokens
+        plan = _StepPlan(token_budget=budget, prefill_budget=prefill_token_cap(config, budget, num_decodes))
         self._schedule_running(plan)
         # A step that had to preempt is short of blocks: bringing requests in now would
         # only get them (or others) preempted again, and swap-ins must not share a step
@@ -202,20 +219,20 @@ class Scheduler:
                 self._schedule_waiting(plan)
         return self._make_output(plan)
 
-    def _num_tokens_to_schedule(self, request: Request, token_budget: int) -> int:
-        """Tokens of the request's gap that fit the budget; 0 if it must wait."""
-        gap = request.num_tokens - request.num_computed_tokens
-        assert gap > 0, f"{request} has nothing to compute"
-        if self.scheduler_config.enable_chunked_prefill:
-            return min(gap, token_budget)
-        return gap if gap <= token_budget else 0
+    def _num_tokens_to_schedule(self, gap: int, plan: _StepPlan) -> int:
+        """Tokens of a gap that fit this step; 0 if the request must wait."""
+        assert gap > 0, "nothing to compute"
+        if gap == 1:  # a decode
+            return min(1, plan.token_budget)
+        return prefill_chunk_size(self.scheduler_config, gap, plan.token_budget, plan.prefill_budget, len(plan.prefill_req_ids))
 
     def _schedule_running(self, plan: _StepPlan) -> None:
         kv = self.kv_cache_manager
         index = 0
         while index < len(self.running) and plan.token_budget > 0:
             request = self.running[index]
-            num_tokens = self._num_tokens_to_schedule(request, plan.token_budget)
+            gap = request.num_tokens - request.num_computed_tokens
+            num_tokens = self._num_tokens_to_schedule(gap, plan)
             if num_tokens == 0:
                 index += 1
                 continue
@@ -231,13 +248,13 @@ class Scheduler:
                 block_ids = kv.allocate_slots(request, num_tokens)
             if block_ids is None:
                 continue  # the request itself was preempted; `index` is the next one
-            plan.schedule(request, num_tokens, block_ids)
+            plan.schedule(request, num_tokens, block_ids, is_prefill=gap > 1)
             index += 1
 
     def _choose_victim(self) -> Request:
         if self.scheduler_config.scheduling_policy == "priority":
             return max(self.running, key=self._priority_key)
-        return self.running[-1]
+        return self.running[-1]  # the latest admitted (fcfs) or most work left (sorted)
 
     def _preempt(self, request: Request, plan: _StepPlan) -> None:
         self.running.remove(request)
@@ -279,7 +296,8 @@ class Scheduler:
             request = self.swapped.peek()
             if not self._has_room_for(request, plan):
                 break
-            num_tokens = self._num_tokens_to_schedule(request, plan.token_budget)
+            gap = request.num_tokens - request.num_computed_tokens
+            num_tokens = self._num_tokens_to_schedule(gap, plan)
             if num_tokens == 0 or not kv.can_swap_in(request, num_tokens):
                 break
             pairs = kv.swap_in(request)
@@ -290,7 +308,7 @@ class Scheduler:
             self.running.append(request)
             plan.blocks_to_swap_in.extend(pairs)
             plan.resumed_req_ids.add(request.request_id)
-            plan.schedule(request, num_tokens, block_ids)
+            plan.schedule(request, num_tokens, block_ids, is_prefill=gap > 1)
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
         kv = self.kv_cache_manager
@@ -305,11 +323,8 @@ class Scheduler:
                 # Prompt logprobs need the logits of every prompt position.
                 computed = ComputedBlocks([], 0)
             gap = request.num_tokens - computed.num_computed_tokens
-            if self.scheduler_config.enable_chunked_prefill:
-                num_tokens = min(gap, plan.token_budget)
-            elif gap <= plan.token_budget:
-                num_tokens = gap
-            else:
+            num_tokens = self._num_tokens_to_schedule(gap, plan)
+            if num_tokens == 0:
                 break  # head-of-line: later requests must not overtake it
             block_ids = kv.allocate_slots(request, num_tokens, computed)
             if block_ids is None:
@@ -321,7 +336,7 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             plan.resumed_req_ids.add(request.request_id)
-            plan.schedule(request, num_tokens, block_ids)
+            plan.schedule(request, num_tokens, block_ids, is_prefill=gap > 1)
 
     def _make_output(self, plan: _StepPlan) -> SchedulerOutput:
         new_reqs: list[NewRequestData] = []

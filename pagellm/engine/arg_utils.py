@@ -11,6 +11,24 @@ from pagellm.errors import ConfigError
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+PROFILE_CHOICES = ("interactive", "offline")
+
+# What each --profile sets, for the knobs the user left unset. interactive keeps steps
+# short while requests decode (inter-token latency); offline makes steps big (throughput).
+PROFILES: dict[str, dict[str, object]] = {
+    "interactive": {
+        "max_num_batched_tokens": 512,
+        "max_num_partial_prefills": 1,
+        "long_prefill_token_threshold": 256,
+        "prefill_share": 0.25,
+    },
+    "offline": {
+        "max_num_batched_tokens": 8192,
+        "max_num_partial_prefills": None,
+        "long_prefill_token_threshold": None,
+        "prefill_share": 1.0,
+    },
+}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,7 +50,13 @@ class EngineArgs:
     preemption_mode: str = "recompute"
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
-    scheduling_policy: str = "fcfs"
+    scheduling_policy: str = "fcfs"  # fcfs, priority, shortest-remaining
+    # Prefill/decode balance (SchedulerConfig explains each); None = unset, and then the
+    # profile's value or no limit.
+    max_num_partial_prefills: int | None = None
+    long_prefill_token_threshold: int | None = None
+    prefill_share: float | None = None
+    profile: str | None = None  # interactive | offline: sets the knobs above together
     max_logprobs: int = 20  # most logprobs / prompt_logprobs a request may ask for
     disable_log_stats: bool = False  # no periodic stats line
     log_stats_interval: float = 5.0  # seconds between stats lines while busy
@@ -72,11 +96,22 @@ class EngineArgs:
             raise ConfigError(
                 f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}"
             )
+        if self.profile is not None and self.profile not in PROFILE_CHOICES:
+            raise ConfigError(f"profile must be one of {PROFILE_CHOICES}, got {self.profile!r}")
+        if self.profile is not None and not self.enable_chunked_prefill:
+            raise ConfigError("profile sets chunked-prefill knobs: it needs enable_chunked_prefill")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ConfigError(
                 f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
                 f"got {self.scheduling_policy!r}"
             )
+
+    def with_profile(self) -> EngineArgs:
+        """These arguments with the profile's values filled into the unset knobs."""
+        if self.profile is None:
+            return self
+        unset = {k: v for k, v in PROFILES[self.profile].items() if getattr(self, k) is None}
+        return dataclasses.replace(self, **unset)
 
     @classmethod
     def field_names(cls) -> list[str]:

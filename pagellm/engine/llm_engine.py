@@ -16,7 +16,10 @@ import torch
 from pagellm.config import CacheConfig, SchedulerConfig
 from pagellm.core.kv_events import KVEventLog
 from pagellm.core.scheduler import Scheduler, SchedulerStats
+from pagellm.core.scheduler_output import SchedulerOutput
+from pagellm.metrics.ceilings import device_ceilings
 from pagellm.metrics.engine_metrics import EngineMetrics, MetricsSnapshot
+from pagellm.metrics.utilization import ModelCost, StepWork
 from pagellm.engine.arg_utils import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineArgs
 from pagellm.engine.input_processor import InputProcessor, PromptInput
 from pagellm.engine.output_processor import OutputProcessor
@@ -138,6 +141,7 @@ class LLMEngine:
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
+        args = args.with_profile()
         device = resolve_device(args.device)
         dtype = resolve_dtype(args.dtype, device)
         torch.manual_seed(args.seed)
@@ -157,6 +161,9 @@ class LLMEngine:
             enable_chunked_prefill=args.enable_chunked_prefill,
             scheduling_policy=args.scheduling_policy,  # type: ignore[arg-type]
             preemption_mode=args.preemption_mode,  # type: ignore[arg-type]
+            max_num_partial_prefills=args.max_num_partial_prefills,
+            long_prefill_token_threshold=args.long_prefill_token_threshold,
+            prefill_share=1.0 if args.prefill_share is None else args.prefill_share,
         )
         model = load_model(source, model_config, get_attention_backend(device=device), dtype, device)
 
@@ -211,6 +218,11 @@ class LLMEngine:
             source.name,
             log_stats_interval=None if args.disable_log_stats else args.log_stats_interval,
             series_file=args.metrics_series_file,
+        )
+        metrics.set_utilization_model(
+            ModelCost.from_config(model_config, dtype_bytes=dtype.itemsize),
+            device_ceilings(device.type, dtype),
+            scheduler_config.max_num_seqs,
         )
         return cls(config, tokenizer, runner, args.max_logprobs, metrics, args.kv_events_file)
 
@@ -269,10 +281,12 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one iteration; returns the requests that progressed (or finished)."""
+        started = time.perf_counter()
         self.num_steps += 1
         if self.kv_events is not None:
             self.kv_events.step = self.num_steps
         scheduler_output = self.scheduler.schedule()
+        work = self._step_work(scheduler_output)
         # Prefix-cache hits are decided when a request is (re)admitted, i.e. sent new.
         cached = {
             new.req_id: self.scheduler.requests[new.req_id].num_cached_tokens
@@ -287,11 +301,27 @@ class LLMEngine:
             # A stop string ended these completions: free their blocks now.
             self.scheduler.finish_requests(result.stopped_req_ids, RequestStatus.FINISHED_STOPPED)
         self.metrics.record_step(
-            scheduler_output, result.outputs, self.scheduler.make_stats(), time.time()
+            scheduler_output,
+            result.outputs,
+            self.scheduler.make_stats(),
+            time.time(),
+            work=work,
+            step_seconds=time.perf_counter() - started,
         )
         if self.kv_events is not None:
             self.kv_events.flush()
         return result.outputs
+
+    def _step_work(self, scheduler_output: SchedulerOutput) -> StepWork:
+        """What this step computes (read before update_from_output moves the counts)."""
+        query_lens, seq_lens, logit_rows = [], [], 0
+        for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            request = self.scheduler.requests[request_id]
+            seq_len = request.num_computed_tokens + num_tokens
+            query_lens.append(num_tokens)
+            seq_lens.append(seq_len)
+            logit_rows += seq_len == request.num_tokens
+        return StepWork.from_batch(query_lens, seq_lens, logit_rows)
 
     def close(self) -> None:
         """Release files the engine writes (event log, metrics series)."""

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from pagellm.bench.serve import add_bench_serve_parser
 from pagellm.bench.workload import add_bench_throughput_parser
+from pagellm.bench.knob_sweep import add_bench_knobs_parser
 from pagellm.entrypoints.cli_args import add_engine_args
 from pagellm.entrypoints.openai.serve_command import add_serve_parser, run_serve
 from pagellm.errors import PagellmError
@@ -50,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_commands = bench.add_subparsers(dest="bench_command", required=True)
     add_bench_serve_parser(bench_commands)
     add_bench_throughput_parser(bench_commands)
+    add_bench_knobs_parser(bench_commands)
     add_simulate_parser(commands)
     add_tune_parser(commands)
     add_calibrate_parser(commands)

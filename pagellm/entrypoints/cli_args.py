@@ -7,13 +7,15 @@ import dataclasses
 import types
 import typing
 
-from pagellm.engine.arg_utils import DEVICE_CHOICES, DTYPE_CHOICES, EngineArgs
+from pagellm.config import PREEMPTION_MODES, SCHEDULING_POLICIES
+from pagellm.engine.arg_utils import DEVICE_CHOICES, DTYPE_CHOICES, PROFILE_CHOICES, PROFILES, EngineArgs
 
 _CHOICES = {
     "dtype": DTYPE_CHOICES,
     "device": DEVICE_CHOICES,
-    "preemption_mode": ("recompute", "swap"),
-    "scheduling_policy": ("fcfs", "priority"),
+    "preemption_mode": PREEMPTION_MODES,
+    "scheduling_policy": SCHEDULING_POLICIES,
+    "profile": PROFILE_CHOICES,
 }
 _HELP = {
     "model": "GGUF file or HF checkpoint folder (default: embedded SmolLM2-135M-Instruct)",
@@ -26,6 +28,14 @@ _HELP = {
     "kv_cache_memory_bytes": "KV cache size in bytes (overrides the default budget)",
     "num_gpu_blocks_override": "exact number of KV blocks (mostly for tests)",
     "swap_space": "GiB of host memory for swapped-out requests (preemption_mode=swap)",
+    "scheduling_policy": "order of service: fcfs, priority, or shortest-remaining (running requests "
+    "closest to finishing first)",
+    "max_num_partial_prefills": "most requests given prefill tokens in one step (unset = no limit)",
+    "long_prefill_token_threshold": "cap on one request's prefill chunk per step (unset = no cap)",
+    "prefill_share": "fraction of the step budget prefills may take while requests decode; the rest "
+    "is reserved for decodes (unset = 1.0)",
+    "profile": "preset of the knobs above: "
+    + "; ".join(f"{name}: " + ", ".join(f"{k}={v}" for k, v in knobs.items()) for name, knobs in PROFILES.items()),
 }
 
 

@@ -53,7 +53,20 @@ def dashboard_state(engine: LLMEngine, max_series_points: int = 300) -> dict[str
             if owner[block_id] == -1:
                 owner[block_id] = index_of.get(request_id, -1)
     stats = scheduler.make_stats()
-    series = list(engine.metrics.series)[-max_series_points:]
+    metrics = engine.metrics
+    series = list(metrics.series)[-max_series_points:]
+    utilization = None
+    if metrics.last_utilization is not None and metrics.ceilings is not None:
+        used = metrics.last_utilization
+        utilization = {
+            "mfu": used.mfu,
+            "mbu": used.mbu,
+            "summary": used.describe(),
+            "hint": used.hint(stats.num_running, stats.num_waiting, metrics.max_num_seqs),
+            "flops_ceiling": metrics.ceilings.flops_per_s,
+            "bandwidth_ceiling": metrics.ceilings.bytes_per_s,
+            "source": metrics.ceilings.source,
+        }
     return {
         "time": time.time(),
         "model": engine.config.source.name,
@@ -73,4 +86,5 @@ def dashboard_state(engine: LLMEngine, max_series_points: int = 300) -> dict[str
             "decode_tokens": stats.num_decode_tokens,
         },
         "series": series,
+        "utilization": utilization,
     }

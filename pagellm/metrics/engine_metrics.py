@@ -19,6 +19,7 @@ from typing import Any
 from pagellm.core.scheduler_output import SchedulerOutput
 from pagellm.core.scheduler_stats import SchedulerStats
 from pagellm.metrics.prometheus_metrics import PrometheusMetrics
+from pagellm.metrics.utilization import Ceilings, ModelCost, StepWork, Utilization, step_cost
 from pagellm.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -103,9 +104,25 @@ class EngineMetrics:
         self.generation_tokens = 0
         self.finished: dict[str, int] = {}
         self.rejected: dict[str, int] = {}
+        # Work estimates for MFU / MBU (set_utilization_model), summed over busy steps.
+        self._model_cost: ModelCost | None = None
+        self.ceilings: Ceilings | None = None
+        self.max_num_seqs = 0
+        self.estimated_flops = 0.0
+        self.estimated_bytes = 0.0
+        self.busy_seconds = 0.0
+        self.last_utilization: Utilization | None = None
         now = time.monotonic()
         self._series_window = _Window(now, self._totals(None))
         self._log_window = _Window(now, self._totals(None))
+
+    def set_utilization_model(self, cost: ModelCost, ceilings: Ceilings, max_num_seqs: int) -> None:
+        """Turn on MFU / MBU: the model's cost constants and the device's peaks."""
+        self._model_cost = cost
+        self.ceilings = ceilings
+        self.max_num_seqs = max_num_seqs
+        self.prom.flops_ceiling.set(ceilings.flops_per_s)
+        self.prom.bandwidth_ceiling.set(ceilings.bytes_per_s)
 
     # ------------------------------------------------------------- requests
 
@@ -160,10 +177,21 @@ class EngineMetrics:
         outputs: list[RequestOutput],
         stats: SchedulerStats,
         now: float,
+        work: StepWork | None = None,
+        step_seconds: float = 0.0,
     ) -> None:
+        """`work` and `step_seconds` (the whole step: schedule, forward, update) feed the
+        MFU / MBU estimates when a utilization model is set."""
         prom = self.prom
         self.num_steps += 1
         scheduled = scheduler_output.num_scheduled_tokens
+        if work is not None and self._model_cost is not None and work.num_tokens:
+            cost = step_cost(self._model_cost, work)
+            self.estimated_flops += cost.flops
+            self.estimated_bytes += cost.bytes
+            self.busy_seconds += step_seconds
+            prom.estimated_flops.inc(cost.flops)
+            prom.estimated_bytes.inc(cost.bytes)
         if scheduled:
             prom.iteration_tokens.observe(scheduler_output.total_num_scheduled_tokens)
             prom.iteration_requests.observe(len(scheduled))
@@ -217,6 +245,9 @@ class EngineMetrics:
             "prompt_tokens": self.prompt_tokens,
             "generation_tokens": self.generation_tokens,
             "steps": self.num_steps,
+            "flops": self.estimated_flops,
+            "bytes": self.estimated_bytes,
+            "busy_seconds": self.busy_seconds,
         }
         for field_name in (*_MIRRORED_COUNTERS, "num_preemptions_recompute", "num_preemptions_swap"):
             totals[field_name] = getattr(stats, field_name) if stats else 0
@@ -238,6 +269,17 @@ class EngineMetrics:
             "prefix_hit_rate": delta["num_prefix_hit_tokens"] / queries if queries else 0.0,
             "allocation_failure_rate": delta["num_allocation_failures"] / attempts if attempts else 0.0,
             "preemptions": delta["num_preemptions_recompute"] + delta["num_preemptions_swap"],
+            **self._window_utilization(delta),
+        }
+
+    def _window_utilization(self, delta: dict[str, float]) -> dict[str, float]:
+        """MFU / MBU over a window: its estimated work over its busy step time."""
+        if self.ceilings is None or delta["busy_seconds"] <= 0:
+            return {}
+        seconds = delta["busy_seconds"]
+        return {
+            "mfu": delta["flops"] / seconds / self.ceilings.flops_per_s,
+            "mbu": delta["bytes"] / seconds / self.ceilings.bytes_per_s,
         }
 
     def _append_series_point(self, now: float, stats: SchedulerStats) -> None:
@@ -257,6 +299,10 @@ class EngineMetrics:
         }
         for values in self._interval_latencies.values():
             values.clear()
+        if "mfu" in rates:
+            self.last_utilization = Utilization(rates["mfu"], rates["mbu"])
+            self.prom.model_flops_utilization.set(rates["mfu"])
+            self.prom.memory_bandwidth_utilization.set(rates["mbu"])
         if window.busy:
             self.series.append(point)
             if self._series_file is not None:
@@ -278,6 +324,10 @@ class EngineMetrics:
                 100 * stats.kv_cache_usage, 100 * r["prefix_hit_rate"],
                 100 * r["allocation_failure_rate"], r["preemptions"],
             )  # fmt: skip
+            if "mfu" in r:
+                used = Utilization(r["mfu"], r["mbu"])
+                hint = used.hint(stats.num_running, stats.num_waiting, self.max_num_seqs)
+                logger.info("%s%s", used.describe(), f" | hint: {hint}" if hint else "")
         self._log_window = _Window(now, self._totals(stats))
 
     def snapshot(self, stats: SchedulerStats) -> MetricsSnapshot:

@@ -40,6 +40,16 @@ class PrometheusMetrics:
         self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).")
         self.cpu_kv_cache_usage_perc = gauge("cpu_kv_cache_usage_perc", "Fraction of host (swap) blocks in use (0-1).")
         self.num_free_blocks = gauge("num_free_blocks", "Free KV cache blocks (cached-free included).")
+        self.model_flops_utilization = gauge(
+            "model_flops_utilization", "Estimated FLOP/s over the device's matmul ceiling, last window (0-1)."
+        )
+        self.memory_bandwidth_utilization = gauge(
+            "memory_bandwidth_utilization", "Estimated bytes/s (weights, KV) over the device's bandwidth, last window (0-1)."
+        )
+        self.flops_ceiling = gauge("flops_ceiling", "The device's matmul ceiling used for MFU (FLOP/s).")
+        self.bandwidth_ceiling = gauge("bandwidth_ceiling", "The device's memory bandwidth used for MBU (bytes/s).")
+        self.estimated_flops = counter("estimated_flops", "FLOPs of the steps run (matmuls, attention, LM head).")
+        self.estimated_bytes = counter("estimated_bytes", "Bytes the steps moved: weights once per step, KV read and written.")
 
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests whose prefill finished.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")

@@ -34,6 +34,7 @@ def make_scheduler(
     enable_chunked_prefill: bool = True,
     scheduling_policy: str = "fcfs",
     preemption_mode: str = "recompute",
+    **balance: object,
 ) -> Scheduler:
     cache_config = CacheConfig(
         block_size=block_size,
@@ -48,6 +49,7 @@ def make_scheduler(
         enable_chunked_prefill=enable_chunked_prefill,
         scheduling_policy=scheduling_policy,  # type: ignore[arg-type]
         preemption_mode=preemption_mode,  # type: ignore[arg-type]
+        **balance,  # type: ignore[arg-type]
     )
     return Scheduler(scheduler_config, cache_config)
 

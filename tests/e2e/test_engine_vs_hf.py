@@ -114,3 +114,23 @@ def test_alone_equals_in_batch(tiny_model):
     batch = pagellm_greedy(llm, PROMPTS, NEW_TOKENS)
     assert alone == batch[::5] == expected[::5]
     assert_engine_drained(llm)
+
+
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        {"profile": "interactive", "max_num_batched_tokens": 24},
+        {"max_num_partial_prefills": 2, "long_prefill_token_threshold": 5, "prefill_share": 0.3},
+        {"scheduling_policy": "shortest-remaining", "max_num_batched_tokens": 12, "num_gpu_blocks_override": 13,
+         "max_model_len": 96, "enable_prefix_caching": False},
+    ],
+)
+def test_prefill_balance_knobs_keep_the_tokens(tiny_model, knobs):
+    folder, expected = tiny_model
+    llm, outputs = run(folder, **knobs)
+    assert outputs == expected
+    config = llm.engine.scheduler.scheduler_config
+    if knobs.get("profile") == "interactive":
+        # The profile fills what was left unset; an explicit budget wins.
+        assert config.max_num_batched_tokens == 24 and config.max_num_partial_prefills == 1
+        assert config.long_prefill_token_threshold == 256 and config.prefill_share == 0.25

@@ -101,6 +101,8 @@ def test_exposition_parses_and_carries_every_metric(folder):
         "pagellm:request_prefill_time_seconds", "pagellm:request_decode_time_seconds",
         "pagellm:request_prompt_tokens", "pagellm:request_generation_tokens",
         "pagellm:iteration_tokens", "pagellm:iteration_requests",
+        "pagellm:model_flops_utilization", "pagellm:memory_bandwidth_utilization", "pagellm:flops_ceiling",
+        "pagellm:bandwidth_ceiling", "pagellm:estimated_flops", "pagellm:estimated_bytes",
     }  # fmt: skip
     assert expected <= set(families)
     for family in families.values():
@@ -120,6 +122,42 @@ def test_stats_line_and_series_file(folder, tmp_path, caplog):
     points = [json.loads(line) for line in series.read_text().splitlines()]
     assert points and {"generation_tps", "prefill_tps", "decode_tps", "kv_usage", "ttft_p50"} <= set(points[0])
     assert sum(p["running"] for p in points) > 0
+    bound = [r.getMessage() for r in caplog.records if r.getMessage().startswith("bound: ")]
+    assert bound and ("memory" in bound[0] and "compute" in bound[0])
+    assert all("mfu" in p and "mbu" in p for p in points if p["running"])
+
+
+def test_estimated_work_equals_the_steps_run(folder):
+    """The engine's FLOP and byte totals are the step cost model summed over the steps
+    actually scheduled (checked against the same model applied by hand)."""
+    from pagellm.metrics.utilization import ModelCost, StepWork, step_cost
+
+    llm = LLM(folder, max_model_len=128, max_num_batched_tokens=16)
+    engine = llm.engine
+    cost = ModelCost.from_config(engine.model_config, dtype_bytes=engine.config.dtype.itemsize)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=MAX_TOKENS[i], ignore_eos=True))
+    outputs = []
+    schedule = engine.scheduler.schedule
+    engine.scheduler.schedule = lambda: outputs.append(schedule()) or outputs[-1]
+    expected_flops = expected_bytes = 0.0
+    while engine.has_unfinished_requests():
+        # What the next step will compute, from the scheduler's own view.
+        before = {rid: (r.num_computed_tokens, r.num_tokens) for rid, r in engine.scheduler.requests.items()}
+        steps_before = engine.metrics.estimated_flops
+        engine.step()
+        assert engine.metrics.estimated_flops > steps_before
+        scheduled = outputs[-1].num_scheduled_tokens
+        queries = [n for n in scheduled.values()]
+        seqs = [before[rid][0] + n for rid, n in scheduled.items()]
+        rows = sum(before[rid][0] + n == before[rid][1] for rid, n in scheduled.items())
+        step = step_cost(cost, StepWork.from_batch(queries, seqs, rows))
+        expected_flops += step.flops
+        expected_bytes += step.bytes
+    assert engine.metrics.estimated_flops == pytest.approx(expected_flops)
+    assert engine.metrics.estimated_bytes == pytest.approx(expected_bytes)
+    assert engine.metrics.busy_seconds > 0
+    assert sample(llm, "pagellm:estimated_flops_total") == pytest.approx(expected_flops)
 
 
 def test_event_log_replay_matches_the_engine_at_every_step(folder, tmp_path):

@@ -66,8 +66,14 @@ def test_engine_state_describes_blocks_and_queues(server):
     load = Load(server, 3)
     try:
         state = wait_until(lambda: (s := get_json(server.base_url + "/v1/engine/state"))["queues"]["running"] == 3 and s)
+        # After a one-second metrics window of work, the engine says what bounds it.
+        busy = wait_until(lambda: (s := get_json(server.base_url + "/v1/engine/state"))["utilization"] and s)
     finally:
         load.close()
+    used = busy["utilization"]
+    assert used["summary"].startswith("bound: ") and used["mfu"] > 0 and used["mbu"] > 0
+    assert used["flops_ceiling"] > 0 and used["bandwidth_ceiling"] > 0
+    assert "mfu" in busy["series"][-1] and "mbu" in busy["series"][-1]
     blocks = state["blocks"]
     assert len(blocks["state"]) == len(blocks["owner"]) == 4096
     assert blocks["state"][0] == 2  # the null block
@@ -112,6 +118,7 @@ def test_dashboard_renders_in_headless_chromium_under_load(server, tmp_path):
     assert used > 0
     assert dom.count("<tr>") >= 1 + 4  # header + the running requests
     assert "running" in dom and "status live" in dom
+    assert "bound: " in dom.split('id="bound"', 1)[1][:200]
     assert shot.is_file() and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     import matplotlib.image
 

@@ -125,6 +125,15 @@ function drawCharts(series) {
     ["ttft_p50", "TTFT p50", "#3e8ed0"], ["ttft_p90", "TTFT p90", "#1d5fa0"],
     ["itl_p50", "ITL p50", "#48c774"], ["itl_p90", "ITL p90", "#2a8a4e"],
   ]);
+  drawChart("chart-utilization", series, [["mfu", "compute (MFU)", "#e8a33d"], ["mbu", "memory (MBU)", "#3e8ed0"]]);
+}
+
+function drawBound(state) {
+  const u = state.utilization;
+  const el = document.getElementById("bound");
+  if (!u) return;
+  el.textContent = u.summary + (u.hint ? ` — ${u.hint}` : "") +
+    ` (ceilings ${(u.flops_ceiling / 1e9).toFixed(0)} GFLOP/s, ${(u.bandwidth_ceiling / 1e9).toFixed(1)} GB/s, ${u.source})`;
 }
 
 let updates = 0;
@@ -137,6 +146,7 @@ async function poll() {
     drawBlockMap(state);
     drawQueues(state);
     drawCharts(state.series);
+    drawBound(state);
     updates++;
     document.body.dataset.updates = String(updates);
     status.textContent = `live · ${new Date(state.time * 1000).toLocaleTimeString()}`;

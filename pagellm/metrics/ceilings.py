@@ -1,0 +1,76 @@
+"""Metrics stage: the device's measured peaks (matmul FLOP/s, memory bandwidth).
+
+Measured briefly (well under a second) once per process and device, so the engine can
+put every step's work against them (metrics/utilization.py). PAGELLM_DEVICE_CEILINGS=
+"<FLOP/s>,<bytes/s>" skips the measurement (for a known machine, or for tests).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import time
+
+import torch
+
+from pagellm.metrics.utilization import Ceilings
+
+logger = logging.getLogger(__name__)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _best_rate(work: float, run: object, device: torch.device, seconds: float) -> float:
+    """Best work-per-second of `run()` over repeated calls for about `seconds`."""
+    run()  # warm-up
+    _sync(device)
+    best = 0.0
+    deadline = time.perf_counter() + seconds
+    while True:
+        start = time.perf_counter()
+        run()
+        _sync(device)
+        elapsed = time.perf_counter() - start
+        best = max(best, work / elapsed)
+        if time.perf_counter() >= deadline:
+            return best
+
+
+def measure_matmul_ceiling(
+    dtype: torch.dtype = torch.float32, seconds: float = 1.5, size: int = 2048, device: str | torch.device = "cpu"
+) -> float:
+    """Best GFLOP/s of large square matmuls in `dtype` on this device."""
+    device = torch.device(device)
+    a = torch.randn(size, size, device=device).to(dtype)
+    b = torch.randn(size, size, device=device).to(dtype)
+    return _best_rate(2.0 * size**3, lambda: torch.mm(a, b), device, seconds) / 1e9
+
+
+def measure_bandwidth(seconds: float = 0.3, megabytes: int = 256, device: str | torch.device = "cpu") -> float:
+    """Best bytes/s of a large copy (bytes read plus bytes written)."""
+    device = torch.device(device)
+    source = torch.ones(megabytes * 2**20 // 4, device=device)
+    target = torch.empty_like(source)
+    return _best_rate(2.0 * source.numel() * 4, lambda: target.copy_(source), device, seconds)
+
+
+@functools.cache
+def device_ceilings(device: str, dtype: torch.dtype) -> Ceilings:
+    """The peaks of `device` for matmuls in `dtype` and for memory traffic."""
+    override = os.environ.get("PAGELLM_DEVICE_CEILINGS")
+    if override:
+        flops, moved = (float(x) for x in override.split(","))
+        return Ceilings(flops, moved, "PAGELLM_DEVICE_CEILINGS")
+    flops = measure_matmul_ceiling(dtype, seconds=0.25, size=1024 if device == "cpu" else 4096, device=device) * 1e9
+    moved = measure_bandwidth(seconds=0.15, megabytes=128 if device == "cpu" else 1024, device=device)
+    logger.info(
+        "device ceilings (measured): %.0f GFLOP/s %s matmul, %.1f GB/s memory copy",
+        flops / 1e9,
+        str(dtype).removeprefix("torch."),
+        moved / 1e9,
+    )
+    return Ceilings(flops, moved, "measured")
