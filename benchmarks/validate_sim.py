@@ -151,23 +151,84 @@ def bench_lock(path: str) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+class PhaseDisturbed(Exception):
+    """Another process took a share of the CPUs during a timed phase."""
+
+
+class DisturbanceWatch:
+    """Checked from inside a timed phase (after each step or case): raises PhaseDisturbed
+    as soon as the CPU share other processes took over the last few seconds exceeds the
+    limit, so that a spoiled attempt stops early instead of running to its end."""
+
+    WINDOW_S = 5.0
+
+    def __init__(self, max_load: float) -> None:
+        self.max_load = max_load
+        self._reset()
+
+    def _reset(self) -> None:
+        self._busy, self._own, self._start = _cpu_busy_seconds(), _own_cpu_seconds(), time.perf_counter()
+
+    def __call__(self, *_: object) -> None:
+        wall = time.perf_counter() - self._start
+        if wall < self.WINDOW_S:
+            return
+        foreign = (_cpu_busy_seconds() - self._busy) - (_own_cpu_seconds() - self._own)
+        load = foreign / (wall * (os.cpu_count() or 1))
+        self._reset()
+        if load > self.max_load:
+            raise PhaseDisturbed(f"others used {100 * load:.0f}% of the CPUs")
+
+
 def timed_phase(args: argparse.Namespace, label: str, run: Any) -> tuple[Any, float]:
-    """run() under the lock on an idle machine, again if something else disturbed it."""
+    """run(watch) under the lock on an idle machine, again if something else disturbed it.
+
+    `run` gets a DisturbanceWatch to call regularly. Returns its result and the share of
+    the CPUs other processes used during the attempt that was kept."""
     result, load = None, 1.0
     for attempt in range(1, args.retries + 2):
         with bench_lock(args.lock_file):
             before = wait_until_idle(args.max_foreign_load, args.idle_timeout)
-            with measure_disturbance() as d:
-                result = run()
+            # The watch aborts on a clear disturbance (twice the limit over 5 s); the
+            # whole phase's share decides whether the attempt is kept.
+            watch = DisturbanceWatch(2 * args.max_foreign_load)
+            try:
+                with measure_disturbance() as d:
+                    result = run(watch)
+            except PhaseDisturbed as e:
+                logger.info("%s: attempt %d aborted: %s", label, attempt, e)
+                continue
             load = d.foreign_load
         logger.info("%s: attempt %d, others used %.1f%% of the CPUs (%.1f%% before)",
                     label, attempt, 100 * load, 100 * before)
         if load <= args.max_foreign_load:
             break
+    if result is None:
+        raise SystemExit(f"{label}: every attempt was disturbed by other processes; try again later")
     return result, load
 
 
 # ----------------------------------------------------------------- the runs
+
+
+def reset_engine(engine: Any) -> None:
+    """After an aborted attempt: abort what is in flight and forget the cached prefixes,
+    so that the next attempt starts from the same state as the first."""
+    engine.abort_request(list(engine.scheduler.requests))
+    engine.scheduler.kv_cache_manager.reset_prefix_cache()
+
+
+def on_clean_engine(engine: Any, run: Any) -> Any:
+    """A timed_phase body that leaves the engine reusable if the attempt is aborted."""
+
+    def attempt(watch: DisturbanceWatch) -> Any:
+        try:
+            return run(watch)
+        except PhaseDisturbed:
+            reset_engine(engine)
+            raise
+
+    return attempt
 
 
 def make_engine(engine_fields: dict[str, Any]) -> Any:
@@ -217,7 +278,10 @@ def validate_config(args: argparse.Namespace, config: ValidationConfig, model: C
     )
     engine = make_engine(config.engine)
     warm_up(engine)
-    measured, load = timed_phase(args, config.name, lambda: run_on_engine(engine, requests))
+    measured, load = timed_phase(
+        args, config.name,
+        on_clean_engine(engine, lambda watch: run_on_engine(engine, requests, after_step=watch)),
+    )
     scheduler_config, cache_config = engine.config.scheduler_config, engine.config.cache_config
     del engine
     gc.collect()
@@ -316,7 +380,10 @@ def main() -> int:
         from pagellm.sim.calibration_sweep import calibrate_engine
 
         engine = make_engine({"max_num_seqs": 256, "max_num_batched_tokens": 1024})
-        (model, _), calibration_load = timed_phase(args, "calibration", lambda: calibrate_engine(engine, quick=args.quick))
+        (model, _), calibration_load = timed_phase(
+            args, "calibration",
+            on_clean_engine(engine, lambda watch: calibrate_engine(engine, quick=args.quick, on_case=watch)),
+        )
         del engine
         gc.collect()
         model.save(out / f"validate_sim_calibration{suffix}.json")

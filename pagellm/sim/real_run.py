@@ -39,8 +39,13 @@ def run_on_engine(
     *,
     clock: Callable[[], float] = time.perf_counter,
     sleep: Callable[[float], None] = time.sleep,
+    after_step: Callable[[], None] | None = None,
 ) -> MeasuredRun:
-    """Serve `requests` on `engine` in real time; the engine must be idle."""
+    """Serve `requests` on `engine` in real time; the engine must be idle.
+
+    `after_step` is called after every step (a benchmark can abort a disturbed run from
+    it by raising).
+    """
     assert not engine.has_unfinished_requests(), "the engine must start idle"
     probe = EngineProbe(engine)
     scheduler = engine.scheduler
@@ -90,6 +95,8 @@ def run_on_engine(
             if output.finished:
                 finish[index] = now
         sampler.sample_until(now)
+        if after_step is not None:
+            after_step()
     stats = scheduler.make_stats()
     results = [
         SimRequestResult(
