@@ -39,7 +39,11 @@ def run_bench_throughput(args: argparse.Namespace) -> dict[str, Any]:
     high = min(spec.vocab_high, config.vocab_size)
     spec = dataclasses.replace(spec, vocab_high=high, vocab_low=min(spec.vocab_low, high // 2))
     requests = make_workload(spec, max_model_len=args.max_model_len)
-    torch_dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
+    # The ceiling of the dtype the backend computes in (llama.cpp: the weights it runs).
+    computes_bf16 = args.dtype == "bfloat16"
+    if args.backend == "llamacpp":
+        computes_bf16 = getattr(args, "llamacpp_weights", "stored") == "bfloat16"
+    torch_dtype = torch.bfloat16 if computes_bf16 else torch.float32
     ceiling = measure_matmul_ceiling(torch_dtype)
     if args.backend == "pagellm":
         engine_args: dict[str, Any] = {"max_num_seqs": args.max_num_seqs, "max_model_len": args.max_model_len}

@@ -63,13 +63,18 @@ def wait_until(predicate, timeout=60.0):
 
 
 def test_engine_state_describes_blocks_and_queues(server):
-    load = Load(server, 3)
+    # One request first, so its prompt blocks are cached before the other two arrive and
+    # share them (requests admitted in the same step would compute the prefix each).
+    first = Load(server, 1)
+    wait_until(lambda: any(r["output_tokens"] > 0 for r in get_json(server.base_url + "/v1/engine/state")["requests"]))
+    load = Load(server, 2)
     try:
         state = wait_until(lambda: (s := get_json(server.base_url + "/v1/engine/state"))["queues"]["running"] == 3 and s)
         # After a one-second metrics window of work, the engine says what bounds it.
         busy = wait_until(lambda: (s := get_json(server.base_url + "/v1/engine/state"))["utilization"] and s)
     finally:
         load.close()
+        first.close()
     used = busy["utilization"]
     assert used["summary"].startswith("bound: ") and used["mfu"] > 0 and used["mbu"] > 0
     assert used["flops_ceiling"] > 0 and used["bandwidth_ceiling"] > 0
