@@ -19,7 +19,8 @@ from pagellm.core.scheduler import Scheduler, SchedulerStats
 from pagellm.core.scheduler_output import SchedulerOutput
 from pagellm.metrics.ceilings import device_ceilings
 from pagellm.metrics.engine_metrics import EngineMetrics, MetricsSnapshot
-from pagellm.metrics.utilization import ModelCost, StepWork
+from pagellm.metrics.utilization import StepWork
+from pagellm.model.costs import ModelCosts
 from pagellm.engine.arg_utils import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineArgs
 from pagellm.engine.input_processor import InputProcessor, PromptInput
 from pagellm.engine.output_processor import OutputProcessor
@@ -220,7 +221,7 @@ class LLMEngine:
             series_file=args.metrics_series_file,
         )
         metrics.set_utilization_model(
-            ModelCost.from_config(model_config, dtype_bytes=dtype.itemsize),
+            ModelCosts.from_config(model_config, dtype_bytes=dtype.itemsize),
             device_ceilings(device.type, dtype),
             scheduler_config.max_num_seqs,
         )

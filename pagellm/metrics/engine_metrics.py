@@ -19,7 +19,8 @@ from typing import Any
 from pagellm.core.scheduler_output import SchedulerOutput
 from pagellm.core.scheduler_stats import SchedulerStats
 from pagellm.metrics.prometheus_metrics import PrometheusMetrics
-from pagellm.metrics.utilization import Ceilings, ModelCost, StepWork, Utilization, step_cost
+from pagellm.metrics.utilization import Ceilings, StepWork, Utilization, step_cost
+from pagellm.model.costs import ModelCosts
 from pagellm.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -105,7 +106,7 @@ class EngineMetrics:
         self.finished: dict[str, int] = {}
         self.rejected: dict[str, int] = {}
         # Work estimates for MFU / MBU (set_utilization_model), summed over busy steps.
-        self._model_cost: ModelCost | None = None
+        self._model_cost: ModelCosts | None = None
         self.ceilings: Ceilings | None = None
         self.max_num_seqs = 0
         self.estimated_flops = 0.0
@@ -116,7 +117,7 @@ class EngineMetrics:
         self._series_window = _Window(now, self._totals(None))
         self._log_window = _Window(now, self._totals(None))
 
-    def set_utilization_model(self, cost: ModelCost, ceilings: Ceilings, max_num_seqs: int) -> None:
+    def set_utilization_model(self, cost: ModelCosts, ceilings: Ceilings, max_num_seqs: int) -> None:
         """Turn on MFU / MBU: the model's cost constants and the device's peaks."""
         self._model_cost = cost
         self.ceilings = ceilings

@@ -10,33 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagellm.model.config import ModelConfig
-
-
-@dataclass(frozen=True)
-class ModelCost:
-    """The per-token and per-step constants of one model at one dtype."""
-
-    matmul_flops_per_token: float  # q/k/v/o and MLP projections, all layers
-    attention_flops_per_pair: float  # scores + weighted values for one (query, key) pair
-    lm_head_flops_per_row: float
-    weight_bytes: float  # every weight matrix, read once per step (embeddings: rows only)
-    kv_bytes_per_token: float  # K and V of one token, all layers
-
-    @classmethod
-    def from_config(cls, config: ModelConfig, dtype_bytes: int, kv_dtype_bytes: int | None = None) -> ModelCost:
-        h = config.hidden_size
-        q = config.num_attention_heads * config.head_dim
-        kv = config.num_key_value_heads * config.head_dim
-        per_layer_params = h * (q + 2 * kv) + q * h + 3 * h * config.intermediate_size
-        layers = config.num_hidden_layers
-        return cls(
-            matmul_flops_per_token=2.0 * layers * per_layer_params,
-            attention_flops_per_pair=4.0 * layers * q,
-            lm_head_flops_per_row=2.0 * h * config.vocab_size,
-            weight_bytes=float((layers * per_layer_params + h * config.vocab_size) * dtype_bytes),
-            kv_bytes_per_token=float(2 * layers * kv * (kv_dtype_bytes or dtype_bytes)),
-        )
+from pagellm.model.costs import ModelCosts
 
 
 @dataclass(frozen=True)
@@ -64,14 +38,14 @@ class StepCost:
     bytes: float
 
 
-def step_cost(model: ModelCost, work: StepWork) -> StepCost:
+def step_cost(model: ModelCosts, work: StepWork) -> StepCost:
     """FLOPs of the matmuls and attention; bytes of weights (once) plus KV read and written."""
     flops = (
-        model.matmul_flops_per_token * work.num_tokens
+        model.linear_flops_per_token * work.num_tokens
         + model.attention_flops_per_pair * work.num_attended_pairs
         + model.lm_head_flops_per_row * work.num_logit_rows
     )
-    moved = model.weight_bytes + model.kv_bytes_per_token * (work.num_context_tokens + work.num_tokens)
+    moved = model.step_weight_bytes + model.kv_bytes_per_token * (work.num_context_tokens + work.num_tokens)
     return StepCost(flops, moved)
 
 

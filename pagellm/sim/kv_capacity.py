@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pagellm.errors import ConfigError
 from pagellm.model.config import ModelConfig
 from pagellm.sim.gpu_presets import GiB, GpuSpec
-from pagellm.sim.model_costs import ModelCosts
+from pagellm.model.costs import ModelCosts
 
 # pagellm/worker/cache_sizing.py's DEFAULT_CPU_KV_CACHE_BYTES (that module imports torch;
 # tests/sim checks the two agree). The engine also caps it at half the available RAM,

@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 
 from pagellm.errors import ConfigError
 from pagellm.sim.gpu_presets import GpuSpec
-from pagellm.sim.model_costs import ModelCosts
+from pagellm.model.costs import ModelCosts
 from pagellm.sim.step_batch import StepBatch
 
 

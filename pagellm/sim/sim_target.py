@@ -19,7 +19,7 @@ from pagellm.sim.calibrated import CalibratedCostModel
 from pagellm.sim.cost_model import StepCostModel
 from pagellm.sim.gpu_presets import GiB, GpuSpec
 from pagellm.sim.kv_capacity import KVCapacity, activation_peak_bytes, kv_capacity
-from pagellm.sim.model_costs import ModelCosts
+from pagellm.model.costs import ModelCosts
 from pagellm.sim.model_presets import MODEL_PRESETS, get_model_preset
 from pagellm.sim.roofline import RooflineCostModel, RooflineParams
 

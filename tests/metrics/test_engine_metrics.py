@@ -130,11 +130,12 @@ def test_stats_line_and_series_file(folder, tmp_path, caplog):
 def test_estimated_work_equals_the_steps_run(folder):
     """The engine's FLOP and byte totals are the step cost model summed over the steps
     actually scheduled (checked against the same model applied by hand)."""
-    from pagellm.metrics.utilization import ModelCost, StepWork, step_cost
+    from pagellm.metrics.utilization import StepWork, step_cost
+    from pagellm.model.costs import ModelCosts
 
     llm = LLM(folder, max_model_len=128, max_num_batched_tokens=16)
     engine = llm.engine
-    cost = ModelCost.from_config(engine.model_config, dtype_bytes=engine.config.dtype.itemsize)
+    cost = ModelCosts.from_config(engine.model_config, dtype_bytes=engine.config.dtype.itemsize)
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=MAX_TOKENS[i], ignore_eos=True))
     outputs = []

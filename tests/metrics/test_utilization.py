@@ -2,7 +2,8 @@
 
 import pytest
 
-from pagellm.metrics.utilization import Ceilings, ModelCost, StepWork, Utilization, step_cost, utilization
+from pagellm.metrics.utilization import Ceilings, StepWork, Utilization, step_cost, utilization
+from pagellm.model.costs import ModelCosts
 from pagellm.model.config import ModelConfig
 
 
@@ -16,12 +17,12 @@ def tiny_config(**overrides):
 
 
 def test_model_cost_by_hand():
-    cost = ModelCost.from_config(tiny_config(), dtype_bytes=2)
+    cost = ModelCosts.from_config(tiny_config(), dtype_bytes=2)
     # Per layer: qkv 8x(8+4+4)=128, o 8x8=64, gate/up/down 3x8x16=384 -> 576 params.
-    assert cost.matmul_flops_per_token == 2 * 2 * 576
+    assert cost.linear_flops_per_token == 2 * 2 * 576
     assert cost.attention_flops_per_pair == 4 * 2 * 8  # 2 layers, 2 heads x 4 dims
     assert cost.lm_head_flops_per_row == 2 * 8 * 100
-    assert cost.weight_bytes == (2 * 576 + 8 * 100) * 2
+    assert cost.step_weight_bytes == (2 * 576 + 8 * 100) * 2
     assert cost.kv_bytes_per_token == 2 * 2 * 4 * 2  # K and V, 2 layers, 1 kv head x 4, bf16
 
 
@@ -33,9 +34,9 @@ def test_step_work_counts_causal_pairs():
 
 
 def test_step_cost_and_utilization_by_hand():
-    cost = ModelCost(
-        matmul_flops_per_token=100.0, attention_flops_per_pair=2.0, lm_head_flops_per_row=50.0,
-        weight_bytes=1000.0, kv_bytes_per_token=10.0,
+    cost = ModelCosts(
+        linear_flops_per_token=100.0, linear_weight_bytes=600.0, lm_head_flops_per_row=50.0,
+        lm_head_weight_bytes=400.0, attention_flops_per_pair=2.0, kv_bytes_per_token=10.0, weight_bytes=1e9,
     )  # fmt: skip
     work = StepWork(num_tokens=4, num_logit_rows=2, num_attended_pairs=30, num_context_tokens=40)
     step = step_cost(cost, work)
@@ -54,7 +55,7 @@ def test_decode_of_a_real_shape_is_memory_bound_and_a_big_batch_is_not():
         vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
         num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=8192,
     )  # fmt: skip
-    cost = ModelCost.from_config(config, dtype_bytes=2)
+    cost = ModelCosts.from_config(config, dtype_bytes=2)
     ceilings = Ceilings(989e12, 3.35e12, "preset")
     one = step_cost(cost, StepWork.from_batch([1], [512], 1))
     # One token: ~16 GB of weights dominate; a step at the bandwidth roofline is ~4.8 ms.

@@ -12,7 +12,7 @@ from pagellm.sim.kv_capacity import (
     activation_peak_bytes,
     kv_capacity,
 )
-from pagellm.sim.model_costs import ModelCosts
+from pagellm.model.costs import ModelCosts
 from pagellm.sim.model_presets import get_model_preset
 
 LLAMA_8B = get_model_preset("Llama-3-8B")

@@ -7,7 +7,7 @@ import pytest
 from pagellm.errors import ConfigError
 from pagellm.model.config import ModelConfig
 from pagellm.sim.gpu_presets import GpuSpec, get_gpu_preset
-from pagellm.sim.model_costs import ModelCosts
+from pagellm.model.costs import ModelCosts
 from pagellm.sim.model_presets import get_model_preset
 from pagellm.sim.roofline import RooflineCostModel, RooflineParams
 from pagellm.sim.step_batch import StepBatch

@@ -1,8 +1,9 @@
-"""Simulation stage: the FLOPs and bytes one step of a Llama-family model moves.
+"""Model stage: the FLOPs and bytes of one step of a Llama-family model.
 
-Counted as the roofline cost model needs them: weight matmuls per computed token,
-attention per (query, key) pair, the LM head per sampled row, and the bytes of the
-weights (read once per step, whatever the batch) and of the KV cache per token.
+Counted as the roofline cost model (sim/roofline.py) and the engine's live MFU / MBU
+(metrics/utilization.py) both need them: weight matmuls per computed token, attention
+per (query, key) pair, the LM head per sampled row, and the bytes of the weights (read
+once per step, whatever the batch) and of the KV cache per token.
 """
 
 from __future__ import annotations
@@ -44,6 +45,12 @@ class ModelCosts:
             kv_bytes_per_token=2.0 * layers * kv * kv_bytes,
             weight_bytes=float(config.num_parameters() * dtype_bytes),
         )
+
+    @property
+    def step_weight_bytes(self) -> float:
+        """Weights a forward pass reads (the projections and the LM head; embedding rows
+        are looked up, not streamed)."""
+        return self.linear_weight_bytes + self.lm_head_weight_bytes
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         return int(self.kv_bytes_per_token * block_size)
