@@ -392,7 +392,7 @@ def main() -> int:
         "config": "calibration", "machine": model.metadata.get("machine", platform.machine()),
         "model": model.model_name, "dtype": model.dtype, "num_steps": quality.num_steps,
         "median_abs_rel_error": quality.median_abs_rel_error, "r2": quality.r2,
-        "coefficients_s": dict(zip(model.fit.features, model.fit.coefficients_s)),
+        "base_ms_at_tokens": {k: round(v * 1e3, 2) for k, v in zip(model.fit.token_knots, model.fit.base_s)},
         "foreign_cpu_load": calibration_load,
     }  # fmt: skip
     print(json.dumps(calibration))

@@ -58,8 +58,12 @@ def run_calibrate(args: argparse.Namespace) -> dict[str, Any]:
     quality = model.fit.quality
     print(f"{model.name}: {quality.num_steps} steps measured in "
           f"{model.metadata['sweep_seconds']} s")  # fmt: skip
-    for name, value in zip(model.fit.features, model.fit.coefficients_s):
-        print(f"  {name:<24} {value * 1e3:12.6f} ms")
+    fit = model.fit
+    print("  tokens in step:    " + " ".join(f"{k:>7}" for k in fit.token_knots))
+    print("  base ms:           " + " ".join(f"{v * 1e3:7.2f}" for v in fit.base_s))
+    print("  per decode KV us:  " + " ".join(f"{v * 1e6:7.3f}" for v in fit.decode_context_s))
+    print(f"  per prefill pair {fit.prefill_pair_s * 1e9:.3f} ns, per sampled row "
+          f"{fit.sampled_row_s * 1e3:.3f} ms, per prefill chunk {fit.prefill_chunk_s * 1e3:.3f} ms")  # fmt: skip
     print(f"  fit: R^2 {quality.r2:.4f}, relative error median {quality.median_abs_rel_error:.1%}, "
           f"mean {quality.mean_abs_rel_error:.1%}, p90 {quality.p90_abs_rel_error:.1%}; "
           f"total time {quality.total_time_rel_error:+.1%}")  # fmt: skip

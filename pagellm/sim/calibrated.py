@@ -1,23 +1,34 @@
 """Simulation stage: a step cost model fitted to steps measured on the real engine.
 
-The step time is modelled as a non-negative combination of features of the batch:
+A step of M tokens (all requests' new tokens together) is modelled as
 
-    seconds = c0 + c1 * tokens + c2 * requests + c3 * sampled rows
-              + c4 * KV tokens the decodes read + c5 * prefill attention pairs
+    seconds = base(M) + slope(M) * (KV tokens the decodes read)
+              + c_pairs * (prefill attention pairs) + c_sampled * (sampled rows)
+              + c_chunk * (prefill chunks)
 
-(a fixed per-step cost; the weight matmuls per token; per-request work in the runner,
-sampler and output processing; the LM head, sampler and detokenizer per sampled row;
-decode attention over the cache; prefill attention, quadratic in the chunk). The fit
-minimizes relative error, so that the many short decode steps count as much as the few
-long prefill steps. `pagellm calibrate` measures the steps and writes the fit as JSON.
+base and slope are piecewise linear in M, with knots at 1, 2, ..., 8 and then at powers
+of two. Measurements on CPUs show why the per-token cost is not one number: the weight
+matmuls of 1 to 7 rows take a row-at-a-time path that costs several times more per row
+than the blocked path from 8 rows up (a 7-token step is slower than an 8-token one), and
+matmul efficiency keeps improving with M after that. base(M) learns that curve point by
+point; slope(M) does the same for decode attention. The pair, sample and chunk terms
+carry prefill attention (quadratic in a chunk), the LM head / sampler / detokenizer per
+sampled row, and the per-chunk calls of the prefill attention path.
+
+The fit is non-negative least squares of relative error (every step counts by its own
+duration, so the many short decode steps weigh as much as the few long prefills). Knots
+without measured steps nearby are left out, so nothing is predicted from an empty
+region; beyond the last knot base grows in proportion to M. `pagellm calibrate`
+measures the steps and writes the fit as JSON.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import json
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,17 +37,11 @@ from pagellm.errors import ConfigError
 from pagellm.model.config import ModelConfig
 from pagellm.sim.step_batch import StepBatch
 
-CALIBRATION_FORMAT = "pagellm-step-cost-calibration/1"
-
-FEATURES: dict[str, Callable[[StepBatch], float]] = {
-    "constant": lambda batch: 1.0,
-    "num_tokens": lambda batch: batch.num_tokens,
-    "num_reqs": lambda batch: batch.num_reqs,
-    "num_sampled_tokens": lambda batch: batch.num_sampled_tokens,
-    "decode_context_sum": lambda batch: batch.decode_context_sum,
-    "prefill_attention_pairs": lambda batch: batch.prefill_attention_pairs,
-}
-DEFAULT_FEATURES: tuple[str, ...] = tuple(FEATURES)
+CALIBRATION_FORMAT = "pagellm-step-cost-calibration/2"
+# Candidate knots of base(M) and slope(M): every small batch size, then powers of two.
+CANDIDATE_KNOTS: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8) + tuple(2**i for i in range(4, 17))
+# A knot is kept when this many measured steps lie close to it (hat weight above 1/2).
+MIN_STEPS_PER_KNOT = 3
 # Never predict a step faster than this: the simulated clock must always advance.
 MIN_STEP_SECONDS = 1e-6
 
@@ -53,31 +58,95 @@ class FitQuality:
 
 @dataclass(frozen=True)
 class StepCostFit:
-    features: tuple[str, ...]
-    coefficients_s: tuple[float, ...]  # seconds per unit of each feature
+    """The fitted curve and coefficients (seconds)."""
+
+    token_knots: tuple[int, ...]
+    base_s: tuple[float, ...]  # step time at each knot, before the other terms
+    decode_context_s: tuple[float, ...]  # seconds per KV token a decode reads, at each knot
+    prefill_pair_s: float
+    sampled_row_s: float
+    prefill_chunk_s: float
     quality: FitQuality
 
     def __post_init__(self) -> None:
-        unknown = [name for name in self.features if name not in FEATURES]
-        if unknown:
-            raise ConfigError(f"unknown calibration feature(s): {', '.join(unknown)}")
-        if len(self.features) != len(self.coefficients_s):
-            raise ConfigError("the calibration has a different number of features and coefficients")
+        knots = self.token_knots
+        if not knots or list(knots) != sorted(set(knots)) or knots[0] < 1:
+            raise ConfigError(f"the calibration's token knots must be increasing positive integers, got {knots}")
+        if not len(self.base_s) == len(self.decode_context_s) == len(knots):
+            raise ConfigError("the calibration needs one base and one slope value per knot")
+        values = (*self.base_s, *self.decode_context_s, self.prefill_pair_s, self.sampled_row_s, self.prefill_chunk_s)
+        if not all(math.isfinite(v) and v >= 0 for v in values):
+            raise ConfigError("the calibration's costs must be finite and non-negative")
 
 
-def feature_row(batch: StepBatch, features: Sequence[str]) -> list[float]:
-    return [float(FEATURES[name](batch)) for name in features]
+def knot_weights(num_tokens: int, knots: Sequence[int]) -> tuple[int, float, float]:
+    """(index i, weight of knot i, weight of knot i + 1) of linear interpolation between
+    the two knots around num_tokens; below the first knot all weight is on it, above the
+    last it is num_tokens / last (proportional growth), with i + 1 out of range."""
+    if num_tokens <= knots[0]:
+        return 0, 1.0, 0.0
+    last = len(knots) - 1
+    if num_tokens >= knots[last]:
+        return last, num_tokens / knots[last], 0.0
+    i = bisect.bisect_right(knots, num_tokens) - 1
+    low, high = knots[i], knots[i + 1]
+    t = (num_tokens - low) / (high - low)
+    return i, 1.0 - t, t
 
 
-def evaluate(
-    features: Sequence[str], coefficients: Sequence[float], batches: Sequence[StepBatch],
-    seconds: Sequence[float],
-) -> FitQuality:
-    """How well coefficients predict measured step times."""
-    predicted = [
-        max(MIN_STEP_SECONDS, sum(c * x for c, x in zip(coefficients, feature_row(b, features))))
-        for b in batches
-    ]
+def _design_row(batch: StepBatch, knots: Sequence[int]) -> list[float]:
+    """The fit's row: base weights per knot, slope weights per knot, then the three terms."""
+    n = len(knots)
+    row = [0.0] * (2 * n + 3)
+    i, w_low, w_high = knot_weights(batch.num_tokens, knots)
+    row[i] = w_low
+    if w_high:
+        row[i + 1] = w_high
+    context = batch.decode_context_sum
+    if context:
+        # The slope does not grow past the last knot: only base scales with M there.
+        row[n + i] = context * min(w_low, 1.0)
+        if w_high:
+            row[n + i + 1] = context * w_high
+    row[2 * n] = batch.prefill_attention_pairs
+    row[2 * n + 1] = batch.num_sampled_tokens
+    row[2 * n + 2] = batch.num_prefills
+    return row
+
+
+def supported_knots(batches: Sequence[StepBatch]) -> tuple[int, ...]:
+    """The candidate knots with at least MIN_STEPS_PER_KNOT measured steps near them."""
+    counts = [0] * len(CANDIDATE_KNOTS)
+    for batch in batches:
+        i, w_low, w_high = knot_weights(batch.num_tokens, CANDIDATE_KNOTS)
+        if w_low > 0.5:
+            counts[i] += 1
+        if w_high > 0.5:
+            counts[i + 1] += 1
+    knots = tuple(k for k, c in zip(CANDIDATE_KNOTS, counts) if c >= MIN_STEPS_PER_KNOT)
+    if not knots:
+        raise ConfigError(f"too few measured steps to fit (need {MIN_STEPS_PER_KNOT} of similar size)")
+    return knots
+
+
+def predict_seconds(fit: StepCostFit, batch: StepBatch) -> float:
+    knots = fit.token_knots
+    i, w_low, w_high = knot_weights(batch.num_tokens, knots)
+    base = fit.base_s[i] * w_low
+    slope = fit.decode_context_s[i] * min(w_low, 1.0)
+    if w_high:
+        base += fit.base_s[i + 1] * w_high
+        slope += fit.decode_context_s[i + 1] * w_high
+    seconds = base + slope * batch.decode_context_sum + fit.sampled_row_s * batch.num_sampled_tokens
+    if batch.prefill_num_tokens:
+        seconds += fit.prefill_pair_s * batch.prefill_attention_pairs
+        seconds += fit.prefill_chunk_s * len(batch.prefill_num_tokens)
+    return max(MIN_STEP_SECONDS, seconds)
+
+
+def evaluate(fit: StepCostFit, batches: Sequence[StepBatch], seconds: Sequence[float]) -> FitQuality:
+    """How well a fit predicts measured step times."""
+    predicted = [predict_seconds(fit, b) for b in batches]
     errors = sorted(abs(p - s) / s for p, s in zip(predicted, seconds))
     mean = sum(seconds) / len(seconds)
     total_sq = sum((s - mean) ** 2 for s in seconds)
@@ -92,14 +161,8 @@ def evaluate(
     )
 
 
-def fit_step_costs(
-    batches: Sequence[StepBatch],
-    seconds: Sequence[float],
-    features: Sequence[str] = DEFAULT_FEATURES,
-) -> StepCostFit:
-    """Non-negative least squares of relative error: each row is divided by its own
-    measured time, so a 20 ms step mispredicted by 10 ms weighs as much as a 2 s step
-    mispredicted by 1 s."""
+def fit_step_costs(batches: Sequence[StepBatch], seconds: Sequence[float]) -> StepCostFit:
+    """Fit the model to measured steps (see the module docstring)."""
     import numpy as np
 
     from pagellm.sim.nnls import nnls
@@ -108,16 +171,20 @@ def fit_step_costs(
         raise ConfigError("fitting needs as many measured steps as batches, and at least one")
     if any(not s > 0 for s in seconds):
         raise ConfigError("measured step times must be positive")
-    rows = np.array([feature_row(b, features) for b in batches], dtype=np.float64)
+    knots = supported_knots(batches)
+    rows = np.array([_design_row(b, knots) for b in batches], dtype=np.float64)
     times = np.array(seconds, dtype=np.float64)
-    # Scale columns to comparable magnitudes so the solver's tolerance means the same
-    # for all of them; undo it on the coefficients.
+    # Columns scaled to comparable magnitudes so the solver's tolerance means the same
+    # for all; rows divided by their own time: relative error.
     scale = np.abs(rows).max(axis=0)
     scale[scale == 0] = 1.0
-    weighted = rows / scale / times[:, None]
-    coefficients = nnls(weighted, np.ones_like(times)) / scale
-    quality = evaluate(features, coefficients.tolist(), batches, seconds)
-    return StepCostFit(tuple(features), tuple(float(c) for c in coefficients), quality)
+    x = nnls(rows / scale / times[:, None], np.ones_like(times)) / scale
+    n = len(knots)
+    provisional = StepCostFit(
+        knots, tuple(float(v) for v in x[:n]), tuple(float(v) for v in x[n : 2 * n]),
+        float(x[2 * n]), float(x[2 * n + 1]), float(x[2 * n + 2]), FitQuality(0, 0.0, 0.0, 0.0, 0.0, 0.0),
+    )  # fmt: skip
+    return dataclasses.replace(provisional, quality=evaluate(provisional, batches, seconds))
 
 
 class CalibratedCostModel:
@@ -138,16 +205,6 @@ class CalibratedCostModel:
         self.dtype = dtype
         self.dtype_bytes = dtype_bytes
         self.metadata = dict(metadata or {})
-        coefficients = dict(zip(fit.features, fit.coefficients_s))
-        assert set(coefficients) <= set(FEATURES), "predict() must know every feature"
-        # predict() runs once per simulated step: read plain attributes, not a loop over
-        # feature callables.
-        self._c_constant = coefficients.get("constant", 0.0)
-        self._c_tokens = coefficients.get("num_tokens", 0.0)
-        self._c_reqs = coefficients.get("num_reqs", 0.0)
-        self._c_sampled = coefficients.get("num_sampled_tokens", 0.0)
-        self._c_decode_context = coefficients.get("decode_context_sum", 0.0)
-        self._c_prefill_pairs = coefficients.get("prefill_attention_pairs", 0.0)
         # The largest batches the sweep measured; beyond them the fit extrapolates.
         self._max_tokens = self.metadata.get("max_measured_tokens")
         self._max_chunk = self.metadata.get("max_measured_chunk")
@@ -155,20 +212,11 @@ class CalibratedCostModel:
 
     @property
     def name(self) -> str:
-        return f"calibrated: {self.model_name} ({self.dtype}) on {self.metadata.get('machine', 'the measured machine')}"
+        machine = self.metadata.get("machine", "the measured machine")
+        return f"calibrated: {self.model_name} ({self.dtype}) on {machine}"
 
     def predict(self, batch: StepBatch) -> float:
-        seconds = self._c_constant + self._c_sampled * batch.num_sampled_tokens
-        decodes = batch.decode_context_lens
-        if decodes:
-            num_decodes = len(decodes)
-            seconds += (self._c_tokens + self._c_reqs) * num_decodes
-            seconds += self._c_decode_context * sum(decodes)
-        if batch.prefill_num_tokens:
-            seconds += self._c_reqs * len(batch.prefill_num_tokens)
-            seconds += self._c_tokens * sum(batch.prefill_num_tokens)
-            seconds += self._c_prefill_pairs * batch.prefill_attention_pairs
-        return max(MIN_STEP_SECONDS, seconds)
+        return predict_seconds(self.fit, batch)
 
     def outside_measured_range(self, batch: StepBatch) -> bool:
         """Whether the batch is larger than any the calibration measured (more tokens,
@@ -184,13 +232,13 @@ class CalibratedCostModel:
         )
 
     def describe(self) -> dict[str, Any]:
+        fit = self.fit
         return {
             "kind": "calibrated",
             "model": self.model_name,
             "dtype": self.dtype,
-            "features": list(self.fit.features),
-            "coefficients_s": list(self.fit.coefficients_s),
-            "fit": dataclasses.asdict(self.fit.quality),
+            "base_ms_at_tokens": {k: round(v * 1e3, 3) for k, v in zip(fit.token_knots, fit.base_s)},
+            "fit": dataclasses.asdict(fit.quality),
             **{k: v for k, v in self.metadata.items() if k in ("machine", "created")},
         }
 
@@ -198,15 +246,16 @@ class CalibratedCostModel:
 
     def to_json(self) -> dict[str, Any]:
         config = dataclasses.asdict(self.model_config)
+        fit = dataclasses.asdict(self.fit)
+        quality = fit.pop("quality")
         return {
             "format": CALIBRATION_FORMAT,
             "model_name": self.model_name,
             "model_config": {k: v for k, v in config.items() if k in _SHAPE_FIELDS},
             "dtype": self.dtype,
             "dtype_bytes": self.dtype_bytes,
-            "features": list(self.fit.features),
-            "coefficients_s": list(self.fit.coefficients_s),
-            "fit": dataclasses.asdict(self.fit.quality),
+            "costs": fit,
+            "fit": quality,
             "metadata": self.metadata,
         }
 
@@ -218,21 +267,26 @@ class CalibratedCostModel:
     def from_json(cls, data: dict[str, Any]) -> CalibratedCostModel:
         if data.get("format") != CALIBRATION_FORMAT:
             raise ConfigError(
-                f"not a pagellm calibration (format {data.get('format')!r}, expected "
-                f"{CALIBRATION_FORMAT!r}); write one with `pagellm calibrate`"
+                f"not a pagellm calibration of this version (format {data.get('format')!r}, "
+                f"expected {CALIBRATION_FORMAT!r}); write one with `pagellm calibrate`"
             )
         try:
             config = ModelConfig(**data["model_config"])
+            costs = data["costs"]
             fit = StepCostFit(
-                tuple(data["features"]),
-                tuple(float(c) for c in data["coefficients_s"]),
-                FitQuality(**data["fit"]),
-            )
+                tuple(int(k) for k in costs["token_knots"]),
+                tuple(float(v) for v in costs["base_s"]),
+                tuple(float(v) for v in costs["decode_context_s"]),
+                float(costs["prefill_pair_s"]), float(costs["sampled_row_s"]),
+                float(costs["prefill_chunk_s"]), FitQuality(**data["fit"]),
+            )  # fmt: skip
             return cls(
                 fit, str(data["model_name"]), config, str(data["dtype"]),
                 int(data["dtype_bytes"]), dict(data.get("metadata") or {}),
             )  # fmt: skip
         except (KeyError, TypeError, ValueError) as e:
+            if isinstance(e, ConfigError):
+                raise
             raise ConfigError(f"the calibration file is incomplete or malformed: {e!r}") from None
 
     @classmethod

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pagellm.sampling_params import SamplingParams
-from pagellm.sim.calibrated import DEFAULT_FEATURES, CalibratedCostModel, fit_step_costs
+from pagellm.sim.calibrated import CalibratedCostModel, fit_step_costs
 from pagellm.sim.step_batch import StepBatch
 
 from pagellm.sim.engine_probe import EngineProbe
@@ -62,13 +62,15 @@ def sweep_cases(
     """The scripted workloads, sized to the engine's limits."""
     rng = random.Random(seed)
     longest_prompt = max(1, min(max_chunk, max_num_batched_tokens, max_model_len - 16))
-    decode_steps = 4 if quick else 10
+    decode_steps = 4 if quick else 8
     cases: list[SweepCase] = []
-    sizes = [1, 4, 16] if quick else [1, 2, 4, 8, 16, 32, 64, 128, 256]
-    for context in (16, 384):
+    # Every size up to 8 (matmuls of a few rows take other paths than blocked ones),
+    # then roughly doubling; long contexts only where the prompts stay affordable.
+    sizes = [1, 2, 4, 7, 8, 16] if quick else [1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256]
+    for context in (16, 400):
         prompt = min(context, longest_prompt)
         for size in sizes:
-            if size > max_num_seqs:
+            if size > max_num_seqs or (prompt > 16 and size > 128):
                 break
             cases.append(SweepCase(
                 f"decode x{size} ctx{prompt}",
@@ -167,7 +169,6 @@ def calibrate_engine(
     quick: bool = False,
     max_chunk: int = DEFAULT_MAX_CHUNK,
     seed: int = 0,
-    features: Sequence[str] = DEFAULT_FEATURES,
     on_case: Callable[[SweepCase, list[MeasuredStep]], None] | None = None,
 ) -> tuple[CalibratedCostModel, list[MeasuredStep]]:
     """Measure the sweep on `engine` and fit a CalibratedCostModel to it."""
@@ -178,7 +179,7 @@ def calibrate_engine(
     )  # fmt: skip
     start = time.perf_counter()
     measured = measure_steps(engine, cases, seed=seed, on_case=on_case)
-    fit = fit_step_costs([m.batch for m in measured], [m.seconds for m in measured], features)
+    fit = fit_step_costs([m.batch for m in measured], [m.seconds for m in measured])
     dtype = str(engine.config.dtype).removeprefix("torch.")
     metadata = {
         "machine": machine_description(),

@@ -10,68 +10,106 @@ import pytest
 
 from pagellm.errors import ConfigError
 from pagellm.sim.calibrated import (
-    DEFAULT_FEATURES,
     CalibratedCostModel,
     FitQuality,
     StepCostFit,
-    feature_row,
     fit_step_costs,
+    knot_weights,
+    predict_seconds,
+    supported_knots,
 )
 from pagellm.sim.model_presets import get_model_preset
 from pagellm.sim.nnls import nnls
 from pagellm.sim.step_batch import StepBatch
 
-# Seconds per unit of each feature, in DEFAULT_FEATURES order.
-TRUE_COSTS = (0.02, 0.0005, 0.0002, 0.0011, 2e-6, 3e-9)
+NO_QUALITY = FitQuality(1, 1.0, 0.0, 0.0, 0.0, 0.0)
+SMOL = get_model_preset("SmolLM2-135M").config
 
 
-def random_batches(count: int, seed: int = 0) -> list[StepBatch]:
-    rng = random.Random(seed)
-    batches = []
-    for _ in range(count):
-        decodes = tuple(rng.randint(1, 800) for _ in range(rng.choice([0, 1, 4, 30, 120])))
-        chunks = tuple(rng.randint(2, 512) for _ in range(rng.choice([0, 0, 1, 3])))
-        contexts = tuple(rng.choice([0, 0, 64, 300]) for _ in chunks)
-        if not decodes and not chunks:
-            decodes = (5,)
-        sampled = len(decodes) + sum(rng.random() < 0.7 for _ in chunks)
-        batches.append(StepBatch(chunks, contexts, decodes, sampled))
-    return batches
+def true_base(num_tokens: int) -> float:
+    """A made-up machine: 20 ms, +2 ms per row up to 7 rows, a cheaper blocked path from 8
+    rows (24 ms + 0.5 ms per row beyond 8)."""
+    if num_tokens < 8:
+        return 0.020 + 0.002 * (num_tokens - 1)
+    return 0.024 + 0.0005 * (num_tokens - 8)
 
 
 def true_seconds(batch: StepBatch) -> float:
-    return sum(c * x for c, x in zip(TRUE_COSTS, feature_row(batch, DEFAULT_FEATURES)))
+    slope = 4e-6 if batch.num_tokens < 8 else 1.5e-6
+    return (true_base(batch.num_tokens) + slope * batch.decode_context_sum
+            + 1e-6 * batch.prefill_attention_pairs + 1e-4 * batch.num_sampled_tokens
+            + 1e-3 * batch.num_prefills)  # fmt: skip
 
 
-def test_the_fit_recovers_exact_costs():
-    batches = random_batches(300)
+def sweep_like_batches(seed: int = 0) -> list[StepBatch]:
+    """Decode batches of every size at the knots and prefill/mixed steps, as the sweep makes."""
+    rng = random.Random(seed)
+    batches = []
+    for size in (1, 2, 3, 4, 5, 6, 7, 8, 16, 32, 64, 128, 256):
+        for context in (20, 300, 800):
+            batches.append(StepBatch((), (), tuple(context + rng.randint(0, 9) for _ in range(size)), size))
+    for _ in range(150):
+        decodes = tuple(rng.randint(1, 600) for _ in range(rng.choice([0, 3, 12, 40])))
+        chunks = tuple(rng.randint(16, 400) for _ in range(rng.choice([1, 2])))
+        contexts = tuple(rng.choice([0, 0, 100]) for _ in chunks)
+        batches.append(StepBatch(chunks, contexts, decodes, len(decodes) + 1))
+    return batches
+
+
+def test_knot_weights_interpolate_and_extrapolate():
+    knots = (1, 2, 4, 8)
+    assert knot_weights(1, knots) == (0, 1.0, 0.0)
+    assert knot_weights(3, knots) == (1, 0.5, 0.5)
+    assert knot_weights(6, knots) == (2, 0.5, 0.5)
+    assert knot_weights(8, knots) == (3, 1.0, 0.0)
+    assert knot_weights(16, knots) == (3, 2.0, 0.0)  # proportional beyond the last knot
+
+
+def test_prediction_by_hand():
+    fit = StepCostFit((1, 8, 16), (0.020, 0.024, 0.028), (4e-6, 2e-6, 1e-6), 1e-6, 1e-4, 1e-3, NO_QUALITY)
+    # 12 tokens sit halfway between knots 8 and 16: base 26 ms, slope 1.5 us. One 10-token
+    # chunk over 0 cached (55 pairs), two decodes over 100 and 300 (400 KV tokens),
+    # three sampled rows, one chunk.
+    batch = StepBatch((10,), (0,), (100, 300), num_sampled_tokens=3)
+    expected = 0.026 + 1.5e-6 * 400 + 1e-6 * 55 + 1e-4 * 3 + 1e-3
+    assert predict_seconds(fit, batch) == pytest.approx(expected)
+    # 32 tokens: beyond the last knot base doubles, the slope stays.
+    big = StepBatch((), (), (10,) * 32, num_sampled_tokens=32)
+    assert predict_seconds(fit, big) == pytest.approx(0.056 + 1e-6 * 320 + 1e-4 * 32)
+
+
+def test_the_fit_recovers_a_known_machine_including_the_small_batch_cliff():
+    batches = sweep_like_batches()
     fit = fit_step_costs(batches, [true_seconds(b) for b in batches])
-    assert fit.features == DEFAULT_FEATURES
-    assert fit.coefficients_s == pytest.approx(TRUE_COSTS, rel=1e-6)
-    assert fit.quality.median_abs_rel_error < 1e-9 and fit.quality.r2 == pytest.approx(1.0)
+    assert fit.token_knots[:8] == (1, 2, 3, 4, 5, 6, 7, 8)
+    # Exact up to the largest steps, where the made-up base is affine and the model grows
+    # proportionally past its last knot: least squares spreads that small misfit.
+    for knot, base in zip(fit.token_knots, fit.base_s):
+        if knot <= 256:
+            assert base == pytest.approx(true_base(knot), rel=0.02), knot
+    assert fit.prefill_pair_s == pytest.approx(1e-6, rel=0.05)
+    # A 7-row step costs more than an 8-row one, as on the made-up machine.
+    seven = StepBatch((), (), (100,) * 7, 7)
+    eight = StepBatch((), (), (100,) * 8, 8)
+    assert predict_seconds(fit, seven) > predict_seconds(fit, eight)
+    assert predict_seconds(fit, seven) == pytest.approx(true_seconds(seven), rel=0.01)
+    assert fit.quality.median_abs_rel_error < 0.01
 
 
-def test_noise_keeps_coefficients_non_negative_and_close():
+def test_noise_keeps_costs_non_negative_and_totals_close():
     rng = random.Random(1)
-    batches = random_batches(400, seed=2)
-    seconds = [true_seconds(b) * rng.uniform(0.9, 1.1) for b in batches]
-    fit = fit_step_costs(batches, seconds)
-    assert all(c >= 0 for c in fit.coefficients_s)
-    assert 0.02 < fit.quality.median_abs_rel_error < 0.06  # uniform +-10% noise: median 5%
+    batches = sweep_like_batches(seed=2)
+    fit = fit_step_costs(batches, [true_seconds(b) * rng.uniform(0.9, 1.1) for b in batches])
+    assert all(v >= 0 for v in (*fit.base_s, *fit.decode_context_s))
+    assert 0.02 < fit.quality.median_abs_rel_error < 0.07
     assert abs(fit.quality.total_time_rel_error) < 0.03
 
 
-def test_predict_is_the_dot_product_of_features_and_coefficients():
-    fit = StepCostFit(DEFAULT_FEATURES, TRUE_COSTS, FitQuality(1, 1.0, 0.0, 0.0, 0.0, 0.0))
-    model = CalibratedCostModel(fit, "m", get_model_preset("SmolLM2-135M").config, "bfloat16", 2)
-    # By hand: one decode over 100 tokens and a 10-token chunk over 6 (sampled).
-    # 0.02 + 11 tokens * 0.0005 + 2 reqs * 0.0002 + 2 sampled * 0.0011 + 100 * 2e-6
-    # + (10*6 + 55) pairs * 3e-9
-    batch = StepBatch((10,), (6,), (100,), num_sampled_tokens=2)
-    expected = 0.02 + 11 * 0.0005 + 2 * 0.0002 + 2 * 0.0011 + 100 * 2e-6 + 115 * 3e-9
-    assert model.predict(batch) == pytest.approx(expected)
-    for batch in random_batches(50, seed=5):
-        assert model.predict(batch) == pytest.approx(true_seconds(batch))
+def test_knots_without_nearby_steps_are_left_out():
+    batches = [StepBatch((), (), (5,) * n, n) for n in (1, 1, 1, 8, 8, 8, 64, 64, 64)]
+    assert supported_knots(batches) == (1, 8, 64)
+    with pytest.raises(ConfigError, match="too few measured steps"):
+        supported_knots(batches[:2])
 
 
 def test_nnls_matches_brute_force_over_active_sets():
@@ -81,13 +119,13 @@ def test_nnls_matches_brute_force_over_active_sets():
         b = rng.normal(size=30)
         x = nnls(a, b)
         best = min(
-            (np.linalg.norm(a @ candidate - b), tuple(candidate))
+            float(np.linalg.norm(a @ candidate - b))
             for mask in itertools.product([0, 1], repeat=4)
             for candidate in [_lstsq_on(a, b, mask)]
             if (candidate >= -1e-12).all()
         )
         assert (x >= 0).all()
-        assert np.linalg.norm(a @ x - b) == pytest.approx(best[0], rel=1e-9, abs=1e-12)
+        assert np.linalg.norm(a @ x - b) == pytest.approx(best, rel=1e-9, abs=1e-12)
 
 
 def _lstsq_on(a: np.ndarray, b: np.ndarray, mask: tuple[int, ...]) -> np.ndarray:
@@ -99,10 +137,9 @@ def _lstsq_on(a: np.ndarray, b: np.ndarray, mask: tuple[int, ...]) -> np.ndarray
 
 
 def test_json_round_trip(tmp_path):
-    batches = random_batches(100)
+    batches = sweep_like_batches()
     fit = fit_step_costs(batches, [true_seconds(b) for b in batches])
-    config = get_model_preset("SmolLM2-135M").config
-    model = CalibratedCostModel(fit, "smollm2", config, "bfloat16", 2, {"machine": "test box", "max_measured_tokens": 600})
+    model = CalibratedCostModel(fit, "smollm2", SMOL, "bfloat16", 2, {"machine": "test box", "max_measured_tokens": 600})
     path = tmp_path / "fit.json"
     model.save(path)
     loaded = CalibratedCostModel.load(path)
@@ -115,8 +152,8 @@ def test_json_round_trip(tmp_path):
     ("not json", "not JSON"),
     ("[1, 2]", "JSON object"),
     ('{"format": "other"}', "not a pagellm calibration"),
-    ('{"format": "pagellm-step-cost-calibration/1", "model_name": "m"}', "incomplete or malformed"),
-])
+    ('{"format": "pagellm-step-cost-calibration/2", "model_name": "m"}', "incomplete or malformed"),
+])  # fmt: skip
 def test_bad_files_are_refused(tmp_path, content, message):
     path = tmp_path / "bad.json"
     path.write_text(content)
@@ -124,20 +161,22 @@ def test_bad_files_are_refused(tmp_path, content, message):
         CalibratedCostModel.load(path)
 
 
-def test_missing_file_and_unknown_feature():
+def test_bad_fits_and_missing_files():
     with pytest.raises(ConfigError, match="cannot read"):
         CalibratedCostModel.load("/nonexistent/fit.json")
-    with pytest.raises(ConfigError, match="unknown calibration feature"):
-        StepCostFit(("constant", "moon_phase"), (1.0, 2.0), FitQuality(1, 1, 0, 0, 0, 0))
+    with pytest.raises(ConfigError, match="increasing"):
+        StepCostFit((8, 1), (0.0, 0.0), (0.0, 0.0), 0.0, 0.0, 0.0, NO_QUALITY)
+    with pytest.raises(ConfigError, match="non-negative"):
+        StepCostFit((1,), (-1.0,), (0.0,), 0.0, 0.0, 0.0, NO_QUALITY)
 
 
 def test_steps_beyond_the_measured_range_are_flagged():
-    fit = StepCostFit(DEFAULT_FEATURES, TRUE_COSTS, FitQuality(1, 1.0, 0.0, 0.0, 0.0, 0.0))
+    fit = StepCostFit((1,), (0.02,), (0.0,), 0.0, 0.0, 0.0, NO_QUALITY)
     limits = {"max_measured_tokens": 512, "max_measured_chunk": 256, "max_measured_reqs": 64}
-    model = CalibratedCostModel(fit, "m", get_model_preset("SmolLM2-135M").config, "bfloat16", 2, limits)
+    model = CalibratedCostModel(fit, "m", SMOL, "bfloat16", 2, limits)
     assert not model.outside_measured_range(StepBatch((256,), (0,), (1,) * 63, 64))
     assert model.outside_measured_range(StepBatch((257,), (0,), (), 1))  # chunk
     assert model.outside_measured_range(StepBatch((), (), (1,) * 65, 65))  # requests
     assert model.outside_measured_range(StepBatch((256, 256), (0, 0), (1,), 3))  # tokens
-    unknown = CalibratedCostModel(fit, "m", get_model_preset("SmolLM2-135M").config, "bfloat16", 2)
+    unknown = CalibratedCostModel(fit, "m", SMOL, "bfloat16", 2)
     assert not unknown.outside_measured_range(StepBatch((5000,), (0,), (), 1))

@@ -22,7 +22,8 @@ def tiny_model(tmp_path_factory):
 def test_cases_respect_the_engine_limits():
     cases = sweep_cases(max_num_seqs=16, max_num_batched_tokens=200, max_model_len=256)
     labels = [case.label for case in cases]
-    assert "decode x16 ctx16" in labels and "decode x32 ctx16" not in labels
+    assert "decode x16 ctx16" in labels and "decode x24 ctx16" not in labels
+    assert all(f"decode x{n} ctx16" in labels for n in range(1, 9))
     assert all(r.prompt_len <= 200 for case in cases for r in case.requests)
     assert "prefill 256" not in labels and "prefill 96" in labels
     assert {"mixed steady", "mixed bursts"} <= set(labels)
@@ -41,12 +42,13 @@ def test_calibrating_a_real_engine(tiny_model, tmp_path):
     assert model.fit.quality.num_steps == len(measured) > 20
     assert all(m.seconds > 0 and m.batch.num_tokens > 0 for m in measured)
     # Timing is the machine's business (tests never assert on it): only the shape of the fit.
-    assert all(c >= 0 for c in model.fit.coefficients_s)
+    assert all(v >= 0 for v in (*model.fit.base_s, *model.fit.decode_context_s))
+    assert {1, 2, 4, 7, 8, 16} <= set(model.fit.token_knots)
     assert all(model.predict(m.batch) > 0 for m in measured)
     # Every request the sweep added was computed: prompts as prefill, outputs as decodes.
     stats = engine.get_stats()
     assert sum(m.batch.num_tokens for m in measured) < stats.num_prefill_tokens + stats.num_decode_tokens
-    assert model.metadata["max_measured_reqs"] == 16  # the quick sweep decodes 1, 4, 16 at once
+    assert model.metadata["max_measured_reqs"] == 16  # the quick sweep decodes up to 16 at once
     assert model.model_config.hidden_size == 64 and model.dtype == "float32"
     path = tmp_path / "fit.json"
     model.save(path)
