@@ -108,6 +108,13 @@ def engine_description(run: SimRun, target: SimTarget) -> dict[str, Any]:
     }
     if target.gpu is not None:
         description["gpu_memory_utilization"] = run.engine_args.gpu_memory_utilization
+    for knob in ("max_num_partial_prefills", "long_prefill_token_threshold"):
+        if getattr(scheduler, knob) is not None:
+            description[knob] = getattr(scheduler, knob)
+    if scheduler.prefill_share != 1.0:
+        description["prefill_share"] = scheduler.prefill_share
+    if scheduler.scheduling_policy != "fcfs":
+        description["scheduling_policy"] = scheduler.scheduling_policy
     description.update({
         "preemption_mode": scheduler.preemption_mode,
         "enable_prefix_caching": run.engine_config.cache_config.enable_prefix_caching,

@@ -16,20 +16,24 @@ from typing import Any
 
 from pagellm.bench.workload import add_workload_args, workload_spec_from_args
 from pagellm.config import PREEMPTION_MODES, SCHEDULING_POLICIES
-from pagellm.engine.arg_utils import EngineArgs
+from pagellm.engine.arg_utils import PROFILE_CHOICES, EngineArgs
 from pagellm.errors import ConfigError
 from pagellm.sim.gpu_presets import GPU_PRESETS
 from pagellm.sim.model_presets import MODEL_PRESETS
 from pagellm.sim.roofline import RooflineParams
 
 _ENGINE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineArgs)}
-# The engine arguments a simulation uses, with their types; `tune` sweeps the first five.
+# The engine arguments a simulation uses, with their types; `tune` can sweep these (the
+# first five by issue 9, then the prefill/decode balance knobs of the scheduler).
 TUNED_KNOBS: dict[str, type] = {
     "max_num_seqs": int,
     "max_num_batched_tokens": int,
     "gpu_memory_utilization": float,
     "max_model_len": int,
     "block_size": int,
+    "max_num_partial_prefills": int,
+    "long_prefill_token_threshold": int,
+    "prefill_share": float,
 }
 _FIXED_KNOBS: dict[str, type] = {
     "kv_cache_memory_bytes": int,
@@ -39,6 +43,7 @@ _FIXED_KNOBS: dict[str, type] = {
 _CHOICE_KNOBS = {
     "preemption_mode": PREEMPTION_MODES,
     "scheduling_policy": SCHEDULING_POLICIES,
+    "profile": PROFILE_CHOICES,
 }
 _BOOL_KNOBS = ("enable_prefix_caching", "enable_chunked_prefill")
 
@@ -93,7 +98,7 @@ def add_sim_engine_args(parser: argparse.ArgumentParser, *, sweep: bool = False)
         default = _ENGINE_DEFAULTS[name]
         if sweep:
             group.add_argument(_flag(name), type=kind, nargs="+", default=None, metavar="V",
-                               help=f"values to try (default: a grid around {default})")
+                               help=f"values to try (default: {default})")
         else:
             group.add_argument(_flag(name), type=kind, default=default,
                                help=f"(default: {default})")
@@ -121,6 +126,7 @@ def engine_args_from(args: argparse.Namespace, **overrides: Any) -> EngineArgs:
         if value is not None and value < 1:
             raise ConfigError(f"{_flag(name)} must be at least 1, got {value}")
     return EngineArgs(**values)
+
 
 
 def roofline_params_from(args: argparse.Namespace) -> RooflineParams:

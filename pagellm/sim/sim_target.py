@@ -74,10 +74,12 @@ class SimEngineConfig:
 
 
 def resolve_engine_config(target: SimTarget, args: EngineArgs) -> SimEngineConfig:
-    """The configs LLMEngine.from_engine_args would build for `args` on the target.
+    """The configs LLMEngine.from_engine_args would build for `args` on the target (the
+    same steps, in the same order; tests/sim/test_sim_target.py compares the two).
 
     Raises ConfigError where the engine would refuse to start.
     """
+    args = args.with_profile()
     model_max = target.model_config.max_position_embeddings
     max_model_len = args.max_model_len or model_max
     if max_model_len > model_max:
@@ -94,6 +96,9 @@ def resolve_engine_config(target: SimTarget, args: EngineArgs) -> SimEngineConfi
         enable_chunked_prefill=args.enable_chunked_prefill,
         scheduling_policy=args.scheduling_policy,  # type: ignore[arg-type]
         preemption_mode=args.preemption_mode,  # type: ignore[arg-type]
+        max_num_partial_prefills=args.max_num_partial_prefills,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
+        prefill_share=1.0 if args.prefill_share is None else args.prefill_share,
     )
     kv = kv_capacity(
         costs=target.costs,

@@ -167,7 +167,8 @@ def command_line(model: str, engine: dict[str, Any]) -> str:
     """The recommended configuration as a ready `pagellm serve` command."""
     parts = ["pagellm serve", f"--model {model}"]
     for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
-                 "gpu_memory_utilization"):  # fmt: skip
+                 "gpu_memory_utilization", "max_num_partial_prefills", "long_prefill_token_threshold",
+                 "prefill_share", "scheduling_policy"):  # fmt: skip
         if name in engine:
             parts.append(f"--{name.replace('_', '-')} {engine[name]}")
     if engine.get("enable_chunked_prefill") is False:

@@ -33,8 +33,9 @@ def add_tune_parser(commands: Any) -> argparse.ArgumentParser:
         "tune",
         help="simulate a grid of engine arguments and recommend the best for a goal",
         description="Sweep max_num_seqs, max_num_batched_tokens, gpu_memory_utilization, "
-        "max_model_len and block_size (each flag takes several values) over one simulated "
-        "workload, rank the configurations for a goal, and print the winner as a command line.",
+        "max_model_len, block_size and the prefill/decode balance knobs (each flag takes "
+        "several values) over one simulated workload, rank the configurations for a goal, "
+        "and print the winner as a command line.",
     )
     add_target_args(p)
     add_sim_workload_args(p)
