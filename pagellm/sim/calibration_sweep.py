@@ -62,15 +62,15 @@ def sweep_cases(
     """The scripted workloads, sized to the engine's limits."""
     rng = random.Random(seed)
     longest_prompt = max(1, min(max_chunk, max_num_batched_tokens, max_model_len - 16))
-    decode_steps = 4 if quick else 8
+    decode_steps = 4 if quick else 6
     cases: list[SweepCase] = []
     # Every size up to 8 (matmuls of a few rows take other paths than blocked ones),
-    # then roughly doubling; long contexts only where the prompts stay affordable.
+    # then roughly doubling; long contexts only where their prompts stay affordable.
     sizes = [1, 2, 4, 7, 8, 16] if quick else [1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256]
-    for context in (16, 400):
+    for context in (16, 300):
         prompt = min(context, longest_prompt)
         for size in sizes:
-            if size > max_num_seqs or (prompt > 16 and size > 128):
+            if size > max_num_seqs or (prompt > 16 and size > 64):
                 break
             cases.append(SweepCase(
                 f"decode x{size} ctx{prompt}",
@@ -88,7 +88,7 @@ def sweep_cases(
                 tuple(SweepRequest(0, length, 2) for _ in range(count)),
             ))  # fmt: skip
     # New prompts arriving while others decode: chunked prefill mixed with decodes.
-    num_mixed = 12 if quick else 96
+    num_mixed = 12 if quick else 64
     for label, every in (("mixed steady", 1), ("mixed bursts", 8)):
         requests = []
         for index in range(num_mixed):

@@ -15,7 +15,7 @@ from typing import Any
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.sim.calibrated import CalibratedCostModel
 from pagellm.sim.gpu_presets import GiB, get_gpu_preset
-from pagellm.sim.sim_args import engine_args_from, roofline_params_from, sim_workload_spec_from
+from pagellm.sim.sim_args import roofline_params_from, sim_workload_spec_from
 from pagellm.sim.sim_report import summarize_sim
 from pagellm.sim.sim_target import (
     SimEngineConfig,

@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import time
 from array import array
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
