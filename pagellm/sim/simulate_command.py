@@ -43,7 +43,8 @@ def append_json_line(path: str, record: dict[str, Any]) -> None:
 
 
 def run_simulate(args: argparse.Namespace) -> dict[str, Any]:
-    from pagellm.sim.runs import engine_args_from, make_record, simulate, target_from_args, workload_from_args
+    from pagellm.sim.runs import make_record, simulate, target_from_args, workload_from_args
+    from pagellm.sim.sim_args import engine_args_from
     from pagellm.sim.sim_report import print_sim_table
     from pagellm.sim.sim_target import resolve_engine_config
 

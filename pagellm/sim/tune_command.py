@@ -59,7 +59,8 @@ def add_tune_parser(commands: Any) -> argparse.ArgumentParser:
 
 
 def run_tune(args: argparse.Namespace) -> dict[str, Any]:
-    from pagellm.sim.runs import engine_args_from, target_from_args, workload_from_args
+    from pagellm.sim.runs import target_from_args, workload_from_args
+    from pagellm.sim.sim_args import engine_args_from
     from pagellm.sim.simulate_command import append_json_line
     from pagellm.sim.tune import DEFAULT_GRID, TuneGoal, grid_points, rank, run_grid
 
