@@ -258,13 +258,24 @@ def relative_error(simulated: float | None, real: float | None) -> float | None:
     return (simulated - real) / real
 
 
-def compare(real: dict[str, Any], sim: dict[str, Any]) -> dict[str, Any]:
-    figures = ("output_tok_s", "requests_per_s", "ttft_ms_median", "ttft_ms_p99", "itl_ms_median",
-               "itl_ms_p99", "e2el_ms_median", "num_preemptions", "kv_usage_mean", "duration_s")
+COMPARED = ("output_tok_s", "requests_per_s", "ttft_ms_median", "ttft_ms_p99", "itl_ms_median",
+            "itl_ms_p99", "e2el_ms_median", "num_preemptions", "kv_usage_mean", "duration_s")
+
+
+def compare(reals: list[dict[str, Any]], sim: dict[str, Any]) -> dict[str, Any]:
+    """The simulation against the mean of the real runs, with the real runs' own spread
+    ((max - min) / mean: the machine's run-to-run noise on the same workload)."""
     rows = {}
-    for name in figures:
-        error = relative_error(sim.get(name), real.get(name))
-        rows[name] = {"real": real.get(name), "sim": sim.get(name), "error": error}
+    for name in COMPARED:
+        values = [r.get(name) for r in reals]
+        if any(v is None for v in values):
+            rows[name] = {"real": None, "sim": sim.get(name), "error": None}
+            continue
+        mean = sum(values) / len(values)
+        spread = (max(values) - min(values)) / mean if mean else 0.0
+        error = relative_error(sim.get(name), mean)
+        rows[name] = {"real": round(mean, 3), "real_runs": values, "real_spread": round(spread, 4),
+                      "sim": sim.get(name), "error": error}  # fmt: skip
         if name in TARGETS:
             rows[name]["target"] = TARGETS[name]
             rows[name]["met"] = error is not None and abs(error) <= TARGETS[name]
@@ -291,17 +302,23 @@ def validate_config(args: argparse.Namespace, config: ValidationConfig, given: C
         reset_engine(engine)  # the sweep's prompts must not be prefix hits for the run
     else:
         model, calibration_load = given, None
-    measured, load = timed_phase(
-        args, config.name,
-        on_clean_engine(engine, lambda watch: run_on_engine(engine, requests, after_step=watch)),
-    )
+    runs, loads = [], []
+    for repeat in range(args.repeats):
+        measured, load = timed_phase(
+            args, f"{config.name} run {repeat + 1}",
+            on_clean_engine(engine, lambda watch: run_on_engine(engine, requests, after_step=watch)),
+        )  # fmt: skip
+        reset_engine(engine)  # each run starts from the same (empty) prefix cache
+        runs.append(measured)
+        loads.append(load)
+    load = max(loads)
     scheduler_config, cache_config = engine.config.scheduler_config, engine.config.cache_config
     simulation = Simulator(scheduler_config, cache_config, model).run(requests)
-    real = summarize_sim(measured.result)
+    reals = [summarize_sim(run.result) for run in runs]
     sim = summarize_sim(simulation)
-    # How well the model predicts this workload's own steps (out of sample).
-    predicted = [model.predict(batch) for batch, _ in measured.steps]
-    seconds = [s for _, s in measured.steps]
+    # How well the model predicts the real runs' own steps (out of sample).
+    predicted = [model.predict(batch) for run in runs for batch, _ in run.steps]
+    seconds = [s for run in runs for _, s in run.steps]
     step_errors = sorted(abs(p - s) / s for p, s in zip(predicted, seconds))
     return {
         "config": config.name,
@@ -317,12 +334,12 @@ def validate_config(args: argparse.Namespace, config: ValidationConfig, given: C
         "calibration": calibration_summary(model, calibration_load),
         "foreign_cpu_load": round(load, 3),
         "disturbed": load > args.max_foreign_load,
-        "comparison": compare(real, sim),
-        "steps": {"real": len(measured.steps), "sim": simulation.num_steps,
+        "comparison": compare(reals, sim),
+        "steps": {"real": [len(run.steps) for run in runs], "sim": simulation.num_steps,
                   "step_error_median": round(step_errors[len(step_errors) // 2], 4),
                   "busy_s_real": round(sum(seconds), 3), "busy_s_predicted_for_real_steps": round(sum(predicted), 3),
                   "sim_extrapolated_steps": simulation.num_extrapolated_steps},
-        "real": {k: v for k, v in real.items() if k != "kv_usage_series"},
+        "real": [{k: v for k, v in r.items() if k != "kv_usage_series"} for r in reals],
         "sim": {k: v for k, v in sim.items() if k != "kv_usage_series"},
     }  # fmt: skip
 
@@ -356,11 +373,12 @@ def markdown_table(records: list[dict[str, Any]]) -> str:
     first = records[0]["calibration"]
     lines = [
         f"Measured {time.strftime('%Y-%m-%d %H:%M')} on {first['machine']}, {first['model']} "
-        f"({first['dtype']}); each configuration's engine calibrated right before its run.",
+        f"({first['dtype']}); each configuration's engine calibrated right before its runs. \"real\" is "
+        "the mean of the real runs; [±x%] is half their spread, the machine's own run-to-run noise.",
         "",
         "| config | engine | workload | output tok/s real / sim (err) | TTFT p50 ms real / sim (err) "
         "| TTFT p99 ms real / sim (err) | preemptions real / sim (err) | targets met | calibration: steps, "
-        "step error (fit / on the run's steps) |",
+        "step error (fit / on the real runs' steps) |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in records:
@@ -371,7 +389,8 @@ def markdown_table(records: list[dict[str, Any]]) -> str:
         for name in ("output_tok_s", "ttft_ms_median", "ttft_ms_p99", "num_preemptions"):
             row = c[name]
             mark = "" if row["met"] else " ✗"
-            cells.append(f"{_num(row['real'])} / {_num(row['sim'])} ({_pct(row['error'])}){mark}")
+            spread = f" [real runs ±{50 * row['real_spread']:.0f}%]" if len(row.get("real_runs", [])) > 1 else ""
+            cells.append(f"{_num(row['real'])} / {_num(row['sim'])} ({_pct(row['error'])}){mark}{spread}")
         met = sum(c[name]["met"] for name in TARGETS)
         engine = f"seqs {e['max_num_seqs']}, budget {e['max_num_batched_tokens']}, {e['num_kv_blocks']} blocks"
         rate = "burst" if w["request_rate"] == "inf" else f"{w['request_rate']} req/s"
@@ -399,6 +418,8 @@ def main() -> int:
                         help="share of the CPUs other processes may use during a timed phase")
     parser.add_argument("--idle-timeout", type=float, default=300.0, help="seconds to wait for an idle machine")
     parser.add_argument("--retries", type=int, default=2, help="reruns of a disturbed phase")
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="real runs per configuration (their spread is the machine's noise)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     out = Path(args.out)

@@ -61,6 +61,7 @@ def run_calibrate(args: argparse.Namespace) -> dict[str, Any]:
     fit = model.fit
     print("  tokens in step:    " + " ".join(f"{k:>7}" for k in fit.token_knots))
     print("  base ms:           " + " ".join(f"{v * 1e3:7.2f}" for v in fit.base_s))
+    print("  decodes in step:   " + " ".join(f"{k:>7}" for k in fit.decode_knots))
     print("  per decode KV us:  " + " ".join(f"{v * 1e6:7.3f}" for v in fit.decode_context_s))
     print(f"  per prefill pair {fit.prefill_pair_s * 1e9:.3f} ns, per sampled row "
           f"{fit.sampled_row_s * 1e3:.3f} ms, per prefill chunk {fit.prefill_chunk_s * 1e3:.3f} ms")  # fmt: skip

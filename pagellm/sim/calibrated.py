@@ -1,19 +1,20 @@
 """Simulation stage: a step cost model fitted to steps measured on the real engine.
 
-A step of M tokens (all requests' new tokens together) is modelled as
+A step of M tokens (all requests' new tokens together) with D decodes is modelled as
 
-    seconds = base(M) + slope(M) * (KV tokens the decodes read)
+    seconds = base(M) + slope(D) * (KV tokens the decodes read)
               + c_pairs * (prefill attention pairs) + c_sampled * (sampled rows)
               + c_chunk * (prefill chunks)
 
-base and slope are piecewise linear in M, with knots at 1, 2, ..., 8 and then at powers
-of two. Measurements on CPUs show why the per-token cost is not one number: the weight
+base and slope are piecewise linear, with knots at 1, 2, ..., 8 and then at powers of
+two. Measurements on CPUs show why the per-token cost is not one number: the weight
 matmuls of 1 to 7 rows take a row-at-a-time path that costs several times more per row
 than the blocked path from 8 rows up (a 7-token step is slower than an 8-token one), and
 matmul efficiency keeps improving with M after that. base(M) learns that curve point by
-point; slope(M) does the same for decode attention. The pair, sample and chunk terms
-carry prefill attention (quadratic in a chunk), the LM head / sampler / detokenizer per
-sampled row, and the per-chunk calls of the prefill attention path.
+point; slope(D) does the same for decode attention, whose cost per KV token also depends
+on how many decodes share the step. The pair, sample and chunk terms carry prefill
+attention (quadratic in a chunk), the LM head / sampler / detokenizer per sampled row,
+and the per-chunk calls of the prefill attention path.
 
 The fit is non-negative least squares of relative error (every step counts by its own
 duration, so the many short decode steps weigh as much as the few long prefills). Knots
@@ -37,7 +38,7 @@ from pagellm.errors import ConfigError
 from pagellm.model.config import ModelConfig
 from pagellm.sim.step_batch import StepBatch
 
-CALIBRATION_FORMAT = "pagellm-step-cost-calibration/2"
+CALIBRATION_FORMAT = "pagellm-step-cost-calibration/3"
 # Candidate knots of base(M) and slope(M): every small batch size, then powers of two.
 CANDIDATE_KNOTS: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8) + tuple(2**i for i in range(4, 17))
 # A knot is kept when this many measured steps lie close to it (hat weight above 1/2).
@@ -60,20 +61,21 @@ class FitQuality:
 class StepCostFit:
     """The fitted curve and coefficients (seconds)."""
 
-    token_knots: tuple[int, ...]
-    base_s: tuple[float, ...]  # step time at each knot, before the other terms
-    decode_context_s: tuple[float, ...]  # seconds per KV token a decode reads, at each knot
+    token_knots: tuple[int, ...]  # of base(M)
+    base_s: tuple[float, ...]  # step time at each token knot, before the other terms
+    decode_knots: tuple[int, ...]  # of slope(D)
+    decode_context_s: tuple[float, ...]  # seconds per KV token a decode reads, per decode knot
     prefill_pair_s: float
     sampled_row_s: float
     prefill_chunk_s: float
     quality: FitQuality
 
     def __post_init__(self) -> None:
-        knots = self.token_knots
-        if not knots or list(knots) != sorted(set(knots)) or knots[0] < 1:
-            raise ConfigError(f"the calibration's token knots must be increasing positive integers, got {knots}")
-        if not len(self.base_s) == len(self.decode_context_s) == len(knots):
-            raise ConfigError("the calibration needs one base and one slope value per knot")
+        for knots in (self.token_knots, self.decode_knots):
+            if not knots or list(knots) != sorted(set(knots)) or knots[0] < 1:
+                raise ConfigError(f"the calibration's knots must be increasing positive integers, got {knots}")
+        if len(self.base_s) != len(self.token_knots) or len(self.decode_context_s) != len(self.decode_knots):
+            raise ConfigError("the calibration needs one value per knot")
         values = (*self.base_s, *self.decode_context_s, self.prefill_pair_s, self.sampled_row_s, self.prefill_chunk_s)
         if not all(math.isfinite(v) and v >= 0 for v in values):
             raise ConfigError("the calibration's costs must be finite and non-negative")
@@ -94,31 +96,33 @@ def knot_weights(num_tokens: int, knots: Sequence[int]) -> tuple[int, float, flo
     return i, 1.0 - t, t
 
 
-def _design_row(batch: StepBatch, knots: Sequence[int]) -> list[float]:
-    """The fit's row: base weights per knot, slope weights per knot, then the three terms."""
-    n = len(knots)
-    row = [0.0] * (2 * n + 3)
-    i, w_low, w_high = knot_weights(batch.num_tokens, knots)
+def _design_row(batch: StepBatch, token_knots: Sequence[int], decode_knots: Sequence[int]) -> list[float]:
+    """The fit's row: base weights per token knot, slope weights per decode knot, then
+    the pair, sampled-row and chunk terms."""
+    n, m = len(token_knots), len(decode_knots)
+    row = [0.0] * (n + m + 3)
+    i, w_low, w_high = knot_weights(batch.num_tokens, token_knots)
     row[i] = w_low
     if w_high:
         row[i + 1] = w_high
     context = batch.decode_context_sum
     if context:
-        # The slope does not grow past the last knot: only base scales with M there.
-        row[n + i] = context * min(w_low, 1.0)
-        if w_high:
-            row[n + i + 1] = context * w_high
-    row[2 * n] = batch.prefill_attention_pairs
-    row[2 * n + 1] = batch.num_sampled_tokens
-    row[2 * n + 2] = batch.num_prefills
+        j, v_low, v_high = knot_weights(batch.num_decodes, decode_knots)
+        # The slope does not grow past the last knot: only base scales there.
+        row[n + j] = context * min(v_low, 1.0)
+        if v_high:
+            row[n + j + 1] = context * v_high
+    row[n + m] = batch.prefill_attention_pairs
+    row[n + m + 1] = batch.num_sampled_tokens
+    row[n + m + 2] = batch.num_prefills
     return row
 
 
-def supported_knots(batches: Sequence[StepBatch]) -> tuple[int, ...]:
-    """The candidate knots with at least MIN_STEPS_PER_KNOT measured steps near them."""
+def supported_knots(sizes: Sequence[int]) -> tuple[int, ...]:
+    """The candidate knots with at least MIN_STEPS_PER_KNOT measured sizes near them."""
     counts = [0] * len(CANDIDATE_KNOTS)
-    for batch in batches:
-        i, w_low, w_high = knot_weights(batch.num_tokens, CANDIDATE_KNOTS)
+    for size in sizes:
+        i, w_low, w_high = knot_weights(size, CANDIDATE_KNOTS)
         if w_low > 0.5:
             counts[i] += 1
         if w_high > 0.5:
@@ -130,14 +134,18 @@ def supported_knots(batches: Sequence[StepBatch]) -> tuple[int, ...]:
 
 
 def predict_seconds(fit: StepCostFit, batch: StepBatch) -> float:
-    knots = fit.token_knots
-    i, w_low, w_high = knot_weights(batch.num_tokens, knots)
-    base = fit.base_s[i] * w_low
-    slope = fit.decode_context_s[i] * min(w_low, 1.0)
+    i, w_low, w_high = knot_weights(batch.num_tokens, fit.token_knots)
+    seconds = fit.base_s[i] * w_low
     if w_high:
-        base += fit.base_s[i + 1] * w_high
-        slope += fit.decode_context_s[i + 1] * w_high
-    seconds = base + slope * batch.decode_context_sum + fit.sampled_row_s * batch.num_sampled_tokens
+        seconds += fit.base_s[i + 1] * w_high
+    context = batch.decode_context_sum
+    if context:
+        j, v_low, v_high = knot_weights(len(batch.decode_context_lens), fit.decode_knots)
+        slope = fit.decode_context_s[j] * min(v_low, 1.0)
+        if v_high:
+            slope += fit.decode_context_s[j + 1] * v_high
+        seconds += slope * context
+    seconds += fit.sampled_row_s * batch.num_sampled_tokens
     if batch.prefill_num_tokens:
         seconds += fit.prefill_pair_s * batch.prefill_attention_pairs
         seconds += fit.prefill_chunk_s * len(batch.prefill_num_tokens)
@@ -171,18 +179,20 @@ def fit_step_costs(batches: Sequence[StepBatch], seconds: Sequence[float]) -> St
         raise ConfigError("fitting needs as many measured steps as batches, and at least one")
     if any(not s > 0 for s in seconds):
         raise ConfigError("measured step times must be positive")
-    knots = supported_knots(batches)
-    rows = np.array([_design_row(b, knots) for b in batches], dtype=np.float64)
+    token_knots = supported_knots([b.num_tokens for b in batches])
+    # slope(D) only where steps with decodes were measured.
+    decode_knots = supported_knots([b.num_decodes for b in batches if b.num_decodes])
+    rows = np.array([_design_row(b, token_knots, decode_knots) for b in batches], dtype=np.float64)
     times = np.array(seconds, dtype=np.float64)
     # Columns scaled to comparable magnitudes so the solver's tolerance means the same
     # for all; rows divided by their own time: relative error.
     scale = np.abs(rows).max(axis=0)
     scale[scale == 0] = 1.0
     x = nnls(rows / scale / times[:, None], np.ones_like(times)) / scale
-    n = len(knots)
+    n, m = len(token_knots), len(decode_knots)
     provisional = StepCostFit(
-        knots, tuple(float(v) for v in x[:n]), tuple(float(v) for v in x[n : 2 * n]),
-        float(x[2 * n]), float(x[2 * n + 1]), float(x[2 * n + 2]), FitQuality(0, 0.0, 0.0, 0.0, 0.0, 0.0),
+        token_knots, tuple(float(v) for v in x[:n]), decode_knots, tuple(float(v) for v in x[n : n + m]),
+        float(x[n + m]), float(x[n + m + 1]), float(x[n + m + 2]), FitQuality(0, 0.0, 0.0, 0.0, 0.0, 0.0),
     )  # fmt: skip
     return dataclasses.replace(provisional, quality=evaluate(provisional, batches, seconds))
 
@@ -276,6 +286,7 @@ class CalibratedCostModel:
             fit = StepCostFit(
                 tuple(int(k) for k in costs["token_knots"]),
                 tuple(float(v) for v in costs["base_s"]),
+                tuple(int(k) for k in costs["decode_knots"]),
                 tuple(float(v) for v in costs["decode_context_s"]),
                 float(costs["prefill_pair_s"]), float(costs["sampled_row_s"]),
                 float(costs["prefill_chunk_s"]), FitQuality(**data["fit"]),

@@ -82,7 +82,7 @@ def test_tune_refuses_memory_utilization_on_a_cpu_calibration(tmp_path, capsys):
     from pagellm.sim.model_presets import get_model_preset
 
     path = tmp_path / "cal.json"
-    fit = StepCostFit((1, 64), (0.01, 0.05), (0.0, 0.0), 0.0, 0.0, 0.0, FitQuality(1, 1.0, 0, 0, 0, 0))
+    fit = StepCostFit((1, 64), (0.01, 0.05), (1,), (0.0,), 0.0, 0.0, 0.0, FitQuality(1, 1.0, 0, 0, 0, 0))
     CalibratedCostModel(fit, "smol", get_model_preset("SmolLM2-135M").config, "bfloat16", 2).save(path)
     code, _, err = run(capsys, "tune", "--calibration", str(path), "--gpu-memory-utilization", "0.8", "0.9")
     assert code == 1 and "has no effect with --calibration" in err

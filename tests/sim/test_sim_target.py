@@ -28,7 +28,7 @@ def tiny_model(tmp_path_factory):
 def test_same_configs_as_the_engine(tiny_model, fields):
     args = EngineArgs(model=tiny_model, dtype="float32", disable_log_stats=True, **fields)
     engine = LLMEngine.from_engine_args(args)
-    fit = StepCostFit((1,), (0.01,), (0.0,), 0.0, 0.0, 0.0, FitQuality(1, 1.0, 0, 0, 0, 0))
+    fit = StepCostFit((1,), (0.01,), (1,), (0.0,), 0.0, 0.0, 0.0, FitQuality(1, 1.0, 0, 0, 0, 0))
     target = calibrated_target(CalibratedCostModel(fit, "tiny", engine.model_config, "float32", 4))
     resolved = resolve_engine_config(target, args)
     assert resolved.scheduler_config == engine.config.scheduler_config
