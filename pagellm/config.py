@@ -17,6 +17,11 @@ PreemptionMode = Literal["recompute", "swap"]
 
 SCHEDULING_POLICIES: tuple[str, ...] = ("fcfs", "priority", "shortest-remaining")
 PREEMPTION_MODES: tuple[str, ...] = ("recompute", "swap")
+# torch: the reference; cpu: the compiled CPU decode kernel; triton: the GPU kernels.
+ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "torch", "cpu", "triton")
+# auto: weights from the checkpoint; dummy: random weights of the checkpoint's shapes,
+# made on the device (benchmarks of large shapes without their files).
+LOAD_FORMATS: tuple[str, ...] = ("auto", "dummy")
 
 
 def _check_int(owner: str, name: str, value: object, minimum: int) -> None:

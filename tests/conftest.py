@@ -6,6 +6,11 @@ from pathlib import Path
 # bf16. Set before anything starts, so server subprocesses inherit it too.
 os.environ["PAGELLM_CPU_DTYPE"] = "float32"
 
+# Without a GPU the Triton kernels run under Triton's interpreter on CPU tensors. Triton
+# reads this when a kernel is defined, so it must be set before anything imports them.
+if not Path("/dev/nvidiactl").exists():  # no NVIDIA driver on this machine
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # Test helpers (tests/hf_models.py) are imported as plain modules.
 sys.path.insert(0, str(Path(__file__).parent))
 

@@ -7,11 +7,17 @@ through its block table. The model knows nothing else about the cache layout.
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from pagellm.config import ATTENTION_BACKENDS
+from pagellm.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -56,12 +62,23 @@ class AttentionBackend(ABC):
 
 def get_attention_backend(name: str = "auto", device: torch.device | str = "cpu") -> AttentionBackend:
     """The backend called `name`: "torch" is the reference implementation, "cpu" decodes
-    through the compiled CPU kernel, "auto" picks the fastest one that works on `device`."""
+    through the compiled CPU kernel, "triton" runs the Triton kernels (GPU), "auto" picks
+    the fastest one that works on `device`."""
     from pagellm.attention.torch_backend import TorchAttentionBackend
 
-    if name not in ("auto", "torch", "cpu"):
-        raise ValueError(f"unknown attention backend {name!r} (available: 'auto', 'torch', 'cpu')")
-    if name == "torch" or torch.device(device).type != "cpu":
+    if name not in ATTENTION_BACKENDS:
+        raise ConfigError(f"unknown attention backend {name!r} (available: {', '.join(map(repr, ATTENTION_BACKENDS))})")
+    device_type = torch.device(device).type
+    if name == "triton" or (name == "auto" and device_type == "cuda"):
+        try:
+            from pagellm.attention.triton_backend import TritonAttentionBackend
+        except ImportError as e:
+            if name == "triton":
+                raise ConfigError("the 'triton' attention backend needs Triton: pip install 'pagellm[gpu]'") from e
+            logger.warning("Triton is not installed (%s): attention takes the PyTorch path", e)
+            return TorchAttentionBackend()
+        return TritonAttentionBackend()
+    if name == "torch" or device_type != "cpu":
         return TorchAttentionBackend()
     from pagellm.attention.cpu_backend import CpuAttentionBackend
     from pagellm.attention.native import load_kernels
@@ -70,5 +87,5 @@ def get_attention_backend(name: str = "auto", device: torch.device | str = "cpu"
     if kernels is not None:
         return CpuAttentionBackend(kernels)
     if name == "cpu":
-        raise ValueError("the 'cpu' attention backend needs a C compiler (cc) to build its kernel")
+        raise ConfigError("the 'cpu' attention backend needs a C compiler (cc) to build its kernel")
     return TorchAttentionBackend()

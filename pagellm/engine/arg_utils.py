@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from pagellm.config import PREEMPTION_MODES, SCHEDULING_POLICIES
+from pagellm.config import ATTENTION_BACKENDS, LOAD_FORMATS, PREEMPTION_MODES, SCHEDULING_POLICIES
 from pagellm.errors import ConfigError
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
@@ -39,6 +39,10 @@ class EngineArgs:
     dtype: str = "auto"  # auto = bfloat16 on GPU and on CPUs with native bf16, else float32
     device: str = "auto"  # auto = cuda if available
     seed: int = 0
+    load_format: str = "auto"  # auto | dummy (random weights of the checkpoint's shapes)
+    attention_backend: str = "auto"  # auto | torch | cpu | triton
+    enforce_eager: bool = False  # no CUDA graphs for decode steps
+    max_capture_batch_size: int | None = None  # largest decode batch graphed; None = min(max_num_seqs, 512)
     max_model_len: int | None = None  # None = the model's context length
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None  # None = 2048 (chunked) or max_model_len
@@ -68,6 +72,14 @@ class EngineArgs:
             raise ConfigError(f"dtype must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
         if self.device not in DEVICE_CHOICES:
             raise ConfigError(f"device must be one of {DEVICE_CHOICES}, got {self.device!r}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ConfigError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ConfigError(
+                f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
+            )
+        if self.max_capture_batch_size is not None and self.max_capture_batch_size < 1:
+            raise ConfigError(f"max_capture_batch_size must be >= 1, got {self.max_capture_batch_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"

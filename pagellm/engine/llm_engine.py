@@ -38,6 +38,8 @@ from pagellm.request import RequestStatus
 from pagellm.sampling_params import SamplingParams
 from pagellm.tokenizer import Tokenizer
 from pagellm.attention import get_attention_backend
+from pagellm.attention.backend import AttentionBackend
+from pagellm.worker.cuda_graphs import DEFAULT_MAX_CAPTURE_BATCH_SIZE, capture_sizes
 from pagellm.worker.cache_sizing import GiB, decide_cache_size
 from pagellm.worker.kv_cache import kv_cache_bytes_per_block
 from pagellm.worker.model_runner import ModelRunner
@@ -57,6 +59,15 @@ class EngineConfig:
     scheduler_config: SchedulerConfig
     device: torch.device
     dtype: torch.dtype
+
+
+def decode_graph_sizes(args: EngineArgs, device: torch.device, backend: AttentionBackend) -> list[int]:
+    """Decode batch sizes to capture as CUDA graphs: none on CPU, with --enforce-eager, or
+    where attention does not run through the Triton kernels (whose plans graphs replay)."""
+    if device.type != "cuda" or args.enforce_eager or backend.name != "triton":
+        return []
+    largest = args.max_capture_batch_size or min(args.max_num_seqs, DEFAULT_MAX_CAPTURE_BATCH_SIZE)
+    return capture_sizes(largest)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -166,14 +177,20 @@ class LLMEngine:
             long_prefill_token_threshold=args.long_prefill_token_threshold,
             prefill_share=1.0 if args.prefill_share is None else args.prefill_share,
         )
-        model = load_model(source, model_config, get_attention_backend(device=device), dtype, device)
+        backend = get_attention_backend(args.attention_backend, device)
+        model = load_model(source, model_config, backend, dtype, device, args.load_format)
 
         bytes_per_block = kv_cache_bytes_per_block(model_config, args.block_size, dtype)
+        graph_sizes = decode_graph_sizes(args, device, backend)
         peak = None
         if device.type == "cuda" and args.num_gpu_blocks_override is None and args.kv_cache_memory_bytes is None:
-            from pagellm.worker.profiling import profile_peak_memory
+            from pagellm.worker.profiling import profile_memory
 
-            peak = profile_peak_memory(model, scheduler_config, args.block_size, dtype, device)
+            profile = profile_memory(
+                model, scheduler_config, args.block_size, dtype, device,
+                graph_batch_size=max(graph_sizes) if graph_sizes else None,
+            )  # fmt: skip
+            peak = profile.total_bytes
         size = decide_cache_size(
             bytes_per_block=bytes_per_block,
             device=device,
@@ -214,6 +231,12 @@ class LLMEngine:
         runner = ModelRunner(
             model, args.block_size, size.num_gpu_blocks, size.num_cpu_blocks, dtype, device
         )
+        if graph_sizes:
+            reserved = torch.cuda.memory_reserved(device)
+            runner.capture_decode_graphs(graph_sizes, max_model_len)
+            logger.info(
+                "CUDA graphs hold %.2f GiB", (torch.cuda.memory_reserved(device) - reserved) / GiB
+            )
         config = EngineConfig(source, model_config, cache_config, scheduler_config, device, dtype)
         metrics = EngineMetrics(
             source.name,

@@ -7,7 +7,7 @@ import dataclasses
 import types
 import typing
 
-from pagellm.config import PREEMPTION_MODES, SCHEDULING_POLICIES
+from pagellm.config import ATTENTION_BACKENDS, LOAD_FORMATS, PREEMPTION_MODES, SCHEDULING_POLICIES
 from pagellm.engine.arg_utils import DEVICE_CHOICES, DTYPE_CHOICES, PROFILE_CHOICES, PROFILES, EngineArgs
 
 _CHOICES = {
@@ -16,10 +16,17 @@ _CHOICES = {
     "preemption_mode": PREEMPTION_MODES,
     "scheduling_policy": SCHEDULING_POLICIES,
     "profile": PROFILE_CHOICES,
+    "load_format": LOAD_FORMATS,
+    "attention_backend": ATTENTION_BACKENDS,
 }
 _HELP = {
     "model": "GGUF file or HF checkpoint folder (default: embedded SmolLM2-135M-Instruct)",
     "dtype": "weights and activations; auto = bfloat16 on GPU and on CPUs with native bf16 (AVX-512 BF16, AMX), else float32",
+    "load_format": "auto = weights from the checkpoint; dummy = random weights of its shapes, made on the "
+    "device (benchmarks)",
+    "attention_backend": "auto = triton on GPU, the compiled kernel on CPU; torch = the reference path",
+    "enforce_eager": "no CUDA graphs: run decode steps eagerly",
+    "max_capture_batch_size": "largest decode batch captured as a CUDA graph (default: max_num_seqs, at most 512)",
     "max_model_len": "longest prompt + output (default: the model's context length)",
     "max_num_seqs": "most requests running at once",
     "max_num_batched_tokens": "token budget of one step (default 2048)",

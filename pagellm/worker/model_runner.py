@@ -10,6 +10,7 @@ completions.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +26,7 @@ from pagellm.request import child_request_id
 from pagellm.sample.penalties import PenaltyState
 from pagellm.sample.sampler import Sampler, SamplingBatch
 from pagellm.sampling_params import SamplingParams
+from pagellm.worker.cuda_graphs import Capture, DecodeGraphs, cuda_graph_capture
 from pagellm.worker.kv_cache import allocate_kv_caches
 from pagellm.worker.model_inputs import ScheduledSequence, prepare_model_inputs
 
@@ -91,6 +93,22 @@ class ModelRunner:
         self.requests: dict[str, RunnerRequestState] = {}
         # Seeded generators outlive preemption so a request's draws stay reproducible.
         self.generators: dict[str, torch.Generator] = {}
+        self.decode_graphs: DecodeGraphs | None = None
+
+    def capture_decode_graphs(
+        self, sizes: list[int], max_model_len: int, capture: Capture | None = None
+    ) -> None:
+        """Capture the decode forward at these batch sizes (CUDA graphs unless `capture`
+        says otherwise); later decode-only steps that fit replay them."""
+        start = time.perf_counter()
+        self.decode_graphs = DecodeGraphs(
+            self.model, self.kv_caches, sizes, max_model_len, self.block_size, self.device,
+            capture or cuda_graph_capture,
+        )  # fmt: skip
+        logger.info(
+            "captured decode graphs for %d batch sizes (1 to %d) in %.1fs",
+            len(sizes), max(sizes), time.perf_counter() - start,
+        )  # fmt: skip
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -120,14 +138,19 @@ class ModelRunner:
                     state.token_ids[start:end], start, state.block_ids, end == len(state.token_ids)
                 )
             )
-        inputs = prepare_model_inputs(sequences, self.block_size, self.device)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
+        if self.decode_graphs is not None and self.decode_graphs.can_run(sequences):
+            hidden = self.decode_graphs.run(sequences)
+            starts = list(range(len(sequences) + 1))
+        else:
+            inputs = prepare_model_inputs(sequences, self.block_size, self.device)
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
+            starts = inputs.metadata.query_start_loc
 
         output = ModelRunnerOutput(
             req_ids=req_ids, sampled_token_ids={req_id: [] for req_id in req_ids}
         )
-        self._prompt_logprobs(req_ids, sequences, inputs.metadata.query_start_loc, hidden, output)
-        rows = self._sample_rows(req_ids, sequences, inputs.metadata.query_start_loc)
+        self._prompt_logprobs(req_ids, sequences, starts, hidden, output)
+        rows = self._sample_rows(req_ids, sequences, starts)
         if rows:
             self._sample(rows, hidden, output)
         return output

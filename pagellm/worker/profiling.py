@@ -1,8 +1,9 @@
-"""Worker stage: measure the peak device memory of the largest step (GPU sizing)."""
+"""Worker stage: measure what the GPU holds besides the KV cache (its size follows)."""
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -13,33 +14,76 @@ from pagellm.worker.model_inputs import ScheduledSequence, prepare_model_inputs
 
 logger = logging.getLogger(__name__)
 
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class MemoryProfile:
+    """Device memory that is not KV cache, measured before the cache is allocated."""
+
+    weights_bytes: int
+    activation_bytes: int  # peak of the largest step, above the weights
+    graph_bytes: int  # the largest captured decode batch's activations (the graphs' own pool)
+    non_torch_bytes: int  # CUDA context, library workspaces: used, but not by torch's allocator
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weights_bytes + self.activation_bytes + self.graph_bytes + self.non_torch_bytes
+
+    def describe(self) -> str:
+        return (
+            f"weights {self.weights_bytes / GiB:.2f} GiB + activations {self.activation_bytes / GiB:.2f} GiB"
+            f" + CUDA graphs {self.graph_bytes / GiB:.2f} GiB + outside torch {self.non_torch_bytes / GiB:.2f} GiB"
+        )
+
 
 @torch.inference_mode()
-def profile_peak_memory(
+def profile_memory(
     model: LlamaForCausalLM,
     scheduler_config: SchedulerConfig,
     block_size: int,
     dtype: torch.dtype,
     device: torch.device,
-) -> int:
-    """Bytes in use at the peak of a forward over the largest batch the scheduler allows.
-
-    The batch has max_num_batched_tokens tokens spread over up to max_num_seqs requests,
-    all of which need logits, so the peak includes the largest logits tensor.
-    """
+    graph_batch_size: int | None = None,
+) -> MemoryProfile:
+    """Run the largest step the scheduler allows (max_num_batched_tokens over up to
+    max_num_seqs requests, all needing logits), and the largest decode batch that will be
+    captured as a graph, on a throwaway cache; report the peaks above the weights."""
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    weights = torch.cuda.memory_allocated(device)
     num_tokens = scheduler_config.max_num_batched_tokens
     num_seqs = min(scheduler_config.max_num_seqs, num_tokens)
-    per_seq = [num_tokens // num_seqs + (1 if i < num_tokens % num_seqs else 0) for i in range(num_seqs)]
-    blocks_needed = sum(-(-n // block_size) for n in per_seq)
+    activations = _step_peak(model, _split(num_tokens, num_seqs), block_size, dtype, device) - weights
+    graphs = 0
+    if graph_batch_size:
+        # Captured graphs keep their activations in a private pool, beside the cache
+        # that serves eager steps, so a decode batch's peak is needed a second time.
+        graphs = _step_peak(model, [1] * graph_batch_size, block_size, dtype, device) - weights
+    free, total = torch.cuda.mem_get_info(device)
+    non_torch = max(0, total - free - torch.cuda.memory_reserved(device))
+    torch.cuda.empty_cache()
+    profile = MemoryProfile(weights, max(0, activations), max(0, graphs), non_torch)
+    logger.info("memory besides the KV cache: %s", profile.describe())
+    return profile
+
+
+def _split(num_tokens: int, num_seqs: int) -> list[int]:
+    return [num_tokens // num_seqs + (1 if i < num_tokens % num_seqs else 0) for i in range(num_seqs)]
+
+
+def _step_peak(
+    model: LlamaForCausalLM, query_lens: list[int], block_size: int, dtype: torch.dtype, device: torch.device
+) -> int:
+    """Peak bytes allocated during one forward + logits over these prompts, not counting
+    the throwaway KV cache it writes."""
+    blocks_needed = sum(-(-n // block_size) for n in query_lens)
     kv = allocate_kv_caches(model.config, blocks_needed + 1, block_size, dtype, device)
     sequences, next_block = [], 1
-    for n in per_seq:
+    for n in query_lens:
         count = -(-n // block_size)
-        sequences.append(
-            ScheduledSequence([0] * n, 0, list(range(next_block, next_block + count)), True)
-        )
+        sequences.append(ScheduledSequence([0] * n, 0, list(range(next_block, next_block + count)), True))
         next_block += count
-    torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     inputs = prepare_model_inputs(sequences, block_size, device)
     hidden = model(inputs.input_ids, inputs.positions, kv, inputs.metadata)
@@ -47,9 +91,6 @@ def profile_peak_memory(
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device)
     kv_bytes = sum(t.numel() * t.element_size() for t in kv)
-    del kv, hidden
+    del kv, hidden, inputs
     torch.cuda.empty_cache()
-    # The profiling KV cache is not part of the steady state; the real one replaces it.
-    used = peak - kv_bytes
-    logger.info("profiled peak memory: %.2f GiB (weights + activations)", used / (1 << 30))
-    return used
+    return peak - kv_bytes

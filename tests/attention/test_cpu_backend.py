@@ -5,42 +5,15 @@ import logging
 
 import pytest
 import torch
+from paged_steps import random_step
 
 from pagellm.attention import native
-from pagellm.attention.backend import AttentionMetadata, get_attention_backend
+from pagellm.attention.backend import get_attention_backend
 from pagellm.attention.cpu_backend import CpuAttentionBackend
 from pagellm.attention.torch_backend import TorchAttentionBackend
 
 kernels = native.load_kernels()
 needs_kernels = pytest.mark.skipif(kernels is None, reason="no C compiler: CPU kernel not built")
-
-
-def _random_step(gen, num_heads, num_kv_heads, head_dim, block_size, query_lens, context_lens, dtype):
-    """A mixed step: request i computes query_lens[i] new tokens ending a context of
-    context_lens[i], its blocks scattered over a cache whose other slots hold noise."""
-    num_blocks = sum(-(-n // block_size) for n in context_lens) + 5
-    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
-    free = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
-    tables, slots, starts = [], [], [0]
-    for q_len, ctx in zip(query_lens, context_lens):
-        table = [free.pop() for _ in range(-(-ctx // block_size))]
-        tables.append(table)
-        slots += [table[p // block_size] * block_size + p % block_size for p in range(ctx - q_len, ctx)]
-        starts.append(starts[-1] + q_len)
-    width = max(map(len, tables))
-    num_tokens = starts[-1]
-    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-    # Views into one fused projection, as the model hands them over (strided rows).
-    qkv = torch.randn(num_tokens, q_size + 2 * kv_size, generator=gen).to(dtype)
-    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-    metadata = AttentionMetadata(
-        slot_mapping=torch.tensor(slots),
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
-        query_start_loc=starts,
-        seq_lens=list(context_lens),
-    )
-    shape = lambda x, heads: x.view(num_tokens, heads, head_dim)  # noqa: E731
-    return shape(q, num_heads), shape(k, num_kv_heads), shape(v, num_kv_heads), cache, metadata
 
 
 def _both_backends(step, scale):
@@ -62,7 +35,7 @@ def test_kernel_matches_reference_float32(num_heads, num_kv_heads, head_dim, blo
     gen = torch.Generator().manual_seed(num_heads * 100 + head_dim)
     query_lens = [1, 1, 7, 1, 1, 1, 12, 1]
     context_lens = [1, 17, 30, 300, 16, 33, 12, 129]
-    step = _random_step(gen, num_heads, num_kv_heads, head_dim, block_size, query_lens, context_lens, torch.float32)
+    step = random_step(gen, num_heads, num_kv_heads, head_dim, block_size, query_lens, context_lens, torch.float32)
     expected, actual = _both_backends(step, head_dim**-0.5)
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
 
@@ -73,7 +46,7 @@ def test_many_decodes_read_whole_rows(num_heads, num_kv_heads, head_dim):
     # Enough decodes that each kernel item covers every kv head of its request.
     gen = torch.Generator().manual_seed(11)
     context_lens = (torch.randint(1, 200, (24,), generator=gen)).tolist()
-    step = _random_step(gen, num_heads, num_kv_heads, head_dim, 16, [1] * 24 + [9], context_lens + [40], torch.float32)
+    step = random_step(gen, num_heads, num_kv_heads, head_dim, 16, [1] * 24 + [9], context_lens + [40], torch.float32)
     expected, actual = _both_backends(step, head_dim**-0.5)
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
 
@@ -83,7 +56,7 @@ def test_kernel_matches_reference_bfloat16():
     gen = torch.Generator().manual_seed(7)
     for context_lens in ([1, 2, 15, 16, 17, 250], [3, 70, 16, 33, 1, 8, 129, 64, 90, 12]):
         query_lens = [1] * len(context_lens) + [5]
-        step = _random_step(gen, 9, 3, 64, 16, query_lens, context_lens + [40], torch.bfloat16)
+        step = random_step(gen, 9, 3, 64, 16, query_lens, context_lens + [40], torch.bfloat16)
         expected, actual = _both_backends(step, 0.125)
         # Both round scores/probabilities differently; bf16 has 8 significant bits.
         torch.testing.assert_close(actual.float(), expected.float(), rtol=2e-2, atol=2e-2)
@@ -92,7 +65,7 @@ def test_kernel_matches_reference_bfloat16():
 @needs_kernels
 def test_decode_only_step_against_dense_softmax():
     gen = torch.Generator().manual_seed(3)
-    q, k, v, cache, metadata = _random_step(gen, 4, 2, 16, 4, [1, 1], [9, 21], torch.float32)
+    q, k, v, cache, metadata = random_step(gen, 4, 2, 16, 4, [1, 1], [9, 21], torch.float32)
     out = CpuAttentionBackend(kernels).forward(q, k, v, cache, metadata, 0.25)
     for r, (row, length) in enumerate(zip([0, 1], [9, 21])):
         table = metadata.block_tables[r]

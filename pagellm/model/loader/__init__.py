@@ -81,15 +81,19 @@ def load_model(
     backend: AttentionBackend,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
+    load_format: str = "auto",
 ) -> LlamaForCausalLM:
-    """Build the model on `device` in `dtype` and fill it from the checkpoint."""
+    """Build the model on `device` in `dtype` and fill it from the checkpoint, or with
+    random weights (load_format "dummy": only the checkpoint's config is read)."""
     start = time.perf_counter()
     divisors = None
+    weights = None
     if source.format == "gguf":
         reader = gguf_loader.open_gguf(source.path)
-        weights = gguf_loader.iter_gguf_weights(reader, config)
+        if load_format != "dummy":
+            weights = gguf_loader.iter_gguf_weights(reader, config)
         divisors = gguf_loader.rope_freq_divisors(reader)
-    else:
+    elif load_format != "dummy":
         weights = hf_loader.iter_hf_weights(source.path)
     previous_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -100,14 +104,30 @@ def load_model(
         torch.set_default_dtype(previous_dtype)
     # The rotary tables stay float32 whatever the model dtype.
     model.rotary.float()
-    model.load_weights(weights)
+    if weights is None:
+        _fill_random(model)
+    else:
+        model.load_weights(weights)
     model.eval()
     logger.info(
-        "loaded %s (%s, %.1fM parameters, %s) in %.1fs",
+        "loaded %s (%s%s, %.1fM parameters, %s) in %.1fs",
         source.name,
         source.format,
+        ", random weights" if weights is None else "",
         sum(p.numel() for p in model.parameters()) / 1e6,
         str(dtype).removeprefix("torch."),
         time.perf_counter() - start,
     )
     return model
+
+
+@torch.no_grad()
+def _fill_random(model: LlamaForCausalLM, std: float = 0.02) -> None:
+    """Random weights where they already are (on the device): norms at one, everything
+    else small and normal, so activations stay finite through any number of layers."""
+    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(0)
+    for name, param in model.named_parameters():
+        if "norm" in name:
+            param.fill_(1.0)
+        else:
+            param.normal_(0.0, std, generator=generator)
