@@ -10,6 +10,7 @@ reads those buffers right, and that the graph plans read them.
 from __future__ import annotations
 
 import pytest
+import torch
 from engine_checks import assert_engine_drained
 from hf_models import load_hf_reference, make_tiny_hf_checkpoint
 from reference import hf_greedy, pagellm_greedy
@@ -84,3 +85,27 @@ def test_capture_sizes():
     assert sizes[:6] == [1, 2, 4, 8, 16, 32] and sizes[-1] == 512
     # Padding a batch up to the next size wastes at most about a tenth past 256.
     assert all(b / a <= 2 for a, b in zip(sizes, sizes[1:]))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_greedy_with_real_cuda_graphs(tiny_model, monkeypatch):
+    folder, expected = tiny_model
+    replays: list[int] = []
+    original_run = cuda_graphs.DecodeGraphs.run
+
+    def counting_run(self, sequences):
+        replays.append(len(sequences))
+        return original_run(self, sequences)
+
+    monkeypatch.setattr(cuda_graphs.DecodeGraphs, "run", counting_run)
+    llm = LLM(folder, device="cuda", dtype="float32", max_num_batched_tokens=16, max_num_seqs=8,
+              num_gpu_blocks_override=64, max_model_len=128)
+    assert llm.engine.runner.decode_graphs is not None  # captured by default on CUDA
+    assert pagellm_greedy(llm, PROMPTS, NEW_TOKENS) == expected
+    assert replays
+    assert_engine_drained(llm)
+    eager = LLM(folder, device="cuda", dtype="float32", enforce_eager=True, num_gpu_blocks_override=64,
+                max_model_len=128)
+    assert eager.engine.runner.decode_graphs is None
+    assert pagellm_greedy(eager, PROMPTS, NEW_TOKENS) == expected
