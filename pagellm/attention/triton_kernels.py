@@ -25,8 +25,8 @@ import triton.language as tl
 
 # Finite stand-in for -inf as the running max: exp2(-inf - (-inf)) would be NaN for a
 # row that has seen no key yet, exp2(-inf - _NEG_BIG) is a clean 0.
-_NEG_BIG = -1.0e30
-_LOG2E = 1.4426950408889634
+_NEG_BIG = tl.constexpr(-1.0e30)
+_LOG2E = 1.4426950408889634  # host side only
 
 
 @triton.jit

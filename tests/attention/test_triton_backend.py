@@ -154,3 +154,20 @@ def test_gpu_long_context_bf16():
     step = random_step(gen, 32, 8, 128, 16, [1] * 4 + [300], [4000, 17, 9000, 600, 900], torch.bfloat16)
     expected, actual = _compare(step, 128**-0.5, TritonTuning())
     torch.testing.assert_close(actual.float(), expected.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_kernels_compile_for_an_nvidia_gpu():
+    # The interpreter does not check what only the compiler refuses; compile for sm_90.
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parent / "compile_triton_kernels.py"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    if "PTXAS" in result.stderr.upper() and "NOT FOUND" in result.stderr.upper():
+        pytest.skip("this Triton build has no ptxas")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "all kernels compiled for sm_90" in result.stdout

@@ -1,0 +1,80 @@
+"""Compile the Triton kernels for an NVIDIA GPU (sm_90) without one: Triton's own
+compiler and the ptxas it ships turn them into GPU code on any machine. The interpreter
+runs the kernels' arithmetic; this catches what only the compiler refuses (non-constexpr
+globals, type and shape errors, unsupported operations) and reports each variant's
+shared memory. Run with TRITON_INTERPRET unset: `python tests/attention/compile_triton_kernels.py`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    sys.exit("run with TRITON_INTERPRET unset")
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from pagellm.attention import triton_kernels as kernels
+from pagellm.attention.triton_backend import TritonTuning, _next_power_of_2
+
+TARGET = GPUTarget("cuda", 90, 32)  # H100 / H200
+
+
+def compile_one(fn, types: dict[str, str], constexprs: dict[str, object]) -> int:
+    signature = {name: "constexpr" if name in constexprs else types[name] for name in fn.arg_names}
+    compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=TARGET)
+    return compiled.metadata.shared
+
+
+def main() -> None:
+    tuning = TritonTuning()
+    # (heads, kv heads, head_dim): Llama-3-8B, SmolLM2.
+    for num_heads, num_kv_heads, head_dim in ((32, 8, 128), (9, 3, 64)):
+        group = num_heads // num_kv_heads
+        decode_m = max(16, _next_power_of_2(group))
+        prefill_m = max(16, tuning.prefill_block_m, _next_power_of_2(group))
+        for dtype in ("bf16", "fp16", "fp32"):
+            shared = compile_one(
+                kernels.store_kv_kernel,
+                dict(key_ptr=f"*{dtype}", value_ptr=f"*{dtype}", key_cache_ptr=f"*{dtype}",
+                     value_cache_ptr=f"*{dtype}", slot_mapping_ptr="*i64", key_stride_token="i32",
+                     key_stride_head="i32", value_stride_token="i32", value_stride_head="i32"),
+                dict(NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+                     BLOCK_HEADS=_next_power_of_2(num_kv_heads), BLOCK_D=head_dim),
+            )  # fmt: skip
+            types = dict(
+                query_ptr=f"*{dtype}", key_cache_ptr=f"*{dtype}", value_cache_ptr=f"*{dtype}",
+                block_tables_ptr="*i64", seq_lens_ptr="*i32", query_start_loc_ptr="*i32",
+                tile_req_ptr="*i32", tile_start_ptr="*i32", output_ptr=f"*{dtype}",
+                partial_out_ptr="*fp32", partial_max_ptr="*fp32", partial_sum_ptr="*fp32",
+                query_stride_token="i32", query_stride_head="i32", output_stride_token="i32",
+                output_stride_head="i32", block_table_stride="i32", scale_log2="fp32",
+            )  # fmt: skip
+            for name, block_q, block_m, splits in (
+                ("decode", 1, decode_m, 1),
+                ("split decode", 1, decode_m, 8),
+                ("prefill", prefill_m // group, prefill_m, 1),
+            ):
+                shared = compile_one(
+                    kernels.paged_attention_kernel, types,
+                    dict(NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+                         BLOCK_SIZE=16, GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m,
+                         BLOCK_N=tuning.block_n, BLOCK_D=head_dim, NUM_SPLITS=splits,
+                         IEEE_FP32=dtype == "fp32", DOT_IN_FP32=False),
+                )  # fmt: skip
+                print(f"paged_attention {name} {dtype} heads {num_heads}/{num_kv_heads}x{head_dim}: shared {shared} B")
+            compile_one(
+                kernels.merge_splits_kernel,
+                dict(partial_out_ptr="*fp32", partial_max_ptr="*fp32", partial_sum_ptr="*fp32",
+                     output_ptr=f"*{dtype}", rows_ptr="*i32", output_stride_token="i32",
+                     output_stride_head="i32"),
+                dict(NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=8, BLOCK_D=head_dim),
+            )  # fmt: skip
+    print("all kernels compiled for sm_90")
+
+
+if __name__ == "__main__":
+    main()
