@@ -123,6 +123,18 @@ def test_unsupported_architecture_names_it(tmp_path):
         load_model_config(ModelSource("hf", folder, "tiny"))
 
 
+def test_architecture_from_model_type_when_unnamed(tmp_path):
+    folder = make_tiny_hf_checkpoint(tmp_path, "qwen2")
+    cfg = json.loads((folder / "config.json").read_text())
+    del cfg["architectures"]  # as XConfig.save_pretrained writes it, without a model
+    (folder / "config.json").write_text(json.dumps(cfg))
+    assert load_model_config(ModelSource("hf", folder, "tiny")).architecture == "Qwen2ForCausalLM"
+    cfg["model_type"] = "gpt2"
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedModelError, match="None"):
+        load_model_config(ModelSource("hf", folder, "tiny"))
+
+
 def test_corrupt_weights_and_config(tmp_path):
     folder = make_tiny_hf_checkpoint(tmp_path, "llama")
     (folder / "model.safetensors").write_bytes(b"not a safetensors file")

@@ -30,11 +30,20 @@ def read_json(path: Path) -> dict[str, Any]:
     return data
 
 
+_ARCHITECTURE_BY_MODEL_TYPE = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
+
+
 def hf_model_config(folder: Path) -> ModelConfig:
     """ModelConfig from config.json (and generation_config.json for EOS ids)."""
     cfg = read_json(folder / "config.json")
     architectures = cfg.get("architectures") or []
-    arch = architectures[0] if architectures else None
+    # A config saved without a model (XConfig.save_pretrained) names no architecture;
+    # its model_type still says which one.
+    arch = architectures[0] if architectures else _ARCHITECTURE_BY_MODEL_TYPE.get(cfg.get("model_type", ""))
     if arch not in SUPPORTED_HF_ARCHITECTURES:
         raise UnsupportedModelError(
             f"architecture {arch!r} in {folder / 'config.json'} is not supported; "
