@@ -24,7 +24,7 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = ("paged_decode.c",)
+_SOURCES = ("paged_decode.c", "small_linear.c", "decode_layer.c")
 _COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11", "-Wall")
 # Linked without -ffast-math: with it, GCC adds crtfastmath.o, whose constructor turns on
 # flush-to-zero for the whole process (every float computation, not just these kernels).
@@ -114,3 +114,15 @@ def _declare(library: ctypes.CDLL) -> None:
         c_float, c_int, c_int, c_int64,  # scale, is bf16, num threads, max seq len
         c_void_p, c_int64, c_void_p,  # out, out row stride, workspace
     ]
+    library.small_linear_bf16_supported.restype = c_int
+    library.small_linear_bf16_supported.argtypes = []
+    library.small_linear_bf16.restype = None
+    library.small_linear_bf16.argtypes = [
+        c_void_p, c_int64, c_void_p, c_void_p,  # x, x row stride, weight, bias (or None)
+        c_void_p, c_int64,  # out, out row stride
+        c_int64, c_int64, c_int64, c_int,  # m, n, k, num threads
+    ]
+    # decode_layer_bf16(hidden, LayerWeights*, key cache, value cache, LayerShape*,
+    # StepInputs*, Scratch*): the structs are declared in model/fused_decode.py.
+    library.decode_layer_bf16.restype = None
+    library.decode_layer_bf16.argtypes = [c_void_p] * 7

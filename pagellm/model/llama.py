@@ -12,6 +12,7 @@ q/k/v biases, tied embeddings and rope settings, all carried by ModelConfig.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +22,10 @@ from pagellm.attention.backend import AttentionBackend, AttentionMetadata
 from pagellm.errors import ModelLoadError
 from pagellm.model.config import ModelConfig
 from pagellm.model.layers import RMSNorm, RotaryEmbedding, apply_rotary
+from pagellm.model.small_batch_linear import SmallBatchKernel, SmallBatchLinear, linear
+
+if TYPE_CHECKING:
+    from pagellm.model.fused_decode import FusedDecode
 
 
 class LlamaAttention(nn.Module):
@@ -33,10 +38,10 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
         # q, k and v projections fused into one matmul.
-        self.qkv_proj = nn.Linear(
+        self.qkv_proj = SmallBatchLinear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
         )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.attention_out_bias)
+        self.o_proj = SmallBatchLinear(self.q_size, config.hidden_size, bias=config.attention_out_bias)
 
     def forward(
         self,
@@ -62,8 +67,8 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.intermediate_size = config.intermediate_size
         # gate and up projections fused into one matmul.
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = SmallBatchLinear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = SmallBatchLinear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -127,7 +132,7 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = SmallBatchLinear(config.hidden_size, config.vocab_size, bias=False)
 
     def forward(
         self,
@@ -137,14 +142,26 @@ class LlamaForCausalLM(nn.Module):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
         hidden = self.embed_tokens(input_ids)
+        if self.fused_decode is not None and self.fused_decode.applies(hidden, kv_caches, metadata):
+            return self.norm(self.fused_decode.run(hidden, positions, kv_caches, metadata))
         cos_sin = self.rotary.lookup(positions, hidden.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden = layer(cos_sin, hidden, kv_cache, metadata, self.backend)
         return self.norm(hidden)
 
+    small_batch_kernel: SmallBatchKernel | None = None
+    fused_decode: FusedDecode | None = None  # CPU bf16: decode steps of <= 8 requests in C
+
+    def use_small_batch_kernel(self, kernel: SmallBatchKernel | None) -> None:
+        """Route linear layers (and the LM head) with few rows through `kernel` (None: torch)."""
+        self.small_batch_kernel = kernel
+        for module in self.modules():
+            if isinstance(module, SmallBatchLinear):
+                module.kernel = kernel
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, vocab_size]
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)
+        return linear(hidden, weight, None, self.small_batch_kernel)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

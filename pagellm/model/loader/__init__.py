@@ -14,6 +14,9 @@ from pagellm.attention.backend import AttentionBackend
 from pagellm.errors import ModelLoadError
 from pagellm.model.config import ModelConfig
 from pagellm.model.llama import LlamaForCausalLM
+from pagellm.attention.native import load_kernels
+from pagellm.model.fused_decode import FusedDecode
+from pagellm.model.small_batch_linear import small_batch_kernel
 from pagellm.model.loader import gguf_loader, hf_loader
 from pagellm.model.loader.default_model import DEFAULT_MODEL_NAME, default_model_path
 
@@ -109,6 +112,8 @@ def load_model(
     else:
         model.load_weights(weights)
     model.eval()
+    if torch.device(device).type == "cpu" and dtype == torch.bfloat16:
+        _use_cpu_decode_kernels(model)
     logger.info(
         "loaded %s (%s%s, %.1fM parameters, %s) in %.1fs",
         source.name,
@@ -119,6 +124,17 @@ def load_model(
         time.perf_counter() - start,
     )
     return model
+
+
+def _use_cpu_decode_kernels(model: LlamaForCausalLM) -> None:
+    """bf16 on a CPU with AVX-512 BF16: linear layers with few rows stream their weights
+    through the native kernel, and decode steps of few requests run layer by layer in C."""
+    kernel = small_batch_kernel()
+    if kernel is None:
+        return
+    model.use_small_batch_kernel(kernel)
+    if FusedDecode.supports(model):
+        model.fused_decode = FusedDecode(load_kernels(), model)
 
 
 @torch.no_grad()

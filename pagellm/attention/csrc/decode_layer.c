@@ -1,0 +1,167 @@
+/* Model stage, CPU: one whole decoder layer for a decode step of a few requests (bf16).
+ *
+ * A decode step of 1 to 8 requests does little arithmetic per layer, but the PyTorch
+ * path spends it in about fifty small operations (norms, rotary, splits, activations,
+ * residual adds), each costing microseconds of dispatch: for a 30-layer model that is
+ * milliseconds per token, as much as reading the weights. Here the layer is one call:
+ *
+ *   x = rms_norm(h) -> qkv = x Wqkv^T (+b) -> rotary(q, k) -> store k, v by slot
+ *   -> paged decode attention -> h += attn Wo^T (+b)
+ *   -> x = rms_norm(h) -> g, u = x Wgu^T -> h += (silu(g) * u) Wd^T
+ *
+ * Values are rounded to bf16 where the PyTorch path stores a bf16 tensor (norm output,
+ * projections, attention output, activations, the residual stream); the arithmetic in
+ * between is float32. The linear layers are small_linear.c's weight-streaming kernel, the
+ * attention is paged_decode.c's.
+ *
+ * Built at run time by pagellm/attention/native.py; needs AVX-512 BF16 like small_linear.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+void small_linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, const uint16_t *bias,
+                       uint16_t *out, int64_t out_stride, int64_t m, int64_t n, int64_t k, int num_threads);
+
+void paged_decode_attention(
+    const void *query, int64_t query_row_stride,
+    const void *key_cache, const void *value_cache,
+    const int64_t *block_tables, int64_t table_stride,
+    const int64_t *rows, const int64_t *reqs, const int64_t *seq_lens, int64_t num_decodes,
+    int num_heads, int num_kv_heads, int head_dim, int block_size,
+    float scale, int is_bf16, int num_threads, int64_t max_seq_len,
+    void *out, int64_t out_row_stride, float *workspace);
+
+static inline float bf16f(uint16_t bits) {
+    uint32_t wide = (uint32_t)bits << 16;
+    float value;
+    memcpy(&value, &wide, sizeof value);
+    return value;
+}
+
+static inline uint16_t to_bf16(float value) {
+    uint32_t bits;
+    memcpy(&bits, &value, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u);
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+static inline float round_bf16(float value) { return bf16f(to_bf16(value)); }
+
+/* out = weight * bf16(x * rsqrt(mean(x^2) + eps)), as model/layers.py RMSNorm. */
+static void rms_norm_rows(const uint16_t *x, const uint16_t *weight, float eps, uint16_t *out,
+                          int64_t m, int64_t hidden) {
+    for (int64_t r = 0; r < m; r++) {
+        const uint16_t *row = x + r * hidden;
+        float sum = 0.0f;
+        for (int64_t i = 0; i < hidden; i++) {
+            float v = bf16f(row[i]);
+            sum += v * v;
+        }
+        float inv = 1.0f / sqrtf(sum / (float)hidden + eps);
+        for (int64_t i = 0; i < hidden; i++)
+            out[r * hidden + i] = to_bf16(bf16f(weight[i]) * round_bf16(bf16f(row[i]) * inv));
+    }
+}
+
+/* Half-split rotary (HF layout) of `num_heads` heads of one row, in place. */
+static void rotate_heads(uint16_t *heads, int num_heads, int head_dim, const float *cos, const float *sin) {
+    const int half = head_dim / 2;
+    for (int h = 0; h < num_heads; h++) {
+        uint16_t *x = heads + (int64_t)h * head_dim;
+        for (int i = 0; i < half; i++) {
+            float x1 = bf16f(x[i]), x2 = bf16f(x[i + half]);
+            x[i] = to_bf16(x1 * cos[i] - x2 * sin[i]);
+            x[i + half] = to_bf16(x2 * cos[i] + x1 * sin[i]);
+        }
+    }
+}
+
+typedef struct {
+    const uint16_t *input_norm, *post_norm;  /* [hidden] */
+    const uint16_t *qkv, *qkv_bias;          /* [q + 2 kv, hidden], [q + 2 kv] or NULL */
+    const uint16_t *o, *o_bias;              /* [hidden, q], [hidden] or NULL */
+    const uint16_t *gate_up, *down;          /* [2 inter, hidden], [hidden, inter] */
+} LayerWeights;
+
+typedef struct {
+    int64_t hidden, intermediate;
+    int num_heads, num_kv_heads, head_dim, block_size;
+    float eps, scale;
+    int num_threads;
+} LayerShape;
+
+typedef struct {
+    int64_t m;                      /* requests, one token each */
+    const int64_t *positions;       /* [m] */
+    const int64_t *slots;           /* [m] cache slot of the new token */
+    const int64_t *block_tables;    /* [reqs, table_stride] */
+    int64_t table_stride;
+    const int64_t *rows, *reqs;     /* [m]: 0..m-1 and each row's block table row */
+    const int64_t *seq_lens;        /* [m] context including the new token */
+    int64_t max_seq_len;
+    const float *cos_table, *sin_table;  /* [max_positions, head_dim / 2] */
+} StepInputs;
+
+typedef struct {
+    uint16_t *normed;     /* [m, hidden] */
+    uint16_t *qkv;        /* [m, q + 2 kv] */
+    uint16_t *attn;       /* [m, q] */
+    uint16_t *proj;       /* [m, hidden] */
+    uint16_t *gate_up;    /* [m, 2 inter] */
+    uint16_t *act;        /* [m, inter] */
+    float *attn_scratch;  /* paged_decode_attention's workspace */
+} Scratch;
+
+static void add_residual(uint16_t *hidden, const uint16_t *delta, int64_t count) {
+    for (int64_t i = 0; i < count; i++) hidden[i] = to_bf16(bf16f(hidden[i]) + bf16f(delta[i]));
+}
+
+/* hidden: [m, hidden] bf16, updated in place to the layer's output; the caches are the
+ * layer's [blocks, block_size, kv_heads, head_dim] K and V. */
+void decode_layer_bf16(uint16_t *hidden, const LayerWeights *w, uint16_t *key_cache, uint16_t *value_cache,
+                       const LayerShape *s, const StepInputs *in, const Scratch *scratch) {
+    const int64_t m = in->m, h = s->hidden;
+    const int64_t q_size = (int64_t)s->num_heads * s->head_dim;
+    const int64_t kv_size = (int64_t)s->num_kv_heads * s->head_dim;
+    const int64_t qkv_size = q_size + 2 * kv_size;
+    const int half = s->head_dim / 2;
+
+    rms_norm_rows(hidden, w->input_norm, s->eps, scratch->normed, m, h);
+    small_linear_bf16(scratch->normed, h, w->qkv, w->qkv_bias, scratch->qkv, qkv_size, m, qkv_size, h,
+                      s->num_threads);
+    for (int64_t r = 0; r < m; r++) {
+        uint16_t *row = scratch->qkv + r * qkv_size;
+        const float *cos = in->cos_table + in->positions[r] * half;
+        const float *sin = in->sin_table + in->positions[r] * half;
+        rotate_heads(row, s->num_heads, s->head_dim, cos, sin);
+        rotate_heads(row + q_size, s->num_kv_heads, s->head_dim, cos, sin);
+        int64_t slot = in->slots[r];
+        memcpy(key_cache + slot * kv_size, row + q_size, sizeof(uint16_t) * (size_t)kv_size);
+        memcpy(value_cache + slot * kv_size, row + q_size + kv_size,
+               sizeof(uint16_t) * (size_t)kv_size);
+    }
+    paged_decode_attention(scratch->qkv, qkv_size, key_cache, value_cache, in->block_tables,
+                           in->table_stride, in->rows, in->reqs, in->seq_lens, m, s->num_heads,
+                           s->num_kv_heads, s->head_dim, s->block_size, s->scale, 1, s->num_threads,
+                           in->max_seq_len, scratch->attn, q_size, scratch->attn_scratch);
+    small_linear_bf16(scratch->attn, q_size, w->o, w->o_bias, scratch->proj, h, m, h, q_size, s->num_threads);
+    add_residual(hidden, scratch->proj, m * h);
+
+    rms_norm_rows(hidden, w->post_norm, s->eps, scratch->normed, m, h);
+    const int64_t inter = s->intermediate;
+    small_linear_bf16(scratch->normed, h, w->gate_up, NULL, scratch->gate_up, 2 * inter, m, 2 * inter, h,
+                      s->num_threads);
+    for (int64_t r = 0; r < m; r++) {
+        const uint16_t *gate = scratch->gate_up + r * 2 * inter;
+        const uint16_t *up = gate + inter;
+        uint16_t *act = scratch->act + r * inter;
+        for (int64_t i = 0; i < inter; i++) {
+            float g = bf16f(gate[i]);
+            act[i] = to_bf16(round_bf16(g / (1.0f + expf(-g))) * bf16f(up[i]));
+        }
+    }
+    small_linear_bf16(scratch->act, inter, w->down, NULL, scratch->proj, h, m, h, inter, s->num_threads);
+    add_residual(hidden, scratch->proj, m * h);
+}

@@ -1,0 +1,132 @@
+/* Model stage, CPU: y = x W^T (+ b) for a few rows of x, streaming W once.
+ *
+ * At decode time a linear layer multiplies 1 to 8 activation rows by a weight matrix of
+ * millions of elements: the time is the time to read W from memory. A general GEMM
+ * library tiles for reuse that is not there at this size and reaches about half the
+ * machine's read bandwidth here; this loop reads each weight row once, front to back,
+ * and multiplies it into every activation row while it is in registers. Output rows are
+ * split over the threads in contiguous ranges, so each thread streams its own part of W.
+ *
+ * bfloat16: AVX-512 BF16 dot products (pairs of bf16 products summed into float32
+ * lanes), float32 accumulation, one rounding to bf16 at the end. float32: FMA.
+ * Rows are handled two at a time so two independent accumulation chains run.
+ *
+ * Built at run time by pagellm/attention/native.py with the machine's C compiler; the
+ * bf16 path exists only where the compiler targets AVX-512 BF16 (small_linear_bf16_supported).
+ */
+#include <stdint.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#include <immintrin.h>
+
+#define MAX_ROWS 8
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 4096
+#endif
+
+static inline float bf16_bits_to_float(uint16_t bits) {
+    uint32_t wide = (uint32_t)bits << 16;
+    float value;
+    memcpy(&value, &wide, sizeof value);
+    return value;
+}
+
+static inline uint16_t float_to_bf16_bits(float value) {
+    uint32_t bits;
+    memcpy(&bits, &value, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u);
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+/* The [begin, end) share of `total` items that thread `t` of `n` takes, in multiples of 2. */
+static inline void thread_range(int64_t total, int t, int n, int64_t *begin, int64_t *end) {
+    int64_t pairs = (total + 1) / 2;
+    int64_t per = pairs / n, extra = pairs % n;
+    int64_t first = t * per + (t < extra ? t : extra);
+    int64_t count = per + (t < extra ? 1 : 0);
+    *begin = 2 * first;
+    *end = 2 * (first + count) < total ? 2 * (first + count) : total;
+}
+
+#if defined(__AVX512BF16__)
+int small_linear_bf16_supported(void) { return 1; }
+
+/* out[m, n] for rows n0 and n1 (n1 may equal n0 when only one is left). */
+#define BF16_ROWS(M)                                                                         \
+static void bf16_rows_##M(const uint16_t *x, int64_t x_stride, const uint16_t *w0,           \
+                          const uint16_t *w1, int64_t k, float *sum0, float *sum1) {         \
+    __m512 acc0[M], acc1[M];                                                                 \
+    for (int m = 0; m < M; m++) { acc0[m] = _mm512_setzero_ps(); acc1[m] = _mm512_setzero_ps(); } \
+    int64_t i = 0;                                                                           \
+    for (; i + 32 <= k; i += 32) {                                                           \
+        _mm_prefetch((const char *)(w0 + i) + PREFETCH_BYTES, _MM_HINT_T0);                 \
+        _mm_prefetch((const char *)(w1 + i) + PREFETCH_BYTES, _MM_HINT_T0);                 \
+        __m512bh a = (__m512bh)_mm512_loadu_si512((const void *)(w0 + i));                  \
+        __m512bh b = (__m512bh)_mm512_loadu_si512((const void *)(w1 + i));                  \
+        for (int m = 0; m < M; m++) {                                                        \
+            __m512bh xm = (__m512bh)_mm512_loadu_si512((const void *)(x + m * x_stride + i)); \
+            acc0[m] = _mm512_dpbf16_ps(acc0[m], xm, a);                                      \
+            acc1[m] = _mm512_dpbf16_ps(acc1[m], xm, b);                                      \
+        }                                                                                    \
+    }                                                                                        \
+    if (i < k) {                                                                             \
+        __mmask32 mask = (__mmask32)((1ull << (k - i)) - 1);                                 \
+        __m512bh a = (__m512bh)_mm512_maskz_loadu_epi16(mask, w0 + i);                     \
+        __m512bh b = (__m512bh)_mm512_maskz_loadu_epi16(mask, w1 + i);                     \
+        for (int m = 0; m < M; m++) {                                                        \
+            __m512bh xm = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * x_stride + i);    \
+            acc0[m] = _mm512_dpbf16_ps(acc0[m], xm, a);                                      \
+            acc1[m] = _mm512_dpbf16_ps(acc1[m], xm, b);                                      \
+        }                                                                                    \
+    }                                                                                        \
+    for (int m = 0; m < M; m++) {                                                            \
+        sum0[m] = _mm512_reduce_add_ps(acc0[m]);                                             \
+        sum1[m] = _mm512_reduce_add_ps(acc1[m]);                                             \
+    }                                                                                        \
+}
+BF16_ROWS(1) BF16_ROWS(2) BF16_ROWS(3) BF16_ROWS(4) BF16_ROWS(5) BF16_ROWS(6) BF16_ROWS(7) BF16_ROWS(8)
+
+typedef void (*bf16_rows_fn)(const uint16_t *, int64_t, const uint16_t *, const uint16_t *, int64_t,
+                             float *, float *);
+static const bf16_rows_fn BF16_KERNELS[MAX_ROWS + 1] = {
+    0, bf16_rows_1, bf16_rows_2, bf16_rows_3, bf16_rows_4, bf16_rows_5, bf16_rows_6, bf16_rows_7, bf16_rows_8,
+};
+
+/* x: [m, k] bf16 (row stride x_stride), w: [n, k] bf16 contiguous, bias: [n] bf16 or NULL,
+ * out: [m, n] bf16 (row stride out_stride). 1 <= m <= 8. */
+void small_linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, const uint16_t *bias,
+                       uint16_t *out, int64_t out_stride, int64_t m, int64_t n, int64_t k, int num_threads) {
+    bf16_rows_fn rows = BF16_KERNELS[m];
+#pragma omp parallel num_threads(num_threads)
+    {
+        int t = 0, nt = 1;
+#ifdef _OPENMP
+        t = omp_get_thread_num();
+        nt = omp_get_num_threads();
+#endif
+        int64_t begin, end;
+        thread_range(n, t, nt, &begin, &end);
+        float sum0[MAX_ROWS], sum1[MAX_ROWS];
+        for (int64_t j = begin; j < end; j += 2) {
+            int64_t j1 = j + 1 < end ? j + 1 : j;
+            rows(x, x_stride, w + j * k, w + j1 * k, k, sum0, sum1);
+            float b0 = bias ? bf16_bits_to_float(bias[j]) : 0.0f;
+            float b1 = bias ? bf16_bits_to_float(bias[j1]) : 0.0f;
+            for (int r = 0; r < m; r++) {
+                out[r * out_stride + j] = float_to_bf16_bits(sum0[r] + b0);
+                if (j1 != j) out[r * out_stride + j1] = float_to_bf16_bits(sum1[r] + b1);
+            }
+        }
+    }
+}
+#else
+int small_linear_bf16_supported(void) { return 0; }
+void small_linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, const uint16_t *bias,
+                       uint16_t *out, int64_t out_stride, int64_t m, int64_t n, int64_t k, int num_threads) {
+    (void)x; (void)x_stride; (void)w; (void)bias; (void)out; (void)out_stride;
+    (void)m; (void)n; (void)k; (void)num_threads;
+}
+#endif

@@ -1,0 +1,144 @@
+"""Model stage, CPU: decode steps of a few requests run each decoder layer as one native
+call (csrc/decode_layer.c) instead of ~50 PyTorch operations.
+
+At one to eight tokens per step the layer's arithmetic is tiny and PyTorch's per-operation
+dispatch (norms, rotary, splits, activations, residual adds) costs as much as streaming
+the weights; the native layer does the same computation, rounding to bf16 where the
+PyTorch path stores bf16, with the weight-streaming linear kernel and the paged decode
+attention kernel. Used for bf16 models on CPUs with AVX-512 BF16; other steps, dtypes
+and devices take the PyTorch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from ctypes import c_float, c_int, c_int64, c_void_p
+
+import torch
+
+from pagellm.attention.backend import AttentionMetadata
+
+MAX_ROWS = 8  # the linear kernel's limit
+
+
+class _LayerWeights(ctypes.Structure):
+    _fields_ = [(name, c_void_p) for name in (
+        "input_norm", "post_norm", "qkv", "qkv_bias", "o", "o_bias", "gate_up", "down",
+    )]  # fmt: skip
+
+
+class _LayerShape(ctypes.Structure):
+    _fields_ = [
+        ("hidden", c_int64), ("intermediate", c_int64),
+        ("num_heads", c_int), ("num_kv_heads", c_int), ("head_dim", c_int), ("block_size", c_int),
+        ("eps", c_float), ("scale", c_float), ("num_threads", c_int),
+    ]  # fmt: skip
+
+
+class _StepInputs(ctypes.Structure):
+    _fields_ = [
+        ("m", c_int64), ("positions", c_void_p), ("slots", c_void_p), ("block_tables", c_void_p),
+        ("table_stride", c_int64), ("rows", c_void_p), ("reqs", c_void_p), ("seq_lens", c_void_p),
+        ("max_seq_len", c_int64), ("cos_table", c_void_p), ("sin_table", c_void_p),
+    ]  # fmt: skip
+
+
+class _Scratch(ctypes.Structure):
+    _fields_ = [(name, c_void_p) for name in ("normed", "qkv", "attn", "proj", "gate_up", "act", "attn_scratch")]
+
+
+def _ptr(tensor: torch.Tensor | None) -> int | None:
+    return None if tensor is None else tensor.data_ptr()
+
+
+class FusedDecode:
+    """Runs a decode-only step of <= 8 requests through the native layer, for one model."""
+
+    def __init__(self, library: ctypes.CDLL, model: torch.nn.Module) -> None:
+        config = model.config
+        self._run_layer = library.decode_layer_bf16
+        self._model = model
+        self._num_threads = torch.get_num_threads()
+        self._shape = _LayerShape(
+            config.hidden_size, config.intermediate_size, config.num_attention_heads,
+            config.num_key_value_heads, config.head_dim, 0, config.rms_norm_eps,
+            config.head_dim**-0.5, self._num_threads,
+        )  # fmt: skip
+        self._layers = [
+            _LayerWeights(
+                _ptr(layer.input_layernorm.weight), _ptr(layer.post_attention_layernorm.weight),
+                _ptr(layer.self_attn.qkv_proj.weight), _ptr(layer.self_attn.qkv_proj.bias),
+                _ptr(layer.self_attn.o_proj.weight), _ptr(layer.self_attn.o_proj.bias),
+                _ptr(layer.mlp.gate_up_proj.weight), _ptr(layer.mlp.down_proj.weight),
+            )  # fmt: skip
+            for layer in model.layers
+        ]
+        q_size = config.num_attention_heads * config.head_dim
+        kv_size = config.num_key_value_heads * config.head_dim
+
+        def scratch(width: int) -> torch.Tensor:
+            return torch.empty(MAX_ROWS, width, dtype=torch.bfloat16)
+
+        self._buffers = [
+            scratch(config.hidden_size), scratch(q_size + 2 * kv_size), scratch(q_size),
+            scratch(config.hidden_size), scratch(2 * config.intermediate_size), scratch(config.intermediate_size),
+        ]  # fmt: skip
+        self._attention_workspace = torch.empty(0, dtype=torch.float32)
+        self._rotary = model.rotary
+
+    @staticmethod
+    def supports(model: torch.nn.Module) -> bool:
+        """Whether the model's shape and weights are what the native layer computes."""
+        params = list(model.parameters())
+        config = model.config
+        return (
+            all(p.dtype is torch.bfloat16 and p.device.type == "cpu" and p.is_contiguous() for p in params)
+            and config.sliding_window is None
+            and config.head_dim % 2 == 0
+        )
+
+    def applies(self, hidden: torch.Tensor, kv_caches: list[torch.Tensor], metadata: AttentionMetadata) -> bool:
+        num_tokens = hidden.shape[0]
+        return (
+            0 < num_tokens <= MAX_ROWS
+            and metadata.num_reqs == num_tokens  # one token each: decodes only
+            and hidden.dtype is torch.bfloat16
+            and kv_caches[0].dtype is torch.bfloat16
+            and kv_caches[0].is_contiguous()
+            and metadata.block_tables.dtype is torch.int64
+            and metadata.block_tables.is_contiguous()
+        )
+
+    def run(
+        self,
+        hidden: torch.Tensor,  # [num_tokens, hidden_size] bf16, updated in place
+        positions: torch.Tensor,  # [num_tokens] int64
+        kv_caches: list[torch.Tensor],
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        m = hidden.shape[0]
+        rows = torch.arange(m, dtype=torch.int64)
+        seq_lens = torch.tensor(metadata.seq_lens, dtype=torch.int64)
+        max_seq_len = max(metadata.seq_lens)
+        shape = self._shape
+        needed = self._num_threads * max_seq_len * shape.num_heads
+        if self._attention_workspace.numel() < needed:
+            self._attention_workspace = torch.empty(2 * needed, dtype=torch.float32)
+        shape.block_size = kv_caches[0].shape[2]
+        tables = metadata.block_tables
+        positions = positions.contiguous()
+        inputs = _StepInputs(
+            m, positions.data_ptr(), metadata.slot_mapping.data_ptr(), tables.data_ptr(), tables.stride(0),
+            rows.data_ptr(), rows.data_ptr(), seq_lens.data_ptr(), max_seq_len,
+            self._rotary.cos_cache.data_ptr(), self._rotary.sin_cache.data_ptr(),
+        )  # fmt: skip
+        scratch = _Scratch(*(b.data_ptr() for b in self._buffers), self._attention_workspace.data_ptr())
+        hidden = hidden.contiguous()
+        hidden_ptr = hidden.data_ptr()
+        shape_ref, inputs_ref, scratch_ref = ctypes.byref(shape), ctypes.byref(inputs), ctypes.byref(scratch)
+        for weights, cache in zip(self._layers, kv_caches, strict=True):
+            self._run_layer(
+                hidden_ptr, ctypes.byref(weights), cache[0].data_ptr(), cache[1].data_ptr(),
+                shape_ref, inputs_ref, scratch_ref,
+            )  # fmt: skip
+        return hidden

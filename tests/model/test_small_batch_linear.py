@@ -1,0 +1,145 @@
+"""The CPU small-batch linear kernel (bf16 weights streamed once for 1-8 rows) against
+a float64 reference, and its routing inside the model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagellm.model.small_batch_linear import MAX_ROWS, SmallBatchLinear, linear, small_batch_kernel
+
+kernel = small_batch_kernel()
+needs_kernel = pytest.mark.skipif(kernel is None, reason="needs AVX-512 BF16 and a C compiler")
+
+
+def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((actual.double() - expected).norm() / expected.norm())
+
+
+@needs_kernel
+@pytest.mark.parametrize("m", range(1, MAX_ROWS + 1))
+@pytest.mark.parametrize("n,k,with_bias", [(1536, 576, False), (7, 70, True), (577, 1536, True), (1, 31, False)])
+def test_matches_float64_reference(m, n, k, with_bias):
+    gen = torch.Generator().manual_seed(m * 1000 + n + k)
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    weight = torch.randn(n, k, generator=gen).bfloat16()
+    bias = torch.randn(n, generator=gen).bfloat16() if with_bias else None
+    expected = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    with torch.inference_mode():
+        actual = linear(x, weight, bias, kernel)
+    assert actual.dtype == torch.bfloat16 and actual.shape == (m, n)
+    # float32 accumulation, one bf16 rounding of the result (relative 2^-9 at worst).
+    assert _relative_error(actual, expected) < 4e-3
+
+
+@needs_kernel
+def test_strided_rows_and_fallbacks(monkeypatch):
+    gen = torch.Generator().manual_seed(1)
+    wide = torch.randn(3, 200, generator=gen).bfloat16()
+    x = wide[:, :96]  # rows 200 elements apart
+    weight = torch.randn(64, 96, generator=gen).bfloat16()
+    with torch.inference_mode():
+        torch.testing.assert_close(linear(x, weight, None, kernel).float(), F.linear(x, weight).float(), rtol=2e-2, atol=2e-2)
+    calls = []
+    monkeypatch.setattr(type(kernel), "__call__", lambda self, *a: calls.append(a))
+    with torch.inference_mode():
+        linear(torch.randn(MAX_ROWS + 1, 96).bfloat16(), weight, None, kernel)  # too many rows
+        linear(torch.randn(2, 96), weight.float(), None, kernel)  # float32
+    linear(torch.randn(2, 96).bfloat16(), weight, None, kernel)  # autograd on: torch
+    assert calls == []
+
+
+@needs_kernel
+def test_model_layers_route_through_the_kernel(monkeypatch):
+    layer = SmallBatchLinear(32, 16, bias=True).bfloat16()
+    layer.kernel = kernel
+    seen = []
+    original = type(kernel).__call__
+
+    def spy(self, x, weight, bias):
+        seen.append(x.shape[0])
+        return original(self, x, weight, bias)
+
+    monkeypatch.setattr(type(kernel), "__call__", spy)
+    with torch.inference_mode():
+        out = layer(torch.randn(4, 32).bfloat16())
+        layer(torch.randn(20, 32).bfloat16())
+    assert seen == [4]
+    assert out.shape == (4, 16)
+
+
+@needs_kernel
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases
+def test_bf16_model_decode_logits_native_and_torch(tmp_path, arch):
+    from hf_models import make_tiny_hf_checkpoint
+
+    from pagellm.attention.backend import get_attention_backend
+    from pagellm.model.loader import ModelSource, load_model, load_model_config
+    from pagellm.worker.kv_cache import allocate_kv_caches
+    from pagellm.worker.model_inputs import ScheduledSequence, prepare_model_inputs
+
+    folder = make_tiny_hf_checkpoint(tmp_path, arch, hidden_size=128, intermediate_size=256)
+    source = ModelSource("hf", folder, "tiny")
+    model = load_model(source, load_model_config(source), get_attention_backend(), torch.bfloat16)
+    assert model.small_batch_kernel is not None  # bf16 on CPU: attached at load
+    assert model.fused_decode is not None
+
+    def decode_logits() -> torch.Tensor:
+        # Three requests: a prefill step (torch path, 30 rows), then one decode step (3 rows).
+        kv = allocate_kv_caches(model.config, 16, 16, torch.bfloat16, "cpu")
+        prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [20] * 12, [30, 31, 32, 33, 34, 35, 36, 37]]
+        tables = [[1], [2], [3]]
+        with torch.inference_mode():
+            prefill = [ScheduledSequence(p, 0, t, True) for p, t in zip(prompts, tables)]
+            inputs = prepare_model_inputs(prefill, 16, "cpu")
+            model(inputs.input_ids, inputs.positions, kv, inputs.metadata)
+            decode = [ScheduledSequence([40 + i], len(p), t, True) for i, (p, t) in enumerate(zip(prompts, tables))]
+            inputs = prepare_model_inputs(decode, 16, "cpu")
+            hidden = model(inputs.input_ids, inputs.positions, kv, inputs.metadata)
+            return model.compute_logits(hidden).float()
+
+    fused = decode_logits()  # decode step: each layer one native call
+    fused_decode, model.fused_decode = model.fused_decode, None
+    kernel_only = decode_logits()  # PyTorch layers, native linear
+    model.use_small_batch_kernel(None)
+    torch_only = decode_logits()
+    # bf16 computations of the same function: equal to bf16 rounding, same argmax.
+    for logits in (fused, kernel_only):
+        assert float((logits - torch_only).norm() / torch_only.norm()) < 2e-2
+        assert torch.equal(logits.argmax(-1), torch_only.argmax(-1))
+    # The native layer is not a copy of the PyTorch one: the two differ by rounding.
+    assert not torch.equal(fused, kernel_only) and fused_decode is not None
+
+
+@needs_kernel
+@pytest.mark.slow
+def test_smollm2_bf16_native_decode_as_close_to_float32_as_torch_bf16(smollm2_path):
+    # The two bf16 paths round differently, so neither equals the other; each is judged by
+    # its distance from the float32 model on the same greedy tokens.
+    from pagellm import LLM, SamplingParams
+
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
+    reference = LLM(str(smollm2_path), dtype="float32", max_model_len=256).generate(prompts, params, use_tqdm=False)
+    llm = LLM(str(smollm2_path), dtype="bfloat16", max_model_len=256)
+    model = llm.engine.runner.model
+    assert model.fused_decode is not None
+    native = llm.generate(prompts, params, use_tqdm=False)
+    model.fused_decode = None
+    model.use_small_batch_kernel(None)
+    torch_bf16 = llm.generate(prompts, params, use_tqdm=False)
+
+    def distance(outputs) -> float:
+        """Mean |logprob - float32 logprob| of float32's greedy tokens, over the steps
+        before the run's first token that differs from float32's."""
+        diffs = []
+        for out, ref in zip(outputs, reference):
+            for token, got, want in zip(ref.outputs[0].token_ids, out.outputs[0].logprobs, ref.outputs[0].logprobs):
+                if token not in got:
+                    break
+                diffs.append(abs(got[token].logprob - want[token].logprob))
+        assert len(diffs) >= 12
+        return sum(diffs) / len(diffs)
+
+    assert distance(native) <= 1.5 * distance(torch_bf16) + 0.01
