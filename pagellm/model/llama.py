@@ -150,7 +150,7 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(hidden)
 
     small_batch_kernel: SmallBatchKernel | None = None
-    fused_decode: FusedDecode | None = None  # CPU bf16: decode steps of <= 8 requests in C
+    fused_decode: FusedDecode | None = None  # CPU bf16: decode steps of <= 32 requests in C
 
     def use_small_batch_kernel(self, kernel: SmallBatchKernel | None) -> None:
         """Route linear layers (and the LM head) with few rows through `kernel` (None: torch)."""

@@ -16,6 +16,12 @@ on how many decodes share the step. The pair, sample and chunk terms carry prefi
 attention (quadratic in a chunk), the LM head / sampler / detokenizer per sampled row,
 and the per-chunk calls of the prefill attention path.
 
+Engines that run small decode-only steps through a separate path (on CPU in bf16, each
+decoder layer as one native call for up to 32 decodes, model/fused_decode.py) get a
+second base curve, native(D), for decode-only steps of at most `native_decode_max_reqs`
+decodes, in place of base(M): the two paths cost differently at the same token count.
+The calibration records the limit the engine used (0: no such path).
+
 The fit is non-negative least squares of relative error (every step counts by its own
 duration, so the many short decode steps weigh as much as the few long prefills). Knots
 without measured steps nearby are left out, so nothing is predicted from an empty
@@ -38,7 +44,9 @@ from pagellm.errors import ConfigError
 from pagellm.model.config import ModelConfig
 from pagellm.sim.step_batch import StepBatch
 
-CALIBRATION_FORMAT = "pagellm-step-cost-calibration/3"
+CALIBRATION_FORMAT = "pagellm-step-cost-calibration/4"
+# Files of format 3 had no native decode curve; they read as "no native path".
+READABLE_FORMATS = ("pagellm-step-cost-calibration/3", CALIBRATION_FORMAT)
 # Candidate knots of base(M) and slope(M): every small batch size, then powers of two.
 CANDIDATE_KNOTS: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8) + tuple(2**i for i in range(4, 17))
 # A knot is kept when this many measured steps lie close to it (hat weight above 1/2).
@@ -69,14 +77,25 @@ class StepCostFit:
     sampled_row_s: float
     prefill_chunk_s: float
     quality: FitQuality
+    # Decode-only steps of 1..native_decode_max_reqs decodes: base time per decode knot.
+    native_decode_max_reqs: int = 0
+    native_knots: tuple[int, ...] = ()
+    native_base_s: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
-        for knots in (self.token_knots, self.decode_knots):
+        for knots in (self.token_knots, self.decode_knots) + ((self.native_knots,) if self.native_knots else ()):
             if not knots or list(knots) != sorted(set(knots)) or knots[0] < 1:
                 raise ConfigError(f"the calibration's knots must be increasing positive integers, got {knots}")
-        if len(self.base_s) != len(self.token_knots) or len(self.decode_context_s) != len(self.decode_knots):
+        if (
+            len(self.base_s) != len(self.token_knots)
+            or len(self.decode_context_s) != len(self.decode_knots)
+            or len(self.native_base_s) != len(self.native_knots)
+        ):
             raise ConfigError("the calibration needs one value per knot")
-        values = (*self.base_s, *self.decode_context_s, self.prefill_pair_s, self.sampled_row_s, self.prefill_chunk_s)
+        values = (
+            *self.base_s, *self.decode_context_s, *self.native_base_s,
+            self.prefill_pair_s, self.sampled_row_s, self.prefill_chunk_s,
+        )  # fmt: skip
         if not all(math.isfinite(v) and v >= 0 for v in values):
             raise ConfigError("the calibration's costs must be finite and non-negative")
 
@@ -96,12 +115,27 @@ def knot_weights(num_tokens: int, knots: Sequence[int]) -> tuple[int, float, flo
     return i, 1.0 - t, t
 
 
-def _design_row(batch: StepBatch, token_knots: Sequence[int], decode_knots: Sequence[int]) -> list[float]:
-    """The fit's row: base weights per token knot, slope weights per decode knot, then
-    the pair, sampled-row and chunk terms."""
-    n, m = len(token_knots), len(decode_knots)
-    row = [0.0] * (n + m + 3)
-    i, w_low, w_high = knot_weights(batch.num_tokens, token_knots)
+def takes_native_decode(batch: StepBatch, native_decode_max_reqs: int) -> bool:
+    """Whether the engine runs this step on its native decode path."""
+    return batch.num_prefills == 0 and 0 < batch.num_decodes <= native_decode_max_reqs
+
+
+def _design_row(
+    batch: StepBatch,
+    token_knots: Sequence[int],
+    decode_knots: Sequence[int],
+    native_knots: Sequence[int] = (),
+    native_decode_max_reqs: int = 0,
+) -> list[float]:
+    """The fit's row: base weights per token knot, native weights per native knot, slope
+    weights per decode knot, then the pair, sampled-row and chunk terms."""
+    n, p, m = len(token_knots), len(native_knots), len(decode_knots)
+    row = [0.0] * (n + p + m + 3)
+    if native_knots and takes_native_decode(batch, native_decode_max_reqs):
+        i, w_low, w_high = knot_weights(batch.num_decodes, native_knots)
+        i += n
+    else:
+        i, w_low, w_high = knot_weights(batch.num_tokens, token_knots)
     row[i] = w_low
     if w_high:
         row[i + 1] = w_high
@@ -109,12 +143,12 @@ def _design_row(batch: StepBatch, token_knots: Sequence[int], decode_knots: Sequ
     if context:
         j, v_low, v_high = knot_weights(batch.num_decodes, decode_knots)
         # The slope does not grow past the last knot: only base scales there.
-        row[n + j] = context * min(v_low, 1.0)
+        row[n + p + j] = context * min(v_low, 1.0)
         if v_high:
-            row[n + j + 1] = context * v_high
-    row[n + m] = batch.prefill_attention_pairs
-    row[n + m + 1] = batch.num_sampled_tokens
-    row[n + m + 2] = batch.num_prefills
+            row[n + p + j + 1] = context * v_high
+    row[n + p + m] = batch.prefill_attention_pairs
+    row[n + p + m + 1] = batch.num_sampled_tokens
+    row[n + p + m + 2] = batch.num_prefills
     return row
 
 
@@ -134,10 +168,15 @@ def supported_knots(sizes: Sequence[int]) -> tuple[int, ...]:
 
 
 def predict_seconds(fit: StepCostFit, batch: StepBatch) -> float:
-    i, w_low, w_high = knot_weights(batch.num_tokens, fit.token_knots)
-    seconds = fit.base_s[i] * w_low
+    if fit.native_knots and takes_native_decode(batch, fit.native_decode_max_reqs):
+        knots, base = fit.native_knots, fit.native_base_s
+        size = batch.num_decodes
+    else:
+        knots, base, size = fit.token_knots, fit.base_s, batch.num_tokens
+    i, w_low, w_high = knot_weights(size, knots)
+    seconds = base[i] * w_low
     if w_high:
-        seconds += fit.base_s[i + 1] * w_high
+        seconds += base[i + 1] * w_high
     context = batch.decode_context_sum
     if context:
         j, v_low, v_high = knot_weights(len(batch.decode_context_lens), fit.decode_knots)
@@ -169,8 +208,11 @@ def evaluate(fit: StepCostFit, batches: Sequence[StepBatch], seconds: Sequence[f
     )
 
 
-def fit_step_costs(batches: Sequence[StepBatch], seconds: Sequence[float]) -> StepCostFit:
-    """Fit the model to measured steps (see the module docstring)."""
+def fit_step_costs(
+    batches: Sequence[StepBatch], seconds: Sequence[float], native_decode_max_reqs: int = 0
+) -> StepCostFit:
+    """Fit the model to measured steps (see the module docstring); native_decode_max_reqs
+    is the engine's limit for its native decode path (0: none)."""
     import numpy as np
 
     from pagellm.sim.nnls import nnls
@@ -179,20 +221,26 @@ def fit_step_costs(batches: Sequence[StepBatch], seconds: Sequence[float]) -> St
         raise ConfigError("fitting needs as many measured steps as batches, and at least one")
     if any(not s > 0 for s in seconds):
         raise ConfigError("measured step times must be positive")
-    token_knots = supported_knots([b.num_tokens for b in batches])
+    native = [takes_native_decode(b, native_decode_max_reqs) for b in batches]
+    token_knots = supported_knots([b.num_tokens for b, on_native in zip(batches, native) if not on_native])
+    native_knots = supported_knots([b.num_decodes for b, on_native in zip(batches, native) if on_native]) if any(native) else ()
     # slope(D) only where steps with decodes were measured.
     decode_knots = supported_knots([b.num_decodes for b in batches if b.num_decodes])
-    rows = np.array([_design_row(b, token_knots, decode_knots) for b in batches], dtype=np.float64)
+    rows = np.array(
+        [_design_row(b, token_knots, decode_knots, native_knots, native_decode_max_reqs) for b in batches],
+        dtype=np.float64,
+    )
     times = np.array(seconds, dtype=np.float64)
     # Columns scaled to comparable magnitudes so the solver's tolerance means the same
     # for all; rows divided by their own time: relative error.
     scale = np.abs(rows).max(axis=0)
     scale[scale == 0] = 1.0
     x = nnls(rows / scale / times[:, None], np.ones_like(times)) / scale
-    n, m = len(token_knots), len(decode_knots)
+    n, p, m = len(token_knots), len(native_knots), len(decode_knots)
     provisional = StepCostFit(
-        token_knots, tuple(float(v) for v in x[:n]), decode_knots, tuple(float(v) for v in x[n : n + m]),
-        float(x[n + m]), float(x[n + m + 1]), float(x[n + m + 2]), FitQuality(0, 0.0, 0.0, 0.0, 0.0, 0.0),
+        token_knots, tuple(float(v) for v in x[:n]), decode_knots, tuple(float(v) for v in x[n + p : n + p + m]),
+        float(x[n + p + m]), float(x[n + p + m + 1]), float(x[n + p + m + 2]), FitQuality(0, 0.0, 0.0, 0.0, 0.0, 0.0),
+        native_decode_max_reqs if native_knots else 0, native_knots, tuple(float(v) for v in x[n : n + p]),
     )  # fmt: skip
     return dataclasses.replace(provisional, quality=evaluate(provisional, batches, seconds))
 
@@ -248,6 +296,11 @@ class CalibratedCostModel:
             "model": self.model_name,
             "dtype": self.dtype,
             "base_ms_at_tokens": {k: round(v * 1e3, 3) for k, v in zip(fit.token_knots, fit.base_s)},
+            **(
+                {"native_decode_ms_at_decodes": {k: round(v * 1e3, 3) for k, v in zip(fit.native_knots, fit.native_base_s)}}
+                if fit.native_knots
+                else {}
+            ),
             "fit": dataclasses.asdict(fit.quality),
             **{k: v for k, v in self.metadata.items() if k in ("machine", "created")},
         }
@@ -275,7 +328,7 @@ class CalibratedCostModel:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> CalibratedCostModel:
-        if data.get("format") != CALIBRATION_FORMAT:
+        if data.get("format") not in READABLE_FORMATS:
             raise ConfigError(
                 f"not a pagellm calibration of this version (format {data.get('format')!r}, "
                 f"expected {CALIBRATION_FORMAT!r}); write one with `pagellm calibrate`"
@@ -290,6 +343,9 @@ class CalibratedCostModel:
                 tuple(float(v) for v in costs["decode_context_s"]),
                 float(costs["prefill_pair_s"]), float(costs["sampled_row_s"]),
                 float(costs["prefill_chunk_s"]), FitQuality(**data["fit"]),
+                int(costs.get("native_decode_max_reqs", 0)),
+                tuple(int(k) for k in costs.get("native_knots", ())),
+                tuple(float(v) for v in costs.get("native_base_s", ())),
             )  # fmt: skip
             return cls(
                 fit, str(data["model_name"]), config, str(data["dtype"]),

@@ -179,7 +179,8 @@ def calibrate_engine(
     )  # fmt: skip
     start = time.perf_counter()
     measured = measure_steps(engine, cases, seed=seed, on_case=on_case)
-    fit = fit_step_costs([m.batch for m in measured], [m.seconds for m in measured])
+    native_max = native_decode_max_reqs(engine)
+    fit = fit_step_costs([m.batch for m in measured], [m.seconds for m in measured], native_max)
     dtype = str(engine.config.dtype).removeprefix("torch.")
     metadata = {
         "machine": machine_description(),
@@ -190,6 +191,7 @@ def calibrate_engine(
         "max_measured_tokens": max(m.batch.num_tokens for m in measured),
         "max_measured_chunk": max((max(m.batch.prefill_num_tokens, default=0) for m in measured), default=0),
         "max_measured_reqs": max(m.batch.num_reqs for m in measured),
+        "native_decode_max_reqs": native_max,
         "engine": {
             "max_num_seqs": scheduler_config.max_num_seqs,
             "max_num_batched_tokens": scheduler_config.max_num_batched_tokens,
@@ -202,6 +204,15 @@ def calibrate_engine(
         _element_size(engine.config.dtype), metadata,
     )  # fmt: skip
     return model, measured
+
+
+def native_decode_max_reqs(engine: LLMEngine) -> int:
+    """Most decodes a decode-only step may have to take the engine's native path (0: none)."""
+    if getattr(engine.runner.model, "fused_decode", None) is None:
+        return 0
+    from pagellm.model.fused_decode import MAX_ROWS
+
+    return MAX_ROWS
 
 
 def _element_size(dtype: object) -> int:

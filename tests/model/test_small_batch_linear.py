@@ -70,8 +70,8 @@ def test_model_layers_route_through_the_kernel(monkeypatch):
 
 
 @needs_kernel
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases
-def test_bf16_model_decode_logits_native_and_torch(tmp_path, arch):
+@pytest.mark.parametrize("arch,num_requests", [("llama", 3), ("qwen2", 3), ("llama", 21)])  # qwen2: biases
+def test_bf16_model_decode_logits_native_and_torch(tmp_path, arch, num_requests):
     from hf_models import make_tiny_hf_checkpoint
 
     from pagellm.attention.backend import get_attention_backend
@@ -86,10 +86,11 @@ def test_bf16_model_decode_logits_native_and_torch(tmp_path, arch):
     assert model.fused_decode is not None
 
     def decode_logits() -> torch.Tensor:
-        # Three requests: a prefill step (torch path, 30 rows), then one decode step (3 rows).
-        kv = allocate_kv_caches(model.config, 16, 16, torch.bfloat16, "cpu")
-        prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [20] * 12, [30, 31, 32, 33, 34, 35, 36, 37]]
-        tables = [[1], [2], [3]]
+        # A prefill step (torch path), then one decode step (one row per request).
+        kv = allocate_kv_caches(model.config, num_requests + 1, 16, torch.bfloat16, "cpu")
+        shapes = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [20] * 12, [30, 31, 32, 33, 34, 35, 36, 37]]
+        prompts = [[t + i for t in shapes[i % 3]] for i in range(num_requests)]
+        tables = [[i + 1] for i in range(num_requests)]
         with torch.inference_mode():
             prefill = [ScheduledSequence(p, 0, t, True) for p, t in zip(prompts, tables)]
             inputs = prepare_model_inputs(prefill, 16, "cpu")

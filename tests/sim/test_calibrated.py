@@ -107,6 +107,44 @@ def test_noise_keeps_costs_non_negative_and_totals_close():
     assert abs(fit.quality.total_time_rel_error) < 0.03
 
 
+def test_native_decode_curve_by_hand_and_recovered():
+    # A made-up engine whose decode-only steps of up to 32 decodes take a native path:
+    # 3 ms + 0.2 ms per decode instead of base(M); everything else as before.
+    def native_true(batch: StepBatch) -> float:
+        if batch.num_prefills == 0 and 0 < batch.num_decodes <= 32:
+            slope = 4e-6 if batch.num_decodes < 8 else 1.5e-6
+            return 0.003 + 0.0002 * batch.num_decodes + slope * batch.decode_context_sum + 1e-4 * batch.num_sampled_tokens
+        return true_seconds(batch)
+
+    batches = sweep_like_batches()
+    fit = fit_step_costs(batches, [native_true(b) for b in batches], native_decode_max_reqs=32)
+    assert fit.native_decode_max_reqs == 32 and fit.native_knots[-1] == 32
+    for decodes in (1, 5, 16, 32):
+        step = StepBatch((), (), (300,) * decodes, decodes)
+        assert predict_seconds(fit, step) == pytest.approx(native_true(step), rel=0.02), decodes
+    # 33 decodes and any step with a prefill stay on base(M).
+    for step in (StepBatch((), (), (300,) * 64, 64), StepBatch((40,), (0,), (300,) * 4, 5)):
+        assert predict_seconds(fit, step) == pytest.approx(true_seconds(step), rel=0.03)
+    # Without the native curve the same measurements cannot be fitted as well.
+    plain = fit_step_costs(batches, [native_true(b) for b in batches])
+    assert plain.native_knots == () and plain.quality.median_abs_rel_error > 3 * fit.quality.median_abs_rel_error
+    # By hand: 3 decodes sit between native knots 2 and 4.
+    by_hand = StepCostFit((1,), (0.5,), (1,), (0.0,), 0.0, 1e-3, 0.0, NO_QUALITY, 8, (2, 4), (0.010, 0.020))
+    assert predict_seconds(by_hand, StepBatch((), (), (5, 5, 5), 3)) == pytest.approx(0.015 + 3e-3)
+    assert predict_seconds(by_hand, StepBatch((), (), (5,) * 9, 9)) == pytest.approx(0.5 * 9 + 9e-3)
+
+
+def test_format_3_files_still_load_without_the_native_curve(tmp_path):
+    batches = sweep_like_batches()
+    model = CalibratedCostModel(fit_step_costs(batches, [true_seconds(b) for b in batches]), "SmolLM2-135M", SMOL, "bfloat16", 2)
+    data = model.to_json()
+    data["format"] = "pagellm-step-cost-calibration/3"
+    for key in ("native_decode_max_reqs", "native_knots", "native_base_s"):
+        del data["costs"][key]
+    loaded = CalibratedCostModel.from_json(data)
+    assert loaded.fit.native_knots == () and loaded.predict(batches[0]) == model.predict(batches[0])
+
+
 def test_knots_without_nearby_steps_are_left_out():
     sizes = [1, 1, 1, 8, 8, 8, 64, 64, 60]
     assert supported_knots(sizes) == (1, 8, 64)

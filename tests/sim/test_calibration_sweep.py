@@ -50,9 +50,25 @@ def test_calibrating_a_real_engine(tiny_model, tmp_path):
     assert sum(m.batch.num_tokens for m in measured) < stats.num_prefill_tokens + stats.num_decode_tokens
     assert model.metadata["max_measured_reqs"] == 16  # the quick sweep decodes up to 16 at once
     assert model.model_config.hidden_size == 64 and model.dtype == "float32"
+    # float32 has no native decode path; its fit has no native curve.
+    assert model.metadata["native_decode_max_reqs"] == 0 and model.fit.native_knots == ()
     path = tmp_path / "fit.json"
     model.save(path)
     assert CalibratedCostModel.load(path).predict(measured[0].batch) == model.predict(measured[0].batch)
+
+
+def test_calibrating_a_bf16_engine_fits_its_native_decode_path(tiny_model):
+    from pagellm.model.small_batch_linear import small_batch_kernel
+
+    if small_batch_kernel() is None:
+        pytest.skip("no native decode path on this CPU (needs AVX-512 BF16)")
+    engine = LLMEngine.from_engine_args(EngineArgs(
+        model=tiny_model, dtype="bfloat16", max_model_len=512, max_num_seqs=32,
+        max_num_batched_tokens=256, disable_log_stats=True,
+    ))  # fmt: skip
+    model, _ = calibrate_engine(engine, quick=True)
+    assert model.metadata["native_decode_max_reqs"] == 32
+    assert model.fit.native_decode_max_reqs == 32 and 1 in model.fit.native_knots
 
 
 def test_calibrate_then_simulate_on_the_command_line(tiny_model, tmp_path, capsys):

@@ -1,6 +1,6 @@
-/* Model stage, CPU: one whole decoder layer for a decode step of a few requests (bf16).
+/* Model stage, CPU: one whole decoder layer for a decode step of up to 32 requests (bf16).
  *
- * A decode step of 1 to 8 requests does little arithmetic per layer, but the PyTorch
+ * A decode step of a few requests does little arithmetic per layer, but the PyTorch
  * path spends it in about fifty small operations (norms, rotary, splits, activations,
  * residual adds), each costing microseconds of dispatch: for a 30-layer model that is
  * milliseconds per token, as much as reading the weights. Here the layer is one call:

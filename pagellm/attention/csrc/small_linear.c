@@ -54,7 +54,7 @@ static inline void thread_range(int64_t total, int t, int n, int64_t *begin, int
 #if defined(__AVX512BF16__)
 int small_linear_bf16_supported(void) { return 1; }
 
-/* out[m, n] for rows n0 and n1 (n1 may equal n0 when only one is left). */
+/* out[m, n] for rows n0 and n1 (n1 may equal n0 when only one is left), m <= MAX_ROWS. */
 #define BF16_ROWS(M)                                                                         \
 static void bf16_rows_##M(const uint16_t *x, int64_t x_stride, const uint16_t *w0,           \
                           const uint16_t *w1, int64_t k, float *sum0, float *sum1) {         \
@@ -96,10 +96,11 @@ static const bf16_rows_fn BF16_KERNELS[MAX_ROWS + 1] = {
 };
 
 /* x: [m, k] bf16 (row stride x_stride), w: [n, k] bf16 contiguous, bias: [n] bf16 or NULL,
- * out: [m, n] bf16 (row stride out_stride). 1 <= m <= 8. */
+ * out: [m, n] bf16 (row stride out_stride), m >= 1. Activation rows are taken eight at a
+ * time against each pair of weight rows while those sit in L1, so W is read from memory
+ * once whatever m is. */
 void small_linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, const uint16_t *bias,
                        uint16_t *out, int64_t out_stride, int64_t m, int64_t n, int64_t k, int num_threads) {
-    bf16_rows_fn rows = BF16_KERNELS[m];
 #pragma omp parallel num_threads(num_threads)
     {
         int t = 0, nt = 1;
@@ -112,12 +113,16 @@ void small_linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, c
         float sum0[MAX_ROWS], sum1[MAX_ROWS];
         for (int64_t j = begin; j < end; j += 2) {
             int64_t j1 = j + 1 < end ? j + 1 : j;
-            rows(x, x_stride, w + j * k, w + j1 * k, k, sum0, sum1);
             float b0 = bias ? bf16_bits_to_float(bias[j]) : 0.0f;
             float b1 = bias ? bf16_bits_to_float(bias[j1]) : 0.0f;
-            for (int r = 0; r < m; r++) {
-                out[r * out_stride + j] = float_to_bf16_bits(sum0[r] + b0);
-                if (j1 != j) out[r * out_stride + j1] = float_to_bf16_bits(sum1[r] + b1);
+            for (int64_t first = 0; first < m; first += MAX_ROWS) {
+                int64_t rows = m - first < MAX_ROWS ? m - first : MAX_ROWS;
+                BF16_KERNELS[rows](x + first * x_stride, x_stride, w + j * k, w + j1 * k, k, sum0, sum1);
+                for (int64_t r = 0; r < rows; r++) {
+                    uint16_t *row = out + (first + r) * out_stride;
+                    row[j] = float_to_bf16_bits(sum0[r] + b0);
+                    if (j1 != j) row[j1] = float_to_bf16_bits(sum1[r] + b1);
+                }
             }
         }
     }
