@@ -31,7 +31,9 @@ SCENARIOS = {
         ],
     ),
     "single-stream": (
-        ["--workload", "fixed", "--num-requests", "1", "--prompt-len", "16", "16", "--output-len", "128", "128"],
+        # One request takes about a second: the median of 5 runs, for every backend alike.
+        ["--workload", "fixed", "--num-requests", "1", "--prompt-len", "16", "16", "--output-len", "128", "128",
+         "--repeats", "5"],
         [
             ("pagellm", "bfloat16", []),
             ("pagellm", "float32", []),

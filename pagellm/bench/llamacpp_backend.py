@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pagellm.bench.backends import BackendResult
+from pagellm.bench.backends import BackendResult, median_run
 from pagellm.bench.workload import BenchRequest
 from pagellm.errors import PagellmError
 
@@ -45,7 +45,7 @@ def _seq_rm(llama_cpp, ctx, seq_id: int) -> None:
 
 
 def run_llamacpp(
-    requests: list[BenchRequest], model_path: Path, parallel: int, n_batch: int = 512
+    requests: list[BenchRequest], model_path: Path, parallel: int, n_batch: int = 512, repeats: int = 1
 ) -> BackendResult:
     try:
         import llama_cpp
@@ -76,9 +76,13 @@ def run_llamacpp(
         _decode_all(llama_cpp, ctx, batch, requests[: min(2, len(requests))], parallel, n_batch, n_vocab)
         for seq in range(parallel):
             _seq_rm(llama_cpp, ctx, seq)
-        start = time.perf_counter()
-        produced = _decode_all(llama_cpp, ctx, batch, requests, parallel, n_batch, n_vocab)
-        elapsed = time.perf_counter() - start
+        runs = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            produced = _decode_all(llama_cpp, ctx, batch, requests, parallel, n_batch, n_vocab)
+            runs.append(time.perf_counter() - start)
+            for seq in range(parallel):
+                _seq_rm(llama_cpp, ctx, seq)
     finally:
         llama_cpp.llama_batch_free(batch)
         llama_cpp.llama_free(ctx)
@@ -87,8 +91,9 @@ def run_llamacpp(
     if produced != expected:
         raise PagellmError(f"llama.cpp produced {produced} tokens, {expected} were asked for")
     return BackendResult(
-        "llamacpp", elapsed, produced, sum(len(r.prompt_token_ids) for r in requests),
+        "llamacpp", median_run(runs), produced, sum(len(r.prompt_token_ids) for r in requests),
         settings={"parallel": parallel, "n_batch": n_batch, "threads": threads,
+                  "elapsed_runs_s": [round(r, 4) for r in runs],
                   "weights": "GGUF as stored (Q4_1/Q8_0 kernels)",
                   "version": getattr(llama_cpp, "__version__", "?")},
     )  # fmt: skip

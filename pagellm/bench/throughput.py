@@ -32,6 +32,8 @@ logger = logging.getLogger(__name__)
 def run_bench_throughput(args: argparse.Namespace) -> dict[str, Any]:
     from pagellm.model.loader import load_model_config, resolve_model_source
 
+    if args.repeats < 1:
+        raise PagellmError(f"--repeats must be at least 1, got {args.repeats}")
     source = resolve_model_source(args.model)
     config = load_model_config(source)
     spec = workload_spec_from_args(args)
@@ -49,7 +51,7 @@ def run_bench_throughput(args: argparse.Namespace) -> dict[str, Any]:
         engine_args: dict[str, Any] = {"max_num_seqs": args.max_num_seqs, "max_model_len": args.max_model_len}
         if args.max_num_batched_tokens:
             engine_args["max_num_batched_tokens"] = args.max_num_batched_tokens
-        result = run_pagellm(requests, args.model, args.dtype, engine_args)
+        result = run_pagellm(requests, args.model, args.dtype, engine_args, repeats=args.repeats)
     elif args.backend == "hf":
         result = run_hf(requests, source.path, args.dtype, args.hf_batch_sizes)
     else:
@@ -60,7 +62,7 @@ def run_bench_throughput(args: argparse.Namespace) -> dict[str, Any]:
         model_path = source.path
         if args.llamacpp_weights != "stored":
             model_path = float_gguf_copy(source.path, args.llamacpp_weights)
-        result = run_llamacpp(requests, model_path, args.llamacpp_parallel)
+        result = run_llamacpp(requests, model_path, args.llamacpp_parallel, repeats=args.repeats)
         result.settings["weights"] = (
             "GGUF as stored" if args.llamacpp_weights == "stored" else f"GGUF dequantized to {args.llamacpp_weights}"
         )

@@ -110,6 +110,11 @@ def add_bench_throughput_parser(bench_commands: "argparse._SubParsersAction") ->
         help="llama.cpp runs the GGUF as stored (quantized), or a copy dequantized to this type "
         "(equal work with pagellm's dtype)",
     )
+    p.add_argument(
+        "--repeats", type=int, default=1,
+        help="measured runs of the request list on pagellm and llama.cpp (after the warm-up); "
+        "the median is reported. Short runs (one request) vary by 20%% between runs here",
+    )  # fmt: skip
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=2048)

@@ -10,6 +10,7 @@ from hf_models import make_tiny_hf_checkpoint
 
 from pagellm.bench.ceiling import matmul_flops_per_token, workload_flops
 from pagellm.bench.workload import WorkloadSpec, make_workload
+from pagellm.errors import PagellmError
 from pagellm.model.loader import ModelSource, load_model_config
 
 
@@ -46,7 +47,7 @@ def test_flop_accounting_matches_the_parameter_count(folder):
 def bench_args(folder, backend, **extra):
     args = argparse.Namespace(
         backend=backend, model=str(folder), dtype="float32", hf_batch_sizes=[2, 4], llamacpp_parallel=4,
-        max_num_seqs=256, max_num_batched_tokens=None, max_model_len=256, result_file=None,
+        max_num_seqs=256, max_num_batched_tokens=None, max_model_len=256, result_file=None, repeats=1,
         workload="mixed", num_requests=6, prompt_len=(4, 20), output_len=(3, 9), shared_prefix_len=8, seed=0,
     )  # fmt: skip
     for key, value in extra.items():
@@ -80,3 +81,19 @@ def test_backends_produce_exact_work_and_a_record(folder, backend, tmp_path, cap
         assert record["settings"]["batch_size"] in (2, 4)
     out = capsys.readouterr().out
     assert out.startswith("{") and "output tok/s" in out
+
+
+def test_repeats_report_the_median_run(folder, tmp_path, monkeypatch):
+    from pagellm.bench import backends
+    from pagellm.bench.throughput import run_bench_throughput
+
+    assert backends.median_run([3.0, 1.0, 2.0]) == 2.0
+    assert backends.median_run([4.0, 1.0, 2.0, 3.0]) == 2.0  # lower middle
+    args = bench_args(folder, "pagellm", result_file=str(tmp_path / "r.jsonl"))
+    args.repeats = 3
+    record = run_bench_throughput(args)
+    runs = record["settings"]["elapsed_runs_s"]
+    assert len(runs) == 3 and record["elapsed_s"] == pytest.approx(sorted(runs)[1], abs=1e-3)
+    args.repeats = 0
+    with pytest.raises(PagellmError, match="--repeats"):
+        run_bench_throughput(args)

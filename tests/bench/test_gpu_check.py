@@ -1,4 +1,4 @@
-"""benchmarks/gpu_check.py: its cheapest section (the kernel checks) on tiny shapes, the
+"""benchmarks/gpu_check.py (sections in benchmarks/gpu_checks/): its cheapest section (the kernel checks) on tiny shapes, the
 section guard, the table, and the synthetic checkpoints it builds.
 
 Without CUDA the kernels run under Triton's interpreter (tests/conftest.py sets
@@ -7,9 +7,9 @@ TRITON_INTERPRET=1), as the script's --smoke mode does.
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -18,19 +18,23 @@ pytest.importorskip("triton", reason="Triton is not installed (pip install 'page
 from pagellm.bench.synthetic_model import SHAPES, write_synthetic_checkpoint  # noqa: E402
 from pagellm.model.loader import ModelSource, load_model_config, load_tokenizer  # noqa: E402
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.py"
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 @pytest.fixture(scope="module")
 def gpu_check():
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_check"] = module  # dataclasses resolve their module by name
+    """The script's sections and driver (benchmarks/gpu_checks/), as one namespace."""
+    sys.path.insert(0, str(BENCHMARKS))
     try:
-        spec.loader.exec_module(module)
-        yield module
+        from gpu_checks import common, kernel_sections, runner
+
+        yield SimpleNamespace(
+            smoke_config=common.smoke_config, SectionOutput=common.SectionOutput,
+            section_kernels=kernel_sections.section_kernels, runner=runner,
+            run_section=runner.run_section, format_table=runner.format_table,
+        )  # fmt: skip
     finally:
-        sys.modules.pop("gpu_check", None)
+        sys.path.remove(str(BENCHMARKS))
 
 
 def test_kernel_section_passes_on_tiny_shapes(gpu_check):
@@ -51,7 +55,7 @@ def test_a_failing_section_is_reported_and_the_run_goes_on(gpu_check, monkeypatc
         out.row("first figure", "42")
         raise ValueError("kernel exploded")
 
-    monkeypatch.setitem(gpu_check.SECTIONS, "kernels", broken)
+    monkeypatch.setitem(gpu_check.runner.SECTIONS, "kernels", broken)
     failed = gpu_check.run_section("kernels", cfg, {}, remaining_s=1000.0)
     assert failed.status == "FAILED" and "kernel exploded" in failed.error
     assert [r.result for r in failed.rows] == ["42", "FAILED: ValueError: kernel exploded"]

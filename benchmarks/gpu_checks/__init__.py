@@ -1,0 +1,1 @@
+"""The sections of benchmarks/gpu_check.py (see its docstring)."""
