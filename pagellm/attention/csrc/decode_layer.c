@@ -19,11 +19,14 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
-void small_linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, const uint16_t *bias,
-                       uint16_t *out, int64_t out_stride, int64_t m, int64_t n, int64_t k, int num_threads);
+void small_linear_bf16_part(const uint16_t *x, int64_t x_stride, const uint16_t *w, const uint16_t *bias,
+                            uint16_t *out, int64_t out_stride, int64_t m, int64_t n, int64_t k, int t, int nt);
 
-void paged_decode_attention(
+void paged_decode_attention_in_region(
     const void *query, int64_t query_row_stride,
     const void *key_cache, const void *value_cache,
     const int64_t *block_tables, int64_t table_stride,
@@ -114,11 +117,11 @@ typedef struct {
     float *attn_scratch;  /* paged_decode_attention's workspace */
 } Scratch;
 
-/* act = bf16(silu(gate)) * up per row, gate and up being the halves of each gate_up row.
- * Split over the threads once there is enough of it (32 rows x 1536 is ~50k expf). */
-static void silu_and_mul(const uint16_t *gate_up, uint16_t *act, int64_t m, int64_t inter, int num_threads) {
+/* act = bf16(silu(gate)) * up per row, gate and up being the halves of each gate_up row,
+ * shared among the threads of the enclosing region (32 rows x 1536 is ~50k expf). */
+static void silu_and_mul(const uint16_t *gate_up, uint16_t *act, int64_t m, int64_t inter) {
     const int64_t total = m * inter;
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (total >= 8192)
+#pragma omp for schedule(static)
     for (int64_t index = 0; index < total; index++) {
         const int64_t r = index / inter, i = index % inter;
         const float g = bf16f(gate_up[r * 2 * inter + i]);
@@ -131,41 +134,58 @@ static void add_residual(uint16_t *hidden, const uint16_t *delta, int64_t count)
 }
 
 /* hidden: [m, hidden] bf16, updated in place to the layer's output; the caches are the
- * layer's [blocks, block_size, kv_heads, head_dim] K and V. */
+ * layer's [blocks, block_size, kv_heads, head_dim] K and V. One parallel region for the
+ * whole layer: each thread streams its share of every weight matrix, with barriers
+ * between the phases, instead of a fork and join per operation. */
 void decode_layer_bf16(uint16_t *hidden, const LayerWeights *w, uint16_t *key_cache, uint16_t *value_cache,
                        const LayerShape *s, const StepInputs *in, const Scratch *scratch) {
-    const int64_t m = in->m, h = s->hidden;
+    const int64_t m = in->m, h = s->hidden, inter = s->intermediate;
     const int64_t q_size = (int64_t)s->num_heads * s->head_dim;
     const int64_t kv_size = (int64_t)s->num_kv_heads * s->head_dim;
     const int64_t qkv_size = q_size + 2 * kv_size;
     const int half = s->head_dim / 2;
 
-    rms_norm_rows(hidden, w->input_norm, s->eps, scratch->normed, m, h);
-    small_linear_bf16(scratch->normed, h, w->qkv, w->qkv_bias, scratch->qkv, qkv_size, m, qkv_size, h,
-                      s->num_threads);
-    for (int64_t r = 0; r < m; r++) {
-        uint16_t *row = scratch->qkv + r * qkv_size;
-        const float *cos = in->cos_table + in->positions[r] * half;
-        const float *sin = in->sin_table + in->positions[r] * half;
-        rotate_heads(row, s->num_heads, s->head_dim, cos, sin);
-        rotate_heads(row + q_size, s->num_kv_heads, s->head_dim, cos, sin);
-        int64_t slot = in->slots[r];
-        memcpy(key_cache + slot * kv_size, row + q_size, sizeof(uint16_t) * (size_t)kv_size);
-        memcpy(value_cache + slot * kv_size, row + q_size + kv_size,
-               sizeof(uint16_t) * (size_t)kv_size);
+#pragma omp parallel num_threads(s->num_threads)
+    {
+        int t = 0, nt = 1;
+#ifdef _OPENMP
+        t = omp_get_thread_num();
+        nt = omp_get_num_threads();
+#endif
+#pragma omp single
+        rms_norm_rows(hidden, w->input_norm, s->eps, scratch->normed, m, h);
+        small_linear_bf16_part(scratch->normed, h, w->qkv, w->qkv_bias, scratch->qkv, qkv_size, m, qkv_size, h,
+                               t, nt);
+#pragma omp barrier
+#pragma omp single
+        for (int64_t r = 0; r < m; r++) {
+            uint16_t *row = scratch->qkv + r * qkv_size;
+            const float *cos = in->cos_table + in->positions[r] * half;
+            const float *sin = in->sin_table + in->positions[r] * half;
+            rotate_heads(row, s->num_heads, s->head_dim, cos, sin);
+            rotate_heads(row + q_size, s->num_kv_heads, s->head_dim, cos, sin);
+            int64_t slot = in->slots[r];
+            memcpy(key_cache + slot * kv_size, row + q_size, sizeof(uint16_t) * (size_t)kv_size);
+            memcpy(value_cache + slot * kv_size, row + q_size + kv_size, sizeof(uint16_t) * (size_t)kv_size);
+        }
+        paged_decode_attention_in_region(scratch->qkv, qkv_size, key_cache, value_cache, in->block_tables,
+                                         in->table_stride, in->rows, in->reqs, in->seq_lens, m, s->num_heads,
+                                         s->num_kv_heads, s->head_dim, s->block_size, s->scale, 1, nt,
+                                         in->max_seq_len, scratch->attn, q_size, scratch->attn_scratch);
+        small_linear_bf16_part(scratch->attn, q_size, w->o, w->o_bias, scratch->proj, h, m, h, q_size, t, nt);
+#pragma omp barrier
+#pragma omp single
+        {
+            add_residual(hidden, scratch->proj, m * h);
+            rms_norm_rows(hidden, w->post_norm, s->eps, scratch->normed, m, h);
+        }
+        small_linear_bf16_part(scratch->normed, h, w->gate_up, NULL, scratch->gate_up, 2 * inter, m, 2 * inter,
+                               h, t, nt);
+#pragma omp barrier
+        silu_and_mul(scratch->gate_up, scratch->act, m, inter);
+        small_linear_bf16_part(scratch->act, inter, w->down, NULL, scratch->proj, h, m, h, inter, t, nt);
+#pragma omp barrier
+#pragma omp single
+        add_residual(hidden, scratch->proj, m * h);
     }
-    paged_decode_attention(scratch->qkv, qkv_size, key_cache, value_cache, in->block_tables,
-                           in->table_stride, in->rows, in->reqs, in->seq_lens, m, s->num_heads,
-                           s->num_kv_heads, s->head_dim, s->block_size, s->scale, 1, s->num_threads,
-                           in->max_seq_len, scratch->attn, q_size, scratch->attn_scratch);
-    small_linear_bf16(scratch->attn, q_size, w->o, w->o_bias, scratch->proj, h, m, h, q_size, s->num_threads);
-    add_residual(hidden, scratch->proj, m * h);
-
-    rms_norm_rows(hidden, w->post_norm, s->eps, scratch->normed, m, h);
-    const int64_t inter = s->intermediate;
-    small_linear_bf16(scratch->normed, h, w->gate_up, NULL, scratch->gate_up, 2 * inter, m, 2 * inter, h,
-                      s->num_threads);
-    silu_and_mul(scratch->gate_up, scratch->act, m, inter, s->num_threads);
-    small_linear_bf16(scratch->act, inter, w->down, NULL, scratch->proj, h, m, h, inter, s->num_threads);
-    add_residual(hidden, scratch->proj, m * h);
 }

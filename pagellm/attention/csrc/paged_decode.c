@@ -128,7 +128,9 @@ DEFINE_ATTEND(attend_any, head_dim_arg)
  * out:          [*, num_heads, head_dim], row r starts at r * out_row_stride elements
  * workspace:    num_threads * max_seq_len * num_heads floats
  */
-void paged_decode_attention(
+/* The loop over work items, shared among the threads of the enclosing parallel region
+ * (an orphaned `omp for`; called outside any region it runs on the calling thread). */
+void paged_decode_attention_in_region(
     const void *query, int64_t query_row_stride,
     const void *key_cache, const void *value_cache,
     const int64_t *block_tables, int64_t table_stride,
@@ -143,7 +145,7 @@ void paged_decode_attention(
     const int span = num_decodes >= 4 * (int64_t)num_threads ? num_kv_heads : 1;
     const int items_per_decode = num_kv_heads / span;
     const int64_t num_items = num_decodes * items_per_decode;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+#pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < num_items; item++) {
         int thread = 0;
 #ifdef _OPENMP
@@ -174,4 +176,20 @@ void paged_decode_attention(
             memcpy((float *)out + offset, acc, sizeof(float) * (size_t)(heads * head_dim));
         }
     }
+}
+
+void paged_decode_attention(
+    const void *query, int64_t query_row_stride,
+    const void *key_cache, const void *value_cache,
+    const int64_t *block_tables, int64_t table_stride,
+    const int64_t *rows, const int64_t *reqs, const int64_t *seq_lens, int64_t num_decodes,
+    int num_heads, int num_kv_heads, int head_dim, int block_size,
+    float scale, int is_bf16, int num_threads, int64_t max_seq_len,
+    void *out, int64_t out_row_stride, float *workspace)
+{
+#pragma omp parallel num_threads(num_threads)
+    paged_decode_attention_in_region(query, query_row_stride, key_cache, value_cache, block_tables,
+                                     table_stride, rows, reqs, seq_lens, num_decodes, num_heads,
+                                     num_kv_heads, head_dim, block_size, scale, is_bf16, num_threads,
+                                     max_seq_len, out, out_row_stride, workspace);
 }

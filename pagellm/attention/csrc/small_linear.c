@@ -95,6 +95,28 @@ static const bf16_rows_fn BF16_KERNELS[MAX_ROWS + 1] = {
     0, bf16_rows_1, bf16_rows_2, bf16_rows_3, bf16_rows_4, bf16_rows_5, bf16_rows_6, bf16_rows_7, bf16_rows_8,
 };
 
+/* Thread t of nt's share of the output columns (called by every thread of a region). */
+void small_linear_bf16_part(const uint16_t *x, int64_t x_stride, const uint16_t *w, const uint16_t *bias,
+                            uint16_t *out, int64_t out_stride, int64_t m, int64_t n, int64_t k, int t, int nt) {
+    int64_t begin, end;
+    thread_range(n, t, nt, &begin, &end);
+    float sum0[MAX_ROWS], sum1[MAX_ROWS];
+    for (int64_t j = begin; j < end; j += 2) {
+        int64_t j1 = j + 1 < end ? j + 1 : j;
+        float b0 = bias ? bf16_bits_to_float(bias[j]) : 0.0f;
+        float b1 = bias ? bf16_bits_to_float(bias[j1]) : 0.0f;
+        for (int64_t first = 0; first < m; first += MAX_ROWS) {
+            int64_t rows = m - first < MAX_ROWS ? m - first : MAX_ROWS;
+            BF16_KERNELS[rows](x + first * x_stride, x_stride, w + j * k, w + j1 * k, k, sum0, sum1);
+            for (int64_t r = 0; r < rows; r++) {
+                uint16_t *row = out + (first + r) * out_stride;
+                row[j] = float_to_bf16_bits(sum0[r] + b0);
+                if (j1 != j) row[j1] = float_to_bf16_bits(sum1[r] + b1);
+            }
+        }
+    }
+}
+
 /* x: [m, k] bf16 (row stride x_stride), w: [n, k] bf16 contiguous, bias: [n] bf16 or NULL,
  * out: [m, n] bf16 (row stride out_stride), m >= 1. Activation rows are taken eight at a
  * time against each pair of weight rows while those sit in L1, so W is read from memory
@@ -108,27 +130,16 @@ void small_linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, c
         t = omp_get_thread_num();
         nt = omp_get_num_threads();
 #endif
-        int64_t begin, end;
-        thread_range(n, t, nt, &begin, &end);
-        float sum0[MAX_ROWS], sum1[MAX_ROWS];
-        for (int64_t j = begin; j < end; j += 2) {
-            int64_t j1 = j + 1 < end ? j + 1 : j;
-            float b0 = bias ? bf16_bits_to_float(bias[j]) : 0.0f;
-            float b1 = bias ? bf16_bits_to_float(bias[j1]) : 0.0f;
-            for (int64_t first = 0; first < m; first += MAX_ROWS) {
-                int64_t rows = m - first < MAX_ROWS ? m - first : MAX_ROWS;
-                BF16_KERNELS[rows](x + first * x_stride, x_stride, w + j * k, w + j1 * k, k, sum0, sum1);
-                for (int64_t r = 0; r < rows; r++) {
-                    uint16_t *row = out + (first + r) * out_stride;
-                    row[j] = float_to_bf16_bits(sum0[r] + b0);
-                    if (j1 != j) row[j1] = float_to_bf16_bits(sum1[r] + b1);
-                }
-            }
-        }
+        small_linear_bf16_part(x, x_stride, w, bias, out, out_stride, m, n, k, t, nt);
     }
 }
 #else
 int small_linear_bf16_supported(void) { return 0; }
+void small_linear_bf16_part(const uint16_t *x, int64_t x_stride, const uint16_t *w, const uint16_t *bias,
+                            uint16_t *out, int64_t out_stride, int64_t m, int64_t n, int64_t k, int t, int nt) {
+    (void)x; (void)x_stride; (void)w; (void)bias; (void)out; (void)out_stride;
+    (void)m; (void)n; (void)k; (void)t; (void)nt;
+}
 void small_linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, const uint16_t *bias,
                        uint16_t *out, int64_t out_stride, int64_t m, int64_t n, int64_t k, int num_threads) {
     (void)x; (void)x_stride; (void)w; (void)bias; (void)out; (void)out_stride;
