@@ -297,7 +297,9 @@ def validate_config(args: argparse.Namespace, config: ValidationConfig, given: C
     if given is None:
         (model, _), calibration_load = timed_phase(
             args, f"{config.name} calibration",
-            on_clean_engine(engine, lambda watch: calibrate_engine(engine, quick=args.quick, on_case=watch)),
+            on_clean_engine(engine, lambda watch: calibrate_engine(
+                engine, quick=args.quick, on_case=watch, sweeps=args.calibration_sweeps,
+            )),
         )  # fmt: skip
         reset_engine(engine)  # the sweep's prompts must not be prefix hits for the run
     else:
@@ -350,6 +352,7 @@ def calibration_summary(model: CalibratedCostModel, load: float | None) -> dict[
         "machine": model.metadata.get("machine", platform.machine()),
         "model": model.model_name, "dtype": model.dtype, "num_steps": quality.num_steps,
         "sweep_seconds": model.metadata.get("sweep_seconds"),
+        "sweeps": model.metadata.get("sweeps", 1),
         "median_abs_rel_error": round(quality.median_abs_rel_error, 4), "r2": round(quality.r2, 4),
         "base_ms_at_tokens": {k: round(v * 1e3, 2) for k, v in zip(model.fit.token_knots, model.fit.base_s)},
         "foreign_cpu_load": None if load is None else round(load, 3),
@@ -373,7 +376,8 @@ def markdown_table(records: list[dict[str, Any]]) -> str:
     first = records[0]["calibration"]
     lines = [
         f"Measured {time.strftime('%Y-%m-%d %H:%M')} on {first['machine']}, {first['model']} "
-        f"({first['dtype']}); each configuration's engine calibrated right before its runs. \"real\" is "
+        f"({first['dtype']}); each configuration's engine calibrated ({first.get('sweeps', 1)} sweeps fitted "
+        "together) right before its runs. \"real\" is "
         "the mean of the real runs; [±x%] is half their spread, the machine's own run-to-run noise.",
         "",
         "| config | engine | workload | output tok/s real / sim (err) | TTFT p50 ms real / sim (err) "
@@ -412,6 +416,8 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="smaller sweep and workloads (smoke run)")
     parser.add_argument("--calibration", default=None,
                         help="use this fit for every configuration instead of calibrating each engine")
+    parser.add_argument("--calibration-sweeps", type=int, default=2,
+                        help="calibration sweeps per configuration, fitted together (one sweep's fit varies 10-20%%)")
     parser.add_argument("--out", default=str(RESULTS), help="results folder")
     parser.add_argument("--lock-file", default="/tmp/pagellm-bench.lock")
     parser.add_argument("--max-foreign-load", type=float, default=0.10,

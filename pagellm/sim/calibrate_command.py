@@ -30,6 +30,8 @@ def add_calibrate_parser(commands: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--output", default="pagellm-calibration.json", help="where to write the fit")
     p.add_argument("--quick", action="store_true", help="a few seconds of sweep (a rough fit)")
+    p.add_argument("--sweeps", type=int, default=1,
+                   help="run the sweep this many times and fit all the steps together (steadier on a noisy machine)")
     p.add_argument("--max-chunk", type=int, default=DEFAULT_MAX_CHUNK,
                    help="longest prompt chunk measured (default %(default)s)")  # fmt: skip
     add_engine_args(p)
@@ -50,7 +52,7 @@ def run_calibrate(args: argparse.Namespace) -> dict[str, Any]:
     def on_case(case: Any, steps: list[Any]) -> None:
         logger.info("%-24s %4d steps %8.2f s", case.label, len(steps), sum(s.seconds for s in steps))
 
-    model, measured = calibrate_engine(engine, quick=args.quick, max_chunk=args.max_chunk,
+    model, measured = calibrate_engine(engine, quick=args.quick, max_chunk=args.max_chunk, sweeps=args.sweeps,
                                        seed=engine_args.seed, on_case=on_case)  # fmt: skip
     model.save(args.output)
     record = {"bench": "calibrate", "output": args.output, **model.to_json()}

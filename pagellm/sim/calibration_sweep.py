@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from pagellm.errors import ConfigError
 from pagellm.sampling_params import SamplingParams
 from pagellm.sim.calibrated import CalibratedCostModel, fit_step_costs
 from pagellm.sim.step_batch import StepBatch
@@ -170,15 +171,22 @@ def calibrate_engine(
     max_chunk: int = DEFAULT_MAX_CHUNK,
     seed: int = 0,
     on_case: Callable[[SweepCase, list[MeasuredStep]], None] | None = None,
+    sweeps: int = 1,
 ) -> tuple[CalibratedCostModel, list[MeasuredStep]]:
-    """Measure the sweep on `engine` and fit a CalibratedCostModel to it."""
+    """Measure the sweep on `engine` (`sweeps` times, fitting all the steps together: on a
+    noisy machine one sweep's timings of the same step vary by 10-20%) and fit a
+    CalibratedCostModel to it."""
+    if sweeps < 1:
+        raise ConfigError(f"sweeps must be at least 1, got {sweeps}")
     scheduler_config = engine.config.scheduler_config
     cases = sweep_cases(
         scheduler_config.max_num_seqs, scheduler_config.max_num_batched_tokens,
         scheduler_config.max_model_len, quick=quick, max_chunk=max_chunk, seed=seed,
     )  # fmt: skip
     start = time.perf_counter()
-    measured = measure_steps(engine, cases, seed=seed, on_case=on_case)
+    measured = []
+    for sweep in range(sweeps):
+        measured += measure_steps(engine, cases, seed=seed + sweep, on_case=on_case)
     native_max = native_decode_max_reqs(engine)
     fit = fit_step_costs([m.batch for m in measured], [m.seconds for m in measured], native_max)
     dtype = str(engine.config.dtype).removeprefix("torch.")
@@ -187,6 +195,7 @@ def calibrate_engine(
         "device": engine.config.device.type,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "sweep_seconds": round(time.perf_counter() - start, 1),
+        "sweeps": sweeps,
         # The range the fit saw; the simulator counts steps beyond it as extrapolated.
         "max_measured_tokens": max(m.batch.num_tokens for m in measured),
         "max_measured_chunk": max((max(m.batch.prefill_num_tokens, default=0) for m in measured), default=0),

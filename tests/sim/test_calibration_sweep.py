@@ -10,6 +10,7 @@ from hf_models import make_tiny_hf_checkpoint
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.entrypoints.cli import main
+from pagellm.errors import ConfigError
 from pagellm.sim.calibrated import CalibratedCostModel
 from pagellm.sim.calibration_sweep import calibrate_engine, sweep_cases
 
@@ -83,3 +84,17 @@ def test_calibrate_then_simulate_on_the_command_line(tiny_model, tmp_path, capsy
     record = json.loads(capsys.readouterr().out.splitlines()[0])
     assert record["cost_model"]["kind"] == "calibrated"
     assert record["target"]["device"] == "CPU" and record["results"]["completed"] == 12
+
+
+def test_several_sweeps_are_fitted_together(tiny_model):
+    engine = LLMEngine.from_engine_args(EngineArgs(
+        model=tiny_model, max_model_len=512, max_num_seqs=16, max_num_batched_tokens=128,
+        disable_log_stats=True,
+    ))  # fmt: skip
+    one, measured_once = calibrate_engine(engine, quick=True)
+    engine.scheduler.kv_cache_manager.reset_prefix_cache()  # no hits on the first call's prompts
+    two, measured_twice = calibrate_engine(engine, quick=True, sweeps=2)
+    assert len(measured_twice) == 2 * len(measured_once) == two.fit.quality.num_steps
+    assert two.metadata["sweeps"] == 2 and one.metadata["sweeps"] == 1
+    with pytest.raises(ConfigError, match="sweeps"):
+        calibrate_engine(engine, quick=True, sweeps=0)
