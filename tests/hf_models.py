@@ -6,6 +6,8 @@ from pathlib import Path
 
 import torch
 
+from pagellm.bench.synthetic_model import write_byte_tokenizer
+
 TINY_SHAPE = dict(
     vocab_size=256,
     hidden_size=64,
@@ -50,44 +52,8 @@ def make_tiny_hf_checkpoint(
             else:
                 param.normal_(0.0, 0.15)
     model.save_pretrained(folder, safe_serialization=True)
-    write_byte_tokenizer(folder, shape["vocab_size"])
+    write_byte_tokenizer(folder)  # one token per byte, as the tiny vocabulary of 256
     return folder
-
-
-def write_byte_tokenizer(folder: Path, vocab_size: int) -> None:
-    """A byte-level tokenizer with one token per byte (ids 0-255) plus specials."""
-    import json
-
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    byte_tokens = sorted(alphabet, key=lambda ch: _byte_of(ch))
-    vocab = {token: i for i, token in enumerate(byte_tokens)}
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.save(str(folder / "tokenizer.json"))
-    template = (
-        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
-        "{% if add_generation_prompt %}<assistant>{% endif %}"
-    )
-    config = {
-        "bos_token": byte_tokens[1],
-        "eos_token": byte_tokens[2],
-        "add_bos_token": False,
-        "chat_template": template,
-    }
-    (folder / "tokenizer_config.json").write_text(json.dumps(config))
-
-
-def _byte_of(ch: str) -> int:
-    """The byte a GPT-2 byte-level character stands for."""
-    printable = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
-    code = ord(ch)
-    if code in printable:
-        return code
-    others = [b for b in range(256) if b not in printable]
-    return others[code - 256]
 
 
 def load_hf_reference(folder: Path) -> torch.nn.Module:

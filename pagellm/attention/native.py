@@ -25,6 +25,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 _SOURCES = ("paged_decode.c", "small_linear.c", "decode_layer.c")
+_HEADERS = ("bf16.h",)  # included by the sources: part of what the cached library is keyed by
 _COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11", "-Wall")
 # Linked without -ffast-math: with it, GCC adds crtfastmath.o, whose constructor turns on
 # flush-to-zero for the whole process (every float computation, not just these kernels).
@@ -86,7 +87,7 @@ def load_kernels() -> ctypes.CDLL | None:
     flags = " ".join(_COMPILE_FLAGS + _LINK_FLAGS)
     for part in (compiler, flags, _cpu_signature(), platform.python_implementation()):
         digest.update(part.encode())
-    for source in sources:
+    for source in sources + [Path(__file__).with_name("csrc") / name for name in _HEADERS]:
         digest.update(source.read_bytes())
     target = _cache_dir() / f"pagellm_kernels_{digest.hexdigest()[:16]}.so"
     try:

@@ -23,6 +23,8 @@
 #include <omp.h>
 #endif
 
+#include "bf16.h"
+
 void small_linear_bf16_part(const uint16_t *x, int64_t x_stride, const uint16_t *w, const uint16_t *bias,
                             uint16_t *out, int64_t out_stride, int64_t m, int64_t n, int64_t k, int t, int nt);
 
@@ -35,22 +37,7 @@ void paged_decode_attention_in_region(
     float scale, int is_bf16, int num_threads, int64_t max_seq_len,
     void *out, int64_t out_row_stride, float *workspace);
 
-static inline float bf16f(uint16_t bits) {
-    uint32_t wide = (uint32_t)bits << 16;
-    float value;
-    memcpy(&value, &wide, sizeof value);
-    return value;
-}
-
-static inline uint16_t to_bf16(float value) {
-    uint32_t bits;
-    memcpy(&bits, &value, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u);
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
-
-static inline float round_bf16(float value) { return bf16f(to_bf16(value)); }
+static inline float round_bf16(float value) { return bf16_to_float(float_to_bf16(value)); }
 
 /* out = weight * bf16(x * rsqrt(mean(x^2) + eps)), as model/layers.py RMSNorm. */
 static void rms_norm_rows(const uint16_t *x, const uint16_t *weight, float eps, uint16_t *out,
@@ -59,12 +46,12 @@ static void rms_norm_rows(const uint16_t *x, const uint16_t *weight, float eps, 
         const uint16_t *row = x + r * hidden;
         float sum = 0.0f;
         for (int64_t i = 0; i < hidden; i++) {
-            float v = bf16f(row[i]);
+            float v = bf16_to_float(row[i]);
             sum += v * v;
         }
         float inv = 1.0f / sqrtf(sum / (float)hidden + eps);
         for (int64_t i = 0; i < hidden; i++)
-            out[r * hidden + i] = to_bf16(bf16f(weight[i]) * round_bf16(bf16f(row[i]) * inv));
+            out[r * hidden + i] = float_to_bf16(bf16_to_float(weight[i]) * round_bf16(bf16_to_float(row[i]) * inv));
     }
 }
 
@@ -74,9 +61,9 @@ static void rotate_heads(uint16_t *heads, int num_heads, int head_dim, const flo
     for (int h = 0; h < num_heads; h++) {
         uint16_t *x = heads + (int64_t)h * head_dim;
         for (int i = 0; i < half; i++) {
-            float x1 = bf16f(x[i]), x2 = bf16f(x[i + half]);
-            x[i] = to_bf16(x1 * cos[i] - x2 * sin[i]);
-            x[i + half] = to_bf16(x2 * cos[i] + x1 * sin[i]);
+            float x1 = bf16_to_float(x[i]), x2 = bf16_to_float(x[i + half]);
+            x[i] = float_to_bf16(x1 * cos[i] - x2 * sin[i]);
+            x[i + half] = float_to_bf16(x2 * cos[i] + x1 * sin[i]);
         }
     }
 }
@@ -124,13 +111,13 @@ static void silu_and_mul(const uint16_t *gate_up, uint16_t *act, int64_t m, int6
 #pragma omp for schedule(static)
     for (int64_t index = 0; index < total; index++) {
         const int64_t r = index / inter, i = index % inter;
-        const float g = bf16f(gate_up[r * 2 * inter + i]);
-        act[index] = to_bf16(round_bf16(g / (1.0f + expf(-g))) * bf16f(gate_up[r * 2 * inter + inter + i]));
+        const float g = bf16_to_float(gate_up[r * 2 * inter + i]);
+        act[index] = float_to_bf16(round_bf16(g / (1.0f + expf(-g))) * bf16_to_float(gate_up[r * 2 * inter + inter + i]));
     }
 }
 
 static void add_residual(uint16_t *hidden, const uint16_t *delta, int64_t count) {
-    for (int64_t i = 0; i < count; i++) hidden[i] = to_bf16(bf16f(hidden[i]) + bf16f(delta[i]));
+    for (int64_t i = 0; i < count; i++) hidden[i] = float_to_bf16(bf16_to_float(hidden[i]) + bf16_to_float(delta[i]));
 }
 
 /* hidden: [m, hidden] bf16, updated in place to the layer's output; the caches are the

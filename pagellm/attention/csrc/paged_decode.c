@@ -16,25 +16,11 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "bf16.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
-
-static inline float bf16_to_float(uint16_t bits) {
-    uint32_t wide = (uint32_t)bits << 16;
-    float value;
-    memcpy(&value, &wide, sizeof value);
-    return value;
-}
-
-static inline uint16_t float_to_bf16(float value) {
-    /* Round to nearest even, as torch does; NaN stays NaN. */
-    uint32_t bits;
-    memcpy(&bits, &value, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u);
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
 
 /* head_dim elements starting `offset` elements into `base`, widened to float32. */
 static inline void load_row(const void *base, int64_t offset, int head_dim, int is_bf16, float *dst) {

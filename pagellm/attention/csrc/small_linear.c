@@ -21,25 +21,12 @@
 #endif
 #include <immintrin.h>
 
+#include "bf16.h"
+
 #define MAX_ROWS 8
 #ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 4096
 #endif
-
-static inline float bf16_bits_to_float(uint16_t bits) {
-    uint32_t wide = (uint32_t)bits << 16;
-    float value;
-    memcpy(&value, &wide, sizeof value);
-    return value;
-}
-
-static inline uint16_t float_to_bf16_bits(float value) {
-    uint32_t bits;
-    memcpy(&bits, &value, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u);
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
 
 /* The [begin, end) share of `total` items that thread `t` of `n` takes, in multiples of 2. */
 static inline void thread_range(int64_t total, int t, int n, int64_t *begin, int64_t *end) {
@@ -103,15 +90,15 @@ void small_linear_bf16_part(const uint16_t *x, int64_t x_stride, const uint16_t 
     float sum0[MAX_ROWS], sum1[MAX_ROWS];
     for (int64_t j = begin; j < end; j += 2) {
         int64_t j1 = j + 1 < end ? j + 1 : j;
-        float b0 = bias ? bf16_bits_to_float(bias[j]) : 0.0f;
-        float b1 = bias ? bf16_bits_to_float(bias[j1]) : 0.0f;
+        float b0 = bias ? bf16_to_float(bias[j]) : 0.0f;
+        float b1 = bias ? bf16_to_float(bias[j1]) : 0.0f;
         for (int64_t first = 0; first < m; first += MAX_ROWS) {
             int64_t rows = m - first < MAX_ROWS ? m - first : MAX_ROWS;
             BF16_KERNELS[rows](x + first * x_stride, x_stride, w + j * k, w + j1 * k, k, sum0, sum1);
             for (int64_t r = 0; r < rows; r++) {
                 uint16_t *row = out + (first + r) * out_stride;
-                row[j] = float_to_bf16_bits(sum0[r] + b0);
-                if (j1 != j) row[j1] = float_to_bf16_bits(sum1[r] + b1);
+                row[j] = float_to_bf16(sum0[r] + b0);
+                if (j1 != j) row[j1] = float_to_bf16(sum1[r] + b1);
             }
         }
     }

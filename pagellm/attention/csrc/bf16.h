@@ -1,0 +1,24 @@
+/* bfloat16 <-> float32 for the CPU kernels: bf16 is the top half of a float32. */
+#ifndef PAGELLM_BF16_H
+#define PAGELLM_BF16_H
+
+#include <stdint.h>
+#include <string.h>
+
+static inline float bf16_to_float(uint16_t bits) {
+    uint32_t wide = (uint32_t)bits << 16;
+    float value;
+    memcpy(&value, &wide, sizeof value);
+    return value;
+}
+
+static inline uint16_t float_to_bf16(float value) {
+    /* Round to nearest even, as torch does; NaN stays NaN. */
+    uint32_t bits;
+    memcpy(&bits, &value, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u);
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+#endif
