@@ -37,6 +37,16 @@ void paged_decode_attention_in_region(
     float scale, int is_bf16, int num_threads, int64_t max_seq_len,
     void *out, int64_t out_row_stride, float *workspace);
 
+void paged_decode_prefetch_in_region(const void *key_cache, const void *value_cache,
+                                     const int64_t *block_tables, int64_t table_stride,
+                                     const int64_t *reqs, const int64_t *seq_lens, int64_t num_decodes,
+                                     int num_kv_heads, int head_dim, int block_size, int element_bytes,
+                                     int t, int nt, int64_t max_bytes);
+
+/* Context bytes each thread prefetches at the start of a layer (L2 is 1 MB or more on
+ * CPUs with AVX-512 BF16; the qkv weights stream through it meanwhile). */
+#define CONTEXT_PREFETCH_BYTES (256 * 1024)
+
 static inline float round_bf16(float value) { return bf16_to_float(float_to_bf16(value)); }
 
 /* out = weight * bf16(x * rsqrt(mean(x^2) + eps)), as model/layers.py RMSNorm. */
@@ -139,6 +149,9 @@ void decode_layer_bf16(uint16_t *hidden, const LayerWeights *w, uint16_t *key_ca
         t = omp_get_thread_num();
         nt = omp_get_num_threads();
 #endif
+        paged_decode_prefetch_in_region(key_cache, value_cache, in->block_tables, in->table_stride, in->reqs,
+                                        in->seq_lens, m, s->num_kv_heads, s->head_dim, s->block_size, 2, t, nt,
+                                        CONTEXT_PREFETCH_BYTES);
 #pragma omp single
         rms_norm_rows(hidden, w->input_norm, s->eps, scratch->normed, m, h);
         small_linear_bf16_part(scratch->normed, h, w->qkv, w->qkv_bias, scratch->qkv, qkv_size, m, qkv_size, h,

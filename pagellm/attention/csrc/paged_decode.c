@@ -33,6 +33,26 @@ static inline void load_row(const void *base, int64_t offset, int head_dim, int 
     }
 }
 
+/* Blocks asked for ahead of use. The cache rows were written steps ago and evicted since
+ * (by the weights streaming through), and one kv head's rows are strided, which the
+ * hardware prefetcher follows poorly: without this the loads wait on memory one after
+ * another (measured: ~13 us per layer for one request at ~80 tokens of context). */
+#define PREFETCH_BLOCKS 2
+
+/* Prefetch rows [first, first + block_size) of the context (those that exist). */
+static inline void prefetch_block(const void *cache, const int64_t *table, int64_t first, int64_t seq_len,
+                                  int block_size, int num_kv_heads, int kv_head, int head_dim, int span,
+                                  int element_bytes) {
+    if (first >= seq_len) return;
+    const int64_t count = seq_len - first < block_size ? seq_len - first : block_size;
+    const int64_t row_stride = (int64_t)num_kv_heads * head_dim * element_bytes;
+    const char *start = (const char *)cache
+        + ((table[first / block_size] * block_size * num_kv_heads + kv_head) * head_dim) * element_bytes;
+    const int row_bytes = span * head_dim * element_bytes;
+    for (int64_t i = 0; i < count; i++)
+        for (int offset = 0; offset < row_bytes; offset += 64) __builtin_prefetch(start + i * row_stride + offset, 0, 3);
+}
+
 /*
  * One item: the query heads of kv heads [kv_head, kv_head + span) of one request attend
  * over its seq_len context positions, read block by block through `table`. With span =
@@ -54,8 +74,17 @@ static void NAME(const float *q, const void *key_cache, const void *value_cache,
     float row[span * head_dim];                                                              \
     float best[heads], total[heads];                                                         \
     for (int h = 0; h < heads; h++) best[h] = -FLT_MAX;                                      \
+    const int element_bytes = is_bf16 ? 2 : 4;                                               \
+    for (int b = 0; b < PREFETCH_BLOCKS; b++) {                                              \
+        prefetch_block(key_cache, table, (int64_t)b * block_size, seq_len, block_size,       \
+                       num_kv_heads, kv_head, head_dim, span, element_bytes);                \
+        prefetch_block(value_cache, table, (int64_t)b * block_size, seq_len, block_size,     \
+                       num_kv_heads, kv_head, head_dim, span, element_bytes);                \
+    }                                                                                        \
     /* Pass 1: scaled scores q . k, block by block. */                                       \
     for (int64_t first = 0; first < seq_len; first += block_size) {                          \
+        prefetch_block(key_cache, table, first + PREFETCH_BLOCKS * block_size, seq_len,      \
+                       block_size, num_kv_heads, kv_head, head_dim, span, element_bytes);    \
         const int64_t count = seq_len - first < block_size ? seq_len - first : block_size;   \
         const int64_t base = (table[first / block_size] * block_size * num_kv_heads + kv_head) * head_dim; \
         for (int64_t i = 0; i < count; i++) {                                                \
@@ -83,6 +112,8 @@ static void NAME(const float *q, const void *key_cache, const void *value_cache,
     /* Pass 2: weighted sum of the value rows. */                                            \
     for (int i = 0; i < heads * head_dim; i++) acc[i] = 0.0f;                                \
     for (int64_t first = 0; first < seq_len; first += block_size) {                          \
+        prefetch_block(value_cache, table, first + PREFETCH_BLOCKS * block_size, seq_len,    \
+                       block_size, num_kv_heads, kv_head, head_dim, span, element_bytes);    \
         const int64_t count = seq_len - first < block_size ? seq_len - first : block_size;   \
         const int64_t base = (table[first / block_size] * block_size * num_kv_heads + kv_head) * head_dim; \
         for (int64_t i = 0; i < count; i++) {                                                \
@@ -160,6 +191,34 @@ void paged_decode_attention_in_region(
             for (int i = 0; i < heads * head_dim; i++) dst[i] = float_to_bf16(acc[i]);
         } else {
             memcpy((float *)out + offset, acc, sizeof(float) * (size_t)(heads * head_dim));
+        }
+    }
+}
+
+/* Thread t of nt's share of the step's K and V context blocks, prefetched into L2 (at
+ * most max_bytes per thread), called by every thread of a region some time before the
+ * attention: the decode layer issues it before the qkv projection so the cache rows,
+ * evicted since the last step, arrive while the weights stream. */
+void paged_decode_prefetch_in_region(const void *key_cache, const void *value_cache,
+                                     const int64_t *block_tables, int64_t table_stride,
+                                     const int64_t *reqs, const int64_t *seq_lens, int64_t num_decodes,
+                                     int num_kv_heads, int head_dim, int block_size, int element_bytes,
+                                     int t, int nt, int64_t max_bytes) {
+    const int64_t block_bytes = (int64_t)block_size * num_kv_heads * head_dim * element_bytes;
+    int64_t index = 0, issued = 0;
+    for (int64_t decode = 0; decode < num_decodes; decode++) {
+        const int64_t *table = block_tables + reqs[decode] * table_stride;
+        const int64_t num_blocks = (seq_lens[decode] + block_size - 1) / block_size;
+        for (int64_t b = 0; b < num_blocks; b++, index++) {
+            if (index % nt != t) continue;
+            if (issued + 2 * block_bytes > max_bytes) return;
+            issued += 2 * block_bytes;
+            const char *k = (const char *)key_cache + table[b] * block_bytes;
+            const char *v = (const char *)value_cache + table[b] * block_bytes;
+            for (int64_t offset = 0; offset < block_bytes; offset += 64) {
+                __builtin_prefetch(k + offset, 0, 2);
+                __builtin_prefetch(v + offset, 0, 2);
+            }
         }
     }
 }
