@@ -62,6 +62,49 @@ def test_kernel_matches_reference_bfloat16():
         torch.testing.assert_close(actual.float(), expected.float(), rtol=2e-2, atol=2e-2)
 
 
+def _dense_decode_reference(q, cache, metadata, rows, scale):
+    """float64 softmax(q k^T) v of each decode row over its context, read from the cache."""
+    num_heads, num_kv_heads = q.shape[1], cache.shape[3]
+    out = torch.empty(len(rows), num_heads, q.shape[2], dtype=torch.float64)
+    for index, (row, length) in enumerate(zip(rows, metadata.seq_lens, strict=True)):
+        table = metadata.block_tables[index].tolist()
+        keys = torch.cat([cache[0, b] for b in table]).double()[:length]
+        values = torch.cat([cache[1, b] for b in table]).double()[:length]
+        for head in range(num_heads):
+            kv_head = head // (num_heads // num_kv_heads)
+            weights = (keys[:, kv_head] @ q[row, head].double() * scale).softmax(0)
+            out[index, head] = weights @ values[:, kv_head]
+    return out
+
+
+@needs_kernels
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_dim,block_size,num_decodes",
+    [
+        (9, 3, 64, 16, 3),  # SmolLM2 heads, one kv head per work item
+        (9, 3, 64, 16, 24),  # many decodes: whole rows per item
+        (32, 8, 128, 16, 2),  # Llama-3-8B heads
+        (32, 8, 128, 32, 20),  # blocks of two 16-key chunks
+        (14, 2, 64, 8, 5),  # group 7: value heads in chunks of 4 and 3
+        (8, 1, 128, 4, 9),  # group 8 at head_dim 128: chunks of 2
+        (6, 6, 64, 16, 4),  # no grouping
+        (4, 2, 32, 16, 4),  # head_dim without the bf16 fast path: the generic loop
+    ],
+)
+def test_bfloat16_decode_matches_float64_to_bf16_rounding(num_heads, num_kv_heads, head_dim, block_size, num_decodes):
+    # Inputs are bf16 values, so the exact result is known; the kernel computes in float32
+    # and rounds once to bf16: it must be within one bf16 step of the exact value.
+    gen = torch.Generator().manual_seed(num_heads + head_dim + block_size + num_decodes)
+    context_lens = torch.randint(1, 160, (num_decodes,), generator=gen).tolist()
+    context_lens[0] = 17  # one past a 16-key chunk
+    step = random_step(gen, num_heads, num_kv_heads, head_dim, block_size, [1] * num_decodes, context_lens, torch.bfloat16)
+    q, k, v, cache, metadata = step
+    scale = head_dim**-0.5
+    actual = CpuAttentionBackend(kernels).forward(q, k, v, cache, metadata, scale)
+    expected = _dense_decode_reference(q, cache, metadata, range(num_decodes), scale)
+    torch.testing.assert_close(actual.double(), expected, rtol=2**-7, atol=1e-4)
+
+
 @needs_kernels
 def test_decode_only_step_against_dense_softmax():
     gen = torch.Generator().manual_seed(3)

@@ -22,6 +22,12 @@
 #include <omp.h>
 #endif
 
+/* paged_decode_bf16.c: the work item with AVX-512 BF16, where the CPU has it. */
+int attend_bf16_supported(int head_dim);
+void attend_bf16(const uint16_t *q, const uint16_t *key_cache, const uint16_t *value_cache, const int64_t *table,
+                 int64_t seq_len, int kv_head, int span, int num_kv_heads, int group, int head_dim,
+                 int block_size, float scale, float *scores, float *acc);
+
 /* head_dim elements starting `offset` elements into `base`, widened to float32. */
 static inline void load_row(const void *base, int64_t offset, int head_dim, int is_bf16, float *dst) {
     if (is_bf16) {
@@ -162,6 +168,7 @@ void paged_decode_attention_in_region(
     const int span = num_decodes >= 4 * (int64_t)num_threads ? num_kv_heads : 1;
     const int items_per_decode = num_kv_heads / span;
     const int64_t num_items = num_decodes * items_per_decode;
+    const int fast_bf16 = is_bf16 && attend_bf16_supported(head_dim);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < num_items; item++) {
         int thread = 0;
@@ -175,8 +182,12 @@ void paged_decode_attention_in_region(
         const int heads = span * group;
         float q[heads * head_dim], acc[heads * head_dim];
         const int64_t first_head = (int64_t)kv_head * group * head_dim;
-        load_row(query, rows[decode] * query_row_stride + first_head, heads * head_dim, is_bf16, q);
-        if (head_dim == 64)
+        if (fast_bf16)
+            attend_bf16((const uint16_t *)query + rows[decode] * query_row_stride + first_head, key_cache,
+                        value_cache, table, seq_lens[decode], kv_head, span, num_kv_heads, group, head_dim,
+                        block_size, scale, scores, acc);
+        else if ((load_row(query, rows[decode] * query_row_stride + first_head, heads * head_dim, is_bf16, q),
+                  head_dim == 64))
             attend_64(q, key_cache, value_cache, table, seq_lens[decode], kv_head, span, num_kv_heads,
                       group, head_dim, block_size, scale, is_bf16, scores, acc);
         else if (head_dim == 128)
