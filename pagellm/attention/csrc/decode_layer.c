@@ -24,6 +24,7 @@
 #endif
 
 #include "bf16.h"
+#include "float_mode.h"
 
 void small_linear_bf16_part(const uint16_t *x, int64_t x_stride, const uint16_t *w, const uint16_t *bias,
                             uint16_t *out, int64_t out_stride, int64_t m, int64_t n, int64_t k, int t, int nt);
@@ -144,6 +145,7 @@ void decode_layer_bf16(uint16_t *hidden, const LayerWeights *w, uint16_t *key_ca
 
 #pragma omp parallel num_threads(s->num_threads)
     {
+        const unsigned float_mode = subnormals_flushed();
         int t = 0, nt = 1;
 #ifdef _OPENMP
         t = omp_get_thread_num();
@@ -187,5 +189,6 @@ void decode_layer_bf16(uint16_t *hidden, const LayerWeights *w, uint16_t *key_ca
 #pragma omp barrier
 #pragma omp single
         add_residual(hidden, scratch->proj, m * h);
+        float_mode_restore(float_mode);
     }
 }

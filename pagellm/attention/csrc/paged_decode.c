@@ -18,6 +18,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "float_mode.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -110,7 +111,7 @@ static void NAME(const float *q, const void *key_cache, const void *value_cache,
         float *s = scores + h * seq_len, sum = 0.0f;                                         \
         const float top = best[h];                                                           \
         for (int64_t pos = 0; pos < seq_len; pos++) {                                        \
-            s[pos] = expf(s[pos] - top);                                                     \
+            s[pos] = expf(fmaxf(s[pos] - top, SOFTMAX_EXP_FLOOR));                          \
             sum += s[pos];                                                                   \
         }                                                                                    \
         total[h] = sum;                                                                      \
@@ -244,8 +245,12 @@ void paged_decode_attention(
     void *out, int64_t out_row_stride, float *workspace)
 {
 #pragma omp parallel num_threads(num_threads)
-    paged_decode_attention_in_region(query, query_row_stride, key_cache, value_cache, block_tables,
-                                     table_stride, rows, reqs, seq_lens, num_decodes, num_heads,
-                                     num_kv_heads, head_dim, block_size, scale, is_bf16, num_threads,
-                                     max_seq_len, out, out_row_stride, workspace);
+    {
+        const unsigned float_mode = subnormals_flushed();
+        paged_decode_attention_in_region(query, query_row_stride, key_cache, value_cache, block_tables,
+                                         table_stride, rows, reqs, seq_lens, num_decodes, num_heads,
+                                         num_kv_heads, head_dim, block_size, scale, is_bf16, num_threads,
+                                         max_seq_len, out, out_row_stride, workspace);
+        float_mode_restore(float_mode);
+    }
 }

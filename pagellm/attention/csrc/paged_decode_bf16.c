@@ -16,6 +16,7 @@
 #include <stdint.h>
 
 #include "bf16.h"
+#include "float_mode.h"
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -106,6 +107,30 @@ static void NAME(const uint16_t *q, const uint16_t *rows, int64_t row_stride, in
 DEFINE_SCORE_BLOCK(scores_64, 64)
 DEFINE_SCORE_BLOCK(scores_128, 128)
 
+/* Read the item's rows of the block holding context position `first` (if any) front to
+ * back, a couple of blocks before they are used. The cache was written steps ago and
+ * evicted since; the passes below touch a block's rows head by head, a strided order in
+ * which cache misses are served one small batch at a time. Plain loads in address order
+ * let the hardware stream the block instead (measured at 32 requests x 150 tokens,
+ * every layer's cache cold: 128 us per layer against 186 with no warming and the same
+ * with software prefetch instructions). */
+static inline void warm_block(const uint16_t *cache, const int64_t *table, int64_t first, int64_t seq_len,
+                              int block_size, int num_kv_heads, int kv_head, int span, int head_dim) {
+    if (first >= seq_len || span < num_kv_heads) return;  /* whole rows only: a block is one span of memory */
+    const int64_t count = seq_len - first < block_size ? seq_len - first : block_size;
+    const int64_t row_stride = (int64_t)num_kv_heads * head_dim;
+    const uint16_t *start = cache + (table[first / block_size] * block_size * num_kv_heads + kv_head) * head_dim;
+    const int row_elements = span * head_dim;
+    __m512i seen = _mm512_setzero_si512();
+    for (int64_t i = 0; i < count; i++)
+        for (int offset = 0; offset < row_elements; offset += 32)
+            seen = _mm512_or_si512(seen, _mm512_loadu_si512((const void *)(start + i * row_stride + offset)));
+    volatile int keep = _mm512_reduce_or_epi32(seen);  /* the loads must happen */
+    (void)keep;
+}
+
+#define WARM_AHEAD_BLOCKS 2
+
 /* The work item of paged_decode.c: query heads of kv heads [kv_head, kv_head + span) of
  * one request over its context, block by block (each block's rows of the item's kv
  * heads are read together, front to back). q: bf16 [span * group, head_dim]; acc:
@@ -119,7 +144,11 @@ void attend_bf16(const uint16_t *q, const uint16_t *key_cache, const uint16_t *v
     __m512 top[heads];
     float total[heads];
     for (int h = 0; h < heads; h++) top[h] = _mm512_set1_ps(-FLT_MAX);
+    for (int b = 0; b < WARM_AHEAD_BLOCKS; b++)
+        warm_block(key_cache, table, (int64_t)b * block_size, seq_len, block_size, num_kv_heads, kv_head, span, head_dim);
     for (int64_t first = 0; first < seq_len; first += block_size) {
+        warm_block(key_cache, table, first + WARM_AHEAD_BLOCKS * block_size, seq_len, block_size, num_kv_heads,
+                       kv_head, span, head_dim);
         const int64_t count = seq_len - first < block_size ? seq_len - first : block_size;
         const uint16_t *rows = key_cache + (table[first / block_size] * block_size * num_kv_heads + kv_head) * head_dim;
         if (head_dim == 64)
@@ -127,17 +156,22 @@ void attend_bf16(const uint16_t *q, const uint16_t *key_cache, const uint16_t *v
         else
             scores_128(q, rows, row_stride, count, heads, group, scale, scores + first, seq_len, top);
     }
+    for (int b = 0; b < WARM_AHEAD_BLOCKS; b++)
+        warm_block(value_cache, table, (int64_t)b * block_size, seq_len, block_size, num_kv_heads, kv_head, span,
+                       head_dim);
     for (int h = 0; h < heads; h++) {  /* unnormalised softmax weights; the sum divides at the end */
         float *s = scores + h * seq_len, sum = 0.0f;
         const float best = _mm512_reduce_max_ps(top[h]);
         for (int64_t pos = 0; pos < seq_len; pos++) {
-            s[pos] = expf(s[pos] - best);
+            s[pos] = expf(fmaxf(s[pos] - best, SOFTMAX_EXP_FLOOR));
             sum += s[pos];
         }
         total[h] = sum;
     }
     for (int i = 0; i < heads * head_dim; i++) acc[i] = 0.0f;
     for (int64_t first = 0; first < seq_len; first += block_size) {
+        warm_block(value_cache, table, first + WARM_AHEAD_BLOCKS * block_size, seq_len, block_size, num_kv_heads,
+                       kv_head, span, head_dim);
         const int64_t count = seq_len - first < block_size ? seq_len - first : block_size;
         const uint16_t *block = value_cache + (table[first / block_size] * block_size * num_kv_heads + kv_head) * head_dim;
         for (int g = 0; g < span; g++)

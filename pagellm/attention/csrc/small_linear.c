@@ -25,6 +25,7 @@
 #include <immintrin.h>
 
 #include "bf16.h"
+#include "float_mode.h"
 
 #define MAX_ROWS 8
 #ifndef PREFETCH_BYTES
@@ -149,7 +150,9 @@ void small_linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, c
         t = omp_get_thread_num();
         nt = omp_get_num_threads();
 #endif
+        const unsigned float_mode = subnormals_flushed();
         small_linear_bf16_part(x, x_stride, w, bias, out, out_stride, m, n, k, t, nt);
+        float_mode_restore(float_mode);
     }
 }
 #else
