@@ -1,8 +1,12 @@
-"""Attention stage, CPU: decode rows through the C kernel that reads the paged cache
-in place; prefill chunks through the reference path (PyTorch SDPA).
+"""Attention stage, CPU: every query row through the C kernel that reads the paged
+cache in place.
 
 Decode attention is memory-bound: the reference path gathers every context into a
-padded copy, then multiplies; the kernel reads each K/V row once where it lies.
+padded copy, then multiplies; the kernel reads each K/V row once where it lies. A
+prefill chunk's K/V are written to the cache first, so its query tokens are rows like
+decode rows, each attending up to its own position (causal). For bf16 this beats
+PyTorch's SDPA per request (a mixed step of 2048 prompt tokens: 745 against 1040 ms
+measured); for float32 the two are even.
 """
 
 from __future__ import annotations
@@ -22,11 +26,10 @@ _SUPPORTED_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 class _NativePlan:
     """What every layer of one step passes to the kernel."""
 
-    rows: torch.Tensor  # [num_decodes] int64 row of the flat batch
-    reqs: torch.Tensor  # [num_decodes] int64 index into block_tables
-    seq_lens: torch.Tensor  # [num_decodes] int64
+    rows: torch.Tensor  # [num_tokens] int64 row of the flat batch
+    reqs: torch.Tensor  # [num_tokens] int64 index into block_tables
+    seq_lens: torch.Tensor  # [num_tokens] int64 context the row attends to (causal)
     max_seq_len: int
-    others: list[int]  # requests with more than one query token (prefill chunks)
     num_threads: int
 
 
@@ -54,12 +57,10 @@ class CpuAttentionBackend(TorchAttentionBackend):
         plan: _NativePlan = metadata.backend_plan
         output = torch.empty(query.shape, dtype=query.dtype)
         if plan.rows.numel():
-            self._decode(query, kv_cache, metadata, plan, scale, output)
-        for r in plan.others:
-            self._one_request(query, key, value, kv_cache, metadata, r, scale, output)
+            self._attend(query, kv_cache, metadata, plan, scale, output)
         return output
 
-    def _decode(
+    def _attend(
         self,
         query: torch.Tensor,
         kv_cache: torch.Tensor,
@@ -99,15 +100,22 @@ def _kernel_can_run(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
 
 def _plan_step(metadata: AttentionMetadata) -> _NativePlan:
     starts, seq_lens = metadata.query_start_loc, metadata.seq_lens
-    decodes = [r for r in range(metadata.num_reqs) if starts[r + 1] - starts[r] == 1]
-    others = [r for r in range(metadata.num_reqs) if starts[r + 1] - starts[r] != 1]
     assert metadata.block_tables.dtype == torch.int64 and metadata.block_tables.is_contiguous()
-    lengths = [seq_lens[r] for r in decodes]
+    rows: list[int] = []
+    reqs: list[int] = []
+    lengths: list[int] = []
+    for r in range(metadata.num_reqs):
+        # Query token i of the chunk sits at context position seq_len - query_len + i and
+        # attends to the positions up to its own.
+        query_len = starts[r + 1] - starts[r]
+        rows.extend(range(starts[r], starts[r + 1]))
+        reqs.extend([r] * query_len)
+        lengths.extend(range(seq_lens[r] - query_len + 1, seq_lens[r] + 1))
     return _NativePlan(
-        rows=torch.tensor([starts[r] for r in decodes], dtype=torch.int64),
-        reqs=torch.tensor(decodes, dtype=torch.int64),
+        rows=torch.tensor(rows, dtype=torch.int64),
+        reqs=torch.tensor(reqs, dtype=torch.int64),
         seq_lens=torch.tensor(lengths, dtype=torch.int64),
         max_seq_len=max(lengths, default=0),
-        others=others,
         num_threads=torch.get_num_threads(),
     )
+
