@@ -52,6 +52,13 @@ class CpuAttentionBackend(TorchAttentionBackend):
         if not _kernel_can_run(query, kv_cache):
             return super().forward(query, key, value, kv_cache, metadata, scale)
         write_kv_to_cache(key, value, kv_cache, metadata.slot_mapping)
+        return self.attend_cached(query, kv_cache, metadata, scale)
+
+    def attend_cached(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """Attention of every query row over its context, the step's new K/V already in the
+        cache (the caller wrote them)."""
         if metadata.backend_plan is None:
             metadata.backend_plan = _plan_step(metadata)
         plan: _NativePlan = metadata.backend_plan

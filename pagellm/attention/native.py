@@ -24,7 +24,7 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = ("paged_decode.c", "paged_decode_bf16.c", "small_linear.c", "decode_layer.c")
+_SOURCES = ("paged_decode.c", "paged_decode_bf16.c", "small_linear.c", "decode_layer.c", "layer_ops.c")
 _HEADERS = ("bf16.h", "float_mode.h")  # included by the sources: part of what the cached library is keyed by
 _COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11", "-Wall")
 # Linked without -ffast-math: with it, GCC adds crtfastmath.o, whose constructor turns on
@@ -127,3 +127,20 @@ def _declare(library: ctypes.CDLL) -> None:
     # StepInputs*, Scratch*): the structs are declared in model/fused_decode.py.
     library.decode_layer_bf16.restype = None
     library.decode_layer_bf16.argtypes = [c_void_p] * 7
+    # layer_ops.c: the elementwise stages of a bf16 layer (model/native_layer_ops.py).
+    library.rms_norm_residual_bf16.restype = None
+    library.rms_norm_residual_bf16.argtypes = [
+        c_void_p, c_void_p, c_void_p, c_float,  # hidden (updated), delta or None, weight, eps
+        c_void_p, c_int64, c_int64, c_int,  # out, m, hidden size, num threads
+    ]
+    library.rotary_store_bf16.restype = None
+    library.rotary_store_bf16.argtypes = [
+        c_void_p, c_int64, c_int64, c_void_p,  # qkv, m, row stride, positions
+        c_void_p, c_void_p,  # cos, sin tables
+        c_int, c_int, c_int,  # num heads, num kv heads, head dim
+        c_void_p, c_void_p, c_void_p, c_int,  # slots, key cache, value cache, num threads
+    ]
+    library.silu_mul_bf16.restype = None
+    library.silu_mul_bf16.argtypes = [c_void_p, c_void_p, c_int64, c_int64, c_int]
+    library.add_bf16.restype = None
+    library.add_bf16.argtypes = [c_void_p, c_void_p, c_int64, c_int]

@@ -26,6 +26,7 @@ from pagellm.model.small_batch_linear import SmallBatchKernel, SmallBatchLinear,
 
 if TYPE_CHECKING:
     from pagellm.model.fused_decode import FusedDecode
+    from pagellm.model.native_layers import NativeLayers
 
 
 class LlamaAttention(nn.Module):
@@ -144,6 +145,8 @@ class LlamaForCausalLM(nn.Module):
         hidden = self.embed_tokens(input_ids)
         if self.fused_decode is not None and self.fused_decode.applies(hidden, kv_caches, metadata):
             return self.norm(self.fused_decode.run(hidden, positions, kv_caches, metadata))
+        if self.native_layers is not None and self.native_layers.applies(hidden, kv_caches):
+            return self.norm(self.native_layers.run(hidden, positions, kv_caches, metadata))
         cos_sin = self.rotary.lookup(positions, hidden.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden = layer(cos_sin, hidden, kv_cache, metadata, self.backend)
@@ -151,6 +154,7 @@ class LlamaForCausalLM(nn.Module):
 
     small_batch_kernel: SmallBatchKernel | None = None
     fused_decode: FusedDecode | None = None  # CPU bf16: decode steps of <= 32 requests in C
+    native_layers: NativeLayers | None = None  # CPU bf16: other steps' elementwise stages in C
 
     def use_small_batch_kernel(self, kernel: SmallBatchKernel | None) -> None:
         """Route linear layers (and the LM head) with few rows through `kernel` (None: torch)."""

@@ -16,6 +16,7 @@ from pagellm.model.config import ModelConfig
 from pagellm.model.llama import LlamaForCausalLM
 from pagellm.attention.native import load_kernels
 from pagellm.model.fused_decode import FusedDecode
+from pagellm.model.native_layers import NativeLayers
 from pagellm.model.small_batch_linear import small_batch_kernel
 from pagellm.model.loader import gguf_loader, hf_loader
 from pagellm.model.loader.default_model import DEFAULT_MODEL_NAME, default_model_path
@@ -128,13 +129,16 @@ def load_model(
 
 def _use_cpu_decode_kernels(model: LlamaForCausalLM) -> None:
     """bf16 on a CPU with AVX-512 BF16: linear layers with few rows stream their weights
-    through the native kernel, and decode steps of few requests run layer by layer in C."""
+    through the native kernel, decode steps of few requests run layer by layer in C, and
+    other steps run the layers' elementwise stages in C around PyTorch's matmuls."""
     kernel = small_batch_kernel()
     if kernel is None:
         return
     model.use_small_batch_kernel(kernel)
     if FusedDecode.supports(model):
         model.fused_decode = FusedDecode(load_kernels(), model)
+    if NativeLayers.supports(model):
+        model.native_layers = NativeLayers(load_kernels(), model)
 
 
 @torch.no_grad()

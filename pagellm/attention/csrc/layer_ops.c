@@ -1,0 +1,112 @@
+/* Model stage, CPU: the elementwise parts of a decoder layer for bf16 steps of any size.
+ *
+ * Steps that the one-call decode layer (decode_layer.c) does not take (more than 32
+ * decodes, prefill chunks) keep PyTorch's matrix multiplications, which are at their
+ * best there, but PyTorch spends about 40 more operations per layer on the norms,
+ * rotary embedding, cache writes, activation and residual adds: at 128 decodes that was
+ * about 10 ms of a 72 ms step (measured). Each function below is one of those stages in
+ * one pass over the rows, split among the threads, rounding to bf16 where the PyTorch
+ * path stores bf16 (as decode_layer.c does).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "bf16.h"
+#include "float_mode.h"
+
+static inline float round_bf16(float value) { return bf16_to_float(float_to_bf16(value)); }
+
+/* hidden += delta (when delta is not NULL), then out = weight * bf16(hidden * rsqrt(mean(hidden^2) + eps)),
+ * as model/layers.py RMSNorm after the residual add. hidden, delta, out: [m, h]. */
+void rms_norm_residual_bf16(uint16_t *hidden, const uint16_t *delta, const uint16_t *weight, float eps,
+                            uint16_t *out, int64_t m, int64_t h, int num_threads) {
+#pragma omp parallel num_threads(num_threads)
+    {
+        const unsigned float_mode = subnormals_flushed();
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < m; r++) {
+            uint16_t *row = hidden + r * h;
+            if (delta != NULL) {
+                const uint16_t *add = delta + r * h;
+                for (int64_t i = 0; i < h; i++) row[i] = float_to_bf16(bf16_to_float(row[i]) + bf16_to_float(add[i]));
+            }
+            float sum = 0.0f;
+            for (int64_t i = 0; i < h; i++) {
+                const float v = bf16_to_float(row[i]);
+                sum += v * v;
+            }
+            const float inverse = 1.0f / sqrtf(sum / (float)h + eps);
+            uint16_t *dst = out + r * h;
+            for (int64_t i = 0; i < h; i++)
+                dst[i] = float_to_bf16(bf16_to_float(weight[i]) * round_bf16(bf16_to_float(row[i]) * inverse));
+        }
+        float_mode_restore(float_mode);
+    }
+}
+
+/* Half-split rotary (HF layout) of `num_heads` heads of one row, in place. */
+static void rotate_heads(uint16_t *heads, int num_heads, int head_dim, const float *cos, const float *sin) {
+    const int half = head_dim / 2;
+    for (int h = 0; h < num_heads; h++) {
+        uint16_t *x = heads + (int64_t)h * head_dim;
+        for (int i = 0; i < half; i++) {
+            const float x1 = bf16_to_float(x[i]), x2 = bf16_to_float(x[i + half]);
+            x[i] = float_to_bf16(x1 * cos[i] - x2 * sin[i]);
+            x[i + half] = float_to_bf16(x2 * cos[i] + x1 * sin[i]);
+        }
+    }
+}
+
+/* Rotary on the q and k heads of each qkv row ([q | k | v], row stride `stride`) in
+ * place, then k and v written to the cache at the row's slot (a slot < 0 is skipped).
+ * Caches: [blocks * block_size, num_kv_heads * head_dim] bf16. */
+void rotary_store_bf16(uint16_t *qkv, int64_t m, int64_t stride, const int64_t *positions, const float *cos_table,
+                       const float *sin_table, int num_heads, int num_kv_heads, int head_dim, const int64_t *slots,
+                       uint16_t *key_cache, uint16_t *value_cache, int num_threads) {
+    const int64_t q_size = (int64_t)num_heads * head_dim, kv_size = (int64_t)num_kv_heads * head_dim;
+    const int half = head_dim / 2;
+#pragma omp parallel num_threads(num_threads)
+    {
+        const unsigned float_mode = subnormals_flushed();
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < m; r++) {
+            uint16_t *row = qkv + r * stride;
+            const float *cos = cos_table + positions[r] * half, *sin = sin_table + positions[r] * half;
+            rotate_heads(row, num_heads, head_dim, cos, sin);
+            rotate_heads(row + q_size, num_kv_heads, head_dim, cos, sin);
+            if (slots[r] >= 0) {
+                memcpy(key_cache + slots[r] * kv_size, row + q_size, sizeof(uint16_t) * (size_t)kv_size);
+                memcpy(value_cache + slots[r] * kv_size, row + q_size + kv_size, sizeof(uint16_t) * (size_t)kv_size);
+            }
+        }
+        float_mode_restore(float_mode);
+    }
+}
+
+/* act = bf16(silu(gate)) * up for each row of gate_up = [gate | up]: [m, 2 * inter]. */
+void silu_mul_bf16(const uint16_t *gate_up, uint16_t *act, int64_t m, int64_t inter, int num_threads) {
+#pragma omp parallel num_threads(num_threads)
+    {
+        const unsigned float_mode = subnormals_flushed();
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < m; r++) {
+            const uint16_t *gate = gate_up + r * 2 * inter, *up = gate + inter;
+            uint16_t *dst = act + r * inter;
+            for (int64_t i = 0; i < inter; i++) {
+                const float g = bf16_to_float(gate[i]);
+                dst[i] = float_to_bf16(round_bf16(g / (1.0f + expf(-g))) * bf16_to_float(up[i]));
+            }
+        }
+        float_mode_restore(float_mode);
+    }
+}
+
+/* hidden += delta, [count] bf16. */
+void add_bf16(uint16_t *hidden, const uint16_t *delta, int64_t count, int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t i = 0; i < count; i++) hidden[i] = float_to_bf16(bf16_to_float(hidden[i]) + bf16_to_float(delta[i]));
+}

@@ -1,0 +1,99 @@
+"""Model stage, CPU bf16: steps the one-call decode layer does not take (more than 32
+decodes, prefill chunks) run each decoder layer as PyTorch's four matrix multiplications
+plus four native calls (csrc/layer_ops.c) for everything between them.
+
+The PyTorch path spends about 40 small operations per layer on the norms, rotary
+embedding, cache writes, activation and residual adds; at a hundred rows they cost
+several milliseconds per step, while the matrix multiplications are already at their
+best in PyTorch. Per layer here:
+
+    normed = rms_norm(hidden += delta)          native (delta: the previous layer's MLP)
+    qkv = normed Wqkv^T (+b)                    torch (or the small-batch kernel)
+    rotary(q, k); cache[slot] = k, v            native
+    attn = paged attention                      native (CpuAttentionBackend.attend_cached)
+    normed = rms_norm(hidden += attn Wo^T (+b)) torch, native
+    act = silu(gate) * up of normed Wgu^T       torch, native
+    delta = act Wd^T                            torch
+
+Values are rounded to bf16 where the PyTorch path stores bf16, as in the one-call layer.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from pagellm.attention.backend import AttentionMetadata
+from pagellm.attention.cpu_backend import CpuAttentionBackend
+
+
+class NativeLayers:
+    """Runs the decoder layers of one bf16 CPU model with native elementwise stages."""
+
+    def __init__(self, library: ctypes.CDLL, model: torch.nn.Module) -> None:
+        self._library = library
+        self._model = model
+        self._num_threads = torch.get_num_threads()
+
+    @staticmethod
+    def supports(model: torch.nn.Module) -> bool:
+        """bf16 weights on the CPU, the native attention kernel, no sliding window."""
+        config = model.config
+        return (
+            isinstance(model.backend, CpuAttentionBackend)
+            and all(p.dtype is torch.bfloat16 and p.device.type == "cpu" and p.is_contiguous() for p in model.parameters())
+            and config.sliding_window is None
+            and config.head_dim % 2 == 0
+        )
+
+    @staticmethod
+    def applies(hidden: torch.Tensor, kv_caches: list[torch.Tensor]) -> bool:
+        return hidden.dtype is torch.bfloat16 and kv_caches[0].dtype is torch.bfloat16 and kv_caches[0].is_contiguous()
+
+    def run(
+        self,
+        hidden: torch.Tensor,  # [num_tokens, hidden_size] bf16, a fresh tensor: updated in place
+        positions: torch.Tensor,  # [num_tokens] int64
+        kv_caches: list[torch.Tensor],
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # the last layer's output, before the final norm
+        model, library, threads = self._model, self._library, self._num_threads
+        config = model.config
+        m, size = hidden.shape
+        heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        q_size = heads * head_dim
+        positions = positions.contiguous()
+        slots = metadata.slot_mapping.contiguous()
+        cos, sin = model.rotary.cos_cache, model.rotary.sin_cache
+        normed = torch.empty_like(hidden)
+        act = torch.empty(m, config.intermediate_size, dtype=hidden.dtype)
+        delta: torch.Tensor | None = None
+        for layer, cache in zip(model.layers, kv_caches, strict=True):
+            attention, mlp = layer.self_attn, layer.mlp
+            library.rms_norm_residual_bf16(
+                hidden.data_ptr(), _ptr(delta), layer.input_layernorm.weight.data_ptr(),
+                layer.input_layernorm.eps, normed.data_ptr(), m, size, threads,
+            )  # fmt: skip
+            qkv = attention.qkv_proj(normed)
+            library.rotary_store_bf16(
+                qkv.data_ptr(), m, qkv.stride(0), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                heads, kv_heads, head_dim, slots.data_ptr(), cache[0].data_ptr(), cache[1].data_ptr(), threads,
+            )  # fmt: skip
+            query = qkv[:, :q_size].view(m, heads, head_dim)
+            attended = model.backend.attend_cached(query, cache, metadata, attention.scale)
+            projected = attention.o_proj(attended.view(m, q_size))
+            library.rms_norm_residual_bf16(
+                hidden.data_ptr(), projected.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
+                layer.post_attention_layernorm.eps, normed.data_ptr(), m, size, threads,
+            )  # fmt: skip
+            gate_up = mlp.gate_up_proj(normed)
+            library.silu_mul_bf16(gate_up.data_ptr(), act.data_ptr(), m, config.intermediate_size, threads)
+            delta = mlp.down_proj(act)
+        if delta is not None:
+            library.add_bf16(hidden.data_ptr(), delta.data_ptr(), hidden.numel(), threads)
+        return hidden
+
+
+def _ptr(tensor: torch.Tensor | None) -> int | None:
+    return None if tensor is None else tensor.data_ptr()
