@@ -34,6 +34,25 @@ def test_matches_float64_reference(m, n, k, with_bias):
 
 
 @needs_kernel
+@pytest.mark.parametrize("m", [1, 3])
+def test_nan_and_infinity_propagate_to_their_rows_only(m):
+    # A diverged activation row must come out NaN or infinite, never silently finite,
+    # and must not touch the other rows.
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(m, 64, generator=gen).bfloat16()
+    weight = torch.randn(48, 64, generator=gen).bfloat16()
+    x[0, 3] = float("nan")
+    if m > 1:
+        x[1, 5] = float("inf")
+    with torch.inference_mode():
+        out = linear(x, weight, None, kernel)
+    assert bool(out[0].isnan().all())
+    if m > 1:
+        assert not bool(out[1].isfinite().any())
+        assert bool(out[2].isfinite().all())
+
+
+@needs_kernel
 def test_strided_rows_and_fallbacks(monkeypatch):
     gen = torch.Generator().manual_seed(1)
     wide = torch.randn(3, 200, generator=gen).bfloat16()

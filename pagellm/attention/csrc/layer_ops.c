@@ -51,12 +51,16 @@ void rms_norm_residual_bf16(uint16_t *hidden, const uint16_t *delta, const uint1
 /* Half-split rotary (HF layout) of `num_heads` heads of one row, in place. */
 static void rotate_heads(uint16_t *heads, int num_heads, int head_dim, const float *cos, const float *sin) {
     const int half = head_dim / 2;
+    float x1[half], x2[half];  /* both halves read before either is written: the loops vectorize */
     for (int h = 0; h < num_heads; h++) {
         uint16_t *x = heads + (int64_t)h * head_dim;
         for (int i = 0; i < half; i++) {
-            const float x1 = bf16_to_float(x[i]), x2 = bf16_to_float(x[i + half]);
-            x[i] = float_to_bf16(x1 * cos[i] - x2 * sin[i]);
-            x[i + half] = float_to_bf16(x2 * cos[i] + x1 * sin[i]);
+            x1[i] = bf16_to_float(x[i]);
+            x2[i] = bf16_to_float(x[i + half]);
+        }
+        for (int i = 0; i < half; i++) {
+            x[i] = float_to_bf16(x1[i] * cos[i] - x2[i] * sin[i]);
+            x[i + half] = float_to_bf16(x2[i] * cos[i] + x1[i] * sin[i]);
         }
     }
 }
