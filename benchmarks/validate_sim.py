@@ -322,6 +322,14 @@ def validate_config(args: argparse.Namespace, config: ValidationConfig, given: C
     predicted = [model.predict(batch) for run in runs for batch, _ in run.steps]
     seconds = [s for run in runs for _, s in run.steps]
     step_errors = sorted(abs(p - s) / s for p, s in zip(predicted, seconds))
+    batches = [batch for run in runs for batch, _ in run.steps]
+    by_kind = {}  # where the model's misses are: TTFT rides on the steps with prefill chunks
+    for kind, chosen in (("with_prefill", lambda b: b.num_prefills > 0), ("decode_only", lambda b: b.num_prefills == 0)):
+        pairs = [(p, s) for b, p, s in zip(batches, predicted, seconds) if chosen(b)]
+        if pairs:
+            by_kind[kind] = {"steps": len(pairs), "real_s": round(sum(s for _, s in pairs), 3),
+                             "predicted_s": round(sum(p for p, _ in pairs), 3),
+                             "total_error": round(sum(p for p, _ in pairs) / sum(s for _, s in pairs) - 1, 4)}
     return {
         "config": config.name,
         "note": config.note,
@@ -340,7 +348,7 @@ def validate_config(args: argparse.Namespace, config: ValidationConfig, given: C
         "steps": {"real": [len(run.steps) for run in runs], "sim": simulation.num_steps,
                   "step_error_median": round(step_errors[len(step_errors) // 2], 4),
                   "busy_s_real": round(sum(seconds), 3), "busy_s_predicted_for_real_steps": round(sum(predicted), 3),
-                  "sim_extrapolated_steps": simulation.num_extrapolated_steps},
+                  "sim_extrapolated_steps": simulation.num_extrapolated_steps, "by_kind": by_kind},
         "real": [{k: v for k, v in r.items() if k != "kv_usage_series"} for r in reals],
         "sim": {k: v for k, v in sim.items() if k != "kv_usage_series"},
     }  # fmt: skip
