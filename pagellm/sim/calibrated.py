@@ -19,8 +19,13 @@ and the per-chunk calls of the prefill attention path.
 Engines that run small decode-only steps through a separate path (on CPU in bf16, each
 decoder layer as one native call for up to 32 decodes, model/fused_decode.py) get a
 second base curve, native(D), for decode-only steps of at most `native_decode_max_reqs`
-decodes, in place of base(M): the two paths cost differently at the same token count.
-The calibration records the limit the engine used (0: no such path).
+decodes, in place of base(M), and their own cost per KV token read, native_slope(D) on
+the same knots: the two
+paths cost differently at the same token count, and read the context differently (the
+native layer prefetches it while the weights stream). With one shared KV-token slope, a
+validation run had steps mixing a prefill with decodes 16% slower than predicted and
+decode-only steps 6% faster. The calibration records the limit the engine used (0: no
+such path).
 
 The fit is non-negative least squares of relative error (every step counts by its own
 duration, so the many short decode steps weigh as much as the few long prefills). Knots
@@ -44,9 +49,10 @@ from pagellm.errors import ConfigError
 from pagellm.model.config import ModelConfig
 from pagellm.sim.step_batch import StepBatch
 
-CALIBRATION_FORMAT = "pagellm-step-cost-calibration/4"
-# Files of format 3 had no native decode curve; they read as "no native path".
-READABLE_FORMATS = ("pagellm-step-cost-calibration/3", CALIBRATION_FORMAT)
+CALIBRATION_FORMAT = "pagellm-step-cost-calibration/5"
+# Files of format 3 had no native decode curve; they read as "no native path". Files of
+# format 4 had no KV-token cost of their own for native steps: those use slope(D).
+READABLE_FORMATS = ("pagellm-step-cost-calibration/3", "pagellm-step-cost-calibration/4", CALIBRATION_FORMAT)
 # Candidate knots of base(M) and slope(M): every small batch size, then powers of two.
 CANDIDATE_KNOTS: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8) + tuple(2**i for i in range(4, 17))
 # A knot is kept when this many measured steps lie close to it (hat weight above 1/2).
@@ -81,6 +87,7 @@ class StepCostFit:
     native_decode_max_reqs: int = 0
     native_knots: tuple[int, ...] = ()
     native_base_s: tuple[float, ...] = ()
+    native_context_s: tuple[float, ...] = ()  # per KV token in native steps, per native knot; (): slope(D)
 
     def __post_init__(self) -> None:
         for knots in (self.token_knots, self.decode_knots) + ((self.native_knots,) if self.native_knots else ()):
@@ -90,11 +97,13 @@ class StepCostFit:
             len(self.base_s) != len(self.token_knots)
             or len(self.decode_context_s) != len(self.decode_knots)
             or len(self.native_base_s) != len(self.native_knots)
+            or len(self.native_context_s) not in (0, len(self.native_knots))
         ):
             raise ConfigError("the calibration needs one value per knot")
         values = (
             *self.base_s, *self.decode_context_s, *self.native_base_s,
             self.prefill_pair_s, self.sampled_row_s, self.prefill_chunk_s,
+            *self.native_context_s,
         )  # fmt: skip
         if not all(math.isfinite(v) and v >= 0 for v in values):
             raise ConfigError("the calibration's costs must be finite and non-negative")
@@ -128,10 +137,12 @@ def _design_row(
     native_decode_max_reqs: int = 0,
 ) -> list[float]:
     """The fit's row: base weights per token knot, native weights per native knot, slope
-    weights per decode knot, then the pair, sampled-row and chunk terms."""
+    weights per decode knot, the pair, sampled-row and chunk terms, then native slope
+    weights per native knot."""
     n, p, m = len(token_knots), len(native_knots), len(decode_knots)
-    row = [0.0] * (n + p + m + 3)
-    if native_knots and takes_native_decode(batch, native_decode_max_reqs):
+    row = [0.0] * (n + p + m + 3 + p)
+    native = bool(native_knots) and takes_native_decode(batch, native_decode_max_reqs)
+    if native:
         i, w_low, w_high = knot_weights(batch.num_decodes, native_knots)
         i += n
     else:
@@ -140,7 +151,12 @@ def _design_row(
     if w_high:
         row[i + 1] = w_high
     context = batch.decode_context_sum
-    if context:
+    if native:
+        j = i + p + m + 3  # native slope columns, on the knots of native(D); no growth past the last
+        row[j] = context * min(w_low, 1.0)
+        if w_high:
+            row[j + 1] = context * w_high
+    elif context:
         j, v_low, v_high = knot_weights(batch.num_decodes, decode_knots)
         # The slope does not grow past the last knot: only base scales there.
         row[n + p + j] = context * min(v_low, 1.0)
@@ -168,7 +184,8 @@ def supported_knots(sizes: Sequence[int]) -> tuple[int, ...]:
 
 
 def predict_seconds(fit: StepCostFit, batch: StepBatch) -> float:
-    if fit.native_knots and takes_native_decode(batch, fit.native_decode_max_reqs):
+    native = bool(fit.native_knots) and takes_native_decode(batch, fit.native_decode_max_reqs)
+    if native:
         knots, base = fit.native_knots, fit.native_base_s
         size = batch.num_decodes
     else:
@@ -178,7 +195,12 @@ def predict_seconds(fit: StepCostFit, batch: StepBatch) -> float:
     if w_high:
         seconds += base[i + 1] * w_high
     context = batch.decode_context_sum
-    if context:
+    if native and fit.native_context_s:
+        slope = fit.native_context_s[i] * min(w_low, 1.0)
+        if w_high:
+            slope += fit.native_context_s[i + 1] * w_high
+        seconds += slope * context
+    elif context:
         j, v_low, v_high = knot_weights(len(batch.decode_context_lens), fit.decode_knots)
         slope = fit.decode_context_s[j] * min(v_low, 1.0)
         if v_high:
@@ -224,8 +246,10 @@ def fit_step_costs(
     native = [takes_native_decode(b, native_decode_max_reqs) for b in batches]
     token_knots = supported_knots([b.num_tokens for b, on_native in zip(batches, native) if not on_native])
     native_knots = supported_knots([b.num_decodes for b, on_native in zip(batches, native) if on_native]) if any(native) else ()
-    # slope(D) only where steps with decodes were measured.
-    decode_knots = supported_knots([b.num_decodes for b in batches if b.num_decodes])
+    # slope(D) only where steps with decodes off the native path were measured (native
+    # steps have their own slope); all steps with decodes if there are none such.
+    other_decodes = [b.num_decodes for b, on_native in zip(batches, native) if b.num_decodes and not on_native]
+    decode_knots = supported_knots(other_decodes or [b.num_decodes for b in batches if b.num_decodes])
     rows = np.array(
         [_design_row(b, token_knots, decode_knots, native_knots, native_decode_max_reqs) for b in batches],
         dtype=np.float64,
@@ -241,6 +265,7 @@ def fit_step_costs(
         token_knots, tuple(float(v) for v in x[:n]), decode_knots, tuple(float(v) for v in x[n + p : n + p + m]),
         float(x[n + p + m]), float(x[n + p + m + 1]), float(x[n + p + m + 2]), FitQuality(0, 0.0, 0.0, 0.0, 0.0, 0.0),
         native_decode_max_reqs if native_knots else 0, native_knots, tuple(float(v) for v in x[n : n + p]),
+        tuple(float(v) for v in x[n + p + m + 3 :]),
     )  # fmt: skip
     return dataclasses.replace(provisional, quality=evaluate(provisional, batches, seconds))
 
@@ -346,6 +371,7 @@ class CalibratedCostModel:
                 int(costs.get("native_decode_max_reqs", 0)),
                 tuple(int(k) for k in costs.get("native_knots", ())),
                 tuple(float(v) for v in costs.get("native_base_s", ())),
+                tuple(float(v) for v in costs.get("native_context_s", ())),
             )  # fmt: skip
             return cls(
                 fit, str(data["model_name"]), config, str(data["dtype"]),

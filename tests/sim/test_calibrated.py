@@ -49,8 +49,9 @@ def sweep_like_batches(seed: int = 0) -> list[StepBatch]:
     for size in (1, 2, 3, 4, 5, 6, 7, 8, 16, 32, 64, 128, 256):
         for context in (20, 300, 800):
             batches.append(StepBatch((), (), tuple(context + rng.randint(0, 9) for _ in range(size)), size))
-    for _ in range(150):
-        decodes = tuple(rng.randint(1, 600) for _ in range(rng.choice([0, 3, 12, 40])))
+    for _ in range(250):
+        # Prompts chunked in among 0 to 40 running decodes, as the sweep's mixed traffic.
+        decodes = tuple(rng.randint(1, 600) for _ in range(rng.choice([0, 1, 2, 3, 5, 8, 12, 16, 40])))
         chunks = tuple(rng.randint(16, 400) for _ in range(rng.choice([1, 2])))
         contexts = tuple(rng.choice([0, 0, 100]) for _ in chunks)
         batches.append(StepBatch(chunks, contexts, decodes, len(decodes) + 1))
@@ -134,12 +135,50 @@ def test_native_decode_curve_by_hand_and_recovered():
     assert predict_seconds(by_hand, StepBatch((), (), (5,) * 9, 9)) == pytest.approx(0.5 * 9 + 9e-3)
 
 
+def test_native_steps_read_the_context_at_their_own_cost():
+    # A made-up engine whose native decode steps read a KV token at 1 us, while the same
+    # decodes beside a prefill (the other path) cost 4 / 1.5 us as in true_seconds: one
+    # shared slope would be wrong for one kind or the other.
+    def two_paths(batch: StepBatch) -> float:
+        if batch.num_prefills == 0 and 0 < batch.num_decodes <= 32:
+            return 0.003 + 0.0002 * batch.num_decodes + 1e-6 * batch.decode_context_sum + 1e-4 * batch.num_sampled_tokens
+        return true_seconds(batch)
+
+    batches = sweep_like_batches()
+    fit = fit_step_costs(batches, [two_paths(b) for b in batches], native_decode_max_reqs=32)
+    assert len(fit.native_context_s) == len(fit.native_knots)
+    assert fit.native_context_s == pytest.approx([1e-6] * len(fit.native_knots), rel=0.2)
+    for step in (
+        StepBatch((), (), (50,) * 4, 4), StepBatch((), (), (800,) * 4, 4), StepBatch((), (), (600,) * 24, 24),
+        StepBatch((200,), (0,), (500,) * 12, 13), StepBatch((100,), (0,), (40,) * 3, 4),
+    ):  # fmt: skip
+        assert predict_seconds(fit, step) == pytest.approx(two_paths(step), rel=0.05), step
+    # By hand: 3 decodes of 5 tokens each on the native curve, 1e-4 s per KV token.
+    by_hand = StepCostFit((1,), (0.5,), (1,), (0.0,), 0.0, 1e-3, 0.0, NO_QUALITY, 8, (2, 4), (0.010, 0.020), (1e-4, 3e-4))
+    assert predict_seconds(by_hand, StepBatch((), (), (5, 5, 5), 3)) == pytest.approx(0.015 + 3e-3 + 2e-4 * 15)
+    # Format-4 files have no such cost: their native steps keep slope(D).
+    data = CalibratedCostModel(fit, "SmolLM2-135M", SMOL, "bfloat16", 2).to_json()
+    data["format"] = "pagellm-step-cost-calibration/4"
+    del data["costs"]["native_context_s"]
+    old = CalibratedCostModel.from_json(data).fit
+    step = StepBatch((), (), (300,) * 4, 4)
+    assert old.native_context_s == ()
+
+    def slope_at(decodes: int, knots: tuple[int, ...], values: tuple[float, ...]) -> float:
+        i, w_low, w_high = knot_weights(decodes, knots)
+        return values[i] * min(w_low, 1.0) + (values[i + 1] * w_high if w_high else 0.0)
+
+    shared = slope_at(4, old.decode_knots, old.decode_context_s)
+    own = slope_at(4, fit.native_knots, fit.native_context_s)
+    assert predict_seconds(old, step) == pytest.approx(predict_seconds(fit, step) + (shared - own) * 1200)
+
+
 def test_format_3_files_still_load_without_the_native_curve(tmp_path):
     batches = sweep_like_batches()
     model = CalibratedCostModel(fit_step_costs(batches, [true_seconds(b) for b in batches]), "SmolLM2-135M", SMOL, "bfloat16", 2)
     data = model.to_json()
     data["format"] = "pagellm-step-cost-calibration/3"
-    for key in ("native_decode_max_reqs", "native_knots", "native_base_s"):
+    for key in ("native_decode_max_reqs", "native_knots", "native_base_s", "native_context_s"):
         del data["costs"][key]
     loaded = CalibratedCostModel.from_json(data)
     assert loaded.fit.native_knots == () and loaded.predict(batches[0]) == model.predict(batches[0])
