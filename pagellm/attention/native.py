@@ -25,7 +25,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 _SOURCES = ("paged_decode.c", "paged_decode_bf16.c", "small_linear.c", "decode_layer.c", "layer_ops.c")
-_HEADERS = ("bf16.h", "float_mode.h")  # included by the sources: part of what the cached library is keyed by
+_HEADERS = ("bf16.h", "float_mode.h", "kernels.h", "layer_rows.h")  # included by the sources: part of what the cached library is keyed by
 _COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11", "-Wall")
 # Linked without -ffast-math: with it, GCC adds crtfastmath.o, whose constructor turns on
 # flush-to-zero for the whole process (every float computation, not just these kernels).

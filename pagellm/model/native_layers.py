@@ -26,6 +26,7 @@ import torch
 
 from pagellm.attention.backend import AttentionMetadata
 from pagellm.attention.cpu_backend import CpuAttentionBackend
+from pagellm.model.fused_decode import _ptr
 
 
 class NativeLayers:
@@ -93,7 +94,3 @@ class NativeLayers:
         if delta is not None:
             library.add_bf16(hidden.data_ptr(), delta.data_ptr(), hidden.numel(), threads)
         return hidden
-
-
-def _ptr(tensor: torch.Tensor | None) -> int | None:
-    return None if tensor is None else tensor.data_ptr()

@@ -25,59 +25,12 @@
 
 #include "bf16.h"
 #include "float_mode.h"
-
-void small_linear_bf16_part(const uint16_t *x, int64_t x_stride, const uint16_t *w, const uint16_t *bias,
-                            uint16_t *out, int64_t out_stride, int64_t m, int64_t n, int64_t k, int t, int nt);
-
-void paged_decode_attention_in_region(
-    const void *query, int64_t query_row_stride,
-    const void *key_cache, const void *value_cache,
-    const int64_t *block_tables, int64_t table_stride,
-    const int64_t *rows, const int64_t *reqs, const int64_t *seq_lens, int64_t num_decodes,
-    int num_heads, int num_kv_heads, int head_dim, int block_size,
-    float scale, int is_bf16, int num_threads, int64_t max_seq_len,
-    void *out, int64_t out_row_stride, float *workspace);
-
-void paged_decode_prefetch_in_region(const void *key_cache, const void *value_cache,
-                                     const int64_t *block_tables, int64_t table_stride,
-                                     const int64_t *reqs, const int64_t *seq_lens, int64_t num_decodes,
-                                     int num_kv_heads, int head_dim, int block_size, int element_bytes,
-                                     int t, int nt, int64_t max_bytes);
+#include "kernels.h"
+#include "layer_rows.h"
 
 /* Context bytes each thread prefetches at the start of a layer (L2 is 1 MB or more on
  * CPUs with AVX-512 BF16; the qkv weights stream through it meanwhile). */
 #define CONTEXT_PREFETCH_BYTES (256 * 1024)
-
-static inline float round_bf16(float value) { return bf16_to_float(float_to_bf16(value)); }
-
-/* out = weight * bf16(x * rsqrt(mean(x^2) + eps)), as model/layers.py RMSNorm. */
-static void rms_norm_rows(const uint16_t *x, const uint16_t *weight, float eps, uint16_t *out,
-                          int64_t m, int64_t hidden) {
-    for (int64_t r = 0; r < m; r++) {
-        const uint16_t *row = x + r * hidden;
-        float sum = 0.0f;
-        for (int64_t i = 0; i < hidden; i++) {
-            float v = bf16_to_float(row[i]);
-            sum += v * v;
-        }
-        float inv = 1.0f / sqrtf(sum / (float)hidden + eps);
-        for (int64_t i = 0; i < hidden; i++)
-            out[r * hidden + i] = float_to_bf16(bf16_to_float(weight[i]) * round_bf16(bf16_to_float(row[i]) * inv));
-    }
-}
-
-/* Half-split rotary (HF layout) of `num_heads` heads of one row, in place. */
-static void rotate_heads(uint16_t *heads, int num_heads, int head_dim, const float *cos, const float *sin) {
-    const int half = head_dim / 2;
-    for (int h = 0; h < num_heads; h++) {
-        uint16_t *x = heads + (int64_t)h * head_dim;
-        for (int i = 0; i < half; i++) {
-            float x1 = bf16_to_float(x[i]), x2 = bf16_to_float(x[i + half]);
-            x[i] = float_to_bf16(x1 * cos[i] - x2 * sin[i]);
-            x[i + half] = float_to_bf16(x2 * cos[i] + x1 * sin[i]);
-        }
-    }
-}
 
 typedef struct {
     const uint16_t *input_norm, *post_norm;  /* [hidden] */
@@ -122,8 +75,7 @@ static void silu_and_mul(const uint16_t *gate_up, uint16_t *act, int64_t m, int6
 #pragma omp for schedule(static)
     for (int64_t index = 0; index < total; index++) {
         const int64_t r = index / inter, i = index % inter;
-        const float g = bf16_to_float(gate_up[r * 2 * inter + i]);
-        act[index] = float_to_bf16(round_bf16(g / (1.0f + expf(-g))) * bf16_to_float(gate_up[r * 2 * inter + inter + i]));
+        act[index] = silu_mul(gate_up[r * 2 * inter + i], gate_up[r * 2 * inter + inter + i]);
     }
 }
 
@@ -155,7 +107,8 @@ void decode_layer_bf16(uint16_t *hidden, const LayerWeights *w, uint16_t *key_ca
                                         in->seq_lens, m, s->num_kv_heads, s->head_dim, s->block_size, 2, t, nt,
                                         CONTEXT_PREFETCH_BYTES);
 #pragma omp single
-        rms_norm_rows(hidden, w->input_norm, s->eps, scratch->normed, m, h);
+        for (int64_t r = 0; r < m; r++)
+            rms_norm_row(hidden + r * h, NULL, w->input_norm, s->eps, scratch->normed + r * h, h);
         small_linear_bf16_part(scratch->normed, h, w->qkv, w->qkv_bias, scratch->qkv, qkv_size, m, qkv_size, h,
                                t, nt);
 #pragma omp barrier
@@ -177,10 +130,8 @@ void decode_layer_bf16(uint16_t *hidden, const LayerWeights *w, uint16_t *key_ca
         small_linear_bf16_part(scratch->attn, q_size, w->o, w->o_bias, scratch->proj, h, m, h, q_size, t, nt);
 #pragma omp barrier
 #pragma omp single
-        {
-            add_residual(hidden, scratch->proj, m * h);
-            rms_norm_rows(hidden, w->post_norm, s->eps, scratch->normed, m, h);
-        }
+        for (int64_t r = 0; r < m; r++)  /* residual add, then the norm */
+            rms_norm_row(hidden + r * h, scratch->proj + r * h, w->post_norm, s->eps, scratch->normed + r * h, h);
         small_linear_bf16_part(scratch->normed, h, w->gate_up, NULL, scratch->gate_up, 2 * inter, m, 2 * inter,
                                h, t, nt);
 #pragma omp barrier

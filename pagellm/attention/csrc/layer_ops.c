@@ -17,8 +17,7 @@
 
 #include "bf16.h"
 #include "float_mode.h"
-
-static inline float round_bf16(float value) { return bf16_to_float(float_to_bf16(value)); }
+#include "layer_rows.h"
 
 /* hidden += delta (when delta is not NULL), then out = weight * bf16(hidden * rsqrt(mean(hidden^2) + eps)),
  * as model/layers.py RMSNorm after the residual add. hidden, delta, out: [m, h]. */
@@ -28,40 +27,9 @@ void rms_norm_residual_bf16(uint16_t *hidden, const uint16_t *delta, const uint1
     {
         const unsigned float_mode = subnormals_flushed();
 #pragma omp for schedule(static)
-        for (int64_t r = 0; r < m; r++) {
-            uint16_t *row = hidden + r * h;
-            if (delta != NULL) {
-                const uint16_t *add = delta + r * h;
-                for (int64_t i = 0; i < h; i++) row[i] = float_to_bf16(bf16_to_float(row[i]) + bf16_to_float(add[i]));
-            }
-            float sum = 0.0f;
-            for (int64_t i = 0; i < h; i++) {
-                const float v = bf16_to_float(row[i]);
-                sum += v * v;
-            }
-            const float inverse = 1.0f / sqrtf(sum / (float)h + eps);
-            uint16_t *dst = out + r * h;
-            for (int64_t i = 0; i < h; i++)
-                dst[i] = float_to_bf16(bf16_to_float(weight[i]) * round_bf16(bf16_to_float(row[i]) * inverse));
-        }
+        for (int64_t r = 0; r < m; r++)
+            rms_norm_row(hidden + r * h, delta != NULL ? delta + r * h : NULL, weight, eps, out + r * h, h);
         float_mode_restore(float_mode);
-    }
-}
-
-/* Half-split rotary (HF layout) of `num_heads` heads of one row, in place. */
-static void rotate_heads(uint16_t *heads, int num_heads, int head_dim, const float *cos, const float *sin) {
-    const int half = head_dim / 2;
-    float x1[half], x2[half];  /* both halves read before either is written: the loops vectorize */
-    for (int h = 0; h < num_heads; h++) {
-        uint16_t *x = heads + (int64_t)h * head_dim;
-        for (int i = 0; i < half; i++) {
-            x1[i] = bf16_to_float(x[i]);
-            x2[i] = bf16_to_float(x[i + half]);
-        }
-        for (int i = 0; i < half; i++) {
-            x[i] = float_to_bf16(x1[i] * cos[i] - x2[i] * sin[i]);
-            x[i + half] = float_to_bf16(x2[i] * cos[i] + x1[i] * sin[i]);
-        }
     }
 }
 
@@ -100,10 +68,7 @@ void silu_mul_bf16(const uint16_t *gate_up, uint16_t *act, int64_t m, int64_t in
         for (int64_t r = 0; r < m; r++) {
             const uint16_t *gate = gate_up + r * 2 * inter, *up = gate + inter;
             uint16_t *dst = act + r * inter;
-            for (int64_t i = 0; i < inter; i++) {
-                const float g = bf16_to_float(gate[i]);
-                dst[i] = float_to_bf16(round_bf16(g / (1.0f + expf(-g))) * bf16_to_float(up[i]));
-            }
+            for (int64_t i = 0; i < inter; i++) dst[i] = silu_mul(gate[i], up[i]);
         }
         float_mode_restore(float_mode);
     }

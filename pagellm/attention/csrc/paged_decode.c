@@ -19,15 +19,11 @@
 
 #include "bf16.h"
 #include "float_mode.h"
+#include "kernels.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
 
-/* paged_decode_bf16.c: the work item with AVX-512 BF16, where the CPU has it. */
-int attend_bf16_supported(int head_dim);
-void attend_bf16(const uint16_t *q, const uint16_t *key_cache, const uint16_t *value_cache, const int64_t *table,
-                 int64_t seq_len, int kv_head, int span, int num_kv_heads, int group, int head_dim,
-                 int block_size, float scale, float *scores, float *acc);
 
 /* head_dim elements starting `offset` elements into `base`, widened to float32. */
 static inline void load_row(const void *base, int64_t offset, int head_dim, int is_bf16, float *dst) {
@@ -38,26 +34,6 @@ static inline void load_row(const void *base, int64_t offset, int head_dim, int 
     } else {
         memcpy(dst, (const float *)base + offset, sizeof(float) * (size_t)head_dim);
     }
-}
-
-/* Blocks asked for ahead of use. The cache rows were written steps ago and evicted since
- * (by the weights streaming through), and one kv head's rows are strided, which the
- * hardware prefetcher follows poorly: without this the loads wait on memory one after
- * another (measured: ~13 us per layer for one request at ~80 tokens of context). */
-#define PREFETCH_BLOCKS 2
-
-/* Prefetch rows [first, first + block_size) of the context (those that exist). */
-static inline void prefetch_block(const void *cache, const int64_t *table, int64_t first, int64_t seq_len,
-                                  int block_size, int num_kv_heads, int kv_head, int head_dim, int span,
-                                  int element_bytes) {
-    if (first >= seq_len) return;
-    const int64_t count = seq_len - first < block_size ? seq_len - first : block_size;
-    const int64_t row_stride = (int64_t)num_kv_heads * head_dim * element_bytes;
-    const char *start = (const char *)cache
-        + ((table[first / block_size] * block_size * num_kv_heads + kv_head) * head_dim) * element_bytes;
-    const int row_bytes = span * head_dim * element_bytes;
-    for (int64_t i = 0; i < count; i++)
-        for (int offset = 0; offset < row_bytes; offset += 64) __builtin_prefetch(start + i * row_stride + offset, 0, 3);
 }
 
 /*
@@ -81,17 +57,8 @@ static void NAME(const float *q, const void *key_cache, const void *value_cache,
     float row[span * head_dim];                                                              \
     float best[heads], total[heads];                                                         \
     for (int h = 0; h < heads; h++) best[h] = -FLT_MAX;                                      \
-    const int element_bytes = is_bf16 ? 2 : 4;                                               \
-    for (int b = 0; b < PREFETCH_BLOCKS; b++) {                                              \
-        prefetch_block(key_cache, table, (int64_t)b * block_size, seq_len, block_size,       \
-                       num_kv_heads, kv_head, head_dim, span, element_bytes);                \
-        prefetch_block(value_cache, table, (int64_t)b * block_size, seq_len, block_size,     \
-                       num_kv_heads, kv_head, head_dim, span, element_bytes);                \
-    }                                                                                        \
     /* Pass 1: scaled scores q . k, block by block. */                                       \
     for (int64_t first = 0; first < seq_len; first += block_size) {                          \
-        prefetch_block(key_cache, table, first + PREFETCH_BLOCKS * block_size, seq_len,      \
-                       block_size, num_kv_heads, kv_head, head_dim, span, element_bytes);    \
         const int64_t count = seq_len - first < block_size ? seq_len - first : block_size;   \
         const int64_t base = (table[first / block_size] * block_size * num_kv_heads + kv_head) * head_dim; \
         for (int64_t i = 0; i < count; i++) {                                                \
@@ -119,8 +86,6 @@ static void NAME(const float *q, const void *key_cache, const void *value_cache,
     /* Pass 2: weighted sum of the value rows. */                                            \
     for (int i = 0; i < heads * head_dim; i++) acc[i] = 0.0f;                                \
     for (int64_t first = 0; first < seq_len; first += block_size) {                          \
-        prefetch_block(value_cache, table, first + PREFETCH_BLOCKS * block_size, seq_len,    \
-                       block_size, num_kv_heads, kv_head, head_dim, span, element_bytes);    \
         const int64_t count = seq_len - first < block_size ? seq_len - first : block_size;   \
         const int64_t base = (table[first / block_size] * block_size * num_kv_heads + kv_head) * head_dim; \
         for (int64_t i = 0; i < count; i++) {                                                \
@@ -142,6 +107,9 @@ static void NAME(const float *q, const void *key_cache, const void *value_cache,
 DEFINE_ATTEND(attend_64, 64)
 DEFINE_ATTEND(attend_128, 128)
 DEFINE_ATTEND(attend_any, head_dim_arg)
+
+typedef void (*attend_fn)(const float *, const void *, const void *, const int64_t *, int64_t, int, int, int, int,
+                          int, int, float, int, float *, float *);
 
 /*
  * query:        [*, num_heads, head_dim], row r starts at r * query_row_stride elements
@@ -183,20 +151,16 @@ void paged_decode_attention_in_region(
         const int heads = span * group;
         float q[heads * head_dim], acc[heads * head_dim];
         const int64_t first_head = (int64_t)kv_head * group * head_dim;
-        if (fast_bf16)
-            attend_bf16((const uint16_t *)query + rows[decode] * query_row_stride + first_head, key_cache,
-                        value_cache, table, seq_lens[decode], kv_head, span, num_kv_heads, group, head_dim,
-                        block_size, scale, scores, acc);
-        else if ((load_row(query, rows[decode] * query_row_stride + first_head, heads * head_dim, is_bf16, q),
-                  head_dim == 64))
-            attend_64(q, key_cache, value_cache, table, seq_lens[decode], kv_head, span, num_kv_heads,
-                      group, head_dim, block_size, scale, is_bf16, scores, acc);
-        else if (head_dim == 128)
-            attend_128(q, key_cache, value_cache, table, seq_lens[decode], kv_head, span, num_kv_heads,
-                       group, head_dim, block_size, scale, is_bf16, scores, acc);
-        else
-            attend_any(q, key_cache, value_cache, table, seq_lens[decode], kv_head, span, num_kv_heads,
-                       group, head_dim, block_size, scale, is_bf16, scores, acc);
+        const int64_t query_offset = rows[decode] * query_row_stride + first_head;
+        if (fast_bf16) {
+            attend_bf16((const uint16_t *)query + query_offset, key_cache, value_cache, table, seq_lens[decode],
+                        kv_head, span, num_kv_heads, group, head_dim, block_size, scale, scores, acc);
+        } else {
+            load_row(query, query_offset, heads * head_dim, is_bf16, q);
+            const attend_fn attend = head_dim == 64 ? attend_64 : head_dim == 128 ? attend_128 : attend_any;
+            attend(q, key_cache, value_cache, table, seq_lens[decode], kv_head, span, num_kv_heads, group,
+                   head_dim, block_size, scale, is_bf16, scores, acc);
+        }
         const int64_t offset = rows[decode] * out_row_stride + first_head;
         if (is_bf16) {
             uint16_t *dst = (uint16_t *)out + offset;

@@ -17,6 +17,7 @@
 
 #include "bf16.h"
 #include "float_mode.h"
+#include "kernels.h"
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>

@@ -26,6 +26,7 @@
 
 #include "bf16.h"
 #include "float_mode.h"
+#include "kernels.h"
 
 #define MAX_ROWS 8
 #ifndef PREFETCH_BYTES
