@@ -22,7 +22,7 @@ from pagellm.attention.backend import AttentionBackend, AttentionMetadata
 from pagellm.errors import ModelLoadError
 from pagellm.model.config import ModelConfig
 from pagellm.model.layers import RMSNorm, RotaryEmbedding, apply_rotary
-from pagellm.model.small_batch_linear import SmallBatchKernel, SmallBatchLinear, linear
+from pagellm.model.cpu_linear import CpuLinearKernels, CpuLinear, linear
 
 if TYPE_CHECKING:
     from pagellm.model.fused_decode import FusedDecode
@@ -39,10 +39,10 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
         # q, k and v projections fused into one matmul.
-        self.qkv_proj = SmallBatchLinear(
+        self.qkv_proj = CpuLinear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
         )
-        self.o_proj = SmallBatchLinear(self.q_size, config.hidden_size, bias=config.attention_out_bias)
+        self.o_proj = CpuLinear(self.q_size, config.hidden_size, bias=config.attention_out_bias)
 
     def forward(
         self,
@@ -68,8 +68,8 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.intermediate_size = config.intermediate_size
         # gate and up projections fused into one matmul.
-        self.gate_up_proj = SmallBatchLinear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = SmallBatchLinear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = CpuLinear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = CpuLinear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -133,7 +133,7 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = SmallBatchLinear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = CpuLinear(config.hidden_size, config.vocab_size, bias=False)
 
     def forward(
         self,
@@ -152,20 +152,20 @@ class LlamaForCausalLM(nn.Module):
             hidden = layer(cos_sin, hidden, kv_cache, metadata, self.backend)
         return self.norm(hidden)
 
-    small_batch_kernel: SmallBatchKernel | None = None
+    cpu_linear_kernels: CpuLinearKernels | None = None
     fused_decode: FusedDecode | None = None  # CPU bf16: decode steps of <= 32 requests in C
     native_layers: NativeLayers | None = None  # CPU bf16: other steps' elementwise stages in C
 
-    def use_small_batch_kernel(self, kernel: SmallBatchKernel | None) -> None:
+    def use_cpu_linear_kernels(self, kernel: CpuLinearKernels | None) -> None:
         """Route linear layers (and the LM head) with few rows through `kernel` (None: torch)."""
-        self.small_batch_kernel = kernel
+        self.cpu_linear_kernels = kernel
         for module in self.modules():
-            if isinstance(module, SmallBatchLinear):
+            if isinstance(module, CpuLinear):
                 module.kernel = kernel
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, vocab_size]
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return linear(hidden, weight, None, self.small_batch_kernel)
+        return linear(hidden, weight, None, self.cpu_linear_kernels)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

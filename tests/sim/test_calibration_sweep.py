@@ -59,9 +59,9 @@ def test_calibrating_a_real_engine(tiny_model, tmp_path):
 
 
 def test_calibrating_a_bf16_engine_fits_its_native_decode_path(tiny_model):
-    from pagellm.model.small_batch_linear import small_batch_kernel
+    from pagellm.model.cpu_linear import cpu_linear_kernels
 
-    if small_batch_kernel() is None:
+    if cpu_linear_kernels() is None:
         pytest.skip("no native decode path on this CPU (needs AVX-512 BF16)")
     engine = LLMEngine.from_engine_args(EngineArgs(
         model=tiny_model, dtype="bfloat16", max_model_len=512, max_num_seqs=32,

@@ -5,9 +5,17 @@
 
 #include <stdint.h>
 
+/* Up to this many rows the linear layers stream their weights (small_linear.c), above it
+ * they take gemm_bf16.c; model/cpu_linear.py's STREAMING_MAX_ROWS is the same. */
+#define STREAMING_MAX_ROWS 16
+
 /* small_linear.c: thread t of nt's share of out = x w^T (+ bias), bf16, inside a region. */
 void small_linear_bf16_part(const uint16_t *x, int64_t x_stride, const uint16_t *w, const uint16_t *bias,
                             uint16_t *out, int64_t out_stride, int64_t m, int64_t n, int64_t k, int t, int nt);
+
+/* gemm_bf16.c: the same for tens of rows and more (weights repacked into register tiles). */
+void gemm_bf16_part(const uint16_t *x, int64_t x_stride, const uint16_t *w, const uint16_t *bias,
+                    uint16_t *out, int64_t out_stride, int64_t m, int64_t n, int64_t k, int t, int nt);
 
 /* paged_decode.c: the attention rows' work items, shared among a region's threads. */
 void paged_decode_attention_in_region(

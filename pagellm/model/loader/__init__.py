@@ -17,7 +17,7 @@ from pagellm.model.llama import LlamaForCausalLM
 from pagellm.attention.native import load_kernels
 from pagellm.model.fused_decode import FusedDecode
 from pagellm.model.native_layers import NativeLayers
-from pagellm.model.small_batch_linear import small_batch_kernel
+from pagellm.model.cpu_linear import cpu_linear_kernels
 from pagellm.model.loader import gguf_loader, hf_loader
 from pagellm.model.loader.default_model import DEFAULT_MODEL_NAME, default_model_path
 
@@ -131,10 +131,10 @@ def _use_cpu_decode_kernels(model: LlamaForCausalLM) -> None:
     """bf16 on a CPU with AVX-512 BF16: linear layers with few rows stream their weights
     through the native kernel, decode steps of few requests run layer by layer in C, and
     other steps run the layers' elementwise stages in C around PyTorch's matmuls."""
-    kernel = small_batch_kernel()
+    kernel = cpu_linear_kernels()
     if kernel is None:
         return
-    model.use_small_batch_kernel(kernel)
+    model.use_cpu_linear_kernels(kernel)
     if FusedDecode.supports(model):
         model.fused_decode = FusedDecode(load_kernels(), model)
     if NativeLayers.supports(model):

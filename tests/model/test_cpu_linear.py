@@ -1,5 +1,5 @@
-"""The CPU small-batch linear kernel (bf16 weights streamed once for 1-8 rows) against
-a float64 reference, and its routing inside the model."""
+"""The CPU bf16 linear kernels (weights streamed once for up to 16 rows, repacked into
+register tiles above) against a float64 reference, and their routing inside the model."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagellm.model.small_batch_linear import MAX_ROWS, SmallBatchLinear, linear, small_batch_kernel
+from pagellm.model.cpu_linear import STREAMING_MAX_ROWS, CpuLinear, cpu_linear_kernels, linear
 
-kernel = small_batch_kernel()
+kernel = cpu_linear_kernels()
 needs_kernel = pytest.mark.skipif(kernel is None, reason="needs AVX-512 BF16 and a C compiler")
 
 
@@ -18,8 +18,12 @@ def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 @needs_kernel
-@pytest.mark.parametrize("m", range(1, MAX_ROWS + 1))
-@pytest.mark.parametrize("n,k,with_bias", [(1536, 576, False), (7, 70, True), (577, 1536, True), (1, 31, False)])
+# Streaming: every row count; tiles: 6-row tiles with every remainder, blocks of 192 rows.
+@pytest.mark.parametrize("m", [*range(1, STREAMING_MAX_ROWS + 1), 17, 18, 19, 20, 21, 22, 23, 24, 37, 64, 200, 389])
+# Panels of 64 columns with 1-3 vector remainders and a ragged last vector; K: 16-pair
+# packing steps with remainders, odd K (a half pair).
+@pytest.mark.parametrize("n,k,with_bias", [(1536, 576, False), (7, 70, True), (577, 1536, True), (1, 31, False),
+                                           (100, 33, True), (49, 1, False)])
 def test_matches_float64_reference(m, n, k, with_bias):
     gen = torch.Generator().manual_seed(m * 1000 + n + k)
     x = torch.randn(m, k, generator=gen).bfloat16()
@@ -34,7 +38,7 @@ def test_matches_float64_reference(m, n, k, with_bias):
 
 
 @needs_kernel
-@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("m", [1, 3, 30])
 def test_nan_and_infinity_propagate_to_their_rows_only(m):
     # A diverged activation row must come out NaN or infinite, never silently finite,
     # and must not touch the other rows.
@@ -55,15 +59,15 @@ def test_nan_and_infinity_propagate_to_their_rows_only(m):
 @needs_kernel
 def test_strided_rows_and_fallbacks(monkeypatch):
     gen = torch.Generator().manual_seed(1)
-    wide = torch.randn(3, 200, generator=gen).bfloat16()
-    x = wide[:, :96]  # rows 200 elements apart
     weight = torch.randn(64, 96, generator=gen).bfloat16()
-    with torch.inference_mode():
-        torch.testing.assert_close(linear(x, weight, None, kernel).float(), F.linear(x, weight).float(), rtol=2e-2, atol=2e-2)
+    for rows in (3, 40):  # streaming, tiles
+        x = torch.randn(rows, 200, generator=gen).bfloat16()[:, :96]  # rows 200 elements apart
+        with torch.inference_mode():
+            got = linear(x, weight, None, kernel).float()
+        torch.testing.assert_close(got, F.linear(x, weight).float(), rtol=2e-2, atol=2e-2)
     calls = []
     monkeypatch.setattr(type(kernel), "__call__", lambda self, *a: calls.append(a))
     with torch.inference_mode():
-        linear(torch.randn(MAX_ROWS + 1, 96).bfloat16(), weight, None, kernel)  # too many rows
         linear(torch.randn(2, 96), weight.float(), None, kernel)  # float32
     linear(torch.randn(2, 96).bfloat16(), weight, None, kernel)  # autograd on: torch
     assert calls == []
@@ -71,7 +75,7 @@ def test_strided_rows_and_fallbacks(monkeypatch):
 
 @needs_kernel
 def test_model_layers_route_through_the_kernel(monkeypatch):
-    layer = SmallBatchLinear(32, 16, bias=True).bfloat16()
+    layer = CpuLinear(32, 16, bias=True).bfloat16()
     layer.kernel = kernel
     seen = []
     original = type(kernel).__call__
@@ -84,7 +88,8 @@ def test_model_layers_route_through_the_kernel(monkeypatch):
     with torch.inference_mode():
         out = layer(torch.randn(4, 32).bfloat16())
         layer(torch.randn(20, 32).bfloat16())
-    assert seen == [4]
+        layer.float()(torch.randn(4, 32))  # float32: torch
+    assert seen == [4, 20]
     assert out.shape == (4, 16)
 
 
@@ -101,7 +106,7 @@ def test_bf16_model_logits_native_and_torch(tmp_path, arch, num_requests):
     folder = make_tiny_hf_checkpoint(tmp_path, arch, hidden_size=128, intermediate_size=256)
     source = ModelSource("hf", folder, "tiny")
     model = load_model(source, load_model_config(source), get_attention_backend(), torch.bfloat16)
-    assert model.small_batch_kernel is not None  # bf16 on CPU: attached at load
+    assert model.cpu_linear_kernels is not None  # bf16 on CPU: attached at load
     assert model.fused_decode is not None and model.native_layers is not None
 
     def prefill_and_decode_logits() -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,7 +131,7 @@ def test_bf16_model_logits_native_and_torch(tmp_path, arch, num_requests):
     native_layers = prefill_and_decode_logits()  # decode through the native stages too
     native_layers_runner, model.native_layers = model.native_layers, None
     kernel_only = prefill_and_decode_logits()  # PyTorch layers, native linear
-    model.use_small_batch_kernel(None)
+    model.use_cpu_linear_kernels(None)
     torch_only = prefill_and_decode_logits()
     # bf16 computations of the same function: equal to bf16 rounding, and each row's
     # argmax is the reference's or ties with it to bf16 rounding (random weights give
@@ -157,7 +162,7 @@ def test_smollm2_bf16_native_decode_as_close_to_float32_as_torch_bf16(smollm2_pa
     assert model.fused_decode is not None
     native = llm.generate(prompts, params, use_tqdm=False)
     model.fused_decode = model.native_layers = None
-    model.use_small_batch_kernel(None)
+    model.use_cpu_linear_kernels(None)
     torch_bf16 = llm.generate(prompts, params, use_tqdm=False)
 
     def distance(outputs) -> float:
