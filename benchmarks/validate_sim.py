@@ -11,10 +11,11 @@ one engine (the embedded SmolLM2-135M in the engine's default dtype):
 and compare output throughput, median and p99 TTFT and preemption counts (targets: 10%,
 10%, 20%, 10%). The calibration's workloads and the validation workloads differ
 (scripted sweeps vs Poisson / burst traffic from pagellm/bench/workload.py), so the
-comparison is out of sample. Calibrating each configuration's own engine right before
-its run matters on this VM: the same steps run up to ~20% slower or faster from one
-engine (or ten minutes) to the next, and that drift would otherwise be charged to the
-simulator; the record keeps how well the calibration predicted the real run's steps.
+comparison is out of sample. Calibrating each configuration's own engine, half of the
+sweeps right before its runs and half right after (fitted together), matters on this VM:
+the same steps run up to ~20% slower or faster from one engine (or ten minutes) to the
+next, and that drift would otherwise be charged to the simulator; the record keeps how
+well the calibration predicted the real run's steps.
 
 Timing hygiene on a shared machine: every timed phase holds the benchmark lock
 (/tmp/pagellm-bench.lock, flock), waits until the CPUs are otherwise idle, and measures
@@ -294,25 +295,41 @@ def validate_config(args: argparse.Namespace, config: ValidationConfig, given: C
     )
     engine = make_engine(config.engine)
     warm_up(engine)
+    # Calibration sweeps on both sides of the real runs (half before, half after), fitted
+    # together: this VM's speed drifts by 10-20% over minutes, and a fit made only before
+    # the runs carries whatever the machine did then into every prediction.
+    before = (args.calibration_sweeps + 1) // 2 if args.bracket else args.calibration_sweeps
+    after = args.calibration_sweeps - before
+    calibration_loads = []
     if given is None:
-        (model, _), calibration_load = timed_phase(
+        (model, measured), calibration_load = timed_phase(
             args, f"{config.name} calibration",
             on_clean_engine(engine, lambda watch: calibrate_engine(
-                engine, quick=args.quick, on_case=watch, sweeps=args.calibration_sweeps,
+                engine, quick=args.quick, on_case=watch, sweeps=before,
             )),
         )  # fmt: skip
+        calibration_loads.append(calibration_load)
         reset_engine(engine)  # the sweep's prompts must not be prefix hits for the run
     else:
-        model, calibration_load = given, None
+        model = given
     runs, loads = [], []
     for repeat in range(args.repeats):
-        measured, load = timed_phase(
+        measured_run, load = timed_phase(
             args, f"{config.name} run {repeat + 1}",
             on_clean_engine(engine, lambda watch: run_on_engine(engine, requests, after_step=watch)),
         )  # fmt: skip
         reset_engine(engine)  # each run starts from the same (empty) prefix cache
-        runs.append(measured)
+        runs.append(measured_run)
         loads.append(load)
+    if given is None and after > 0:
+        (model, _), calibration_load = timed_phase(
+            args, f"{config.name} calibration after the runs",
+            on_clean_engine(engine, lambda watch: calibrate_engine(
+                engine, quick=args.quick, on_case=watch, sweeps=after, earlier=measured, earlier_sweeps=before,
+            )),
+        )  # fmt: skip
+        calibration_loads.append(calibration_load)
+    calibration_load = max(calibration_loads) if calibration_loads else None
     load = max(loads)
     scheduler_config, cache_config = engine.config.scheduler_config, engine.config.cache_config
     simulation = Simulator(scheduler_config, cache_config, model).run(requests)
@@ -341,7 +358,8 @@ def validate_config(args: argparse.Namespace, config: ValidationConfig, given: C
         "workload": {"kind": spec.kind, "num_requests": spec.num_requests, "prompt_len": list(spec.prompt_len),
                      "output_len": list(spec.output_len), "seed": spec.seed,
                      "request_rate": "inf" if config.request_rate == float("inf") else config.request_rate},
-        "calibration": calibration_summary(model, calibration_load),
+        "calibration": {**calibration_summary(model, calibration_load),
+                        "bracketed": given is None and after > 0},
         "foreign_cpu_load": round(load, 3),
         "disturbed": load > args.max_foreign_load,
         "comparison": compare(reals, sim),
@@ -385,7 +403,7 @@ def markdown_table(records: list[dict[str, Any]]) -> str:
     lines = [
         f"Measured {time.strftime('%Y-%m-%d %H:%M')} on {first['machine']}, {first['model']} "
         f"({first['dtype']}); each configuration's engine calibrated ({first.get('sweeps', 1)} sweeps fitted "
-        "together) right before its runs. \"real\" is "
+        f"together, {'half before and half after' if first.get('bracketed') else 'right before'} its runs). \"real\" is "
         "the mean of the real runs; [±x%] is half their spread, the machine's own run-to-run noise.",
         "",
         "| config | engine | workload | output tok/s real / sim (err) | TTFT p50 ms real / sim (err) "
@@ -426,6 +444,8 @@ def main() -> int:
                         help="use this fit for every configuration instead of calibrating each engine")
     parser.add_argument("--calibration-sweeps", type=int, default=2,
                         help="calibration sweeps per configuration, fitted together (one sweep's fit varies 10-20%%)")
+    parser.add_argument("--no-bracket", dest="bracket", action="store_false",
+                        help="all calibration sweeps before the runs (default: half before, half after)")
     parser.add_argument("--out", default=str(RESULTS), help="results folder")
     parser.add_argument("--lock-file", default="/tmp/pagellm-bench.lock")
     parser.add_argument("--max-foreign-load", type=float, default=0.10,

@@ -1,19 +1,18 @@
 """Model stage, CPU bf16: steps the one-call decode layer does not take (more than 32
-decodes, prefill chunks) run each decoder layer as PyTorch's four matrix multiplications
-plus four native calls (csrc/layer_ops.c) for everything between them.
+decodes, prefill chunks) run each decoder layer as its four linear layers (model/cpu_linear.py's
+kernels) plus four native calls (csrc/layer_ops.c) for everything between them.
 
 The PyTorch path spends about 40 small operations per layer on the norms, rotary
 embedding, cache writes, activation and residual adds; at a hundred rows they cost
-several milliseconds per step, while the matrix multiplications are already at their
-best in PyTorch. Per layer here:
+several milliseconds per step. Per layer here:
 
     normed = rms_norm(hidden += delta)          native (delta: the previous layer's MLP)
-    qkv = normed Wqkv^T (+b)                    torch (or the small-batch kernel)
+    qkv = normed Wqkv^T (+b)                    cpu_linear
     rotary(q, k); cache[slot] = k, v            native
     attn = paged attention                      native (CpuAttentionBackend.attend_cached)
-    normed = rms_norm(hidden += attn Wo^T (+b)) torch, native
-    act = silu(gate) * up of normed Wgu^T       torch, native
-    delta = act Wd^T                            torch
+    normed = rms_norm(hidden += attn Wo^T (+b)) cpu_linear, native
+    act = silu(gate) * up of normed Wgu^T       cpu_linear, native
+    delta = act Wd^T                            cpu_linear
 
 Values are rounded to bf16 where the PyTorch path stores bf16, as in the one-call layer.
 """

@@ -172,10 +172,14 @@ def calibrate_engine(
     seed: int = 0,
     on_case: Callable[[SweepCase, list[MeasuredStep]], None] | None = None,
     sweeps: int = 1,
+    earlier: list[MeasuredStep] | None = None,
+    earlier_sweeps: int = 0,
 ) -> tuple[CalibratedCostModel, list[MeasuredStep]]:
     """Measure the sweep on `engine` (`sweeps` times, fitting all the steps together: on a
     noisy machine one sweep's timings of the same step vary by 10-20%) and fit a
-    CalibratedCostModel to it."""
+    CalibratedCostModel to it, together with `earlier` steps (`earlier_sweeps` sweeps
+    measured before on the same engine, e.g. on the other side of a run to be predicted,
+    so that the machine's drift over the run is averaged into the fit)."""
     if sweeps < 1:
         raise ConfigError(f"sweeps must be at least 1, got {sweeps}")
     scheduler_config = engine.config.scheduler_config
@@ -184,8 +188,8 @@ def calibrate_engine(
         scheduler_config.max_model_len, quick=quick, max_chunk=max_chunk, seed=seed,
     )  # fmt: skip
     start = time.perf_counter()
-    measured = []
-    for sweep in range(sweeps):
+    measured = list(earlier or [])
+    for sweep in range(earlier_sweeps, earlier_sweeps + sweeps):
         measured += measure_steps(engine, cases, seed=seed + sweep, on_case=on_case)
     native_max = native_decode_max_reqs(engine)
     fit = fit_step_costs([m.batch for m in measured], [m.seconds for m in measured], native_max)
@@ -195,7 +199,7 @@ def calibrate_engine(
         "device": engine.config.device.type,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "sweep_seconds": round(time.perf_counter() - start, 1),
-        "sweeps": sweeps,
+        "sweeps": earlier_sweeps + sweeps,
         # The range the fit saw; the simulator counts steps beyond it as extrapolated.
         "max_measured_tokens": max(m.batch.num_tokens for m in measured),
         "max_measured_chunk": max((max(m.batch.prefill_num_tokens, default=0) for m in measured), default=0),

@@ -58,6 +58,19 @@ def test_calibrating_a_real_engine(tiny_model, tmp_path):
     assert CalibratedCostModel.load(path).predict(measured[0].batch) == model.predict(measured[0].batch)
 
 
+def test_a_later_calibration_fits_the_earlier_sweeps_steps_too(tiny_model):
+    # Sweeps on both sides of a run: the second call fits its own steps and the first's.
+    engine = LLMEngine.from_engine_args(EngineArgs(
+        model=tiny_model, max_model_len=512, max_num_seqs=16, max_num_batched_tokens=128,
+        disable_log_stats=True,
+    ))  # fmt: skip
+    first, earlier = calibrate_engine(engine, quick=True)
+    second, measured = calibrate_engine(engine, quick=True, earlier=earlier, earlier_sweeps=1)
+    assert measured[: len(earlier)] == earlier and len(measured) > len(earlier)
+    assert second.fit.quality.num_steps == len(measured) and first.fit.quality.num_steps == len(earlier)
+    assert first.metadata["sweeps"] == 1 and second.metadata["sweeps"] == 2
+
+
 def test_calibrating_a_bf16_engine_fits_its_native_decode_path(tiny_model):
     from pagellm.model.cpu_linear import cpu_linear_kernels
 
