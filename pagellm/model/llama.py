@@ -153,7 +153,7 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(hidden)
 
     cpu_linear_kernels: CpuLinearKernels | None = None
-    fused_decode: FusedDecode | None = None  # CPU bf16: decode steps of <= 32 requests in C
+    fused_decode: FusedDecode | None = None  # CPU bf16: decode steps of <= 20 requests in C
     native_layers: NativeLayers | None = None  # CPU bf16: other steps' elementwise stages in C
 
     def use_cpu_linear_kernels(self, kernel: CpuLinearKernels | None) -> None:

@@ -81,8 +81,10 @@ def test_calibrating_a_bf16_engine_fits_its_native_decode_path(tiny_model):
         max_num_batched_tokens=256, disable_log_stats=True,
     ))  # fmt: skip
     model, _ = calibrate_engine(engine, quick=True)
-    assert model.metadata["native_decode_max_reqs"] == 32
-    assert model.fit.native_decode_max_reqs == 32 and 1 in model.fit.native_knots
+    from pagellm.model.fused_decode import MAX_ROWS
+
+    assert model.metadata["native_decode_max_reqs"] == MAX_ROWS
+    assert model.fit.native_decode_max_reqs == MAX_ROWS and 1 in model.fit.native_knots
 
 
 def test_calibrate_then_simulate_on_the_command_line(tiny_model, tmp_path, capsys):
