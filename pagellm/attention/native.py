@@ -24,7 +24,7 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = ("paged_decode.c", "paged_decode_bf16.c", "small_linear.c", "gemm_bf16.c", "decode_layer.c", "layer_ops.c")
+_SOURCES = ("paged_decode.c", "paged_decode_bf16.c", "small_linear.c", "gemm_bf16.c", "linear_bf16.c", "decode_layer.c", "layer_ops.c")
 _HEADERS = ("bf16.h", "float_mode.h", "kernels.h", "layer_rows.h")  # included by the sources: part of what the cached library is keyed by
 _COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11", "-Wall")
 # Linked without -ffast-math: with it, GCC adds crtfastmath.o, whose constructor turns on
@@ -115,18 +115,14 @@ def _declare(library: ctypes.CDLL) -> None:
         c_float, c_int, c_int, c_int64,  # scale, is bf16, num threads, max seq len
         c_void_p, c_int64, c_void_p,  # out, out row stride, workspace
     ]
-    library.small_linear_bf16_supported.restype = c_int
-    library.small_linear_bf16_supported.argtypes = []
-    library.small_linear_bf16.restype = None
-    library.small_linear_bf16.argtypes = [
+    library.linear_bf16_supported.restype = c_int
+    library.linear_bf16_supported.argtypes = []
+    library.linear_bf16.restype = None
+    library.linear_bf16.argtypes = [
         c_void_p, c_int64, c_void_p, c_void_p,  # x, x row stride, weight, bias (or None)
         c_void_p, c_int64,  # out, out row stride
         c_int64, c_int64, c_int64, c_int,  # m, n, k, num threads
     ]
-    library.gemm_bf16_supported.restype = c_int
-    library.gemm_bf16_supported.argtypes = []
-    library.gemm_bf16.restype = None
-    library.gemm_bf16.argtypes = library.small_linear_bf16.argtypes
     # decode_layer_bf16(hidden, LayerWeights*, key cache, value cache, LayerShape*,
     # StepInputs*, Scratch*): the structs are declared in model/fused_decode.py.
     library.decode_layer_bf16.restype = None

@@ -7,7 +7,9 @@ Measured on this machine's two cores against PyTorch's bf16 GEMM (oneDNN):
 - from 17 rows on, csrc/gemm_bf16.c repacks the weight into the dot-product instruction's
   pair layout a panel at a time and computes 6 x 64 register tiles: at 32-64 rows 600-850
   GFLOP/s against PyTorch's 400-650, about even from 512 rows (prefill chunks).
-float32, other devices and autograd take torch's F.linear.
+csrc/linear_bf16.c picks between the two by the number of rows (STREAMING_MAX_ROWS in
+csrc/kernels.h), for these layers and inside the one-call decode layer alike. float32,
+other devices and autograd take torch's F.linear.
 """
 
 from __future__ import annotations
@@ -18,17 +20,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# Up to this many rows streaming the weight beats repacking it (measured crossover: 16
-# rows 10.1 vs 11.3 ms for a SmolLM2 step's linears, 20 rows 12.4 vs 10.8).
-STREAMING_MAX_ROWS = 16
-
 
 class CpuLinearKernels:
     """The compiled kernels and the thread count to run them with."""
 
     def __init__(self, library: ctypes.CDLL, num_threads: int) -> None:
-        self._streaming = library.small_linear_bf16
-        self._gemm = library.gemm_bf16
+        self._run = library.linear_bf16  # picks the kernel by the number of rows
         self.num_threads = num_threads
 
     def applies(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -47,8 +44,7 @@ class CpuLinearKernels:
         m, k = x.shape
         n = weight.shape[0]
         out = torch.empty(m, n, dtype=torch.bfloat16)
-        run = self._streaming if m <= STREAMING_MAX_ROWS else self._gemm
-        run(
+        self._run(
             x.data_ptr(), x.stride(0), weight.data_ptr(), None if bias is None else bias.data_ptr(),
             out.data_ptr(), n, m, n, k, self.num_threads,
         )  # fmt: skip
@@ -60,7 +56,7 @@ def cpu_linear_kernels() -> CpuLinearKernels | None:
     from pagellm.attention.native import load_kernels
 
     library = load_kernels()
-    if library is None or not library.small_linear_bf16_supported() or not library.gemm_bf16_supported():
+    if library is None or not library.linear_bf16_supported():
         return None
     return CpuLinearKernels(library, torch.get_num_threads())
 

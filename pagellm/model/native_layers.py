@@ -1,5 +1,5 @@
-"""Model stage, CPU bf16: steps the one-call decode layer does not take (more than 32
-decodes, prefill chunks) run each decoder layer as its four linear layers (model/cpu_linear.py's
+"""Model stage, CPU bf16: steps the one-call decode layer does not take (more than
+fused_decode.MAX_ROWS decodes, prefill chunks) run each decoder layer as its four linear layers (model/cpu_linear.py's
 kernels) plus four native calls (csrc/layer_ops.c) for everything between them.
 
 The PyTorch path spends about 40 small operations per layer on the norms, rotary

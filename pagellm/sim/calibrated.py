@@ -20,9 +20,8 @@ Engines that run small decode-only steps through a separate path (on CPU in bf16
 decoder layer as one native call for up to 20 decodes, model/fused_decode.py) get a
 second base curve, native(D), for decode-only steps of at most `native_decode_max_reqs`
 decodes, in place of base(M), and their own cost per KV token read, native_slope(D) on
-the same knots: the two
-paths cost differently at the same token count, and read the context differently (the
-native layer prefetches it while the weights stream). With one shared KV-token slope, a
+the same knots: the two paths cost differently at the same token count, and read the
+context differently (the native layer prefetches it while the weights stream). With one shared KV-token slope, a
 validation run had steps mixing a prefill with decodes 16% slower than predicted and
 decode-only steps 6% faster. The calibration records the limit the engine used (0: no
 such path).

@@ -11,10 +11,10 @@
  *
  * Values are rounded to bf16 where the PyTorch path stores a bf16 tensor (norm output,
  * projections, attention output, activations, the residual stream); the arithmetic in
- * between is float32. The linear layers are small_linear.c's weight-streaming kernel up to
- * 16 rows and gemm_bf16.c's register tiles above; the attention is paged_decode.c's.
+ * between is float32. The linear layers go through linear_bf16.c (weight streaming up to
+ * 16 rows, register tiles above); the attention is paged_decode.c's.
  *
- * Built at run time by pagellm/attention/native.py; needs AVX-512 BF16 like small_linear.
+ * Built at run time by pagellm/attention/native.py; needs AVX-512 BF16 like linear_bf16.c.
  */
 #include <math.h>
 #include <stdint.h>
@@ -95,10 +95,6 @@ void decode_layer_bf16(uint16_t *hidden, const LayerWeights *w, uint16_t *key_ca
     const int64_t qkv_size = q_size + 2 * kv_size;
     const int half = s->head_dim / 2;
 
-    typedef void (*linear_part_fn)(const uint16_t *, int64_t, const uint16_t *, const uint16_t *, uint16_t *,
-                                   int64_t, int64_t, int64_t, int64_t, int, int);
-    const linear_part_fn linear_part = m <= STREAMING_MAX_ROWS ? small_linear_bf16_part : gemm_bf16_part;
-
 #pragma omp parallel num_threads(s->num_threads)
     {
         const unsigned float_mode = subnormals_flushed();
@@ -113,8 +109,8 @@ void decode_layer_bf16(uint16_t *hidden, const LayerWeights *w, uint16_t *key_ca
 #pragma omp single
         for (int64_t r = 0; r < m; r++)
             rms_norm_row(hidden + r * h, NULL, w->input_norm, s->eps, scratch->normed + r * h, h);
-        linear_part(scratch->normed, h, w->qkv, w->qkv_bias, scratch->qkv, qkv_size, m, qkv_size, h,
-                               t, nt);
+        linear_bf16_part(scratch->normed, h, w->qkv, w->qkv_bias, scratch->qkv, qkv_size, m, qkv_size, h,
+                         t, nt);
 #pragma omp barrier
 #pragma omp single
         for (int64_t r = 0; r < m; r++) {
@@ -131,16 +127,16 @@ void decode_layer_bf16(uint16_t *hidden, const LayerWeights *w, uint16_t *key_ca
                                          in->table_stride, in->rows, in->reqs, in->seq_lens, m, s->num_heads,
                                          s->num_kv_heads, s->head_dim, s->block_size, s->scale, 1, nt,
                                          in->max_seq_len, scratch->attn, q_size, scratch->attn_scratch);
-        linear_part(scratch->attn, q_size, w->o, w->o_bias, scratch->proj, h, m, h, q_size, t, nt);
+        linear_bf16_part(scratch->attn, q_size, w->o, w->o_bias, scratch->proj, h, m, h, q_size, t, nt);
 #pragma omp barrier
 #pragma omp single
         for (int64_t r = 0; r < m; r++)  /* residual add, then the norm */
             rms_norm_row(hidden + r * h, scratch->proj + r * h, w->post_norm, s->eps, scratch->normed + r * h, h);
-        linear_part(scratch->normed, h, w->gate_up, NULL, scratch->gate_up, 2 * inter, m, 2 * inter,
-                               h, t, nt);
+        linear_bf16_part(scratch->normed, h, w->gate_up, NULL, scratch->gate_up, 2 * inter, m, 2 * inter,
+                         h, t, nt);
 #pragma omp barrier
         silu_and_mul(scratch->gate_up, scratch->act, m, inter);
-        linear_part(scratch->act, inter, w->down, NULL, scratch->proj, h, m, h, inter, t, nt);
+        linear_bf16_part(scratch->act, inter, w->down, NULL, scratch->proj, h, m, h, inter, t, nt);
 #pragma omp barrier
 #pragma omp single
         add_residual(hidden, scratch->proj, m * h);

@@ -20,17 +20,13 @@
  * float32 accumulation, one rounding to bf16 at the end (round to nearest even, as torch;
  * the conversion instruction reads subnormal sums as zero, as the kernels' FTZ/DAZ mode
  * does anyway).
- * Built by pagellm/attention/native.py; the bf16 path exists only where the compiler
- * targets AVX-512 BF16 (gemm_bf16_supported).
+ * Called through linear_bf16.c. Built by pagellm/attention/native.py; the bf16 path
+ * exists only where the compiler targets AVX-512 BF16.
  */
 #include <stdint.h>
 #include <stdlib.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 #include <immintrin.h>
 
-#include "float_mode.h"
 #include "kernels.h"
 
 #define TILE_ROWS 6       /* rows of x per register tile */
@@ -38,8 +34,6 @@
 #define BLOCK_ROWS 192    /* rows of x per block (their x stays in L2 across panels) */
 
 #if defined(__AVX512BF16__)
-int gemm_bf16_supported(void) { return 1; }
-
 /* The packed panel of this thread, grown as needed and kept for the thread's lifetime
  * (OpenMP reuses its threads, so steady state allocates nothing). */
 static _Thread_local uint32_t *panel_buffer;
@@ -202,33 +196,10 @@ void gemm_bf16_part(const uint16_t *x, int64_t x_stride, const uint16_t *w, cons
         }
     }
 }
-
-/* x: [m, k] bf16 (row stride x_stride, elements), w: [n, k] bf16 contiguous, bias: [n]
- * bf16 or NULL, out: [m, n] bf16 (row stride out_stride). */
-void gemm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, const uint16_t *bias,
-               uint16_t *out, int64_t out_stride, int64_t m, int64_t n, int64_t k, int num_threads) {
-#pragma omp parallel num_threads(num_threads)
-    {
-        int t = 0, nt = 1;
-#ifdef _OPENMP
-        t = omp_get_thread_num();
-        nt = omp_get_num_threads();
-#endif
-        const unsigned float_mode = subnormals_flushed();
-        gemm_bf16_part(x, x_stride, w, bias, out, out_stride, m, n, k, t, nt);
-        float_mode_restore(float_mode);
-    }
-}
 #else
-int gemm_bf16_supported(void) { return 0; }
 void gemm_bf16_part(const uint16_t *x, int64_t x_stride, const uint16_t *w, const uint16_t *bias,
                     uint16_t *out, int64_t out_stride, int64_t m, int64_t n, int64_t k, int t, int nt) {
     (void)x; (void)x_stride; (void)w; (void)bias; (void)out; (void)out_stride;
     (void)m; (void)n; (void)k; (void)t; (void)nt;
-}
-void gemm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, const uint16_t *bias,
-               uint16_t *out, int64_t out_stride, int64_t m, int64_t n, int64_t k, int num_threads) {
-    (void)x; (void)x_stride; (void)w; (void)bias; (void)out; (void)out_stride;
-    (void)m; (void)n; (void)k; (void)num_threads;
 }
 #endif

@@ -14,18 +14,14 @@
  * more, where the activation rows already give each step enough chains (four measured
  * slower there).
  *
- * Built at run time by pagellm/attention/native.py with the machine's C compiler; the
- * bf16 path exists only where the compiler targets AVX-512 BF16 (small_linear_bf16_supported).
+ * Called through linear_bf16.c. Built at run time by pagellm/attention/native.py with the
+ * machine's C compiler; the bf16 path exists only where the compiler targets AVX-512 BF16.
  */
 #include <stdint.h>
 #include <string.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 #include <immintrin.h>
 
 #include "bf16.h"
-#include "float_mode.h"
 #include "kernels.h"
 
 #define MAX_ROWS 8
@@ -44,8 +40,6 @@ static inline void thread_range(int64_t total, int t, int n, int64_t *begin, int
 }
 
 #if defined(__AVX512BF16__)
-int small_linear_bf16_supported(void) { return 1; }
-
 /* out[m, n] for rows n0 and n1 (n1 may equal n0 when only one is left), m <= MAX_ROWS. */
 #define BF16_ROWS(M)                                                                         \
 static void bf16_rows_##M(const uint16_t *x, int64_t x_stride, const uint16_t *w0,           \
@@ -137,35 +131,10 @@ void small_linear_bf16_part(const uint16_t *x, int64_t x_stride, const uint16_t 
         }
     }
 }
-
-/* x: [m, k] bf16 (row stride x_stride), w: [n, k] bf16 contiguous, bias: [n] bf16 or NULL,
- * out: [m, n] bf16 (row stride out_stride), m >= 1. Activation rows are taken eight at a
- * time against each pair of weight rows while those sit in L1, so W is read from memory
- * once whatever m is. */
-void small_linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, const uint16_t *bias,
-                       uint16_t *out, int64_t out_stride, int64_t m, int64_t n, int64_t k, int num_threads) {
-#pragma omp parallel num_threads(num_threads)
-    {
-        int t = 0, nt = 1;
-#ifdef _OPENMP
-        t = omp_get_thread_num();
-        nt = omp_get_num_threads();
-#endif
-        const unsigned float_mode = subnormals_flushed();
-        small_linear_bf16_part(x, x_stride, w, bias, out, out_stride, m, n, k, t, nt);
-        float_mode_restore(float_mode);
-    }
-}
 #else
-int small_linear_bf16_supported(void) { return 0; }
 void small_linear_bf16_part(const uint16_t *x, int64_t x_stride, const uint16_t *w, const uint16_t *bias,
                             uint16_t *out, int64_t out_stride, int64_t m, int64_t n, int64_t k, int t, int nt) {
     (void)x; (void)x_stride; (void)w; (void)bias; (void)out; (void)out_stride;
     (void)m; (void)n; (void)k; (void)t; (void)nt;
-}
-void small_linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, const uint16_t *bias,
-                       uint16_t *out, int64_t out_stride, int64_t m, int64_t n, int64_t k, int num_threads) {
-    (void)x; (void)x_stride; (void)w; (void)bias; (void)out; (void)out_stride;
-    (void)m; (void)n; (void)k; (void)num_threads;
 }
 #endif

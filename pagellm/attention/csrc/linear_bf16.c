@@ -1,0 +1,48 @@
+/* Model stage, CPU: the bf16 linear layers' entry point, y = x W^T (+ b).
+ *
+ * The number of rows picks the kernel: up to STREAMING_MAX_ROWS the step only reads W
+ * and small_linear.c streams it once; above, gemm_bf16.c's register tiles reuse it.
+ * linear_bf16_part is the choice inside a caller's parallel region (the one-call decode
+ * layer); linear_bf16 opens the region itself (model/cpu_linear.py).
+ *
+ * Built by pagellm/attention/native.py; the bf16 path exists only where the compiler
+ * targets AVX-512 BF16 (linear_bf16_supported).
+ */
+#include <stdint.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "float_mode.h"
+#include "kernels.h"
+
+#if defined(__AVX512BF16__)
+int linear_bf16_supported(void) { return 1; }
+#else
+int linear_bf16_supported(void) { return 0; }
+#endif
+
+void linear_bf16_part(const uint16_t *x, int64_t x_stride, const uint16_t *w, const uint16_t *bias,
+                      uint16_t *out, int64_t out_stride, int64_t m, int64_t n, int64_t k, int t, int nt) {
+    if (m <= STREAMING_MAX_ROWS)
+        small_linear_bf16_part(x, x_stride, w, bias, out, out_stride, m, n, k, t, nt);
+    else
+        gemm_bf16_part(x, x_stride, w, bias, out, out_stride, m, n, k, t, nt);
+}
+
+/* x: [m, k] bf16 (row stride x_stride, elements), w: [n, k] bf16 contiguous, bias: [n]
+ * bf16 or NULL, out: [m, n] bf16 (row stride out_stride), m >= 1. */
+void linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, const uint16_t *bias,
+                 uint16_t *out, int64_t out_stride, int64_t m, int64_t n, int64_t k, int num_threads) {
+#pragma omp parallel num_threads(num_threads)
+    {
+        int t = 0, nt = 1;
+#ifdef _OPENMP
+        t = omp_get_thread_num();
+        nt = omp_get_num_threads();
+#endif
+        const unsigned float_mode = subnormals_flushed();
+        linear_bf16_part(x, x_stride, w, bias, out, out_stride, m, n, k, t, nt);
+        float_mode_restore(float_mode);
+    }
+}
