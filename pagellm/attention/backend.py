@@ -81,7 +81,7 @@ def get_attention_backend(name: str = "auto", device: torch.device | str = "cpu"
     if name == "torch" or device_type != "cpu":
         return TorchAttentionBackend()
     from pagellm.attention.cpu_backend import CpuAttentionBackend
-    from pagellm.attention.native import load_kernels
+    from pagellm.kernels.build import load_kernels
 
     kernels = load_kernels()
     if kernels is not None:

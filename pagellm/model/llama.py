@@ -22,11 +22,12 @@ from pagellm.attention.backend import AttentionBackend, AttentionMetadata
 from pagellm.errors import ModelLoadError
 from pagellm.model.config import ModelConfig
 from pagellm.model.layers import RMSNorm, RotaryEmbedding, apply_rotary
-from pagellm.model.cpu_linear import CpuLinearKernels, CpuLinear, linear
+from pagellm.kernels.linear import CpuLinearKernels
+from pagellm.model.linear import CpuLinear, linear
 
 if TYPE_CHECKING:
-    from pagellm.model.fused_decode import FusedDecode
-    from pagellm.model.native_layers import NativeLayers
+    from pagellm.kernels.decode_layer import FusedDecode
+    from pagellm.kernels.native_layers import NativeLayers
 
 
 class LlamaAttention(nn.Module):

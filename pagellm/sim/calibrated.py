@@ -17,7 +17,7 @@ attention (quadratic in a chunk), the LM head / sampler / detokenizer per sample
 and the per-chunk calls of the prefill attention path.
 
 Engines that run small decode-only steps through a separate path (on CPU in bf16, each
-decoder layer as one native call for up to 20 decodes, model/fused_decode.py) get a
+decoder layer as one native call for up to 20 decodes, kernels/decode_layer.py) get a
 second base curve, native(D), for decode-only steps of at most `native_decode_max_reqs`
 decodes, in place of base(M), and their own cost per KV token read, native_slope(D) on
 the same knots: the two paths cost differently at the same token count, and read the

@@ -223,7 +223,7 @@ def native_decode_max_reqs(engine: LLMEngine) -> int:
     """Most decodes a decode-only step may have to take the engine's native path (0: none)."""
     if getattr(engine.runner.model, "fused_decode", None) is None:
         return 0
-    from pagellm.model.fused_decode import MAX_ROWS
+    from pagellm.kernels.decode_layer import MAX_ROWS
 
     return MAX_ROWS
 

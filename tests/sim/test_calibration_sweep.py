@@ -72,7 +72,7 @@ def test_a_later_calibration_fits_the_earlier_sweeps_steps_too(tiny_model):
 
 
 def test_calibrating_a_bf16_engine_fits_its_native_decode_path(tiny_model):
-    from pagellm.model.cpu_linear import cpu_linear_kernels
+    from pagellm.kernels.linear import cpu_linear_kernels
 
     if cpu_linear_kernels() is None:
         pytest.skip("no native decode path on this CPU (needs AVX-512 BF16)")
@@ -81,7 +81,7 @@ def test_calibrating_a_bf16_engine_fits_its_native_decode_path(tiny_model):
         max_num_batched_tokens=256, disable_log_stats=True,
     ))  # fmt: skip
     model, _ = calibrate_engine(engine, quick=True)
-    from pagellm.model.fused_decode import MAX_ROWS
+    from pagellm.kernels.decode_layer import MAX_ROWS
 
     assert model.metadata["native_decode_max_reqs"] == MAX_ROWS
     assert model.fit.native_decode_max_reqs == MAX_ROWS and 1 in model.fit.native_knots

@@ -14,10 +14,10 @@ from pagellm.attention.backend import AttentionBackend
 from pagellm.errors import ModelLoadError
 from pagellm.model.config import ModelConfig
 from pagellm.model.llama import LlamaForCausalLM
-from pagellm.attention.native import load_kernels
-from pagellm.model.fused_decode import FusedDecode
-from pagellm.model.native_layers import NativeLayers
-from pagellm.model.cpu_linear import cpu_linear_kernels
+from pagellm.kernels.build import load_kernels
+from pagellm.kernels.decode_layer import FusedDecode
+from pagellm.kernels.native_layers import NativeLayers
+from pagellm.kernels.linear import cpu_linear_kernels
 from pagellm.model.loader import gguf_loader, hf_loader
 from pagellm.model.loader.default_model import DEFAULT_MODEL_NAME, default_model_path
 

@@ -1,4 +1,4 @@
-"""Model stage, CPU bf16: the linear layers' native kernels, on CPUs with AVX-512 BF16.
+"""Kernels, CPU bf16: bindings of the linear layers' native kernels, on CPUs with AVX-512 BF16.
 
 Measured on this machine's two cores against PyTorch's bf16 GEMM (oneDNN):
 - up to 16 rows (decode steps of few requests) the time is the time to read the weight;
@@ -17,8 +17,8 @@ from __future__ import annotations
 import ctypes
 
 import torch
-import torch.nn.functional as F
-from torch import nn
+
+from pagellm.kernels.build import load_kernels
 
 
 class CpuLinearKernels:
@@ -53,26 +53,7 @@ class CpuLinearKernels:
 
 def cpu_linear_kernels() -> CpuLinearKernels | None:
     """The kernels where this machine can run them (AVX-512 BF16 and a C compiler)."""
-    from pagellm.attention.native import load_kernels
-
     library = load_kernels()
     if library is None or not library.linear_bf16_supported():
         return None
     return CpuLinearKernels(library, torch.get_num_threads())
-
-
-def linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernel: CpuLinearKernels | None
-) -> torch.Tensor:
-    if kernel is not None and kernel.applies(x, weight) and (bias is None or bias.is_contiguous()):
-        return kernel(x, weight, bias)
-    return F.linear(x, weight, bias)
-
-
-class CpuLinear(nn.Linear):
-    """nn.Linear (same parameters and names) that uses the kernels once they are attached."""
-
-    kernel: CpuLinearKernels | None = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.kernel)

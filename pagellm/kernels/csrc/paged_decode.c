@@ -10,7 +10,7 @@
  * vector expf of libmvec; nothing here relies on infinities or NaN (NaN is handled on
  * the integer bits in float_to_bf16).
  *
- * Built at run time by pagellm/attention/native.py with the machine's C compiler.
+ * Built at run time by pagellm/kernels/build.py with the machine's C compiler.
  */
 #include <float.h>
 #include <math.h>

@@ -1,4 +1,4 @@
-"""Attention stage, CPU: build and load the C kernels in csrc/ with the machine's compiler.
+"""Kernels, CPU: build and load the C kernels in csrc/ (attention, linear layers, decoder layers) with the machine's compiler.
 
 The kernels are compiled on first use (`cc -O3 -march=native -ffast-math -fopenmp`, about a second)
 into a cache folder keyed by the source, the flags, the compiler and the CPU, then loaded
@@ -92,12 +92,12 @@ def load_kernels() -> ctypes.CDLL | None:
     target = _cache_dir() / f"pagellm_kernels_{digest.hexdigest()[:16]}.so"
     try:
         if not target.exists():
-            logger.info("compiling CPU attention kernels into %s", target)
+            logger.info("compiling CPU kernels into %s", target)
             _build(compiler, sources, target)
         library = ctypes.CDLL(str(target))
     except (OSError, subprocess.SubprocessError) as error:
         detail = getattr(error, "stderr", "") or str(error)
-        logger.warning("CPU attention kernels unavailable (%s): using the PyTorch path", detail.strip()[:500])
+        logger.warning("CPU kernels unavailable (%s): using the PyTorch path", detail.strip()[:500])
         return None
     _declare(library)
     return library
@@ -124,7 +124,7 @@ def _declare(library: ctypes.CDLL) -> None:
         c_int64, c_int64, c_int64, c_int,  # m, n, k, num threads
     ]
     # decode_layer_bf16(hidden, LayerWeights*, key cache, value cache, LayerShape*,
-    # StepInputs*, Scratch*): the structs are declared in model/fused_decode.py.
+    # StepInputs*, Scratch*): the structs are declared in kernels/decode_layer.py.
     library.decode_layer_bf16.restype = None
     library.decode_layer_bf16.argtypes = [c_void_p] * 7
     # layer_ops.c: the elementwise stages of a bf16 layer (model/native_layer_ops.py).

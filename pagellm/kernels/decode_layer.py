@@ -1,4 +1,4 @@
-"""Model stage, CPU: decode steps of up to 20 requests run each decoder layer as one native
+"""Kernels, CPU: decode steps of up to 20 requests run each decoder layer as one native
 call (csrc/decode_layer.c) instead of ~50 PyTorch operations.
 
 At a few tokens per step the layer's arithmetic is tiny and PyTorch's per-operation
@@ -18,7 +18,7 @@ import torch
 
 from pagellm.attention.backend import AttentionMetadata
 
-# Up to here one native call per layer beats model/native_layers.py's nine (measured on
+# Up to here one native call per layer beats kernels/native_layers.py's nine (measured on
 # SmolLM2 decode steps, median step time, this layer / native_layers: 12 rows 13.9 / 14.3
 # ms, 20 rows 20.4 / 20.5, 24 rows 21.9 / 20.8, 28 rows 24.6 / 22.4, 48 rows 38.0 / 34.0:
 # beyond ~20 rows its serial norm and rotary stages cost more than the calls it saves).

@@ -3,9 +3,9 @@
  * The number of rows picks the kernel: up to STREAMING_MAX_ROWS the step only reads W
  * and small_linear.c streams it once; above, gemm_bf16.c's register tiles reuse it.
  * linear_bf16_part is the choice inside a caller's parallel region (the one-call decode
- * layer); linear_bf16 opens the region itself (model/cpu_linear.py).
+ * layer); linear_bf16 opens the region itself (kernels/linear.py).
  *
- * Built by pagellm/attention/native.py; the bf16 path exists only where the compiler
+ * Built by pagellm/kernels/build.py; the bf16 path exists only where the compiler
  * targets AVX-512 BF16 (linear_bf16_supported).
  */
 #include <stdint.h>

@@ -20,7 +20,7 @@
  * float32 accumulation, one rounding to bf16 at the end (round to nearest even, as torch;
  * the conversion instruction reads subnormal sums as zero, as the kernels' FTZ/DAZ mode
  * does anyway).
- * Called through linear_bf16.c. Built by pagellm/attention/native.py; the bf16 path
+ * Called through linear_bf16.c. Built by pagellm/kernels/build.py; the bf16 path
  * exists only where the compiler targets AVX-512 BF16.
  */
 #include <stdint.h>

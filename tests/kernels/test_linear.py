@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagellm.model.cpu_linear import CpuLinear, cpu_linear_kernels, linear
+from pagellm.kernels.linear import cpu_linear_kernels
+from pagellm.model.linear import CpuLinear, linear
 
 kernel = cpu_linear_kernels()
 needs_kernel = pytest.mark.skipif(kernel is None, reason="needs AVX-512 BF16 and a C compiler")

@@ -1,5 +1,5 @@
-"""Model stage, CPU bf16: steps the one-call decode layer does not take (more than
-fused_decode.MAX_ROWS decodes, prefill chunks) run each decoder layer as its four linear layers (model/cpu_linear.py's
+"""Kernels, CPU bf16: steps the one-call decode layer does not take (more than
+fused_decode.MAX_ROWS decodes, prefill chunks) run each decoder layer as its four linear layers (kernels/linear.py's
 kernels) plus four native calls (csrc/layer_ops.c) for everything between them.
 
 The PyTorch path spends about 40 small operations per layer on the norms, rotary
@@ -25,7 +25,7 @@ import torch
 
 from pagellm.attention.backend import AttentionMetadata
 from pagellm.attention.cpu_backend import CpuAttentionBackend
-from pagellm.model.fused_decode import _ptr
+from pagellm.kernels.decode_layer import _ptr
 
 
 class NativeLayers:

@@ -14,7 +14,7 @@
  * more, where the activation rows already give each step enough chains (four measured
  * slower there).
  *
- * Called through linear_bf16.c. Built at run time by pagellm/attention/native.py with the
+ * Called through linear_bf16.c. Built at run time by pagellm/kernels/build.py with the
  * machine's C compiler; the bf16 path exists only where the compiler targets AVX-512 BF16.
  */
 #include <stdint.h>

@@ -14,7 +14,7 @@
  * between is float32. The linear layers go through linear_bf16.c (weight streaming up to
  * 16 rows, register tiles above); the attention is paged_decode.c's.
  *
- * Built at run time by pagellm/attention/native.py; needs AVX-512 BF16 like linear_bf16.c.
+ * Built at run time by pagellm/kernels/build.py; needs AVX-512 BF16 like linear_bf16.c.
  */
 #include <math.h>
 #include <stdint.h>
