@@ -17,6 +17,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from pagellm.bench.machine import cpu_info, describe_cpu
+
 SCENARIOS = {
     # name: (workload flags, [(backend, dtype, extra flags)])
     "mixed": (
@@ -60,22 +62,34 @@ def run_one(workload: list[str], backend: str, dtype: str, extra: list[str], res
         return {"backend": backend, "dtype": dtype, "error": (proc.stderr.strip().splitlines() or ["failed"])[-1]}
     record = json.loads(proc.stdout.splitlines()[0])
     record["dtype"] = dtype
-    print(f"  -> {record['output_tok_s']} output tok/s, {record['achieved_gflop_s']} GFLOP/s", flush=True)
+    print(f"  -> {record['output_tok_s']} output tok/s, {record['achieved_gflop_s']} GFLOP/s, "
+          f"agreement {agreement_cell(record)}", flush=True)
     return record
 
 
-def render(results: dict[str, list[dict]], machine: str) -> str:
-    lines = [f"Measured {time.strftime('%Y-%m-%d %H:%M')} on {machine}, SmolLM2-135M-Instruct.", ""]
+def agreement_cell(record: dict) -> str:
+    """The fraction of leading greedy tokens that match the HF float32 reference."""
+    agreement = record.get("agreement")
+    if not agreement:
+        return "not checked"
+    if agreement.get("fraction") is None:
+        return "no reference"
+    return f"{agreement['fraction']:.2f}"
+
+
+def render(results: dict[str, list[dict]], machine: str, cpu: dict) -> str:
+    lines = [f"Measured {time.strftime('%Y-%m-%d %H:%M')} on {machine}, CPU {describe_cpu(cpu)}, "
+             "SmolLM2-135M-Instruct.", ""]  # fmt: skip
     for scenario, records in results.items():
         workload, _ = SCENARIOS[scenario]
         lines += [f"### {scenario}: `{' '.join(workload)}`", ""]
-        lines += ["| backend | dtype | output tok/s | total tok/s | GFLOP/s (of ceiling) | pagellm / this |",
-                  "|---|---|---:|---:|---:|---:|"]  # fmt: skip
+        lines += ["| backend | dtype | output tok/s | total tok/s | GFLOP/s (of ceiling) | agreement | pagellm / this |",
+                  "|---|---|---:|---:|---:|---:|---:|"]  # fmt: skip
         best_pagellm = {r["dtype"]: r["output_tok_s"] for r in records if r.get("backend") == "pagellm" and "error" not in r}
         best_any = max(best_pagellm.values(), default=None)
         for r in records:
             if "error" in r:
-                lines.append(f"| {r['backend']} | {r['dtype']} | failed: {r['error']} | | | |")
+                lines.append(f"| {r['backend']} | {r['dtype']} | failed: {r['error']} | | | | |")
                 continue
             name = r["backend"]
             if r.get("settings", {}).get("batch_size"):
@@ -87,15 +101,16 @@ def render(results: dict[str, list[dict]], machine: str) -> str:
             lines.append(
                 f"| {name} | {r['dtype']} | {r['output_tok_s']:.1f} | {r['total_tok_s']:.1f} | "
                 f"{r['achieved_gflop_s']:.0f} of {r['matmul_ceiling_gflop_s']:.0f} "
-                f"({100 * r['fraction_of_ceiling']:.0f}%) | {ratio} |"
+                f"({100 * r['fraction_of_ceiling']:.0f}%) | {agreement_cell(r)} | {ratio} |"
             )
             for s in r.get("sweep", []):
-                lines.append(f"| &nbsp;&nbsp;HF batch {s['batch_size']} | {r['dtype']} | {s['output_tok_s']} | | | |")
+                lines.append(f"| &nbsp;&nbsp;HF batch {s['batch_size']} | {r['dtype']} | {s['output_tok_s']} | | | | |")
         lines.append("")
     lines.append("llama.cpp (gguf) runs the GGUF as stored (Q4_1/Q8_0 weights, a third of the bytes per "
                  "token) and is compared with pagellm's best dtype; llama.cpp (bfloat16) runs the same "
                  "weights dequantized to BF16, equal work with pagellm bf16. GFLOP/s counts the matmul "
-                 "FLOPs of the work asked for.")
+                 "FLOPs of the work asked for. Agreement: the fraction of the first 16 greedy tokens of "
+                 "the first 4 requests that match HF transformers in float32 (up to the first mismatch).")
     return "\n".join(lines) + "\n"
 
 
@@ -119,7 +134,8 @@ def main() -> int:
                 results[scenario].append(record)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(render(results, machine))
+    cpu = cpu_info()
+    out.write_text(render(results, machine, cpu))
     (out.with_suffix(".jsonl")).write_text("".join(json.dumps(r) + "\n" for rs in results.values() for r in rs))
     print(out.read_text())
     return 0

@@ -10,7 +10,7 @@ one engine (the embedded SmolLM2-135M in the engine's default dtype):
 
 and compare output throughput, median and p99 TTFT and preemption counts (targets: 10%,
 10%, 20%, 10%). The calibration's workloads and the validation workloads differ
-(scripted sweeps vs Poisson / burst traffic from pagellm/bench/workload.py), so the
+(scripted sweeps vs Poisson / burst traffic from pagellm/workload/synthetic.py), so the
 comparison is out of sample. Every engine's KV cache is touched page by page first (see
 touch_kv_cache): the steady state of a server, which the simulator models. Calibrating
 each configuration's own engine, half of the
@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from pagellm.bench.workload import WorkloadSpec
+from pagellm.workload.synthetic import WorkloadSpec
 from pagellm.sim.calibrated import CalibratedCostModel
 from pagellm.sim.sim_report import summarize_sim
 from pagellm.sim.sim_workload import SimRequest, SyntheticWorkload, make_synthetic_requests

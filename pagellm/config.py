@@ -22,6 +22,7 @@ ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "torch", "cpu", "triton")
 # auto: weights from the checkpoint; dummy: random weights of the checkpoint's shapes,
 # made on the device (benchmarks of large shapes without their files).
 LOAD_FORMATS: tuple[str, ...] = ("auto", "dummy")
+QUANTIZATION_CHOICES: tuple[str, ...] = ("auto", "none", "int8")
 
 
 def _check_int(owner: str, name: str, value: object, minimum: int) -> None:

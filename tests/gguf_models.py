@@ -40,8 +40,24 @@ def llama_cpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, 2, half, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf_from_hf(folder: Path, out: Path, cfg: dict, vocab: list[str] | None = None) -> Path:
-    """Convert a tiny HF Llama checkpoint to a GGUF file with mixed tensor types."""
+# K-quant blocks at these fp16 scale magnitudes give weights of about the checkpoint's size
+# (|w| ~ 0.1-0.3): gguf cannot quantize to K types, so those tensors are random blocks.
+_RANDOM_BLOCK_SCALE = {
+    gguf.GGMLQuantizationType.Q4_K: 6e-4,
+    gguf.GGMLQuantizationType.Q5_K: 3e-4,
+    gguf.GGMLQuantizationType.Q6_K: 1.5e-4,
+}
+
+
+def write_gguf_from_hf(
+    folder: Path, out: Path, cfg: dict, vocab: list[str] | None = None,
+    quant_by_kind: dict[str, gguf.GGMLQuantizationType] | None = None, seed: int = 0,
+) -> Path:
+    """Convert a tiny HF Llama checkpoint to a GGUF file with mixed tensor types.
+
+    Tensors given a K-quant type (which the gguf package cannot quantize to) are written
+    as random valid blocks instead: the file is then its own model, and a reference must
+    load the GGUF itself (transformers does)."""
     tensors = load_file(str(folder / "model.safetensors"))
     writer = gguf.GGUFWriter(str(out), "llama")
     writer.add_block_count(cfg["num_hidden_layers"])
@@ -63,6 +79,8 @@ def write_gguf_from_hf(folder: Path, out: Path, cfg: dict, vocab: list[str] | No
     writer.add_token_merges([])
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
+    types = QUANT_BY_KIND if quant_by_kind is None else quant_by_kind
+    rng = np.random.default_rng(seed)
     for name, value in tensors.items():
         gguf_name, kind = _gguf_name(name)
         value = value.astype(np.float32)
@@ -70,10 +88,19 @@ def write_gguf_from_hf(folder: Path, out: Path, cfg: dict, vocab: list[str] | No
             value = llama_cpp_permute(value, cfg["num_attention_heads"])
         elif kind == "attn_k":
             value = llama_cpp_permute(value, cfg["num_key_value_heads"])
-        qtype = QUANT_BY_KIND.get(kind, gguf.GGMLQuantizationType.F32)
+        qtype = types.get(kind, gguf.GGMLQuantizationType.F32)
         if value.ndim == 1:
             qtype = gguf.GGMLQuantizationType.F32
-        data = gguf.quants.quantize(value, qtype) if qtype != gguf.GGMLQuantizationType.F32 else value
+        if qtype in _RANDOM_BLOCK_SCALE:
+            from quant_blocks import random_blocks
+
+            from pagellm.kernels.weights import WeightType
+
+            data = random_blocks(WeightType(int(qtype)), value.shape[0], value.shape[1], rng, _RANDOM_BLOCK_SCALE[qtype])
+        elif qtype != gguf.GGMLQuantizationType.F32:
+            data = gguf.quants.quantize(value, qtype)
+        else:
+            data = value
         writer.add_tensor(gguf_name, data, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

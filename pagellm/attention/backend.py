@@ -3,21 +3,16 @@
 A backend writes the step's new K/V into the paged cache (by slot mapping) and computes
 causal attention for a flattened batch in which each request reads its whole context
 through its block table. The model knows nothing else about the cache layout.
+Which backend runs is chosen in selector.py; this module knows none of them.
 """
 
 from __future__ import annotations
 
-import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-
-from pagellm.config import ATTENTION_BACKENDS
-from pagellm.errors import ConfigError
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -58,34 +53,3 @@ class AttentionBackend(ABC):
         scale: float,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Store key/value in the cache, then attend over each request's context."""
-
-
-def get_attention_backend(name: str = "auto", device: torch.device | str = "cpu") -> AttentionBackend:
-    """The backend called `name`: "torch" is the reference implementation, "cpu" decodes
-    through the compiled CPU kernel, "triton" runs the Triton kernels (GPU), "auto" picks
-    the fastest one that works on `device`."""
-    from pagellm.attention.torch_backend import TorchAttentionBackend
-
-    if name not in ATTENTION_BACKENDS:
-        raise ConfigError(f"unknown attention backend {name!r} (available: {', '.join(map(repr, ATTENTION_BACKENDS))})")
-    device_type = torch.device(device).type
-    if name == "triton" or (name == "auto" and device_type == "cuda"):
-        try:
-            from pagellm.attention.triton_backend import TritonAttentionBackend
-        except ImportError as e:
-            if name == "triton":
-                raise ConfigError("the 'triton' attention backend needs Triton: pip install 'pagellm[gpu]'") from e
-            logger.warning("Triton is not installed (%s): attention takes the PyTorch path", e)
-            return TorchAttentionBackend()
-        return TritonAttentionBackend()
-    if name == "torch" or device_type != "cpu":
-        return TorchAttentionBackend()
-    from pagellm.attention.cpu_backend import CpuAttentionBackend
-    from pagellm.kernels.build import load_kernels
-
-    kernels = load_kernels()
-    if kernels is not None:
-        return CpuAttentionBackend(kernels)
-    if name == "cpu":
-        raise ConfigError("the 'cpu' attention backend needs a C compiler (cc) to build its kernel")
-    return TorchAttentionBackend()

@@ -1,8 +1,9 @@
 """Benchmarks: run one request list on pagellm, HF transformers or llama.cpp, timed.
 
-Each backend returns the wall time of the measured run (after a warm-up) and the
-useful output tokens it produced (the requested lengths; work a backend wastes, such as
-HF's static batches running on for finished requests, does not count).
+Each backend returns the wall time of the measured run (after a warm-up), the useful
+output tokens it produced (the requested lengths; work a backend wastes, such as HF's
+static batches running on for finished requests, does not count) and the token ids of
+each request's output (what bench/agreement.py checks against a reference).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 
 import torch
 
-from pagellm.bench.workload import BenchRequest
+from pagellm.workload.synthetic import BenchRequest
 from pagellm.errors import PagellmError
 
 logger = logging.getLogger(__name__)
@@ -29,6 +30,9 @@ class BackendResult:
     prompt_tokens: int
     settings: dict[str, Any] = field(default_factory=dict)
     sweep: list[dict[str, Any]] = field(default_factory=list)  # e.g. HF batch sizes tried
+    # The generated ids of each request (in the order of the request list), exactly the
+    # asked-for number of them.
+    output_token_ids: list[list[int]] = field(default_factory=list)
 
 
 def median_run(runs: list[float]) -> float:
@@ -55,7 +59,8 @@ def run_pagellm(
         start = time.perf_counter()
         outputs = llm.generate([r.prompt_token_ids for r in requests], [params(r) for r in requests], use_tqdm=False)
         runs.append(time.perf_counter() - start)
-        produced = sum(len(o.outputs[0].token_ids) for o in outputs)
+        output_token_ids = [list(o.outputs[0].token_ids) for o in outputs]
+        produced = sum(len(ids) for ids in output_token_ids)
         expected = sum(r.output_len for r in requests)
         if produced != expected:
             raise PagellmError(f"pagellm produced {produced} tokens, {expected} were asked for")
@@ -68,10 +73,11 @@ def run_pagellm(
         settings={"dtype": dtype, **engine_args, "preemptions": stats.num_preemptions_recompute,
                   "prefix_hit_tokens": stats.num_prefix_hit_tokens,
                   "elapsed_runs_s": [round(r, 4) for r in runs]},
+        output_token_ids=output_token_ids,
     )  # fmt: skip
 
 
-def _hf_model(model_path: Path, dtype: torch.dtype) -> Any:
+def hf_model(model_path: Path, dtype: torch.dtype) -> Any:
     import transformers
 
     if model_path.suffix == ".gguf":
@@ -88,9 +94,11 @@ def _hf_model(model_path: Path, dtype: torch.dtype) -> Any:
 
 
 @torch.inference_mode()
-def _hf_static_batches(model: Any, requests: list[BenchRequest], batch_size: int) -> float:
+def _hf_static_batches(model: Any, requests: list[BenchRequest], batch_size: int) -> tuple[float, list[list[int]]]:
     """HF `generate` over the list in arrival order, batch_size at a time, left padding;
-    each batch runs until its longest request is done (static batching)."""
+    each batch runs until its longest request is done (static batching). Returns the wall
+    time and each request's output ids (cut to its length)."""
+    token_ids: list[list[int]] = []
     start = time.perf_counter()
     for i in range(0, len(requests), batch_size):
         batch = requests[i : i + batch_size]
@@ -102,24 +110,27 @@ def _hf_static_batches(model: Any, requests: list[BenchRequest], batch_size: int
             ids[row, width - n :] = torch.tensor(r.prompt_token_ids)
             mask[row, width - n :] = 1
         new = max(r.output_len for r in batch)
-        model.generate(
+        out = model.generate(
             input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False
         )
-    return time.perf_counter() - start
+        token_ids += [out[row, width : width + r.output_len].tolist() for row, r in enumerate(batch)]
+    return time.perf_counter() - start, token_ids
 
 
 def run_hf(requests: list[BenchRequest], model_path: Path, dtype: str, batch_sizes: list[int]) -> BackendResult:
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-    model = _hf_model(model_path, torch_dtype)
+    model = hf_model(model_path, torch_dtype)
     _hf_static_batches(model, requests[:2], 2)  # warm-up
     useful = sum(r.output_len for r in requests)
     sweep = []
+    token_ids_by_batch = {}
     for batch_size in batch_sizes:
-        elapsed = _hf_static_batches(model, requests, batch_size)
+        elapsed, token_ids_by_batch[batch_size] = _hf_static_batches(model, requests, batch_size)
         sweep.append({"batch_size": batch_size, "elapsed_s": round(elapsed, 2), "output_tok_s": round(useful / elapsed, 1)})
         logger.info("HF %s batch %d: %.1f useful tok/s", dtype, batch_size, useful / elapsed)
     best = max(sweep, key=lambda s: s["output_tok_s"])
     return BackendResult(
         "hf", best["elapsed_s"], useful, sum(len(r.prompt_token_ids) for r in requests),
         settings={"dtype": dtype, "batch_size": best["batch_size"]}, sweep=sweep,
+        output_token_ids=token_ids_by_batch[best["batch_size"]],
     )  # fmt: skip

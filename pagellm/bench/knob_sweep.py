@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pagellm.bench.workload import add_workload_args, workload_spec_from_args
+from pagellm.workload.synthetic import add_workload_args, workload_spec_from_args
 
 logger = logging.getLogger(__name__)
 

@@ -5,6 +5,10 @@ Uses the low-level `llama_cpp` API the way llama.cpp's own server batches: up to
 for each decoding sequence plus prompt tokens of newly admitted ones; a finished
 sequence's KV is dropped and the next request takes its slot (continuous batching).
 Greedy, ignore-EOS, exact output lengths, as for the other backends.
+
+`decode_all` (the batching and slot bookkeeping) touches llama.cpp only through the
+module object it is given, so tests drive it with a stand-in (tests/bench/
+test_llamacpp_batching.py): llama-cpp-python need not be installed for that.
 """
 
 from __future__ import annotations
@@ -13,13 +17,14 @@ import ctypes
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from pagellm.bench.backends import BackendResult, median_run
-from pagellm.bench.workload import BenchRequest
+from pagellm.workload.synthetic import BenchRequest
 from pagellm.errors import PagellmError
 
 logger = logging.getLogger(__name__)
@@ -27,14 +32,15 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class _Slot:
+    index: int  # of the request in the list
     request: BenchRequest
     seq_id: int
     position: int = 0  # tokens of this sequence in the KV cache
     pending: list[int] | None = None  # tokens to feed (prompt, then the last sampled one)
-    generated: int = 0
+    token_ids: list[int] = field(default_factory=list)  # sampled so far
 
 
-def _seq_rm(llama_cpp, ctx, seq_id: int) -> None:
+def _seq_rm(llama_cpp: Any, ctx: Any, seq_id: int) -> None:
     """Drop a sequence's KV (the function's name changed across llama.cpp versions)."""
     if hasattr(llama_cpp, "llama_memory_seq_rm") and hasattr(llama_cpp, "llama_get_memory"):
         llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(ctx), seq_id, -1, -1)
@@ -45,14 +51,21 @@ def _seq_rm(llama_cpp, ctx, seq_id: int) -> None:
 
 
 def run_llamacpp(
-    requests: list[BenchRequest], model_path: Path, parallel: int, n_batch: int = 512, repeats: int = 1
+    requests: list[BenchRequest],
+    model_path: Path,
+    parallel: int,
+    n_batch: int = 512,
+    repeats: int = 1,
+    llama_cpp: Any = None,
 ) -> BackendResult:
-    try:
-        import llama_cpp
-    except ImportError:
-        raise PagellmError(
-            "the llama.cpp backend needs llama-cpp-python: pip install llama-cpp-python"
-        ) from None
+    """`llama_cpp`: the low-level API module (default: import llama-cpp-python's)."""
+    if llama_cpp is None:
+        try:
+            import llama_cpp
+        except ImportError:
+            raise PagellmError(
+                "the llama.cpp backend needs llama-cpp-python: pip install llama-cpp-python"
+            ) from None
     threads = os.cpu_count() or 1
     longest = max(len(r.prompt_token_ids) + r.output_len for r in requests)
     # The high-level Llama class cannot set n_seq_max, so the context is built here.
@@ -73,13 +86,13 @@ def run_llamacpp(
     n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
     batch = llama_cpp.llama_batch_init(n_batch, 0, parallel)
     try:
-        _decode_all(llama_cpp, ctx, batch, requests[: min(2, len(requests))], parallel, n_batch, n_vocab)
+        decode_all(llama_cpp, ctx, batch, requests[: min(2, len(requests))], parallel, n_batch, n_vocab)
         for seq in range(parallel):
             _seq_rm(llama_cpp, ctx, seq)
         runs = []
         for _ in range(repeats):
             start = time.perf_counter()
-            produced = _decode_all(llama_cpp, ctx, batch, requests, parallel, n_batch, n_vocab)
+            output_token_ids = decode_all(llama_cpp, ctx, batch, requests, parallel, n_batch, n_vocab)
             runs.append(time.perf_counter() - start)
             for seq in range(parallel):
                 _seq_rm(llama_cpp, ctx, seq)
@@ -87,6 +100,7 @@ def run_llamacpp(
         llama_cpp.llama_batch_free(batch)
         llama_cpp.llama_free(ctx)
         llama_cpp.llama_model_free(model)
+    produced = sum(len(ids) for ids in output_token_ids)
     expected = sum(r.output_len for r in requests)
     if produced != expected:
         raise PagellmError(f"llama.cpp produced {produced} tokens, {expected} were asked for")
@@ -96,18 +110,29 @@ def run_llamacpp(
                   "elapsed_runs_s": [round(r, 4) for r in runs],
                   "weights": "GGUF as stored (Q4_1/Q8_0 kernels)",
                   "version": getattr(llama_cpp, "__version__", "?")},
+        output_token_ids=output_token_ids,
     )  # fmt: skip
 
 
-def _decode_all(llama_cpp, ctx, batch, requests, parallel, n_batch, n_vocab) -> int:  # noqa: ANN001
-    queue = list(requests)
+def decode_all(
+    llama_cpp: Any, ctx: Any, batch: Any, requests: list[BenchRequest], parallel: int, n_batch: int, n_vocab: int
+) -> list[list[int]]:
+    """Greedy-decode every request to its output_len with up to `parallel` sequences in
+    the context; returns each request's output ids (in the order of `requests`).
+
+    Sequence ids 0..parallel-1 are slots: a request takes a free one, and its KV is
+    dropped when it finishes, before the next request takes the slot. Each llama_decode
+    call carries at most n_batch tokens: the decoding sequences' last tokens first (they
+    are one each), then prompt chunks.
+    """
+    queue = list(enumerate(requests))
     free_seqs = list(range(parallel - 1, -1, -1))
     active: list[_Slot] = []
-    produced = 0
+    output_token_ids: list[list[int]] = [[] for _ in requests]
     while queue or active:
         while queue and free_seqs:
-            request = queue.pop(0)
-            active.append(_Slot(request, free_seqs.pop(), pending=list(request.prompt_token_ids)))
+            index, request = queue.pop(0)
+            active.append(_Slot(index, request, free_seqs.pop(), pending=list(request.prompt_token_ids)))
         # One decode call: every decoding slot's token, then prompt chunks while room lasts.
         entries: list[tuple[_Slot, int, bool]] = []  # (slot, token, wants logits)
         for slot in sorted(active, key=lambda s: len(s.pending or ())):
@@ -139,10 +164,9 @@ def _decode_all(llama_cpp, ctx, batch, requests, parallel, n_batch, n_vocab) -> 
                 shape=(n_vocab,),
             )
             token = int(logits.argmax())
-            slot.generated += 1
-            produced += 1
+            slot.token_ids.append(token)
             slot.pending = [token]
-            if slot.generated >= slot.request.output_len:
+            if len(slot.token_ids) >= slot.request.output_len:
                 finished.append(slot)
         for slot in active:
             n = consumed.get(id(slot), 0)
@@ -152,4 +176,5 @@ def _decode_all(llama_cpp, ctx, batch, requests, parallel, n_batch, n_vocab) -> 
             active.remove(slot)
             _seq_rm(llama_cpp, ctx, slot.seq_id)
             free_seqs.append(slot.seq_id)
-    return produced
+            output_token_ids[slot.index] = slot.token_ids
+    return output_token_ids

@@ -1,6 +1,6 @@
 """Benchmarks: `pagellm bench serve`, an online load generator for OpenAI-compatible servers.
 
-Sends a synthetic workload (pagellm/bench/workload.py) to one server as streaming
+Sends a synthetic workload (pagellm/workload/synthetic.py) to one server as streaming
 requests, at Poisson or gamma-distributed arrival times and/or a fixed concurrency, and
 reports throughput, TTFT / TPOT / ITL / end-to-end latency and goodput under SLOs
 (definitions in serve_metrics.py; the load itself in serve_load.py). The run is bounded:
@@ -42,14 +42,14 @@ from pagellm.bench.serve_load import (
     run_requests,
 )
 from pagellm.bench.serve_metrics import parse_goodput_slos, summarize
-from pagellm.bench.workload import (
+from pagellm.errors import ConfigError, PagellmError
+from pagellm.workload.synthetic import (
     BenchRequest,
     WorkloadSpec,
     add_workload_args,
     make_workload,
     workload_spec_from_args,
 )
-from pagellm.errors import ConfigError, PagellmError
 
 logger = logging.getLogger(__name__)
 

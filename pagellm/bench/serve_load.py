@@ -1,5 +1,5 @@
-"""Benchmarks: the load generator of `pagellm bench serve`: arrival schedule, one
-streaming request, and the runner that sends a whole workload to one server.
+"""Benchmarks: the load generator of `pagellm bench serve`: one streaming request
+(the arrival schedule is pagellm/workload/arrivals.py), and the runner that sends a whole workload to one server.
 
 One asyncio task per request, sent at its arrival time (Poisson or gamma gaps), with at
 most --max-concurrency in flight (a semaphore). A request never raises: its failure
@@ -13,7 +13,6 @@ import asyncio
 import json
 import logging
 import math
-import random
 import sys
 import time
 from collections.abc import Sequence
@@ -22,6 +21,7 @@ from typing import Any
 
 from pagellm.bench.serve_metrics import RequestRecord
 from pagellm.errors import ConfigError, PagellmError
+from pagellm.workload.arrivals import arrival_times
 
 logger = logging.getLogger(__name__)
 
@@ -70,38 +70,6 @@ class ServeBenchConfig:
 class ServeBenchRun:
     records: list[RequestRecord]
     duration_s: float  # benchmark start to the last request's end
-
-
-# ---------------------------------------------------------------- arrival schedule
-
-
-def arrival_times(
-    num_requests: int, request_rate: float, burstiness: float = 1.0, seed: int = 0
-) -> list[float]:
-    """Send times (seconds from the start) of num_requests requests.
-
-    Gaps between arrivals are gamma-distributed with shape `burstiness` and mean
-    1 / request_rate: burstiness 1 is a Poisson process, below 1 burstier, above 1 more
-    even. The first request goes at 0. An infinite rate sends everything at 0.
-    """
-    if num_requests < 0:
-        raise ConfigError(f"the number of requests must be >= 0, got {num_requests}")
-    if not (request_rate > 0):
-        raise ConfigError(f"the request rate must be > 0 (or inf), got {request_rate}")
-    if not (burstiness > 0 and math.isfinite(burstiness)):
-        raise ConfigError(f"burstiness must be a positive number, got {burstiness}")
-    if math.isinf(request_rate):
-        return [0.0] * num_requests
-    # Its own stream, so that the arrivals do not move when the workload's draws change.
-    rng = random.Random(f"arrivals:{seed}")
-    scale = 1.0 / (request_rate * burstiness)  # mean gap = shape * scale = 1 / rate
-    times = []
-    now = 0.0
-    for i in range(num_requests):
-        if i > 0:
-            now += rng.gammavariate(burstiness, scale)
-        times.append(now)
-    return times
 
 
 # ---------------------------------------------------------------- requests

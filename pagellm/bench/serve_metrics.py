@@ -27,10 +27,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagellm.errors import ConfigError
+from pagellm.workload.latency import LATENCY_METRICS, describe_ms
 
 SLO_METRICS = ("ttft", "tpot", "e2el")
-LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")
-PERCENTILES = (("median", 50.0), ("p90", 90.0), ("p99", 99.0))
 MAX_ERROR_KINDS = 5  # distinct error messages kept in the summary
 
 
@@ -65,28 +64,6 @@ class RequestRecord:
     def itls_s(self) -> list[float]:
         times = self.chunk_times_s
         return [b - a for a, b in itertools.pairwise(times)]
-
-
-def percentile(sorted_values: Sequence[float], q: float) -> float:
-    """The q-th percentile (0..100) by linear interpolation between closest ranks
-    (numpy's default method); `sorted_values` must be sorted and non-empty."""
-    assert sorted_values, "percentile of nothing"
-    position = (len(sorted_values) - 1) * q / 100.0
-    low = math.floor(position)
-    high = min(low + 1, len(sorted_values) - 1)
-    fraction = position - low
-    return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * fraction
-
-
-def describe_ms(values_s: Sequence[float]) -> dict[str, float | None]:
-    """mean, median, p90, p99 of values given in seconds, in milliseconds."""
-    if not values_s:
-        return {"mean": None, **{name: None for name, _ in PERCENTILES}}
-    ordered = sorted(v * 1000.0 for v in values_s)
-    stats: dict[str, float | None] = {"mean": round(sum(ordered) / len(ordered), 3)}
-    for name, q in PERCENTILES:
-        stats[name] = round(percentile(ordered, q), 3)
-    return stats
 
 
 def parse_goodput_slos(items: Sequence[str] | None) -> dict[str, float]:

@@ -14,7 +14,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pagellm.bench.serve_metrics import LATENCY_METRICS, RequestRecord
+from pagellm.bench.serve_metrics import RequestRecord
+from pagellm.workload.latency import LATENCY_METRICS
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,9 @@
 
 Prints its configuration and results as one JSON line plus a table, and appends the
 JSON line to --result-file. Achieved GFLOP/s (matmul FLOPs of the work actually asked
-for, over wall time) is reported against the matmul ceiling measured at start.
+for, over wall time) is reported against the matmul ceiling measured at start. Beside
+the figures: the CPU they were measured on (bench/machine.py) and how far the first
+requests' greedy outputs agree with a reference (bench/agreement.py).
 """
 
 from __future__ import annotations
@@ -20,13 +22,14 @@ from typing import Any
 
 import torch
 
+from pagellm.bench.agreement import check_agreement, describe_agreement
 from pagellm.bench.backends import BackendResult, run_hf, run_pagellm
 from pagellm.bench.ceiling import measure_matmul_ceiling, workload_flops
-from pagellm.bench.workload import make_workload, workload_spec_from_args
+from pagellm.bench.machine import cpu_info, describe_cpu
 from pagellm.errors import PagellmError
+from pagellm.workload.synthetic import make_workload, workload_spec_from_args
 
 logger = logging.getLogger(__name__)
-
 
 
 def run_bench_throughput(args: argparse.Namespace) -> dict[str, Any]:
@@ -66,8 +69,11 @@ def run_bench_throughput(args: argparse.Namespace) -> dict[str, Any]:
         result.settings["weights"] = (
             "GGUF as stored" if args.llamacpp_weights == "stored" else f"GGUF dequantized to {args.llamacpp_weights}"
         )
+    # After the timed run: the reference model is loaded only now (and the backend's
+    # is no longer referenced).
+    agreement = check_agreement(source.path, requests, result.output_token_ids, args.check_requests, args.check_tokens)
     flops = workload_flops(config, [len(r.prompt_token_ids) for r in requests], [r.output_len for r in requests])
-    record = make_record(args, source.name, result, flops, ceiling, len(requests))
+    record = make_record(args, source.name, result, flops, ceiling, len(requests), agreement)
     print_result(record)
     if args.result_file:
         Path(args.result_file).parent.mkdir(parents=True, exist_ok=True)
@@ -77,7 +83,13 @@ def run_bench_throughput(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def make_record(
-    args: argparse.Namespace, model: str, result: BackendResult, flops: float, ceiling: float, num_requests: int
+    args: argparse.Namespace,
+    model: str,
+    result: BackendResult,
+    flops: float,
+    ceiling: float,
+    num_requests: int,
+    agreement: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     elapsed = result.elapsed_s
     achieved = flops / elapsed / 1e9
@@ -85,6 +97,7 @@ def make_record(
         "bench": "throughput",
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "machine": machine_description(),
+        "cpu": cpu_info(),
         "model": model,
         "backend": result.backend,
         # llama.cpp runs the GGUF's own (quantized) weights unless asked for a float copy.
@@ -104,6 +117,7 @@ def make_record(
         "achieved_gflop_s": round(achieved, 1),
         "matmul_ceiling_gflop_s": round(ceiling, 1),
         "fraction_of_ceiling": round(achieved / ceiling, 3) if ceiling else None,
+        "agreement": agreement,
     }  # fmt: skip
 
 
@@ -133,6 +147,7 @@ def machine_description() -> str:
 
 def print_result(record: dict[str, Any]) -> None:
     print(json.dumps(record))
+    print(f"{record['model']} on {record['machine']}; CPU {describe_cpu(record['cpu'])}")
     rows = [
         ("backend", f"{record['backend']} ({record['dtype']})"),
         ("requests", record["workload"]["num_requests"]),
@@ -142,6 +157,7 @@ def print_result(record: dict[str, Any]) -> None:
         ("total tok/s", record["total_tok_s"]),
         ("achieved GFLOP/s", f"{record['achieved_gflop_s']} of {record['matmul_ceiling_gflop_s']} "
                              f"({100 * (record['fraction_of_ceiling'] or 0):.0f}%)"),
+        ("agreement", describe_agreement(record["agreement"])),
     ]  # fmt: skip
     for sweep in record["sweep"]:
         rows.append((f"  batch {sweep['batch_size']}", f"{sweep['output_tok_s']} tok/s"))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from pagellm.config import ATTENTION_BACKENDS, LOAD_FORMATS, PREEMPTION_MODES, SCHEDULING_POLICIES
+from pagellm.config import ATTENTION_BACKENDS, LOAD_FORMATS, PREEMPTION_MODES, QUANTIZATION_CHOICES, SCHEDULING_POLICIES
 from pagellm.errors import ConfigError
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
@@ -40,6 +40,9 @@ class EngineArgs:
     device: str = "auto"  # auto = cuda if available
     seed: int = 0
     load_format: str = "auto"  # auto | dummy (random weights of the checkpoint's shapes)
+    # auto: a GGUF's quantized weights stay as stored where the CPU kernels run them;
+    # none: dequantize everything; int8: weight-only int8 (per-row scales) from a float checkpoint
+    quantization: str = "auto"
     attention_backend: str = "auto"  # auto | torch | cpu | triton
     enforce_eager: bool = False  # no CUDA graphs for decode steps
     max_capture_batch_size: int | None = None  # largest decode batch graphed; None = min(max_num_seqs, 512)
@@ -74,6 +77,8 @@ class EngineArgs:
             raise ConfigError(f"device must be one of {DEVICE_CHOICES}, got {self.device!r}")
         if self.load_format not in LOAD_FORMATS:
             raise ConfigError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        if self.quantization not in QUANTIZATION_CHOICES:
+            raise ConfigError(f"quantization must be one of {QUANTIZATION_CHOICES}, got {self.quantization!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ConfigError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"

@@ -37,8 +37,8 @@ from pagellm.outputs import RequestOutput
 from pagellm.request import RequestStatus
 from pagellm.sampling_params import SamplingParams
 from pagellm.tokenizer import Tokenizer
-from pagellm.attention import get_attention_backend
 from pagellm.attention.backend import AttentionBackend
+from pagellm.attention.selector import get_attention_backend
 from pagellm.worker.cuda_graphs import DEFAULT_MAX_CAPTURE_BATCH_SIZE, capture_sizes
 from pagellm.worker.cache_sizing import GiB, decide_cache_size
 from pagellm.worker.kv_cache import kv_cache_bytes_per_block
@@ -178,7 +178,7 @@ class LLMEngine:
             prefill_share=1.0 if args.prefill_share is None else args.prefill_share,
         )
         backend = get_attention_backend(args.attention_backend, device)
-        model = load_model(source, model_config, backend, dtype, device, args.load_format)
+        model = load_model(source, model_config, backend, dtype, device, args.load_format, args.quantization)
 
         bytes_per_block = kv_cache_bytes_per_block(model_config, args.block_size, dtype)
         graph_sizes = decode_graph_sizes(args, device, backend)
@@ -346,6 +346,11 @@ class LLMEngine:
             seq_lens.append(seq_len)
             logit_rows += seq_len == request.num_tokens
         return StepWork.from_batch(query_lens, seq_lens, logit_rows)
+
+    @property
+    def model_name(self) -> str:
+        """The checkpoint's name (what metrics and the dashboard label figures with)."""
+        return self.config.source.name
 
     def close(self) -> None:
         """Release files the engine writes (event log, metrics series)."""

@@ -8,9 +8,9 @@ import sys
 from collections.abc import Sequence
 
 from pagellm.bench.serve import add_bench_serve_parser
-from pagellm.bench.workload import add_bench_throughput_parser
+from pagellm.bench.throughput_args import add_bench_throughput_parser
 from pagellm.bench.knob_sweep import add_bench_knobs_parser
-from pagellm.entrypoints.cli_args import add_engine_args
+from pagellm.engine.cli_args import add_engine_args
 from pagellm.entrypoints.openai.serve_command import add_serve_parser, run_serve
 from pagellm.errors import PagellmError
 from pagellm.sim.commands import add_calibrate_parser, add_simulate_parser, add_tune_parser

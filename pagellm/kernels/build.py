@@ -24,8 +24,8 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = ("paged_decode.c", "paged_decode_bf16.c", "small_linear.c", "gemm_bf16.c", "linear_bf16.c", "decode_layer.c", "layer_ops.c")
-_HEADERS = ("bf16.h", "float_mode.h", "kernels.h", "layer_rows.h")  # included by the sources: part of what the cached library is keyed by
+_SOURCES = ("paged_decode.c", "paged_decode_bf16.c", "small_linear.c", "gemm_bf16.c", "linear_bf16.c", "quant_linear.c", "decode_layer.c", "layer_ops.c")
+_HEADERS = ("bf16.h", "float_mode.h", "kernels.h", "layer_rows.h", "weights.h")  # included by the sources: part of what the cached library is keyed by
 _COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11", "-Wall")
 # Linked without -ffast-math: with it, GCC adds crtfastmath.o, whose constructor turns on
 # flush-to-zero for the whole process (every float computation, not just these kernels).
@@ -123,6 +123,20 @@ def _declare(library: ctypes.CDLL) -> None:
         c_void_p, c_int64,  # out, out row stride
         c_int64, c_int64, c_int64, c_int,  # m, n, k, num threads
     ]
+    # quant_linear.c: Weight* arguments are kernels/weights.py's structures.
+    library.linear_weight.restype = None
+    library.linear_weight.argtypes = [
+        c_void_p, c_int64, c_void_p, c_void_p,  # x, x row stride, Weight*, bias (or None)
+        c_void_p, c_int64, c_int64, c_int64, c_int,  # out, out row stride, m, k, num threads
+    ]
+    library.quant_type_supported.restype = c_int
+    library.quant_type_supported.argtypes = [c_int]
+    library.weight_row_bytes.restype = c_int64
+    library.weight_row_bytes.argtypes = [c_int, c_int64]
+    library.dequantize_rows_bf16.restype = None
+    library.dequantize_rows_bf16.argtypes = [c_void_p, c_int64, c_int64, c_int64, c_void_p]  # part*, row0, count, k, out
+    library.gather_rows_bf16.restype = None
+    library.gather_rows_bf16.argtypes = [c_void_p, c_void_p, c_int64, c_int64, c_void_p]  # part*, ids, count, k, out
     # decode_layer_bf16(hidden, LayerWeights*, key cache, value cache, LayerShape*,
     # StepInputs*, Scratch*): the structs are declared in kernels/decode_layer.py.
     library.decode_layer_bf16.restype = None

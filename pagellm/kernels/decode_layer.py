@@ -26,6 +26,7 @@ MAX_ROWS = 20
 
 
 class _LayerWeights(ctypes.Structure):
+    # qkv, o, gate_up and down point at Weight structures (kernels/weights.py): bf16 or quantized.
     _fields_ = [(name, c_void_p) for name in (
         "input_norm", "post_norm", "qkv", "qkv_bias", "o", "o_bias", "gate_up", "down",
     )]  # fmt: skip
@@ -68,12 +69,14 @@ class FusedDecode:
             config.num_key_value_heads, config.head_dim, 0, config.rms_norm_eps,
             config.head_dim**-0.5, self._num_threads,
         )  # fmt: skip
+        # The Weight structures live as long as their layers (CpuLinear keeps them).
         self._layers = [
             _LayerWeights(
                 _ptr(layer.input_layernorm.weight), _ptr(layer.post_attention_layernorm.weight),
-                _ptr(layer.self_attn.qkv_proj.weight), _ptr(layer.self_attn.qkv_proj.bias),
-                _ptr(layer.self_attn.o_proj.weight), _ptr(layer.self_attn.o_proj.bias),
-                _ptr(layer.mlp.gate_up_proj.weight), _ptr(layer.mlp.down_proj.weight),
+                layer.self_attn.qkv_proj.kernel_weight().struct_address(), _ptr(layer.self_attn.qkv_proj.bias),
+                layer.self_attn.o_proj.kernel_weight().struct_address(), _ptr(layer.self_attn.o_proj.bias),
+                layer.mlp.gate_up_proj.kernel_weight().struct_address(),
+                layer.mlp.down_proj.kernel_weight().struct_address(),
             )  # fmt: skip
             for layer in model.layers
         ]

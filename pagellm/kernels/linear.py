@@ -40,6 +40,16 @@ class CpuLinearKernels:
             and not torch.is_grad_enabled()
         )
 
+    def applies_to_rows(self, x: torch.Tensor) -> bool:
+        """For a packed weight (kernels/weights.py), which the kernels always read."""
+        return (
+            x.dim() == 2
+            and x.dtype is torch.bfloat16
+            and x.device.type == "cpu"
+            and x.stride(1) == 1
+            and not torch.is_grad_enabled()
+        )
+
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         m, k = x.shape
         n = weight.shape[0]

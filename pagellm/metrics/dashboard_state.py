@@ -1,22 +1,40 @@
 """Metrics stage: the JSON picture of the engine that the dashboard draws.
 
 Built on demand (only when someone watches), from the scheduler's queues, the KV cache
-manager's block tables and the metrics' time series.
+manager's block tables and the metrics' time series. The engine hands itself in as a
+`DashboardSource` (the few things read here); metrics never import the engine.
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from pagellm.engine.llm_engine import LLMEngine
+    from pagellm.core.scheduler import Scheduler
+    from pagellm.metrics.engine_metrics import EngineMetrics
+
+
+class DashboardSource(Protocol):
+    """What the dashboard reads from an engine (LLMEngine satisfies it)."""
+
+    @property
+    def scheduler(self) -> Scheduler: ...
+
+    @property
+    def metrics(self) -> EngineMetrics: ...
+
+    @property
+    def num_steps(self) -> int: ...
+
+    @property
+    def model_name(self) -> str: ...
 
 # Block states in `blocks.state` (owners are in `blocks.owner`).
 FREE, CACHED_FREE, NULL, OWNED, SHARED = 0, 1, 2, 3, 4
 
 
-def dashboard_state(engine: LLMEngine, max_series_points: int = 300) -> dict[str, Any]:
+def dashboard_state(engine: DashboardSource, max_series_points: int = 300) -> dict[str, Any]:
     scheduler = engine.scheduler
     manager = scheduler.kv_cache_manager
     pool = manager.device_pool
@@ -69,7 +87,7 @@ def dashboard_state(engine: LLMEngine, max_series_points: int = 300) -> dict[str
         }
     return {
         "time": time.time(),
-        "model": engine.config.source.name,
+        "model": engine.model_name,
         "step": engine.num_steps,
         "block_size": manager.block_size,
         "blocks": {"state": state, "owner": owner},

@@ -23,7 +23,8 @@ from pagellm.errors import ModelLoadError
 from pagellm.model.config import ModelConfig
 from pagellm.model.layers import RMSNorm, RotaryEmbedding, apply_rotary
 from pagellm.kernels.linear import CpuLinearKernels
-from pagellm.model.linear import CpuLinear, linear
+from pagellm.kernels.weights import PackedWeight, WeightPart, WeightType, check_part
+from pagellm.model.linear import CpuEmbedding, CpuLinear, linear, packed_linear
 
 if TYPE_CHECKING:
     from pagellm.kernels.decode_layer import FusedDecode
@@ -126,7 +127,7 @@ class LlamaForCausalLM(nn.Module):
             config.rope_scaling,
             rope_freq_divisors,
         )
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = CpuEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers)
         )
@@ -165,19 +166,26 @@ class LlamaForCausalLM(nn.Module):
                 module.kernel = kernel
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, vocab_size]
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return linear(hidden, weight, None, self.cpu_linear_kernels)
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        if head.packed is not None:
+            return packed_linear(hidden, head.packed, None, self.cpu_linear_kernels)
+        return linear(hidden, head.weight, None, self.cpu_linear_kernels)
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor | WeightPart]], device: torch.device | str | None = None
+    ) -> None:
         """Load tensors named as in HF checkpoints (`model.layers.0.self_attn.q_proj.weight`).
 
+        A tensor is a float tensor, or a `WeightPart` kept as stored (quantization blocks,
+        int8 rows) for a linear layer or the embedding. Parameters still on the meta device
+        (a model built without memory) are created on `device` as their tensors arrive.
         Every parameter must be provided exactly once; a missing or unexpected tensor is
         a ModelLoadError naming it.
         """
         params = dict(self.named_parameters())
         loaded: set[str] = set()
-        fused_parts: dict[str, dict[int, torch.Tensor]] = {}
+        fused_parts: dict[str, dict[int, torch.Tensor | WeightPart]] = {}
         for hf_name, tensor in weights:
             name = _local_name(hf_name)
             if name is None:
@@ -190,19 +198,82 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied checkpoints sometimes store the copy anyway
-            _copy_param(params, name, tensor)
+            if isinstance(tensor, WeightPart):
+                self._use_packed(name, [tensor])
+            else:
+                self._copy_param(params, name, tensor, device)
             loaded.add(name)
         for fused_name, shards in fused_parts.items():
             expected = 3 if ".qkv_proj." in fused_name else 2
             if sorted(shards) != list(range(expected)):
                 raise ModelLoadError(f"checkpoint is missing part of {fused_name}")
-            _copy_param(params, fused_name, torch.cat([shards[i] for i in range(expected)], 0))
+            ordered = [shards[i] for i in range(expected)]
+            if any(isinstance(shard, WeightPart) for shard in ordered):
+                self._use_packed(fused_name, [_as_part(shard) for shard in ordered])
+            else:
+                self._copy_param(params, fused_name, torch.cat(ordered, 0), device)
             loaded.add(fused_name)
         missing = sorted(set(params) - loaded)
         if missing:
             raise ModelLoadError(
                 f"checkpoint is missing {len(missing)} tensor(s), e.g. {missing[:3]}"
             )
+
+    def _use_packed(self, name: str, parts: list[WeightPart]) -> None:
+        module_name, _, attr = name.rpartition(".")
+        module = self.get_submodule(module_name) if module_name else None
+        if attr != "weight" or not isinstance(module, (CpuLinear, CpuEmbedding)):
+            raise ModelLoadError(f"tensor {name!r} cannot stay quantized (not a linear layer's weight)")
+        if isinstance(module, CpuLinear):
+            rows, k = module.out_features, module.in_features
+        else:
+            rows, k = module.num_embeddings, module.embedding_dim
+        for part in parts:
+            check_part(part, k, name)
+        if sum(part.rows for part in parts) != rows:
+            raise ModelLoadError(f"tensor {name!r} has {sum(p.rows for p in parts)} rows, expected {rows}")
+        module.use_packed(PackedWeight(parts, k))
+
+    def _copy_param(
+        self, params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor, device: torch.device | str | None
+    ) -> None:
+        param = params.get(name)
+        if param is None:
+            raise ModelLoadError(f"unexpected tensor {name!r} in checkpoint")
+        if tuple(param.shape) != tuple(tensor.shape):
+            raise ModelLoadError(
+                f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
+            )
+        if param.is_meta:
+            module_name, _, attr = name.rpartition(".")
+            owner = self.get_submodule(module_name) if module_name else self
+            value = tensor.to(dtype=param.dtype, device=device or "cpu").contiguous()
+            setattr(owner, attr, nn.Parameter(value, requires_grad=False))
+        else:
+            param.copy_(tensor.to(dtype=param.dtype, device=param.device))
+
+    def weight_bytes_by_format(self) -> dict[str, int]:
+        """Resident bytes of the weights by how they are held (bf16, Q4_1 as stored, ...)."""
+        totals: dict[str, int] = {}
+        for module in self.modules():
+            packed = getattr(module, "packed", None)
+            if packed is not None:
+                for part in packed.parts:
+                    key = part.type.label + (" as stored" if part.type is not WeightType.I8_ROW else "")
+                    if part.type is WeightType.BF16:
+                        key = str(part.data.dtype).removeprefix("torch.")
+                    totals[key] = totals.get(key, 0) + part.nbytes
+            for param in module.parameters(recurse=False):
+                key = str(param.dtype).removeprefix("torch.")
+                totals[key] = totals.get(key, 0) + param.numel() * param.element_size()
+        return totals
+
+
+def _as_part(shard: torch.Tensor | WeightPart) -> WeightPart:
+    """One shard of a fused layer whose other shards stay quantized: bf16 rows."""
+    if isinstance(shard, WeightPart):
+        return shard
+    return WeightPart(WeightType.BF16, shard.to(torch.bfloat16).contiguous())
 
 
 def _local_name(hf_name: str) -> str | None:
@@ -212,14 +283,3 @@ def _local_name(hf_name: str) -> str | None:
     if hf_name.startswith("model."):
         return hf_name[len("model.") :]
     return hf_name
-
-
-def _copy_param(params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor) -> None:
-    param = params.get(name)
-    if param is None:
-        raise ModelLoadError(f"unexpected tensor {name!r} in checkpoint")
-    if tuple(param.shape) != tuple(tensor.shape):
-        raise ModelLoadError(
-            f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
-        )
-    param.copy_(tensor.to(dtype=param.dtype, device=param.device))

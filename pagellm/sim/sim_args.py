@@ -14,13 +14,13 @@ import dataclasses
 import math
 from typing import Any
 
-from pagellm.bench.workload import add_workload_args, workload_spec_from_args
 from pagellm.config import PREEMPTION_MODES, SCHEDULING_POLICIES
 from pagellm.engine.arg_utils import PROFILE_CHOICES, EngineArgs
 from pagellm.errors import ConfigError
 from pagellm.sim.gpu_presets import GPU_PRESETS
 from pagellm.sim.model_presets import MODEL_PRESETS
 from pagellm.sim.roofline import RooflineParams
+from pagellm.workload.synthetic import add_workload_args, workload_spec_from_args
 
 _ENGINE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineArgs)}
 # The engine arguments a simulation uses, with their types; `tune` can sweep these (the

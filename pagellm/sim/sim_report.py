@@ -1,6 +1,7 @@
 """Simulation stage: a simulation's results, as `pagellm bench serve` reports a real run.
 
-Latency names and definitions follow pagellm/bench/serve_metrics.py, measured from each
+Latency names and definitions follow pagellm/bench/serve_metrics.py (names and statistics
+from pagellm/workload/latency.py), measured from each
 request's arrival (the simulated client sends at once): TTFT to the end of the step that
 sampled its first token, ITL between consecutive tokens, TPOT = (last - first token) /
 (tokens - 1), E2EL to the last token. On top: KV usage over time, preemptions,
@@ -14,8 +15,8 @@ import math
 from collections import Counter
 from typing import Any
 
-from pagellm.bench.serve_metrics import LATENCY_METRICS, PERCENTILES, describe_ms
 from pagellm.sim.simulator import SimResult
+from pagellm.workload.latency import LATENCY_METRICS, PERCENTILES, describe_ms
 
 # Points of the KV usage series kept in the JSON record.
 MAX_SERIES_POINTS = 120

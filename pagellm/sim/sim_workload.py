@@ -1,8 +1,8 @@
 """Simulation stage: the requests a simulation serves, and when they arrive.
 
 Synthetic workloads reuse the benchmarks' generators: prompt and output lengths from
-pagellm/bench/workload.py (fixed, uniform ranges, a ShareGPT-like long-tailed mix, a
-shared prefix) and arrival times from pagellm/bench/serve_load.py (Poisson or gamma
+pagellm/workload/synthetic.py (fixed, uniform ranges, a ShareGPT-like long-tailed mix, a
+shared prefix) and arrival times from pagellm/workload/arrivals.py (Poisson or gamma
 gaps at a request rate, or everything at once). On top of that a share of the requests
 can start with a common prefix (a system prompt), which prefix caching then reuses.
 
@@ -21,9 +21,9 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from pagellm.bench.serve_load import arrival_times
-from pagellm.bench.workload import WorkloadSpec, make_workload
 from pagellm.errors import ConfigError
+from pagellm.workload.arrivals import arrival_times
+from pagellm.workload.synthetic import WorkloadSpec, make_workload
 
 
 @dataclass(frozen=True)

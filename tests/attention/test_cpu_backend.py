@@ -8,7 +8,7 @@ import torch
 from paged_steps import random_step
 
 from pagellm.kernels import build as native
-from pagellm.attention.backend import get_attention_backend
+from pagellm.attention.selector import get_attention_backend
 from pagellm.attention.cpu_backend import CpuAttentionBackend
 from pagellm.attention.torch_backend import TorchAttentionBackend
 

@@ -19,21 +19,20 @@ import pytest
 from pagellm.bench import serve as bench_serve
 from pagellm.bench.serve_load import (
     ServeBenchConfig,
-    arrival_times,
     carries_tokens,
     normalize_base_url,
     request_body,
 )
 from pagellm.bench.serve_metrics import (
     RequestRecord,
-    describe_ms,
     meets_slos,
     parse_goodput_slos,
-    percentile,
     summarize,
 )
 from pagellm.entrypoints.cli import main
 from pagellm.errors import ConfigError
+from pagellm.workload.arrivals import arrival_times
+from pagellm.workload.latency import describe_ms, percentile
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "entrypoints" / "openai"))
 

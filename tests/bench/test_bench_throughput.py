@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 
 import pytest
 from hf_models import make_tiny_hf_checkpoint
 
 from pagellm.bench.ceiling import matmul_flops_per_token, workload_flops
-from pagellm.bench.workload import WorkloadSpec, make_workload
+from pagellm.workload.synthetic import WorkloadSpec, make_workload
 from pagellm.errors import PagellmError
 from pagellm.model.loader import ModelSource, load_model_config
 
@@ -49,6 +50,7 @@ def bench_args(folder, backend, **extra):
         backend=backend, model=str(folder), dtype="float32", hf_batch_sizes=[2, 4], llamacpp_parallel=4,
         max_num_seqs=256, max_num_batched_tokens=None, max_model_len=256, result_file=None, repeats=1,
         workload="mixed", num_requests=6, prompt_len=(4, 20), output_len=(3, 9), shared_prefix_len=8, seed=0,
+        check_requests=4, check_tokens=16,
     )  # fmt: skip
     for key, value in extra.items():
         setattr(args, key, value)
@@ -79,8 +81,51 @@ def test_backends_produce_exact_work_and_a_record(folder, backend, tmp_path, cap
     if backend == "hf":
         assert [s["batch_size"] for s in record["sweep"]] == [2, 4]
         assert record["settings"]["batch_size"] in (2, 4)
+    # What was timed is checked: float32 greedy on either backend is HF float32's output.
+    agreement = record["agreement"]
+    assert agreement["reference"] == "hf float32 greedy" and agreement["num_requests"] == 4
+    assert agreement["compared_tokens"] == [min(16, r.output_len) for r in requests[:4]]
+    assert agreement["matched_tokens"] == agreement["compared_tokens"] and agreement["fraction"] == 1.0
+    assert isinstance(record["cpu"]["model"], str) and isinstance(record["cpu"]["isa_flags"], list)
     out = capsys.readouterr().out
     assert out.startswith("{") and "output tok/s" in out
+    header = out.splitlines()[1]
+    assert "CPU " + record["cpu"]["model"] in header
+    assert re.search(r"^agreement +1\.00 \(16 leading tokens x 4 requests vs hf float32 greedy\)$", out, re.M)
+
+
+def test_leading_agreement_counts_up_to_the_first_mismatch():
+    from pagellm.bench.agreement import describe_agreement, leading_agreement
+
+    result = leading_agreement([[1, 2, 3, 4], [5, 6], [7, 8, 9]], [[1, 2, 9, 4], [5, 6], [0, 8, 9]], num_tokens=3)
+    # Request 0 parts at its third token: the fourth, equal again, no longer counts.
+    assert result["matched_tokens"] == [2, 2, 0] and result["compared_tokens"] == [3, 2, 3]
+    assert result["fraction"] == round(4 / 8, 4)
+    assert describe_agreement(result) == "0.50 (3 leading tokens x 3 requests vs hf float32 greedy)"
+    assert describe_agreement(None) == "not checked"
+    with pytest.raises(ValueError):
+        leading_agreement([[1]], [[1], [2]], 4)
+
+
+def test_a_fast_wrong_engine_shows_in_its_agreement(folder, tmp_path, monkeypatch, capsys):
+    """A backend whose outputs are not the model's greedy tokens reports low agreement."""
+    from pagellm.bench import throughput
+    from pagellm.bench.backends import BackendResult
+
+    def wrong_engine(requests, *args, **kwargs):
+        ids = [[(7 * i + k) % 256 for k in range(r.output_len)] for i, r in enumerate(requests)]
+        return BackendResult("pagellm", 1e-3, sum(map(len, ids)), 0, output_token_ids=ids)
+
+    monkeypatch.setattr(throughput, "run_pagellm", wrong_engine)
+    record = throughput.run_bench_throughput(bench_args(folder, "pagellm", result_file=str(tmp_path / "r.jsonl")))
+    assert record["agreement"]["fraction"] < 0.5
+    assert json.loads((tmp_path / "r.jsonl").read_text())["agreement"] == record["agreement"]
+    out = capsys.readouterr().out
+    assert re.search(rf"^agreement +{record['agreement']['fraction']:.2f} \(16 leading tokens", out, re.M)
+    # --check-requests 0 switches the check (and the reference model) off.
+    record = throughput.run_bench_throughput(bench_args(folder, "pagellm", check_requests=0))
+    assert record["agreement"] is None
+    assert re.search(r"^agreement +not checked$", capsys.readouterr().out, re.M)
 
 
 def test_repeats_report_the_median_run(folder, tmp_path, monkeypatch):

@@ -71,7 +71,7 @@ def test_memory_profile_adds_up():
 def test_cli_has_the_device_flags():
     import argparse
 
-    from pagellm.entrypoints.cli_args import add_engine_args, engine_args_from_namespace
+    from pagellm.engine.cli_args import add_engine_args, engine_args_from_namespace
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)

@@ -100,7 +100,7 @@ def test_model_layers_route_through_the_kernel(monkeypatch):
 def test_bf16_model_logits_native_and_torch(tmp_path, arch, num_requests):
     from hf_models import make_tiny_hf_checkpoint
 
-    from pagellm.attention.backend import get_attention_backend
+    from pagellm.attention.selector import get_attention_backend
     from pagellm.model.loader import ModelSource, load_model, load_model_config
     from pagellm.worker.kv_cache import allocate_kv_caches
     from pagellm.worker.model_inputs import ScheduledSequence, prepare_model_inputs

@@ -7,7 +7,7 @@ import torch
 from hf_models import load_hf_reference, make_tiny_hf_checkpoint
 from reference import pagellm_greedy
 
-from pagellm.attention import get_attention_backend
+from pagellm.attention.selector import get_attention_backend
 from pagellm import LLM
 from pagellm.errors import ModelLoadError, UnsupportedModelError
 from pagellm.model.loader import ModelSource, load_model, load_model_config

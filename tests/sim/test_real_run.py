@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from hf_models import make_tiny_hf_checkpoint
 
-from pagellm.bench.workload import WorkloadSpec
+from pagellm.workload.synthetic import WorkloadSpec
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.sim.real_run import run_on_engine

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from pagellm.bench.serve_load import arrival_times
-from pagellm.bench.workload import WorkloadSpec, make_workload
+from pagellm.workload.arrivals import arrival_times
+from pagellm.workload.synthetic import WorkloadSpec, make_workload
 from pagellm.errors import ConfigError
 from pagellm.sim.sim_workload import (
     SimRequest,

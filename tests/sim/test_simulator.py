@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagellm.bench.workload import WorkloadSpec
+from pagellm.workload.synthetic import WorkloadSpec
 from pagellm.config import CacheConfig, SchedulerConfig
 from pagellm.core.block_pool import BlockPool
 from pagellm.core.kv_cache_manager import KVCacheManager

@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 
 from pagellm.engine.async_llm import AsyncLLM
-from pagellm.entrypoints.cli_args import engine_args_from_namespace
+from pagellm.engine.cli_args import engine_args_from_namespace
 from pagellm.entrypoints.openai import metrics
 from pagellm.entrypoints.openai.auth import ApiKeyMiddleware
 from pagellm.entrypoints.openai.errors import install_error_handlers, to_api_error

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from pagellm.entrypoints.cli_args import add_engine_args
+from pagellm.engine.cli_args import add_engine_args
 from pagellm.errors import ConfigError
 
 API_KEY_ENV = "PAGELLM_API_KEY"

@@ -11,8 +11,8 @@
  *
  * Values are rounded to bf16 where the PyTorch path stores a bf16 tensor (norm output,
  * projections, attention output, activations, the residual stream); the arithmetic in
- * between is float32. The linear layers go through linear_bf16.c (weight streaming up to
- * 16 rows, register tiles above); the attention is paged_decode.c's.
+ * between is float32. The linear layers go through quant_linear.c's linear_weight_part (bf16 or
+ * quantized weights; streaming up to 16 rows, register tiles above); the attention is paged_decode.c's.
  *
  * Built at run time by pagellm/kernels/build.py; needs AVX-512 BF16 like linear_bf16.c.
  */
@@ -34,9 +34,11 @@
 
 typedef struct {
     const uint16_t *input_norm, *post_norm;  /* [hidden] */
-    const uint16_t *qkv, *qkv_bias;          /* [q + 2 kv, hidden], [q + 2 kv] or NULL */
-    const uint16_t *o, *o_bias;              /* [hidden, q], [hidden] or NULL */
-    const uint16_t *gate_up, *down;          /* [2 inter, hidden], [hidden, inter] */
+    const Weight *qkv;                       /* [q + 2 kv, hidden] (weights.h: bf16 or quantized) */
+    const uint16_t *qkv_bias;                /* [q + 2 kv] or NULL */
+    const Weight *o;                         /* [hidden, q] */
+    const uint16_t *o_bias;                  /* [hidden] or NULL */
+    const Weight *gate_up, *down;            /* [2 inter, hidden], [hidden, inter] */
 } LayerWeights;
 
 typedef struct {
@@ -109,8 +111,7 @@ void decode_layer_bf16(uint16_t *hidden, const LayerWeights *w, uint16_t *key_ca
 #pragma omp single
         for (int64_t r = 0; r < m; r++)
             rms_norm_row(hidden + r * h, NULL, w->input_norm, s->eps, scratch->normed + r * h, h);
-        linear_bf16_part(scratch->normed, h, w->qkv, w->qkv_bias, scratch->qkv, qkv_size, m, qkv_size, h,
-                         t, nt);
+        linear_weight_part(scratch->normed, h, w->qkv, w->qkv_bias, scratch->qkv, qkv_size, m, h, t, nt);
 #pragma omp barrier
 #pragma omp single
         for (int64_t r = 0; r < m; r++) {
@@ -127,16 +128,15 @@ void decode_layer_bf16(uint16_t *hidden, const LayerWeights *w, uint16_t *key_ca
                                          in->table_stride, in->rows, in->reqs, in->seq_lens, m, s->num_heads,
                                          s->num_kv_heads, s->head_dim, s->block_size, s->scale, 1, nt,
                                          in->max_seq_len, scratch->attn, q_size, scratch->attn_scratch);
-        linear_bf16_part(scratch->attn, q_size, w->o, w->o_bias, scratch->proj, h, m, h, q_size, t, nt);
+        linear_weight_part(scratch->attn, q_size, w->o, w->o_bias, scratch->proj, h, m, q_size, t, nt);
 #pragma omp barrier
 #pragma omp single
         for (int64_t r = 0; r < m; r++)  /* residual add, then the norm */
             rms_norm_row(hidden + r * h, scratch->proj + r * h, w->post_norm, s->eps, scratch->normed + r * h, h);
-        linear_bf16_part(scratch->normed, h, w->gate_up, NULL, scratch->gate_up, 2 * inter, m, 2 * inter,
-                         h, t, nt);
+        linear_weight_part(scratch->normed, h, w->gate_up, NULL, scratch->gate_up, 2 * inter, m, h, t, nt);
 #pragma omp barrier
         silu_and_mul(scratch->gate_up, scratch->act, m, inter);
-        linear_bf16_part(scratch->act, inter, w->down, NULL, scratch->proj, h, m, h, inter, t, nt);
+        linear_weight_part(scratch->act, inter, w->down, NULL, scratch->proj, h, m, inter, t, nt);
 #pragma omp barrier
 #pragma omp single
         add_residual(hidden, scratch->proj, m * h);

@@ -5,6 +5,8 @@
 
 #include <stdint.h>
 
+#include "weights.h"
+
 /* Up to this many rows the linear layers stream their weights (small_linear.c), above it
  * they take gemm_bf16.c (measured crossover: a SmolLM2 step's linears at 16 rows 10.1 vs
  * 11.3 ms, at 20 rows 12.4 vs 10.8). */
@@ -22,6 +24,11 @@ void small_linear_bf16_part(const uint16_t *x, int64_t x_stride, const uint16_t 
 /* gemm_bf16.c: the same for tens of rows and more (weights repacked into register tiles). */
 void gemm_bf16_part(const uint16_t *x, int64_t x_stride, const uint16_t *w, const uint16_t *bias,
                     uint16_t *out, int64_t out_stride, int64_t m, int64_t n, int64_t k, int t, int nt);
+
+/* quant_linear.c: thread t of nt's share of out = x W^T (+ bias) for any Weight (bf16 or
+ * quantized parts), inside a region. */
+void linear_weight_part(const uint16_t *x, int64_t x_stride, const Weight *w, const uint16_t *bias, uint16_t *out,
+                        int64_t out_stride, int64_t m, int64_t k, int t, int nt);
 
 /* paged_decode.c: the attention rows' work items, shared among a region's threads. */
 void paged_decode_attention_in_region(

@@ -46,3 +46,19 @@ void linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, const u
         float_mode_restore(float_mode);
     }
 }
+
+/* The same for any Weight (bf16 or quantized parts, quant_linear.c), opening the region. */
+void linear_weight(const uint16_t *x, int64_t x_stride, const Weight *w, const uint16_t *bias, uint16_t *out,
+                   int64_t out_stride, int64_t m, int64_t k, int num_threads) {
+#pragma omp parallel num_threads(num_threads)
+    {
+        int t = 0, nt = 1;
+#ifdef _OPENMP
+        t = omp_get_thread_num();
+        nt = omp_get_num_threads();
+#endif
+        const unsigned float_mode = subnormals_flushed();
+        linear_weight_part(x, x_stride, w, bias, out, out_stride, m, k, t, nt);
+        float_mode_restore(float_mode);
+    }
+}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -11,7 +12,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from pagellm.attention.backend import AttentionBackend
+from pagellm.config import QUANTIZATION_CHOICES, ConfigError
 from pagellm.errors import ModelLoadError
+from pagellm.kernels.weights import WeightPart, WeightType, kernels_support, quantize_int8_rows
+from pagellm.model.layers import RotaryEmbedding
 from pagellm.model.config import ModelConfig
 from pagellm.model.llama import LlamaForCausalLM
 from pagellm.kernels.build import load_kernels
@@ -79,6 +83,8 @@ def load_tokenizer(source: ModelSource, config: ModelConfig) -> "Tokenizer":
     return tokenizer.with_extra_eos_token_ids(config.eos_token_ids)
 
 
+
+
 def load_model(
     source: ModelSource,
     config: ModelConfig,
@@ -86,24 +92,41 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     load_format: str = "auto",
+    quantization: str = "auto",
 ) -> LlamaForCausalLM:
     """Build the model on `device` in `dtype` and fill it from the checkpoint, or with
-    random weights (load_format "dummy": only the checkpoint's config is read)."""
+    random weights (load_format "dummy": only the checkpoint's config is read).
+
+    quantization "auto": a GGUF's quantized linear layers and embedding stay as stored
+    where the CPU kernels run them (bf16 on a CPU with AVX-512 BF16), float checkpoints
+    load as they are; "none": everything is dequantized to `dtype`; "int8": the linear
+    layers and embedding of a float checkpoint become int8 rows with per-row scales.
+    """
     start = time.perf_counter()
+    keep_types = _plan_quantization(source, quantization, dtype, device, load_format)
     divisors = None
     weights = None
     if source.format == "gguf":
         reader = gguf_loader.open_gguf(source.path)
         if load_format != "dummy":
-            weights = gguf_loader.iter_gguf_weights(reader, config)
+            weights = gguf_loader.iter_gguf_weights(reader, config, keep_types)
         divisors = gguf_loader.rope_freq_divisors(reader)
     elif load_format != "dummy":
         weights = hf_loader.iter_hf_weights(source.path)
+    if weights is not None and quantization == "int8":
+        weights = _int8_rows(weights)
     previous_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with torch.device(device):
+        # With a checkpoint to read, the layers are built without memory (meta) and each
+        # parameter is created as its tensor arrives, so weights kept quantized never
+        # exist in float, not even for a moment.
+        with torch.device("meta" if weights is not None else device):
             model = LlamaForCausalLM(config, backend, rope_freq_divisors=divisors)
+        with torch.device(device):
+            model.rotary = RotaryEmbedding(
+                config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling, divisors
+            )
     finally:
         torch.set_default_dtype(previous_dtype)
     # The rotary tables stay float32 whatever the model dtype.
@@ -111,20 +134,83 @@ def load_model(
     if weights is None:
         _fill_random(model)
     else:
-        model.load_weights(weights)
+        model.load_weights(weights, device=device)
     model.eval()
     if torch.device(device).type == "cpu" and dtype == torch.bfloat16:
         _use_cpu_decode_kernels(model)
     logger.info(
-        "loaded %s (%s%s, %.1fM parameters, %s) in %.1fs",
+        "loaded %s (%s%s, %.1fM parameters, %s) in %.1fs; weights: %s",
         source.name,
         source.format,
         ", random weights" if weights is None else "",
-        sum(p.numel() for p in model.parameters()) / 1e6,
+        model_parameter_count(model) / 1e6,
         str(dtype).removeprefix("torch."),
         time.perf_counter() - start,
+        describe_weight_bytes(model),
     )
     return model
+
+
+def model_parameter_count(model: LlamaForCausalLM) -> int:
+    """Parameters of the model as a float model would have them (packed layers included)."""
+    total = sum(p.numel() for p in model.parameters())
+    for module in model.modules():
+        packed = getattr(module, "packed", None)
+        if packed is not None:
+            total += packed.out_features * packed.in_features
+    return total
+
+
+def describe_weight_bytes(model: LlamaForCausalLM) -> str:
+    """e.g. '86 MiB (Q4_1 as stored 63 MiB, Q8_0 as stored 29 MiB, float32 0.1 MiB)'."""
+    totals = model.weight_bytes_by_format()
+    mib = 1024 * 1024
+    parts = ", ".join(f"{name} {size / mib:.3g} MiB" for name, size in sorted(totals.items(), key=lambda kv: -kv[1]))
+    return f"{sum(totals.values()) / mib:.0f} MiB ({parts})"
+
+
+def _plan_quantization(
+    source: ModelSource, quantization: str, dtype: torch.dtype, device: torch.device | str, load_format: str
+) -> frozenset[WeightType]:
+    """The stored types to keep as they are; an explicit choice that cannot apply is an error."""
+    if quantization not in QUANTIZATION_CHOICES:
+        raise ConfigError(f"quantization must be one of {QUANTIZATION_CHOICES}, got {quantization!r}")
+    if quantization == "none" or load_format == "dummy":
+        if quantization == "int8" and load_format == "dummy":
+            raise ConfigError("--quantization int8 needs real weights (not --load-format dummy)")
+        return frozenset()
+    on_cpu_bf16 = torch.device(device).type == "cpu" and dtype == torch.bfloat16
+    supported = frozenset(t for t in WeightType if t is not WeightType.BF16 and kernels_support(t)) if on_cpu_bf16 else frozenset()
+    if quantization == "int8":
+        if WeightType.I8_ROW not in supported:
+            raise ConfigError(
+                "--quantization int8 runs on the CPU kernels: it needs --dtype bfloat16 on the CPU, "
+                "AVX-512 BF16 and a C compiler"
+            )
+        if source.format == "gguf":
+            stored = gguf_loader.quantized_tensor_types(gguf_loader.open_gguf(source.path))
+            if stored:
+                name, kind = next(iter(stored.items()))
+                raise ConfigError(
+                    f"--quantization int8 quantizes float checkpoints; {source.path.name} is already "
+                    f"quantized ({kind}, e.g. {name}): use --quantization auto to keep it as stored"
+                )
+        return frozenset()
+    if source.format == "gguf" and not supported:
+        stored = gguf_loader.quantized_tensor_types(gguf_loader.open_gguf(source.path))
+        if stored:
+            why = "no native kernels here" if on_cpu_bf16 else f"{str(dtype).removeprefix('torch.')} on {torch.device(device).type}"
+            logger.info("quantized weights dequantized (%s; they stay as stored with bfloat16 on a CPU with AVX-512 BF16)", why)
+    return supported
+
+
+def _int8_rows(weights: Iterator[tuple[str, torch.Tensor | WeightPart]]) -> Iterator[tuple[str, torch.Tensor | WeightPart]]:
+    """Float linear and embedding weights as int8 rows (scale = max |w| / 127 per row)."""
+    for name, tensor in weights:
+        if isinstance(tensor, torch.Tensor) and tensor.dim() == 2 and gguf_loader.keepable(name):
+            yield name, quantize_int8_rows(tensor)
+        else:
+            yield name, tensor
 
 
 def _use_cpu_decode_kernels(model: LlamaForCausalLM) -> None:

@@ -10,10 +10,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from pagellm.errors import ModelLoadError, UnsupportedModelError
+from pagellm.kernels.weights import QUANTIZED_TYPES, WeightPart, WeightType, row_bytes
 from pagellm.model.config import SUPPORTED_GGUF_ARCHITECTURES, ModelConfig, RopeScaling
 
 logger = logging.getLogger(__name__)
@@ -40,9 +41,29 @@ _LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 ROPE_FREQS_TENSOR = "rope_freqs.weight"
 
 
+class _CheckedReader(GGUFReader):
+    """GGUFReader that names the tensor whose bytes run past the end of the file (a
+    truncated download) instead of failing on a reshape deep inside the reader."""
+
+    def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
+        file_bytes = len(self.data)
+        for field in fields:
+            _, name_data, _, dims, raw_dtype, offset = field.parts
+            block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(raw_dtype[0])]
+            end = int(start_offs + offset[0]) + int(np.prod(dims)) * type_size // block_size
+            if end > file_bytes:
+                name = bytes(name_data).decode("utf-8", "replace")
+                raise ModelLoadError(
+                    f"tensor {name} ends at byte {end} but the file has {file_bytes} bytes (truncated or corrupted)"
+                )
+        super()._build_tensors(start_offs, fields)
+
+
 def open_gguf(path: Path) -> GGUFReader:
     try:
-        return GGUFReader(str(path))
+        return _CheckedReader(str(path))
+    except ModelLoadError as e:
+        raise ModelLoadError(f"{path}: {e}") from None
     except Exception as e:  # the reader raises bare ValueError/struct errors on bad bytes
         raise ModelLoadError(f"{path} is not a readable GGUF file ({e})") from None
 
@@ -135,26 +156,84 @@ def undo_rope_permutation(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return per_head.swapaxes(1, 2).reshape(weight.shape)
 
 
+# Tensors that may stay in their stored quantization: the linear layers and the embedding
+# (the LM head too, or the embedding when the head is tied to it).
+_KEEPABLE = re.compile(r"(_proj\.weight|embed_tokens\.weight|lm_head\.weight)$")
+
+
 def iter_gguf_weights(
-    reader: GGUFReader, config: ModelConfig
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, float32 tensor) for every model tensor of the file."""
+    reader: GGUFReader, config: ModelConfig, keep_types: frozenset[WeightType] = frozenset()
+) -> Iterator[tuple[str, torch.Tensor | WeightPart]]:
+    """(HF name, tensor) for every model tensor of the file: float32, or a `WeightPart`
+    holding the stored blocks where the tensor's type is in `keep_types`.
+
+    A quantized tensor of a type not kept is dequantized with one log line naming it.
+    """
     permute = config.architecture == "llama"
     for tensor in reader.tensors:
         if tensor.name == ROPE_FREQS_TENSOR:
             continue
         hf_name = _hf_name(tensor.name)
-        values = dequantize_tensor(tensor)
+        qtype = GGMLQuantizationType(tensor.tensor_type)
+        heads = None
         if permute and (".q_proj." in hf_name or ".k_proj." in hf_name):
-            heads = (
-                config.num_attention_heads
-                if ".q_proj." in hf_name
-                else config.num_key_value_heads
-            )
+            heads = config.num_attention_heads if ".q_proj." in hf_name else config.num_key_value_heads
+        stored = _stored_type(qtype)
+        if stored is not None and stored in keep_types and _KEEPABLE.search(hf_name):
+            data = _stored_rows(tensor)
+            if heads is not None:
+                data = undo_rope_permutation(data, heads)
+            yield hf_name, WeightPart(stored, torch.from_numpy(np.ascontiguousarray(data)))
+            continue
+        if qtype not in _FLOAT_TYPES and keep_types:
+            logger.info("tensor %s (%s) has no native kernel here: dequantized", tensor.name, qtype.name)
+        values = dequantize_tensor(tensor)
+        if heads is not None:
             values = undo_rope_permutation(values, heads)
         if not values.flags.writeable:
             values = values.copy()  # unquantized tensors are read-only views of the mmap
         yield hf_name, torch.from_numpy(np.ascontiguousarray(values))
+
+
+_FLOAT_TYPES = frozenset({GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16})
+
+
+def keepable(hf_name: str) -> bool:
+    """Whether a tensor (by HF name) is a linear layer's or the embedding's weight."""
+    return _KEEPABLE.search(hf_name) is not None
+
+
+def _stored_type(qtype: GGMLQuantizationType) -> WeightType | None:
+    try:
+        weight_type = WeightType(int(qtype))
+    except ValueError:
+        return None
+    return weight_type if weight_type in QUANTIZED_TYPES else None
+
+
+def _stored_rows(tensor: Any) -> np.ndarray:  # uint8 [rows, row_bytes], a copy of the file's bytes
+    """The blocks of a quantized tensor, one row per output; a tensor whose byte count does
+    not match its shape and type (truncated, corrupted) is an error naming it."""
+    rows = int(np.prod([int(d) for d in tensor.shape[1:]]))
+    k = int(tensor.shape[0])
+    weight_type = WeightType(int(tensor.tensor_type))
+    expected = rows * row_bytes(weight_type, k) if k % weight_type.block_elements == 0 else -1
+    data = np.asarray(tensor.data)
+    if data.dtype != np.uint8 or data.size != expected:
+        raise ModelLoadError(
+            f"tensor {tensor.name}: {weight_type.name} [{rows} x {k}] should take {expected} bytes, "
+            f"the file holds {data.size} (truncated or corrupted)"
+        )
+    return np.array(data.reshape(rows, -1))
+
+
+def quantized_tensor_types(reader: GGUFReader) -> dict[str, str]:
+    """GGUF tensor name -> type name for every tensor that is not a float."""
+    return {
+        t.name: GGMLQuantizationType(t.tensor_type).name
+        for t in reader.tensors
+        if GGMLQuantizationType(t.tensor_type) not in _FLOAT_TYPES
+    }
 
 
 def rope_freq_divisors(reader: GGUFReader) -> torch.Tensor | None:

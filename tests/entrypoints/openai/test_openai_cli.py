@@ -13,7 +13,7 @@ from serve_helpers import ServerProcess
 
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.entrypoints.cli import build_parser
-from pagellm.entrypoints.cli_args import engine_args_from_namespace
+from pagellm.engine.cli_args import engine_args_from_namespace
 
 
 def test_serve_takes_server_flags_and_every_engine_argument():

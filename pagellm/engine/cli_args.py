@@ -1,4 +1,8 @@
-"""Entrypoints: every EngineArgs field as a command-line flag with the same name."""
+"""Engine stage: every EngineArgs field as a command-line flag with the same name.
+
+Below every command that builds an engine from flags (entrypoints' generate and serve,
+sim's calibrate), so none of them reaches into another's package for it.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,7 @@ import dataclasses
 import types
 import typing
 
-from pagellm.config import ATTENTION_BACKENDS, LOAD_FORMATS, PREEMPTION_MODES, SCHEDULING_POLICIES
+from pagellm.config import ATTENTION_BACKENDS, LOAD_FORMATS, PREEMPTION_MODES, QUANTIZATION_CHOICES, SCHEDULING_POLICIES
 from pagellm.engine.arg_utils import DEVICE_CHOICES, DTYPE_CHOICES, PROFILE_CHOICES, PROFILES, EngineArgs
 
 _CHOICES = {
@@ -17,6 +21,7 @@ _CHOICES = {
     "scheduling_policy": SCHEDULING_POLICIES,
     "profile": PROFILE_CHOICES,
     "load_format": LOAD_FORMATS,
+    "quantization": QUANTIZATION_CHOICES,
     "attention_backend": ATTENTION_BACKENDS,
 }
 _HELP = {

@@ -1,7 +1,9 @@
-"""Benchmarks: synthetic request lists (prompt token ids + exact output lengths).
+"""Workloads (shared by bench/ and sim/): synthetic request lists (prompt token ids +
+exact output lengths).
 
 Every backend gets the same list: prompts are random token ids (no tokenizer round
 trip, so lengths are exact) and outputs run with ignore_eos to their exact length.
+`pagellm simulate` draws its lengths from the same generators.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ from dataclasses import dataclass
 from pagellm.errors import ConfigError
 
 WORKLOADS = ("mixed", "fixed", "sharegpt", "shared-prefix")
-BACKENDS = ("pagellm", "hf", "llamacpp")
 
 
 @dataclass(frozen=True)
@@ -94,29 +95,3 @@ def workload_spec_from_args(args: argparse.Namespace) -> WorkloadSpec:
         shared_prefix_len=args.shared_prefix_len,
         seed=args.seed,
     )
-
-
-def add_bench_throughput_parser(bench_commands: "argparse._SubParsersAction") -> None:
-    p = bench_commands.add_parser("throughput", help="offline throughput on a synthetic workload")
-    p.add_argument("--backend", choices=BACKENDS, default="pagellm")
-    p.add_argument("--model", default=None, help="GGUF file or HF folder (default: embedded SmolLM2)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    p.add_argument("--hf-batch-sizes", type=int, nargs="+", default=[16, 32, 64])
-    p.add_argument("--llamacpp-parallel", type=int, default=64, help="sequences decoded together")
-    p.add_argument(
-        "--llamacpp-weights",
-        choices=("stored", "bfloat16", "float32"),
-        default="stored",
-        help="llama.cpp runs the GGUF as stored (quantized), or a copy dequantized to this type "
-        "(equal work with pagellm's dtype)",
-    )
-    p.add_argument(
-        "--repeats", type=int, default=1,
-        help="measured runs of the request list on pagellm and llama.cpp (after the warm-up); "
-        "the median is reported. Short runs (one request) vary by 20%% between runs here",
-    )  # fmt: skip
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--result-file", default="bench-results/throughput.jsonl")
-    add_workload_args(p)

@@ -1,0 +1,41 @@
+"""Benchmarks: the command line of `pagellm bench throughput` (kept free of torch so that
+building the CLI parser stays cheap)."""
+
+from __future__ import annotations
+
+import argparse
+
+from pagellm.bench.agreement import DEFAULT_CHECK_REQUESTS, DEFAULT_CHECK_TOKENS
+from pagellm.workload.synthetic import add_workload_args
+
+BACKENDS = ("pagellm", "hf", "llamacpp")
+
+
+def add_bench_throughput_parser(bench_commands: "argparse._SubParsersAction") -> None:
+    p = bench_commands.add_parser("throughput", help="offline throughput on a synthetic workload")
+    p.add_argument("--backend", choices=BACKENDS, default="pagellm")
+    p.add_argument("--model", default=None, help="GGUF file or HF folder (default: embedded SmolLM2)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--hf-batch-sizes", type=int, nargs="+", default=[16, 32, 64])
+    p.add_argument("--llamacpp-parallel", type=int, default=64, help="sequences decoded together")
+    p.add_argument(
+        "--llamacpp-weights",
+        choices=("stored", "bfloat16", "float32"),
+        default="stored",
+        help="llama.cpp runs the GGUF as stored (quantized), or a copy dequantized to this type "
+        "(equal work with pagellm's dtype)",
+    )
+    p.add_argument(
+        "--repeats", type=int, default=1,
+        help="measured runs of the request list on pagellm and llama.cpp (after the warm-up); "
+        "the median is reported. Short runs (one request) vary by 20%% between runs here",
+    )  # fmt: skip
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--result-file", default="bench-results/throughput.jsonl")
+    p.add_argument("--check-requests", type=int, default=DEFAULT_CHECK_REQUESTS,
+                   help="requests whose leading greedy tokens are compared with HF float32's (0 = no check)")
+    p.add_argument("--check-tokens", type=int, default=DEFAULT_CHECK_TOKENS,
+                   help="leading output tokens compared per checked request")  # fmt: skip
+    add_workload_args(p)

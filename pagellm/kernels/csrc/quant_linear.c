@@ -1,0 +1,411 @@
+/* Kernels, CPU: y = x W^T (+ b) with W in GGUF quantization blocks (Q4_0, Q4_1, Q8_0,
+ * Q4_K, Q5_K, Q6_K) or int8 rows, x and y in bf16.
+ *
+ * Every supported type is, per group of 32 weights along k, small integers u with a
+ * scale and an offset: w = scale * u + bias (Q6_K has two scales per group, one per 16).
+ * The kernels turn a group's integers into bf16 without arithmetic: for 0 <= u < 128 the
+ * bf16 bits 0x4300 | u are exactly 128 + u, so
+ *     sum_i x_i w_i = scale * dot(x, 128 + u) + (bias - 128 * scale) * sum_i x_i
+ * and the group's dot product is one AVX-512 BF16 instruction. Q8_0 and int8 rows are
+ * signed and are converted through float32 instead (exact: |u| <= 128). The sums of x
+ * over every 16 columns are computed once per call and reused for all n rows of W.
+ *
+ * Why bf16 activations rather than int8 ones with integer dot products (llama.cpp's
+ * choice): x keeps the precision of the bf16 path, so the quantized layer differs from
+ * the dequantized one only by the float32 order of summation, and the decode steps these
+ * kernels serve are bound by reading the weights (measured in the README).
+ *
+ * Up to STREAMING_MAX_ROWS rows of x each thread streams its share of W's rows once,
+ * unpacking each group in registers. Above that, W is dequantized to bf16 a panel of rows
+ * at a time into a per-thread buffer and gemm_bf16.c's register tiles multiply it.
+ *
+ * Called through linear.c. Built at run time by pagellm/kernels/build.py; needs AVX-512
+ * BF16 like the other bf16 kernels.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <immintrin.h>
+
+#include "bf16.h"
+#include "kernels.h"
+#include "weights.h"
+
+#define GROUP 32
+#define STREAM_ROWS 8 /* rows of x per pass over a weight row */
+
+static inline float half_to_float(const uint8_t *p) {
+    uint16_t bits;
+    memcpy(&bits, p, 2);
+    return _cvtsh_ss(bits);
+}
+
+/* Elements per quantization block and its bytes. */
+static inline int64_t block_elements(int type) {
+    return (type == WEIGHT_Q4_K || type == WEIGHT_Q5_K || type == WEIGHT_Q6_K) ? 256 : 32;
+}
+
+int64_t weight_row_bytes(int type, int64_t k) {
+    switch (type) {
+    case WEIGHT_Q4_0: return k / 32 * 18;
+    case WEIGHT_Q4_1: return k / 32 * 20;
+    case WEIGHT_Q8_0: return k / 32 * 34;
+    case WEIGHT_Q4_K: return k / 256 * 144;
+    case WEIGHT_Q5_K: return k / 256 * 176;
+    case WEIGHT_Q6_K: return k / 256 * 210;
+    case WEIGHT_BF16: return k * 2;
+    case WEIGHT_I8_ROW: return k;
+    default: return -1;
+    }
+}
+
+int quant_type_supported(int type) {
+#if defined(__AVX512BF16__)
+    return weight_row_bytes(type, 256) > 0 && type != WEIGHT_BF16;
+#else
+    (void)type;
+    return 0;
+#endif
+}
+
+/* The [begin, end) share of `total` rows that thread t of nt takes, in multiples of 16. */
+static inline void row_range(int64_t total, int t, int nt, int64_t *begin, int64_t *end) {
+    int64_t units = (total + 15) / 16;
+    int64_t per = units / nt, extra = units % nt;
+    int64_t first = t * per + (t < extra ? t : extra);
+    int64_t count = per + (t < extra ? 1 : 0);
+    *begin = 16 * first < total ? 16 * first : total;
+    *end = 16 * (first + count) < total ? 16 * (first + count) : total;
+}
+
+#if defined(__AVX512BF16__)
+
+/* The scale and offset of a group: w = scale * u + min for its first 16 elements (lo) and
+ * its last 16 (hi). */
+typedef struct {
+    float scale_lo, scale_hi, min_lo, min_hi;
+} GroupScale;
+
+/* Whether group_words gives 128 + u (unsigned types) rather than u itself (signed ones). */
+static inline int words_shifted(int type) { return type != WEIGHT_Q8_0 && type != WEIGHT_I8_ROW; }
+
+/* 6-bit scale and min j of a Q4_K / Q5_K super-block (GGML's packing of 12 bytes). */
+static inline void k_scale_min(const uint8_t *s, int j, int *scale, int *min) {
+    if (j < 4) {
+        *scale = s[j] & 63;
+        *min = s[j + 4] & 63;
+    } else {
+        *scale = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+        *min = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+}
+
+static inline __m512i unsigned_words(__m256i bytes) {
+    return _mm512_or_si512(_mm512_cvtepu8_epi16(bytes), _mm512_set1_epi16(0x4300));
+}
+
+static inline __m512i signed_words(const int8_t *q) {
+    __m128i lo = _mm_loadu_si128((const __m128i *)q), hi = _mm_loadu_si128((const __m128i *)(q + 16));
+    __m512 flo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo));
+    __m512 fhi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi));
+    return (__m512i)_mm512_cvtne2ps_pbh(fhi, flo);
+}
+
+/* Group g (32 elements along k) of one weight row as 32 bf16 words, with its scale.
+ * `type` is a constant where this is inlined, so each kernel keeps one branch. */
+static inline __attribute__((always_inline)) __m512i group_words(int type, const uint8_t *row, int64_t g,
+                                                                 float row_scale, GroupScale *gs) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    switch (type) {
+    case WEIGHT_Q4_0:
+    case WEIGHT_Q4_1: {
+        const uint8_t *block = row + g * (type == WEIGHT_Q4_0 ? 18 : 20);
+        const float d = half_to_float(block);
+        const float min = type == WEIGHT_Q4_1 ? half_to_float(block + 2) : -8.0f * d;
+        __m128i packed = _mm_loadu_si128((const __m128i *)(block + (type == WEIGHT_Q4_0 ? 2 : 4)));
+        __m256i both = _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed);
+        gs->scale_lo = gs->scale_hi = d;
+        gs->min_lo = gs->min_hi = min;
+        return unsigned_words(_mm256_and_si256(both, low4));
+    }
+    case WEIGHT_Q8_0: {
+        const uint8_t *block = row + g * 34;
+        gs->scale_lo = gs->scale_hi = half_to_float(block);
+        gs->min_lo = gs->min_hi = 0.0f;
+        return signed_words((const int8_t *)(block + 2));
+    }
+    case WEIGHT_I8_ROW:
+        gs->scale_lo = gs->scale_hi = row_scale;
+        gs->min_lo = gs->min_hi = 0.0f;
+        return signed_words((const int8_t *)(row + g * 32));
+    case WEIGHT_Q4_K:
+    case WEIGHT_Q5_K: {
+        const int64_t sub = g & 7;
+        const uint8_t *block = row + (g >> 3) * (type == WEIGHT_Q4_K ? 144 : 176);
+        int sc, mn;
+        k_scale_min(block + 4, (int)sub, &sc, &mn);
+        const float scale = half_to_float(block) * (float)sc;
+        const float min = -half_to_float(block + 2) * (float)mn;
+        const uint8_t *qs = block + (type == WEIGHT_Q4_K ? 16 : 48) + 32 * (sub >> 1);
+        __m256i packed = _mm256_loadu_si256((const __m256i *)qs);
+        __m256i u = _mm256_and_si256((sub & 1) ? _mm256_srli_epi16(packed, 4) : packed, low4);
+        if (type == WEIGHT_Q5_K) {
+            __m256i high = _mm256_loadu_si256((const __m256i *)(block + 16));
+            high = _mm256_and_si256(_mm256_srl_epi16(high, _mm_cvtsi64_si128(sub)), _mm256_set1_epi8(1));
+            u = _mm256_or_si256(u, _mm256_slli_epi16(high, 4));
+        }
+        gs->scale_lo = gs->scale_hi = scale;
+        gs->min_lo = gs->min_hi = min;
+        return unsigned_words(u);
+    }
+    case WEIGHT_Q6_K:
+    default: {
+        const int64_t sub = g & 7, half = sub >> 2, i = sub & 3;
+        const uint8_t *block = row + (g >> 3) * 210;
+        const uint8_t *ql = block + 64 * half, *qh = block + 128 + 32 * half;
+        const int8_t *scales = (const int8_t *)(block + 192) + 8 * half;
+        const float d = half_to_float(block + 208);
+        __m256i packed = _mm256_loadu_si256((const __m256i *)(ql + 32 * (i & 1)));
+        __m256i u = _mm256_and_si256(i >= 2 ? _mm256_srli_epi16(packed, 4) : packed, low4);
+        __m256i high = _mm256_loadu_si256((const __m256i *)qh);
+        high = _mm256_and_si256(_mm256_srl_epi16(high, _mm_cvtsi64_si128(2 * i)), _mm256_set1_epi8(3));
+        u = _mm256_or_si256(u, _mm256_slli_epi16(high, 4));
+        gs->scale_lo = d * (float)scales[2 * i];
+        gs->scale_hi = d * (float)scales[2 * i + 1];
+        gs->min_lo = -32.0f * gs->scale_lo; /* u - 32 */
+        gs->min_hi = -32.0f * gs->scale_hi;
+        return unsigned_words(u);
+    }
+    }
+}
+
+/* What sum_i x_i of a half group contributes: w = scale * (128 + u) + min - 128 * scale. */
+static inline float bias(int type, float min, float scale) {
+    return words_shifted(type) ? min - 128.0f * scale : min;
+}
+
+static inline __m512 scale_vector(const GroupScale *gs) {
+    return _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(gs->scale_lo), _mm512_set1_ps(gs->scale_hi));
+}
+
+/* Per-thread scratch, grown as needed and kept (OpenMP reuses its threads). */
+static _Thread_local float *sums_buffer;
+static _Thread_local size_t sums_capacity;
+static _Thread_local uint16_t *panel_buffer;
+static _Thread_local size_t panel_capacity;
+
+static void *grow(void **buffer, size_t *capacity, size_t bytes) {
+    if (bytes > *capacity) {
+        free(*buffer);
+        *buffer = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        *capacity = *buffer ? bytes : 0;
+    }
+    return *buffer;
+}
+
+/* sums[r * (k / 16) + j] = sum of x[r, 16 j .. 16 j + 15] in float32. */
+static void sixteen_sums(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, float *sums) {
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t j = 0; j < k / 16; j++) {
+            __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(x + r * x_stride + 16 * j))), 16));
+            sums[r * (k / 16) + j] = _mm512_reduce_add_ps(v);
+        }
+}
+
+/* One weight row against M (<= STREAM_ROWS) rows of x: out[r] = x[r] . w. Two groups per
+ * pass, into two accumulators per row, so that one x row still has two independent chains
+ * of fused multiply-adds. */
+static inline __attribute__((always_inline)) void stream_row(int type, int M, const uint16_t *x, int64_t x_stride,
+                                                             const float *sums, int64_t sums_stride,
+                                                             const uint8_t *row, float row_scale, int64_t k,
+                                                             float *result) {
+    __m512 acc0[STREAM_ROWS], acc1[STREAM_ROWS];
+    float corr[STREAM_ROWS];
+    for (int r = 0; r < M; r++) {
+        acc0[r] = acc1[r] = _mm512_setzero_ps();
+        corr[r] = 0.0f;
+    }
+    const int64_t groups = k / GROUP;
+    int64_t g = 0;
+    for (; g + 2 <= groups; g += 2) {
+        GroupScale gs0, gs1;
+        const __m512bh w0 = (__m512bh)group_words(type, row, g, row_scale, &gs0);
+        const __m512bh w1 = (__m512bh)group_words(type, row, g + 1, row_scale, &gs1);
+        const __m512 scale0 = scale_vector(&gs0), scale1 = scale_vector(&gs1);
+        for (int r = 0; r < M; r++) {
+            const uint16_t *xg = x + r * x_stride + g * GROUP;
+            const __m512bh x0 = (__m512bh)_mm512_loadu_si512((const void *)xg);
+            const __m512bh x1 = (__m512bh)_mm512_loadu_si512((const void *)(xg + GROUP));
+            acc0[r] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), x0, w0), scale0, acc0[r]);
+            acc1[r] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), x1, w1), scale1, acc1[r]);
+            const float *s = sums + r * sums_stride + 2 * g;
+            corr[r] += bias(type, gs0.min_lo, gs0.scale_lo) * s[0] + bias(type, gs0.min_hi, gs0.scale_hi) * s[1] +
+                       bias(type, gs1.min_lo, gs1.scale_lo) * s[2] + bias(type, gs1.min_hi, gs1.scale_hi) * s[3];
+        }
+    }
+    if (g < groups) {
+        GroupScale gs;
+        const __m512bh w = (__m512bh)group_words(type, row, g, row_scale, &gs);
+        const __m512 scale = scale_vector(&gs);
+        for (int r = 0; r < M; r++) {
+            const __m512bh xr = (__m512bh)_mm512_loadu_si512((const void *)(x + r * x_stride + g * GROUP));
+            acc0[r] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), xr, w), scale, acc0[r]);
+            const float *s = sums + r * sums_stride + 2 * g;
+            corr[r] += bias(type, gs.min_lo, gs.scale_lo) * s[0] + bias(type, gs.min_hi, gs.scale_hi) * s[1];
+        }
+    }
+    for (int r = 0; r < M; r++) result[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[r], acc1[r])) + corr[r];
+}
+
+#define STREAM_FN(NAME, TYPE, M)                                                                           \
+    static __attribute__((noinline)) void NAME##_##M(const uint16_t *x, int64_t x_stride, const float *sums, \
+                                                     int64_t sums_stride, const uint8_t *row, float row_scale, \
+                                                     int64_t k, float *result) {                           \
+        stream_row(TYPE, M, x, x_stride, sums, sums_stride, row, row_scale, k, result);                    \
+    }
+#define STREAM_TYPE(NAME, TYPE)                                                                            \
+    STREAM_FN(NAME, TYPE, 1) STREAM_FN(NAME, TYPE, 2) STREAM_FN(NAME, TYPE, 3) STREAM_FN(NAME, TYPE, 4)     \
+    STREAM_FN(NAME, TYPE, 5) STREAM_FN(NAME, TYPE, 6) STREAM_FN(NAME, TYPE, 7) STREAM_FN(NAME, TYPE, 8)     \
+    static const stream_fn NAME[STREAM_ROWS + 1] = {0,         NAME##_1, NAME##_2, NAME##_3, NAME##_4,     \
+                                                    NAME##_5, NAME##_6, NAME##_7, NAME##_8};
+typedef void (*stream_fn)(const uint16_t *, int64_t, const float *, int64_t, const uint8_t *, float, int64_t,
+                          float *);
+STREAM_TYPE(stream_q4_0, WEIGHT_Q4_0)
+STREAM_TYPE(stream_q4_1, WEIGHT_Q4_1)
+STREAM_TYPE(stream_q8_0, WEIGHT_Q8_0)
+STREAM_TYPE(stream_q4_k, WEIGHT_Q4_K)
+STREAM_TYPE(stream_q5_k, WEIGHT_Q5_K)
+STREAM_TYPE(stream_q6_k, WEIGHT_Q6_K)
+STREAM_TYPE(stream_i8_row, WEIGHT_I8_ROW)
+
+static const stream_fn *stream_kernels(int type) {
+    switch (type) {
+    case WEIGHT_Q4_0: return stream_q4_0;
+    case WEIGHT_Q4_1: return stream_q4_1;
+    case WEIGHT_Q8_0: return stream_q8_0;
+    case WEIGHT_Q4_K: return stream_q4_k;
+    case WEIGHT_Q5_K: return stream_q5_k;
+    case WEIGHT_Q6_K: return stream_q6_k;
+    default: return stream_i8_row;
+    }
+}
+
+/* Thread t of nt's share of out[:, rows of this part] for m <= STREAMING_MAX_ROWS. */
+static void quant_stream_part(const uint16_t *x, int64_t x_stride, const WeightPart *p, const uint16_t *bias,
+                              uint16_t *out, int64_t out_stride, int64_t m, int64_t k, int t, int nt) {
+    int64_t begin, end;
+    row_range(p->rows, t, nt, &begin, &end);
+    if (begin >= end) return;
+    const int64_t sums_stride = k / 16;
+    float *sums = grow((void **)&sums_buffer, &sums_capacity, sizeof(float) * (size_t)(m * sums_stride));
+    sixteen_sums(x, x_stride, m, k, sums);
+    const stream_fn *kernels = stream_kernels(p->type);
+    float result[STREAM_ROWS];
+    for (int64_t n = begin; n < end; n++) {
+        const uint8_t *row = p->data + n * p->row_bytes;
+        const float row_scale = p->row_scales ? p->row_scales[n] : 1.0f;
+        _mm_prefetch((const char *)(row + 4 * p->row_bytes), _MM_HINT_T0);
+        const float b = bias ? bf16_to_float(bias[n]) : 0.0f;
+        for (int64_t first = 0; first < m; first += STREAM_ROWS) {
+            const int rows = m - first < STREAM_ROWS ? (int)(m - first) : STREAM_ROWS;
+            kernels[rows](x + first * x_stride, x_stride, sums + first * sums_stride, sums_stride, row, row_scale, k,
+                   result);
+            for (int r = 0; r < rows; r++) out[(first + r) * out_stride + n] = float_to_bf16(result[r] + b);
+        }
+    }
+}
+
+/* Rows [row0, row0 + count) of a part as bf16, row-major [count, k]. */
+static inline __attribute__((always_inline)) void dequantize_typed(int type, const WeightPart *p, int64_t row0,
+                                                                   int64_t count, int64_t k, uint16_t *out) {
+    for (int64_t n = 0; n < count; n++) {
+        const uint8_t *row = p->data + (row0 + n) * p->row_bytes;
+        const float row_scale = p->row_scales ? p->row_scales[row0 + n] : 1.0f;
+        for (int64_t g = 0; g < k / GROUP; g++) {
+            GroupScale gs;
+            __m512i w = group_words(type, row, g, row_scale, &gs);
+            __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(w)), 16));
+            __m512 hi = _mm512_castsi512_ps(
+                _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(w, 1)), 16));
+            if (words_shifted(type)) { /* exact: 128 + u - 128 */
+                lo = _mm512_sub_ps(lo, _mm512_set1_ps(128.0f));
+                hi = _mm512_sub_ps(hi, _mm512_set1_ps(128.0f));
+            }
+            lo = _mm512_fmadd_ps(lo, _mm512_set1_ps(gs.scale_lo), _mm512_set1_ps(gs.min_lo));
+            hi = _mm512_fmadd_ps(hi, _mm512_set1_ps(gs.scale_hi), _mm512_set1_ps(gs.min_hi));
+            _mm512_storeu_si512((void *)(out + n * k + g * GROUP), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        }
+    }
+}
+
+static void dequantize_part_rows(const WeightPart *p, int64_t row0, int64_t count, int64_t k, uint16_t *out) {
+    switch (p->type) {
+    case WEIGHT_Q4_0: dequantize_typed(WEIGHT_Q4_0, p, row0, count, k, out); break;
+    case WEIGHT_Q4_1: dequantize_typed(WEIGHT_Q4_1, p, row0, count, k, out); break;
+    case WEIGHT_Q8_0: dequantize_typed(WEIGHT_Q8_0, p, row0, count, k, out); break;
+    case WEIGHT_Q4_K: dequantize_typed(WEIGHT_Q4_K, p, row0, count, k, out); break;
+    case WEIGHT_Q5_K: dequantize_typed(WEIGHT_Q5_K, p, row0, count, k, out); break;
+    case WEIGHT_Q6_K: dequantize_typed(WEIGHT_Q6_K, p, row0, count, k, out); break;
+    case WEIGHT_I8_ROW: dequantize_typed(WEIGHT_I8_ROW, p, row0, count, k, out); break;
+    case WEIGHT_BF16: memcpy(out, p->data + row0 * p->row_bytes, (size_t)(count * k * 2)); break;
+    default: break;
+    }
+}
+
+/* Thread t of nt's share for m > STREAMING_MAX_ROWS: a panel of W's rows at a time is
+ * dequantized into this thread's buffer (kept within L2) and multiplied by the bf16 GEMM. */
+static void quant_gemm_part(const uint16_t *x, int64_t x_stride, const WeightPart *p, const uint16_t *bias,
+                            uint16_t *out, int64_t out_stride, int64_t m, int64_t k, int t, int nt) {
+    int64_t begin, end;
+    row_range(p->rows, t, nt, &begin, &end);
+    const int64_t panel = k <= 2048 ? 64 : (k <= 4096 ? 32 : 16);
+    uint16_t *buffer = grow((void **)&panel_buffer, &panel_capacity, sizeof(uint16_t) * (size_t)(panel * k));
+    for (int64_t n = begin; n < end; n += panel) {
+        const int64_t count = end - n < panel ? end - n : panel;
+        dequantize_part_rows(p, n, count, k, buffer);
+        gemm_bf16_part(x, x_stride, buffer, bias ? bias + n : NULL, out + n, out_stride, m, count, k, 0, 1);
+    }
+}
+#endif
+
+/* Thread t of nt's share of out = x W^T (+ bias) for any Weight, inside a parallel region. */
+void linear_weight_part(const uint16_t *x, int64_t x_stride, const Weight *w, const uint16_t *bias, uint16_t *out,
+                        int64_t out_stride, int64_t m, int64_t k, int t, int nt) {
+#if defined(__AVX512BF16__)
+    int64_t offset = 0;
+    for (int i = 0; i < w->num_parts; i++) {
+        const WeightPart *p = &w->parts[i];
+        const uint16_t *part_bias = bias ? bias + offset : NULL;
+        if (p->type == WEIGHT_BF16)
+            linear_bf16_part(x, x_stride, (const uint16_t *)p->data, part_bias, out + offset, out_stride, m, p->rows,
+                             k, t, nt);
+        else if (m <= STREAMING_MAX_ROWS)
+            quant_stream_part(x, x_stride, p, part_bias, out + offset, out_stride, m, k, t, nt);
+        else
+            quant_gemm_part(x, x_stride, p, part_bias, out + offset, out_stride, m, k, t, nt);
+        offset += p->rows;
+    }
+#else
+    (void)x; (void)x_stride; (void)w; (void)bias; (void)out; (void)out_stride; (void)m; (void)k; (void)t; (void)nt;
+#endif
+}
+
+/* Rows [row0, row0 + count) of one part as bf16 [count, k] (the embedding lookup, tests,
+ * and the PyTorch fallback). */
+void dequantize_rows_bf16(const WeightPart *p, int64_t row0, int64_t count, int64_t k, uint16_t *out) {
+#if defined(__AVX512BF16__)
+    dequantize_part_rows(p, row0, count, k, out);
+#else
+    (void)p; (void)row0; (void)count; (void)k; (void)out;
+#endif
+}
+
+/* Gathered rows ids[0 .. count) of one part as bf16 [count, k] (embedding lookup). */
+void gather_rows_bf16(const WeightPart *p, const int64_t *ids, int64_t count, int64_t k, uint16_t *out) {
+#if defined(__AVX512BF16__)
+    for (int64_t i = 0; i < count; i++) dequantize_part_rows(p, ids[i], 1, k, out + i * k);
+#else
+    (void)p; (void)ids; (void)count; (void)k; (void)out;
+#endif
+}

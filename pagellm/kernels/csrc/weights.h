@@ -1,0 +1,40 @@
+/* Kernels, CPU: how a linear layer's weight is described to the kernels.
+ *
+ * A weight W [n, k] is one to three parts stacked along n (the q, k and v projections of
+ * a GGUF file may each have their own type, so a fused qkv layer keeps them apart). Each
+ * part is bf16 rows or rows of GGUF quantization blocks exactly as the file stores them
+ * (row r at data + r * row_bytes), or int8 rows with one float32 scale per row
+ * (--quantization int8). The types' numbers are GGML's, so Python passes them through.
+ */
+#ifndef PAGELLM_WEIGHTS_H
+#define PAGELLM_WEIGHTS_H
+
+#include <stdint.h>
+
+enum {
+    WEIGHT_Q4_0 = 2,
+    WEIGHT_Q4_1 = 3,
+    WEIGHT_Q8_0 = 8,
+    WEIGHT_Q4_K = 12,
+    WEIGHT_Q5_K = 13,
+    WEIGHT_Q6_K = 14,
+    WEIGHT_BF16 = 30,
+    WEIGHT_I8_ROW = 1000,  /* not a GGML type: int8 rows, per-row float32 scales */
+};
+
+#define WEIGHT_MAX_PARTS 3
+
+typedef struct {
+    int32_t type;
+    int64_t rows;
+    int64_t row_bytes;
+    const uint8_t *data;
+    const float *row_scales; /* WEIGHT_I8_ROW only */
+} WeightPart;
+
+typedef struct {
+    int32_t num_parts;
+    WeightPart parts[WEIGHT_MAX_PARTS];
+} Weight;
+
+#endif

@@ -1,0 +1,180 @@
+"""Kernels, CPU: a linear layer's weight as the native kernels see it (csrc/weights.h).
+
+A `PackedWeight` is one to three parts stacked along the output dimension, each either
+bf16 rows or rows of quantization blocks exactly as a GGUF file stores them (Q4_0, Q4_1,
+Q8_0, Q4_K, Q5_K, Q6_K), or int8 rows with one float32 scale per row (`--quantization
+int8`). The kernels multiply by it without a dequantized copy (csrc/quant_linear.c).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+from dataclasses import dataclass
+
+import torch
+
+from pagellm.kernels.build import load_kernels
+
+
+class WeightType(enum.IntEnum):
+    """The types the kernels know; GGML's numbers where GGML has the type."""
+
+    Q4_0 = 2
+    Q4_1 = 3
+    Q8_0 = 8
+    Q4_K = 12
+    Q5_K = 13
+    Q6_K = 14
+    BF16 = 30
+    I8_ROW = 1000  # int8 rows, per-row float32 scales
+
+    @property
+    def block_elements(self) -> int:
+        return 256 if self in (WeightType.Q4_K, WeightType.Q5_K, WeightType.Q6_K) else 32
+
+    @property
+    def label(self) -> str:
+        return "int8" if self is WeightType.I8_ROW else self.name
+
+
+_BLOCK_BYTES = {
+    WeightType.Q4_0: 18, WeightType.Q4_1: 20, WeightType.Q8_0: 34,
+    WeightType.Q4_K: 144, WeightType.Q5_K: 176, WeightType.Q6_K: 210,
+}  # fmt: skip
+QUANTIZED_TYPES = frozenset(_BLOCK_BYTES)
+MAX_PARTS = 3
+
+
+def row_bytes(weight_type: WeightType, k: int) -> int:
+    if weight_type is WeightType.BF16:
+        return 2 * k
+    if weight_type is WeightType.I8_ROW:
+        return k
+    return k // weight_type.block_elements * _BLOCK_BYTES[weight_type]
+
+
+class _Part(ctypes.Structure):
+    _fields_ = [
+        ("type", ctypes.c_int32), ("rows", ctypes.c_int64), ("row_bytes", ctypes.c_int64),
+        ("data", ctypes.c_void_p), ("row_scales", ctypes.c_void_p),
+    ]  # fmt: skip
+
+
+class _Weight(ctypes.Structure):
+    _fields_ = [("num_parts", ctypes.c_int32), ("parts", _Part * MAX_PARTS)]
+
+
+@dataclass(frozen=True)
+class WeightPart:
+    """Rows of one stored type: `data` is uint8 [rows, row_bytes] (bf16 [rows, k] for BF16)."""
+
+    type: WeightType
+    data: torch.Tensor
+    row_scales: torch.Tensor | None = None  # float32 [rows], I8_ROW only
+
+    @property
+    def rows(self) -> int:
+        return self.data.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        scales = 0 if self.row_scales is None else self.row_scales.numel() * 4
+        return self.data.numel() * self.data.element_size() + scales
+
+
+def check_part(part: WeightPart, k: int, name: str) -> None:
+    """A part whose bytes do not match its type and shape is a clear error, not a crash."""
+    from pagellm.errors import ModelLoadError
+
+    if k % part.type.block_elements:
+        raise ModelLoadError(f"{name}: {part.type.label} needs rows of a multiple of {part.type.block_elements} values, not {k}")
+    expected = row_bytes(part.type, k)
+    width = part.data.shape[1] * part.data.element_size() if part.data.dim() == 2 else -1
+    if width != expected or not part.data.is_contiguous():
+        raise ModelLoadError(
+            f"{name}: {part.type.label} rows of {k} values take {expected} bytes, the tensor holds "
+            f"{width} (truncated or corrupted)"
+        )
+
+
+class PackedWeight:
+    """W [out_features, in_features] in its stored parts, with the structure the kernels read."""
+
+    def __init__(self, parts: list[WeightPart], in_features: int) -> None:
+        if not 1 <= len(parts) <= MAX_PARTS:
+            raise ValueError(f"a packed weight has 1 to {MAX_PARTS} parts, not {len(parts)}")
+        self.parts = parts
+        self.in_features = in_features
+        self.out_features = sum(p.rows for p in parts)
+        self._library = load_kernels()
+        self._struct = _Weight(len(parts))
+        for i, part in enumerate(parts):
+            self._struct.parts[i] = _part_struct(part)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    @property
+    def types(self) -> list[WeightType]:
+        return [p.type for p in self.parts]
+
+    def struct_address(self) -> int:
+        return ctypes.addressof(self._struct)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None, num_threads: int) -> torch.Tensor:
+        """x [m, in_features] bf16 (unit column stride) -> [m, out_features] bf16."""
+        m = x.shape[0]
+        out = torch.empty(m, self.out_features, dtype=torch.bfloat16)
+        if m:
+            self._library.linear_weight(
+                x.data_ptr(), x.stride(0), self.struct_address(), None if bias is None else bias.data_ptr(),
+                out.data_ptr(), self.out_features, m, self.in_features, num_threads,
+            )  # fmt: skip
+        return out
+
+    def dequantize(self) -> torch.Tensor:  # [out_features, in_features] bf16
+        out = torch.empty(self.out_features, self.in_features, dtype=torch.bfloat16)
+        row = 0
+        for i, part in enumerate(self.parts):
+            self._library.dequantize_rows_bf16(
+                ctypes.addressof(self._struct.parts[i]), 0, part.rows, self.in_features, out[row].data_ptr()
+            )
+            row += part.rows
+        return out
+
+    def gather(self, ids: torch.Tensor) -> torch.Tensor:  # ids [n] int64 -> [n, in_features] bf16
+        assert len(self.parts) == 1, "an embedding table is one part"
+        ids = ids.to(torch.int64).contiguous()
+        out = torch.empty(ids.numel(), self.in_features, dtype=torch.bfloat16)
+        if ids.numel():
+            self._library.gather_rows_bf16(
+                ctypes.addressof(self._struct.parts[0]), ids.data_ptr(), ids.numel(), self.in_features, out.data_ptr()
+            )
+        return out
+
+
+def _part_struct(part: WeightPart) -> _Part:
+    return _Part(
+        int(part.type), part.rows, part.data.shape[1] * part.data.element_size(), part.data.data_ptr(),
+        None if part.row_scales is None else part.row_scales.data_ptr(),
+    )
+
+
+def bf16_weight(weight: torch.Tensor) -> PackedWeight:
+    """A bf16 [n, k] parameter as a one-part weight (the decode layer reads every linear so)."""
+    return PackedWeight([WeightPart(WeightType.BF16, weight)], weight.shape[1])
+
+
+def quantize_int8_rows(weight: torch.Tensor) -> WeightPart:
+    """Weight-only int8 with one scale per output row: scale = max|w| / 127, q = round(w / scale)."""
+    w = weight.to(torch.float32)
+    scales = w.abs().amax(dim=1).clamp_min(1e-30) / 127.0
+    q = torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8)
+    return WeightPart(WeightType.I8_ROW, q.view(torch.uint8).contiguous(), scales.contiguous())
+
+
+def kernels_support(weight_type: WeightType) -> bool:
+    library = load_kernels()
+    return library is not None and bool(library.quant_type_supported(int(weight_type)))

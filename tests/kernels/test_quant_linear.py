@@ -1,0 +1,113 @@
+"""The quantized linear kernels (csrc/quant_linear.c) against the gguf package's own
+dequantization followed by a float64 matmul, for every type the kernels know.
+
+Tolerance. The kernels read x in bf16 (exact here: x is drawn as bf16) and accumulate in
+float32; the result is rounded once to bf16, a relative error of at most 2^-9 of |y|.
+Above 16 rows the weights are first dequantized to bf16 (2^-9 relative per weight, so at
+most 2^-9 * sum_j |x_j w_j|). Both are within 2^-8 * (|x| @ |W|^T) per output, which is
+the bound used (float32 accumulation adds ~2^-24 per term, negligible). A wrong nibble
+order, scale or offset moves outputs by O(|x| @ |W|^T), hundreds of times the bound.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from quant_blocks import QUANT_TYPES, random_blocks, reference_weight
+
+from pagellm.kernels.weights import PackedWeight, WeightPart, WeightType, kernels_support, quantize_int8_rows
+
+pytestmark = pytest.mark.skipif(
+    not kernels_support(WeightType.Q4_0), reason="quantized kernels need AVX-512 BF16 and a C compiler"
+)
+BOUND = 2.0**-8
+
+
+def _check(y: torch.Tensor, x: torch.Tensor, w: np.ndarray, bias: np.ndarray | None = None) -> None:
+    x64 = x.double().numpy()
+    ref = x64 @ w.T + (0 if bias is None else bias)
+    scale = np.abs(x64) @ np.abs(w).T + (0 if bias is None else np.abs(bias))
+    err = np.abs(y.double().numpy() - ref)
+    worst = np.unravel_index(np.argmax(err - BOUND * scale), err.shape)
+    assert np.all(err <= BOUND * scale + 1e-30), (worst, err[worst], scale[worst])
+
+
+@pytest.mark.parametrize("weight_type", QUANT_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 64])
+def test_linear_matches_gguf_dequantization(weight_type, rows):
+    rng = np.random.default_rng(int(weight_type) * 100 + rows)
+    k, n = 512, 40
+    data = random_blocks(weight_type, n, k, rng)
+    weight = PackedWeight([WeightPart(weight_type, torch.from_numpy(data))], k)
+    x = torch.from_numpy(rng.standard_normal((rows, k)).astype(np.float32)).to(torch.bfloat16)
+    _check(weight.linear(x, None, 2), x, reference_weight(weight_type, data, k))
+
+
+@pytest.mark.parametrize("weight_type", QUANT_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("scale", [6e-8, 1e-4, 30.0, 3000.0], ids=["subnormal", "tiny", "large", "huge"])
+def test_extreme_scales(weight_type, scale):
+    """fp16 scales from subnormal to thousands: the products stay within float32."""
+    rng = np.random.default_rng(7)
+    k, n = 256, 24
+    data = random_blocks(weight_type, n, k, rng, scale=scale)
+    weight = PackedWeight([WeightPart(weight_type, torch.from_numpy(data))], k)
+    for rows in (1, 20):
+        x = torch.from_numpy(rng.standard_normal((rows, k)).astype(np.float32)).to(torch.bfloat16)
+        _check(weight.linear(x, None, 2), x, reference_weight(weight_type, data, k))
+
+
+@pytest.mark.parametrize("weight_type", QUANT_TYPES, ids=lambda t: t.name)
+def test_dequantize_and_gather_match_gguf(weight_type):
+    rng = np.random.default_rng(3)
+    k, n = 512, 33
+    data = random_blocks(weight_type, n, k, rng)
+    weight = PackedWeight([WeightPart(weight_type, torch.from_numpy(data))], k)
+    ref = reference_weight(weight_type, data, k)
+    # One rounding to bf16 (2^-9 relative), from a float32 value that may differ from
+    # gguf's own float32 arithmetic in the last bit: within 2^-8 of |w|.
+    assert np.all(np.abs(weight.dequantize().double().numpy() - ref) <= BOUND * np.abs(ref) + 1e-30)
+    ids = torch.tensor([5, 0, 32, 5])
+    assert torch.equal(weight.gather(ids), weight.dequantize()[ids])
+
+
+def test_int8_rows_and_strided_x():
+    rng = np.random.default_rng(1)
+    w = torch.from_numpy(rng.standard_normal((70, 192)).astype(np.float32))
+    part = quantize_int8_rows(w)
+    # The quantization itself: within half a step of each row's scale.
+    q = part.data.view(torch.int8).double() * part.row_scales.double()[:, None]
+    assert torch.all((q - w.double()).abs() <= part.row_scales.double()[:, None] / 2 + 1e-7)
+    weight = PackedWeight([part], 192)
+    wide = torch.from_numpy(rng.standard_normal((19, 400)).astype(np.float32)).to(torch.bfloat16)
+    for rows in (1, 5, 19):
+        x = wide[:rows, 100:292]  # a row stride of 400, not 192
+        _check(weight.linear(x, None, 2), x, q.numpy())
+
+
+def test_parts_of_different_types_with_bias():
+    """A fused qkv whose q, k and v are stored in different types, plus a bias."""
+    rng = np.random.default_rng(11)
+    k = 512
+    types = (WeightType.Q4_K, WeightType.Q6_K)
+    blocks = [random_blocks(t, rows, k, rng) for t, rows in zip(types, (48, 16))]
+    bf16_rows = torch.from_numpy(rng.standard_normal((16, k)).astype(np.float32) * 0.05).to(torch.bfloat16)
+    parts = [WeightPart(t, torch.from_numpy(b)) for t, b in zip(types, blocks)]
+    parts.append(WeightPart(WeightType.BF16, bf16_rows))
+    weight = PackedWeight(parts, k)
+    full = np.concatenate([reference_weight(t, b, k) for t, b in zip(types, blocks)] + [bf16_rows.double().numpy()])
+    bias = torch.from_numpy(rng.standard_normal(80).astype(np.float32)).to(torch.bfloat16)
+    for rows in (1, 7, 40):
+        x = torch.from_numpy(rng.standard_normal((rows, k)).astype(np.float32)).to(torch.bfloat16)
+        _check(weight.linear(x, bias, 2), x, full, bias.double().numpy())
+    assert weight.nbytes == sum(b.nbytes for b in blocks) + bf16_rows.numel() * 2
+
+
+def test_nan_in_x_propagates():
+    rng = np.random.default_rng(2)
+    data = random_blocks(WeightType.Q4_0, 16, 256, rng)
+    weight = PackedWeight([WeightPart(WeightType.Q4_0, torch.from_numpy(data))], 256)
+    x = torch.zeros(2, 256, dtype=torch.bfloat16)
+    x[1, 7] = float("nan")
+    y = weight.linear(x, None, 2)
+    assert torch.isfinite(y[0]).all() and torch.isnan(y[1]).all()

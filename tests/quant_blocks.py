@@ -1,0 +1,39 @@
+"""Random GGUF quantization blocks of every type the kernels know, for the kernel tests.
+
+Quantized bytes are uniformly random (every bit pattern of the integers is a valid
+block); the fp16 scales are drawn at a chosen magnitude, so a test can push them to
+extremes. The reference is the `gguf` package's own dequantization.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+
+from pagellm.kernels.weights import WeightType, row_bytes
+
+# Byte offsets of each block's fp16 fields (scale d, and min / dmin where there is one).
+_HALF_FIELDS = {
+    WeightType.Q4_0: (0,), WeightType.Q4_1: (0, 2), WeightType.Q8_0: (0,),
+    WeightType.Q4_K: (0, 2), WeightType.Q5_K: (0, 2), WeightType.Q6_K: (208,),
+}  # fmt: skip
+_BLOCK_BYTES = {WeightType.Q4_0: 18, WeightType.Q4_1: 20, WeightType.Q8_0: 34,
+                WeightType.Q4_K: 144, WeightType.Q5_K: 176, WeightType.Q6_K: 210}  # fmt: skip
+QUANT_TYPES = tuple(_HALF_FIELDS)
+
+
+def random_blocks(
+    weight_type: WeightType, rows: int, k: int, rng: np.random.Generator, scale: float = 0.01
+) -> np.ndarray:  # uint8 [rows, row_bytes]
+    data = rng.integers(0, 256, size=(rows, row_bytes(weight_type, k)), dtype=np.uint8)
+    blocks = data.reshape(rows, -1, _BLOCK_BYTES[weight_type])
+    for offset in _HALF_FIELDS[weight_type]:
+        halves = (rng.standard_normal(blocks.shape[:2]) * scale).astype(np.float16)
+        blocks[:, :, offset : offset + 2] = halves.view(np.uint8).reshape(*blocks.shape[:2], 2)
+    return data
+
+
+def reference_weight(weight_type: WeightType, data: np.ndarray, k: int) -> np.ndarray:  # float64 [rows, k]
+    values = dequantize(data.reshape(-1), GGMLQuantizationType(int(weight_type)))
+    return np.asarray(values, dtype=np.float64).reshape(data.shape[0], k)
