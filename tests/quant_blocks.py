@@ -11,7 +11,7 @@ import numpy as np
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
-from pagellm.kernels.weights import WeightType, row_bytes
+from pagellm.kernels.weights import WeightType, file_row_bytes, pack_rows
 
 # Byte offsets of each block's fp16 fields (scale d, and min / dmin where there is one).
 _HALF_FIELDS = {
@@ -26,7 +26,7 @@ QUANT_TYPES = tuple(_HALF_FIELDS)
 def random_blocks(
     weight_type: WeightType, rows: int, k: int, rng: np.random.Generator, scale: float = 0.01
 ) -> np.ndarray:  # uint8 [rows, row_bytes]
-    data = rng.integers(0, 256, size=(rows, row_bytes(weight_type, k)), dtype=np.uint8)
+    data = rng.integers(0, 256, size=(rows, file_row_bytes(weight_type, k)), dtype=np.uint8)
     blocks = data.reshape(rows, -1, _BLOCK_BYTES[weight_type])
     for offset in _HALF_FIELDS[weight_type]:
         halves = (rng.standard_normal(blocks.shape[:2]) * scale).astype(np.float16)
@@ -37,3 +37,10 @@ def random_blocks(
 def reference_weight(weight_type: WeightType, data: np.ndarray, k: int) -> np.ndarray:  # float64 [rows, k]
     values = dequantize(data.reshape(-1), GGMLQuantizationType(int(weight_type)))
     return np.asarray(values, dtype=np.float64).reshape(data.shape[0], k)
+
+
+def packed(weight_type: WeightType, data: np.ndarray, k: int):  # torch uint8 [rows, row_bytes]
+    """File blocks in the layout the kernels hold (kernels/weights.py pack_rows)."""
+    import torch
+
+    return torch.from_numpy(pack_rows(weight_type, data, k))

@@ -25,7 +25,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 _SOURCES = ("paged_decode.c", "paged_decode_bf16.c", "small_linear.c", "gemm_bf16.c", "linear_bf16.c", "quant_linear.c", "decode_layer.c", "layer_ops.c")
-_HEADERS = ("bf16.h", "float_mode.h", "kernels.h", "layer_rows.h", "weights.h")  # included by the sources: part of what the cached library is keyed by
+_HEADERS = ("bf16.h", "float_mode.h", "fp8.h", "kernels.h", "layer_rows.h", "weights.h")  # included by the sources: part of what the cached library is keyed by
 _COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11", "-Wall")
 # Linked without -ffast-math: with it, GCC adds crtfastmath.o, whose constructor turns on
 # flush-to-zero for the whole process (every float computation, not just these kernels).
@@ -112,7 +112,8 @@ def _declare(library: ctypes.CDLL) -> None:
         c_void_p, c_int64,  # block tables, table row stride
         c_void_p, c_void_p, c_void_p, c_int64,  # rows, request indices, seq lens, num decodes
         c_int, c_int, c_int, c_int,  # num heads, num kv heads, head dim, block size
-        c_float, c_int, c_int, c_int64,  # scale, is bf16, num threads, max seq len
+        c_float, c_int, c_int,  # scale, query/output element type, cache element type (ELEMENT_TYPES)
+        c_int, c_int64,  # num threads, max seq len
         c_void_p, c_int64, c_void_p,  # out, out row stride, workspace
     ]
     library.linear_bf16_supported.restype = c_int
@@ -152,8 +153,11 @@ def _declare(library: ctypes.CDLL) -> None:
         c_void_p, c_int64, c_int64, c_void_p,  # qkv, m, row stride, positions
         c_void_p, c_void_p,  # cos, sin tables
         c_int, c_int, c_int,  # num heads, num kv heads, head dim
-        c_void_p, c_void_p, c_void_p, c_int,  # slots, key cache, value cache, num threads
+        c_void_p, c_void_p, c_void_p,  # slots, key cache, value cache
+        c_int, c_int,  # cache element type (ELEMENT_TYPES), num threads
     ]
+    library.bf16_to_fp8_rows.restype = None
+    library.bf16_to_fp8_rows.argtypes = [c_void_p, c_void_p, c_int64, c_int]  # src, dst, n, fp8 element type
     library.silu_mul_bf16.restype = None
     library.silu_mul_bf16.argtypes = [c_void_p, c_void_p, c_int64, c_int64, c_int]
     library.add_bf16.restype = None

@@ -17,6 +17,11 @@ from ctypes import c_float, c_int, c_int64, c_void_p
 import torch
 
 from pagellm.attention.backend import AttentionMetadata
+from pagellm.attention.kv_cache_dtype import ELEMENT_TYPES
+
+# Caches the native layer writes and reads: bf16, or fp8 (stored rounded and saturated
+# in C as torch's path does, read by the attention kernel's fp8 path).
+_CACHE_DTYPES = (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
 
 # Up to here one native call per layer beats kernels/native_layers.py's nine (measured on
 # SmolLM2 decode steps, median step time, this layer / native_layers: 12 rows 13.9 / 14.3
@@ -36,7 +41,7 @@ class _LayerShape(ctypes.Structure):
     _fields_ = [
         ("hidden", c_int64), ("intermediate", c_int64),
         ("num_heads", c_int), ("num_kv_heads", c_int), ("head_dim", c_int), ("block_size", c_int),
-        ("eps", c_float), ("scale", c_float), ("num_threads", c_int),
+        ("eps", c_float), ("scale", c_float), ("num_threads", c_int), ("cache_type", c_int),
     ]  # fmt: skip
 
 
@@ -67,7 +72,7 @@ class FusedDecode:
         self._shape = _LayerShape(
             config.hidden_size, config.intermediate_size, config.num_attention_heads,
             config.num_key_value_heads, config.head_dim, 0, config.rms_norm_eps,
-            config.head_dim**-0.5, self._num_threads,
+            config.head_dim**-0.5, self._num_threads, ELEMENT_TYPES[torch.bfloat16],
         )  # fmt: skip
         # The Weight structures live as long as their layers (CpuLinear keeps them).
         self._layers = [
@@ -110,7 +115,7 @@ class FusedDecode:
             0 < num_tokens <= MAX_ROWS
             and metadata.num_reqs == num_tokens  # one token each: decodes only
             and hidden.dtype is torch.bfloat16
-            and kv_caches[0].dtype is torch.bfloat16
+            and kv_caches[0].dtype in _CACHE_DTYPES
             and kv_caches[0].is_contiguous()
             and metadata.block_tables.dtype is torch.int64
             and metadata.block_tables.is_contiguous()
@@ -132,6 +137,7 @@ class FusedDecode:
         if self._attention_workspace.numel() < needed:
             self._attention_workspace = torch.empty(2 * needed, dtype=torch.float32)
         shape.block_size = kv_caches[0].shape[2]
+        shape.cache_type = ELEMENT_TYPES[kv_caches[0].dtype]
         tables = metadata.block_tables
         positions = positions.contiguous()
         inputs = _StepInputs(

@@ -25,7 +25,8 @@ import torch
 
 from pagellm.attention.backend import AttentionMetadata
 from pagellm.attention.cpu_backend import CpuAttentionBackend
-from pagellm.kernels.decode_layer import _ptr
+from pagellm.attention.kv_cache_dtype import ELEMENT_TYPES
+from pagellm.kernels.decode_layer import _CACHE_DTYPES, _ptr
 
 
 class NativeLayers:
@@ -49,7 +50,7 @@ class NativeLayers:
 
     @staticmethod
     def applies(hidden: torch.Tensor, kv_caches: list[torch.Tensor]) -> bool:
-        return hidden.dtype is torch.bfloat16 and kv_caches[0].dtype is torch.bfloat16 and kv_caches[0].is_contiguous()
+        return hidden.dtype is torch.bfloat16 and kv_caches[0].dtype in _CACHE_DTYPES and kv_caches[0].is_contiguous()
 
     def run(
         self,
@@ -78,7 +79,8 @@ class NativeLayers:
             qkv = attention.qkv_proj(normed)
             library.rotary_store_bf16(
                 qkv.data_ptr(), m, qkv.stride(0), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-                heads, kv_heads, head_dim, slots.data_ptr(), cache[0].data_ptr(), cache[1].data_ptr(), threads,
+                heads, kv_heads, head_dim, slots.data_ptr(), cache[0].data_ptr(), cache[1].data_ptr(),
+                ELEMENT_TYPES[cache.dtype], threads,
             )  # fmt: skip
             query = qkv[:, :q_size].view(m, heads, head_dim)
             attended = model.backend.attend_cached(query, cache, metadata, attention.scale)

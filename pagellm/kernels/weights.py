@@ -12,6 +12,7 @@ import ctypes
 import enum
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pagellm.kernels.build import load_kernels
@@ -46,12 +47,56 @@ QUANTIZED_TYPES = frozenset(_BLOCK_BYTES)
 MAX_PARTS = 3
 
 
+ROW_PACKED_TYPES = frozenset({WeightType.Q4_0, WeightType.Q4_1, WeightType.Q8_0})
+
+
+def _padded_groups(k: int) -> int:
+    return (k // 32 + 1) // 2 * 2
+
+
 def row_bytes(weight_type: WeightType, k: int) -> int:
+    """Bytes of one row as the kernels hold it (after `pack_rows`)."""
     if weight_type is WeightType.BF16:
         return 2 * k
     if weight_type is WeightType.I8_ROW:
         return k
+    if weight_type in (WeightType.Q4_0, WeightType.Q4_1):
+        return _padded_groups(k) * _BLOCK_BYTES[weight_type]
+    return file_row_bytes(weight_type, k)
+
+
+def file_row_bytes(weight_type: WeightType, k: int) -> int:
+    """Bytes of one row of GGUF blocks as the file stores them."""
     return k // weight_type.block_elements * _BLOCK_BYTES[weight_type]
+
+
+def pack_rows(weight_type: WeightType, blocks: np.ndarray, k: int) -> np.ndarray:
+    """GGUF rows of blocks (uint8 [rows, file_row_bytes]) in the layout the kernels read.
+
+    Q4_0 / Q4_1 / Q8_0 are rearranged (same bytes, see csrc/quant_linear.c): Q4 rows keep
+    the nibbles of groups 2p and 2p + 1 in one 32-byte run (2p low, 2p + 1 high, element
+    order) then the fp16 scales (and mins); Q8_0 rows keep all int8 values then the
+    scales. K-quant blocks stay exactly as stored.
+    """
+    if weight_type not in ROW_PACKED_TYPES:
+        return blocks
+    rows = blocks.shape[0]
+    groups = k // 32
+    per_block = blocks.reshape(rows, groups, _BLOCK_BYTES[weight_type])
+    if weight_type is WeightType.Q8_0:
+        return np.concatenate([per_block[:, :, 2:].reshape(rows, -1), per_block[:, :, :2].reshape(rows, -1)], axis=1)
+    header = 2 if weight_type is WeightType.Q4_0 else 4
+    padded = _padded_groups(k)
+    if padded != groups:  # a zero group (scale 0, min 0) completes the last pair
+        per_block = np.concatenate([per_block, np.zeros((rows, 1, per_block.shape[2]), np.uint8)], axis=1)
+    packed = per_block[:, :, header:]  # [rows, padded, 16]: byte j = element j | element j + 16 << 4
+    values = np.concatenate([packed & 0x0F, packed >> 4], axis=2)  # [rows, padded, 32] in element order
+    pairs = values.reshape(rows, padded // 2, 2, 32)
+    nibbles = (pairs[:, :, 0, :] | (pairs[:, :, 1, :] << 4)).reshape(rows, -1)
+    scales = [per_block[:, :, 0:2].reshape(rows, -1)]
+    if weight_type is WeightType.Q4_1:
+        scales.append(per_block[:, :, 2:4].reshape(rows, -1))
+    return np.ascontiguousarray(np.concatenate([nibbles, *scales], axis=1))
 
 
 class _Part(ctypes.Structure):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from quant_blocks import QUANT_TYPES, random_blocks, reference_weight
+from quant_blocks import QUANT_TYPES, packed, random_blocks, reference_weight
 
 from pagellm.kernels.weights import PackedWeight, WeightPart, WeightType, kernels_support, quantize_int8_rows
 
@@ -34,12 +34,15 @@ def _check(y: torch.Tensor, x: torch.Tensor, w: np.ndarray, bias: np.ndarray | N
 
 
 @pytest.mark.parametrize("weight_type", QUANT_TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("rows", [1, 3, 16, 17, 64])
-def test_linear_matches_gguf_dequantization(weight_type, rows):
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 16, 17, 64])
+@pytest.mark.parametrize("k", [512, 1056], ids=["k512", "k1056"])  # 33 groups: an odd number of them
+def test_linear_matches_gguf_dequantization(weight_type, rows, k):
+    if k % weight_type.block_elements:
+        pytest.skip(f"{weight_type.name} rows hold multiples of {weight_type.block_elements} values")
     rng = np.random.default_rng(int(weight_type) * 100 + rows)
-    k, n = 512, 40
+    n = 40
     data = random_blocks(weight_type, n, k, rng)
-    weight = PackedWeight([WeightPart(weight_type, torch.from_numpy(data))], k)
+    weight = PackedWeight([WeightPart(weight_type, packed(weight_type, data, k))], k)
     x = torch.from_numpy(rng.standard_normal((rows, k)).astype(np.float32)).to(torch.bfloat16)
     _check(weight.linear(x, None, 2), x, reference_weight(weight_type, data, k))
 
@@ -51,7 +54,7 @@ def test_extreme_scales(weight_type, scale):
     rng = np.random.default_rng(7)
     k, n = 256, 24
     data = random_blocks(weight_type, n, k, rng, scale=scale)
-    weight = PackedWeight([WeightPart(weight_type, torch.from_numpy(data))], k)
+    weight = PackedWeight([WeightPart(weight_type, packed(weight_type, data, k))], k)
     for rows in (1, 20):
         x = torch.from_numpy(rng.standard_normal((rows, k)).astype(np.float32)).to(torch.bfloat16)
         _check(weight.linear(x, None, 2), x, reference_weight(weight_type, data, k))
@@ -62,7 +65,7 @@ def test_dequantize_and_gather_match_gguf(weight_type):
     rng = np.random.default_rng(3)
     k, n = 512, 33
     data = random_blocks(weight_type, n, k, rng)
-    weight = PackedWeight([WeightPart(weight_type, torch.from_numpy(data))], k)
+    weight = PackedWeight([WeightPart(weight_type, packed(weight_type, data, k))], k)
     ref = reference_weight(weight_type, data, k)
     # One rounding to bf16 (2^-9 relative), from a float32 value that may differ from
     # gguf's own float32 arithmetic in the last bit: within 2^-8 of |w|.
@@ -92,7 +95,7 @@ def test_parts_of_different_types_with_bias():
     types = (WeightType.Q4_K, WeightType.Q6_K)
     blocks = [random_blocks(t, rows, k, rng) for t, rows in zip(types, (48, 16))]
     bf16_rows = torch.from_numpy(rng.standard_normal((16, k)).astype(np.float32) * 0.05).to(torch.bfloat16)
-    parts = [WeightPart(t, torch.from_numpy(b)) for t, b in zip(types, blocks)]
+    parts = [WeightPart(t, packed(t, b, k)) for t, b in zip(types, blocks)]
     parts.append(WeightPart(WeightType.BF16, bf16_rows))
     weight = PackedWeight(parts, k)
     full = np.concatenate([reference_weight(t, b, k) for t, b in zip(types, blocks)] + [bf16_rows.double().numpy()])
@@ -106,7 +109,7 @@ def test_parts_of_different_types_with_bias():
 def test_nan_in_x_propagates():
     rng = np.random.default_rng(2)
     data = random_blocks(WeightType.Q4_0, 16, 256, rng)
-    weight = PackedWeight([WeightPart(WeightType.Q4_0, torch.from_numpy(data))], 256)
+    weight = PackedWeight([WeightPart(WeightType.Q4_0, packed(WeightType.Q4_0, data, 256))], 256)
     x = torch.zeros(2, 256, dtype=torch.bfloat16)
     x[1, 7] = float("nan")
     y = weight.linear(x, None, 2)

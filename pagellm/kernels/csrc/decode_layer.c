@@ -5,7 +5,8 @@
  * residual adds), each costing microseconds of dispatch: for a 30-layer model that is
  * milliseconds per token, as much as reading the weights. Here the layer is one call:
  *
- *   x = rms_norm(h) -> qkv = x Wqkv^T (+b) -> rotary(q, k) -> store k, v by slot
+ *   x = rms_norm(h) -> qkv = x Wqkv^T (+b) -> rotary(q, k) -> store k, v by slot (bf16, or fp8.h's
+ *   rounding into an fp8 cache)
  *   -> paged decode attention -> h += attn Wo^T (+b)
  *   -> x = rms_norm(h) -> g, u = x Wgu^T -> h += (silu(g) * u) Wd^T
  *
@@ -25,6 +26,7 @@
 
 #include "bf16.h"
 #include "float_mode.h"
+#include "fp8.h"
 #include "kernels.h"
 #include "layer_rows.h"
 
@@ -46,6 +48,7 @@ typedef struct {
     int num_heads, num_kv_heads, head_dim, block_size;
     float eps, scale;
     int num_threads;
+    int cache_type;  /* fp8.h ELEM_BF16 or an fp8 type */
 } LayerShape;
 
 typedef struct {
@@ -86,10 +89,10 @@ static void add_residual(uint16_t *hidden, const uint16_t *delta, int64_t count)
 }
 
 /* hidden: [m, hidden] bf16, updated in place to the layer's output; the caches are the
- * layer's [blocks, block_size, kv_heads, head_dim] K and V. One parallel region for the
+ * layer's [blocks, block_size, kv_heads, head_dim] K and V, of element type s->cache_type. One parallel region for the
  * whole layer: each thread streams its share of every weight matrix, with barriers
  * between the phases, instead of a fork and join per operation. */
-void decode_layer_bf16(uint16_t *hidden, const LayerWeights *w, uint16_t *key_cache, uint16_t *value_cache,
+void decode_layer_bf16(uint16_t *hidden, const LayerWeights *w, void *key_cache, void *value_cache,
                        const LayerShape *s, const StepInputs *in, const Scratch *scratch) {
     const int64_t m = in->m, h = s->hidden, inter = s->intermediate;
     const int64_t q_size = (int64_t)s->num_heads * s->head_dim;
@@ -106,7 +109,8 @@ void decode_layer_bf16(uint16_t *hidden, const LayerWeights *w, uint16_t *key_ca
         nt = omp_get_num_threads();
 #endif
         paged_decode_prefetch_in_region(key_cache, value_cache, in->block_tables, in->table_stride, in->reqs,
-                                        in->seq_lens, m, s->num_kv_heads, s->head_dim, s->block_size, 2, t, nt,
+                                        in->seq_lens, m, s->num_kv_heads, s->head_dim, s->block_size,
+                                        elem_bytes(s->cache_type), t, nt,
                                         CONTEXT_PREFETCH_BYTES);
 #pragma omp single
         for (int64_t r = 0; r < m; r++)
@@ -121,12 +125,13 @@ void decode_layer_bf16(uint16_t *hidden, const LayerWeights *w, uint16_t *key_ca
             rotate_heads(row, s->num_heads, s->head_dim, cos, sin);
             rotate_heads(row + q_size, s->num_kv_heads, s->head_dim, cos, sin);
             int64_t slot = in->slots[r];
-            memcpy(key_cache + slot * kv_size, row + q_size, sizeof(uint16_t) * (size_t)kv_size);
-            memcpy(value_cache + slot * kv_size, row + q_size + kv_size, sizeof(uint16_t) * (size_t)kv_size);
+            store_bf16_row(key_cache, slot * kv_size, row + q_size, kv_size, s->cache_type);
+            store_bf16_row(value_cache, slot * kv_size, row + q_size + kv_size, kv_size, s->cache_type);
         }
         paged_decode_attention_in_region(scratch->qkv, qkv_size, key_cache, value_cache, in->block_tables,
                                          in->table_stride, in->rows, in->reqs, in->seq_lens, m, s->num_heads,
-                                         s->num_kv_heads, s->head_dim, s->block_size, s->scale, 1, nt,
+                                         s->num_kv_heads, s->head_dim, s->block_size, s->scale, ELEM_BF16,
+                                         s->cache_type, nt,
                                          in->max_seq_len, scratch->attn, q_size, scratch->attn_scratch);
         linear_weight_part(scratch->attn, q_size, w->o, w->o_bias, scratch->proj, h, m, q_size, t, nt);
 #pragma omp barrier

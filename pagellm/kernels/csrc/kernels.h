@@ -30,14 +30,15 @@ void gemm_bf16_part(const uint16_t *x, int64_t x_stride, const uint16_t *w, cons
 void linear_weight_part(const uint16_t *x, int64_t x_stride, const Weight *w, const uint16_t *bias, uint16_t *out,
                         int64_t out_stride, int64_t m, int64_t k, int t, int nt);
 
-/* paged_decode.c: the attention rows' work items, shared among a region's threads. */
+/* paged_decode.c: the attention rows' work items, shared among a region's threads. dtype:
+ * the query's and output's element type, cache_type the cache's (fp8.h ELEM_*). */
 void paged_decode_attention_in_region(
     const void *query, int64_t query_row_stride,
     const void *key_cache, const void *value_cache,
     const int64_t *block_tables, int64_t table_stride,
     const int64_t *rows, const int64_t *reqs, const int64_t *seq_lens, int64_t num_decodes,
     int num_heads, int num_kv_heads, int head_dim, int block_size,
-    float scale, int is_bf16, int num_threads, int64_t max_seq_len,
+    float scale, int dtype, int cache_type, int num_threads, int64_t max_seq_len,
     void *out, int64_t out_row_stride, float *workspace);
 
 /* paged_decode.c: thread t of nt's share of the step's K/V blocks, prefetched into L2. */
@@ -47,9 +48,10 @@ void paged_decode_prefetch_in_region(const void *key_cache, const void *value_ca
                                      int num_kv_heads, int head_dim, int block_size, int element_bytes,
                                      int t, int nt, int64_t max_bytes);
 
-/* paged_decode_bf16.c: one work item with AVX-512 BF16, where the CPU has it. */
+/* paged_decode_bf16.c: one work item with AVX-512 BF16, where the CPU has it (bf16
+ * queries; a bf16 or fp8 cache of cache_type). */
 int attend_bf16_supported(int head_dim);
-void attend_bf16(const uint16_t *q, const uint16_t *key_cache, const uint16_t *value_cache, const int64_t *table,
+void attend_bf16(const uint16_t *q, const void *key_cache, const void *value_cache, int cache_type, const int64_t *table,
                  int64_t seq_len, int kv_head, int span, int num_kv_heads, int group, int head_dim,
                  int block_size, float scale, float *scores, float *acc);
 

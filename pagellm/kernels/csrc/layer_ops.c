@@ -17,6 +17,7 @@
 
 #include "bf16.h"
 #include "float_mode.h"
+#include "fp8.h"
 #include "layer_rows.h"
 
 /* hidden += delta (when delta is not NULL), then out = weight * bf16(hidden * rsqrt(mean(hidden^2) + eps)),
@@ -35,10 +36,11 @@ void rms_norm_residual_bf16(uint16_t *hidden, const uint16_t *delta, const uint1
 
 /* Rotary on the q and k heads of each qkv row ([q | k | v], row stride `stride`) in
  * place, then k and v written to the cache at the row's slot (a slot < 0 is skipped).
- * Caches: [blocks * block_size, num_kv_heads * head_dim] bf16. */
+ * Caches: [blocks * block_size, num_kv_heads * head_dim] of cache_type (fp8.h: bf16, or
+ * fp8 rounded to nearest even and saturated). */
 void rotary_store_bf16(uint16_t *qkv, int64_t m, int64_t stride, const int64_t *positions, const float *cos_table,
                        const float *sin_table, int num_heads, int num_kv_heads, int head_dim, const int64_t *slots,
-                       uint16_t *key_cache, uint16_t *value_cache, int num_threads) {
+                       void *key_cache, void *value_cache, int cache_type, int num_threads) {
     const int64_t q_size = (int64_t)num_heads * head_dim, kv_size = (int64_t)num_kv_heads * head_dim;
     const int half = head_dim / 2;
 #pragma omp parallel num_threads(num_threads)
@@ -51,8 +53,8 @@ void rotary_store_bf16(uint16_t *qkv, int64_t m, int64_t stride, const int64_t *
             rotate_heads(row, num_heads, head_dim, cos, sin);
             rotate_heads(row + q_size, num_kv_heads, head_dim, cos, sin);
             if (slots[r] >= 0) {
-                memcpy(key_cache + slots[r] * kv_size, row + q_size, sizeof(uint16_t) * (size_t)kv_size);
-                memcpy(value_cache + slots[r] * kv_size, row + q_size + kv_size, sizeof(uint16_t) * (size_t)kv_size);
+                store_bf16_row(key_cache, slots[r] * kv_size, row + q_size, kv_size, cache_type);
+                store_bf16_row(value_cache, slots[r] * kv_size, row + q_size + kv_size, kv_size, cache_type);
             }
         }
         float_mode_restore(float_mode);
@@ -78,4 +80,10 @@ void silu_mul_bf16(const uint16_t *gate_up, uint16_t *act, int64_t m, int64_t in
 void add_bf16(uint16_t *hidden, const uint16_t *delta, int64_t count, int num_threads) {
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t i = 0; i < count; i++) hidden[i] = float_to_bf16(bf16_to_float(hidden[i]) + bf16_to_float(delta[i]));
+}
+
+/* n bf16 values -> n fp8 bytes of `type` (fp8.h), as the cache stores them (the tests
+ * compare it with torch's cast). */
+void bf16_to_fp8_rows(const uint16_t *src, uint8_t *dst, int64_t n, int type) {
+    for (int64_t i = 0; i < n; i++) dst[i] = bf16_to_fp8(src[i], type);
 }

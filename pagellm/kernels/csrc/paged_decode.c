@@ -4,7 +4,8 @@
  * through its block table: nothing is gathered into a padded copy first, so K and V are
  * read once from where they lie. Query heads that share a K/V head are handled together
  * so each K/V row is loaded once per group. Scores, softmax and sums are float32 whatever
- * the storage type (float32 or bfloat16).
+ * the storage type: queries and outputs float32 or bfloat16, the cache the same or an
+ * 8-bit float (fp8.h; widened exactly as each row is read).
  *
  * Compiled with -ffast-math: it lets the compiler reorder the float sums and call the
  * vector expf of libmvec; nothing here relies on infinities or NaN (NaN is handled on
@@ -19,18 +20,28 @@
 
 #include "bf16.h"
 #include "float_mode.h"
+#include "fp8.h"
 #include "kernels.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
 
 
-/* head_dim elements starting `offset` elements into `base`, widened to float32. */
-static inline void load_row(const void *base, int64_t offset, int head_dim, int is_bf16, float *dst) {
-    if (is_bf16) {
+/* head_dim elements of element type `type` (fp8.h ELEM_*) starting `offset` elements
+ * into `base`, widened to float32. */
+static inline void load_row(const void *base, int64_t offset, int head_dim, int type, float *dst) {
+    if (type == ELEM_BF16) {
         const uint16_t *src = (const uint16_t *)base + offset;
 #pragma omp simd
         for (int d = 0; d < head_dim; d++) dst[d] = bf16_to_float(src[d]);
+    } else if (type == ELEM_FP8_E4M3) {
+        const uint8_t *src = (const uint8_t *)base + offset;
+#pragma omp simd
+        for (int d = 0; d < head_dim; d++) dst[d] = fp8_e4m3_to_float(src[d]);
+    } else if (type == ELEM_FP8_E5M2) {
+        const uint8_t *src = (const uint8_t *)base + offset;
+#pragma omp simd
+        for (int d = 0; d < head_dim; d++) dst[d] = fp8_e5m2_to_float(src[d]);
     } else {
         memcpy(dst, (const float *)base + offset, sizeof(float) * (size_t)head_dim);
     }
@@ -48,7 +59,7 @@ static inline void load_row(const void *base, int64_t offset, int head_dim, int 
 static void NAME(const float *q, const void *key_cache, const void *value_cache,            \
                  const int64_t *table, int64_t seq_len, int kv_head, int span,               \
                  int num_kv_heads, int group, int head_dim_arg, int block_size, float scale, \
-                 int is_bf16, float *scores, float *acc)                                     \
+                 int cache_type, float *scores, float *acc)                                  \
 {                                                                                            \
     (void)head_dim_arg;                                                                      \
     const int head_dim = HEAD_DIM_EXPR;                                                      \
@@ -62,7 +73,7 @@ static void NAME(const float *q, const void *key_cache, const void *value_cache,
         const int64_t count = seq_len - first < block_size ? seq_len - first : block_size;   \
         const int64_t base = (table[first / block_size] * block_size * num_kv_heads + kv_head) * head_dim; \
         for (int64_t i = 0; i < count; i++) {                                                \
-            load_row(key_cache, base + i * row_stride, span * head_dim, is_bf16, row);       \
+            load_row(key_cache, base + i * row_stride, span * head_dim, cache_type, row);    \
             for (int h = 0; h < heads; h++) {                                                \
                 const float *qh = q + h * head_dim, *kh = row + (h / group) * head_dim;      \
                 float dot = 0.0f;                                                            \
@@ -89,7 +100,7 @@ static void NAME(const float *q, const void *key_cache, const void *value_cache,
         const int64_t count = seq_len - first < block_size ? seq_len - first : block_size;   \
         const int64_t base = (table[first / block_size] * block_size * num_kv_heads + kv_head) * head_dim; \
         for (int64_t i = 0; i < count; i++) {                                                \
-            load_row(value_cache, base + i * row_stride, span * head_dim, is_bf16, row);     \
+            load_row(value_cache, base + i * row_stride, span * head_dim, cache_type, row);  \
             for (int h = 0; h < heads; h++) {                                                \
                 const float weight = scores[h * seq_len + first + i];                        \
                 const float *vh = row + (h / group) * head_dim;                              \
@@ -113,7 +124,8 @@ typedef void (*attend_fn)(const float *, const void *, const void *, const int64
 
 /*
  * query:        [*, num_heads, head_dim], row r starts at r * query_row_stride elements
- * key_cache:    [num_blocks, block_size, num_kv_heads, head_dim]
+ *               (dtype: ELEM_F32 or ELEM_BF16, as the output)
+ * key_cache:    [num_blocks, block_size, num_kv_heads, head_dim] of cache_type (ELEM_*)
  * value_cache:  same shape
  * block_tables: [num_reqs, table_stride]
  * rows, reqs, seq_lens: [num_decodes] row of the flat batch, request index, context length
@@ -128,7 +140,7 @@ void paged_decode_attention_in_region(
     const int64_t *block_tables, int64_t table_stride,
     const int64_t *rows, const int64_t *reqs, const int64_t *seq_lens, int64_t num_decodes,
     int num_heads, int num_kv_heads, int head_dim, int block_size,
-    float scale, int is_bf16, int num_threads, int64_t max_seq_len,
+    float scale, int dtype, int cache_type, int num_threads, int64_t max_seq_len,
     void *out, int64_t out_row_stride, float *workspace)
 {
     const int group = num_heads / num_kv_heads;
@@ -137,7 +149,7 @@ void paged_decode_attention_in_region(
     const int span = num_decodes >= 4 * (int64_t)num_threads ? num_kv_heads : 1;
     const int items_per_decode = num_kv_heads / span;
     const int64_t num_items = num_decodes * items_per_decode;
-    const int fast_bf16 = is_bf16 && attend_bf16_supported(head_dim);
+    const int fast_bf16 = dtype == ELEM_BF16 && cache_type != ELEM_F32 && attend_bf16_supported(head_dim);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < num_items; item++) {
         int thread = 0;
@@ -153,16 +165,17 @@ void paged_decode_attention_in_region(
         const int64_t first_head = (int64_t)kv_head * group * head_dim;
         const int64_t query_offset = rows[decode] * query_row_stride + first_head;
         if (fast_bf16) {
-            attend_bf16((const uint16_t *)query + query_offset, key_cache, value_cache, table, seq_lens[decode],
-                        kv_head, span, num_kv_heads, group, head_dim, block_size, scale, scores, acc);
+            attend_bf16((const uint16_t *)query + query_offset, key_cache, value_cache, cache_type, table,
+                        seq_lens[decode], kv_head, span, num_kv_heads, group, head_dim, block_size, scale, scores,
+                        acc);
         } else {
-            load_row(query, query_offset, heads * head_dim, is_bf16, q);
+            load_row(query, query_offset, heads * head_dim, dtype, q);
             const attend_fn attend = head_dim == 64 ? attend_64 : head_dim == 128 ? attend_128 : attend_any;
             attend(q, key_cache, value_cache, table, seq_lens[decode], kv_head, span, num_kv_heads, group,
-                   head_dim, block_size, scale, is_bf16, scores, acc);
+                   head_dim, block_size, scale, cache_type, scores, acc);
         }
         const int64_t offset = rows[decode] * out_row_stride + first_head;
-        if (is_bf16) {
+        if (dtype == ELEM_BF16) {
             uint16_t *dst = (uint16_t *)out + offset;
             for (int i = 0; i < heads * head_dim; i++) dst[i] = float_to_bf16(acc[i]);
         } else {
@@ -205,7 +218,7 @@ void paged_decode_attention(
     const int64_t *block_tables, int64_t table_stride,
     const int64_t *rows, const int64_t *reqs, const int64_t *seq_lens, int64_t num_decodes,
     int num_heads, int num_kv_heads, int head_dim, int block_size,
-    float scale, int is_bf16, int num_threads, int64_t max_seq_len,
+    float scale, int dtype, int cache_type, int num_threads, int64_t max_seq_len,
     void *out, int64_t out_row_stride, float *workspace)
 {
 #pragma omp parallel num_threads(num_threads)
@@ -213,7 +226,7 @@ void paged_decode_attention(
         const unsigned float_mode = subnormals_flushed();
         paged_decode_attention_in_region(query, query_row_stride, key_cache, value_cache, block_tables,
                                          table_stride, rows, reqs, seq_lens, num_decodes, num_heads,
-                                         num_kv_heads, head_dim, block_size, scale, is_bf16, num_threads,
+                                         num_kv_heads, head_dim, block_size, scale, dtype, cache_type, num_threads,
                                          max_seq_len, out, out_row_stride, workspace);
         float_mode_restore(float_mode);
     }

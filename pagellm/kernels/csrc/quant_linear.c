@@ -15,9 +15,10 @@
  * the dequantized one only by the float32 order of summation, and the decode steps these
  * kernels serve are bound by reading the weights (measured in the README).
  *
- * Up to STREAMING_MAX_ROWS rows of x each thread streams its share of W's rows once,
+ * Up to QUANT_STREAMING_MAX_ROWS rows of x each thread streams its share of W's rows once,
  * unpacking each group in registers. Above that, W is dequantized to bf16 a panel of rows
- * at a time into a per-thread buffer and gemm_bf16.c's register tiles multiply it.
+ * at a time into a per-thread buffer that stays in L2, and small_linear.c (up to
+ * STREAMING_MAX_ROWS rows) or gemm_bf16.c's register tiles multiply it.
  *
  * Called through linear.c. Built at run time by pagellm/kernels/build.py; needs AVX-512
  * BF16 like the other bf16 kernels.
@@ -33,12 +34,25 @@
 
 #define GROUP 32
 #define STREAM_ROWS 8 /* rows of x per pass over a weight row */
+/* Up to this many rows of x the kernels stream the stored weights (unpacking each group
+ * per 8 rows); above, a panel is dequantized to bf16 and multiplied from L2 (measured on
+ * SmolLM2's Q4_1 layers, all 30 layers' linears, one thread: 8 rows 16.5 vs 19.4 ms,
+ * 16 rows 33.1 vs 25.0 ms). */
+#define QUANT_STREAMING_MAX_ROWS 8
 
 static inline float half_to_float(const uint8_t *p) {
     uint16_t bits;
     memcpy(&bits, p, 2);
     return _cvtsh_ss(bits);
 }
+
+/* Q4_0 and Q4_1 rows are repacked at load (kernels/weights.py, pack_rows): the nibbles of
+ * groups 2p and 2p + 1 share 32 bytes (group 2p in the low nibbles, in element order, 2p + 1
+ * in the high ones), followed by the row's fp16 scales d[groups] (and, Q4_1, mins
+ * m[groups]); an odd group count is padded with a zero group. Q8_0 rows are the int8
+ * values of all groups followed by d[groups]. The same bytes as the file's blocks, laid
+ * out so that a 32-byte load feeds two groups and the scales of 16 groups convert at once. */
+static inline int64_t padded_groups(int64_t k) { return (k / 32 + 1) / 2 * 2; }
 
 /* Elements per quantization block and its bytes. */
 static inline int64_t block_elements(int type) {
@@ -47,8 +61,8 @@ static inline int64_t block_elements(int type) {
 
 int64_t weight_row_bytes(int type, int64_t k) {
     switch (type) {
-    case WEIGHT_Q4_0: return k / 32 * 18;
-    case WEIGHT_Q4_1: return k / 32 * 20;
+    case WEIGHT_Q4_0: return padded_groups(k) * 18;
+    case WEIGHT_Q4_1: return padded_groups(k) * 20;
     case WEIGHT_Q8_0: return k / 32 * 34;
     case WEIGHT_Q4_K: return k / 256 * 144;
     case WEIGHT_Q5_K: return k / 256 * 176;
@@ -114,26 +128,24 @@ static inline __m512i signed_words(const int8_t *q) {
 /* Group g (32 elements along k) of one weight row as 32 bf16 words, with its scale.
  * `type` is a constant where this is inlined, so each kernel keeps one branch. */
 static inline __attribute__((always_inline)) __m512i group_words(int type, const uint8_t *row, int64_t g,
-                                                                 float row_scale, GroupScale *gs) {
+                                                                 int64_t k, float row_scale, GroupScale *gs) {
     const __m256i low4 = _mm256_set1_epi8(0x0F);
     switch (type) {
     case WEIGHT_Q4_0:
     case WEIGHT_Q4_1: {
-        const uint8_t *block = row + g * (type == WEIGHT_Q4_0 ? 18 : 20);
-        const float d = half_to_float(block);
-        const float min = type == WEIGHT_Q4_1 ? half_to_float(block + 2) : -8.0f * d;
-        __m128i packed = _mm_loadu_si128((const __m128i *)(block + (type == WEIGHT_Q4_0 ? 2 : 4)));
-        __m256i both = _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed);
+        const int64_t groups = padded_groups(k);
+        const uint8_t *scales = row + groups * 16;
+        const float d = half_to_float(scales + 2 * g);
+        const float min = type == WEIGHT_Q4_1 ? half_to_float(scales + 2 * groups + 2 * g) : -8.0f * d;
+        __m256i packed = _mm256_loadu_si256((const __m256i *)(row + (g >> 1) * 32));
         gs->scale_lo = gs->scale_hi = d;
         gs->min_lo = gs->min_hi = min;
-        return unsigned_words(_mm256_and_si256(both, low4));
+        return unsigned_words(_mm256_and_si256((g & 1) ? _mm256_srli_epi16(packed, 4) : packed, low4));
     }
-    case WEIGHT_Q8_0: {
-        const uint8_t *block = row + g * 34;
-        gs->scale_lo = gs->scale_hi = half_to_float(block);
+    case WEIGHT_Q8_0:
+        gs->scale_lo = gs->scale_hi = half_to_float(row + k + 2 * g);
         gs->min_lo = gs->min_hi = 0.0f;
-        return signed_words((const int8_t *)(block + 2));
-    }
+        return signed_words((const int8_t *)(row + 32 * g));
     case WEIGHT_I8_ROW:
         gs->scale_lo = gs->scale_hi = row_scale;
         gs->min_lo = gs->min_hi = 0.0f;
@@ -203,13 +215,23 @@ static void *grow(void **buffer, size_t *capacity, size_t bytes) {
     return *buffer;
 }
 
-/* sums[r * (k / 16) + j] = sum of x[r, 16 j .. 16 j + 15] in float32. */
-static void sixteen_sums(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, float *sums) {
+static inline int is_row_packed(int type) {
+    return type == WEIGHT_Q4_0 || type == WEIGHT_Q4_1 || type == WEIGHT_Q8_0;
+}
+
+/* sums[r * (k / span) + j] = sum of x[r, span j .. span (j + 1)) in float32, span 16 or 32. */
+static void column_sums(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, int span, float *sums) {
     for (int64_t r = 0; r < m; r++)
         for (int64_t j = 0; j < k / 16; j++) {
             __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(
                 _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(x + r * x_stride + 16 * j))), 16));
-            sums[r * (k / 16) + j] = _mm512_reduce_add_ps(v);
+            const float sum = _mm512_reduce_add_ps(v);
+            if (span == 16)
+                sums[r * (k / 16) + j] = sum;
+            else if (j & 1)
+                sums[r * (k / 32) + j / 2] += sum;
+            else
+                sums[r * (k / 32) + j / 2] = sum;
         }
 }
 
@@ -230,8 +252,8 @@ static inline __attribute__((always_inline)) void stream_row(int type, int M, co
     int64_t g = 0;
     for (; g + 2 <= groups; g += 2) {
         GroupScale gs0, gs1;
-        const __m512bh w0 = (__m512bh)group_words(type, row, g, row_scale, &gs0);
-        const __m512bh w1 = (__m512bh)group_words(type, row, g + 1, row_scale, &gs1);
+        const __m512bh w0 = (__m512bh)group_words(type, row, g, k, row_scale, &gs0);
+        const __m512bh w1 = (__m512bh)group_words(type, row, g + 1, k, row_scale, &gs1);
         const __m512 scale0 = scale_vector(&gs0), scale1 = scale_vector(&gs1);
         for (int r = 0; r < M; r++) {
             const uint16_t *xg = x + r * x_stride + g * GROUP;
@@ -246,7 +268,7 @@ static inline __attribute__((always_inline)) void stream_row(int type, int M, co
     }
     if (g < groups) {
         GroupScale gs;
-        const __m512bh w = (__m512bh)group_words(type, row, g, row_scale, &gs);
+        const __m512bh w = (__m512bh)group_words(type, row, g, k, row_scale, &gs);
         const __m512 scale = scale_vector(&gs);
         for (int r = 0; r < M; r++) {
             const __m512bh xr = (__m512bh)_mm512_loadu_si512((const void *)(x + r * x_stride + g * GROUP));
@@ -258,26 +280,98 @@ static inline __attribute__((always_inline)) void stream_row(int type, int M, co
     for (int r = 0; r < M; r++) result[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[r], acc1[r])) + corr[r];
 }
 
-#define STREAM_FN(NAME, TYPE, M)                                                                           \
+/* The same for the row-packed types (Q4_0, Q4_1, Q8_0; layout above padded_groups): the
+ * scales of 16 groups convert in one instruction, the Q4 nibbles of two groups come from
+ * one 32-byte load, and the offsets' contribution sum_g (min_g - 128 d_g) * sum(x_g) is a
+ * vector product over 16 groups at a time (`sums` here: x summed over each 32 columns). */
+static inline __attribute__((always_inline)) void stream_packed_row(int type, int M, const uint16_t *x,
+                                                                    int64_t x_stride, const float *sums,
+                                                                    int64_t sums_stride, const uint8_t *row,
+                                                                    float row_scale, int64_t k, float *result) {
+    (void)row_scale;
+    const int64_t groups = k / GROUP;
+    const int is_q8 = type == WEIGHT_Q8_0;
+    const int64_t stored = is_q8 ? groups : padded_groups(k);
+    const uint16_t *d_half = (const uint16_t *)(row + (is_q8 ? k : stored * 16));
+    const uint16_t *m_half = d_half + stored;
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    __m512 acc0[STREAM_ROWS], acc1[STREAM_ROWS], corr[STREAM_ROWS];
+    for (int r = 0; r < M; r++) acc0[r] = acc1[r] = corr[r] = _mm512_setzero_ps();
+    float d_buf[16] __attribute__((aligned(64)));
+    for (int64_t g0 = 0; g0 < groups; g0 += 16) {
+        const int count = groups - g0 < 16 ? (int)(groups - g0) : 16;
+        const __mmask16 mask = (__mmask16)((1u << count) - 1);
+        const __m512 d16 = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, d_half + g0));
+        _mm512_store_ps(d_buf, d16);
+        if (!is_q8) {
+            const __m512 min16 = type == WEIGHT_Q4_1 ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, m_half + g0))
+                                                     : _mm512_mul_ps(d16, _mm512_set1_ps(-8.0f));
+            const __m512 bias16 = _mm512_fnmadd_ps(d16, _mm512_set1_ps(128.0f), min16);
+            for (int r = 0; r < M; r++)
+                corr[r] = _mm512_fmadd_ps(bias16, _mm512_maskz_loadu_ps(mask, sums + r * sums_stride + g0), corr[r]);
+        }
+        int g = 0;
+        for (; g + 2 <= count; g += 2) {
+            const int64_t group = g0 + g;
+            __m512bh w0, w1;
+            if (is_q8) {
+                w0 = (__m512bh)signed_words((const int8_t *)(row + 32 * group));
+                w1 = (__m512bh)signed_words((const int8_t *)(row + 32 * group + 32));
+            } else {
+                const __m256i packed = _mm256_loadu_si256((const __m256i *)(row + 16 * group));
+                w0 = (__m512bh)unsigned_words(_mm256_and_si256(packed, low4));
+                w1 = (__m512bh)unsigned_words(_mm256_and_si256(_mm256_srli_epi16(packed, 4), low4));
+            }
+            const __m512 s0 = _mm512_set1_ps(d_buf[g]), s1 = _mm512_set1_ps(d_buf[g + 1]);
+            for (int r = 0; r < M; r++) {
+                const uint16_t *xg = x + r * x_stride + group * GROUP;
+                const __m512bh x0 = (__m512bh)_mm512_loadu_si512((const void *)xg);
+                const __m512bh x1 = (__m512bh)_mm512_loadu_si512((const void *)(xg + GROUP));
+                acc0[r] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), x0, w0), s0, acc0[r]);
+                acc1[r] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), x1, w1), s1, acc1[r]);
+            }
+        }
+        if (g < count) { /* the row's last group when their number is odd */
+            const int64_t group = g0 + g;
+            __m512bh w;
+            if (is_q8) {
+                w = (__m512bh)signed_words((const int8_t *)(row + 32 * group));
+            } else {
+                const __m256i packed = _mm256_loadu_si256((const __m256i *)(row + 16 * group));
+                w = (__m512bh)unsigned_words(_mm256_and_si256(packed, low4));
+            }
+            const __m512 scale = _mm512_set1_ps(d_buf[g]);
+            for (int r = 0; r < M; r++) {
+                const __m512bh xr = (__m512bh)_mm512_loadu_si512((const void *)(x + r * x_stride + group * GROUP));
+                acc0[r] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), xr, w), scale, acc0[r]);
+            }
+        }
+    }
+    for (int r = 0; r < M; r++)
+        result[r] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc0[r], acc1[r]), corr[r]));
+}
+
+#define STREAM_FN(NAME, BODY, TYPE, M)                                                                     \
     static __attribute__((noinline)) void NAME##_##M(const uint16_t *x, int64_t x_stride, const float *sums, \
                                                      int64_t sums_stride, const uint8_t *row, float row_scale, \
                                                      int64_t k, float *result) {                           \
-        stream_row(TYPE, M, x, x_stride, sums, sums_stride, row, row_scale, k, result);                    \
+        BODY(TYPE, M, x, x_stride, sums, sums_stride, row, row_scale, k, result);                          \
     }
-#define STREAM_TYPE(NAME, TYPE)                                                                            \
-    STREAM_FN(NAME, TYPE, 1) STREAM_FN(NAME, TYPE, 2) STREAM_FN(NAME, TYPE, 3) STREAM_FN(NAME, TYPE, 4)     \
-    STREAM_FN(NAME, TYPE, 5) STREAM_FN(NAME, TYPE, 6) STREAM_FN(NAME, TYPE, 7) STREAM_FN(NAME, TYPE, 8)     \
+#define STREAM_KERNELS(NAME, BODY, TYPE)                                                                   \
+    STREAM_FN(NAME, BODY, TYPE, 1) STREAM_FN(NAME, BODY, TYPE, 2) STREAM_FN(NAME, BODY, TYPE, 3)            \
+    STREAM_FN(NAME, BODY, TYPE, 4) STREAM_FN(NAME, BODY, TYPE, 5) STREAM_FN(NAME, BODY, TYPE, 6)            \
+    STREAM_FN(NAME, BODY, TYPE, 7) STREAM_FN(NAME, BODY, TYPE, 8)                                           \
     static const stream_fn NAME[STREAM_ROWS + 1] = {0,         NAME##_1, NAME##_2, NAME##_3, NAME##_4,     \
                                                     NAME##_5, NAME##_6, NAME##_7, NAME##_8};
 typedef void (*stream_fn)(const uint16_t *, int64_t, const float *, int64_t, const uint8_t *, float, int64_t,
                           float *);
-STREAM_TYPE(stream_q4_0, WEIGHT_Q4_0)
-STREAM_TYPE(stream_q4_1, WEIGHT_Q4_1)
-STREAM_TYPE(stream_q8_0, WEIGHT_Q8_0)
-STREAM_TYPE(stream_q4_k, WEIGHT_Q4_K)
-STREAM_TYPE(stream_q5_k, WEIGHT_Q5_K)
-STREAM_TYPE(stream_q6_k, WEIGHT_Q6_K)
-STREAM_TYPE(stream_i8_row, WEIGHT_I8_ROW)
+STREAM_KERNELS(stream_q4_0, stream_packed_row, WEIGHT_Q4_0)
+STREAM_KERNELS(stream_q4_1, stream_packed_row, WEIGHT_Q4_1)
+STREAM_KERNELS(stream_q8_0, stream_packed_row, WEIGHT_Q8_0)
+STREAM_KERNELS(stream_q4_k, stream_row, WEIGHT_Q4_K)
+STREAM_KERNELS(stream_q5_k, stream_row, WEIGHT_Q5_K)
+STREAM_KERNELS(stream_q6_k, stream_row, WEIGHT_Q6_K)
+STREAM_KERNELS(stream_i8_row, stream_row, WEIGHT_I8_ROW)
 
 static const stream_fn *stream_kernels(int type) {
     switch (type) {
@@ -297,9 +391,11 @@ static void quant_stream_part(const uint16_t *x, int64_t x_stride, const WeightP
     int64_t begin, end;
     row_range(p->rows, t, nt, &begin, &end);
     if (begin >= end) return;
-    const int64_t sums_stride = k / 16;
+    /* Sums of x over 32 columns for the row-packed types, over 16 for the others. */
+    const int span = is_row_packed(p->type) ? 32 : 16;
+    const int64_t sums_stride = k / span;
     float *sums = grow((void **)&sums_buffer, &sums_capacity, sizeof(float) * (size_t)(m * sums_stride));
-    sixteen_sums(x, x_stride, m, k, sums);
+    column_sums(x, x_stride, m, k, span, sums);
     const stream_fn *kernels = stream_kernels(p->type);
     float result[STREAM_ROWS];
     for (int64_t n = begin; n < end; n++) {
@@ -324,7 +420,7 @@ static inline __attribute__((always_inline)) void dequantize_typed(int type, con
         const float row_scale = p->row_scales ? p->row_scales[row0 + n] : 1.0f;
         for (int64_t g = 0; g < k / GROUP; g++) {
             GroupScale gs;
-            __m512i w = group_words(type, row, g, row_scale, &gs);
+            __m512i w = group_words(type, row, g, k, row_scale, &gs);
             __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(w)), 16));
             __m512 hi = _mm512_castsi512_ps(
                 _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(w, 1)), 16));
@@ -339,11 +435,63 @@ static inline __attribute__((always_inline)) void dequantize_typed(int type, con
     }
 }
 
+/* 32 values (16 at lo, 16 at hi: integers as float32) * d + min, rounded, stored as bf16. */
+static inline void store_group(uint16_t *out, __m512 lo, __m512 hi, __m512 d, __m512 min) {
+    _mm512_storeu_si512((void *)out, (__m512i)_mm512_cvtne2ps_pbh(_mm512_fmadd_ps(hi, d, min), _mm512_fmadd_ps(lo, d, min)));
+}
+
+static inline __m512 bytes_to_float(__m128i bytes, int is_signed) {
+    return _mm512_cvtepi32_ps(is_signed ? _mm512_cvtepi8_epi32(bytes) : _mm512_cvtepu8_epi32(bytes));
+}
+
+/* The row-packed types, 16 groups' scales at a time (the panel path's dequantization is
+ * its overhead over the bf16 GEMM, so it gets its own loop). */
+static inline __attribute__((always_inline)) void dequantize_packed(int type, const WeightPart *p, int64_t row0,
+                                                                    int64_t count, int64_t k, uint16_t *out) {
+    const int is_q8 = type == WEIGHT_Q8_0;
+    const int64_t groups = k / GROUP, stored = is_q8 ? groups : padded_groups(k);
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    float d_buf[16] __attribute__((aligned(64))), m_buf[16] __attribute__((aligned(64)));
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int64_t n = 0; n < count; n++) {
+        const uint8_t *row = p->data + (row0 + n) * p->row_bytes;
+        const uint16_t *d_half = (const uint16_t *)(row + (is_q8 ? k : stored * 16));
+        uint16_t *dst = out + n * k;
+        for (int64_t g0 = 0; g0 < groups; g0 += 16) {
+            const int chunk = groups - g0 < 16 ? (int)(groups - g0) : 16;
+            const __mmask16 mask = (__mmask16)((1u << chunk) - 1);
+            const __m512 d16 = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, d_half + g0));
+            __m512 min16 = _mm512_setzero_ps();
+            if (type == WEIGHT_Q4_1) min16 = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, d_half + stored + g0));
+            if (type == WEIGHT_Q4_0) min16 = _mm512_mul_ps(d16, _mm512_set1_ps(-8.0f));
+            _mm512_store_ps(d_buf, d16);
+            _mm512_store_ps(m_buf, min16);
+            for (int g = 0; g < chunk; g++) {
+                const int64_t group = g0 + g;
+                const __m512 d = _mm512_set1_ps(d_buf[g]), min = _mm512_set1_ps(m_buf[g]);
+                if (is_q8) {
+                    const __m256i values = _mm256_loadu_si256((const __m256i *)(row + 32 * group));
+                    store_group(dst + group * GROUP, bytes_to_float(_mm256_castsi256_si128(values), 1),
+                                bytes_to_float(_mm256_extracti128_si256(values, 1), 1), d, min);
+                } else {
+                    /* A 4-bit group has 16 possible values: compute them once (rounded to
+                     * bf16 as the float path rounds each weight) and look the 32 up. */
+                    const __m256i packed = _mm256_loadu_si256((const __m256i *)(row + 16 * (group & ~(int64_t)1)));
+                    const __m256i values = _mm256_and_si256((group & 1) ? _mm256_srli_epi16(packed, 4) : packed, low4);
+                    const __m512i table = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(iota, d, min)));
+                    _mm512_storeu_si512((void *)(dst + group * GROUP),
+                                        _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(values), table));
+                }
+            }
+        }
+    }
+}
+
 static void dequantize_part_rows(const WeightPart *p, int64_t row0, int64_t count, int64_t k, uint16_t *out) {
     switch (p->type) {
-    case WEIGHT_Q4_0: dequantize_typed(WEIGHT_Q4_0, p, row0, count, k, out); break;
-    case WEIGHT_Q4_1: dequantize_typed(WEIGHT_Q4_1, p, row0, count, k, out); break;
-    case WEIGHT_Q8_0: dequantize_typed(WEIGHT_Q8_0, p, row0, count, k, out); break;
+    case WEIGHT_Q4_0: dequantize_packed(WEIGHT_Q4_0, p, row0, count, k, out); break;
+    case WEIGHT_Q4_1: dequantize_packed(WEIGHT_Q4_1, p, row0, count, k, out); break;
+    case WEIGHT_Q8_0: dequantize_packed(WEIGHT_Q8_0, p, row0, count, k, out); break;
     case WEIGHT_Q4_K: dequantize_typed(WEIGHT_Q4_K, p, row0, count, k, out); break;
     case WEIGHT_Q5_K: dequantize_typed(WEIGHT_Q5_K, p, row0, count, k, out); break;
     case WEIGHT_Q6_K: dequantize_typed(WEIGHT_Q6_K, p, row0, count, k, out); break;
@@ -364,7 +512,10 @@ static void quant_gemm_part(const uint16_t *x, int64_t x_stride, const WeightPar
     for (int64_t n = begin; n < end; n += panel) {
         const int64_t count = end - n < panel ? end - n : panel;
         dequantize_part_rows(p, n, count, k, buffer);
-        gemm_bf16_part(x, x_stride, buffer, bias ? bias + n : NULL, out + n, out_stride, m, count, k, 0, 1);
+        if (m <= STREAMING_MAX_ROWS) /* few rows: the panel streams from L2 */
+            small_linear_bf16_part(x, x_stride, buffer, bias ? bias + n : NULL, out + n, out_stride, m, count, k, 0, 1);
+        else
+            gemm_bf16_part(x, x_stride, buffer, bias ? bias + n : NULL, out + n, out_stride, m, count, k, 0, 1);
     }
 }
 #endif
@@ -380,7 +531,7 @@ void linear_weight_part(const uint16_t *x, int64_t x_stride, const Weight *w, co
         if (p->type == WEIGHT_BF16)
             linear_bf16_part(x, x_stride, (const uint16_t *)p->data, part_bias, out + offset, out_stride, m, p->rows,
                              k, t, nt);
-        else if (m <= STREAMING_MAX_ROWS)
+        else if (m <= QUANT_STREAMING_MAX_ROWS)
             quant_stream_part(x, x_stride, p, part_bias, out + offset, out_stride, m, k, t, nt);
         else
             quant_gemm_part(x, x_stride, p, part_bias, out + offset, out_stride, m, k, t, nt);

@@ -1,0 +1,116 @@
+"""One quantized linear layer: pagellm's kernels against what PyTorch ships and bf16.
+
+    python benchmarks/quant_linear.py [--threads 2] [--rows 1 4 8 16 32 64]
+
+For each shape and row count it times (median of interleaved repeats, weights rotated over
+enough copies to exceed the last-level cache, as a model's layers do):
+  - pagellm Q4_0 (kernels/weights.py, the stored blocks),
+  - torch `_weight_int4pack_mm_for_cpu` (group-32 affine int4: Q4_0 re-expressed exactly),
+  - pagellm int8 rows and torch `_weight_int8pack_mm` (per-channel int8),
+  - pagellm's bf16 linear kernel (the dequantized path).
+Prints the CPU, a table, and one JSON line; writes benchmarks/results/quant_linear.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from quant_blocks import packed, random_blocks  # noqa: E402
+
+from pagellm.bench.machine import describe_cpu, cpu_info  # noqa: E402
+from pagellm.kernels.weights import PackedWeight, WeightPart, WeightType, bf16_weight, quantize_int8_rows  # noqa: E402
+
+SHAPES = {"smollm2 gate_up 3072x576": (3072, 576), "1B gate_up 11264x2048": (11264, 2048)}
+CACHE_BYTES = 64 << 20  # rotate over copies worth more than this (L3 is 32 MiB here)
+
+
+def _copies(bytes_per_copy: int) -> int:
+    return max(2, CACHE_BYTES // max(bytes_per_copy, 1) + 1)
+
+
+def build(n: int, k: int, rng: np.random.Generator) -> dict[str, list]:
+    blocks = random_blocks(WeightType.Q4_0, n, k, rng)
+    q4 = PackedWeight([WeightPart(WeightType.Q4_0, packed(WeightType.Q4_0, blocks, k))], k)
+    dense = torch.from_numpy(rng.standard_normal((n, k)).astype(np.float32) * 0.02)
+    i8 = PackedWeight([quantize_int8_rows(dense)], k)
+    bf16 = bf16_weight(dense.to(torch.bfloat16))
+    nibbles = torch.randint(0, 16, (n, k), dtype=torch.int32)
+    t_int4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(nibbles, 1)
+    t_sz = (torch.randn(k // 32, n, 2) * 0.01).to(torch.bfloat16)
+    t_i8 = dense.mul(127 / dense.abs().amax()).round().to(torch.int8)
+    t_s8 = torch.full((n,), 0.01, dtype=torch.bfloat16)
+    sizes = {"q4_0": q4.nbytes, "torch int4": t_int4.numel() + t_sz.numel() * 2, "int8 rows": i8.nbytes,
+             "torch int8": t_i8.numel() + n * 2, "bf16": bf16.nbytes}  # fmt: skip
+    variants = {
+        "q4_0": lambda: PackedWeight(q4.parts, k),
+        "torch int4": lambda: (t_int4.clone(), t_sz.clone()),
+        "int8 rows": lambda: PackedWeight(i8.parts, k),
+        "torch int8": lambda: (t_i8.clone(), t_s8.clone()),
+        "bf16": lambda: bf16_weight(bf16.parts[0].data.clone()),
+    }
+    # Distinct copies for the ones that must stream from memory (ours share data: copy it).
+    out = {}
+    for name, make in variants.items():
+        count = _copies(sizes[name])
+        if name in ("q4_0", "int8 rows"):
+            base = q4 if name == "q4_0" else i8
+            out[name] = [PackedWeight([WeightPart(p.type, p.data.clone(), None if p.row_scales is None else p.row_scales.clone()) for p in base.parts], k) for _ in range(count)]
+        else:
+            out[name] = [make() for _ in range(count)]
+    return out, sizes
+
+
+def run_one(name: str, weight, x: torch.Tensor, threads: int) -> None:
+    if name in ("q4_0", "int8 rows", "bf16"):
+        weight.linear(x, None, threads)
+    elif name == "torch int4":
+        torch.ops.aten._weight_int4pack_mm_for_cpu(x, weight[0], 32, weight[1])
+    else:
+        torch.ops.aten._weight_int8pack_mm(x, weight[0], weight[1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64])
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--output", default="benchmarks/results/quant_linear.json")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    rng = np.random.default_rng(0)
+    print(f"CPU: {describe_cpu(cpu_info())}; threads {args.threads}; torch {torch.__version__}")
+    results = []
+    for label, (n, k) in SHAPES.items():
+        weights, sizes = build(n, k, rng)
+        for rows in args.rows:
+            x = torch.randn(rows, k).to(torch.bfloat16)
+            times: dict[str, list[float]] = {name: [] for name in weights}
+            for _ in range(args.repeats):  # interleaved, so drift hits every variant alike
+                for name, copies in weights.items():
+                    start = time.perf_counter()
+                    for weight in copies:
+                        run_one(name, weight, x, args.threads)
+                    times[name].append((time.perf_counter() - start) / len(copies))
+            row = {"shape": label, "rows": rows}
+            for name, samples in times.items():
+                ms = statistics.median(samples) * 1e3
+                row[name] = {"ms": round(ms, 4), "GB/s": round(sizes[name] / ms / 1e6, 1)}
+            results.append(row)
+            print(f"{label:26s} rows {rows:3d}: " + "  ".join(f"{nm} {v['ms']:.3f} ms" for nm, v in row.items() if isinstance(v, dict)))
+    record = {"benchmark": "quant_linear", "cpu": cpu_info(), "threads": args.threads, "results": results}
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.output).write_text(json.dumps(record, indent=1))
+    print(json.dumps(record))
+
+
+if __name__ == "__main__":
+    main()

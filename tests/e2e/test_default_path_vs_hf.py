@@ -1,0 +1,98 @@
+"""The default CPU path (bfloat16 through the native kernels) against HF transformers in
+float32, under every scheduling regime the float32 e2e tests cover.
+
+tests/conftest.py pins float32, so without this file the bf16 kernels (linear, one-call
+decode layer, native layer ops) never see chunked prefill, preemption, prefix caching or
+n > 1, and are compared only with pagellm's own PyTorch bf16 path. Here each scenario of
+tests/default_path.py runs with dtype="bfloat16" and is judged against HF float32 by
+teacher-forced top-1 agreement and log-probability bounds derived from bf16 rounding
+(see default_path.py for the thresholds and why), and against the same scenario in
+pagellm's float32 for the scheduling facts.
+"""
+
+import pytest
+from hf_models import load_hf_reference
+
+import default_path as dp
+from pagellm.kernels.decode_layer import MAX_ROWS
+
+NUM_LAYERS = dp.DEFAULT_PATH_SHAPE["num_hidden_layers"]
+VOCAB_SIZE = 256  # hf_models.TINY_SHAPE
+SCENARIOS = {s.name: s for s in dp.standard_scenarios(VOCAB_SIZE)}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _needs_native_bf16():
+    if not dp.native_bf16_kernels_available():
+        pytest.skip("the default bf16 path needs the native CPU kernels (AVX-512 BF16 and a C compiler)")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    folder = dp.make_default_path_checkpoint(tmp_path_factory.mktemp("default_path"))
+    return str(folder), load_hf_reference(folder)
+
+
+@pytest.fixture(scope="module")
+def runs(model):
+    """Each (scenario, dtype) runs once for all the tests that look at it."""
+    folder, _ = model
+    cache: dict[tuple[str, str], dp.ScenarioRun] = {}
+
+    def get(name: str, dtype: str) -> dp.ScenarioRun:
+        if (name, dtype) not in cache:
+            cache[name, dtype] = dp.run_scenario(folder, SCENARIOS[name], dtype)
+        return cache[name, dtype]
+
+    return get
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_bf16_agrees_with_hf_float32(model, runs, name):
+    _, reference = model
+    run = runs(name, "bfloat16")
+    dp.check_native_paths(run)
+    result = dp.teacher_forced(reference, run.completions)
+    print(
+        f"{name}: top-1 {result.agreed}/{result.positions} = {result.agreement:.2%}, "
+        f"widest mismatch gap {result.max_gap:.4f} (bound {dp.near_tie_bound(NUM_LAYERS, result.logit_scale):.4f}), "
+        f"log-prob error max {result.max_logprob_error:.4f} rms {result.rms_logprob_error:.4f}"
+    )
+    dp.check_against_reference(result, NUM_LAYERS, name)
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_bf16_schedules_as_float32(runs, name):
+    float32_run = runs(name, "float32")
+    assert float32_run.paths is None  # pagellm's exact path: no native bf16 routes
+    dp.check_same_schedule(runs(name, "bfloat16"), float32_run)
+
+
+def test_both_native_decode_routes_ran(runs):
+    # 24 requests of different lengths: decode steps of more than MAX_ROWS requests take the
+    # native layer ops, the later smaller ones the one-call decode layer.
+    paths = runs("plain", "bfloat16").paths
+    assert paths.fused_decode and max(paths.fused_decode) <= MAX_ROWS
+    assert any(rows > MAX_ROWS for rows in paths.native_layers_decode)
+
+
+def test_parallel_greedy_completions_are_equal(runs):
+    # n = 3 greedy: the forked completions share the prompt's blocks (copy-on-write of the
+    # partial last block) and must decode exactly as completion 0 does.
+    run = runs("parallel_sampling", "bfloat16")
+    greedy = [c for c in run.completions if c.greedy]
+    assert len(greedy) == 6 * 3
+    for i in range(0, len(greedy), 3):
+        assert greedy[i].token_ids == greedy[i + 1].token_ids == greedy[i + 2].token_ids
+
+
+def test_prefill_logits_against_hf_float32(model):
+    folder, reference = model
+    prompts = SCENARIOS["plain"].prompts
+    result = dp.prefill_logits(folder, reference, prompts, "bfloat16", VOCAB_SIZE, max_model_len=128)
+    print(
+        f"prefill logits: max error / spread {max(e / s for e, s in zip(result.errors, result.logit_scales)):.4f} "
+        f"(bound {dp.logit_error_bound(NUM_LAYERS, 1.0):.4f}), rms {max(result.relative_errors):.4f} "
+        f"(bound {dp.logit_rms_bound(NUM_LAYERS, 1.0):.4f})"
+    )
+    dp.check_prefill_logits(result, NUM_LAYERS)
