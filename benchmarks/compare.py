@@ -19,14 +19,20 @@ from pathlib import Path
 
 from pagellm.bench.machine import cpu_info, describe_cpu
 
+# The embedded GGUF's weights as pagellm runs them by default in bf16 (--quantization auto)
+# and dequantized to bf16 (--quantization none, the path before weights stayed quantized).
+AS_STORED = ("pagellm", "bfloat16", [], "bfloat16 (Q4_1/Q8_0 as stored)")
+DEQUANTIZED = ("pagellm", "bfloat16", ["--quantization", "none"], "bfloat16 (dequantized)")
+
 SCENARIOS = {
-    # name: (workload flags, [(backend, dtype, extra flags)])
+    # name: (workload flags, [(backend, dtype, extra flags[, label])])
     "mixed": (
         ["--workload", "mixed", "--num-requests", "64", "--prompt-len", "16", "256", "--output-len", "16", "256"],
         [
             ("pagellm", "float32", []),
             ("hf", "float32", ["--hf-batch-sizes", "16", "32", "64"]),
-            ("pagellm", "bfloat16", []),
+            AS_STORED,
+            DEQUANTIZED,
             ("hf", "bfloat16", ["--hf-batch-sizes", "32", "64"]),
             ("llamacpp", "gguf", ["--llamacpp-parallel", "64"]),
             ("llamacpp", "bfloat16", ["--llamacpp-parallel", "64", "--llamacpp-weights", "bfloat16"]),
@@ -37,7 +43,8 @@ SCENARIOS = {
         ["--workload", "fixed", "--num-requests", "1", "--prompt-len", "16", "16", "--output-len", "128", "128",
          "--repeats", "5"],
         [
-            ("pagellm", "bfloat16", []),
+            AS_STORED,
+            DEQUANTIZED,
             ("pagellm", "float32", []),
             ("llamacpp", "gguf", ["--llamacpp-parallel", "1"]),
             ("llamacpp", "bfloat16", ["--llamacpp-parallel", "1", "--llamacpp-weights", "bfloat16"]),
@@ -45,12 +52,12 @@ SCENARIOS = {
     ),
     "large-batch-decode": (
         ["--workload", "fixed", "--num-requests", "128", "--prompt-len", "16", "16", "--output-len", "128", "128"],
-        [("pagellm", "bfloat16", []), ("pagellm", "float32", [])],
+        [AS_STORED, DEQUANTIZED, ("pagellm", "float32", [])],
     ),
 }
 
 
-def run_one(workload: list[str], backend: str, dtype: str, extra: list[str], result_file: Path) -> dict:
+def run_one(workload: list[str], backend: str, dtype: str, extra: list[str], result_file: Path, label: str) -> dict:
     command = [sys.executable, "-m", "pagellm.entrypoints.cli", "bench", "throughput", "--backend", backend,
                *workload, *extra, "--result-file", str(result_file)]  # fmt: skip
     if backend != "llamacpp":
@@ -59,9 +66,9 @@ def run_one(workload: list[str], backend: str, dtype: str, extra: list[str], res
     proc = subprocess.run(command, capture_output=True, text=True)
     if proc.returncode != 0:
         print(proc.stdout[-2000:], proc.stderr[-4000:], file=sys.stderr)
-        return {"backend": backend, "dtype": dtype, "error": (proc.stderr.strip().splitlines() or ["failed"])[-1]}
+        return {"backend": backend, "dtype": label, "error": (proc.stderr.strip().splitlines() or ["failed"])[-1]}
     record = json.loads(proc.stdout.splitlines()[0])
-    record["dtype"] = dtype
+    record["dtype"] = label
     print(f"  -> {record['output_tok_s']} output tok/s, {record['achieved_gflop_s']} GFLOP/s, "
           f"agreement {agreement_cell(record)}", flush=True)
     return record
@@ -96,7 +103,10 @@ def render(results: dict[str, list[dict]], machine: str, cpu: dict) -> str:
                 name += f" (best batch {r['settings']['batch_size']})"
             if r["backend"] == "llamacpp":
                 name += f" ({r['settings'].get('parallel')} seqs)"
-            reference = best_pagellm.get(r["dtype"], best_any)
+            if r["backend"] == "llamacpp" and r["dtype"] == "bfloat16":  # equal work: both on bf16 weights
+                reference = best_pagellm.get(DEQUANTIZED[3], best_any)
+            else:
+                reference = best_pagellm.get(r["dtype"], best_any)
             ratio = f"{reference / r['output_tok_s']:.2f}x" if reference and r["backend"] != "pagellm" else ""
             lines.append(
                 f"| {name} | {r['dtype']} | {r['output_tok_s']:.1f} | {r['total_tok_s']:.1f} | "
@@ -106,9 +116,11 @@ def render(results: dict[str, list[dict]], machine: str, cpu: dict) -> str:
             for s in r.get("sweep", []):
                 lines.append(f"| &nbsp;&nbsp;HF batch {s['batch_size']} | {r['dtype']} | {s['output_tok_s']} | | | | |")
         lines.append("")
-    lines.append("llama.cpp (gguf) runs the GGUF as stored (Q4_1/Q8_0 weights, a third of the bytes per "
-                 "token) and is compared with pagellm's best dtype; llama.cpp (bfloat16) runs the same "
-                 "weights dequantized to BF16, equal work with pagellm bf16. GFLOP/s counts the matmul "
+    lines.append("pagellm bfloat16 (Q4_1/Q8_0 as stored) is the default: the GGUF's quantized weights "
+                 "stay as stored and the kernels read them (--quantization auto); (dequantized) converts "
+                 "them to bf16 at load (--quantization none). llama.cpp (gguf) runs the GGUF as stored "
+                 "and is compared with pagellm's best; llama.cpp (bfloat16) runs the same weights "
+                 "dequantized to BF16, equal work with pagellm bf16 (dequantized). GFLOP/s counts the matmul "
                  "FLOPs of the work asked for. Agreement: the fraction of the first 16 greedy tokens of "
                  "the first 4 requests that match HF transformers in float32 (up to the first mismatch).")
     return "\n".join(lines) + "\n"
@@ -126,10 +138,10 @@ def main() -> int:
         for scenario in args.scenarios:
             workload, runs = SCENARIOS[scenario]
             results[scenario] = []
-            for backend, dtype, extra in runs:
+            for backend, dtype, extra, *label in runs:
                 if backend in args.skip:
                     continue
-                record = run_one(workload, backend, dtype, extra, Path(tmp) / "r.jsonl")
+                record = run_one(workload, backend, dtype, extra, Path(tmp) / "r.jsonl", label[0] if label else dtype)
                 machine = record.get("machine", machine)
                 results[scenario].append(record)
     out = Path(args.out)

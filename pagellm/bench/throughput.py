@@ -51,7 +51,9 @@ def run_bench_throughput(args: argparse.Namespace) -> dict[str, Any]:
     torch_dtype = torch.bfloat16 if computes_bf16 else torch.float32
     ceiling = measure_matmul_ceiling(torch_dtype)
     if args.backend == "pagellm":
-        engine_args: dict[str, Any] = {"max_num_seqs": args.max_num_seqs, "max_model_len": args.max_model_len}
+        engine_args: dict[str, Any] = {
+            "max_num_seqs": args.max_num_seqs, "max_model_len": args.max_model_len, "quantization": args.quantization,
+        }  # fmt: skip
         if args.max_num_batched_tokens:
             engine_args["max_num_batched_tokens"] = args.max_num_batched_tokens
         result = run_pagellm(requests, args.model, args.dtype, engine_args, repeats=args.repeats)

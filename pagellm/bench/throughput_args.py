@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+from pagellm.config import QUANTIZATION_CHOICES
+
 from pagellm.bench.agreement import DEFAULT_CHECK_REQUESTS, DEFAULT_CHECK_TOKENS
 from pagellm.workload.synthetic import add_workload_args
 
@@ -29,6 +31,11 @@ def add_bench_throughput_parser(bench_commands: "argparse._SubParsersAction") ->
         "--repeats", type=int, default=1,
         help="measured runs of the request list on pagellm and llama.cpp (after the warm-up); "
         "the median is reported. Short runs (one request) vary by 20%% between runs here",
+    )  # fmt: skip
+    p.add_argument(
+        "--quantization", choices=QUANTIZATION_CHOICES, default="auto",
+        help="pagellm: keep a GGUF's quantized weights as stored (auto), dequantize them (none), "
+        "or int8 weight-only from a float checkpoint",
     )  # fmt: skip
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
