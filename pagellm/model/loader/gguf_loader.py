@@ -14,7 +14,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from pagellm.errors import ModelLoadError, UnsupportedModelError
-from pagellm.kernels.weights import QUANTIZED_TYPES, WeightPart, WeightType, row_bytes
+from pagellm.kernels.weights import QUANTIZED_TYPES, WeightPart, WeightType, file_row_bytes, pack_rows
 from pagellm.model.config import SUPPORTED_GGUF_ARCHITECTURES, ModelConfig, RopeScaling
 
 logger = logging.getLogger(__name__)
@@ -183,6 +183,7 @@ def iter_gguf_weights(
             data = _stored_rows(tensor)
             if heads is not None:
                 data = undo_rope_permutation(data, heads)
+            data = pack_rows(stored, data, int(tensor.shape[0]))
             yield hf_name, WeightPart(stored, torch.from_numpy(np.ascontiguousarray(data)))
             continue
         if qtype not in _FLOAT_TYPES and keep_types:
@@ -217,7 +218,7 @@ def _stored_rows(tensor: Any) -> np.ndarray:  # uint8 [rows, row_bytes], a copy 
     rows = int(np.prod([int(d) for d in tensor.shape[1:]]))
     k = int(tensor.shape[0])
     weight_type = WeightType(int(tensor.tensor_type))
-    expected = rows * row_bytes(weight_type, k) if k % weight_type.block_elements == 0 else -1
+    expected = rows * file_row_bytes(weight_type, k) if k % weight_type.block_elements == 0 else -1
     data = np.asarray(tensor.data)
     if data.dtype != np.uint8 or data.size != expected:
         raise ModelLoadError(
