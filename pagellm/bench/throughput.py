@@ -16,7 +16,6 @@ import logging
 import os
 import platform
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 

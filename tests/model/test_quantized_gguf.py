@@ -8,7 +8,6 @@ import json
 import logging
 
 import gguf
-import numpy as np
 import pytest
 import torch
 from gguf_models import write_gguf_from_hf

@@ -165,7 +165,8 @@ def describe_weight_bytes(model: LlamaForCausalLM) -> str:
     """e.g. '86 MiB (Q4_1 as stored 63 MiB, Q8_0 as stored 29 MiB, float32 0.1 MiB)'."""
     totals = model.weight_bytes_by_format()
     mib = 1024 * 1024
-    parts = ", ".join(f"{name} {size / mib:.3g} MiB" for name, size in sorted(totals.items(), key=lambda kv: -kv[1]))
+    ordered = sorted(totals.items(), key=lambda kv: -kv[1])
+    parts = ", ".join(f"{name} {size / mib:.3g} MiB" for name, size in ordered)
     return f"{sum(totals.values()) / mib:.0f} MiB ({parts})"
 
 
@@ -180,7 +181,9 @@ def _plan_quantization(
             raise ConfigError("--quantization int8 needs real weights (not --load-format dummy)")
         return frozenset()
     on_cpu_bf16 = torch.device(device).type == "cpu" and dtype == torch.bfloat16
-    supported = frozenset(t for t in WeightType if t is not WeightType.BF16 and kernels_support(t)) if on_cpu_bf16 else frozenset()
+    supported = frozenset(
+        t for t in WeightType if on_cpu_bf16 and t is not WeightType.BF16 and kernels_support(t)
+    )
     if quantization == "int8":
         if WeightType.I8_ROW not in supported:
             raise ConfigError(
@@ -199,12 +202,18 @@ def _plan_quantization(
     if source.format == "gguf" and not supported:
         stored = gguf_loader.quantized_tensor_types(gguf_loader.open_gguf(source.path))
         if stored:
-            why = "no native kernels here" if on_cpu_bf16 else f"{str(dtype).removeprefix('torch.')} on {torch.device(device).type}"
-            logger.info("quantized weights dequantized (%s; they stay as stored with bfloat16 on a CPU with AVX-512 BF16)", why)
+            where = f"{str(dtype).removeprefix('torch.')} on {torch.device(device).type}"
+            logger.info(
+                "quantized weights dequantized (%s; they stay as stored with bfloat16 on a CPU with "
+                "AVX-512 BF16 and a C compiler)", "no native kernels here" if on_cpu_bf16 else where,
+            )  # fmt: skip
     return supported
 
 
-def _int8_rows(weights: Iterator[tuple[str, torch.Tensor | WeightPart]]) -> Iterator[tuple[str, torch.Tensor | WeightPart]]:
+Weights = Iterator[tuple[str, torch.Tensor | WeightPart]]
+
+
+def _int8_rows(weights: Weights) -> Weights:
     """Float linear and embedding weights as int8 rows (scale = max |w| / 127 per row)."""
     for name, tensor in weights:
         if isinstance(tensor, torch.Tensor) and tensor.dim() == 2 and gguf_loader.keepable(name):
