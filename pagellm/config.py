@@ -23,6 +23,9 @@ ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "torch", "cpu", "triton")
 # made on the device (benchmarks of large shapes without their files).
 LOAD_FORMATS: tuple[str, ...] = ("auto", "dummy")
 QUANTIZATION_CHOICES: tuple[str, ...] = ("auto", "none", "int8")
+# auto: the KV cache in the model's dtype; fp8_*: 8-bit floats (torch.float8_e4m3fn,
+# torch.float8_e5m2), half the bytes of bf16, per-tensor scale 1.0, saturated on store.
+KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8_e4m3", "fp8_e5m2")
 
 
 def _check_int(owner: str, name: str, value: object, minimum: int) -> None:

@@ -2,7 +2,8 @@
 
 Correct for any mix of prefill chunks and decode tokens; each request gathers its K/V
 from its blocks and runs scaled dot-product attention with a causal mask that is offset
-by the tokens it computed in earlier steps.
+by the tokens it computed in earlier steps. An fp8 cache (kv_cache_dtype.py) is written
+saturated and rounded, and read widened to the query's dtype.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from pagellm.attention.backend import AttentionBackend, AttentionMetadata
+from pagellm.attention.kv_cache_dtype import as_stored, copyable, to_cache_dtype
 
 
 def write_kv_to_cache(
@@ -21,12 +23,12 @@ def write_kv_to_cache(
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens]
 ) -> None:
-    """Scatter the new tokens' K/V into their cache slots."""
+    """Scatter the new tokens' K/V into their cache slots (fp8: saturated, rounded)."""
     num_kv_heads, head_dim = kv_cache.shape[-2:]
-    key_slots = kv_cache[0].view(-1, num_kv_heads, head_dim)
-    value_slots = kv_cache[1].view(-1, num_kv_heads, head_dim)
-    key_slots.index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
-    value_slots.index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+    key_slots = copyable(kv_cache[0].view(-1, num_kv_heads, head_dim))
+    value_slots = copyable(kv_cache[1].view(-1, num_kv_heads, head_dim))
+    key_slots.index_copy_(0, slot_mapping, copyable(to_cache_dtype(key, kv_cache.dtype)))
+    value_slots.index_copy_(0, slot_mapping, copyable(to_cache_dtype(value, kv_cache.dtype)))
 
 
 def gather_context(
@@ -97,9 +99,10 @@ class TorchAttentionBackend(AttentionBackend):
         query_len = end - start
         q = query[start:end].transpose(0, 1)  # [heads, tokens, head_dim]
         if query_len == seq_len:
-            # Nothing cached before this chunk: attend over its own new K/V directly.
-            k = key[start:end].transpose(0, 1)
-            v = value[start:end].transpose(0, 1)
+            # Nothing cached before this chunk: attend over its own new K/V directly,
+            # rounded as the cache holds them (what every later read sees).
+            k = as_stored(key[start:end], kv_cache.dtype).transpose(0, 1)
+            v = as_stored(value[start:end], kv_cache.dtype).transpose(0, 1)
             out = _sdpa(q, k.to(q.dtype), v.to(q.dtype), None, scale, causal=query_len > 1)
         else:
             k = gather_context(kv_cache[0], metadata.block_tables[r], seq_len).transpose(0, 1)

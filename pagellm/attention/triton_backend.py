@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from pagellm.attention.backend import AttentionBackend, AttentionMetadata
+from pagellm.attention.kv_cache_dtype import copyable
 from pagellm.attention.triton_kernels import (
     LOG2E,
     merge_splits_kernel,
@@ -24,6 +25,9 @@ from pagellm.attention.triton_kernels import (
 )
 
 _MIN_DOT = 16  # tl.dot needs every dimension >= 16
+# fp8 cache formats for store_kv_kernel: mantissa bits, exponent bias, and the float32
+# bits of the largest finite value (448, 57344), where stores saturate.
+_FP8_FORMATS = {torch.float8_e4m3fn: (3, 7, 0x43E00000), torch.float8_e5m2: (2, 15, 0x47600000)}
 # Under TRITON_INTERPRET=1 the kernels run in NumPy on CPU tensors (the CPU tests).
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
@@ -201,11 +205,14 @@ def store_kv(
     if num_tokens == 0:
         return
     assert key.stride(2) == 1 and value.stride(2) == 1
+    # fp8: the kernel writes the rounded bytes into a uint8 view of the cache.
+    mant, bias, max_bits = _FP8_FORMATS.get(kv_cache.dtype, (0, 0, 0))
     store_kv_kernel[(num_tokens,)](
-        key, value, kv_cache[0], kv_cache[1], slot_mapping,
+        key, value, copyable(kv_cache[0]), copyable(kv_cache[1]), slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_HEADS=_next_power_of_2(num_kv_heads), BLOCK_D=_next_power_of_2(head_dim),
+        FP8_MANT=mant, FP8_BIAS=bias, FP8_MAX_BITS=max_bits,
     )  # fmt: skip
 
 

@@ -3,7 +3,11 @@
 Three kernels:
 
 - `store_kv`: scatter the step's new K/V rows into their cache slots (slot < 0 skips a
-  row: padding rows of a CUDA-graph batch).
+  row: padding rows of a CUDA-graph batch). An fp8 cache gets the bytes `_fp8_bits`
+  computes with integer operations: saturated and rounded to nearest even, the same
+  bits as torch's path and the C kernels, on the GPU and under the interpreter alike
+  (the interpreter's own float-to-fp8 cast rounds half up and loses the carry of a
+  mantissa that rounds over, e.g. 31.4 -> 16, and neither saturates).
 - `paged_attention`: causal attention for a mixed batch. A program owns one tile of one
   request's query tokens for one KV head; its rows are (token, query head) pairs of the
   heads that share that KV head (GQA), so each K/V row is loaded once for the whole
@@ -14,8 +18,10 @@ Three kernels:
 - `merge_splits`: the log-sum-exp merge of the partial results.
 
 The cache layout is the engine's: per layer [2, num_blocks, block_size, num_kv_heads,
-head_dim], contiguous. Everything here runs under Triton's interpreter
-(TRITON_INTERPRET=1) on CPU tensors as well, which is how the CPU test suite checks it.
+head_dim], contiguous, of the model's dtype or fp8 (read widened to the query's dtype;
+every fp8 value is exact in bf16, float16 and float32). Everything here runs under
+Triton's interpreter (TRITON_INTERPRET=1) on CPU tensors as well, which is how the CPU
+test suite checks it.
 """
 
 from __future__ import annotations
@@ -30,10 +36,30 @@ _LOG2E = 1.4426950408889634  # host side only
 
 
 @triton.jit
+def _fp8_bits(x, MANT: tl.constexpr, BIAS: tl.constexpr, MAX_BITS: tl.constexpr):
+    """The fp8 bytes (MANT mantissa bits, exponent bias BIAS) of x: |x| saturated at the
+    float32 bits MAX_BITS, rounded to nearest even (csrc/fp8.h fp8_from_float_bits)."""
+    bits = x.to(tl.float32).to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    a = tl.minimum(bits & 0x7FFFFFFF, MAX_BITS)
+    e = a >> 23  # float32 biased exponent
+    m = (a & 0x7FFFFF) | tl.where(e > 0, 0x800000, 0)  # with the implicit bit
+    t = e - 127 + BIAS  # fp8 biased exponent
+    shift = tl.minimum(23 - MANT + tl.maximum(1 - t, 0), 30)  # one more bit per step below normal
+    q = m >> shift
+    rem = m & ((1 << shift) - 1)
+    half = 1 << (shift - 1)
+    rounded = q + ((rem > half) | ((rem == half) & ((q & 1) == 1))).to(tl.int32)
+    # q holds the implicit bit for normal values; a mantissa rounding over carries on.
+    exponent = (tl.maximum(t, 1) - 1) << MANT
+    return (sign | (exponent + rounded)).to(tl.uint8)
+
+
+@triton.jit
 def store_kv_kernel(
     key_ptr,  # [num_tokens, num_kv_heads, head_dim]
     value_ptr,
-    key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim] contiguous
+    key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim] contiguous (fp8: as uint8)
     value_cache_ptr,
     slot_mapping_ptr,  # [num_tokens] int64
     key_stride_token,
@@ -44,6 +70,9 @@ def store_kv_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_HEADS: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    FP8_MANT: tl.constexpr,  # 0: cast to the cache's type; 3 (e4m3) or 2 (e5m2): fp8 bytes
+    FP8_BIAS: tl.constexpr,
+    FP8_MAX_BITS: tl.constexpr,
 ):
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
@@ -55,8 +84,12 @@ def store_kv_kernel(
     key = tl.load(key_ptr + token * key_stride_token + heads * key_stride_head + dims, mask=mask)
     value = tl.load(value_ptr + token * value_stride_token + heads * value_stride_head + dims, mask=mask)
     target = slot * (NUM_KV_HEADS * HEAD_DIM) + heads * HEAD_DIM + dims
-    tl.store(key_cache_ptr + target, key.to(key_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(value_cache_ptr + target, value.to(value_cache_ptr.dtype.element_ty), mask=mask)
+    if FP8_MANT == 0:
+        tl.store(key_cache_ptr + target, key.to(key_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(value_cache_ptr + target, value.to(value_cache_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(key_cache_ptr + target, _fp8_bits(key, FP8_MANT, FP8_BIAS, FP8_MAX_BITS), mask=mask)
+        tl.store(value_cache_ptr + target, _fp8_bits(value, FP8_MANT, FP8_BIAS, FP8_MAX_BITS), mask=mask)
 
 
 @triton.jit
@@ -142,11 +175,15 @@ def paged_attention_kernel(
         kv_mask = key_valid[:, None] & dim_valid[None, :]
         k = tl.load(key_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
         v = tl.load(value_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
-        # Probabilities are rounded to the cache's type for the second dot, as on the GPU.
-        probs_type = value_cache_ptr.dtype.element_ty
+        # Probabilities are rounded to the query's type (the model's) for the second dot,
+        # as on the GPU; fp8 K/V are widened to it (exactly).
+        probs_type = query_ptr.dtype.element_ty
         if DOT_IN_FP32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
+        else:
+            k = k.to(probs_type)
+            v = v.to(probs_type)
         if IEEE_FP32:
             scores = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:

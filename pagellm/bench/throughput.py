@@ -51,7 +51,8 @@ def run_bench_throughput(args: argparse.Namespace) -> dict[str, Any]:
     ceiling = measure_matmul_ceiling(torch_dtype)
     if args.backend == "pagellm":
         engine_args: dict[str, Any] = {
-            "max_num_seqs": args.max_num_seqs, "max_model_len": args.max_model_len, "quantization": args.quantization,
+            "max_num_seqs": args.max_num_seqs, "max_model_len": args.max_model_len,
+            "quantization": getattr(args, "quantization", "auto"),
         }  # fmt: skip
         if args.max_num_batched_tokens:
             engine_args["max_num_batched_tokens"] = args.max_num_batched_tokens

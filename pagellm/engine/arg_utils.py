@@ -5,7 +5,14 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from pagellm.config import ATTENTION_BACKENDS, LOAD_FORMATS, PREEMPTION_MODES, QUANTIZATION_CHOICES, SCHEDULING_POLICIES
+from pagellm.config import (
+    ATTENTION_BACKENDS,
+    KV_CACHE_DTYPES,
+    LOAD_FORMATS,
+    PREEMPTION_MODES,
+    QUANTIZATION_CHOICES,
+    SCHEDULING_POLICIES,
+)
 from pagellm.errors import ConfigError
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
@@ -50,6 +57,7 @@ class EngineArgs:
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None  # None = 2048 (chunked) or max_model_len
     block_size: int = 16
+    kv_cache_dtype: str = "auto"  # auto = the model's dtype; fp8_e4m3 | fp8_e5m2: 1 byte per element
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int | None = None
     num_gpu_blocks_override: int | None = None
@@ -79,6 +87,8 @@ class EngineArgs:
             raise ConfigError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         if self.quantization not in QUANTIZATION_CHOICES:
             raise ConfigError(f"quantization must be one of {QUANTIZATION_CHOICES}, got {self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ConfigError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"

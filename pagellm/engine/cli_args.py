@@ -11,7 +11,14 @@ import dataclasses
 import types
 import typing
 
-from pagellm.config import ATTENTION_BACKENDS, LOAD_FORMATS, PREEMPTION_MODES, QUANTIZATION_CHOICES, SCHEDULING_POLICIES
+from pagellm.config import (
+    ATTENTION_BACKENDS,
+    KV_CACHE_DTYPES,
+    LOAD_FORMATS,
+    PREEMPTION_MODES,
+    QUANTIZATION_CHOICES,
+    SCHEDULING_POLICIES,
+)
 from pagellm.engine.arg_utils import DEVICE_CHOICES, DTYPE_CHOICES, PROFILE_CHOICES, PROFILES, EngineArgs
 
 _CHOICES = {
@@ -23,6 +30,7 @@ _CHOICES = {
     "load_format": LOAD_FORMATS,
     "quantization": QUANTIZATION_CHOICES,
     "attention_backend": ATTENTION_BACKENDS,
+    "kv_cache_dtype": KV_CACHE_DTYPES,
 }
 _HELP = {
     "model": "GGUF file or HF checkpoint folder (default: embedded SmolLM2-135M-Instruct)",
@@ -36,6 +44,8 @@ _HELP = {
     "max_num_seqs": "most requests running at once",
     "max_num_batched_tokens": "token budget of one step (default 2048)",
     "block_size": "tokens per KV cache block",
+    "kv_cache_dtype": "KV cache element type: auto = the model's dtype; fp8_e4m3 / fp8_e5m2 = 8-bit floats "
+    "(half the bytes of bf16, so twice the blocks; scale 1.0, values saturated to the format's range)",
     "gpu_memory_utilization": "fraction of GPU memory the engine may use",
     "kv_cache_memory_bytes": "KV cache size in bytes (overrides the default budget)",
     "num_gpu_blocks_override": "exact number of KV blocks (mostly for tests)",

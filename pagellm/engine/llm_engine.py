@@ -38,6 +38,7 @@ from pagellm.request import RequestStatus
 from pagellm.sampling_params import SamplingParams
 from pagellm.tokenizer import Tokenizer
 from pagellm.attention.backend import AttentionBackend
+from pagellm.attention.kv_cache_dtype import resolve_kv_cache_dtype
 from pagellm.attention.selector import get_attention_backend
 from pagellm.worker.cuda_graphs import DEFAULT_MAX_CAPTURE_BATCH_SIZE, capture_sizes
 from pagellm.worker.cache_sizing import GiB, decide_cache_size
@@ -59,6 +60,7 @@ class EngineConfig:
     scheduler_config: SchedulerConfig
     device: torch.device
     dtype: torch.dtype
+    kv_cache_dtype: torch.dtype  # dtype, or fp8 (--kv-cache-dtype)
 
 
 def decode_graph_sizes(args: EngineArgs, device: torch.device, backend: AttentionBackend) -> list[int]:
@@ -180,14 +182,16 @@ class LLMEngine:
         backend = get_attention_backend(args.attention_backend, device)
         model = load_model(source, model_config, backend, dtype, device, args.load_format, args.quantization)
 
-        bytes_per_block = kv_cache_bytes_per_block(model_config, args.block_size, dtype)
+        # fp8 caches take 1 byte per element: twice the blocks of bf16 in the same budget.
+        kv_cache_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype)
+        bytes_per_block = kv_cache_bytes_per_block(model_config, args.block_size, kv_cache_dtype)
         graph_sizes = decode_graph_sizes(args, device, backend)
         peak = None
         if device.type == "cuda" and args.num_gpu_blocks_override is None and args.kv_cache_memory_bytes is None:
             from pagellm.worker.profiling import profile_memory
 
             profile = profile_memory(
-                model, scheduler_config, args.block_size, dtype, device,
+                model, scheduler_config, args.block_size, kv_cache_dtype, device,
                 graph_batch_size=max(graph_sizes) if graph_sizes else None,
             )  # fmt: skip
             peak = profile.total_bytes
@@ -217,19 +221,20 @@ class LLMEngine:
                 f"{capacity}. Lower max_model_len or give the cache more memory."
             )
         logger.info(
-            "KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB, %s); max concurrency at "
+            "KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB %s, %s); max concurrency at "
             "max_model_len=%d: %.2fx; swap space: %d host blocks",
             cache_config.num_usable_gpu_blocks,
             args.block_size,
             capacity,
             size.kv_cache_bytes / GiB,
+            str(kv_cache_dtype).removeprefix("torch."),
             size.how,
             max_model_len,
             capacity / max_model_len,
             size.num_cpu_blocks,
         )
         runner = ModelRunner(
-            model, args.block_size, size.num_gpu_blocks, size.num_cpu_blocks, dtype, device
+            model, args.block_size, size.num_gpu_blocks, size.num_cpu_blocks, kv_cache_dtype, device
         )
         if graph_sizes:
             reserved = torch.cuda.memory_reserved(device)
@@ -237,14 +242,14 @@ class LLMEngine:
             logger.info(
                 "CUDA graphs hold %.2f GiB", (torch.cuda.memory_reserved(device) - reserved) / GiB
             )
-        config = EngineConfig(source, model_config, cache_config, scheduler_config, device, dtype)
+        config = EngineConfig(source, model_config, cache_config, scheduler_config, device, dtype, kv_cache_dtype)
         metrics = EngineMetrics(
             source.name,
             log_stats_interval=None if args.disable_log_stats else args.log_stats_interval,
             series_file=args.metrics_series_file,
         )
         metrics.set_utilization_model(
-            ModelCosts.from_config(model_config, dtype_bytes=dtype.itemsize),
+            ModelCosts.from_config(model_config, dtype_bytes=dtype.itemsize, kv_dtype_bytes=kv_cache_dtype.itemsize),
             device_ceilings(device.type, dtype),
             scheduler_config.max_num_seqs,
         )

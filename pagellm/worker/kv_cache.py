@@ -10,8 +10,9 @@ from pagellm.model.config import ModelConfig
 
 
 def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block takes across all layers (K and V)."""
-    element_size = torch.empty((), dtype=dtype).element_size()
+    """Bytes one block takes across all layers (K and V) in the cache's dtype (fp8: one
+    byte per element, half of bf16)."""
+    element_size = dtype.itemsize
     per_token = 2 * config.num_key_value_heads * config.head_dim * element_size
     return config.num_hidden_layers * block_size * per_token
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagellm.attention.kv_cache_dtype import copyable
 from pagellm.core.scheduler_output import (
     ModelRunnerOutput,
     NewRequestData,
@@ -313,6 +314,6 @@ def _copy_blocks(
     src_index = torch.tensor(source_ids, device=source[0].device)
     dst_index = torch.tensor(target_ids, device=target[0].device)
     for src_layer, dst_layer in zip(source, target, strict=True):
-        # [2, n, block_size, kv_heads, head_dim]
-        blocks = src_layer.index_select(1, src_index).to(dst_layer.device, non_blocking=True)
-        dst_layer.index_copy_(1, dst_index, blocks)
+        # [2, n, block_size, kv_heads, head_dim]; fp8 caches as their bytes.
+        blocks = copyable(src_layer).index_select(1, src_index).to(dst_layer.device, non_blocking=True)
+        copyable(dst_layer).index_copy_(1, dst_index, blocks)

@@ -42,7 +42,7 @@ def profile_memory(
     model: LlamaForCausalLM,
     scheduler_config: SchedulerConfig,
     block_size: int,
-    dtype: torch.dtype,
+    kv_cache_dtype: torch.dtype,  # of the throwaway cache the profiling steps write
     device: torch.device,
     graph_batch_size: int | None = None,
 ) -> MemoryProfile:
@@ -54,12 +54,12 @@ def profile_memory(
     weights = torch.cuda.memory_allocated(device)
     num_tokens = scheduler_config.max_num_batched_tokens
     num_seqs = min(scheduler_config.max_num_seqs, num_tokens)
-    activations = _step_peak(model, _split(num_tokens, num_seqs), block_size, dtype, device) - weights
+    activations = _step_peak(model, _split(num_tokens, num_seqs), block_size, kv_cache_dtype, device) - weights
     graphs = 0
     if graph_batch_size:
         # Captured graphs keep their activations in a private pool, beside the cache
         # that serves eager steps, so a decode batch's peak is needed a second time.
-        graphs = _step_peak(model, [1] * graph_batch_size, block_size, dtype, device) - weights
+        graphs = _step_peak(model, [1] * graph_batch_size, block_size, kv_cache_dtype, device) - weights
     free, total = torch.cuda.mem_get_info(device)
     non_torch = max(0, total - free - torch.cuda.memory_reserved(device))
     torch.cuda.empty_cache()
@@ -73,12 +73,16 @@ def _split(num_tokens: int, num_seqs: int) -> list[int]:
 
 
 def _step_peak(
-    model: LlamaForCausalLM, query_lens: list[int], block_size: int, dtype: torch.dtype, device: torch.device
+    model: LlamaForCausalLM,
+    query_lens: list[int],
+    block_size: int,
+    kv_cache_dtype: torch.dtype,
+    device: torch.device,
 ) -> int:
     """Peak bytes allocated during one forward + logits over these prompts, not counting
     the throwaway KV cache it writes."""
     blocks_needed = sum(-(-n // block_size) for n in query_lens)
-    kv = allocate_kv_caches(model.config, blocks_needed + 1, block_size, dtype, device)
+    kv = allocate_kv_caches(model.config, blocks_needed + 1, block_size, kv_cache_dtype, device)
     sequences, next_block = [], 1
     for n in query_lens:
         count = -(-n // block_size)

@@ -36,17 +36,23 @@ def main() -> None:
         group = num_heads // num_kv_heads
         decode_m = max(16, _next_power_of_2(group))
         prefill_m = max(16, tuning.prefill_block_m, _next_power_of_2(group))
-        for dtype in ("bf16", "fp16", "fp32"):
-            shared = compile_one(
+        # (model dtype, cache dtype): the model's own, or fp8 (--kv-cache-dtype).
+        for dtype, cache in (("bf16", "bf16"), ("fp16", "fp16"), ("fp32", "fp32"), ("bf16", "fp8e4nv"),
+                             ("bf16", "fp8e5"), ("fp32", "fp8e4nv")):
+            fp8 = {"fp8e4nv": (3, 7, 0x43E00000), "fp8e5": (2, 15, 0x47600000)}.get(cache)
+            stored = "u8" if fp8 else cache  # store_kv writes fp8 caches' bytes
+            compile_one(
                 kernels.store_kv_kernel,
-                dict(key_ptr=f"*{dtype}", value_ptr=f"*{dtype}", key_cache_ptr=f"*{dtype}",
-                     value_cache_ptr=f"*{dtype}", slot_mapping_ptr="*i64", key_stride_token="i32",
+                dict(key_ptr=f"*{dtype}", value_ptr=f"*{dtype}", key_cache_ptr=f"*{stored}",
+                     value_cache_ptr=f"*{stored}", slot_mapping_ptr="*i64", key_stride_token="i32",
                      key_stride_head="i32", value_stride_token="i32", value_stride_head="i32"),
                 dict(NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-                     BLOCK_HEADS=_next_power_of_2(num_kv_heads), BLOCK_D=head_dim),
+                     BLOCK_HEADS=_next_power_of_2(num_kv_heads), BLOCK_D=head_dim,
+                     FP8_MANT=fp8[0] if fp8 else 0, FP8_BIAS=fp8[1] if fp8 else 0,
+                     FP8_MAX_BITS=fp8[2] if fp8 else 0),
             )  # fmt: skip
             types = dict(
-                query_ptr=f"*{dtype}", key_cache_ptr=f"*{dtype}", value_cache_ptr=f"*{dtype}",
+                query_ptr=f"*{dtype}", key_cache_ptr=f"*{cache}", value_cache_ptr=f"*{cache}",
                 block_tables_ptr="*i64", seq_lens_ptr="*i32", query_start_loc_ptr="*i32",
                 tile_req_ptr="*i32", tile_start_ptr="*i32", output_ptr=f"*{dtype}",
                 partial_out_ptr="*fp32", partial_max_ptr="*fp32", partial_sum_ptr="*fp32",
@@ -65,7 +71,8 @@ def main() -> None:
                          BLOCK_N=tuning.block_n, BLOCK_D=head_dim, NUM_SPLITS=splits,
                          IEEE_FP32=dtype == "fp32", DOT_IN_FP32=False),
                 )  # fmt: skip
-                print(f"paged_attention {name} {dtype} heads {num_heads}/{num_kv_heads}x{head_dim}: shared {shared} B")
+                print(f"paged_attention {name} {dtype} (cache {cache}) heads {num_heads}/{num_kv_heads}x{head_dim}: "
+                      f"shared {shared} B")
             compile_one(
                 kernels.merge_splits_kernel,
                 dict(partial_out_ptr="*fp32", partial_max_ptr="*fp32", partial_sum_ptr="*fp32",

@@ -35,10 +35,10 @@ def _check(y: torch.Tensor, x: torch.Tensor, w: np.ndarray, bias: np.ndarray | N
 
 @pytest.mark.parametrize("weight_type", QUANT_TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 16, 17, 64])
-@pytest.mark.parametrize("k", [512, 1056], ids=["k512", "k1056"])  # 33 groups: an odd number of them
-def test_linear_matches_gguf_dequantization(weight_type, rows, k):
-    if k % weight_type.block_elements:
-        pytest.skip(f"{weight_type.name} rows hold multiples of {weight_type.block_elements} values")
+@pytest.mark.parametrize("odd", [False, True], ids=["even", "odd"])
+def test_linear_matches_gguf_dequantization(weight_type, rows, odd):
+    # odd: 33 groups of 32 (the row-packed types pad a pair), or 3 K-quant super-blocks.
+    k = (1056 if weight_type.block_elements == 32 else 768) if odd else 512
     rng = np.random.default_rng(int(weight_type) * 100 + rows)
     n = 40
     data = random_blocks(weight_type, n, k, rng)
