@@ -84,8 +84,9 @@ def agreement_cell(record: dict) -> str:
     return f"{agreement['fraction']:.2f}"
 
 
-def render(results: dict[str, list[dict]], machine: str, cpu: dict) -> str:
-    lines = [f"Measured {time.strftime('%Y-%m-%d %H:%M')} on {machine}, CPU {describe_cpu(cpu)}, "
+def render(results: dict[str, list[dict]], machine: str, cpu: dict, measured: str | None = None) -> str:
+    measured = measured or time.strftime("%Y-%m-%d %H:%M")
+    lines = [f"Measured {measured} on {machine}, CPU {describe_cpu(cpu)}, "
              "SmolLM2-135M-Instruct.", ""]  # fmt: skip
     for scenario, records in results.items():
         workload, _ = SCENARIOS[scenario]
@@ -105,6 +106,10 @@ def render(results: dict[str, list[dict]], machine: str, cpu: dict) -> str:
                 name += f" ({r['settings'].get('parallel')} seqs)"
             if r["backend"] == "llamacpp" and r["dtype"] == "bfloat16":  # equal work: both on bf16 weights
                 reference = best_pagellm.get(DEQUANTIZED[3], best_any)
+            elif r["dtype"] == "bfloat16":  # HF in bf16 against pagellm's default bf16 path
+                reference = best_pagellm.get(AS_STORED[3], best_any)
+            elif r["backend"] == "llamacpp":  # the GGUF as stored against pagellm's default
+                reference = best_pagellm.get(AS_STORED[3], best_any)
             else:
                 reference = best_pagellm.get(r["dtype"], best_any)
             ratio = f"{reference / r['output_tok_s']:.2f}x" if reference and r["backend"] != "pagellm" else ""
@@ -131,7 +136,23 @@ def main() -> int:
     parser.add_argument("--scenarios", nargs="+", choices=list(SCENARIOS), default=list(SCENARIOS))
     parser.add_argument("--skip", nargs="*", default=[], help="backends to skip (e.g. llamacpp)")
     parser.add_argument("--out", default="benchmarks/results/compare.md")
+    parser.add_argument("--render", action="store_true", help="only rewrite the table from the .jsonl beside --out")
     args = parser.parse_args()
+    if args.render:
+        out = Path(args.out)
+        records = [json.loads(line) for line in out.with_suffix(".jsonl").read_text().splitlines()]
+        rendered: dict[str, list[dict]] = {}
+        for scenario, (workload, _) in SCENARIOS.items():
+            kind, count = workload[1], workload[workload.index("--num-requests") + 1]
+            rendered[scenario] = [
+                r for r in records
+                if r.get("workload", {}).get("kind") == kind and str(r["workload"].get("num_requests")) == count
+            ]  # fmt: skip
+        machine = next((r["machine"] for r in records if "machine" in r), "")
+        started = min(r["time"] for r in records if "time" in r).replace("T", " ")[:16]
+        out.write_text(render(rendered, machine, cpu_info(), measured=f"{started} (run started)"))
+        print(out.read_text())
+        return 0
     results: dict[str, list[dict]] = {}
     machine = ""
     with tempfile.TemporaryDirectory() as tmp:
