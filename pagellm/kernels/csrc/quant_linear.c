@@ -16,7 +16,8 @@
  * kernels serve are bound by reading the weights (measured in the README).
  *
  * Up to QUANT_STREAMING_MAX_ROWS rows of x each thread streams its share of W's rows once,
- * unpacking each group in registers. Above that, W is dequantized to bf16 a panel of rows
+ * unpacking each group in registers (Q4: four groups per 64-byte load, their bytes widened
+ * against 0x43 within 128-bit lanes, x permuted once per call to the order that yields). Above that, W is dequantized to bf16 a panel of rows
  * at a time into a per-thread buffer that stays in L2, and small_linear.c (up to
  * STREAMING_MAX_ROWS rows) or gemm_bf16.c's register tiles multiply it.
  *
@@ -311,6 +312,39 @@ static inline __attribute__((always_inline)) void stream_packed_row(int type, in
                 corr[r] = _mm512_fmadd_ps(bias16, _mm512_maskz_loadu_ps(mask, sums + r * sums_stride + g0), corr[r]);
         }
         int g = 0;
+        if (!is_q8) {
+            /* Four groups per pass from one 64-byte load: low nibbles are groups a and c,
+             * high ones b and d; unpacking bytes with 0x43 gives bf16 words in the order
+             * permute_x_for_q4 put x in, each dot product's lanes 0-7 from one group and
+             * 8-15 from the other. Two groups that share a scale vector share an
+             * accumulation before it is scaled. */
+            const __m512i bf16_high = _mm512_set1_epi8(0x43), low4x = _mm512_set1_epi8(0x0F);
+            const __m512i pick_ac = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
+            const __m512i pick_bd = _mm512_add_epi32(pick_ac, _mm512_set1_epi32(1));
+            const __m512 d_vector = _mm512_load_ps(d_buf);
+            for (; g + 4 <= count && g0 + g + 4 <= (groups / 4) * 4; g += 4) {
+                const int64_t group = g0 + g;
+                const __m512i packed = _mm512_loadu_si512((const void *)(row + 16 * group));
+                const __m512i low = _mm512_and_si512(packed, low4x);
+                const __m512i high = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4x);
+                const __m512bh wa0 = (__m512bh)_mm512_unpacklo_epi8(low, bf16_high);
+                const __m512bh wa1 = (__m512bh)_mm512_unpackhi_epi8(low, bf16_high);
+                const __m512bh wb0 = (__m512bh)_mm512_unpacklo_epi8(high, bf16_high);
+                const __m512bh wb1 = (__m512bh)_mm512_unpackhi_epi8(high, bf16_high);
+                const __m512i offset = _mm512_set1_epi32(g);
+                const __m512 s_ac = _mm512_permutexvar_ps(_mm512_add_epi32(pick_ac, offset), d_vector);
+                const __m512 s_bd = _mm512_permutexvar_ps(_mm512_add_epi32(pick_bd, offset), d_vector);
+                for (int r = 0; r < M; r++) {
+                    const uint16_t *xg = x + r * x_stride + group * GROUP;
+                    __m512 ac = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512((const void *)xg), wa0);
+                    ac = _mm512_dpbf16_ps(ac, (__m512bh)_mm512_loadu_si512((const void *)(xg + 32)), wa1);
+                    __m512 bd = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512((const void *)(xg + 64)), wb0);
+                    bd = _mm512_dpbf16_ps(bd, (__m512bh)_mm512_loadu_si512((const void *)(xg + 96)), wb1);
+                    acc0[r] = _mm512_fmadd_ps(ac, s_ac, acc0[r]);
+                    acc1[r] = _mm512_fmadd_ps(bd, s_bd, acc1[r]);
+                }
+            }
+        }
         for (; g + 2 <= count; g += 2) {
             const int64_t group = g0 + g;
             __m512bh w0, w1;
@@ -385,6 +419,36 @@ static const stream_fn *stream_kernels(int type) {
     }
 }
 
+/* The order in which the Q4 stream kernel reads x: within each run of 4 groups (128 values),
+ * the bf16 words its byte unpacking yields (see stream_packed_row): for groups a, b, c, d of
+ * the run, [a0-7 a16-23 c0-7 c16-23], [a8-15 a24-31 c8-15 c24-31], the same for b and d.
+ * A shorter tail keeps x's own order. */
+static void permute_x_for_q4(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, uint16_t *out) {
+    static const uint16_t low_index[32] = {0,  1,  2,  3,  4,  5,  6,  7,  16, 17, 18, 19, 20, 21, 22, 23,
+                                           32, 33, 34, 35, 36, 37, 38, 39, 48, 49, 50, 51, 52, 53, 54, 55};
+    const __m512i low_halves = _mm512_loadu_si512((const void *)low_index);
+    const __m512i high_halves = _mm512_add_epi16(low_halves, _mm512_set1_epi16(8));
+    const int64_t runs = k / 128;
+    for (int64_t r = 0; r < m; r++) {
+        const uint16_t *src = x + r * x_stride;
+        uint16_t *dst = out + r * k;
+        for (int64_t q = 0; q < runs; q++) {
+            const __m512i a = _mm512_loadu_si512((const void *)(src + 128 * q));
+            const __m512i b = _mm512_loadu_si512((const void *)(src + 128 * q + 32));
+            const __m512i c = _mm512_loadu_si512((const void *)(src + 128 * q + 64));
+            const __m512i d = _mm512_loadu_si512((const void *)(src + 128 * q + 96));
+            _mm512_storeu_si512((void *)(dst + 128 * q), _mm512_permutex2var_epi16(a, low_halves, c));
+            _mm512_storeu_si512((void *)(dst + 128 * q + 32), _mm512_permutex2var_epi16(a, high_halves, c));
+            _mm512_storeu_si512((void *)(dst + 128 * q + 64), _mm512_permutex2var_epi16(b, low_halves, d));
+            _mm512_storeu_si512((void *)(dst + 128 * q + 96), _mm512_permutex2var_epi16(b, high_halves, d));
+        }
+        memcpy(dst + 128 * runs, src + 128 * runs, sizeof(uint16_t) * (size_t)(k - 128 * runs));
+    }
+}
+
+static _Thread_local uint16_t *permuted_buffer;
+static _Thread_local size_t permuted_capacity;
+
 /* Thread t of nt's share of out[:, rows of this part] for m <= STREAMING_MAX_ROWS. */
 static void quant_stream_part(const uint16_t *x, int64_t x_stride, const WeightPart *p, const uint16_t *bias,
                               uint16_t *out, int64_t out_stride, int64_t m, int64_t k, int t, int nt) {
@@ -396,6 +460,12 @@ static void quant_stream_part(const uint16_t *x, int64_t x_stride, const WeightP
     const int64_t sums_stride = k / span;
     float *sums = grow((void **)&sums_buffer, &sums_capacity, sizeof(float) * (size_t)(m * sums_stride));
     column_sums(x, x_stride, m, k, span, sums);
+    if (p->type == WEIGHT_Q4_0 || p->type == WEIGHT_Q4_1) {
+        uint16_t *permuted = grow((void **)&permuted_buffer, &permuted_capacity, sizeof(uint16_t) * (size_t)(m * k));
+        permute_x_for_q4(x, x_stride, m, k, permuted);
+        x = permuted;
+        x_stride = k;
+    }
     const stream_fn *kernels = stream_kernels(p->type);
     float result[STREAM_ROWS];
     for (int64_t n = begin; n < end; n++) {
