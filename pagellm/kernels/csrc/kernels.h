@@ -12,6 +12,17 @@
  * 11.3 ms, at 20 rows 12.4 vs 10.8). */
 #define STREAMING_MAX_ROWS 16
 
+/* The [begin, end) share of `total` items that thread t of nt takes, in whole multiples of
+ * `unit` (the last share may end short at total). */
+static inline void thread_share(int64_t total, int64_t unit, int t, int nt, int64_t *begin, int64_t *end) {
+    const int64_t units = (total + unit - 1) / unit;
+    const int64_t per = units / nt, extra = units % nt;
+    const int64_t first = t * per + (t < extra ? t : extra);
+    const int64_t count = per + (t < extra ? 1 : 0);
+    *begin = unit * first < total ? unit * first : total;
+    *end = unit * (first + count) < total ? unit * (first + count) : total;
+}
+
 /* linear_bf16.c: thread t of nt's share of out = x w^T (+ bias), bf16, inside a region;
  * the row count picks the kernel below. */
 void linear_bf16_part(const uint16_t *x, int64_t x_stride, const uint16_t *w, const uint16_t *bias,

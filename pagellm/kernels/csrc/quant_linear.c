@@ -86,16 +86,6 @@ int quant_type_supported(int type) {
 #endif
 }
 
-/* The [begin, end) share of `total` rows that thread t of nt takes, in multiples of 16. */
-static inline void row_range(int64_t total, int t, int nt, int64_t *begin, int64_t *end) {
-    int64_t units = (total + 15) / 16;
-    int64_t per = units / nt, extra = units % nt;
-    int64_t first = t * per + (t < extra ? t : extra);
-    int64_t count = per + (t < extra ? 1 : 0);
-    *begin = 16 * first < total ? 16 * first : total;
-    *end = 16 * (first + count) < total ? 16 * (first + count) : total;
-}
-
 #if defined(__AVX512BF16__)
 
 /* The scale and offset of a group: w = scale * u + min for its first 16 elements (lo) and
@@ -456,7 +446,7 @@ static _Thread_local size_t permuted_capacity;
 static void quant_stream_part(const uint16_t *x, int64_t x_stride, const WeightPart *p, const uint16_t *bias,
                               uint16_t *out, int64_t out_stride, int64_t m, int64_t k, int t, int nt) {
     int64_t begin, end;
-    row_range(p->rows, t, nt, &begin, &end);
+    thread_share(p->rows, 16, t, nt, &begin, &end);
     if (begin >= end) return;
     /* Sums of x over 32 columns for the row-packed types, over 16 for the others. */
     const int span = is_row_packed(p->type) ? 32 : 16;
@@ -582,7 +572,7 @@ static void dequantize_part_rows(const WeightPart *p, int64_t row0, int64_t coun
 static void quant_gemm_part(const uint16_t *x, int64_t x_stride, const WeightPart *p, const uint16_t *bias,
                             uint16_t *out, int64_t out_stride, int64_t m, int64_t k, int t, int nt) {
     int64_t begin, end;
-    row_range(p->rows, t, nt, &begin, &end);
+    thread_share(p->rows, 16, t, nt, &begin, &end);
     const int64_t panel = k <= 2048 ? 64 : (k <= 4096 ? 32 : 16);
     uint16_t *buffer = grow((void **)&panel_buffer, &panel_capacity, sizeof(uint16_t) * (size_t)(panel * k));
     for (int64_t n = begin; n < end; n += panel) {

@@ -29,16 +29,6 @@
 #define PREFETCH_BYTES 4096
 #endif
 
-/* The [begin, end) share of `total` items that thread `t` of `n` takes, in multiples of 2. */
-static inline void thread_range(int64_t total, int t, int n, int64_t *begin, int64_t *end) {
-    int64_t pairs = (total + 1) / 2;
-    int64_t per = pairs / n, extra = pairs % n;
-    int64_t first = t * per + (t < extra ? t : extra);
-    int64_t count = per + (t < extra ? 1 : 0);
-    *begin = 2 * first;
-    *end = 2 * (first + count) < total ? 2 * (first + count) : total;
-}
-
 #if defined(__AVX512BF16__)
 /* out[m, n] for rows n0 and n1 (n1 may equal n0 when only one is left), m <= MAX_ROWS. */
 #define BF16_ROWS(M)                                                                         \
@@ -107,7 +97,7 @@ static void bf16_one_row_quad(const uint16_t *x, const uint16_t *w, int64_t k, f
 void small_linear_bf16_part(const uint16_t *x, int64_t x_stride, const uint16_t *w, const uint16_t *bias,
                             uint16_t *out, int64_t out_stride, int64_t m, int64_t n, int64_t k, int t, int nt) {
     int64_t begin, end;
-    thread_range(n, t, nt, &begin, &end);
+    thread_share(n, 2, t, nt, &begin, &end);
     if (m == 1) {
         float sums[4];
         for (; begin + 4 <= end; begin += 4) {
