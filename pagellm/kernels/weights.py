@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pagellm.errors import ModelLoadError
 from pagellm.kernels.build import load_kernels
 
 
@@ -130,8 +131,6 @@ class WeightPart:
 
 def check_part(part: WeightPart, k: int, name: str) -> None:
     """A part whose bytes do not match its type and shape is a clear error, not a crash."""
-    from pagellm.errors import ModelLoadError
-
     if k % part.type.block_elements:
         raise ModelLoadError(f"{name}: {part.type.label} needs rows of a multiple of {part.type.block_elements} values, not {k}")
     expected = row_bytes(part.type, k)

@@ -259,9 +259,7 @@ class LlamaForCausalLM(nn.Module):
             packed = getattr(module, "packed", None)
             if packed is not None:
                 for part in packed.parts:
-                    key = part.type.label + (" as stored" if part.type is not WeightType.I8_ROW else "")
-                    if part.type is WeightType.BF16:
-                        key = str(part.data.dtype).removeprefix("torch.")
+                    key = {WeightType.BF16: "bfloat16", WeightType.I8_ROW: "int8"}.get(part.type, f"{part.type.name} as stored")
                     totals[key] = totals.get(key, 0) + part.nbytes
             for param in module.parameters(recurse=False):
                 key = str(param.dtype).removeprefix("torch.")

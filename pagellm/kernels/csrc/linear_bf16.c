@@ -2,8 +2,9 @@
  *
  * The number of rows picks the kernel: up to STREAMING_MAX_ROWS the step only reads W
  * and small_linear.c streams it once; above, gemm_bf16.c's register tiles reuse it.
- * linear_bf16_part is the choice inside a caller's parallel region (the one-call decode
- * layer); linear_bf16 opens the region itself (kernels/linear.py).
+ * linear_bf16_part is the choice inside a caller's parallel region; linear_weight opens the
+ * region for any Weight (quant_linear.c's linear_weight_part picks bf16 or quantized
+ * kernels per part), and linear_bf16 is that for one bf16 matrix (kernels/linear.py).
  *
  * Built by pagellm/kernels/build.py; the bf16 path exists only where the compiler
  * targets AVX-512 BF16 (linear_bf16_supported).
@@ -30,24 +31,8 @@ void linear_bf16_part(const uint16_t *x, int64_t x_stride, const uint16_t *w, co
         gemm_bf16_part(x, x_stride, w, bias, out, out_stride, m, n, k, t, nt);
 }
 
-/* x: [m, k] bf16 (row stride x_stride, elements), w: [n, k] bf16 contiguous, bias: [n]
- * bf16 or NULL, out: [m, n] bf16 (row stride out_stride), m >= 1. */
-void linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, const uint16_t *bias,
-                 uint16_t *out, int64_t out_stride, int64_t m, int64_t n, int64_t k, int num_threads) {
-#pragma omp parallel num_threads(num_threads)
-    {
-        int t = 0, nt = 1;
-#ifdef _OPENMP
-        t = omp_get_thread_num();
-        nt = omp_get_num_threads();
-#endif
-        const unsigned float_mode = subnormals_flushed();
-        linear_bf16_part(x, x_stride, w, bias, out, out_stride, m, n, k, t, nt);
-        float_mode_restore(float_mode);
-    }
-}
-
-/* The same for any Weight (bf16 or quantized parts, quant_linear.c), opening the region. */
+/* out = x W^T (+ bias) for any Weight (bf16 or quantized parts, quant_linear.c), opening the
+ * parallel region (model/linear.py, kernels/weights.py). */
 void linear_weight(const uint16_t *x, int64_t x_stride, const Weight *w, const uint16_t *bias, uint16_t *out,
                    int64_t out_stride, int64_t m, int64_t k, int num_threads) {
 #pragma omp parallel num_threads(num_threads)
@@ -61,4 +46,12 @@ void linear_weight(const uint16_t *x, int64_t x_stride, const Weight *w, const u
         linear_weight_part(x, x_stride, w, bias, out, out_stride, m, k, t, nt);
         float_mode_restore(float_mode);
     }
+}
+
+/* x: [m, k] bf16 (row stride x_stride, elements), w: [n, k] bf16 contiguous, bias: [n]
+ * bf16 or NULL, out: [m, n] bf16 (row stride out_stride), m >= 1: a one-part Weight. */
+void linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, const uint16_t *bias,
+                 uint16_t *out, int64_t out_stride, int64_t m, int64_t n, int64_t k, int num_threads) {
+    const Weight weight = {1, {{WEIGHT_BF16, n, 2 * k, (const uint8_t *)w, NULL}}};
+    linear_weight(x, x_stride, &weight, bias, out, out_stride, m, k, num_threads);
 }

@@ -95,7 +95,7 @@ typedef struct {
 } GroupScale;
 
 /* Whether group_words gives 128 + u (unsigned types) rather than u itself (signed ones). */
-static inline int words_shifted(int type) { return type != WEIGHT_Q8_0 && type != WEIGHT_I8_ROW; }
+static inline int words_shifted(int type) { return type != WEIGHT_I8_ROW; }
 
 /* 6-bit scale and min j of a Q4_K / Q5_K super-block (GGML's packing of 12 bytes). */
 static inline void k_scale_min(const uint8_t *s, int j, int *scale, int *min) {
@@ -119,27 +119,14 @@ static inline __m512i signed_words(const int8_t *q) {
     return (__m512i)_mm512_cvtne2ps_pbh(fhi, flo);
 }
 
-/* Group g (32 elements along k) of one weight row as 32 bf16 words, with its scale.
- * `type` is a constant where this is inlined, so each kernel keeps one branch. */
+/* Group g (32 elements along k) of one weight row as 32 bf16 words, with its scale, for
+ * the types read in their own layout (K-quants, int8 rows; the row-packed Q4_0 / Q4_1 /
+ * Q8_0 have their own loops below). `type` is a constant where this is inlined, so each
+ * kernel keeps one branch. */
 static inline __attribute__((always_inline)) __m512i group_words(int type, const uint8_t *row, int64_t g,
                                                                  int64_t k, float row_scale, GroupScale *gs) {
     const __m256i low4 = _mm256_set1_epi8(0x0F);
     switch (type) {
-    case WEIGHT_Q4_0:
-    case WEIGHT_Q4_1: {
-        const int64_t groups = padded_groups(k);
-        const uint8_t *scales = row + groups * 16;
-        const float d = half_to_float(scales + 2 * g);
-        const float min = type == WEIGHT_Q4_1 ? half_to_float(scales + 2 * groups + 2 * g) : -8.0f * d;
-        __m256i packed = _mm256_loadu_si256((const __m256i *)(row + (g >> 1) * 32));
-        gs->scale_lo = gs->scale_hi = d;
-        gs->min_lo = gs->min_hi = min;
-        return unsigned_words(_mm256_and_si256((g & 1) ? _mm256_srli_epi16(packed, 4) : packed, low4));
-    }
-    case WEIGHT_Q8_0:
-        gs->scale_lo = gs->scale_hi = half_to_float(row + k + 2 * g);
-        gs->min_lo = gs->min_hi = 0.0f;
-        return signed_words((const int8_t *)(row + 32 * g));
     case WEIGHT_I8_ROW:
         gs->scale_lo = gs->scale_hi = row_scale;
         gs->min_lo = gs->min_hi = 0.0f;
