@@ -26,6 +26,8 @@ QUANTIZATION_CHOICES: tuple[str, ...] = ("auto", "none", "int8")
 # auto: the KV cache in the model's dtype; fp8_*: 8-bit floats (torch.float8_e4m3fn,
 # torch.float8_e5m2), half the bytes of bf16, per-tensor scale 1.0, saturated on store.
 KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8_e4m3", "fp8_e5m2")
+# Where the ranks of a tensor-parallel model run: processes on this machine, or Ray actors.
+DISTRIBUTED_EXECUTOR_BACKENDS: tuple[str, ...] = ("mp", "ray")
 
 
 def _check_int(owner: str, name: str, value: object, minimum: int) -> None:

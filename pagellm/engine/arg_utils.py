@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from pagellm.config import (
     ATTENTION_BACKENDS,
+    DISTRIBUTED_EXECUTOR_BACKENDS,
     KV_CACHE_DTYPES,
     LOAD_FORMATS,
     PREEMPTION_MODES,
@@ -77,6 +78,8 @@ class EngineArgs:
     log_stats_interval: float = 5.0  # seconds between stats lines while busy
     metrics_series_file: str | None = None  # JSONL time series (one point per second)
     kv_events_file: str | None = None  # JSONL log of every KV block event
+    tensor_parallel_size: int = 1  # ranks the model is split over (heads, MLP, vocabulary)
+    distributed_executor_backend: str | None = None  # mp | ray; None = mp (processes on this machine)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
@@ -127,6 +130,16 @@ class EngineArgs:
             raise ConfigError(f"profile must be one of {PROFILE_CHOICES}, got {self.profile!r}")
         if self.profile is not None and not self.enable_chunked_prefill:
             raise ConfigError("profile sets chunked-prefill knobs: it needs enable_chunked_prefill")
+        if isinstance(self.tensor_parallel_size, bool) or self.tensor_parallel_size < 1:
+            raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if (
+            self.distributed_executor_backend is not None
+            and self.distributed_executor_backend not in DISTRIBUTED_EXECUTOR_BACKENDS
+        ):
+            raise ConfigError(
+                f"distributed_executor_backend must be one of {DISTRIBUTED_EXECUTOR_BACKENDS}, "
+                f"got {self.distributed_executor_backend!r}"
+            )
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ConfigError(
                 f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "

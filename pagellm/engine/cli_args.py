@@ -13,6 +13,7 @@ import typing
 
 from pagellm.config import (
     ATTENTION_BACKENDS,
+    DISTRIBUTED_EXECUTOR_BACKENDS,
     KV_CACHE_DTYPES,
     LOAD_FORMATS,
     PREEMPTION_MODES,
@@ -31,6 +32,7 @@ _CHOICES = {
     "quantization": QUANTIZATION_CHOICES,
     "attention_backend": ATTENTION_BACKENDS,
     "kv_cache_dtype": KV_CACHE_DTYPES,
+    "distributed_executor_backend": DISTRIBUTED_EXECUTOR_BACKENDS,
 }
 _HELP = {
     "model": "GGUF file or HF checkpoint folder (default: embedded SmolLM2-135M-Instruct)",
@@ -56,6 +58,10 @@ _HELP = {
     "long_prefill_token_threshold": "cap on one request's prefill chunk per step (unset = no cap)",
     "prefill_share": "fraction of the step budget prefills may take while requests decode; the rest "
     "is reserved for decodes (unset = 1.0)",
+    "tensor_parallel_size": "split the model over this many ranks (GPUs, or CPU processes): attention and KV "
+    "heads, the MLP and the vocabulary; one all-reduce after each attention and MLP block",
+    "distributed_executor_backend": "where tensor-parallel ranks run: mp = processes on this machine "
+    "(default); ray = actors of a Ray cluster (pip install 'pagellm[ray]'), across machines",
     "profile": "preset of the knobs above: "
     + "; ".join(f"{name}: " + ", ".join(f"{k}={v}" for k, v in knobs.items()) for name, knobs in PROFILES.items()),
 }

@@ -28,7 +28,6 @@ from pagellm.errors import ConfigError, InvalidRequestError
 from pagellm.model.config import ModelConfig
 from pagellm.model.loader import (
     ModelSource,
-    load_model,
     load_model_config,
     load_tokenizer,
     resolve_model_source,
@@ -37,13 +36,13 @@ from pagellm.outputs import RequestOutput
 from pagellm.request import RequestStatus
 from pagellm.sampling_params import SamplingParams
 from pagellm.tokenizer import Tokenizer
-from pagellm.attention.backend import AttentionBackend
 from pagellm.attention.kv_cache_dtype import resolve_kv_cache_dtype
-from pagellm.attention.selector import get_attention_backend
-from pagellm.worker.cuda_graphs import DEFAULT_MAX_CAPTURE_BATCH_SIZE, capture_sizes
-from pagellm.worker.cache_sizing import GiB, decide_cache_size
-from pagellm.worker.kv_cache import kv_cache_bytes_per_block
+from pagellm.executor.base import Executor
+from pagellm.executor.factory import create_executor
+from pagellm.model.tensor_parallel import check_tp_size
+from pagellm.worker.cache_sizing import GiB
 from pagellm.worker.model_runner import ModelRunner
+from pagellm.worker.worker import WorkerSpec
 
 logger = logging.getLogger(__name__)
 
@@ -61,15 +60,6 @@ class EngineConfig:
     device: torch.device
     dtype: torch.dtype
     kv_cache_dtype: torch.dtype  # dtype, or fp8 (--kv-cache-dtype)
-
-
-def decode_graph_sizes(args: EngineArgs, device: torch.device, backend: AttentionBackend) -> list[int]:
-    """Decode batch sizes to capture as CUDA graphs: none on CPU, with --enforce-eager, or
-    where attention does not run through the Triton kernels (whose plans graphs replay)."""
-    if device.type != "cuda" or args.enforce_eager or backend.name != "triton":
-        return []
-    largest = args.max_capture_batch_size or min(args.max_num_seqs, DEFAULT_MAX_CAPTURE_BATCH_SIZE)
-    return capture_sizes(largest)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -125,12 +115,46 @@ def resolve_max_model_len(args: EngineArgs, model_config: ModelConfig) -> int:
     return args.max_model_len
 
 
+def _size_cache(executor: Executor, args: EngineArgs, max_model_len: int, kv_cache_dtype: torch.dtype) -> CacheConfig:
+    """The KV cache every rank can hold; too small for one max_model_len request is an error."""
+    size = executor.cache_size()
+    cache_config = CacheConfig(
+        block_size=args.block_size,
+        num_gpu_blocks=size.num_gpu_blocks,
+        num_cpu_blocks=size.num_cpu_blocks,
+        enable_prefix_caching=args.enable_prefix_caching,
+    )
+    capacity = cache_config.max_num_cached_tokens
+    # A request of max_model_len needs ceil(len / block) whole blocks.
+    blocks_per_max_request = -(-max_model_len // args.block_size)
+    if blocks_per_max_request > cache_config.num_usable_gpu_blocks:
+        raise ConfigError(
+            f"the KV cache ({size.how}) holds {capacity} tokens, too few for one request "
+            f"of max_model_len={max_model_len}; the largest max_model_len that fits is "
+            f"{capacity}. Lower max_model_len or give the cache more memory."
+        )
+    logger.info(
+        "KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB %s per rank, %s); max concurrency at "
+        "max_model_len=%d: %.2fx; swap space: %d host blocks",
+        cache_config.num_usable_gpu_blocks,
+        args.block_size,
+        capacity,
+        size.kv_cache_bytes / GiB,
+        str(kv_cache_dtype).removeprefix("torch."),
+        size.how,
+        max_model_len,
+        capacity / max_model_len,
+        size.num_cpu_blocks,
+    )
+    return cache_config
+
+
 class LLMEngine:
     def __init__(
         self,
         config: EngineConfig,
         tokenizer: Tokenizer,
-        runner: ModelRunner,
+        executor: Executor,
         max_logprobs: int = 20,
         metrics: EngineMetrics | None = None,
         kv_events_file: str | None = None,
@@ -138,7 +162,7 @@ class LLMEngine:
         self.config = config
         self.model_config = config.model_config
         self.tokenizer = tokenizer
-        self.runner = runner
+        self.executor = executor
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config)
         self.input_processor = InputProcessor(
             tokenizer, config.model_config.vocab_size, config.scheduler_config.max_model_len
@@ -179,69 +203,40 @@ class LLMEngine:
             long_prefill_token_threshold=args.long_prefill_token_threshold,
             prefill_share=1.0 if args.prefill_share is None else args.prefill_share,
         )
-        backend = get_attention_backend(args.attention_backend, device)
-        model = load_model(source, model_config, backend, dtype, device, args.load_format, args.quantization)
-
         # fp8 caches take 1 byte per element: twice the blocks of bf16 in the same budget.
         kv_cache_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype)
-        bytes_per_block = kv_cache_bytes_per_block(model_config, args.block_size, kv_cache_dtype)
-        graph_sizes = decode_graph_sizes(args, device, backend)
-        peak = None
-        if device.type == "cuda" and args.num_gpu_blocks_override is None and args.kv_cache_memory_bytes is None:
-            from pagellm.worker.profiling import profile_memory
-
-            profile = profile_memory(
-                model, scheduler_config, args.block_size, kv_cache_dtype, device,
-                graph_batch_size=max(graph_sizes) if graph_sizes else None,
-            )  # fmt: skip
-            peak = profile.total_bytes
-        size = decide_cache_size(
-            bytes_per_block=bytes_per_block,
-            device=device,
+        tp_size = args.tensor_parallel_size
+        if tp_size > 1:
+            check_tp_size(model_config, tp_size)
+        spec = WorkerSpec(
+            source=source,
+            model_config=model_config,
+            scheduler_config=scheduler_config,
+            dtype=dtype,
+            kv_cache_dtype=kv_cache_dtype,
+            block_size=args.block_size,
+            seed=args.seed,
+            attention_backend=args.attention_backend,
+            load_format=args.load_format,
+            quantization=args.quantization,
             gpu_memory_utilization=args.gpu_memory_utilization,
             kv_cache_memory_bytes=args.kv_cache_memory_bytes,
             num_gpu_blocks_override=args.num_gpu_blocks_override,
             # Host blocks are only ever used by swap preemption.
             swap_space_bytes=int(args.swap_space * GiB) if args.preemption_mode == "swap" else 0,
-            profiled_peak_bytes=peak,
+            enforce_eager=args.enforce_eager,
+            max_capture_batch_size=args.max_capture_batch_size,
+            tensor_parallel_size=tp_size,
+            # CPU ranks share the machine's cores.
+            num_threads=max(1, torch.get_num_threads() // tp_size) if tp_size > 1 and device.type == "cpu" else None,
         )
-        cache_config = CacheConfig(
-            block_size=args.block_size,
-            num_gpu_blocks=size.num_gpu_blocks,
-            num_cpu_blocks=size.num_cpu_blocks,
-            enable_prefix_caching=args.enable_prefix_caching,
-        )
-        capacity = cache_config.max_num_cached_tokens
-        # A request of max_model_len needs ceil(len / block) whole blocks.
-        blocks_per_max_request = -(-max_model_len // args.block_size)
-        if blocks_per_max_request > cache_config.num_usable_gpu_blocks:
-            raise ConfigError(
-                f"the KV cache ({size.how}) holds {capacity} tokens, too few for one request "
-                f"of max_model_len={max_model_len}; the largest max_model_len that fits is "
-                f"{capacity}. Lower max_model_len or give the cache more memory."
-            )
-        logger.info(
-            "KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB %s, %s); max concurrency at "
-            "max_model_len=%d: %.2fx; swap space: %d host blocks",
-            cache_config.num_usable_gpu_blocks,
-            args.block_size,
-            capacity,
-            size.kv_cache_bytes / GiB,
-            str(kv_cache_dtype).removeprefix("torch."),
-            size.how,
-            max_model_len,
-            capacity / max_model_len,
-            size.num_cpu_blocks,
-        )
-        runner = ModelRunner(
-            model, args.block_size, size.num_gpu_blocks, size.num_cpu_blocks, kv_cache_dtype, device
-        )
-        if graph_sizes:
-            reserved = torch.cuda.memory_reserved(device)
-            runner.capture_decode_graphs(graph_sizes, max_model_len)
-            logger.info(
-                "CUDA graphs hold %.2f GiB", (torch.cuda.memory_reserved(device) - reserved) / GiB
-            )
+        executor = create_executor(spec, args.distributed_executor_backend, device)
+        try:
+            cache_config = _size_cache(executor, args, max_model_len, kv_cache_dtype)
+            executor.init_cache(cache_config.num_gpu_blocks, cache_config.num_cpu_blocks)
+        except BaseException:
+            executor.shutdown()
+            raise
         config = EngineConfig(source, model_config, cache_config, scheduler_config, device, dtype, kv_cache_dtype)
         metrics = EngineMetrics(
             source.name,
@@ -253,7 +248,7 @@ class LLMEngine:
             device_ceilings(device.type, dtype),
             scheduler_config.max_num_seqs,
         )
-        return cls(config, tokenizer, runner, args.max_logprobs, metrics, args.kv_events_file)
+        return cls(config, tokenizer, executor, args.max_logprobs, metrics, args.kv_events_file)
 
     # ------------------------------------------------------------------ requests
 
@@ -321,7 +316,7 @@ class LLMEngine:
             new.req_id: self.scheduler.requests[new.req_id].num_cached_tokens
             for new in scheduler_output.scheduled_new_reqs
         }
-        runner_output = self.runner.execute_model(scheduler_output)
+        runner_output = self.executor.execute_model(scheduler_output)
         progress = self.scheduler.update_from_output(scheduler_output, runner_output)
         result = self.output_processor.process(
             progress, runner_output.logprobs, runner_output.prompt_logprobs, cached
@@ -357,8 +352,14 @@ class LLMEngine:
         """The checkpoint's name (what metrics and the dashboard label figures with)."""
         return self.config.source.name
 
+    @property
+    def runner(self) -> ModelRunner:
+        """The driver's runner (rank 0: its model share, its KV cache)."""
+        return self.executor.runner
+
     def close(self) -> None:
-        """Release files the engine writes (event log, metrics series)."""
+        """Stop the workers and release files the engine writes (event log, metrics series)."""
+        self.executor.shutdown()
         if self.kv_events is not None:
             self.kv_events.close()
         self.metrics.close()

@@ -30,6 +30,17 @@ class LLM:
         self.engine = LLMEngine.from_engine_args(args)
         self._counter = 0
 
+    def shutdown(self) -> None:
+        """Stop the engine's worker processes (tensor parallelism) and close its files.
+        Also done at interpreter exit; the LLM cannot generate afterwards."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
+
     def get_metrics(self):  # noqa: ANN201 - pagellm.metrics.engine_metrics.MetricsSnapshot
         """The engine's counters, gauges and latency summaries (see README: Metrics)."""
         return self.engine.get_metrics()

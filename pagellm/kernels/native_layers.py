@@ -85,6 +85,8 @@ class NativeLayers:
             query = qkv[:, :q_size].view(m, heads, head_dim)
             attended = model.backend.attend_cached(query, cache, metadata, attention.scale)
             projected = attention.o_proj(attended.view(m, q_size))
+            if model.tp is not None:
+                projected = model.tp.all_reduce(projected)
             library.rms_norm_residual_bf16(
                 hidden.data_ptr(), projected.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
                 layer.post_attention_layernorm.eps, normed.data_ptr(), m, size, threads,
@@ -92,6 +94,8 @@ class NativeLayers:
             gate_up = mlp.gate_up_proj(normed)
             library.silu_mul_bf16(gate_up.data_ptr(), act.data_ptr(), m, config.intermediate_size, threads)
             delta = mlp.down_proj(act)
+            if model.tp is not None:
+                delta = model.tp.all_reduce(delta)
         if delta is not None:
             library.add_bf16(hidden.data_ptr(), delta.data_ptr(), hidden.numel(), threads)
         return hidden

@@ -51,6 +51,11 @@ MAX_PARTS = 3
 ROW_PACKED_TYPES = frozenset({WeightType.Q4_0, WeightType.Q4_1, WeightType.Q8_0})
 
 
+def block_bytes(weight_type: WeightType) -> int:
+    """Bytes of one quantization block as a GGUF file stores it."""
+    return _BLOCK_BYTES[weight_type]
+
+
 def _padded_groups(k: int) -> int:
     return (k // 32 + 1) // 2 * 2
 

@@ -25,6 +25,7 @@ from pagellm.model.layers import RMSNorm, RotaryEmbedding, apply_rotary
 from pagellm.kernels.linear import CpuLinearKernels
 from pagellm.kernels.weights import PackedWeight, WeightPart, WeightType, check_part
 from pagellm.model.linear import CpuEmbedding, CpuLinear, linear, packed_linear
+from pagellm.model.tensor_parallel import TPGroup, vocab_parallel_embed
 
 if TYPE_CHECKING:
     from pagellm.kernels.decode_layer import FusedDecode
@@ -32,8 +33,9 @@ if TYPE_CHECKING:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
+        self.tp = tp  # o_proj is row-parallel: its partial sums are all-reduced
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -62,12 +64,14 @@ class LlamaAttention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = apply_rotary(q, k, cos_sin)
         out = backend.forward(q, k, v, kv_cache, metadata, self.scale)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        projected = self.o_proj(out.reshape(num_tokens, self.q_size))
+        return projected if self.tp is None else self.tp.all_reduce(projected)
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
+        self.tp = tp  # down_proj is row-parallel: its partial sums are all-reduced
         self.intermediate_size = config.intermediate_size
         # gate and up projections fused into one matmul.
         self.gate_up_proj = CpuLinear(config.hidden_size, 2 * config.intermediate_size, bias=False)
@@ -75,16 +79,17 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        out = self.down_proj(F.silu(gate) * up)
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config)
+        self.self_attn = LlamaAttention(config, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+        self.mlp = LlamaMLP(config, tp)
 
     def forward(
         self,
@@ -111,14 +116,20 @@ _STACKED = {
 
 
 class LlamaForCausalLM(nn.Module):
+    """The whole model, or with `tp` one tensor-parallel rank's share of it: then `config`
+    holds this rank's shapes (see TPLayout.local_config) and `vocab_size` the full one."""
+
     def __init__(
         self,
         config: ModelConfig,
         backend: AttentionBackend,
         rope_freq_divisors: torch.Tensor | None = None,
+        tp: TPGroup | None = None,
     ) -> None:
         super().__init__()
         self.config = config
+        self.tp = tp
+        self.vocab_size = config.vocab_size if tp is None else tp.layout.vocab_size
         self.backend = backend
         self.rotary = RotaryEmbedding(
             config.head_dim,
@@ -129,7 +140,7 @@ class LlamaForCausalLM(nn.Module):
         )
         self.embed_tokens = CpuEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, tp) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if config.tie_word_embeddings:
@@ -144,7 +155,10 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, kv_heads, head_dim]
         metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
-        hidden = self.embed_tokens(input_ids)
+        if self.tp is None:
+            hidden = self.embed_tokens(input_ids)
+        else:
+            hidden = self.tp.all_reduce(vocab_parallel_embed(self.tp.layout, self.embed_tokens, input_ids))
         if self.fused_decode is not None and self.fused_decode.applies(hidden, kv_caches, metadata):
             return self.norm(self.fused_decode.run(hidden, positions, kv_caches, metadata))
         if self.native_layers is not None and self.native_layers.applies(hidden, kv_caches):
@@ -166,10 +180,14 @@ class LlamaForCausalLM(nn.Module):
                 module.kernel = kernel
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, vocab_size]
+        """Logits of the full vocabulary (with tensor parallelism: gathered from every rank,
+        a collective call that every rank makes with the same rows)."""
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         if head.packed is not None:
-            return packed_linear(hidden, head.packed, None, self.cpu_linear_kernels)
-        return linear(hidden, head.weight, None, self.cpu_linear_kernels)
+            logits = packed_linear(hidden, head.packed, None, self.cpu_linear_kernels)
+        else:
+            logits = linear(hidden, head.weight, None, self.cpu_linear_kernels)
+        return logits if self.tp is None else self.tp.gather_vocab(logits)
 
     @torch.no_grad()
     def load_weights(

@@ -69,8 +69,12 @@ class ModelRunner:
         num_host_blocks: int,
         kv_cache_dtype: torch.dtype,
         device: torch.device,
+        is_driver: bool = True,
     ) -> None:
         self.model = model
+        # With tensor parallelism only the driver (rank 0) samples; the other ranks make
+        # the same logits calls (collectives) and learn the tokens from the driver.
+        self.is_driver = is_driver
         self.block_size = block_size
         self.device = device
         config = model.config
@@ -90,7 +94,7 @@ class ModelRunner:
             else []
         )
         self.sampler = Sampler()
-        self.penalties = PenaltyState(config.vocab_size, device)
+        self.penalties = PenaltyState(model.vocab_size, device)
         self.requests: dict[str, RunnerRequestState] = {}
         # Seeded generators outlive preemption so a request's draws stay reproducible.
         self.generators: dict[str, torch.Generator] = {}
@@ -110,6 +114,13 @@ class ModelRunner:
             "captured decode graphs for %d batch sizes (1 to %d) in %.1fs",
             len(sizes), max(sizes), time.perf_counter() - start,
         )  # fmt: skip
+
+    def append_sampled(self, sampled_token_ids: dict[str, list[int]]) -> None:
+        """A non-driver rank: the tokens the driver sampled last step, before the next."""
+        for req_id, tokens in sampled_token_ids.items():
+            state = self.requests.get(req_id)
+            if state is not None:  # a request that finished since is already gone
+                state.token_ids.extend(tokens)
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -176,6 +187,11 @@ class ModelRunner:
     def _sample(self, rows: list[_SampleRow], hidden: torch.Tensor, output: ModelRunnerOutput) -> None:
         index = torch.tensor([row.hidden_row for row in rows], device=self.device)
         logits = self.model.compute_logits(hidden[index])
+        if not self.is_driver:
+            for row in rows:
+                if row.req_id != row.owner_id:
+                    self.requests[row.owner_id].num_pending_forks = 0
+            return
         result = self.sampler(logits, self._sampling_batch(rows))
         owners: list[str] = []
         owner_tokens: list[int] = []
@@ -241,6 +257,8 @@ class ModelRunner:
                 continue
             first = starts[index]
             logprobs = self.model.compute_logits(hidden[first : first + count]).float()
+            if not self.is_driver:
+                continue
             logprobs = logprobs.log_softmax(dim=-1)
             positions = range(seq.start_position + 1, seq.start_position + 1 + count)
             targets = torch.tensor([state.token_ids[p] for p in positions], device=self.device)

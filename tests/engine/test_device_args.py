@@ -12,7 +12,7 @@ from hf_models import make_tiny_hf_checkpoint
 from pagellm import LLM, SamplingParams
 from pagellm.attention.torch_backend import TorchAttentionBackend
 from pagellm.engine.arg_utils import EngineArgs
-from pagellm.engine.llm_engine import decode_graph_sizes
+from pagellm.worker.worker import decode_graph_sizes
 from pagellm.errors import ConfigError
 from pagellm.worker.profiling import MemoryProfile
 
@@ -49,16 +49,19 @@ def test_bad_device_arguments_are_named():
 def test_graph_sizes_only_for_triton_on_cuda():
     cuda = torch.device("cuda")
 
-    class FakeTriton:
-        name = "triton"
+    def sizes(device=cuda, backend="triton", enforce_eager=False, max_capture_batch_size=None, max_num_seqs=256, tp=1):
+        return decode_graph_sizes(
+            device, backend, enforce_eager=enforce_eager, max_capture_batch_size=max_capture_batch_size,
+            max_num_seqs=max_num_seqs, tensor_parallel_size=tp,
+        )  # fmt: skip
 
-    assert decode_graph_sizes(EngineArgs(), torch.device("cpu"), FakeTriton()) == []
-    assert decode_graph_sizes(EngineArgs(enforce_eager=True), cuda, FakeTriton()) == []
-    assert decode_graph_sizes(EngineArgs(), cuda, TorchAttentionBackend()) == []
-    sizes = decode_graph_sizes(EngineArgs(max_num_seqs=100), cuda, FakeTriton())
-    assert sizes[0] == 1 and sizes[-1] == 100
-    assert decode_graph_sizes(EngineArgs(max_capture_batch_size=8), cuda, FakeTriton())[-1] == 8
-    assert decode_graph_sizes(EngineArgs(max_num_seqs=2048), cuda, FakeTriton())[-1] == 512
+    assert sizes(device=torch.device("cpu")) == []
+    assert sizes(enforce_eager=True) == []
+    assert sizes(backend=TorchAttentionBackend().name) == []
+    assert sizes(tp=2) == []  # collectives are not captured
+    assert sizes(max_num_seqs=100)[0] == 1 and sizes(max_num_seqs=100)[-1] == 100
+    assert sizes(max_capture_batch_size=8)[-1] == 8
+    assert sizes(max_num_seqs=2048)[-1] == 512
 
 
 def test_memory_profile_adds_up():

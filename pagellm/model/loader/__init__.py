@@ -18,6 +18,7 @@ from pagellm.kernels.weights import WeightPart, WeightType, kernels_support, qua
 from pagellm.model.layers import RotaryEmbedding
 from pagellm.model.config import ModelConfig
 from pagellm.model.llama import LlamaForCausalLM
+from pagellm.model.tensor_parallel import TPGroup, TPLayout, shard_float
 from pagellm.kernels.build import load_kernels
 from pagellm.kernels.decode_layer import FusedDecode
 from pagellm.kernels.native_layers import NativeLayers
@@ -93,9 +94,11 @@ def load_model(
     device: torch.device | str = "cpu",
     load_format: str = "auto",
     quantization: str = "auto",
+    tp: TPGroup | None = None,
 ) -> LlamaForCausalLM:
     """Build the model on `device` in `dtype` and fill it from the checkpoint, or with
-    random weights (load_format "dummy": only the checkpoint's config is read).
+    random weights (load_format "dummy": only the checkpoint's config is read). With `tp`,
+    this tensor-parallel rank's share of it.
 
     quantization "auto": a GGUF's quantized linear layers and embedding stay as stored
     where the CPU kernels run them (bf16 on a CPU with AVX-512 BF16), float checkpoints
@@ -109,10 +112,12 @@ def load_model(
     if source.format == "gguf":
         reader = gguf_loader.open_gguf(source.path)
         if load_format != "dummy":
-            weights = gguf_loader.iter_gguf_weights(reader, config, keep_types)
+            weights = gguf_loader.iter_gguf_weights(reader, config, keep_types, None if tp is None else tp.layout)
         divisors = gguf_loader.rope_freq_divisors(reader)
     elif load_format != "dummy":
         weights = hf_loader.iter_hf_weights(source.path)
+        if tp is not None:
+            weights = _sharded(weights, tp.layout)
     if weights is not None and quantization == "int8":
         weights = _int8_rows(weights)
     previous_dtype = torch.get_default_dtype()
@@ -122,7 +127,8 @@ def load_model(
         # parameter is created as its tensor arrives, so weights kept quantized never
         # exist in float, not even for a moment.
         with torch.device("meta" if weights is not None else device):
-            model = LlamaForCausalLM(config, backend, rope_freq_divisors=divisors)
+            local_config = config if tp is None else tp.layout.local_config(config)
+            model = LlamaForCausalLM(local_config, backend, rope_freq_divisors=divisors, tp=tp)
         with torch.device(device):
             model.rotary = RotaryEmbedding(
                 config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling, divisors
@@ -213,6 +219,12 @@ def _plan_quantization(
 Weights = Iterator[tuple[str, torch.Tensor | WeightPart]]
 
 
+def _sharded(weights: Weights, layout: TPLayout) -> Weights:
+    for name, tensor in weights:
+        assert isinstance(tensor, torch.Tensor), "HF checkpoints hold float tensors"
+        yield name, shard_float(layout, name, tensor)
+
+
 def _int8_rows(weights: Weights) -> Weights:
     """Float linear and embedding weights as int8 rows (scale = max |w| / 127 per row)."""
     for name, tensor in weights:
@@ -230,7 +242,9 @@ def _use_cpu_decode_kernels(model: LlamaForCausalLM) -> None:
     if kernel is None:
         return
     model.use_cpu_linear_kernels(kernel)
-    if FusedDecode.supports(model):
+    # The one-call layer has no point to all-reduce at: tensor-parallel ranks run the
+    # layer ops (all-reduces between them) instead.
+    if FusedDecode.supports(model) and model.tp is None:
         model.fused_decode = FusedDecode(load_kernels(), model)
     if NativeLayers.supports(model):
         model.native_layers = NativeLayers(load_kernels(), model)

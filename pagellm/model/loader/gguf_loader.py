@@ -14,8 +14,16 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from pagellm.errors import ModelLoadError, UnsupportedModelError
-from pagellm.kernels.weights import QUANTIZED_TYPES, WeightPart, WeightType, file_row_bytes, pack_rows
+from pagellm.kernels.weights import (
+    QUANTIZED_TYPES,
+    WeightPart,
+    WeightType,
+    block_bytes,
+    file_row_bytes,
+    pack_rows,
+)
 from pagellm.model.config import SUPPORTED_GGUF_ARCHITECTURES, ModelConfig, RopeScaling
+from pagellm.model.tensor_parallel import TPLayout, shard_blocks, shard_float
 
 logger = logging.getLogger(__name__)
 
@@ -162,12 +170,17 @@ _KEEPABLE = re.compile(r"(_proj\.weight|embed_tokens\.weight|lm_head\.weight)$")
 
 
 def iter_gguf_weights(
-    reader: GGUFReader, config: ModelConfig, keep_types: frozenset[WeightType] = frozenset()
+    reader: GGUFReader,
+    config: ModelConfig,
+    keep_types: frozenset[WeightType] = frozenset(),
+    shard: TPLayout | None = None,
 ) -> Iterator[tuple[str, torch.Tensor | WeightPart]]:
     """(HF name, tensor) for every model tensor of the file: float32, or a `WeightPart`
     holding the stored blocks where the tensor's type is in `keep_types`.
 
     A quantized tensor of a type not kept is dequantized with one log line naming it.
+    With `shard`, each tensor is this tensor-parallel rank's share of it; quantized blocks
+    are split as stored, except where a column split would cut a block (dequantized then).
     """
     permute = config.architecture == "llama"
     for tensor in reader.tensors:
@@ -180,20 +193,28 @@ def iter_gguf_weights(
             heads = config.num_attention_heads if ".q_proj." in hf_name else config.num_key_value_heads
         stored = _stored_type(qtype)
         if stored is not None and stored in keep_types and _KEEPABLE.search(hf_name):
-            data = _stored_rows(tensor)
+            data: np.ndarray | None = _stored_rows(tensor)
             if heads is not None:
                 data = undo_rope_permutation(data, heads)
-            data = pack_rows(stored, data, int(tensor.shape[0]))
-            yield hf_name, WeightPart(stored, torch.from_numpy(np.ascontiguousarray(data)))
-            continue
-        if qtype not in _FLOAT_TYPES and keep_types:
+            if shard is not None:
+                data = shard_blocks(shard, hf_name, data, stored.block_elements, block_bytes(stored))
+            if data is not None:
+                k = data.shape[1] // block_bytes(stored) * stored.block_elements
+                yield hf_name, WeightPart(stored, torch.from_numpy(np.ascontiguousarray(pack_rows(stored, data, k))))
+                continue
+            logger.info(
+                "tensor %s (%s): its tensor-parallel split cuts quantization blocks: dequantized",
+                tensor.name, qtype.name,
+            )  # fmt: skip
+        elif qtype not in _FLOAT_TYPES and keep_types:
             logger.info("tensor %s (%s) has no native kernel here: dequantized", tensor.name, qtype.name)
         values = dequantize_tensor(tensor)
         if heads is not None:
             values = undo_rope_permutation(values, heads)
         if not values.flags.writeable:
             values = values.copy()  # unquantized tensors are read-only views of the mmap
-        yield hf_name, torch.from_numpy(np.ascontiguousarray(values))
+        weight = torch.from_numpy(np.ascontiguousarray(values))
+        yield hf_name, weight if shard is None else shard_float(shard, hf_name, weight)
 
 
 _FLOAT_TYPES = frozenset({GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16})

@@ -1,0 +1,1 @@
+"""Executor stage: where the workers run (this process, worker processes, Ray actors)."""

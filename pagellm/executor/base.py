@@ -1,0 +1,89 @@
+"""Executor stage: the interface the engine drives its workers through.
+
+The driver (rank 0) always lives in the engine's process: the engine reads its runner
+(the model, the KV cache) directly, and it samples. The other ranks of a tensor-parallel
+model run wherever the executor puts them and receive every step from the driver.
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+
+from pagellm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from pagellm.errors import PagellmError
+from pagellm.worker.cache_sizing import CacheSize
+from pagellm.worker.model_runner import ModelRunner
+from pagellm.worker.worker import Worker
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerDiedError(PagellmError):
+    """A worker (another rank of the model) has died: the engine cannot run steps any more."""
+
+
+class Executor(ABC):
+    driver: Worker
+
+    def __init__(self) -> None:
+        self.dead_error: WorkerDiedError | None = None
+        self._failure_callbacks: list[Callable[[WorkerDiedError], None]] = []
+
+    @property
+    def runner(self) -> ModelRunner:
+        assert self.driver.runner is not None, "init_cache first"
+        return self.driver.runner
+
+    @abstractmethod
+    def cache_size(self) -> CacheSize:
+        """KV blocks every rank can hold (the minimum over ranks)."""
+
+    @abstractmethod
+    def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None: ...
+
+    @abstractmethod
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Stop every worker; safe to call more than once."""
+
+    def on_failure(self, callback: Callable[[WorkerDiedError], None]) -> None:
+        """Call `callback` (from a monitor thread) as soon as a worker is found dead, also
+        while the engine is idle."""
+        self._failure_callbacks.append(callback)
+        if self.dead_error is not None:
+            callback(self.dead_error)
+
+    def _fail(self, error: WorkerDiedError) -> None:
+        if self.dead_error is not None:
+            return
+        self.dead_error = error
+        logger.error("%s", error)
+        for callback in self._failure_callbacks:
+            try:
+                callback(error)
+            except Exception:  # noqa: BLE001 - one bad listener must not hide the failure
+                logger.exception("a worker-failure callback failed")
+
+
+class UniProcExecutor(Executor):
+    """One rank, in this process: the default single-device engine."""
+
+    def __init__(self, driver: Worker) -> None:
+        super().__init__()
+        self.driver = driver
+
+    def cache_size(self) -> CacheSize:
+        return self.driver.cache_size()
+
+    def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+        self.driver.init_cache(num_gpu_blocks, num_cpu_blocks)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.driver.execute_model(scheduler_output)
+
+    def shutdown(self) -> None:
+        pass

@@ -1,0 +1,205 @@
+"""Model stage: Megatron-style tensor parallelism of the Llama family, one rank's share.
+
+Each of the `size` ranks holds:
+
+- a slice of the attention heads (q rows of qkv_proj, the matching columns of o_proj)
+  and of the KV heads; where there are fewer KV heads than ranks, each KV head is
+  replicated on size / num_kv_heads ranks (every rank needs the K/V of its q heads);
+- a slice of the MLP's intermediate dimension (rows of gate_up_proj, columns of
+  down_proj);
+- a slice of the vocabulary (rows of the embedding and of the LM head), padded so that
+  every rank holds the same number of rows;
+- full copies of the norms.
+
+qkv and gate_up are column-parallel (no communication), o_proj and down_proj are
+row-parallel (their partial sums are all-reduced), the embedding is all-reduced (each
+token's row lives on one rank, the others contribute zeros) and the LM head's logits are
+gathered. The model stays in the HF names, so checkpoints are sliced as they load.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+from typing import Protocol, TypeVar
+
+import numpy as np
+import torch
+
+from pagellm.errors import ConfigError
+from pagellm.model.config import ModelConfig
+
+
+def valid_tp_sizes(config: ModelConfig, limit: int = 64) -> list[int]:
+    """The degrees that split this model's heads: q heads divide evenly and KV heads
+    either divide evenly or are each replicated on a whole number of ranks."""
+    heads, kv = config.num_attention_heads, config.num_key_value_heads
+    return [
+        n for n in range(1, limit + 1)
+        if heads % n == 0 and (kv % n == 0 or n % kv == 0) and config.intermediate_size % n == 0
+    ]  # fmt: skip
+
+
+def check_tp_size(config: ModelConfig, size: int) -> None:
+    """A degree the model cannot be split by is an error naming the ones that work."""
+    if size < 1:
+        raise ConfigError(f"tensor_parallel_size must be >= 1, got {size}")
+    if size not in valid_tp_sizes(config, limit=max(size, 64)):
+        raise ConfigError(
+            f"tensor_parallel_size={size} does not split this model: {config.num_attention_heads} "
+            f"attention heads, {config.num_key_value_heads} KV heads, intermediate size "
+            f"{config.intermediate_size}; sizes that work: {valid_tp_sizes(config)}"
+        )
+
+
+@dataclass(frozen=True)
+class TPLayout:
+    """What rank `rank` of `size` holds, in units of the full model."""
+
+    rank: int
+    size: int
+    num_heads: int  # q heads on this rank
+    num_kv_heads: int  # KV heads on this rank (1 when replicated)
+    first_kv_head: int
+    intermediate_size: int  # on this rank
+    vocab_size: int  # the full vocabulary (logits are trimmed to it)
+    vocab_per_rank: int  # rows of the padded vocabulary on each rank
+    head_dim: int
+
+    @classmethod
+    def of(cls, config: ModelConfig, rank: int, size: int) -> TPLayout:
+        check_tp_size(config, size)
+        kv = config.num_key_value_heads
+        if kv % size == 0:
+            kv_local, first_kv = kv // size, rank * (kv // size)
+        else:  # fewer KV heads than ranks: each is replicated on size // kv ranks
+            kv_local, first_kv = 1, rank // (size // kv)
+        return cls(
+            rank=rank,
+            size=size,
+            num_heads=config.num_attention_heads // size,
+            num_kv_heads=kv_local,
+            first_kv_head=first_kv,
+            intermediate_size=config.intermediate_size // size,
+            vocab_size=config.vocab_size,
+            vocab_per_rank=-(-config.vocab_size // size),
+            head_dim=config.head_dim,
+        )
+
+    @property
+    def vocab_start(self) -> int:
+        return self.rank * self.vocab_per_rank
+
+    def local_config(self, config: ModelConfig) -> ModelConfig:
+        """The shapes this rank's layers are built with (and its KV cache sized by)."""
+        return dataclasses.replace(
+            config,
+            num_attention_heads=self.num_heads,
+            num_key_value_heads=self.num_kv_heads,
+            intermediate_size=self.intermediate_size,
+            vocab_size=self.vocab_per_rank,
+        )
+
+    # ------------------------------------------------------------- slicing
+
+    def out_rows(self, hf_name: str) -> range | None:
+        """Rows (output features) of a column-parallel tensor this rank keeps."""
+        hd = self.head_dim
+        kind = _kind(hf_name)
+        if kind == "q_proj":
+            return range(self.rank * self.num_heads * hd, (self.rank + 1) * self.num_heads * hd)
+        if kind in ("k_proj", "v_proj"):
+            return range(self.first_kv_head * hd, (self.first_kv_head + self.num_kv_heads) * hd)
+        if kind in ("gate_proj", "up_proj"):
+            return range(self.rank * self.intermediate_size, (self.rank + 1) * self.intermediate_size)
+        if kind in ("embed_tokens", "lm_head"):
+            return range(self.vocab_start, self.vocab_start + self.vocab_per_rank)
+        return None
+
+    def in_columns(self, hf_name: str) -> range | None:
+        """Columns (input features) of a row-parallel weight this rank keeps."""
+        kind = _kind(hf_name)
+        if kind == "o_proj" and hf_name.endswith(".weight"):
+            width = self.num_heads * self.head_dim
+            return range(self.rank * width, (self.rank + 1) * width)
+        if kind == "down_proj" and hf_name.endswith(".weight"):
+            return range(self.rank * self.intermediate_size, (self.rank + 1) * self.intermediate_size)
+        return None
+
+    def drops_bias(self, hf_name: str) -> bool:
+        """A row-parallel layer's bias is added once: by rank 0, after the all-reduce sums."""
+        return self.rank != 0 and _kind(hf_name) in ("o_proj", "down_proj") and hf_name.endswith(".bias")
+
+
+_KIND = re.compile(r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|embed_tokens|lm_head)\.(weight|bias)$")
+
+
+def _kind(hf_name: str) -> str | None:
+    match = _KIND.search(hf_name)
+    return match.group(1) if match else None
+
+
+Array = TypeVar("Array", torch.Tensor, np.ndarray)
+
+
+def shard_rows(layout: TPLayout, hf_name: str, rows: Array) -> Array:
+    """The rank's rows of a tensor (all of it where the tensor is not column-parallel);
+    rows past the end (the padded vocabulary) are zeros."""
+    keep = layout.out_rows(hf_name)
+    if keep is None:
+        return rows
+    part = rows[keep.start : min(keep.stop, rows.shape[0])]
+    missing = keep.stop - max(keep.start, min(keep.stop, rows.shape[0]))
+    if missing > 0:
+        if isinstance(part, torch.Tensor):
+            pad = torch.zeros((missing, *part.shape[1:]), dtype=part.dtype)
+            part = torch.cat([part, pad])
+        else:
+            part = np.concatenate([part, np.zeros((missing, *part.shape[1:]), part.dtype)])
+    return part
+
+
+def shard_float(layout: TPLayout, hf_name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """The rank's share of a float tensor named as in HF checkpoints."""
+    if layout.drops_bias(hf_name):
+        return torch.zeros_like(tensor)
+    tensor = shard_rows(layout, hf_name, tensor)
+    columns = layout.in_columns(hf_name)
+    if columns is not None:
+        tensor = tensor[:, columns.start : columns.stop]
+    return tensor.contiguous()
+
+
+def shard_blocks(
+    layout: TPLayout, hf_name: str, blocks: np.ndarray, block_elements: int, block_bytes: int
+) -> np.ndarray | None:
+    """The rank's share of quantized rows (uint8 [rows, bytes of blocks] as a GGUF stores
+    them), or None where a column split would cut a quantization block."""
+    blocks = shard_rows(layout, hf_name, blocks)
+    columns = layout.in_columns(hf_name)
+    if columns is None:
+        return blocks
+    if columns.start % block_elements or columns.stop % block_elements:
+        return None
+    start, stop = columns.start // block_elements * block_bytes, columns.stop // block_elements * block_bytes
+    return np.ascontiguousarray(blocks[:, start:stop])
+
+
+class TPGroup(Protocol):
+    """The collectives a tensor-parallel model calls (torch.distributed in practice)."""
+
+    layout: TPLayout
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor: ...
+
+    def gather_vocab(self, logits: torch.Tensor) -> torch.Tensor: ...
+
+
+def vocab_parallel_embed(
+    layout: TPLayout, embed: torch.nn.Module, input_ids: torch.Tensor
+) -> torch.Tensor:  # [num_tokens, hidden_size], this rank's rows only (others zero)
+    local = input_ids - layout.vocab_start
+    outside = (local < 0) | (local >= layout.vocab_per_rank)
+    rows = embed(local.masked_fill(outside, 0))
+    return rows.masked_fill(outside.unsqueeze(-1), 0.0)

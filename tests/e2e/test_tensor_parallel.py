@@ -1,0 +1,133 @@
+"""Tensor parallelism (mp executor, gloo on the CPU) against HF transformers and TP=1.
+
+Every run splits a tiny random model over worker processes and must reproduce HF's greedy
+tokens exactly (float32) under chunked prefill, preemption and prefix caching, with KV
+heads split or replicated, a vocabulary that does not divide evenly, Qwen2's q/k/v biases
+and tied embeddings; log-probabilities must equal TP=1's within 1e-5.
+"""
+
+import random
+
+import pytest
+from engine_checks import assert_engine_drained
+from hf_models import load_hf_reference, make_tiny_hf_checkpoint
+from reference import hf_greedy, pagellm_greedy
+
+from pagellm import LLM, SamplingParams
+from pagellm.errors import ConfigError
+
+NEW_TOKENS = 16
+
+
+def make_prompts():
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, 256) for _ in range(n)] for n in (1, 3, 9, 17, 33, 47)]
+    shared = [rng.randrange(3, 256) for _ in range(40)]  # > 2 full blocks
+    prompts += [shared + [rng.randrange(3, 256) for _ in range(k)] for k in (2, 7, 19)]
+    return prompts
+
+
+PROMPTS = make_prompts()
+
+
+def checkpoint(tmp_path_factory, name, arch="llama", **overrides):
+    folder = make_tiny_hf_checkpoint(tmp_path_factory.mktemp(name), arch, seed=5, **overrides)
+    ref = load_hf_reference(folder)
+    return str(folder), [hf_greedy(ref, p, NEW_TOKENS) for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return checkpoint(tmp_path_factory, "llama")  # 4 heads, 2 KV heads
+
+
+def run(folder, tp, **engine_args):
+    engine_args.setdefault("max_model_len", 128)
+    with LLM(folder, tensor_parallel_size=tp, **engine_args) as llm:
+        outputs = pagellm_greedy(llm, PROMPTS, NEW_TOKENS)
+        stats = llm.engine.get_stats()
+        assert_engine_drained(llm)
+    return outputs, stats
+
+
+def test_tp2_equals_hf_with_chunking_preemption_and_prefix_hits(llama):
+    folder, expected = llama
+    outputs, _ = run(folder, 2)
+    assert outputs == expected
+    # A 5-token budget cuts every prefill into chunks; the shared 40-token prefix gives
+    # prefix hits.
+    outputs, metrics = run(folder, 2, max_num_batched_tokens=5)
+    assert outputs == expected
+    assert metrics.num_prefix_hit_tokens >= 2 * 32
+    # 8 usable blocks (128 tokens) for requests of up to 75 tokens: preemption, with
+    # 32-token chunks and prefix caching still on.
+    outputs, metrics = run(folder, 2, max_num_batched_tokens=32, num_gpu_blocks_override=9)
+    assert outputs == expected
+    assert metrics.num_preemptions_recompute > 0
+
+
+def test_tp2_swap_preemption(llama):
+    folder, expected = llama
+    outputs, metrics = run(folder, 2, num_gpu_blocks_override=9, preemption_mode="swap", swap_space=0.01)
+    assert outputs == expected
+    assert metrics.num_preemptions_swap > 0 and metrics.num_swapped_in_blocks > 0
+
+
+def test_tp2_logprobs_equal_tp1(llama):
+    folder, _ = llama
+    params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=5, prompt_logprobs=3)
+    prompts = [list(p) for p in PROMPTS[:4]]
+    results = {}
+    for tp in (1, 2):
+        with LLM(folder, tensor_parallel_size=tp, max_model_len=256) as llm:
+            results[tp] = llm.generate(prompts, params, use_tqdm=False)
+    for one, two in zip(results[1], results[2], strict=True):
+        assert one.outputs[0].token_ids == two.outputs[0].token_ids
+        for a, b in zip(one.outputs[0].logprobs, two.outputs[0].logprobs, strict=True):
+            assert a.keys() == b.keys()
+            for token in a:
+                assert abs(a[token].logprob - b[token].logprob) < 1e-5
+        for a, b in zip(one.prompt_logprobs[1:], two.prompt_logprobs[1:], strict=True):
+            for token in a:
+                assert abs(a[token].logprob - b[token].logprob) < 1e-5
+
+
+def test_fewer_kv_heads_than_ranks_replicates_them(tmp_path_factory):
+    # 4 q heads, 1 KV head: each of the 2 ranks holds a copy of it.
+    folder, expected = checkpoint(tmp_path_factory, "mqa", num_key_value_heads=1)
+    outputs, _ = run(folder, 2, max_num_batched_tokens=7)
+    assert outputs == expected
+
+
+def test_qwen2_biases_and_tied_embeddings(tmp_path_factory):
+    folder, expected = checkpoint(tmp_path_factory, "qwen2", "qwen2", tie_word_embeddings=True)
+    outputs, _ = run(folder, 2)
+    assert outputs == expected
+
+
+def test_three_ranks_with_a_vocabulary_that_does_not_divide(tmp_path_factory):
+    # 256 tokens over 3 ranks: 86 rows each, the last two padded.
+    folder, expected = checkpoint(
+        tmp_path_factory, "tp3", hidden_size=96, head_dim=16, num_attention_heads=6,
+        num_key_value_heads=3, intermediate_size=192,
+    )  # fmt: skip
+    outputs, _ = run(folder, 3, max_num_batched_tokens=9)
+    assert outputs == expected
+
+
+def test_a_size_that_does_not_split_the_heads_is_refused(llama):
+    folder, _ = llama
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size=3 does not split.*sizes that work: \[1, 2, 4\]"):
+        LLM(folder, tensor_parallel_size=3)
+
+
+def test_smollm2_tp3_equals_hf(smollm2_path, smollm2_hf):
+    """The real model: 9 heads and 3 KV heads over 3 ranks, float32, chat-length prompts."""
+    prompts_text = ["The capital of France is", "def fibonacci(n):"]
+    with LLM(str(smollm2_path), tensor_parallel_size=3, max_model_len=256, max_num_batched_tokens=8) as llm:
+        tokenizer = llm.get_tokenizer()
+        prompts = [tokenizer.encode(p) for p in prompts_text]
+        outputs = pagellm_greedy(llm, prompts, 20)
+        assert_engine_drained(llm)
+    for prompt, tokens in zip(prompts, outputs, strict=True):
+        assert tokens == hf_greedy(smollm2_hf, prompt, 20)
