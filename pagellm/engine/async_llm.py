@@ -29,6 +29,7 @@ from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.input_processor import PromptInput
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.errors import PagellmError
+from pagellm.executor.base import WorkerDiedError
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
 
@@ -130,6 +131,11 @@ class _AbortCommand:
     request_ids: list[str] | None  # None: every request in flight
 
 
+@dataclass
+class _WorkerFailed:
+    error: WorkerDiedError
+
+
 _STOP = object()
 
 
@@ -161,6 +167,8 @@ class AsyncLLM:
         self._taken: deque[object] = deque()
         self._deliveries: list[Callable[[], None]] = []
         self._snapshot = self._make_snapshot()
+        # A worker that dies while the engine idles wakes the engine thread to die too.
+        engine.executor.on_failure(self._on_worker_failure)
 
     @classmethod
     def from_engine_args(
@@ -191,6 +199,9 @@ class AsyncLLM:
             await asyncio.to_thread(self._thread.join, timeout_s)
             if self._thread.is_alive():
                 logger.error("the engine thread did not stop within %.0f s", timeout_s)
+                return
+        # Stops worker processes (tensor parallelism) and closes the engine's files.
+        await asyncio.to_thread(self.engine.close)
 
     @property
     def is_alive(self) -> bool:
@@ -289,9 +300,16 @@ class AsyncLLM:
 
     # ------------------------------------------------------- engine thread only
 
+    def _on_worker_failure(self, error: WorkerDiedError) -> None:
+        """Called from the executor's monitor thread."""
+        self._commands.put(_WorkerFailed(error))
+
     def _run(self) -> None:
         try:
             self._loop_forever()
+        except WorkerDiedError as e:
+            logger.error("the engine cannot run any more steps: %s", e)
+            self._die(EngineDeadError(str(e)))
         except BaseException as e:  # noqa: BLE001 - any escape means the engine is gone
             logger.exception("the engine loop died")
             self._die(EngineDeadError(f"the engine loop died: {e!r}"))
@@ -305,6 +323,8 @@ class AsyncLLM:
                 if command is _STOP:
                     self._stop()
                     return
+                if isinstance(command, _WorkerFailed):
+                    raise command.error
                 self._apply(command)
                 self._taken.popleft()
             if engine.has_unfinished_requests():

@@ -74,6 +74,15 @@ class MultiprocExecutor(DistributedExecutor):
             raise
         self._monitor = threading.Thread(target=self._watch, name="pagellm-tp-monitor", daemon=True)
         self._monitor.start()
+        logger.info(
+            "tensor-parallel workers: %s",
+            ", ".join(f"rank {rank} pid {pid}" for rank, pid in enumerate(self.worker_pids, start=1)),
+        )
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """Process ids of ranks 1..N-1 (rank 0 is this process)."""
+        return [process.pid for process in self._processes if process.pid is not None]
 
     def _wait_until_loaded(self, pipes: list[multiprocessing.connection.Connection]) -> None:
         pending = dict(zip(pipes, range(1, len(pipes) + 1), strict=True))

@@ -181,18 +181,42 @@ def run_server(args: argparse.Namespace) -> None:
     )
     server = uvicorn.Server(config)
     _keep_signals_from_killing()
-    asyncio.run(_serve(server, async_llm, sock, args.shutdown_timeout))
+    engine_died = asyncio.run(_serve(server, async_llm, sock, args.shutdown_timeout))
+    if engine_died:
+        # Non-zero, so that an orchestrator (systemd, Kubernetes) restarts the server.
+        logger.error("pagellm server stopped: the engine died")
+        raise SystemExit(1)
     logger.info("pagellm server stopped")
 
 
 async def _serve(
     server: uvicorn.Server, async_llm: AsyncLLM, sock: socket.socket, grace_s: float
-) -> None:
+) -> bool:
+    """Serve until shut down; True if it stopped because the engine died."""
     watcher = asyncio.create_task(_abort_after_grace(server, async_llm, grace_s))
+    death_watch = asyncio.create_task(_exit_when_engine_dies(server, async_llm))
     try:
         await server.serve(sockets=[sock])
     finally:
         watcher.cancel()
+        death_watch.cancel()
+    return death_watch.done() and not death_watch.cancelled() and death_watch.result()
+
+
+# How long a dead engine's server keeps answering (503 on /health, errors on requests)
+# before it exits: long enough for a health check to see why.
+ENGINE_DEATH_GRACE_S = 1.0
+
+
+async def _exit_when_engine_dies(server: uvicorn.Server, async_llm: AsyncLLM) -> bool:
+    while not server.should_exit:
+        if server.started and async_llm.dead_error is not None:
+            logger.error("the engine died (%s): the server exits", async_llm.dead_error)
+            await asyncio.sleep(ENGINE_DEATH_GRACE_S)
+            server.should_exit = True
+            return True
+        await asyncio.sleep(0.1)
+    return False
 
 
 async def _abort_after_grace(server: uvicorn.Server, async_llm: AsyncLLM, grace_s: float) -> None:
