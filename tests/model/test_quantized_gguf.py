@@ -246,3 +246,32 @@ def test_engine_greedy_with_chunking_preemption_and_prefix_hits(quantized_gguf, 
     # the legacy one; measured: HF bf16 gaps up to ~0.9 and ~0.1 standard deviations).
     assert max(ours, default=0.0) <= 2 * max(hf, default=0.0) + 0.1, (sorted(ours)[-3:], sorted(hf)[-3:])
     assert len(ours) <= len(hf) + 0.05 * total, (len(ours), len(hf), total)
+
+
+def test_tensor_parallel_ranks_keep_their_share_as_stored(quantized_gguf, hf_reference):
+    """TP=2 splits the stored blocks (a column split that would cut a 256-value K-quant
+    block dequantizes that tensor, with a log line). Its prompt log-probabilities are as
+    close to HF float32 on the same file as TP=1's are, up to the extra bf16 roundings of
+    the ranks' partial sums (a wrong split would be off by whole units; the split itself
+    is checked exactly in tests/model/test_tensor_parallel_shards.py)."""
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    errors = {}
+    for tp in (1, 2):
+        with LLM(str(quantized_gguf), dtype="bfloat16", tensor_parallel_size=tp, max_model_len=128) as llm:
+            if tp == 2:
+                model = llm.engine.runner.model
+                qkv, down = model.layers[0].self_attn.qkv_proj, model.layers[0].mlp.down_proj
+                assert qkv.packed is not None and qkv.packed.out_features == (4 + 2 * 2) * 64 // 2
+                assert down.packed is not None and down.packed.in_features == 512 // 2
+                assert model.embed_tokens.packed is not None and model.embed_tokens.packed.out_features == 256 // 2
+            outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+        worst = 0.0
+        for prompt, output in zip(PROMPTS, outputs, strict=True):
+            with torch.inference_mode():
+                reference = hf_reference(torch.tensor([prompt])).logits[0].double().log_softmax(-1)
+            for position, entry in enumerate(output.prompt_logprobs[1:], start=1):
+                token = prompt[position]
+                worst = max(worst, abs(entry[token].logprob - float(reference[position - 1, token])))
+        errors[tp] = worst
+    print(f"worst prompt log-prob error against HF float32: TP=1 {errors[1]:.4f}, TP=2 {errors[2]:.4f}")
+    assert errors[2] <= 2 * errors[1] + 0.05, errors
