@@ -24,6 +24,9 @@ class GpuSpec:
     memory_gib: float  # device memory capacity
     host_link_gbs: float  # host <-> device, one direction, 1e9 bytes/s (swap copies)
     source: str
+    # The interconnect preset (interconnect_presets.py) a tensor-parallel group of this
+    # part talks over by default: SXM parts their NVLink, PCIe cards PCIe.
+    interconnect: str | None = None
 
     @property
     def peak_flops(self) -> float:
@@ -54,26 +57,27 @@ GPU_PRESETS: dict[str, GpuSpec] = {
     for spec in (
         GpuSpec(
             "A100-40GB", 312.0, 1555.0, 40.0, 32.0,
-            _A100_DATASHEET + "; A100 40GB: HBM2 1,555 GB/s, 40 GB",
+            _A100_DATASHEET + "; A100 40GB: HBM2 1,555 GB/s, 40 GB", "NVLink3",
         ),
         GpuSpec(
             "A100-80GB", 312.0, 2039.0, 80.0, 32.0,
-            _A100_DATASHEET + "; A100 80GB: HBM2e 2,039 GB/s, 80 GB",
+            _A100_DATASHEET + "; A100 80GB: HBM2e 2,039 GB/s, 80 GB", "NVLink3",
         ),
         GpuSpec(
             "H100-SXM", 989.0, 3350.0, 80.0, 64.0,
             "NVIDIA H100 Tensor Core GPU datasheet (H100 SXM): BF16 tensor 1,979 TFLOPS "
-            "with sparsity (989 dense), HBM3 3.35 TB/s, 80 GB; " + _HOPPER_LINK,
+            "with sparsity (989 dense), HBM3 3.35 TB/s, 80 GB; " + _HOPPER_LINK, "NVLink4",
         ),
         GpuSpec(
             "H200", 989.0, 4800.0, 141.0, 64.0,
             "NVIDIA H200 Tensor Core GPU datasheet (H200 SXM): BF16 tensor 1,979 TFLOPS "
-            "with sparsity (989 dense), HBM3e 4.8 TB/s, 141 GB; " + _HOPPER_LINK,
+            "with sparsity (989 dense), HBM3e 4.8 TB/s, 141 GB; " + _HOPPER_LINK, "NVLink4",
         ),
         GpuSpec(
             "L4", 121.0, 300.0, 24.0, 32.0,
             "NVIDIA L4 Tensor Core GPU datasheet: BF16 tensor 242 TFLOPS with sparsity "
             "(121 dense), GDDR6 300 GB/s, 24 GB; PCIe Gen4 x16 64 GB/s in both directions",
+            "PCIe4",
         ),
         GpuSpec(
             "A10G", 70.0, 600.0, 24.0, 32.0,
@@ -81,6 +85,7 @@ GPU_PRESETS: dict[str, GpuSpec] = {
             "(NVIDIA A10 datasheet); 70 TFLOPS dense FP16/BF16 tensor as reported for the "
             "A10G in Baseten's 'NVIDIA A10 vs A10G for ML model inference' (the A10 has "
             "125); PCIe Gen4. The least certain preset: check it against your instance",
+            "PCIe4",
         ),
     )
 }  # fmt: skip

@@ -11,7 +11,10 @@ run one after the other, so their times add:
 - the LM head, only for rows that are sampled;
 - host <-> device copies of swapped blocks over the host link;
 - a fixed per-step overhead (CPU work the GPU waits for: scheduling, input preparation,
-  sampling and output processing that is not overlapped).
+  sampling and output processing that is not overlapped);
+- with tensor parallelism, the group's all-reduces and the logits gather
+  (tensor_parallel.py). The FLOPs and bytes are then one GPU's share (`costs` is
+  tensor_parallel.rank_costs), since every GPU of the group works at once.
 
 The efficiency factors are assumptions, not measurements: the fraction of datasheet
 peak that real kernels reach (large BF16 GEMMs typically reach 60-80% of dense peak,
@@ -28,6 +31,7 @@ from pagellm.errors import ConfigError
 from pagellm.sim.gpu_presets import GpuSpec
 from pagellm.model.costs import ModelCosts
 from pagellm.sim.step_batch import StepBatch
+from pagellm.sim.tensor_parallel import TensorParallelComm
 
 
 @dataclass(frozen=True)
@@ -54,14 +58,22 @@ class StepTime(NamedTuple):
     swap_s: float
     overhead_s: float
     memory_bound: bool  # the weight matmuls were limited by bandwidth, not FLOPs
+    comm_s: float = 0.0  # tensor-parallel all-reduces and logits gather
 
     @property
     def total_s(self) -> float:
-        return self.linear_s + self.attention_s + self.lm_head_s + self.swap_s + self.overhead_s
+        return (
+            self.linear_s + self.attention_s + self.lm_head_s + self.swap_s + self.overhead_s
+            + self.comm_s
+        )  # fmt: skip
 
 
 class RooflineCostModel:
-    """StepCostModel from a model's shape and a GPU's peak FLOP/s and bandwidth."""
+    """StepCostModel from a model's shape and a GPU's peak FLOP/s and bandwidth.
+
+    `costs` are one GPU's: the whole model's without tensor parallelism, its share with
+    it (then `comm` prices the collectives).
+    """
 
     def __init__(
         self,
@@ -69,11 +81,13 @@ class RooflineCostModel:
         costs: ModelCosts,
         gpu: GpuSpec,
         params: RooflineParams = RooflineParams(),
+        comm: TensorParallelComm | None = None,
     ) -> None:
         self.model_name = model_name
         self.costs = costs
         self.gpu = gpu
         self.params = params
+        self.comm = comm
         self._flops = gpu.peak_flops * params.compute_efficiency
         self._bandwidth = gpu.memory_bandwidth * params.bandwidth_efficiency
         # Per-step constants, so that predict() is a handful of multiplications.
@@ -87,7 +101,11 @@ class RooflineCostModel:
 
     @property
     def name(self) -> str:
-        return f"roofline: {self.model_name} on {self.gpu.name}"
+        name = f"roofline: {self.model_name} on {self.gpu.name}"
+        if self.comm is not None:
+            link = self.comm.link
+            name += f", TP={link.tensor_parallel_size} over {link.interconnect.name}"
+        return name
 
     def breakdown(self, batch: StepBatch) -> StepTime:
         num_tokens = batch.num_tokens
@@ -107,6 +125,7 @@ class RooflineCostModel:
             batch.num_swapped_tokens * self._swap_s_per_token,
             self.params.step_overhead_s,
             linear_compute_s < self._linear_memory_s,
+            self.comm.seconds(num_tokens, rows) if self.comm is not None else 0.0,
         )
 
     def predict(self, batch: StepBatch) -> float:
@@ -118,4 +137,5 @@ class RooflineCostModel:
             "model": self.model_name,
             "gpu": asdict(self.gpu),
             **asdict(self.params),
+            **({"tensor_parallel": self.comm.link.describe()} if self.comm is not None else {}),
         }

@@ -2,6 +2,8 @@
 
 Shared by `pagellm simulate` (one configuration) and `pagellm tune` (a grid of them):
 resolve the target and the workload once, then simulate engine configurations on them.
+A configuration may be data-parallel: that many replicas of the engine share the
+workload (replicas.py).
 """
 
 from __future__ import annotations
@@ -13,8 +15,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagellm.engine.arg_utils import EngineArgs
+from pagellm.errors import ConfigError
 from pagellm.sim.calibrated import CalibratedCostModel
-from pagellm.sim.gpu_presets import GiB, get_gpu_preset
+from pagellm.sim.gpu_presets import GiB, GpuSpec, get_gpu_preset
+from pagellm.sim.interconnect_presets import default_interconnect, get_interconnect_preset
+from pagellm.sim.replicas import ROUTING, run_replicas
 from pagellm.sim.sim_args import roofline_params_from, sim_workload_spec_from
 from pagellm.sim.sim_report import summarize_sim
 from pagellm.sim.sim_target import (
@@ -30,7 +35,8 @@ from pagellm.sim.sim_workload import (
     make_synthetic_requests,
     read_trace,
 )
-from pagellm.sim.simulator import SimResult, Simulator
+from pagellm.sim.simulator import SimResult
+from pagellm.sim.tensor_parallel import TensorParallelLink
 
 
 @dataclass(frozen=True)
@@ -45,12 +51,32 @@ class SimRun:
     engine_config: SimEngineConfig
     result: SimResult
     summary: dict[str, Any]
+    data_parallel_size: int = 1
 
 
-def target_from_args(args: argparse.Namespace) -> SimTarget:
+def target_from_args(args: argparse.Namespace, tensor_parallel_size: int | None = None) -> SimTarget:
+    """The flags' target; `tensor_parallel_size` overrides --tensor-parallel-size."""
+    tp = args.tensor_parallel_size if tensor_parallel_size is None else tensor_parallel_size
     if args.calibration:
+        if tp != 1:
+            raise ConfigError(
+                "--tensor-parallel-size needs the roofline model: a calibration measures one "
+                "device (--data-parallel-size works with it)"
+            )
         return calibrated_target(CalibratedCostModel.load(args.calibration))
-    return roofline_target(args.model, get_gpu_preset(args.gpu), roofline_params_from(args))
+    gpu = get_gpu_preset(args.gpu)
+    return roofline_target(args.model, gpu, roofline_params_from(args), tensor_parallel_from(args, gpu, tp))
+
+
+def tensor_parallel_from(args: argparse.Namespace, gpu: GpuSpec, tensor_parallel_size: int) -> TensorParallelLink | None:
+    if tensor_parallel_size == 1:
+        return None
+    interconnect = get_interconnect_preset(args.interconnect) if args.interconnect else default_interconnect(gpu)
+    latency_us = args.allreduce_latency_us
+    return TensorParallelLink(
+        tensor_parallel_size, interconnect, args.allreduce_efficiency,
+        None if latency_us is None else latency_us * 1e-6,
+    )  # fmt: skip
 
 
 def workload_from_args(args: argparse.Namespace, max_model_len: int) -> Workload:
@@ -90,12 +116,18 @@ def workload_from_args(args: argparse.Namespace, max_model_len: int) -> Workload
     return Workload(description, requests)
 
 
-def simulate(target: SimTarget, engine_args: EngineArgs, requests: list[SimRequest]) -> SimRun:
-    """Resolve the engine configuration on the target and run the workload through it."""
+def simulate(
+    target: SimTarget, engine_args: EngineArgs, requests: list[SimRequest], data_parallel_size: int = 1
+) -> SimRun:
+    """Resolve the engine configuration on the target and run the workload through it
+    (through `data_parallel_size` replicas of it)."""
+    if data_parallel_size < 1:
+        raise ConfigError(f"--data-parallel-size must be at least 1, got {data_parallel_size}")
     engine_config = resolve_engine_config(target, engine_args)
-    simulator = Simulator(engine_config.scheduler_config, engine_config.cache_config, target.cost_model)
-    result = simulator.run(requests)
-    return SimRun(engine_args, engine_config, result, summarize_sim(result))
+    result = run_replicas(
+        engine_config.scheduler_config, engine_config.cache_config, target.cost_model, requests, data_parallel_size
+    )
+    return SimRun(engine_args, engine_config, result, summarize_sim(result), data_parallel_size)
 
 
 def engine_description(run: SimRun, target: SimTarget) -> dict[str, Any]:
@@ -115,6 +147,10 @@ def engine_description(run: SimRun, target: SimTarget) -> dict[str, Any]:
         description["prefill_share"] = scheduler.prefill_share
     if scheduler.scheduling_policy != "fcfs":
         description["scheduling_policy"] = scheduler.scheduling_policy
+    if target.tensor_parallel_size > 1:
+        description["tensor_parallel_size"] = target.tensor_parallel_size
+    if run.data_parallel_size > 1:
+        description["data_parallel_size"] = run.data_parallel_size
     description.update({
         "preemption_mode": scheduler.preemption_mode,
         "enable_prefix_caching": run.engine_config.cache_config.enable_prefix_caching,
@@ -132,10 +168,27 @@ def make_record(target: SimTarget, workload: Workload, run: SimRun) -> dict[str,
         "cost_model": {"name": target.cost_model.name, **target.cost_model.describe()},
         "target": {"model": target.model_name, "device": target.device_name},
         "engine": engine_description(run, target),
+        "parallel": parallel_description(target, run.data_parallel_size),
         "kv_cache": {
+            # One replica's (with tensor parallelism, one GPU's bytes; every GPU of the
+            # group holds the same blocks). results.kv_capacity_tokens is all replicas'.
             "num_gpu_blocks": kv.num_gpu_blocks, "num_cpu_blocks": kv.num_cpu_blocks,
             "kv_cache_gib": round(kv.kv_cache_bytes / GiB, 3), "how": kv.how,
         },  # fmt: skip
         "workload": workload.description,
         "results": run.summary,
     }
+
+
+def parallel_description(target: SimTarget, data_parallel_size: int) -> dict[str, Any]:
+    tp = target.tensor_parallel_size
+    description: dict[str, Any] = {
+        "tensor_parallel_size": tp,
+        "data_parallel_size": data_parallel_size,
+        "num_gpus": tp * data_parallel_size,
+    }
+    if target.tensor_parallel is not None:
+        description.update(target.tensor_parallel.describe())
+    if data_parallel_size > 1:
+        description["routing"] = ROUTING
+    return description

@@ -1,7 +1,8 @@
 """Simulation stage: command-line flags shared by `pagellm simulate` and `pagellm tune`.
 
-Three groups: the target (a model preset or checkpoint on a GPU preset with the
-roofline cost model, or a calibration file from `pagellm calibrate`), the workload
+Four groups: the target (a model preset or checkpoint on a GPU preset with the
+roofline cost model, or a calibration file from `pagellm calibrate`), parallelism
+(tensor- and data-parallel sizes, vLLM's flag names, and the interconnect), the workload
 (the benchmarks' workload flags plus arrivals, a shared-prefix share, or a trace), and
 the engine arguments, with EngineArgs' names and defaults. Only argparse-level work
 happens here; nothing heavy is imported.
@@ -18,8 +19,10 @@ from pagellm.config import PREEMPTION_MODES, SCHEDULING_POLICIES
 from pagellm.engine.arg_utils import PROFILE_CHOICES, EngineArgs
 from pagellm.errors import ConfigError
 from pagellm.sim.gpu_presets import GPU_PRESETS
+from pagellm.sim.interconnect_presets import INTERCONNECT_PRESETS
 from pagellm.sim.model_presets import MODEL_PRESETS
 from pagellm.sim.roofline import RooflineParams
+from pagellm.sim.tensor_parallel import DEFAULT_ALLREDUCE_EFFICIENCY
 from pagellm.workload.synthetic import add_workload_args, workload_spec_from_args
 
 _ENGINE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineArgs)}
@@ -72,6 +75,29 @@ def add_target_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--step-overhead-ms", type=float, default=defaults.step_overhead_s * 1e3,
                        help="roofline: fixed CPU time per step the GPU waits for "
                        f"(default {defaults.step_overhead_s * 1e3:g})")  # fmt: skip
+
+
+def add_parallel_args(parser: argparse.ArgumentParser, *, tune: bool = False) -> None:
+    group = parser.add_argument_group("parallelism")
+    group.add_argument("--tensor-parallel-size", type=int, default=1,
+                       help="GPUs one engine's model is split over (roofline only; default 1)")
+    group.add_argument("--data-parallel-size", type=int, default=1,
+                       help="engine replicas, each with its own KV cache; requests are routed "
+                       "round-robin in arrival order (default 1)")
+    if tune:
+        group.add_argument("--num-gpus", type=int, default=None,
+                           help="compare every layout of this many GPUs (TP x DP = N, e.g. 8: "
+                           "TP=8, 2 x TP=4, 4 x TP=2, 8 x TP=1) instead of one --tensor-/"
+                           "--data-parallel-size; engine knobs are then swept only where given")
+    group.add_argument("--interconnect", choices=list(INTERCONNECT_PRESETS), default=None,
+                       help="link of a tensor-parallel group (default: the GPU preset's own: "
+                       "NVLink for SXM parts, PCIe for PCIe cards)")
+    group.add_argument("--allreduce-efficiency", type=float, default=DEFAULT_ALLREDUCE_EFFICIENCY,
+                       help="fraction of the link's per-direction bandwidth an all-reduce reaches "
+                       f"(default {DEFAULT_ALLREDUCE_EFFICIENCY})")
+    group.add_argument("--allreduce-latency-us", type=float, default=None,
+                       help="fixed time of one all-reduce (default: the interconnect preset's "
+                       "assumption, 10 us NVLink, 25 us PCIe)")  # fmt: skip
 
 
 def add_sim_workload_args(parser: argparse.ArgumentParser) -> None:

@@ -150,10 +150,13 @@ def print_sim_table(record: dict[str, Any]) -> None:
     s = record["results"]
     waste = s["kv_waste"]
     engine = record["engine"]
+    parallel = record.get("parallel", {})
+    replicas = parallel.get("data_parallel_size", 1)
+    blocks = record["kv_cache"]["num_gpu_blocks"] - 1
     rows: list[tuple[str, Any]] = [
         ("cost model", record["cost_model"]["name"]),
         ("engine", " ".join(f"{k}={v}" for k, v in engine.items())),
-        ("KV cache", f"{record['kv_cache']['num_gpu_blocks'] - 1} blocks = "
+        ("KV cache", f"{f'{replicas} replicas x ' if replicas > 1 else ''}{blocks} blocks = "
                      f"{s['kv_capacity_tokens']} tokens ({record['kv_cache']['how']})"),
         ("workload", record["workload"]["description"]),
         ("requests", f"{s['completed']} completed, {s['rejected']} rejected"),
@@ -178,6 +181,8 @@ def print_sim_table(record: dict[str, Any]) -> None:
         ("simulation", f"{s['num_steps']} steps in {s['sim_wall_s']:.2f} s "
                        f"({s['simulated_steps_per_s']} steps/s)"),
     ]  # fmt: skip
+    if parallel.get("num_gpus", 1) > 1:
+        rows.insert(1, ("parallelism", _parallel_line(parallel)))
     if s["num_extrapolated_steps"]:
         rows.append(("extrapolated steps", f"{s['num_extrapolated_steps']} beyond the calibrated range"))
     width = max(len(key) for key, _ in rows)
@@ -199,3 +204,15 @@ def _waste_line(waste: dict[str, Any]) -> str:
         f"{waste['mean_paged_tokens']:.0f} ({paged:.1%} wasted), max_model_len slabs "
         f"would reserve {waste['mean_contiguous_tokens']:.0f} ({contiguous:.1%} wasted)"
     )
+
+
+def _parallel_line(parallel: dict[str, Any]) -> str:
+    tp, dp = parallel["tensor_parallel_size"], parallel["data_parallel_size"]
+    line = f"{parallel['num_gpus']} GPUs: {dp} replica{'s' if dp > 1 else ''} x TP={tp}"
+    if tp > 1:
+        line += (f" over {parallel['interconnect']} ({parallel['interconnect_unidirectional_gbs']:g} GB/s "
+                 f"per direction x {parallel['allreduce_efficiency']:g}, "
+                 f"{parallel['allreduce_latency_us']:g} us per all-reduce)")  # fmt: skip
+    if dp > 1:
+        line += f"; requests routed {parallel['routing']}"
+    return line

@@ -12,7 +12,12 @@ from pathlib import Path
 from typing import Any
 
 from pagellm.errors import PagellmError
-from pagellm.sim.sim_args import add_sim_engine_args, add_sim_workload_args, add_target_args
+from pagellm.sim.sim_args import (
+    add_parallel_args,
+    add_sim_engine_args,
+    add_sim_workload_args,
+    add_target_args,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +31,7 @@ def add_simulate_parser(commands: Any) -> argparse.ArgumentParser:
         "standing in for the model. Prints a JSON line and a table.",
     )
     add_target_args(p)
+    add_parallel_args(p)
     add_sim_workload_args(p)
     add_sim_engine_args(p)
     p.add_argument("--result-file", default="", help="append the JSON line here")
@@ -52,7 +58,7 @@ def run_simulate(args: argparse.Namespace) -> dict[str, Any]:
     engine_args = engine_args_from(args)
     engine_config = resolve_engine_config(target, engine_args)  # refuse bad configs before the workload
     workload = workload_from_args(args, engine_config.scheduler_config.max_model_len)
-    run = simulate(target, engine_args, workload.requests)
+    run = simulate(target, engine_args, workload.requests, args.data_parallel_size)
     record = make_record(target, workload, run)
     print(json.dumps(record))
     print_sim_table(record)

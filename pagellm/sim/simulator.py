@@ -78,7 +78,7 @@ class SimResult:
     kv_sample_interval_s: float
     stats: SchedulerStats  # the scheduler's own counters at the end
     num_steps: int
-    busy_s: float  # simulated time spent in steps (the rest is idle)
+    busy_s: float  # simulated time spent in steps (the rest is idle); replicas: their mean
     duration_s: float  # simulated time from 0 to the last step's end
     num_extrapolated_steps: int  # steps outside a calibrated cost model's measured range
     wall_s: float  # real seconds the simulation took

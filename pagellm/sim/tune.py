@@ -57,6 +57,10 @@ class TuneGoal:
             if value is not None and not value > 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {value}")
 
+    @property
+    def has_limits(self) -> bool:
+        return self.max_p99_ttft_ms is not None or self.max_p99_itl_ms is not None
+
     def latency_of(self, summary: dict[str, Any]) -> float:
         metric, stat = self.latency_metric.split("_")
         value = summary.get(f"{metric}_ms_{stat}")
@@ -97,6 +101,32 @@ def violations(point: TunePoint, goal: TuneGoal) -> list[str]:
     if goal.max_p99_itl_ms is not None and (itl is None or itl > goal.max_p99_itl_ms):
         missed.append(f"p99 ITL {itl} ms > {goal.max_p99_itl_ms:g}")
     return missed
+
+
+def slo_attainment(requests: Sequence[Any], goal: TuneGoal) -> float | None:
+    """The share of requests that meet the latency limits on their own (vLLM's goodput
+    rule): TTFT within --max-p99-ttft-ms and TPOT (the request's mean time per output
+    token after the first) within --max-p99-itl-ms. A refused request misses. None when
+    the goal sets no limits.
+
+    `requests` are SimRequestResults. This is per request, while the goal's limits are on
+    the p99 over all requests (and over all token gaps): a configuration can meet its p99
+    limits at 99% attainment, or miss them at 98%.
+    """
+    if not goal.has_limits or not requests:
+        return None
+    met = 0
+    for r in requests:
+        if r.first_token_s is None or r.finish_s is None:
+            continue
+        if goal.max_p99_ttft_ms is not None and (r.first_token_s - r.arrival_s) * 1e3 > goal.max_p99_ttft_ms:
+            continue
+        if goal.max_p99_itl_ms is not None and r.num_output_tokens > 1:
+            tpot_ms = (r.finish_s - r.first_token_s) * 1e3 / (r.num_output_tokens - 1)
+            if tpot_ms > goal.max_p99_itl_ms:
+                continue
+        met += 1
+    return round(met / len(requests), 4)
 
 
 def rank(points: Sequence[TunePoint], goal: TuneGoal) -> list[TunePoint]:
@@ -164,9 +194,14 @@ def default_jobs() -> int:
 
 
 def command_line(model: str, engine: dict[str, Any]) -> str:
-    """The recommended configuration as a ready `pagellm serve` command."""
+    """The recommended configuration as a ready `pagellm serve` command (with data
+    parallelism: the command of each replica, run behind a round-robin balancer)."""
     parts = ["pagellm serve", f"--model {model}"]
-    for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
+    replicas = engine.get("data_parallel_size", 1)
+    if replicas > 1:
+        parts.insert(0, f"{replicas} replicas behind a round-robin balancer, each:")
+    for name in ("tensor_parallel_size",
+                 "max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
                  "gpu_memory_utilization", "max_num_partial_prefills", "long_prefill_token_threshold",
                  "prefill_share", "scheduling_policy"):  # fmt: skip
         if name in engine:

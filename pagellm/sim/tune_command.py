@@ -2,6 +2,8 @@
 
 Prints the ranked table, the recommended engine arguments as a ready command line, one
 JSON line (appended to --result-file), and draws throughput against latency (PNG).
+With --num-gpus N the grid is the deployment layouts of N GPUs (tune_layouts.py), each
+crossed with whatever engine knobs were given several values.
 """
 
 from __future__ import annotations
@@ -14,8 +16,15 @@ import time
 from typing import Any
 
 from pagellm.errors import ConfigError, PagellmError
-from pagellm.sim.sim_args import TUNED_KNOBS, add_sim_engine_args, add_sim_workload_args, add_target_args
+from pagellm.sim.sim_args import (
+    TUNED_KNOBS,
+    add_parallel_args,
+    add_sim_engine_args,
+    add_sim_workload_args,
+    add_target_args,
+)
 from pagellm.sim.tune import GOALS, LATENCY_METRICS, default_jobs
+from pagellm.sim.tune_layouts import best_layout_line
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +35,8 @@ _POINT_FIELDS = (
     "kv_usage_max", "num_preemptions", "num_allocation_failures", "kv_capacity_tokens",
     "num_steps", "sim_wall_s",
 )  # fmt: skip
+# Column headers of knobs whose names are too long for the table.
+_SHORT_NAMES = {"tensor_parallel_size": "TP", "data_parallel_size": "DP"}
 
 
 def add_tune_parser(commands: Any) -> argparse.ArgumentParser:
@@ -35,9 +46,11 @@ def add_tune_parser(commands: Any) -> argparse.ArgumentParser:
         description="Sweep max_num_seqs, max_num_batched_tokens, gpu_memory_utilization, "
         "max_model_len, block_size and the prefill/decode balance knobs (each flag takes "
         "several values) over one simulated workload, rank the configurations for a goal, "
-        "and print the winner as a command line.",
+        "and print the winner as a command line. --num-gpus compares the ways to deploy "
+        "the model on that many GPUs (tensor- x data-parallel layouts).",
     )
     add_target_args(p)
+    add_parallel_args(p, tune=True)
     add_sim_workload_args(p)
     add_sim_engine_args(p, sweep=True)
     goal = p.add_argument_group("goal")
@@ -63,18 +76,31 @@ def run_tune(args: argparse.Namespace) -> dict[str, Any]:
     from pagellm.sim.sim_args import engine_args_from
     from pagellm.sim.simulate_command import append_json_line
     from pagellm.sim.tune import DEFAULT_GRID, TuneGoal, grid_points, rank, run_grid
+    from pagellm.sim.tune_layouts import enumerate_layouts
 
     jobs = default_jobs() if args.jobs is None else args.jobs
     if jobs < 1:
         raise ConfigError(f"--jobs must be at least 1, got {jobs}")
     goal = TuneGoal(args.goal, args.max_p99_ttft_ms, args.max_p99_itl_ms, args.latency_metric)
-    target = target_from_args(args)
+    layouts = None
+    if args.num_gpus is not None:
+        if args.tensor_parallel_size != 1 or args.data_parallel_size != 1:
+            raise ConfigError(
+                "--num-gpus tries every tensor x data parallel layout itself: leave out "
+                "--tensor-parallel-size and --data-parallel-size"
+            )
+        target = target_from_args(args, 1)
+        layouts = enumerate_layouts(args.num_gpus, target.model_config)
+    else:
+        target = target_from_args(args)
     values: dict[str, tuple[Any, ...]] = {}
     for name in TUNED_KNOBS:
         given = getattr(args, name)
         if given:
             values[name] = tuple(dict.fromkeys(given))  # drop repeats, keep order
-        elif name in DEFAULT_GRID:
+        elif name in DEFAULT_GRID and layouts is None:
+            # With layouts the question is the layout: knobs stay at their defaults
+            # unless given.
             values[name] = DEFAULT_GRID[name]
     if target.gpu is None and "gpu_memory_utilization" in values:
         raise ConfigError(
@@ -83,15 +109,37 @@ def run_tune(args: argparse.Namespace) -> dict[str, Any]:
         )
     base = engine_args_from(args)
     points = grid_points(values)
+    targets: dict[int, Any] = {target.tensor_parallel_size: target}
+    if layouts is not None:
+        points = [{**layout.knobs, **knobs} for layout in layouts for knobs in points]
+        for layout in layouts:
+            tp = layout.tensor_parallel_size
+            if tp not in targets:
+                try:
+                    targets[tp] = target_from_args(args, tp)
+                except PagellmError as e:  # cannot split, or no TP with a calibration
+                    targets[tp] = str(e)
     longest = max(values.get("max_model_len", (base.max_model_len or target.model_config.max_position_embeddings,)))
     workload = workload_from_args(args, longest)
     logger.info("simulating %d configurations of %s on %s (%d jobs)", len(points),
                 target.model_name, target.device_name, jobs)  # fmt: skip
     start = time.perf_counter()
-    simulate_point = _PointSimulator(target, base, workload.requests)
+    simulate_point = _PointSimulator(targets, target.tensor_parallel_size, args.data_parallel_size,
+                                     base, workload.requests, goal)  # fmt: skip
     ranked = rank(run_grid(points, simulate_point, jobs), goal)
     wall = time.perf_counter() - start
-    record = _make_record(target, workload, goal, values, ranked, wall)
+    grid = values if layouts is None else {
+        "tensor_parallel_size": [layout.tensor_parallel_size for layout in layouts],
+        "data_parallel_size": [layout.data_parallel_size for layout in layouts],
+        **values,
+    }  # fmt: skip
+    record = _make_record(target, workload, goal, grid, ranked, wall)
+    if layouts is not None:
+        record["num_gpus"] = args.num_gpus
+        record["layouts"] = [{**layout.knobs, "error": layout.error} for layout in layouts]
+        links = [t.tensor_parallel.describe() for t in targets.values()
+                 if not isinstance(t, str) and t.tensor_parallel is not None]  # fmt: skip
+        record["interconnect"] = {k: v for k, v in links[0].items() if k != "tensor_parallel_size"} if links else None
     print(json.dumps(record))
     print_ranking(record, args.top)
     if args.plot:
@@ -105,23 +153,39 @@ def run_tune(args: argparse.Namespace) -> dict[str, Any]:
 
 
 class _PointSimulator:
-    """Simulates one grid point (picklable state, so forked workers can run it)."""
+    """Simulates one grid point (picklable state, so forked workers can run it).
 
-    def __init__(self, target: Any, base: Any, requests: list[Any]) -> None:
-        self.target = target
+    `targets` maps each tensor-parallel size to its target, or to why there is none;
+    a point's tensor_parallel_size / data_parallel_size knobs pick the target and the
+    number of replicas, the other knobs are engine arguments.
+    """
+
+    def __init__(self, targets: dict[int, Any], tensor_parallel_size: int, data_parallel_size: int,
+                 base: Any, requests: list[Any], goal: Any) -> None:  # fmt: skip
+        self.targets = targets
+        self.tensor_parallel_size = tensor_parallel_size
+        self.data_parallel_size = data_parallel_size
         self.base = base
         self.requests = requests
+        self.goal = goal
 
     def __call__(self, knobs: dict[str, Any]) -> Any:
         from pagellm.sim.runs import engine_description, simulate
-        from pagellm.sim.tune import TunePoint, engine_args_for
+        from pagellm.sim.tune import TunePoint, engine_args_for, slo_attainment
 
+        engine_knobs = dict(knobs)
+        tp = engine_knobs.pop("tensor_parallel_size", self.tensor_parallel_size)
+        dp = engine_knobs.pop("data_parallel_size", self.data_parallel_size)
+        target = self.targets[tp]
+        if isinstance(target, str):
+            return TunePoint(knobs, None, error=target)
         try:
-            run = simulate(self.target, engine_args_for(self.base, knobs), self.requests)
+            run = simulate(target, engine_args_for(self.base, engine_knobs), self.requests, dp)
         except PagellmError as e:
             return TunePoint(knobs, None, error=str(e))
         summary = {name: run.summary[name] for name in _POINT_FIELDS}
-        return TunePoint(knobs, summary, engine_description(run, self.target))
+        summary["slo_attainment"] = slo_attainment(run.result.requests, self.goal)
+        return TunePoint(knobs, summary, engine_description(run, target))
 
 
 def _make_record(target: Any, workload: Any, goal: Any, values: dict[str, Any],
@@ -168,9 +232,13 @@ def print_ranking(record: dict[str, Any], top: int) -> None:
     swept = list(record["grid"])
     metric = record["goal"]["latency_metric"]
     metric_key = "{}_ms_{}".format(*metric.split("_"))
-    headers = ["#", *swept, "out tok/s", "req/s", "TTFT p50", "TTFT p99", "ITL p99"]
-    if metric_key not in ("ttft_ms_median", "ttft_ms_p99", "itl_ms_p99"):
+    headers = ["#", *(_SHORT_NAMES.get(name, name) for name in swept),
+               "out tok/s", "req/s", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99"]  # fmt: skip
+    if metric_key not in ("ttft_ms_median", "ttft_ms_p99", "itl_ms_median", "itl_ms_p99"):
         headers.append(f"{metric} ms")
+    with_slo = record["goal"]["max_p99_ttft_ms"] is not None or record["goal"]["max_p99_itl_ms"] is not None
+    if with_slo:
+        headers.append("SLO att.")
     headers += ["KV mean", "preempt", "status"]
     rows = []
     for point in record["points"][:top]:
@@ -181,16 +249,31 @@ def print_ranking(record: dict[str, Any], top: int) -> None:
                         + [f"invalid: {point['error']}"])  # fmt: skip
             continue
         row = [str(point["rank"]), *knobs, _fmt(r["output_tok_s"]), _fmt(r["requests_per_s"], 2),
-               _fmt(r["ttft_ms_median"]), _fmt(r["ttft_ms_p99"]), _fmt(r["itl_ms_p99"])]  # fmt: skip
-        if metric_key not in ("ttft_ms_median", "ttft_ms_p99", "itl_ms_p99"):
+               _fmt(r["ttft_ms_median"]), _fmt(r["ttft_ms_p99"]), _fmt(r["itl_ms_median"]),
+               _fmt(r["itl_ms_p99"])]  # fmt: skip
+        if metric_key not in ("ttft_ms_median", "ttft_ms_p99", "itl_ms_median", "itl_ms_p99"):
             row.append(_fmt(r.get(metric_key)))
+        if with_slo:
+            attained = r.get("slo_attainment")
+            row.append("-" if attained is None else f"{attained:.1%}")
         row += [f"{r['kv_usage_mean']:.0%}", str(r["num_preemptions"]),
                 "ok" if not point["misses"] else "; ".join(point["misses"])]  # fmt: skip
         rows.append(row)
     widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(headers)]
-    print(f"{record['target']['model']} on {record['target']['device']} ({record['cost_model']['name']}); "
+    if "num_gpus" in record:
+        link = record["interconnect"]
+        where = f"{record['num_gpus']} x {record['target']['device']} ({record['cost_model'].get('kind', 'roofline')}"
+        if link is not None:
+            where += (f"; TP over {link['interconnect']}, {link['interconnect_unidirectional_gbs']:g} GB/s per "
+                      f"direction x {link['allreduce_efficiency']:g}, {link['allreduce_latency_us']:g} us "
+                      "per all-reduce")  # fmt: skip
+        where += ")"
+    else:
+        where = f"{record['target']['device']} ({record['cost_model']['name']})"
+    print(f"{record['target']['model']} on {where}; "
           f"{record['workload']['description']}; goal: {record['goal']['goal']}")  # fmt: skip
-    print("  ".join(h.rjust(w) for h, w in zip(headers, widths)))
+    # The status column is left-aligned (its cells are sentences), and so is its header.
+    print("  ".join(h.rjust(w) if i < len(headers) - 1 else h for i, (h, w) in enumerate(zip(headers, widths))))
     for row in rows:
         print("  ".join(cell.rjust(w) if i < len(row) - 1 else cell for i, (cell, w) in enumerate(zip(row, widths))))
     if len(record["points"]) > top:
@@ -202,3 +285,6 @@ def print_ranking(record: dict[str, Any], top: int) -> None:
     if not recommended["meets_goal"]:
         print("no configuration meets every requirement; the closest is:")
     print(f"recommended: {recommended['command']}")
+    layout_line = best_layout_line(record)
+    if layout_line is not None:
+        print(layout_line)
