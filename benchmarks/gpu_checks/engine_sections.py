@@ -1,5 +1,6 @@
 """GPU check sections on the whole engine: greedy equality with HF transformers, offline
-throughput against HF generate, and a large decode step against its roofline."""
+throughput against HF generate over the same request list, and a large decode step
+against its roofline."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import random
 import statistics
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,16 @@ from gpu_checks.common import (
     free_memory,
     measure_copy_bandwidth,
     sync_device,
+)
+from gpu_checks.hf_baseline import (
+    BenchRequest,
+    hf_done_requests,
+    hf_generate_batch,
+    hf_greedy_each,
+    hf_random_model,
+    hf_sweep,
+    hf_time_list,
+    load_hf_float32,
 )
 from pagellm.bench.synthetic_model import SHAPES
 
@@ -37,36 +49,6 @@ def equality_prompts(cfg: CheckConfig, vocab_size: int) -> list[list[int]]:
     shared = tokens(cfg.equality_shared_prefix)
     prompts += [shared + tokens(n) for n in cfg.equality_suffix_lens]
     return prompts
-
-
-def load_hf_float32(folder: Path, device: torch.device) -> Any:
-    import transformers
-
-    # Recent transformers load in the checkpoint's dtype (float32 here); older ones in
-    # float32 by default. Either way the cast below is exact.
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder)
-    model = model.to(device=device, dtype=torch.float32).eval()
-    _generate_to_length(model)
-    return model
-
-
-def _generate_to_length(model: Any) -> None:
-    """HF generate runs to max_new_tokens (pagellm's ignore_eos) and pads with id 0."""
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-
-
-@torch.inference_mode()
-def hf_greedy_each(model: Any, prompts: list[list[int]], max_new_tokens: int, device: torch.device) -> list[list[int]]:
-    """HF greedy tokens, one prompt at a time (no padding anywhere)."""
-    outputs = []
-    for prompt in prompts:
-        ids = torch.tensor([prompt], device=device)
-        generated = model.generate(
-            input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False
-        )
-        outputs.append(generated[0, len(prompt) :].tolist())
-    return outputs
 
 
 def section_equality(cfg: CheckConfig, ctx: Context, out: SectionOutput) -> None:
@@ -146,12 +128,6 @@ def section_equality(cfg: CheckConfig, ctx: Context, out: SectionOutput) -> None
 # --------------------------------------------------------------------------- 4. throughput
 
 
-@dataclass(frozen=True)
-class BenchRequest:
-    prompt_token_ids: list[int]
-    output_len: int
-
-
 def throughput_workload(cfg: CheckConfig, vocab_size: int, seed: int = 0) -> list[BenchRequest]:
     rng = random.Random(seed)
     return [
@@ -161,98 +137,6 @@ def throughput_workload(cfg: CheckConfig, vocab_size: int, seed: int = 0) -> lis
         )
         for _ in range(cfg.num_requests)
     ]
-
-
-def hf_random_model(shape: dict[str, Any], dtype: torch.dtype, device: torch.device) -> Any:
-    """An HF Llama of `shape` with random weights, built directly on the device in dtype
-    (no float32 copy, no checkpoint: 16 GB of 8B weights never touch the disk)."""
-    import transformers
-
-    from pagellm.bench.synthetic_model import llama_config
-
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = transformers.LlamaForCausalLM(llama_config(shape))
-    finally:
-        torch.set_default_dtype(previous)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.fill_(1.0)
-            else:
-                param.normal_(0.0, 0.02)
-    model.eval()
-    _generate_to_length(model)
-    return model
-
-
-@torch.inference_mode()
-def hf_generate_batch(model: Any, batch: list[BenchRequest], device: torch.device) -> float:
-    """One static HF batch, left-padded, run to its longest requested output; seconds."""
-    width = max(len(r.prompt_token_ids) for r in batch)
-    ids = torch.zeros((len(batch), width), dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, r in enumerate(batch):
-        n = len(r.prompt_token_ids)
-        ids[row, width - n :] = torch.tensor(r.prompt_token_ids)
-        mask[row, width - n :] = 1
-    new_tokens = max(r.output_len for r in batch)
-    ids, mask = ids.to(device), mask.to(device)
-    sync_device(device)
-    started = time.perf_counter()
-    generated = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False)
-    sync_device(device)
-    elapsed = time.perf_counter() - started
-    if generated.shape[1] - width != new_tokens:
-        raise RuntimeError(f"HF generated {generated.shape[1] - width} tokens, {new_tokens} were asked for")
-    return elapsed
-
-
-def hf_sweep(
-    model: Any, requests: list[BenchRequest], batch_sizes: tuple[int, ...], budget_s: float, device: torch.device
-) -> list[dict[str, Any]]:
-    """HF useful output tokens/s per batch size, each timed on one batch.
-
-    Requests are sorted by prompt length (less padding: the best a static batcher can
-    do without knowing output lengths); the batch of consecutive requests around the
-    median length stands for the workload. Only requested tokens count as output.
-    """
-    ordered = sorted(requests, key=lambda r: len(r.prompt_token_ids))
-    hf_generate_batch(model, [BenchRequest(ordered[0].prompt_token_ids, 4)] * 2, device)  # warm-up
-    sweep: list[dict[str, Any]] = []
-    started = time.perf_counter()
-    last_elapsed = 0.0
-    for batch_size in batch_sizes:
-        spent = time.perf_counter() - started
-        # Smaller batches take about as many decode steps, so about as long.
-        if spent + last_elapsed > budget_s:
-            sweep.append({"batch_size": batch_size, "skipped": "HF time budget"})
-            continue
-        first = max(0, (len(ordered) - batch_size) // 2)
-        batch = ordered[first : first + batch_size]
-        try:
-            elapsed = hf_generate_batch(model, batch, device)
-        except torch.cuda.OutOfMemoryError as e:
-            sweep.append({"batch_size": batch_size, "skipped": f"out of memory: {str(e)[:80]}"})
-            elapsed = None
-        if elapsed is None:  # out of the except block, whose traceback held the activations
-            free_memory(device)
-            continue
-        last_elapsed = elapsed
-        useful = sum(r.output_len for r in batch)
-        sweep.append(
-            {
-                "batch_size": batch_size,
-                "num_requests": len(batch),
-                "elapsed_s": round(elapsed, 3),
-                "output_tokens": useful,
-                "generated_tokens": len(batch) * max(r.output_len for r in batch),
-                "output_tok_s": useful / elapsed,
-            }
-        )
-    return sweep
 
 
 def make_throughput_engine(cfg: CheckConfig, folder: Path) -> Any:
@@ -274,7 +158,7 @@ def make_throughput_engine(cfg: CheckConfig, folder: Path) -> Any:
 def engine_settings(llm: Any) -> dict[str, Any]:
     """What kind of engine ran: attention backend, CUDA graphs, cache size."""
     engine = llm.engine
-    runner = engine.runner
+    runner = getattr(engine, "runner", None)  # a multi-process executor may hold none here
     backend = getattr(getattr(runner, "model", None), "backend", None)
     return {
         "attention_backend": getattr(backend, "name", None),
@@ -284,7 +168,7 @@ def engine_settings(llm: Any) -> dict[str, Any]:
     }
 
 
-def _throughput_folder(cfg: CheckConfig, ctx: Context) -> Path:
+def throughput_folder(cfg: CheckConfig, ctx: Context) -> Path:
     from pagellm.bench.synthetic_model import write_synthetic_checkpoint
 
     if "throughput_folder" not in ctx:
@@ -295,13 +179,61 @@ def _throughput_folder(cfg: CheckConfig, ctx: Context) -> Path:
     return ctx["throughput_folder"]
 
 
-def section_throughput(cfg: CheckConfig, ctx: Context, out: SectionOutput) -> None:
+@dataclass(frozen=True)
+class PagellmRun:
+    elapsed_s: float
+    output_tokens: int
+    num_steps: int
+    num_preemptions: int
+
+    @property
+    def output_tok_s(self) -> float:
+        return self.output_tokens / self.elapsed_s
+
+
+def time_pagellm(llm: Any, requests: list[BenchRequest], device: torch.device) -> PagellmRun:
+    """pagellm's wall time for the requests, all added at once, from an empty prefix
+    cache (a second run over the same prompts must not start from their cached blocks)."""
     from pagellm import SamplingParams
 
+    params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
+    engine = llm.engine
+    engine.scheduler.kv_cache_manager.reset_prefix_cache()
+    before = engine.get_stats()
+    steps_before = engine.num_steps
+    sync_device(device)
+    started = time.perf_counter()
+    outputs = llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in requests], params, use_tqdm=False)
+    sync_device(device)
+    elapsed = time.perf_counter() - started
+    after = engine.get_stats()
+    produced = sum(len(o.outputs[0].token_ids) for o in outputs)
+    asked = sum(r.output_len for r in requests)
+    if produced != asked:
+        raise RuntimeError(f"pagellm produced {produced} tokens, {asked} were asked for")
+    return PagellmRun(
+        elapsed_s=elapsed,
+        output_tokens=produced,
+        num_steps=engine.num_steps - steps_before,
+        num_preemptions=(after.num_preemptions_recompute + after.num_preemptions_swap)
+        - (before.num_preemptions_recompute + before.num_preemptions_swap),
+    )
+
+
+def section_throughput(cfg: CheckConfig, ctx: Context, out: SectionOutput) -> None:
+    """pagellm and HF `generate` over the same request list, output tok/s of each over
+    the same useful output tokens (each request's own max_tokens).
+
+    HF serves the list in static batches (hf_time_list) of the batch size a short sweep
+    found fastest; tokens it generates past a request's own end are not counted. When
+    its time budget ends the list early, the HF figures are over the requests it did
+    (marked partial), and pagellm is timed on exactly those requests too, so that the
+    ratio still compares the same work; nothing is extrapolated.
+    """
     device = device_of(cfg)
     dtype = DTYPES[cfg.throughput_dtype]
     shape = SHAPES[cfg.throughput_shape]
-    folder = _throughput_folder(cfg, ctx)
+    folder = throughput_folder(cfg, ctx)
     requests = throughput_workload(cfg, shape["vocab_size"])
     useful = sum(r.output_len for r in requests)
     out.figures.update(
@@ -317,17 +249,22 @@ def section_throughput(cfg: CheckConfig, ctx: Context, out: SectionOutput) -> No
     hf = hf_random_model(shape, dtype, device)
     out.figures["hf_build_s"] = round(time.perf_counter() - started, 2)
     try:
-        sweep = hf_sweep(hf, requests, cfg.hf_batch_sizes, cfg.hf_budget_s, device)
+        sweep = hf_sweep(hf, requests, cfg.hf_batch_sizes, cfg.hf_sweep_budget_s, device)
+        out.figures["hf_sweep"] = sweep
+        timed = [s for s in sweep if "output_tok_s" in s]
+        if not timed:
+            raise RuntimeError(f"no HF batch size could be timed: {sweep}")
+        batch_size = max(timed, key=lambda s: s["output_tok_s"])["batch_size"]
+        hf_run = hf_time_list(requests, batch_size, cfg.hf_budget_s, partial(hf_generate_batch, hf, device=device))
     finally:
         del hf
         free_memory(device)
-    out.figures["hf_sweep"] = sweep
-    timed = [s for s in sweep if "output_tok_s" in s]
-    if not timed:
-        raise RuntimeError(f"no HF batch size could be timed: {sweep}")
-    best = max(timed, key=lambda s: s["output_tok_s"])
-    out.figures["hf_best_batch_size"] = best["batch_size"]
-    out.figures["hf_output_tok_s"] = best["output_tok_s"]
+    out.figures["hf_batch_size"] = batch_size
+    out.figures["hf"] = hf_run.figures()
+    out.figures["hf_output_tok_s"] = hf_run.output_tok_s
+    out.figures["hf_partial"] = hf_run.partial
+    if hf_run.num_requests_done == 0:
+        raise RuntimeError(f"HF did not finish one batch of {batch_size}: {hf_run.stopped_by}")
 
     started = time.perf_counter()
     llm = make_throughput_engine(cfg, folder)
@@ -335,43 +272,49 @@ def section_throughput(cfg: CheckConfig, ctx: Context, out: SectionOutput) -> No
     out.figures["pagellm_build_s"] = round(time.perf_counter() - started, 2)
     out.figures["pagellm_engine"] = engine_settings(llm)
 
-    def params(r: BenchRequest) -> SamplingParams:
-        return SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True)
-
     # Warm-up compiles the kernels for prefill and decode outside the timed run.
-    warm = [BenchRequest(r.prompt_token_ids, 8) for r in requests[:4]]
-    llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in warm], [params(r) for r in warm], use_tqdm=False)
-    llm.engine.scheduler.kv_cache_manager.reset_prefix_cache()
-    before = llm.engine.get_stats()
-    steps_before = llm.engine.num_steps
-    sync_device(device)
-    started = time.perf_counter()
-    outputs = llm.generate(
-        [{"prompt_token_ids": r.prompt_token_ids} for r in requests], [params(r) for r in requests], use_tqdm=False
-    )
-    sync_device(device)
-    elapsed = time.perf_counter() - started
-    produced = sum(len(o.outputs[0].token_ids) for o in outputs)
-    after = llm.engine.get_stats()
-    if produced != useful:
-        raise RuntimeError(f"pagellm produced {produced} tokens, {useful} were asked for")
-    pagellm_tok_s = produced / elapsed
-    ratio = pagellm_tok_s / best["output_tok_s"]
+    time_pagellm(llm, [BenchRequest(r.prompt_token_ids, 8) for r in requests[:4]], device)
+    full = time_pagellm(llm, requests, device)
     out.figures.update(
-        pagellm_elapsed_s=round(elapsed, 3),
-        pagellm_output_tok_s=pagellm_tok_s,
-        pagellm_steps=llm.engine.num_steps - steps_before,
-        pagellm_preemptions=(after.num_preemptions_recompute + after.num_preemptions_swap)
-        - (before.num_preemptions_recompute + before.num_preemptions_swap),
-        ratio=ratio,
+        pagellm_elapsed_s=round(full.elapsed_s, 3),
+        pagellm_output_tok_s=full.output_tok_s,
+        pagellm_steps=full.num_steps,
+        pagellm_preemptions=full.num_preemptions,
     )
+    same = full
+    if hf_run.partial:
+        same = time_pagellm(llm, hf_done_requests(requests, hf_run), device)
+        out.figures["pagellm_on_hf_done"] = {
+            "num_requests": hf_run.num_requests_done,
+            "elapsed_s": round(same.elapsed_s, 3),
+            "output_tokens": same.output_tokens,
+            "output_tok_s": same.output_tok_s,
+        }
+    ratio = same.output_tok_s / hf_run.output_tok_s
+    out.figures.update(ratio=ratio, ratio_num_requests=hf_run.num_requests_done, ratio_partial=hf_run.partial)
+
     out.row(
-        f"pagellm output tok/s ({len(requests)} reqs)", f"{pagellm_tok_s:,.0f} in {elapsed:.3g} s", "", None
+        f"pagellm output tok/s ({len(requests)} reqs)", f"{full.output_tok_s:,.0f} in {full.elapsed_s:.3g} s", "", None
     )
-    out.row(
-        f"HF generate tok/s (batch {best['batch_size']}, 1 batch timed)", f"{best['output_tok_s']:,.0f}", "", None
-    )
-    out.row("throughput pagellm / HF", f"{ratio:.2f}x", ">= 5x", ratio >= 5.0)
+    if hf_run.partial:
+        out.row(
+            f"HF generate tok/s (batch {batch_size}) PARTIAL",
+            f"{hf_run.output_tok_s:,.0f} on {hf_run.num_requests_done}/{len(requests)} reqs in {hf_run.elapsed_s:.3g} s"
+            f" ({hf_run.stopped_by})",
+            "", None,
+        )  # fmt: skip
+        out.row(
+            f"  pagellm on those {hf_run.num_requests_done} reqs", f"{same.output_tok_s:,.0f} in {same.elapsed_s:.3g} s",
+            "", None,
+        )  # fmt: skip
+        label = f"throughput pagellm / HF (PARTIAL: {hf_run.num_requests_done}/{len(requests)} reqs)"
+    else:
+        out.row(
+            f"HF generate tok/s (batch {batch_size}, all {len(requests)} reqs)",
+            f"{hf_run.output_tok_s:,.0f} in {hf_run.elapsed_s:.3g} s", "", None,
+        )  # fmt: skip
+        label = "throughput pagellm / HF (same requests)"
+    out.row(label, f"{ratio:.2f}x", ">= 5x", ratio >= 5.0)
 
 
 # --------------------------------------------------------------------------- 6. roofline
@@ -393,7 +336,7 @@ def section_roofline(cfg: CheckConfig, ctx: Context, out: SectionOutput) -> None
     out.row(f"matmul ceiling ({cfg.throughput_dtype}, {cfg.matmul_size}^2)", f"{matmul_flops / 1e12:,.1f} TFLOP/s", "", None)
 
     if "llm" not in ctx:
-        ctx["llm"] = make_throughput_engine(cfg, _throughput_folder(cfg, ctx))
+        ctx["llm"] = make_throughput_engine(cfg, throughput_folder(cfg, ctx))
     engine = ctx["llm"].engine
     leftover = list(engine.output_processor.states)
     if leftover:  # an earlier section stopped mid-run

@@ -42,12 +42,16 @@ from gpu_checks.kernel_sections import (
     section_gpu_tests,
     section_kernels,
 )
+from gpu_checks.parallel_sections import section_tp, tp_skip_reason
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "gpu_check.json"
 # A smoke run must not overwrite a GPU run's results.
 DEFAULT_SMOKE_OUT = Path(tempfile.gettempdir()) / "gpu_check_smoke.json"
-DESCRIPTION = "GPU check (issue 8): correctness and speed of pagellm on one NVIDIA GPU, in sections."
+DESCRIPTION = (
+    "GPU check (issue 8): correctness and speed of pagellm on one NVIDIA GPU, in sections "
+    "(and tensor parallelism where there are 2+)."
+)
 
 # --------------------------------------------------------------------------- driver
 
@@ -58,6 +62,11 @@ SECTIONS: dict[str, Callable[[CheckConfig, Context, SectionOutput], None]] = {
     "throughput": section_throughput,
     "bandwidth": section_bandwidth,
     "roofline": section_roofline,
+    "tp": section_tp,
+}
+# Why a section cannot run on this machine (None: it can); asked before its time budget.
+NOT_APPLICABLE: dict[str, Callable[[CheckConfig], str | None]] = {
+    "tp": tp_skip_reason,
 }
 
 
@@ -81,13 +90,22 @@ RESERVE_S = 10.0  # kept back from the deadline for the table and the JSON file
 
 
 def run_section(name: str, cfg: CheckConfig, ctx: Context, remaining_s: float) -> SectionOutput:
-    """One section, guarded and timed; skipped when its budget no longer fits.
+    """One section, guarded and timed; skipped when this machine cannot run it, or when
+    its budget no longer fits.
 
     The section may run to twice its budget, never past the deadline: a SIGALRM then
     ends it (Python handles the signal between bytecodes, so a section stuck inside one
     long C call overruns by that call).
     """
     out = SectionOutput(name)
+    check = NOT_APPLICABLE.get(name)
+    reason = check(cfg) if check is not None else None
+    if reason is not None:
+        out.status = "SKIPPED"
+        out.applies = False
+        out.error = reason
+        out.row(SECTION_TITLES[name], f"SKIPPED: {reason}", "", None)
+        return out
     budget = cfg.budgets_s[name]
     if remaining_s < budget:
         out.status = "SKIPPED"
@@ -254,4 +272,4 @@ def main(argv: list[str] | None = None) -> int:
             print(f"cannot write {path}: {e}", file=sys.stderr)
     print(table)
     print("results: " + ", ".join(str(p) for p in destinations))
-    return 0 if all(s.status == "ok" for s in sections) else 1
+    return 0 if all(s.status == "ok" or not s.applies for s in sections) else 1
