@@ -97,3 +97,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 def engine_args_from_namespace(ns: argparse.Namespace) -> EngineArgs:
     return EngineArgs(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs)})
+
+
+def engine_args_to_cli(args: EngineArgs) -> list[str]:
+    """The flags that make `add_engine_args`' parser give back `args` (for the engine
+    processes a data-parallel server starts with the settings it was given)."""
+    flags: list[str] = []
+    for field in dataclasses.fields(EngineArgs):
+        value = getattr(args, field.name)
+        if value == field.default:
+            continue
+        flag = "--" + field.name.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(flag if value else "--no-" + field.name.replace("_", "-"))
+        elif value is not None:
+            flags += [flag, str(value)]
+    return flags

@@ -180,7 +180,7 @@ def run_server(args: argparse.Namespace) -> None:
         timeout_graceful_shutdown=args.shutdown_timeout + 10,
     )
     server = uvicorn.Server(config)
-    _keep_signals_from_killing()
+    keep_signals_from_killing()
     engine_died = asyncio.run(_serve(server, async_llm, sock, args.shutdown_timeout))
     if engine_died:
         # Non-zero, so that an orchestrator (systemd, Kubernetes) restarts the server.
@@ -205,7 +205,7 @@ async def _serve(
 
 # How long a dead engine's server keeps answering (503 on /health, errors on requests)
 # before it exits: long enough for a health check to see why.
-ENGINE_DEATH_GRACE_S = 1.0
+ENGINE_DEATH_GRACE_S = 2.0
 
 
 async def _exit_when_engine_dies(server: uvicorn.Server, async_llm: AsyncLLM) -> bool:
@@ -227,7 +227,7 @@ async def _abort_after_grace(server: uvicorn.Server, async_llm: AsyncLLM, grace_
     async_llm.abort_all()
 
 
-def _keep_signals_from_killing() -> None:
+def keep_signals_from_killing() -> None:
     """Make SIGINT/SIGTERM harmless outside uvicorn's own handling.
 
     uvicorn handles both while it serves, then re-raises the signal once it has shut

@@ -47,6 +47,14 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentP
         help="seconds in-flight requests get to finish after SIGINT/SIGTERM before they "
         "are aborted (default: 5)",
     )
+    serve.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="engine replicas behind this endpoint, each with its own KV cache (and its own "
+        "--tensor-parallel-size ranks); requests go by prefix-cache affinity, then load. With "
+        "--distributed-executor-backend ray the replicas are placed on the Ray cluster (default: 1)",
+    )
     add_engine_args(serve)
     return serve
 
@@ -62,6 +70,13 @@ def run_serve(args: argparse.Namespace) -> None:
         raise ConfigError(f"--port must be in [0, 65535], got {args.port}")
     if args.shutdown_timeout < 0:
         raise ConfigError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+    if args.data_parallel_size < 1:
+        raise ConfigError(f"--data-parallel-size must be at least 1, got {args.data_parallel_size}")
+    if args.data_parallel_size > 1:
+        from pagellm.entrypoints.openai.dp_server import run_dp_server
+
+        run_dp_server(args)
+        return
     from pagellm.entrypoints.openai.api_server import run_server
 
     run_server(args)

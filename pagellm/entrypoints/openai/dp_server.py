@@ -1,0 +1,347 @@
+"""Entrypoints (HTTP): `pagellm serve --data-parallel-size M`: M engine replicas behind one
+OpenAI-compatible endpoint.
+
+The router tokenizes each prompt (the replicas' own tokenizer and chat template) and
+picks a replica by prefix-cache affinity, then load (executor/dp_routing.py); the request
+is passed through unchanged, its answer (streamed or not) passed back byte for byte, so
+every replica keeps its own validation, errors and streaming. A replica that dies is
+noticed within a second: the router stops sending to it, a request whose replica could
+not be reached is retried on another, and the survivors keep serving; with none left,
+/health answers 503 and the server exits with status 1.
+
+/metrics holds the router's own figures (decisions by reason, requests in flight, live
+replicas) and every replica's engine metrics with a `replica` label.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import httpx2 as httpx
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, RedirectResponse, Response, StreamingResponse
+from fastapi.staticfiles import StaticFiles
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+
+from pagellm.engine.arg_utils import EngineArgs
+from pagellm.engine.cli_args import engine_args_from_namespace, engine_args_to_cli
+from pagellm.entrypoints.dashboard import STATIC_DIR
+from pagellm.entrypoints.openai.api_server import bind_socket, keep_signals_from_killing
+from pagellm.entrypoints.openai.auth import ApiKeyMiddleware
+from pagellm.entrypoints.openai.errors import APIError
+from pagellm.entrypoints.openai.serve_command import API_KEY_ENV
+from pagellm.entrypoints.openai.replicas import Replica, start_process_replicas, start_ray_replicas
+from pagellm.executor.dp_routing import PrefixAffinityRouter
+from pagellm.model.loader import load_model_config, load_tokenizer, resolve_model_source
+from pagellm.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+# One INFO line per forwarded request would drown the log.
+logging.getLogger("httpx2").setLevel(logging.WARNING)
+
+HEALTH_INTERVAL_S = 0.2  # how often replica processes are checked
+LOAD_INTERVAL_S = 1.0  # how often replicas' KV usage is read
+ENGINE_DEATH_GRACE_S = 2.0
+_FORWARDED_HEADERS = ("authorization", "content-type", "accept")
+
+
+class ReplicaRouter:
+    """The replicas, the routing state, and the router's own metrics."""
+
+    def __init__(self, replicas: Sequence[Replica], tokenizer: Tokenizer, block_size: int) -> None:
+        self.replicas = list(replicas)
+        self.tokenizer = tokenizer
+        self.policy = PrefixAffinityRouter(len(replicas), block_size=block_size)
+        self.registry = CollectorRegistry()
+        self.decisions = Counter(
+            "pagellm:router_requests", "Requests routed, by replica and reason (affinity, load, balance, retry).",
+            ["replica", "reason"], registry=self.registry,
+        )  # fmt: skip
+        self.in_flight = Gauge(
+            "pagellm:router_in_flight", "Requests sent to a replica and not yet answered.", ["replica"],
+            registry=self.registry,
+        )  # fmt: skip
+        self.alive_gauge = Gauge("pagellm:router_replicas_alive", "Replicas serving.", registry=self.registry)
+        self.alive_gauge.set(len(replicas))
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0))
+
+    # ----------------------------------------------------------------- routing
+
+    async def routing_tokens(self, path: str, body: Any) -> list[int]:
+        """The prompt's token ids as the replica will see them ([] when they cannot be
+        known here: the request then goes by load, and its replica judges it)."""
+        try:
+            if path.endswith("/chat/completions"):
+                messages = body.get("messages")
+                text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+                return await asyncio.to_thread(self.tokenizer.encode, text, False)
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+                prompt = prompt[0]  # a batch: route by its first prompt
+            if isinstance(prompt, str):
+                return await asyncio.to_thread(self.tokenizer.encode, prompt)
+            if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+                return prompt
+        except Exception:  # noqa: BLE001 - a malformed request is the replica's to refuse
+            logger.debug("no routing tokens for this request", exc_info=True)
+        return []
+
+    def live(self) -> list[int]:
+        return [i for i, load in enumerate(self.policy.loads) if load.alive]
+
+    def mark_dead(self, index: int) -> None:
+        if self.policy.loads[index].alive:
+            self.policy.mark_dead(index)
+            self.alive_gauge.set(self.policy.num_alive)
+            logger.error(
+                "data-parallel replica %d is down: %d of %d replicas serve",
+                index, self.policy.num_alive, len(self.replicas),
+            )  # fmt: skip
+
+    # -------------------------------------------------------------- forwarding
+
+    async def forward(self, request: Request, path: str) -> Response:
+        """Send the request to a replica chosen for it; a replica that cannot be reached
+        is marked down and the next choice tried."""
+        raw = await request.body()
+        try:
+            body = json.loads(raw) if raw else {}
+        except ValueError:
+            body = {}
+        tokens = await self.routing_tokens(path, body) if isinstance(body, dict) and request.method == "POST" else []
+        headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARDED_HEADERS}
+        retry = False
+        while True:
+            try:
+                decision = self.policy.choose(tokens)
+            except LookupError:
+                raise APIError(503, "No engine replica is serving.", code="engine_dead") from None
+            index = decision.replica
+            self.decisions.labels(str(index), "retry" if retry else decision.reason).inc()
+            replica = self.replicas[index]
+            outgoing = self.client.build_request(
+                request.method, replica.url + path, content=raw, headers=headers, params=request.query_params
+            )
+            self._started(index)
+            try:
+                upstream = await self.client.send(outgoing, stream=True)
+            except httpx.TransportError as e:
+                self._finished(index)
+                if not replica.is_alive():
+                    self.mark_dead(index)
+                    retry = True
+                    continue
+                raise APIError(503, f"Engine replica {index} cannot be reached: {e}", code="replica_unreachable") from None
+            return StreamingResponse(
+                self._relay(upstream, index),
+                status_code=upstream.status_code,
+                headers={k: v for k, v in upstream.headers.items() if k.lower() in ("content-type", "cache-control")},
+            )
+
+    async def _relay(self, upstream: httpx.Response, index: int) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in upstream.aiter_raw():
+                yield chunk
+        except httpx.TransportError as e:
+            # The replica died mid-answer: a streamed answer ends with an error event.
+            logger.warning("replica %d broke off an answer: %s", index, e)
+            if upstream.headers.get("content-type", "").startswith("text/event-stream"):
+                error = APIError(503, f"Engine replica {index} stopped while answering.", code="engine_dead")
+                yield f"data: {json.dumps(error.body().model_dump(mode='json'))}\n\n".encode()
+        finally:
+            await upstream.aclose()
+            self._finished(index)
+
+    def _started(self, index: int) -> None:
+        self.policy.started(index)
+        self.in_flight.labels(str(index)).set(self.policy.loads[index].in_flight)
+
+    def _finished(self, index: int) -> None:
+        self.policy.finished(index)
+        self.in_flight.labels(str(index)).set(self.policy.loads[index].in_flight)
+
+    # ----------------------------------------------------------------- watching
+
+    async def watch(self) -> None:
+        """Mark replicas down as their processes end; read their KV usage now and then."""
+        ticks = 0
+        while True:
+            for index in self.live():
+                if not await asyncio.to_thread(self.replicas[index].is_alive):
+                    self.mark_dead(index)
+            if ticks % round(LOAD_INTERVAL_S / HEALTH_INTERVAL_S) == 0:
+                await asyncio.gather(*(self._read_load(i) for i in self.live()))
+            ticks += 1
+            await asyncio.sleep(HEALTH_INTERVAL_S)
+
+    async def _read_load(self, index: int) -> None:
+        text = await self._replica_metrics(index)
+        for line in (text or "").splitlines():
+            if line.startswith("pagellm:kv_cache_usage_perc"):
+                self.policy.report_kv_usage(index, float(line.rsplit(" ", 1)[1]))
+
+    async def _replica_metrics(self, index: int) -> str | None:
+        try:
+            response = await self.client.get(self.replicas[index].url + "/metrics", timeout=5.0)
+            return response.text if response.status_code == 200 else None
+        except httpx.TransportError:
+            return None
+
+    async def metrics_text(self) -> bytes:
+        """The router's metrics, then every live replica's with a `replica` label."""
+        texts = await asyncio.gather(*(self._replica_metrics(i) for i in self.live()))
+        merged: dict[str, Metric] = {}
+        for index, text in zip(self.live(), texts, strict=False):
+            if text is None:
+                continue
+            for family in text_string_to_metric_families(text):
+                target = merged.setdefault(family.name, Metric(family.name, family.documentation, family.type))
+                for sample in family.samples:
+                    target.add_sample(sample.name, {**sample.labels, "replica": str(index)}, sample.value)
+        registry = CollectorRegistry()
+        registry.register(_Fixed(list(merged.values())))
+        return generate_latest(self.registry) + generate_latest(registry)
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+
+class _Fixed:
+    """A collector that yields metric families read from elsewhere."""
+
+    def __init__(self, families: list[Metric]) -> None:
+        self._families = families
+
+    def collect(self) -> list[Metric]:
+        return self._families
+
+
+def build_router_app(router: ReplicaRouter, name: str, api_key: str | None) -> FastAPI:
+    app = FastAPI(title="pagellm (data parallel)")
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> Response:
+        return exc.response()
+
+    @app.get("/health")
+    async def health() -> Response:
+        alive = router.policy.num_alive
+        if alive == 0:
+            return APIError(503, "No engine replica is serving.", code="engine_dead").response()
+        return JSONResponse({"status": "ok", "replicas_alive": alive, "replicas": len(router.replicas)})
+
+    @app.get("/metrics")
+    async def get_metrics() -> Response:
+        return Response(await router.metrics_text(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
+        app.add_api_route(path, _forwarder(router, path), methods=["POST"])
+    app.add_api_route("/v1/models", _forwarder(router, "/v1/models"), methods=["GET"])
+
+    @app.get("/v1/engine/state")
+    async def engine_state(request: Request, replica: int = 0) -> Response:
+        """The dashboard's view of one replica (?replica=N; default the first)."""
+        if not 0 <= replica < len(router.replicas) or not router.policy.loads[replica].alive:
+            raise APIError(404, f"replica {replica} is not serving (live: {router.live()})", param="replica")
+        response = await router.client.get(router.replicas[replica].url + "/v1/engine/state", timeout=10.0)
+        return Response(response.content, status_code=response.status_code, media_type="application/json")
+
+    @app.get("/dashboard", include_in_schema=False)
+    async def dashboard_redirect() -> Response:
+        return RedirectResponse("/dashboard/")
+
+    app.mount("/dashboard", StaticFiles(directory=STATIC_DIR, html=True), name="dashboard")
+    return app
+
+
+def _forwarder(router: ReplicaRouter, path: str):  # noqa: ANN202 - a FastAPI endpoint
+    async def endpoint(request: Request) -> Response:
+        return await router.forward(request, path)
+
+    return endpoint
+
+
+def run_dp_server(args: argparse.Namespace) -> None:
+    """Start the replicas, then route to them until SIGINT/SIGTERM (or until none is left)."""
+    sock = bind_socket(args.host, args.port)
+    engine_args = engine_args_from_namespace(args)
+    source = resolve_model_source(engine_args.model)
+    tokenizer = load_tokenizer(source, load_model_config(source))
+    name = args.served_model_name or source.name
+    serve_args = replica_serve_args(args, engine_args, name)
+    # The replicas require the API key too; the router passes clients' headers on.
+    env = {API_KEY_ENV: args.api_key} if args.api_key else {}
+    size = args.data_parallel_size
+    if args.distributed_executor_backend == "ray":
+        gpus = engine_args.tensor_parallel_size if engine_args.device != "cpu" and _has_cuda() else 0
+        replicas: list[Replica] = list(start_ray_replicas(size, serve_args, gpus, env))
+    else:
+        replicas = list(start_process_replicas(size, serve_args, os.cpu_count() or 1, env))
+    router = ReplicaRouter(replicas, tokenizer, engine_args.block_size)
+    app = build_router_app(router, name, args.api_key)
+    server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False, lifespan="off"))
+    keep_signals_from_killing()
+    try:
+        all_died = asyncio.run(_serve(server, router, sock, name))
+    finally:
+        for replica in replicas:
+            replica.stop(args.shutdown_timeout + 10)
+    if all_died:
+        logger.error("pagellm server stopped: every engine replica died")
+        raise SystemExit(1)
+    logger.info("pagellm server stopped")
+
+
+def replica_serve_args(args: argparse.Namespace, engine_args: EngineArgs, name: str) -> list[str]:
+    flags = ["--served-model-name", name, "--shutdown-timeout", str(args.shutdown_timeout)]
+    if args.max_num_queued_requests is not None:
+        flags += ["--max-num-queued-requests", str(args.max_num_queued_requests)]
+    return flags + engine_args_to_cli(engine_args)
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+async def _serve(server: uvicorn.Server, router: ReplicaRouter, sock: Any, name: str) -> bool:
+    """Serve; True if it stopped because every replica died."""
+    watcher = asyncio.create_task(router.watch())
+    death_watch = asyncio.create_task(_exit_when_all_died(server, router))
+    host, port = sock.getsockname()[:2]
+    logger.info(
+        "pagellm is ready: model '%s' at http://%s:%d/v1 (data parallel: %d replicas at %s)",
+        name, host, port, len(router.replicas), ", ".join(r.url for r in router.replicas),
+    )  # fmt: skip
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        watcher.cancel()
+        death_watch.cancel()
+        with contextlib.suppress(Exception):
+            await router.close()
+    return death_watch.done() and not death_watch.cancelled() and death_watch.result()
+
+
+async def _exit_when_all_died(server: uvicorn.Server, router: ReplicaRouter) -> bool:
+    while not server.should_exit:
+        if router.policy.num_alive == 0:
+            logger.error("every engine replica died: the server exits")
+            await asyncio.sleep(ENGINE_DEATH_GRACE_S)
+            server.should_exit = True
+            return True
+        await asyncio.sleep(0.1)
+    return False

@@ -1,0 +1,165 @@
+"""`pagellm serve --data-parallel-size 2`: two engine replicas behind one endpoint.
+
+Every request is answered exactly once, with the outputs one engine gives; requests that
+share a long prefix land on the replica that holds it (seen in the per-replica prefix-hit
+metrics); the load bound spreads a flood of one prefix over both; a replica that dies is
+routed around while the other keeps serving.
+"""
+
+import os
+import re
+import signal
+import threading
+import time
+
+import httpx2 as httpx
+import pytest
+from hf_models import make_tiny_hf_checkpoint
+from serve_helpers import ServerProcess
+
+from pagellm import LLM, SamplingParams
+
+PREFIX = "".join(chr(ord("a") + i % 26) for i in range(80))  # 80 byte tokens = 5 full blocks
+
+
+def start(folder: str, *extra: str) -> ServerProcess:
+    return ServerProcess(["--model", folder, "--served-model-name", "tiny", "--data-parallel-size", "2", "--max-model-len", "512", *extra])
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return str(make_tiny_hf_checkpoint(tmp_path_factory.mktemp("tiny"), max_position_embeddings=512))
+
+
+@pytest.fixture(scope="module")
+def server(tiny):
+    process = start(tiny)
+    yield process
+    process.process.terminate()
+    assert process.process.wait(60) == 0
+
+
+def complete(client: httpx.Client, prompt: str, max_tokens: int = 8) -> httpx.Response:
+    return client.post(
+        "/v1/completions",
+        json={"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True},
+    )
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """The sum of a metric's samples whose labels include `labels`."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{"):
+            found = dict(re.findall(r'(\w+)="([^"]*)"', line.split("}", 1)[0]))
+            if all(found.get(k) == v for k, v in labels.items()):
+                total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_every_request_answered_once_as_one_engine_would(server, tiny):
+    prompts = [f"request {i}: " + "xyz" * i for i in range(12)]
+    with LLM(tiny, max_model_len=512) as llm:
+        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        expected = [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]
+    with httpx.Client(base_url=server.base_url, timeout=60) as client:
+        before = metric(client.get("/metrics").text, "pagellm:request_success_total")
+        answers: dict[int, httpx.Response] = {}
+
+        def send(i: int) -> None:
+            answers[i] = complete(client, prompts[i])
+
+        threads = [threading.Thread(target=send, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        texts = [answers[i].json()["choices"][0]["text"] for i in range(len(prompts))]
+        assert texts == expected
+        assert len({answers[i].json()["id"] for i in answers}) == len(prompts)
+        after = client.get("/metrics").text
+    assert metric(after, "pagellm:request_success_total") - before == len(prompts)
+    # Both replicas served some of them (equal loads take turns).
+    assert all(metric(after, "pagellm:request_success_total", replica=r) > 0 for r in ("0", "1"))
+
+
+def test_a_shared_prefix_lands_on_the_replica_that_holds_it(server):
+    with httpx.Client(base_url=server.base_url, timeout=60) as client:
+        before = client.get("/metrics").text
+        for i in range(4):  # one after another: the first caches the prefix, the rest hit it
+            assert complete(client, "shared " + PREFIX + f" question {i}").status_code == 200
+        after = client.get("/metrics").text
+    hits = [metric(after, "pagellm:prefix_cache_hits_total", replica=r) - metric(before, "pagellm:prefix_cache_hits_total", replica=r) for r in ("0", "1")]
+    assert max(hits) >= 3 * 80 and min(hits) == 0, hits
+    assert metric(after, "pagellm:router_requests_total", reason="affinity") - metric(before, "pagellm:router_requests_total", reason="affinity") == 3
+
+
+def test_a_flood_of_one_prefix_is_spread_by_the_load_bound(server):
+    with httpx.Client(base_url=server.base_url, timeout=120) as client:
+        before = client.get("/metrics").text
+        codes: list[int] = []
+
+        def send(i: int) -> None:
+            codes.append(complete(client, "flood " + PREFIX + str(i), max_tokens=48).status_code)
+
+        threads = [threading.Thread(target=send, args=(i,)) for i in range(16)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        after = client.get("/metrics").text
+    assert codes == [200] * 16
+    routed = [metric(after, "pagellm:router_requests_total", replica=r) - metric(before, "pagellm:router_requests_total", replica=r) for r in ("0", "1")]
+    assert sum(routed) == 16 and min(routed) >= 4, routed
+    assert metric(after, "pagellm:router_requests_total", reason="balance") > metric(before, "pagellm:router_requests_total", reason="balance")
+
+
+def test_a_dead_replica_is_routed_around(tiny):
+    server = start(tiny)
+    try:
+        pids = {int(i): int(pid) for i, pid in re.findall(r"\[replica (\d)\] replica up at \S+, pid (\d+)", server.log)}
+        assert sorted(pids) == [0, 1], server.log
+        with httpx.Client(base_url=server.base_url, timeout=60) as client:
+            assert complete(client, "warm up").status_code == 200
+            os.kill(pids[1], signal.SIGKILL)
+            deadline = time.monotonic() + 10
+            while client.get("/health").json().get("replicas_alive") != 1:
+                assert time.monotonic() < deadline, "the router did not notice the dead replica"
+                time.sleep(0.1)
+            for i in range(6):  # every one is served by the survivor
+                response = complete(client, f"after the crash {i}")
+                assert response.status_code == 200, response.text
+            assert client.get("/health").status_code == 200
+            os.kill(pids[0], signal.SIGKILL)
+            deadline = time.monotonic() + 10
+            while client.get("/health").status_code != 503:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+            response = complete(client, "nobody home")
+            assert response.status_code == 503 and response.json()["error"]["code"] == "engine_dead"
+        assert server.process.wait(timeout=30) == 1  # none left: exit non-zero
+    finally:
+        if server.process.poll() is None:
+            server.process.kill()
+
+
+def test_replicas_on_ray_with_an_api_key(tiny):
+    pytest.importorskip("ray")
+    server = ServerProcess(
+        ["--model", tiny, "--served-model-name", "tiny", "--data-parallel-size", "2", "--max-model-len", "512",
+         "--distributed-executor-backend", "ray"],
+        api_key="dp-key",
+    )  # fmt: skip
+    try:
+        urls = re.search(r"data parallel: 2 replicas at (\S+), (\S+)\)", server.log).groups()
+        with httpx.Client(base_url=server.base_url, timeout=60, headers={"Authorization": "Bearer dp-key"}) as client:
+            assert all(complete(client, f"ray {i}").status_code == 200 for i in range(4))
+            routed = client.get("/metrics").text
+            assert all(metric(routed, "pagellm:router_requests_total", replica=r) > 0 for r in ("0", "1"))
+            # The replicas listen on the node's address: they want the key as well.
+            direct = httpx.post(urls[0] + "/v1/completions", json={"model": "tiny", "prompt": "x"})
+            assert direct.status_code == 401
+        assert httpx.post(server.base_url + "/v1/completions", json={"model": "tiny", "prompt": "x"}).status_code == 401
+    finally:
+        server.process.terminate()
+        assert server.process.wait(60) == 0
