@@ -64,6 +64,7 @@ class PrefixAffinityRouter:
         balance_abs: int = 4,
         balance_rel: float = 1.5,
         max_entries: int = 100_000,
+        use_affinity: bool = True,
     ) -> None:
         if num_replicas < 1:
             raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
@@ -72,6 +73,7 @@ class PrefixAffinityRouter:
         self.balance_abs = balance_abs
         self.balance_rel = balance_rel
         self.max_entries = max_entries
+        self.use_affinity = use_affinity  # False: by load alone (to measure what affinity is worth)
         # block chain hash -> replicas that were sent it (most recent last); LRU over hashes.
         self._holders: OrderedDict[bytes, list[int]] = OrderedDict()
         # Equal loads are broken in turn, so that one request at a time still spreads.
@@ -83,7 +85,7 @@ class PrefixAffinityRouter:
         alive = [i for i, load in enumerate(self.loads) if load.alive]
         if not alive:
             raise LookupError("no replica is alive")
-        hashes = block_chain_hashes(token_ids, self.block_size)
+        hashes = block_chain_hashes(token_ids, self.block_size) if self.use_affinity else []
         depth, candidates = 0, []
         for index, digest in enumerate(hashes):
             holders = [r for r in self._holders.get(digest, ()) if self.loads[r].alive]

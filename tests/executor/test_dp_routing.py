@@ -75,3 +75,11 @@ def test_finished_requests_lower_the_load_and_kv_usage_breaks_ties():
     router.report_kv_usage(0, 0.9)
     router.report_kv_usage(1, 0.1)
     assert router.choose([1, 2, 3]).replica == 1  # no full block: by load alone
+
+
+def test_without_affinity_every_request_goes_by_load():
+    router = PrefixAffinityRouter(2, block_size=BLOCK, use_affinity=False)
+    p = prompt(1, 3, [])
+    decisions = [router.choose(p) for _ in range(4)]
+    assert [d.reason for d in decisions] == ["load"] * 4
+    assert [d.replica for d in decisions] == [0, 1, 0, 1]  # equal loads take turns

@@ -58,10 +58,12 @@ _FORWARDED_HEADERS = ("authorization", "content-type", "accept")
 class ReplicaRouter:
     """The replicas, the routing state, and the router's own metrics."""
 
-    def __init__(self, replicas: Sequence[Replica], tokenizer: Tokenizer, block_size: int) -> None:
+    def __init__(
+        self, replicas: Sequence[Replica], tokenizer: Tokenizer, block_size: int, routing: str = "affinity"
+    ) -> None:
         self.replicas = list(replicas)
         self.tokenizer = tokenizer
-        self.policy = PrefixAffinityRouter(len(replicas), block_size=block_size)
+        self.policy = PrefixAffinityRouter(len(replicas), block_size=block_size, use_affinity=routing == "affinity")
         self.registry = CollectorRegistry()
         self.decisions = Counter(
             "pagellm:router_requests", "Requests routed, by replica and reason (affinity, load, balance, retry).",
@@ -118,7 +120,8 @@ class ReplicaRouter:
             body = json.loads(raw) if raw else {}
         except ValueError:
             body = {}
-        tokens = await self.routing_tokens(path, body) if isinstance(body, dict) and request.method == "POST" else []
+        routable = self.policy.use_affinity and isinstance(body, dict) and request.method == "POST"
+        tokens = await self.routing_tokens(path, body) if routable else []
         headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARDED_HEADERS}
         retry = False
         while True:
@@ -289,7 +292,7 @@ def run_dp_server(args: argparse.Namespace) -> None:
         replicas: list[Replica] = list(start_ray_replicas(size, serve_args, gpus, env))
     else:
         replicas = list(start_process_replicas(size, serve_args, os.cpu_count() or 1, env))
-    router = ReplicaRouter(replicas, tokenizer, engine_args.block_size)
+    router = ReplicaRouter(replicas, tokenizer, engine_args.block_size, args.data_parallel_routing)
     app = build_router_app(router, name, args.api_key)
     server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False, lifespan="off"))
     keep_signals_from_killing()

@@ -55,6 +55,13 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentP
         "--tensor-parallel-size ranks); requests go by prefix-cache affinity, then load. With "
         "--distributed-executor-backend ray the replicas are placed on the Ray cluster (default: 1)",
     )
+    serve.add_argument(
+        "--data-parallel-routing",
+        choices=("affinity", "load"),
+        default="affinity",
+        help="how the replicas are chosen: affinity = prefix-cache affinity, then load; "
+        "load = the least loaded replica only (default: affinity)",
+    )
     add_engine_args(serve)
     return serve
 
