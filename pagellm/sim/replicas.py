@@ -3,10 +3,11 @@ scheduler and KV cache (and, with tensor parallelism, its own group of GPUs), se
 one workload together.
 
 Routing is round-robin in arrival order: the i-th request to arrive goes to replica
-i mod M, as a plain load balancer in front of M `pagellm serve` processes sends it. It
-ignores load, so a run of long prompts landing on one replica is not rebalanced (a
-least-loaded router would do somewhat better on skewed workloads; the figures here are
-the plain balancer's). It also keeps the replicas independent: each is simulated on its
+i mod M. It ignores load and prefixes, so a run of long prompts landing on one replica
+is not rebalanced and a shared prefix is prefilled on every replica (the server's
+router, `pagellm serve --data-parallel-size`, follows prefix-cache affinity and load, so
+it does at least as well on skewed or prefix-heavy workloads; the figures here are the
+plain split's). It also keeps the replicas independent: each is simulated on its
 own Simulator, and the results merge into one, as a client of the whole deployment sees
 it: throughput over the longest replica's duration, latencies over every request.
 """

@@ -194,13 +194,11 @@ def default_jobs() -> int:
 
 
 def command_line(model: str, engine: dict[str, Any]) -> str:
-    """The recommended configuration as a ready `pagellm serve` command (with data
-    parallelism: the command of each replica, run behind a round-robin balancer)."""
+    """The recommended configuration as a ready `pagellm serve` command (data parallelism
+    is simulated with arrivals split round-robin; the server's router also follows
+    prefix-cache affinity, which only helps)."""
     parts = ["pagellm serve", f"--model {model}"]
-    replicas = engine.get("data_parallel_size", 1)
-    if replicas > 1:
-        parts.insert(0, f"{replicas} replicas behind a round-robin balancer, each:")
-    for name in ("tensor_parallel_size",
+    for name in ("data_parallel_size", "tensor_parallel_size",
                  "max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
                  "gpu_memory_utilization", "max_num_partial_prefills", "long_prefill_token_threshold",
                  "prefill_share", "scheduling_policy"):  # fmt: skip

@@ -58,10 +58,8 @@ def test_slo_attainment_per_request():
 
 def test_command_line_carries_the_layout():
     engine = {"tensor_parallel_size": 4, "data_parallel_size": 2, "max_num_seqs": 256}
-    # pagellm serve is one engine: two replicas are two of them behind a balancer.
     assert command_line("Llama-3-70B", engine) == (
-        "2 replicas behind a round-robin balancer, each: "
-        "pagellm serve --model Llama-3-70B --tensor-parallel-size 4 --max-num-seqs 256"
+        "pagellm serve --model Llama-3-70B --data-parallel-size 2 --tensor-parallel-size 4 --max-num-seqs 256"
     )
     assert command_line("Llama-3-70B", {"tensor_parallel_size": 8}) == (
         "pagellm serve --model Llama-3-70B --tensor-parallel-size 8"
