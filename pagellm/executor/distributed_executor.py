@@ -68,7 +68,8 @@ class DistributedExecutor(Executor):
         try:
             return fn()
         except RuntimeError as e:
-            error = self._death_report() or WorkerDiedError(f"a tensor-parallel worker failed: {e}")
+            # Once one rank's step fails the ranks are out of step: nothing can run after.
+            error = self._death_report() or WorkerDiedError(f"a tensor-parallel step failed: {e}")
             self._fail(error)
             raise error from e
 
