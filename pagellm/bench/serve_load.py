@@ -15,7 +15,7 @@ import logging
 import math
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -184,7 +184,7 @@ async def send_request(
                 if response.status_code != 200:
                     error = error_text(response.status_code, await response.aread())
                 else:
-                    async for line in response.aiter_lines():
+                    async for line in sse_lines(response.aiter_text()):
                         now = time.perf_counter()
                         if not line.startswith("data:"):
                             continue  # blank separators, comments, event names
@@ -321,3 +321,17 @@ async def detokenize_prompts(
                 ) from None
             texts.append(text)
     return texts
+
+
+async def sse_lines(text: AsyncIterator[str]) -> AsyncIterator[str]:
+    """The lines of an event stream, split only where SSE splits them (\n, \r\n, \r):
+    generic line readers also split at U+2028, U+0085 and the like, which may sit inside
+    a JSON string of an event."""
+    pending = ""
+    async for chunk in text:
+        pending += chunk
+        *lines, pending = pending.replace("\r\n", "\n").replace("\r", "\n").split("\n")
+        for line in lines:
+            yield line
+    if pending:
+        yield pending

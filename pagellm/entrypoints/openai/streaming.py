@@ -25,8 +25,15 @@ T = TypeVar("T")
 SSE_DONE = "data: [DONE]\n\n"
 
 
+# Characters Python's str.splitlines (and line readers built on it, such as httpx's
+# aiter_lines) treat as line breaks, which JSON leaves unescaped: a sampled token that
+# decodes to one would cut an event in half for such a client. They can only occur
+# inside JSON strings, where the \u escape means the same.
+_LINE_BREAKS_JSON_KEEPS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0085"})
+
+
 def sse_event(json_text: str) -> str:
-    return f"data: {json_text}\n\n"
+    return f"data: {json_text.translate(_LINE_BREAKS_JSON_KEEPS)}\n\n"
 
 
 class ClientDisconnected(Exception):
