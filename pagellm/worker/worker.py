@@ -90,6 +90,9 @@ class Worker:
         self.device = device
         if device.type == "cuda":
             torch.cuda.set_device(device)
+        # torch's thread count is the process's: the driver's share of the cores holds
+        # until close() gives the process its own count back.
+        self._previous_threads = torch.get_num_threads()
         if spec.num_threads is not None and device.type == "cpu":
             torch.set_num_threads(spec.num_threads)
         torch.manual_seed(spec.seed)
@@ -180,3 +183,4 @@ class Worker:
     def close(self) -> None:
         if self.tp is not None:
             self.tp.close()
+        torch.set_num_threads(self._previous_threads)
