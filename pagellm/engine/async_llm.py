@@ -301,8 +301,14 @@ class AsyncLLM:
     # ------------------------------------------------------- engine thread only
 
     def _on_worker_failure(self, error: WorkerDiedError) -> None:
-        """Called from the executor's monitor thread."""
-        self._commands.put(_WorkerFailed(error))
+        """Called from the executor's monitor thread. The engine is marked dead here and
+        now (health checks and new requests see it at once, even if the engine thread is
+        stuck in a collective that will never complete, as NCCL's can be); the engine
+        thread then fails what is in flight when it wakes."""
+        with self._lock:
+            if self._closed_error is None:
+                self._closed_error = EngineDeadError(str(error))
+            self._commands.put(_WorkerFailed(error))
 
     def _run(self) -> None:
         try:
