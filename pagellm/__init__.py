@@ -14,14 +14,16 @@ if TYPE_CHECKING:
     from pagellm.entrypoints.llm import LLM
     from pagellm.outputs import CompletionOutput, RequestOutput
     from pagellm.sampling_params import SamplingParams
+    from pagellm.structured_outputs_params import StructuredOutputsParams
 
-__all__ = ["LLM", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "EngineArgs", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"
 
 _LOCATIONS = {
     "LLM": "pagellm.entrypoints.llm",
     "EngineArgs": "pagellm.engine.arg_utils",
     "SamplingParams": "pagellm.sampling_params",
+    "StructuredOutputsParams": "pagellm.structured_outputs_params",
     "RequestOutput": "pagellm.outputs",
     "CompletionOutput": "pagellm.outputs",
 }

@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from pagellm.errors import InvalidRequestError
+from pagellm.structured_outputs_params import StructuredOutputsParams
 
 # Bounds shared with the HTTP server's validation and error messages.
 MAX_LOGIT_BIAS = 100.0
@@ -46,6 +47,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     logit_bias: Mapping[int, float] | None = None
     skip_special_tokens: bool = True
+    # A constraint on the output (JSON schema, regex, choice, grammar); logprobs then
+    # describe the constrained distribution.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         # Convenience inputs (a single stop string, lists, str keys from JSON) are
@@ -115,6 +119,8 @@ class SamplingParams:
                 _check_int(name, value)
                 if value < 0:
                     fail(name, f"must be >= 0, got {value}.")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            fail("structured_outputs", f"must be a StructuredOutputsParams, got {type(self.structured_outputs).__name__}.")
 
     @property
     def is_greedy(self) -> bool:

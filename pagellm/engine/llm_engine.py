@@ -35,6 +35,7 @@ from pagellm.model.loader import (
 from pagellm.outputs import RequestOutput
 from pagellm.request import RequestStatus
 from pagellm.sampling_params import SamplingParams
+from pagellm.structured.grammar_compiler import GrammarCompiler
 from pagellm.tokenizer import Tokenizer
 from pagellm.attention.kv_cache_dtype import resolve_kv_cache_dtype
 from pagellm.executor.base import Executor
@@ -168,6 +169,10 @@ class LLMEngine:
             tokenizer, config.model_config.vocab_size, config.scheduler_config.max_model_len
         )
         self.output_processor = OutputProcessor(tokenizer)
+        # Output constraints compile here (any thread may call compile) and the driver's
+        # runner builds each request's matcher from the same cache.
+        self.grammars = GrammarCompiler(tokenizer, config.model_config.vocab_size)
+        executor.runner.grammars = self.grammars
         self.max_logprobs = max_logprobs
         self.metrics = metrics or EngineMetrics(config.source.name, log_stats_interval=None)
         self.num_steps = 0
@@ -268,6 +273,8 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         try:
             params.check_against_model(self.model_config.vocab_size, self.max_logprobs)
+            if params.structured_outputs is not None:
+                self.grammars.compile(params.structured_outputs)  # a cache hit when pre-compiled
             prompt_text, prompt_ids = self.input_processor.tokenize(prompt)
             request = self.input_processor.make_request(
                 request_id, prompt_ids, params, arrival_time, priority

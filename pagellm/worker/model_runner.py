@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -27,6 +28,8 @@ from pagellm.request import child_request_id
 from pagellm.sample.penalties import PenaltyState
 from pagellm.sample.sampler import Sampler, SamplingBatch
 from pagellm.sampling_params import SamplingParams
+from pagellm.structured.grammar_compiler import GrammarCompiler
+from pagellm.structured.token_masks import MaskTimer, apply_masks, fill_masks
 from pagellm.worker.cuda_graphs import Capture, DecodeGraphs, cuda_graph_capture
 from pagellm.worker.kv_cache import allocate_kv_caches
 from pagellm.worker.model_inputs import ScheduledSequence, prepare_model_inputs
@@ -45,6 +48,7 @@ class RunnerRequestState:
     sampling_params: SamplingParams
     eos_token_ids: frozenset[int]
     num_pending_forks: int = 0
+    matcher: Any = None  # the output constraint's llguidance matcher (driver only)
 
     @property
     def num_output_tokens(self) -> int:
@@ -99,6 +103,9 @@ class ModelRunner:
         # Seeded generators outlive preemption so a request's draws stay reproducible.
         self.generators: dict[str, torch.Generator] = {}
         self.decode_graphs: DecodeGraphs | None = None
+        # Structured outputs: set by the engine on the driver (the rank that samples).
+        self.grammars: GrammarCompiler | None = None
+        self.mask_timer = MaskTimer()
 
     def capture_decode_graphs(
         self, sizes: list[int], max_model_len: int, capture: Capture | None = None
@@ -192,6 +199,7 @@ class ModelRunner:
                 if row.req_id != row.owner_id:
                     self.requests[row.owner_id].num_pending_forks = 0
             return
+        self._mask(rows, logits)
         result = self.sampler(logits, self._sampling_batch(rows))
         owners: list[str] = []
         owner_tokens: list[int] = []
@@ -201,7 +209,10 @@ class ModelRunner:
                     output.logprobs = {}
                 output.logprobs[row.req_id] = [logprobs]
             if row.req_id == row.owner_id:
-                self.requests[row.req_id].token_ids.append(token)
+                state = self.requests[row.req_id]
+                state.token_ids.append(token)
+                if state.matcher is not None and not state.matcher.consume_token(token):
+                    logger.warning("request %s: the constraint refused token %d", row.req_id, token)
                 output.sampled_token_ids[row.req_id] = [token]
                 owners.append(row.req_id)
                 owner_tokens.append(token)
@@ -209,6 +220,27 @@ class ModelRunner:
                 output.forked_token_ids.setdefault(row.owner_id, []).append(token)
                 self.requests[row.owner_id].num_pending_forks = 0
         self.penalties.record(owners, owner_tokens)
+
+    def _mask(self, rows: list[_SampleRow], logits: torch.Tensor) -> None:
+        """Constrained rows keep only their grammar's allowed tokens (a fork row shares
+        its owner's state: nothing is consumed before the first token)."""
+        first_row: dict[str, int] = {}  # owner -> the row its matcher fills
+        copies: list[tuple[int, int]] = []  # (fork row, the row whose mask it shares)
+        for position, row in enumerate(rows):
+            if self.requests[row.owner_id].matcher is None:
+                continue
+            if row.owner_id in first_row:
+                copies.append((position, first_row[row.owner_id]))
+            else:
+                first_row[row.owner_id] = position
+        if not first_row:
+            return
+        with self.mask_timer.time():
+            matchers = [(self.requests[owner].matcher, position) for owner, position in first_row.items()]
+            bitmask = fill_masks(matchers, len(rows), logits.shape[1])
+            for position, source in copies:
+                bitmask[position] = bitmask[source]
+            apply_masks(logits, bitmask, sorted([*first_row.values(), *(p for p, _ in copies)]))
 
     def _sampling_batch(self, rows: list[_SampleRow]) -> SamplingBatch:
         params, generators, banned, penalty_rows, penalty_owners = [], [], [], [], []
@@ -291,6 +323,13 @@ class ModelRunner:
             num_pending_forks=new.num_pending_forks,
         )
         self.requests[new.req_id] = state
+        constraint = new.sampling_params.structured_outputs
+        if constraint is not None and self.is_driver:
+            assert self.grammars is not None, "the engine compiles constraints"
+            state.matcher = self.grammars.compile(constraint).new_matcher()
+            # A recomputed, swapped-in or forked request replays what it already produced.
+            if new.output_token_ids and not state.matcher.consume_tokens(list(new.output_token_ids)):
+                logger.warning("request %s: its earlier tokens do not fit its constraint", new.req_id)
         if new.sampling_params.seed is not None:
             self._ensure_generator(new.req_id, new.sampling_params.seed)
         if new.sampling_params.has_penalties:

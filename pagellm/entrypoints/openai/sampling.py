@@ -13,7 +13,9 @@ from typing import Any
 
 from pagellm.entrypoints.openai.errors import APIError
 from pagellm.entrypoints.openai.protocol import SamplingFields
+from pagellm.errors import InvalidRequestError
 from pagellm.sampling_params import SamplingParams
+from pagellm.structured_outputs_params import StructuredOutputsParams
 
 # Values that ask for nothing: harmless to drop where SamplingParams lacks the field.
 _NEUTRAL: dict[str, Any] = {
@@ -69,6 +71,42 @@ def common_sampling_fields(request: SamplingFields, vocab_size: int) -> dict[str
         "logit_bias": _logit_bias(request.logit_bias, vocab_size),
         "skip_special_tokens": request.skip_special_tokens,
     }
+
+
+def structured_outputs(request: SamplingFields) -> tuple[StructuredOutputsParams | None, str]:
+    """The request's output constraint and the field it came from ("" when none)."""
+    given: list[tuple[str, dict[str, Any]]] = []
+    fmt = request.response_format
+    if fmt is not None and fmt.type == "json_object":
+        given.append(("response_format", {"json_object": True}))
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise APIError(400, "response_format json_schema needs json_schema.schema.", param="response_format")
+        given.append(("response_format", {"json": _schema(fmt.json_schema.schema_)}))
+    if request.structured_outputs is not None:
+        fields = request.structured_outputs.model_dump(by_alias=True, exclude_none=True)
+        if fields.get("json_object") is False:
+            del fields["json_object"]
+        given.append(("structured_outputs", fields))
+    for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"), ("guided_grammar", "grammar")):
+        value = getattr(request, name)
+        if value is not None:
+            given.append((name, {key: value}))
+    if not given:
+        return None, ""
+    if len(given) > 1:
+        names = ", ".join(name for name, _ in given)
+        raise APIError(400, f"Give one output constraint, not several ({names}).", param=given[1][0])
+    field, kwargs = given[0]
+    try:
+        return StructuredOutputsParams(**kwargs), field
+    except InvalidRequestError as e:
+        raise APIError(400, f"{field}: {e}", param=field) from None
+
+
+def _schema(schema: dict[str, Any] | bool) -> dict[str, Any]:
+    # A boolean schema: true is any JSON value, false nothing (refused when compiled).
+    return schema if isinstance(schema, dict) else ({} if schema else {"not": {}})
 
 
 def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:

@@ -33,6 +33,7 @@ from pagellm.entrypoints.openai.protocol import (
 from pagellm.entrypoints.openai.sampling import (
     common_sampling_fields,
     make_sampling_params,
+    structured_outputs,
 )
 from pagellm.entrypoints.openai.serving_common import (
     ServingContext,
@@ -92,23 +93,25 @@ class ChatServing:
     def __init__(self, context: ServingContext) -> None:
         self.context = context
 
-    def _sampling_params(self, body: ChatCompletionRequest) -> SamplingParams:
+    def _sampling_params(self, body: ChatCompletionRequest) -> tuple[SamplingParams, str]:
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(
                 400, "top_logprobs needs logprobs set to true.", param="top_logprobs"
             )
         fields = common_sampling_fields(body, self.context.vocab_size)
+        fields["structured_outputs"], constraint_field = structured_outputs(body)
         fields["max_tokens"] = (
             body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         )
         fields["logprobs"] = (body.top_logprobs or 0) if body.logprobs else None
-        return make_sampling_params(fields)
+        return make_sampling_params(fields), constraint_field
 
     async def create(self, body: ChatCompletionRequest, raw: Request) -> Response:
         arrival_time = time.time()  # queueing in the server counts toward latency
         context = self.context
         context.check_model(body.model)
-        params = self._sampling_params(body)
+        params, constraint_field = self._sampling_params(body)
+        await context.compile_constraint(params, constraint_field)
         prompt_ids = chat_prompt_ids(context.tokenizer, body.messages)
         response_id = new_request_id("chatcmpl")
         job = _Job(

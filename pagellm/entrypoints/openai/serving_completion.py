@@ -27,6 +27,7 @@ from pagellm.entrypoints.openai.protocol import (
 from pagellm.entrypoints.openai.sampling import (
     common_sampling_fields,
     make_sampling_params,
+    structured_outputs,
 )
 from pagellm.entrypoints.openai.serving_common import (
     ServingContext,
@@ -75,24 +76,26 @@ class CompletionServing:
     def __init__(self, context: ServingContext) -> None:
         self.context = context
 
-    def _sampling_params(self, body: CompletionRequest) -> SamplingParams:
+    def _sampling_params(self, body: CompletionRequest) -> tuple[SamplingParams, str]:
         if body.suffix is not None:
             raise APIError(400, "'suffix' is not supported.", param="suffix")
         if body.best_of is not None and body.best_of != body.n:
             raise APIError(400, "'best_of' other than n is not supported.", param="best_of")
         fields = common_sampling_fields(body, self.context.vocab_size)
+        fields["structured_outputs"], constraint_field = structured_outputs(body)
         fields["max_tokens"] = body.max_tokens
         fields["logprobs"] = body.logprobs
         if body.echo and body.logprobs is not None:
             fields["prompt_logprobs"] = body.logprobs
-        return make_sampling_params(fields)
+        return make_sampling_params(fields), constraint_field
 
     async def create(self, body: CompletionRequest, raw: Request) -> Response:
         arrival_time = time.time()  # queueing in the server counts toward latency
         context = self.context
         context.check_model(body.model)
         prompts = normalize_prompts(body.prompt)
-        params = self._sampling_params(body)
+        params, constraint_field = self._sampling_params(body)
+        await context.compile_constraint(params, constraint_field)
         response_id = new_request_id("cmpl")
         engine_ids = [f"{response_id}-{i}" for i in range(len(prompts))]
         job = _Job(response_id, context.served_model_name, body, prompts, engine_ids)
