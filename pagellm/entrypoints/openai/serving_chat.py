@@ -28,6 +28,7 @@ from pagellm.entrypoints.openai.protocol import (
     ChatLogprobs,
     ChatMessage,
     ChatResponseMessage,
+    ToolCall,
     UsageInfo,
 )
 from pagellm.entrypoints.openai.sampling import (
@@ -46,6 +47,16 @@ from pagellm.entrypoints.openai.streaming import (
     EventStreamResponse,
     cancel_on_disconnect,
     sse_event,
+)
+from pagellm.entrypoints.openai.tool_calls import (
+    ToolMode,
+    new_call_id,
+    parse_tool_calls,
+    prompt_messages,
+    template_takes_tools,
+    tool_call_deltas,
+    tool_constraint,
+    tool_mode,
 )
 from pagellm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from pagellm.sampling_params import SamplingParams
@@ -75,10 +86,30 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return result
 
 
-def chat_prompt_ids(tokenizer: Tokenizer, messages: list[ChatMessage]) -> list[int]:
-    text = tokenizer.apply_chat_template(message_dicts(messages), add_generation_prompt=True)
+def chat_prompt_ids(
+    tokenizer: Tokenizer,
+    messages: list[ChatMessage],
+    request: ChatCompletionRequest | None = None,
+    tools: ToolMode = ToolMode("none"),
+) -> list[int]:
+    dicts = message_dicts(messages)
+    extra: dict[str, Any] = {}
+    if request is not None and (tools.kind != "none" or _has_tool_turns(dicts)):
+        dicts, extra = prompt_messages(dicts, request, tools, template_takes_tools(tokenizer))
+    text = tokenizer.apply_chat_template(dicts, add_generation_prompt=True, **extra)
     assert isinstance(text, str)
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _finish_reason(completion: CompletionOutput, calls: list[ToolCall]) -> str | None:
+    """"tool_calls" when the model ended with calls; "length" stays (calls cut short)."""
+    if calls and completion.finish_reason == "stop":
+        return "tool_calls"
+    return completion.finish_reason
+
+
+def _has_tool_turns(messages: list[dict[str, Any]]) -> bool:
+    return any(m.get("role") == "tool" or m.get("tool_calls") for m in messages)
 
 
 @dataclass(frozen=True)
@@ -87,19 +118,29 @@ class _Job:
     model: str
     body: ChatCompletionRequest
     num_top_logprobs: int | None  # None: no logprobs asked for
+    tools: ToolMode = ToolMode("none")
 
 
 class ChatServing:
     def __init__(self, context: ServingContext) -> None:
         self.context = context
 
-    def _sampling_params(self, body: ChatCompletionRequest) -> tuple[SamplingParams, str]:
+    def _sampling_params(self, body: ChatCompletionRequest, tools: ToolMode) -> tuple[SamplingParams, str]:
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(
                 400, "top_logprobs needs logprobs set to true.", param="top_logprobs"
             )
         fields = common_sampling_fields(body, self.context.vocab_size)
-        fields["structured_outputs"], constraint_field = structured_outputs(body)
+        constraint, constraint_field = structured_outputs(body)
+        tool_calls_constraint = tool_constraint(body, tools)
+        if constraint is not None and tool_calls_constraint is not None:
+            raise APIError(
+                400, f"tool_choice {tools.kind!r} constrains the output already; drop {constraint_field}.",
+                param=constraint_field,
+            )  # fmt: skip
+        if tool_calls_constraint is not None:
+            constraint, constraint_field = tool_calls_constraint, "tools"
+        fields["structured_outputs"] = constraint
         fields["max_tokens"] = (
             body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         )
@@ -110,15 +151,17 @@ class ChatServing:
         arrival_time = time.time()  # queueing in the server counts toward latency
         context = self.context
         context.check_model(body.model)
-        params, constraint_field = self._sampling_params(body)
+        tools = tool_mode(body)
+        params, constraint_field = self._sampling_params(body, tools)
         await context.compile_constraint(params, constraint_field)
-        prompt_ids = chat_prompt_ids(context.tokenizer, body.messages)
+        prompt_ids = chat_prompt_ids(context.tokenizer, body.messages, body, tools)
         response_id = new_request_id("chatcmpl")
         job = _Job(
             response_id,
             context.served_model_name,
             body,
             (body.top_logprobs or 0) if body.logprobs else None,
+            tools,
         )
         stream = await context.async_llm.add_requests(
             [NewRequest(response_id, prompt_ids, params, body.priority, arrival_time)]
@@ -139,16 +182,18 @@ class ChatServing:
         return ChatLogprobs(content=entries)
 
     def _response(self, job: _Job, output: RequestOutput) -> ChatCompletionResponse:
-        choices = [
-            ChatChoice(
-                index=completion.index,
-                message=ChatResponseMessage(content=completion.text),
-                logprobs=self._logprobs(job, completion.token_ids, completion.logprobs),
-                finish_reason=completion.finish_reason,
-                stop_reason=completion.stop_reason,
+        choices = []
+        for completion in sorted(output.outputs, key=lambda c: c.index):
+            content, calls = self._tool_calls(job, completion)
+            choices.append(
+                ChatChoice(
+                    index=completion.index,
+                    message=ChatResponseMessage(content=content, tool_calls=calls or None),
+                    logprobs=self._logprobs(job, completion.token_ids, completion.logprobs),
+                    finish_reason=_finish_reason(completion, calls),
+                    stop_reason=completion.stop_reason,
+                )
             )
-            for completion in sorted(output.outputs, key=lambda c: c.index)
-        ]
         return ChatCompletionResponse(
             id=job.response_id, model=job.model, choices=choices, usage=usage_of([output])
         )
@@ -158,10 +203,7 @@ class ChatServing:
         latest: RequestOutput | None = None
         try:
             # The assistant's role opens every choice before any content.
-            opening = [
-                ChatChunkChoice(index=i, delta={"role": "assistant", "content": ""})
-                for i in range(body.n)
-            ]
+            opening = [ChatChunkChoice(index=i, delta=self._opening_delta(job)) for i in range(body.n)]
             yield self._chunk(job, opening)
             async for output in stream:
                 latest = output
@@ -180,18 +222,57 @@ class ChatServing:
             stream.cancel()
         yield SSE_DONE
 
+    def _tool_calls(self, job: _Job, completion: CompletionOutput) -> tuple[str | None, list[ToolCall]]:
+        """A finished completion's content and tool calls (a call cut short by max_tokens
+        is returned as the text it is)."""
+        if job.tools.kind == "none" or completion.finish_reason not in ("stop", "length"):
+            return completion.text, []
+        if completion.finish_reason == "length" and job.tools.kind != "required":
+            return completion.text, []
+        # A "required" array cut by max_tokens still carries its whole calls.
+        return parse_tool_calls(completion.text, job.tools, job.body)
+
     def _delta_choice(self, job: _Job, completion: CompletionOutput) -> ChatChunkChoice | None:
-        """The chunk choice for what this step added to a completion (None: nothing)."""
+        """The chunk choice for what this step added to a completion (None: nothing).
+
+        With tools, a named function's arguments stream as they come (the call's id and
+        name first); other tool modes hold the text back and send it, or the calls it
+        holds, when the completion finishes."""
         text = completion.delta_text
         if not (text or completion.delta_token_ids or completion.finished):
             return None
+        finish_reason = completion.finish_reason
+        if job.tools.kind == "named":
+            delta: dict[str, Any] = {}
+            if text:
+                delta = {"tool_calls": [{"index": 0, "function": {"arguments": text}}]}
+            if completion.finished and completion.finish_reason == "stop":
+                finish_reason = "tool_calls"
+        elif job.tools.kind != "none":
+            delta = {}
+            if completion.finished:
+                content, calls = self._tool_calls(job, completion)
+                if calls:
+                    delta, finish_reason = {"tool_calls": tool_call_deltas(calls)}, _finish_reason(completion, calls)
+                elif content:
+                    delta = {"content": content}
+        else:
+            delta = {"content": text} if text or not completion.finished else {}
         return ChatChunkChoice(
             index=completion.index,
-            delta={"content": text} if text or not completion.finished else {},
+            delta=delta,
             logprobs=self._logprobs(job, completion.delta_token_ids, completion.delta_logprobs),
-            finish_reason=completion.finish_reason,
+            finish_reason=finish_reason,
             stop_reason=completion.stop_reason,
         )
+
+    @staticmethod
+    def _opening_delta(job: _Job) -> dict[str, Any]:
+        """The assistant's role opens every choice; a named function's call opens too."""
+        if job.tools.kind != "named":
+            return {"role": "assistant", "content": ""}
+        call = {"index": 0, "id": new_call_id(), "type": "function", "function": {"name": job.tools.name, "arguments": ""}}
+        return {"role": "assistant", "content": None, "tool_calls": [call]}
 
     @staticmethod
     def _chunk(job: _Job, choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> str:

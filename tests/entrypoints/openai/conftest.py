@@ -75,3 +75,20 @@ def client(server: ServerProcess):  # noqa: ANN201 - openai.OpenAI
         base_url=server.api_url, api_key=API_KEY, max_retries=0, timeout=120
     ) as c:
         yield c
+
+
+@pytest.fixture(scope="session")
+def smol_server(smollm2_path) -> Iterator[ServerProcess]:
+    """The embedded SmolLM2 behind the server (structured outputs and tools need a real
+    tokenizer and a model that writes sensible JSON)."""
+    process = ServerProcess(["--model", str(smollm2_path), "--served-model-name", "smol", "--max-model-len", "1024"])
+    yield process
+    assert process.stop(signal.SIGINT) == 0, process.log
+
+
+@pytest.fixture
+def smol(smol_server: ServerProcess):  # noqa: ANN201 - openai.OpenAI
+    import openai
+
+    with openai.OpenAI(base_url=smol_server.api_url, api_key="none", max_retries=0, timeout=120) as c:
+        yield c

@@ -10,7 +10,6 @@ import jsonschema
 import openai
 import pydantic
 import pytest
-from serve_helpers import ServerProcess
 
 SCHEMA = {
     "type": "object",
@@ -24,20 +23,6 @@ class City(pydantic.BaseModel):
     model_config = pydantic.ConfigDict(extra="forbid")
     city: str
     population: int
-
-
-@pytest.fixture(scope="module")
-def smol_server(smollm2_path):
-    server = ServerProcess(["--model", str(smollm2_path), "--served-model-name", "smol", "--max-model-len", "1024"])
-    yield server
-    server.process.terminate()
-    server.process.wait(60)
-
-
-@pytest.fixture
-def smol(smol_server):
-    with openai.OpenAI(base_url=smol_server.api_url, api_key="none", max_retries=0, timeout=120) as client:
-        yield client
 
 
 def ask(content: str) -> list[dict]:
