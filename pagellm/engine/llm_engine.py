@@ -331,6 +331,7 @@ class LLMEngine:
         if result.stopped_req_ids:
             # A stop string ended these completions: free their blocks now.
             self.scheduler.finish_requests(result.stopped_req_ids, RequestStatus.FINISHED_STOPPED)
+        self.metrics.record_structured_outputs(*self.grammars.take_stats(), self.runner.mask_timer.take())
         self.metrics.record_step(
             scheduler_output,
             result.outputs,

@@ -212,6 +212,16 @@ class EngineMetrics:
         if self.log_stats_interval and monotonic - self._log_window.start >= self.log_stats_interval:
             self._log_stats_line(monotonic, stats)
 
+    def record_structured_outputs(self, compile_seconds: list[float], cache_hits: int, mask_seconds: float) -> None:
+        """Constraints compiled and found cached since the last call; this step's mask time
+        (0: no constrained request sampled)."""
+        for seconds in compile_seconds:
+            self.prom.grammar_compile_seconds.observe(seconds)
+        if cache_hits:
+            self.prom.grammar_cache_hits.inc(cache_hits)
+        if mask_seconds > 0:
+            self.prom.structured_mask_seconds.observe(mask_seconds)
+
     def update_scheduler_metrics(self, stats: SchedulerStats) -> None:
         """Gauges from a scheduler snapshot, and its counters' growth since the last one."""
         prom = self.prom

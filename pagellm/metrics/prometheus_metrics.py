@@ -15,6 +15,8 @@ _LATENCY_BUCKETS = (
 )  # fmt: skip
 _LENGTH_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
 _STEP_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+_COMPILE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_MASK_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
 
 class PrometheusMetrics:
@@ -101,6 +103,15 @@ class PrometheusMetrics:
         )
         self.iteration_tokens = histogram("iteration_tokens", "Tokens computed per step.", _STEP_BUCKETS)
         self.iteration_requests = histogram("iteration_requests", "Requests scheduled per step.", _STEP_BUCKETS)
+        self.grammar_compile_seconds = histogram(
+            "grammar_compile_seconds", "Compile time of each new output constraint (JSON schema, regex, grammar).",
+            _COMPILE_BUCKETS,
+        )  # fmt: skip
+        self.grammar_cache_hits = counter("grammar_cache_hits", "Output constraints found already compiled.")
+        self.structured_mask_seconds = histogram(
+            "structured_mask_seconds", "Per step with constrained requests: time to fill and apply their token masks.",
+            _MASK_BUCKETS,
+        )  # fmt: skip
 
     def request_success(self, finished_reason: str) -> Counter:
         return self._success.labels(self._model_name, finished_reason)

@@ -41,15 +41,18 @@ class CompiledGrammar:
 
 @dataclass
 class GrammarStats:
-    """Counters for /metrics (read by the engine after each step)."""
+    """Counters for /metrics (the engine takes what is new after each step)."""
 
     compiles: int = 0
     cache_hits: int = 0
-    compile_seconds: list[float] | None = None  # not yet reported
+    compile_seconds: list[float] | None = None  # not yet taken
+    cache_hits_taken: int = 0
 
-    def take_compile_seconds(self) -> list[float]:
-        taken, self.compile_seconds = self.compile_seconds or [], []
-        return taken
+    def take(self) -> tuple[list[float], int]:
+        """Compile times and cache hits since the last take."""
+        seconds, self.compile_seconds = self.compile_seconds or [], []
+        hits, self.cache_hits_taken = self.cache_hits - self.cache_hits_taken, self.cache_hits
+        return seconds, hits
 
 
 class GrammarCompiler:
@@ -93,6 +96,10 @@ class GrammarCompiler:
             self.stats.compiles += 1
             assert self.stats.compile_seconds is not None
             self.stats.compile_seconds.append(compiled.compile_seconds)
+
+    def take_stats(self) -> tuple[list[float], int]:
+        with self._lock:
+            return self.stats.take()
         return compiled
 
     def ll_tokenizer(self) -> Any:

@@ -170,3 +170,22 @@ def test_params_take_exactly_one_constraint():
     with pytest.raises(InvalidRequestError, match="list of strings"):
         StructuredOutputsParams(choice="yes")
     assert StructuredOutputsParams(json={"b": 1, "a": 2}).key == StructuredOutputsParams(json='{"a": 2, "b": 1}').key
+
+
+def test_metrics_count_compiles_cache_hits_and_mask_time(smollm2_path):
+    from prometheus_client import generate_latest
+
+    llm = LLM(str(smollm2_path), max_model_len=256)
+    params = constrained(choice=["red", "green"], max_tokens=4)
+    llm.generate(["Color:"] * 3, params, use_tqdm=False)
+    llm.generate(["Color:"], params, use_tqdm=False)
+    text = generate_latest(llm.engine.metrics.prom.registry).decode()
+
+    def value(name):
+        line = next(line for line in text.splitlines() if line.startswith(name))
+        return float(line.rsplit(" ", 1)[1])
+
+    assert value("pagellm:grammar_compile_seconds_count") == 1  # one distinct constraint
+    assert value("pagellm:grammar_cache_hits_total") >= 3  # the other adds and the runner's lookups
+    assert value("pagellm:structured_mask_seconds_count") >= 2
+    assert value("pagellm:structured_mask_seconds_sum") > 0
