@@ -37,6 +37,12 @@ def add_bench_throughput_parser(bench_commands: "argparse._SubParsersAction") ->
         help="pagellm: keep a GGUF's quantized weights as stored (auto), dequantize them (none), "
         "or int8 weight-only from a float checkpoint",
     )  # fmt: skip
+    p.add_argument(
+        "--structured-output", choices=("none", "json-schema"), default="none",
+        help="json-schema: every request asks for JSON of one of a few schemas; reports the run against "
+        "the same requests unconstrained at the same output lengths, compile times and first-token latency "
+        "for a new vs a cached schema (pagellm only)",
+    )  # fmt: skip
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=2048)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = ("paged_decode.c", "paged_decode_bf16.c", "small_linear.c", "gemm_bf16.c", "linear_bf16.c", "quant_linear.c", "decode_layer.c", "layer_ops.c")
+_SOURCES = ("paged_decode.c", "paged_decode_bf16.c", "small_linear.c", "gemm_bf16.c", "linear_bf16.c", "quant_linear.c", "decode_layer.c", "layer_ops.c", "token_masks.c")
 _HEADERS = ("bf16.h", "float_mode.h", "fp8.h", "kernels.h", "layer_rows.h", "weights.h")  # included by the sources: part of what the cached library is keyed by
 _COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11", "-Wall")
 # Linked without -ffast-math: with it, GCC adds crtfastmath.o, whose constructor turns on
@@ -162,3 +162,6 @@ def _declare(library: ctypes.CDLL) -> None:
     library.silu_mul_bf16.argtypes = [c_void_p, c_void_p, c_int64, c_int64, c_int]
     library.add_bf16.restype = None
     library.add_bf16.argtypes = [c_void_p, c_void_p, c_int64, c_int]
+    library.apply_token_bitmask.restype = None
+    # logits, dtype, row stride, vocab, bitmask, words, row index, n
+    library.apply_token_bitmask.argtypes = [c_void_p, c_int, c_int64, c_int64, c_void_p, c_int64, c_void_p, c_int64]

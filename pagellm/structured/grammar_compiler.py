@@ -96,11 +96,11 @@ class GrammarCompiler:
             self.stats.compiles += 1
             assert self.stats.compile_seconds is not None
             self.stats.compile_seconds.append(compiled.compile_seconds)
+        return compiled
 
     def take_stats(self) -> tuple[list[float], int]:
         with self._lock:
             return self.stats.take()
-        return compiled
 
     def ll_tokenizer(self) -> Any:
         """llguidance's view of the vocabulary (built once: ~0.3 s for 49k tokens)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +54,21 @@ class RunnerRequestState:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+
+@dataclass
+class _PendingMasks:
+    """A step's masks being filled on the mask thread while the model runs."""
+
+    future: Future[torch.Tensor]
+    copies: list[tuple[int, int]]
+    rows: list[int]
+
+    def apply(self, logits: torch.Tensor) -> None:
+        bitmask = self.future.result()
+        for position, source in self.copies:
+            bitmask[position] = bitmask[source]
+        apply_masks(logits, bitmask, self.rows)
 
 
 @dataclass
@@ -105,7 +121,8 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None
         # Structured outputs: set by the engine on the driver (the rank that samples).
         self.grammars: GrammarCompiler | None = None
-        self.mask_timer = MaskTimer()
+        self.mask_timer = MaskTimer()  # time the step waits for masks and applies them
+        self._mask_thread: ThreadPoolExecutor | None = None
 
     def capture_decode_graphs(
         self, sizes: list[int], max_model_len: int, capture: Capture | None = None
@@ -157,21 +174,26 @@ class ModelRunner:
                     state.token_ids[start:end], start, state.block_ids, end == len(state.token_ids)
                 )
             )
+        # The flat batch holds each sequence's tokens in order, without padding.
+        starts = [0]
+        for seq in sequences:
+            starts.append(starts[-1] + len(seq.token_ids))
+        rows = self._sample_rows(req_ids, sequences, starts)
+        # Constrained rows' masks depend only on tokens already sampled: they are filled
+        # while the model runs (llguidance releases the GIL).
+        masks = self._start_masks(rows, self.model.vocab_size) if rows else None
         if self.decode_graphs is not None and self.decode_graphs.can_run(sequences):
             hidden = self.decode_graphs.run(sequences)
-            starts = list(range(len(sequences) + 1))
         else:
             inputs = prepare_model_inputs(sequences, self.block_size, self.device)
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
-            starts = inputs.metadata.query_start_loc
 
         output = ModelRunnerOutput(
             req_ids=req_ids, sampled_token_ids={req_id: [] for req_id in req_ids}
         )
         self._prompt_logprobs(req_ids, sequences, starts, hidden, output)
-        rows = self._sample_rows(req_ids, sequences, starts)
         if rows:
-            self._sample(rows, hidden, output)
+            self._sample(rows, hidden, output, masks)
         return output
 
     # ------------------------------------------------------------- sampling
@@ -191,7 +213,9 @@ class ModelRunner:
                 rows.append(_SampleRow(child_request_id(req_id, fork), req_id, last_row))
         return rows
 
-    def _sample(self, rows: list[_SampleRow], hidden: torch.Tensor, output: ModelRunnerOutput) -> None:
+    def _sample(
+        self, rows: list[_SampleRow], hidden: torch.Tensor, output: ModelRunnerOutput, masks: _PendingMasks | None
+    ) -> None:
         index = torch.tensor([row.hidden_row for row in rows], device=self.device)
         logits = self.model.compute_logits(hidden[index])
         if not self.is_driver:
@@ -199,7 +223,9 @@ class ModelRunner:
                 if row.req_id != row.owner_id:
                     self.requests[row.owner_id].num_pending_forks = 0
             return
-        self._mask(rows, logits)
+        if masks is not None:
+            with self.mask_timer.time():
+                masks.apply(logits)
         result = self.sampler(logits, self._sampling_batch(rows))
         owners: list[str] = []
         owner_tokens: list[int] = []
@@ -221,9 +247,11 @@ class ModelRunner:
                 self.requests[row.owner_id].num_pending_forks = 0
         self.penalties.record(owners, owner_tokens)
 
-    def _mask(self, rows: list[_SampleRow], logits: torch.Tensor) -> None:
-        """Constrained rows keep only their grammar's allowed tokens (a fork row shares
-        its owner's state: nothing is consumed before the first token)."""
+    def _start_masks(self, rows: list[_SampleRow], vocab_size: int) -> _PendingMasks | None:
+        """Start filling the constrained rows' masks (a fork row shares its owner's: nothing
+        is consumed before the first token); None when no row is constrained."""
+        if not self.is_driver:
+            return None
         first_row: dict[str, int] = {}  # owner -> the row its matcher fills
         copies: list[tuple[int, int]] = []  # (fork row, the row whose mask it shares)
         for position, row in enumerate(rows):
@@ -234,13 +262,12 @@ class ModelRunner:
             else:
                 first_row[row.owner_id] = position
         if not first_row:
-            return
-        with self.mask_timer.time():
-            matchers = [(self.requests[owner].matcher, position) for owner, position in first_row.items()]
-            bitmask = fill_masks(matchers, len(rows), logits.shape[1])
-            for position, source in copies:
-                bitmask[position] = bitmask[source]
-            apply_masks(logits, bitmask, sorted([*first_row.values(), *(p for p, _ in copies)]))
+            return None
+        matchers = [(self.requests[owner].matcher, position) for owner, position in first_row.items()]
+        if self._mask_thread is None:
+            self._mask_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagellm-masks")
+        future = self._mask_thread.submit(fill_masks, matchers, len(rows), vocab_size)
+        return _PendingMasks(future, copies, sorted([*first_row.values(), *(p for p, _ in copies)]))
 
     def _sampling_batch(self, rows: list[_SampleRow]) -> SamplingBatch:
         params, generators, banned, penalty_rows, penalty_owners = [], [], [], [], []

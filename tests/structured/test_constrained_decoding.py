@@ -189,3 +189,12 @@ def test_metrics_count_compiles_cache_hits_and_mask_time(smollm2_path):
     assert value("pagellm:grammar_cache_hits_total") >= 3  # the other adds and the runner's lookups
     assert value("pagellm:structured_mask_seconds_count") >= 2
     assert value("pagellm:structured_mask_seconds_sum") > 0
+
+
+def test_the_compiler_returns_the_same_grammar_fresh_and_cached(llm):
+    compiler = llm.engine.grammars
+    params = StructuredOutputsParams(regex=r"[a-z]{4}\d")
+    fresh = compiler.compile(params)
+    assert fresh is not None and compiler.compile(params) is fresh
+    matcher = fresh.new_matcher()
+    assert not matcher.is_error() and matcher is not fresh.template
