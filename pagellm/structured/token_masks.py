@@ -2,8 +2,8 @@
 operation before sampling.
 
 Each constrained row's matcher writes its allowed tokens as a bitmask row (32 tokens per
-int32, llguidance's layout) in parallel across rows (Rust threads, GIL released);
-unconstrained rows stay all-ones, so a mask never touches another request's logits.
+int32, llguidance's layout); unconstrained rows stay all-ones, so a mask never touches
+another request's logits.
 The logits of disallowed tokens become -inf: greedy, temperature, top-k/top-p, penalties
 and logprobs all then see the masked distribution.
 """
@@ -18,24 +18,18 @@ import torch
 
 from pagellm.kernels.build import load_kernels
 
-_executor: Any = None
-
-
-def _llg_executor() -> Any:
-    global _executor
-    if _executor is None:
-        import llguidance
-
-        _executor = llguidance.LLExecutor()
-    return _executor
-
-
 def fill_masks(matchers: Sequence[tuple[Any, int]], num_rows: int, vocab_size: int) -> torch.Tensor:
     """int32 [num_rows, ceil(vocab / 32)]: all bits set, except the constrained rows'
-    disallowed tokens (`matchers`: (llguidance.LLMatcher, row) pairs)."""
+    disallowed tokens (`matchers`: (llguidance.LLMatcher, row) pairs).
+
+    One matcher after another: llguidance's parallel executor gained nothing over this
+    loop on 2 cores and had slow outliers (benchmarks/results/structured_backends.md).
+    """
     bitmask = torch.full((num_rows, (vocab_size + 31) // 32), -1, dtype=torch.int32)
-    if matchers:
-        _llg_executor().unsafe_compute_mask_ptr(list(matchers), bitmask.data_ptr(), bitmask.shape[1] * 4, num_rows)
+    row_bytes = bitmask.shape[1] * 4
+    base = bitmask.data_ptr()
+    for matcher, row in matchers:
+        matcher.unsafe_compute_mask_ptr(base + row * row_bytes, row_bytes)
     return bitmask
 
 
