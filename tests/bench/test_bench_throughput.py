@@ -142,3 +142,21 @@ def test_repeats_report_the_median_run(folder, tmp_path, monkeypatch):
     args.repeats = 0
     with pytest.raises(PagellmError, match="--repeats"):
         run_bench_throughput(args)
+
+
+def test_the_structured_workload_compares_equal_work(smollm2_path, tmp_path, capsys):
+    """json-schema requests against the same requests unconstrained at the same lengths."""
+    from pagellm.bench.throughput import run_bench_throughput
+
+    args = bench_args(
+        smollm2_path, "pagellm", structured_output="json-schema", num_requests=4, output_len=(48, 48),
+        prompt_len=(8, 8), result_file=str(tmp_path / "r.jsonl"), dtype="bfloat16",
+    )  # fmt: skip
+    record = run_bench_throughput(args)
+    assert record["bench"] == "throughput-structured" and record["num_requests"] == 4
+    # Bounded schemas end by themselves within 48 tokens or are cut: every whole one validates.
+    assert record["valid_outputs"] >= record["ended_by_schema"] and record["output_tokens"] > 0
+    assert record["constrained_s"] > 0 and record["unconstrained_s"] > 0 and record["ratio"] > 0
+    assert len(record["schema_compile_ms"]) == 4 and record["ttft_new_schema_ms"] > 0
+    assert "constrained / unconstrained" in capsys.readouterr().out
+    assert json.loads((tmp_path / "r.jsonl").read_text())["bench"] == "throughput-structured"
