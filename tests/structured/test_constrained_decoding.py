@@ -198,3 +198,31 @@ def test_the_compiler_returns_the_same_grammar_fresh_and_cached(llm):
     assert fresh is not None and compiler.compile(params) is fresh
     matcher = fresh.new_matcher()
     assert not matcher.is_error() and matcher is not fresh.template
+
+
+def test_a_tiny_random_model_obeys_constraints_and_keeps_other_rows(tmp_path):
+    """A random-weight model (byte tokenizer) writes whatever its weights say: the mask
+    alone makes it valid. Unconstrained rows beside constrained ones stay as they are alone."""
+    from hf_models import make_tiny_hf_checkpoint
+
+    llm = LLM(str(make_tiny_hf_checkpoint(tmp_path, seed=6)), max_model_len=256)
+    plain = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    alone = llm.generate([[10, 20, 30], [40, 50]], plain, use_tqdm=False)
+    schema = {"type": "object", "properties": {"k": {"type": "integer", "minimum": 0, "maximum": 999}}, "required": ["k"],
+              "additionalProperties": False}  # fmt: skip
+    prompts = [[10, 20, 30], [7, 8, 9], [40, 50], [5, 5, 5], [6, 6]]
+    params = [
+        plain,
+        constrained(regex=r"[a-c]{3}-[0-9]{2}", temperature=1.0, seed=3, max_tokens=20),
+        plain,
+        constrained(json=schema, temperature=1.0, seed=4, max_tokens=40),
+        constrained(choice=["left", "right"], temperature=0.0, max_tokens=10),
+    ]
+    out = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert [out[0].token_ids, out[2].token_ids] == [a.outputs[0].token_ids for a in alone]
+    eos = llm.get_tokenizer().eos_token_ids
+    # The byte tokenizer's EOS is byte 2, which decodes as text: compare the ids before it.
+    text = lambda c: bytes(t for t in c.token_ids if t not in eos).decode()  # noqa: E731
+    assert re.fullmatch(r"[a-c]{3}-[0-9]{2}", text(out[1]))
+    jsonschema.validate(json.loads(text(out[3])), schema)
+    assert text(out[4]) in ("left", "right")
