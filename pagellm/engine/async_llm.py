@@ -232,6 +232,10 @@ class AsyncLLM:
         EngineOverloadedError (queue full) or EngineDeadError (engine stopped).
         """
         loop = self._bind_loop()
+        # Output constraints compile here, on a worker thread, so that the engine thread
+        # finds them cached: a new schema never stalls the requests running.
+        for constraint in {r.params.structured_outputs for r in requests} - {None}:
+            await asyncio.to_thread(self.engine.grammars.compile, constraint)
         stream = OutputStream(self, [r.request_id for r in requests])
         command = _AddCommand(list(requests), stream, loop.create_future())
         self._send(command)

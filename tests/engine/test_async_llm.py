@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Iterator
 
 import pytest
@@ -177,3 +178,31 @@ def test_a_dying_engine_fails_every_caller_instead_of_hanging(async_llm):
         await async_llm.shutdown()
 
     run(main())
+
+
+def test_constraints_compile_before_they_reach_the_engine_thread(async_llm):
+    """A bad constraint is refused to its caller (the engine never sees it); a good one is
+    compiled off the engine thread, so the engine finds it cached."""
+    from pagellm import StructuredOutputsParams
+    from pagellm.engine.async_llm import NewRequest
+    from pagellm.errors import InvalidRequestError
+
+    good = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(regex="[ab]{3}"))
+    bad = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(regex="(open"))
+
+    async def main() -> list:
+        async_llm.start()
+        try:
+            with pytest.raises(InvalidRequestError) as error:
+                await async_llm.add_requests([NewRequest("bad", [1, 2], bad)])
+            assert error.value.parameter == "regex"
+            compiles_before = async_llm.engine.grammars.stats.compiles
+            outputs = [o async for o in async_llm.generate([3, 4], good, "good")]
+            assert async_llm.engine.grammars.stats.compiles == compiles_before + 1
+            return outputs
+        finally:
+            await async_llm.shutdown()
+
+    outputs = run(main())
+    # The byte tokenizer: the first three ids are the constrained bytes (then EOS).
+    assert outputs[-1].finished and re.fullmatch(r"[ab]{3}", bytes(outputs[-1].outputs[0].token_ids[:3]).decode())
