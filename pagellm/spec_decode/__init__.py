@@ -1,0 +1,1 @@
+"""Speculative decoding: proposers (n-gram prompt lookup, draft models) and the rejection sampler."""
