@@ -94,7 +94,7 @@ def chat_prompt_ids(
 ) -> list[int]:
     dicts = message_dicts(messages)
     extra: dict[str, Any] = {}
-    if request is not None and (tools.kind != "none" or _has_tool_turns(dicts)):
+    if tools.kind != "none" or _has_tool_turns(dicts):
         dicts, extra = prompt_messages(dicts, request, tools, template_takes_tools(tokenizer))
     text = tokenizer.apply_chat_template(dicts, add_generation_prompt=True, **extra)
     assert isinstance(text, str)

@@ -96,11 +96,12 @@ def template_takes_tools(tokenizer: Tokenizer) -> bool:
 
 
 def prompt_messages(
-    messages: list[dict[str, Any]], request: ChatCompletionRequest, mode: ToolMode, native: bool
+    messages: list[dict[str, Any]], request: ChatCompletionRequest | None, mode: ToolMode, native: bool
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The messages (and extra template arguments) that carry tools, tool calls and tool
-    results to the model."""
-    tools = [t.model_dump(exclude_none=True) for t in request.tools or []] if mode.kind != "none" else []
+    results to the model (`request` None: a conversation without tools, e.g. /tokenize)."""
+    offered = request.tools if request is not None and mode.kind != "none" else None
+    tools = [t.model_dump(exclude_none=True) for t in offered or []]
     if native:
         return messages, ({"tools": tools} if tools else {})
     rendered = [_plain_message(m) for m in messages]

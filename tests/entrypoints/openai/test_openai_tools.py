@@ -122,3 +122,17 @@ def test_a_cut_array_keeps_its_whole_items():
     assert complete_array_items('[{"a": 1}, {"b": [2, 3]}, {"c"') == [{"a": 1}, {"b": [2, 3]}]
     assert complete_array_items('[{"a": 1}]') == [{"a": 1}]
     assert complete_array_items('[{"a"') == [] and complete_array_items("") == []
+
+
+def test_tokenize_takes_a_conversation_with_tool_turns(smol_server):
+    import httpx2 as httpx
+
+    messages = QUESTION + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": '{"timezone": "UTC"}'}}
+        ]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "12:00"},
+    ]  # fmt: skip
+    response = httpx.post(smol_server.base_url + "/tokenize", json={"messages": messages})
+    assert response.status_code == 200, response.text
+    assert response.json()["count"] > 10
