@@ -7,6 +7,7 @@ which runs the validation again.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
@@ -145,3 +146,61 @@ class SchedulerConfig:
             or self.long_prefill_token_threshold is not None
             or self.prefill_share < 1.0
         )
+
+
+SPECULATIVE_METHODS: tuple[str, ...] = ("ngram",)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's speculative_config): `ngram` proposes, for each greedy
+    decode, the num_speculative_tokens that followed the latest earlier occurrence of its
+    last n tokens (n from prompt_lookup_max down to prompt_lookup_min); the target model
+    verifies them in the same step. No step speculates with more running requests than
+    disable_by_batch_size (there decoding is compute-bound and verification costs more
+    than it saves)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    disable_by_batch_size: int | None = 8
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ConfigError(f"speculative_config.method must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
+        _check_int("speculative_config", "num_speculative_tokens", self.num_speculative_tokens, 1)
+        _check_int("speculative_config", "prompt_lookup_min", self.prompt_lookup_min, 1)
+        _check_int("speculative_config", "prompt_lookup_max", self.prompt_lookup_max, self.prompt_lookup_min)
+        if self.disable_by_batch_size is not None:
+            _check_int("speculative_config", "disable_by_batch_size", self.disable_by_batch_size, 1)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, object]) -> SpeculativeConfig:
+        """From the user's dict (or JSON object); a draft model is named as such."""
+        values = dict(values)
+        if "model" in values:
+            raise ConfigError("speculative_config: draft-model speculation is not available yet; use method 'ngram'")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(f"speculative_config: unknown key(s) {unknown} (known: {sorted(known)})")
+        if "num_speculative_tokens" not in values:
+            raise ConfigError("speculative_config needs num_speculative_tokens")
+        return cls(**values)  # type: ignore[arg-type]
+
+
+def resolve_speculative_config(value: object) -> SpeculativeConfig | None:
+    """--speculative-config: None, a dict, or its JSON text."""
+    if value is None or isinstance(value, SpeculativeConfig):
+        return value
+    if isinstance(value, str):
+        import json
+
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise ConfigError(f"speculative_config is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"speculative_config must be a JSON object, got {value!r}")
+    return SpeculativeConfig.from_dict(value)

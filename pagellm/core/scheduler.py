@@ -25,6 +25,7 @@ from pagellm.core.parallel_sampling import make_child_request
 from pagellm.core.prefill_balance import prefill_chunk_size, prefill_token_cap, remaining_work
 from pagellm.core.scheduler_integrity import check_scheduler_integrity
 from pagellm.core.scheduler_stats import SchedulerStats
+from pagellm.core.speculator import Speculator
 from pagellm.core.request_limits import check_request_fits, check_stop
 from pagellm.core.request_queue import RequestQueue
 from pagellm.core.scheduler_output import (
@@ -55,6 +56,9 @@ class _StepPlan:
     blocks_to_swap_out: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
+    spec_tokens: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    speculate: bool = False  # proposals are asked for in this step
+
     def schedule(self, request: Request, num_tokens: int, block_ids: list[int], is_prefill: bool) -> None:
         self.num_scheduled_tokens[request.request_id] = num_tokens
         self.new_block_ids[request.request_id] = block_ids
@@ -67,6 +71,7 @@ class _StepPlan:
         """Give back the budget of a request preempted after it was scheduled."""
         num_tokens = self.num_scheduled_tokens.pop(request.request_id, 0)
         self.new_block_ids.pop(request.request_id, None)
+        self.spec_tokens.pop(request.request_id, None)
         self.token_budget += num_tokens
         if request.request_id in self.prefill_req_ids:
             self.prefill_req_ids.discard(request.request_id)
@@ -76,8 +81,11 @@ class _StepPlan:
 class Scheduler:
     """Owns every unfinished request and the KV cache manager."""
 
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
+    def __init__(
+        self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, speculator: Speculator | None = None
+    ) -> None:
         self.scheduler_config = scheduler_config
+        self.speculator = speculator
         self.cache_config = cache_config
         self.max_model_len = scheduler_config.max_model_len
         self.kv_cache_manager = KVCacheManager(cache_config, self.max_model_len)
@@ -208,6 +216,7 @@ class Scheduler:
         num_decodes = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
         budget = config.max_num_batched_tokens
         plan = _StepPlan(token_budget=budget, prefill_budget=prefill_token_cap(config, budget, num_decodes))
+        plan.speculate = self.speculator is not None and self.speculator.active(len(self.running))
         self._schedule_running(plan)
         # A step that had to preempt is short of blocks: bringing requests in now would
         # only get them (or others) preempted again, and swap-ins must not share a step
@@ -236,6 +245,12 @@ class Scheduler:
             if num_tokens == 0:
                 index += 1
                 continue
+            proposal: list[int] = []
+            if gap == 1 and plan.speculate:
+                assert self.speculator is not None
+                # Verification positions count in the step's token budget.
+                proposal = self.speculator.propose(request)[: plan.token_budget - 1]
+                num_tokens += len(proposal)
             block_ids = kv.allocate_slots(request, num_tokens)
             while block_ids is None:
                 victim = self._choose_victim()
@@ -249,6 +264,8 @@ class Scheduler:
             if block_ids is None:
                 continue  # the request itself was preempted; `index` is the next one
             plan.schedule(request, num_tokens, block_ids, is_prefill=gap > 1)
+            if proposal:
+                plan.spec_tokens[request.request_id] = proposal
             index += 1
 
     def _choose_victim(self) -> Request:
@@ -377,6 +394,7 @@ class Scheduler:
             blocks_to_swap_out=plan.blocks_to_swap_out,
             blocks_to_swap_in=plan.blocks_to_swap_in,
             blocks_to_copy=self.kv_cache_manager.take_pending_copies(),
+            scheduled_spec_decode_tokens=plan.spec_tokens,
         )
 
     # ----------------------------------------------------------------- update
@@ -396,6 +414,10 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue
+            proposal = scheduler_output.scheduled_spec_decode_tokens.get(request_id)
+            if proposal:
+                progress.append(self._update_speculated(request, num_tokens, proposal, runner_output, finished))
+                continue
             num_prompt_part = max(
                 0, min(request.num_prompt_tokens - request.num_computed_tokens, num_tokens)
             )
@@ -412,17 +434,7 @@ class Scheduler:
                     f"The runner returned no sampled token for request {request_id!r}, "
                     "which reached the end of its tokens this step."
                 )
-            new_token_ids: list[int] = []
-            status: RequestStatus | None = None
-            for token_id in sampled:
-                request.append_output_token_ids(token_id)
-                new_token_ids.append(token_id)
-                status = check_stop(request, token_id, self.max_model_len)
-                if status is not None:
-                    break
-            if status is not None:
-                request.status = status
-                finished.append(request)
+            new_token_ids = self._append_sampled(request, sampled, finished)
             progress.append(
                 RequestProgress(
                     req_id=request_id,
@@ -440,6 +452,53 @@ class Scheduler:
             for request in finished:
                 self._release(request, request.status)
         return progress
+
+    def _append_sampled(self, request: Request, sampled: list[int], finished: list[Request]) -> list[int]:
+        """Append sampled tokens up to the first that stops the request."""
+        new_token_ids: list[int] = []
+        for token_id in sampled:
+            request.append_output_token_ids(token_id)
+            new_token_ids.append(token_id)
+            status = check_stop(request, token_id, self.max_model_len)
+            if status is not None:
+                request.status = status
+                finished.append(request)
+                break
+        return new_token_ids
+
+    def _update_speculated(
+        self,
+        request: Request,
+        num_tokens: int,
+        proposal: list[int],
+        runner_output: ModelRunnerOutput,
+        finished: list[Request],
+    ) -> RequestProgress:
+        """A verified step: its accepted proposals and one more token are appended; the KV
+        of the rejected positions is given up (num_computed_tokens covers the accepted
+        ones only; later steps write those positions again). The blocks allocated for
+        them stay in the table until the request ends: freeing them would need the
+        runner's copy of the table to shrink too."""
+        emitted = runner_output.sampled_token_ids.get(request.request_id)
+        if not emitted or len(emitted) > len(proposal) + 1:
+            raise RuntimeError(f"The runner's verification of {request.request_id!r} emitted {emitted!r}.")
+        num_accepted = len(emitted) - 1
+        assert emitted[:num_accepted] == proposal[:num_accepted], "accepted tokens are the proposed ones"
+        if self.speculator is not None:
+            self.speculator.record(len(proposal), num_accepted)
+        self._num_decode_tokens += num_tokens
+        computed = request.num_computed_tokens + 1 + num_accepted
+        new_token_ids = self._append_sampled(request, emitted, finished)
+        if not request.is_finished:
+            request.num_computed_tokens = computed
+            assert computed == request.num_tokens - 1
+            self.kv_cache_manager.cache_blocks(request, computed)
+        return RequestProgress(
+            req_id=request.request_id,
+            new_token_ids=new_token_ids,
+            finish_reason=request.finish_reason,
+            stop_reason=request.stop_reason,
+        )
 
     def _fork(
         self, parent: Request, first_token_ids: list[int], finished: list[Request]

@@ -69,6 +69,9 @@ class SchedulerOutput:
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) device
+    # Speculative decoding: per request, the proposed tokens computed after its next one
+    # (they are part of its num_scheduled_tokens); the runner verifies them.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def num_scheduled_reqs(self) -> int:

@@ -14,6 +14,7 @@ from pagellm.config import (
     QUANTIZATION_CHOICES,
     SCHEDULING_POLICIES,
 )
+from pagellm.config import resolve_speculative_config
 from pagellm.errors import ConfigError
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
@@ -80,6 +81,8 @@ class EngineArgs:
     kv_events_file: str | None = None  # JSONL log of every KV block event
     tensor_parallel_size: int = 1  # ranks the model is split over (heads, MLP, vocabulary)
     distributed_executor_backend: str | None = None  # mp | ray; None = mp (processes on this machine)
+    # vLLM's shape, a dict or its JSON: {"method": "ngram", "num_speculative_tokens": 4, ...}
+    speculative_config: str | dict[str, object] | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
@@ -130,6 +133,7 @@ class EngineArgs:
             raise ConfigError(f"profile must be one of {PROFILE_CHOICES}, got {self.profile!r}")
         if self.profile is not None and not self.enable_chunked_prefill:
             raise ConfigError("profile sets chunked-prefill knobs: it needs enable_chunked_prefill")
+        resolve_speculative_config(self.speculative_config)  # a bad one fails here, named
         if isinstance(self.tensor_parallel_size, bool) or self.tensor_parallel_size < 1:
             raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if (

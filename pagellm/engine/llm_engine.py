@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagellm.config import CacheConfig, SchedulerConfig
+from pagellm.config import CacheConfig, SchedulerConfig, SpeculativeConfig, resolve_speculative_config
 from pagellm.core.kv_events import KVEventLog
 from pagellm.core.scheduler import Scheduler, SchedulerStats
 from pagellm.core.scheduler_output import SchedulerOutput
@@ -36,6 +36,7 @@ from pagellm.model.loader import (
 from pagellm.outputs import RequestOutput
 from pagellm.request import RequestStatus
 from pagellm.sampling_params import SamplingParams
+from pagellm.spec_decode.speculator import NgramSpeculator
 from pagellm.structured.grammar_compiler import GrammarCompiler
 from pagellm.tokenizer import Tokenizer
 from pagellm.attention.kv_cache_dtype import resolve_kv_cache_dtype
@@ -62,6 +63,7 @@ class EngineConfig:
     device: torch.device
     dtype: torch.dtype
     kv_cache_dtype: torch.dtype  # dtype, or fp8 (--kv-cache-dtype)
+    speculative_config: SpeculativeConfig | None = None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -165,7 +167,12 @@ class LLMEngine:
         self.model_config = config.model_config
         self.tokenizer = tokenizer
         self.executor = executor
-        self.scheduler = Scheduler(config.scheduler_config, config.cache_config)
+        self.speculator = (
+            NgramSpeculator(config.speculative_config, config.scheduler_config.max_model_len)
+            if config.speculative_config is not None
+            else None
+        )
+        self.scheduler = Scheduler(config.scheduler_config, config.cache_config, self.speculator)
         self.input_processor = InputProcessor(
             tokenizer, config.model_config.vocab_size, config.scheduler_config.max_model_len
         )
@@ -246,7 +253,10 @@ class LLMEngine:
         except BaseException:
             executor.shutdown()
             raise
-        config = EngineConfig(source, model_config, cache_config, scheduler_config, device, dtype, kv_cache_dtype)
+        config = EngineConfig(
+            source, model_config, cache_config, scheduler_config, device, dtype, kv_cache_dtype,
+            resolve_speculative_config(args.speculative_config),
+        )  # fmt: skip
         metrics = EngineMetrics(
             source.name,
             log_stats_interval=None if args.disable_log_stats else args.log_stats_interval,

@@ -28,6 +28,7 @@ from pagellm.request import child_request_id
 from pagellm.sample.penalties import PenaltyState
 from pagellm.sample.sampler import Sampler, SamplingBatch
 from pagellm.sampling_params import SamplingParams
+from pagellm.spec_decode.rejection_sampler import greedy_verify
 from pagellm.structured.grammar_compiler import GrammarCompiler
 from pagellm.structured.token_masks import MaskTimer, apply_masks, fill_masks
 from pagellm.worker.cuda_graphs import Capture, DecodeGraphs, cuda_graph_capture
@@ -147,21 +148,24 @@ class ModelRunner:
         req_ids = list(scheduler_output.num_scheduled_tokens)
         if not req_ids:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids={})
+        proposals = scheduler_output.scheduled_spec_decode_tokens
         sequences: list[ScheduledSequence] = []
         for req_id in req_ids:
             state = self.requests[req_id]
             start = state.num_computed_tokens
-            end = start + scheduler_output.num_scheduled_tokens[req_id]
+            drafts = proposals.get(req_id, [])
+            # A speculating request computes its next token and the proposed ones after it.
+            end = start + scheduler_output.num_scheduled_tokens[req_id] - len(drafts)
             sequences.append(
                 ScheduledSequence(
-                    state.token_ids[start:end], start, state.block_ids, end == len(state.token_ids)
+                    state.token_ids[start:end] + drafts, start, state.block_ids, end == len(state.token_ids)
                 )
             )
         # The flat batch holds each sequence's tokens in order, without padding.
         starts = [0]
         for seq in sequences:
             starts.append(starts[-1] + len(seq.token_ids))
-        rows = self._sample_rows(req_ids, sequences, starts)
+        rows = self._sample_rows(req_ids, sequences, starts, proposals)
         if self.decode_graphs is not None and self.decode_graphs.can_run(sequences):
             hidden = self.decode_graphs.run(sequences)
         else:
@@ -172,19 +176,46 @@ class ModelRunner:
             req_ids=req_ids, sampled_token_ids={req_id: [] for req_id in req_ids}
         )
         self._prompt_logprobs(req_ids, sequences, starts, hidden, output)
+        if proposals:
+            self._verify(req_ids, proposals, starts, hidden, output)
         if rows:
             self._sample(rows, hidden, output)
         return output
 
+    def _verify(
+        self,
+        req_ids: list[str],
+        proposals: dict[str, list[int]],
+        starts: list[int],
+        hidden: torch.Tensor,
+        output: ModelRunnerOutput,
+    ) -> None:
+        """Greedy verification of the proposed tokens: kept while they are the target's
+        argmax, then its argmax (the tokens greedy decoding gives, one to k + 1 a step)."""
+        spans = [(req_id, starts[i], starts[i + 1]) for i, req_id in enumerate(req_ids) if req_id in proposals]
+        index = torch.tensor([row for _, first, end in spans for row in range(first, end)], device=self.device)
+        logits = self.model.compute_logits(hidden[index])  # every rank: a collective under TP
+        if not self.is_driver:
+            return
+        offset = 0
+        for req_id, first, end in spans:
+            drafts = proposals[req_id]
+            rows = logits[offset : offset + end - first]
+            offset += end - first
+            verified = greedy_verify(rows.unsqueeze(0), torch.tensor([drafts], device=rows.device), torch.tensor([len(drafts)]))
+            emitted = verified.token_ids[0]
+            self.requests[req_id].token_ids.extend(emitted)
+            output.sampled_token_ids[req_id] = emitted
+
     # ------------------------------------------------------------- sampling
 
     def _sample_rows(
-        self, req_ids: list[str], sequences: list[ScheduledSequence], starts: list[int]
+        self, req_ids: list[str], sequences: list[ScheduledSequence], starts: list[int], proposals: dict[str, list[int]]
     ) -> list[_SampleRow]:
         rows: list[_SampleRow] = []
         for index, (req_id, seq) in enumerate(zip(req_ids, sequences, strict=True)):
-            if not seq.needs_logits:
-                continue
+            if not seq.needs_logits or req_id in proposals:
+                continue  # speculating requests are verified, not sampled
             last_row = starts[index + 1] - 1
             rows.append(_SampleRow(req_id, req_id, last_row))
             state = self.requests[req_id]

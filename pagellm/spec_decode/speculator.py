@@ -1,0 +1,63 @@
+"""Speculative decoding: which decodes speculate this step, and what they propose.
+
+The scheduler (pure Python) asks this object for each running decode's proposal. A step
+speculates only while at most `disable_by_batch_size` requests run: a larger decode batch
+is compute-bound, and verifying k proposed tokens then costs about k times the work it
+might save. A request speculates only where verification is plain argmax (greedy, no
+penalties, bias, banned tokens, logprobs or output constraint): those are exactly the
+tokens it would get without speculation. Pure Python.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagellm.config import SpeculativeConfig
+from pagellm.request import Request
+from pagellm.spec_decode.ngram_proposer import propose_ngram
+
+
+@dataclass
+class SpeculationStats:
+    num_proposed: int = 0
+    num_accepted: int = 0
+    num_verifications: int = 0
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.num_accepted / self.num_proposed if self.num_proposed else None
+
+
+class NgramSpeculator:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+        self.config = config
+        self.max_model_len = max_model_len
+        self.stats = SpeculationStats()
+
+    def active(self, num_running: int) -> bool:
+        limit = self.config.disable_by_batch_size
+        return limit is None or num_running <= limit
+
+    def propose(self, request: Request) -> list[int]:
+        params = request.sampling_params
+        if (
+            not params.is_greedy
+            or params.has_penalties
+            or params.logit_bias
+            or params.min_tokens
+            or params.logprobs is not None
+            or params.structured_outputs is not None
+        ):
+            return []
+        room = self.max_model_len - request.num_tokens  # positions the cache may still hold
+        if params.max_tokens is not None:
+            room = min(room, params.max_tokens - request.num_output_tokens - 1)
+        k = min(self.config.num_speculative_tokens, room)
+        if k <= 0:
+            return []
+        return propose_ngram(request.all_token_ids, k, self.config.prompt_lookup_min, self.config.prompt_lookup_max)
+
+    def record(self, num_proposed: int, num_accepted: int) -> None:
+        self.stats.num_proposed += num_proposed
+        self.stats.num_accepted += num_accepted
+        self.stats.num_verifications += 1
