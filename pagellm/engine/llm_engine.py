@@ -346,6 +346,8 @@ class LLMEngine:
             # A stop string ended these completions: free their blocks now.
             self.scheduler.finish_requests(result.stopped_req_ids, RequestStatus.FINISHED_STOPPED)
         self.metrics.record_structured_outputs(*self.grammars.take_stats(), self.runner.mask_timer.take())
+        if self.speculator is not None:
+            self.metrics.record_speculation(*self.speculator.take_new())
         self.metrics.record_step(
             scheduler_output,
             result.outputs,

@@ -222,6 +222,13 @@ class EngineMetrics:
         if mask_seconds > 0:
             self.prom.structured_mask_seconds.observe(mask_seconds)
 
+    def record_speculation(self, num_drafts: int, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        """Speculative verifications since the last call (acceptance rate = accepted / draft tokens)."""
+        if num_drafts:
+            self.prom.spec_decode_num_drafts.inc(num_drafts)
+            self.prom.spec_decode_num_draft_tokens.inc(num_draft_tokens)
+            self.prom.spec_decode_num_accepted_tokens.inc(num_accepted_tokens)
+
     def update_scheduler_metrics(self, stats: SchedulerStats) -> None:
         """Gauges from a scheduler snapshot, and its counters' growth since the last one."""
         prom = self.prom

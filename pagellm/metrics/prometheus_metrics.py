@@ -108,6 +108,9 @@ class PrometheusMetrics:
             _COMPILE_BUCKETS,
         )  # fmt: skip
         self.grammar_cache_hits = counter("grammar_cache_hits", "Output constraints found already compiled.")
+        self.spec_decode_num_drafts = counter("spec_decode_num_drafts", "Speculative verifications (one per request and step).")
+        self.spec_decode_num_draft_tokens = counter("spec_decode_num_draft_tokens", "Tokens proposed for verification.")
+        self.spec_decode_num_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Proposed tokens the model accepted.")
         self.structured_mask_seconds = histogram(
             "structured_mask_seconds", "Per step with constrained requests: time to fill and apply their token masks.",
             _MASK_BUCKETS,

@@ -33,6 +33,7 @@ class NgramSpeculator:
         self.config = config
         self.max_model_len = max_model_len
         self.stats = SpeculationStats()
+        self._taken = (0, 0, 0)
 
     def active(self, num_running: int) -> bool:
         limit = self.config.disable_by_batch_size
@@ -61,3 +62,10 @@ class NgramSpeculator:
         self.stats.num_proposed += num_proposed
         self.stats.num_accepted += num_accepted
         self.stats.num_verifications += 1
+
+    def take_new(self) -> tuple[int, int, int]:
+        """(verifications, proposed, accepted) since the last call, for the metrics."""
+        stats, last = self.stats, self._taken
+        new = (stats.num_verifications - last[0], stats.num_proposed - last[1], stats.num_accepted - last[2])
+        self._taken = (stats.num_verifications, stats.num_proposed, stats.num_accepted)
+        return new

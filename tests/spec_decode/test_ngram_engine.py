@@ -43,6 +43,17 @@ def test_single_requests_and_a_batch_with_prefix_hits(smollm2_path, reference):
     assert stats.num_accepted > 0 and stats.num_proposed >= stats.num_accepted
     assert llm.engine.get_stats().num_prefix_hit_tokens > 0
     assert_engine_drained(llm)
+    # The same counts on /metrics.
+    from prometheus_client import generate_latest
+
+    text = generate_latest(llm.engine.metrics.prom.registry).decode()
+
+    def value(name):
+        return float(next(line for line in text.splitlines() if line.startswith(name + "{")).rsplit(" ", 1)[1])
+
+    assert value("pagellm:spec_decode_num_draft_tokens_total") == stats.num_proposed
+    assert value("pagellm:spec_decode_num_accepted_tokens_total") == stats.num_accepted
+    assert value("pagellm:spec_decode_num_drafts_total") == stats.num_verifications
 
 
 @pytest.mark.parametrize(
