@@ -55,6 +55,7 @@ from pathlib import Path
 from typing import Any
 
 from pagellm.bench.machine import cpu_info, describe_cpu
+from pagellm.bench.results import write_result_files
 from pagellm.bench.serve_load import ServeBenchConfig, run_requests
 from pagellm.bench.serve_metrics import summarize
 from pagellm.workload.synthetic import WorkloadSpec, make_workload
@@ -497,11 +498,8 @@ def main(argv: list[str] | None = None) -> int:
     print("\n" + text)
     result = {"bench": "dp_routing", "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "cpu": cpu, "cores": cores,
               "threads": threads, "config": config, "runs": records, "ratios": ratios}  # fmt: skip
-    print(json.dumps(result))
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result) + "\n")
-    out.with_suffix(".md").write_text(text)
+    write_result_files(out, result, text)
     print(f"wrote {out} and {out.with_suffix('.md')}")
     return 0 if all("error" not in r for r in records) else 1
 

@@ -68,6 +68,7 @@ from typing import Any
 
 import torch
 
+from pagellm.bench.results import write_result_files
 from pagellm.bench.machine import cpu_info, describe_cpu
 from pagellm.metrics.ceilings import measure_bandwidth
 
@@ -983,13 +984,9 @@ def main(argv: list[str] | None = None) -> None:
     tables = format_tables(record)
     print()
     print(tables)
-    line = json.dumps(record)
-    print(line)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(line + "\n", encoding="utf-8")
     header = (f"# structured_backends ({record['created']})\n\nconfig: "
               + ", ".join(f"{k}={v}" for k, v in config.items()) + f"\n\ncpu: {describe_cpu(cpu)}\n\n")  # fmt: skip
-    args.out.with_suffix(".md").write_text(header + tables, encoding="utf-8")
+    write_result_files(args.out, record, header + tables)
 
 
 if __name__ == "__main__":

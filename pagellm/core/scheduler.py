@@ -15,7 +15,6 @@ update_from_output() it still holds the value the runner was told.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Iterable
 
@@ -26,6 +25,7 @@ from pagellm.core.prefill_balance import prefill_chunk_size, prefill_token_cap, 
 from pagellm.core.scheduler_integrity import check_scheduler_integrity
 from pagellm.core.scheduler_stats import SchedulerStats
 from pagellm.core.speculator import Speculator
+from pagellm.core.step_plan import StepPlan
 from pagellm.core.request_limits import check_request_fits, check_stop
 from pagellm.core.request_queue import RequestQueue
 from pagellm.core.scheduler_output import (
@@ -39,43 +39,6 @@ from pagellm.errors import InvalidRequestError
 from pagellm.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class _StepPlan:
-    """What one schedule() call has decided so far."""
-
-    token_budget: int
-    prefill_budget: int  # tokens prefill chunks may still take (see prefill_token_cap)
-    num_scheduled_tokens: dict[str, int] = dataclasses.field(default_factory=dict)
-    prefill_req_ids: set[str] = dataclasses.field(default_factory=set)
-    new_block_ids: dict[str, list[int]] = dataclasses.field(default_factory=dict)
-    # Requests the runner holds no state for: admitted or swapped in this step.
-    resumed_req_ids: set[str] = dataclasses.field(default_factory=set)
-    preempted_req_ids: set[str] = dataclasses.field(default_factory=set)
-    blocks_to_swap_out: list[tuple[int, int]] = dataclasses.field(default_factory=list)
-    blocks_to_swap_in: list[tuple[int, int]] = dataclasses.field(default_factory=list)
-
-    spec_tokens: dict[str, list[int]] = dataclasses.field(default_factory=dict)
-    speculate: bool = False  # proposals are asked for in this step
-
-    def schedule(self, request: Request, num_tokens: int, block_ids: list[int], is_prefill: bool) -> None:
-        self.num_scheduled_tokens[request.request_id] = num_tokens
-        self.new_block_ids[request.request_id] = block_ids
-        self.token_budget -= num_tokens
-        if is_prefill:
-            self.prefill_req_ids.add(request.request_id)
-            self.prefill_budget -= num_tokens
-
-    def unschedule(self, request: Request) -> None:
-        """Give back the budget of a request preempted after it was scheduled."""
-        num_tokens = self.num_scheduled_tokens.pop(request.request_id, 0)
-        self.new_block_ids.pop(request.request_id, None)
-        self.spec_tokens.pop(request.request_id, None)
-        self.token_budget += num_tokens
-        if request.request_id in self.prefill_req_ids:
-            self.prefill_req_ids.discard(request.request_id)
-            self.prefill_budget += num_tokens
 
 
 class Scheduler:
@@ -215,7 +178,7 @@ class Scheduler:
             self.running.sort(key=lambda r: (remaining_work(r), self._arrival_index[r.request_id]))
         num_decodes = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
         budget = config.max_num_batched_tokens
-        plan = _StepPlan(token_budget=budget, prefill_budget=prefill_token_cap(config, budget, num_decodes))
+        plan = StepPlan(token_budget=budget, prefill_budget=prefill_token_cap(config, budget, num_decodes))
         plan.speculate = self.speculator is not None and self.speculator.active(len(self.running))
         self._schedule_running(plan)
         # A step that had to preempt is short of blocks: bringing requests in now would
@@ -228,14 +191,14 @@ class Scheduler:
                 self._schedule_waiting(plan)
         return self._make_output(plan)
 
-    def _num_tokens_to_schedule(self, gap: int, plan: _StepPlan) -> int:
+    def _num_tokens_to_schedule(self, gap: int, plan: StepPlan) -> int:
         """Tokens of a gap that fit this step; 0 if the request must wait."""
         assert gap > 0, "nothing to compute"
         if gap == 1:  # a decode
             return min(1, plan.token_budget)
         return prefill_chunk_size(self.scheduler_config, gap, plan.token_budget, plan.prefill_budget, len(plan.prefill_req_ids))
 
-    def _schedule_running(self, plan: _StepPlan) -> None:
+    def _schedule_running(self, plan: StepPlan) -> None:
         kv = self.kv_cache_manager
         index = 0
         while index < len(self.running) and plan.token_budget > 0:
@@ -273,7 +236,7 @@ class Scheduler:
             return max(self.running, key=self._priority_key)
         return self.running[-1]  # the latest admitted (fcfs) or most work left (sorted)
 
-    def _preempt(self, request: Request, plan: _StepPlan) -> None:
+    def _preempt(self, request: Request, plan: StepPlan) -> None:
         self.running.remove(request)
         plan.unschedule(request)
         plan.preempted_req_ids.add(request.request_id)
@@ -298,7 +261,7 @@ class Scheduler:
         self._num_preemptions["recompute"] += 1
         logger.debug("preempted %s by recompute", request.request_id)
 
-    def _has_room_for(self, request: Request, plan: _StepPlan) -> bool:
+    def _has_room_for(self, request: Request, plan: StepPlan) -> bool:
         # An n > 1 request reserves seats for the completions it will fork, so that
         # forking never pushes the running set past max_num_seqs.
         seats = 1 + request.num_pending_forks
@@ -307,7 +270,7 @@ class Scheduler:
             and len(self.running) + seats <= self.scheduler_config.max_num_seqs
         )
 
-    def _schedule_swapped(self, plan: _StepPlan) -> None:
+    def _schedule_swapped(self, plan: StepPlan) -> None:
         kv = self.kv_cache_manager
         while self.swapped:
             request = self.swapped.peek()
@@ -327,7 +290,7 @@ class Scheduler:
             plan.resumed_req_ids.add(request.request_id)
             plan.schedule(request, num_tokens, block_ids, is_prefill=gap > 1)
 
-    def _schedule_waiting(self, plan: _StepPlan) -> None:
+    def _schedule_waiting(self, plan: StepPlan) -> None:
         kv = self.kv_cache_manager
         while self.waiting:
             request = self.waiting.peek()
@@ -355,7 +318,7 @@ class Scheduler:
             plan.resumed_req_ids.add(request.request_id)
             plan.schedule(request, num_tokens, block_ids, is_prefill=gap > 1)
 
-    def _make_output(self, plan: _StepPlan) -> SchedulerOutput:
+    def _make_output(self, plan: StepPlan) -> SchedulerOutput:
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
         for request_id in plan.num_scheduled_tokens:
@@ -414,20 +377,20 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue
-            proposal = scheduler_output.scheduled_spec_decode_tokens.get(request_id)
-            if proposal:
-                progress.append(self._update_speculated(request, num_tokens, proposal, runner_output, finished))
-                continue
             num_prompt_part = max(
                 0, min(request.num_prompt_tokens - request.num_computed_tokens, num_tokens)
             )
             self._num_prefill_tokens += num_prompt_part
             self._num_decode_tokens += num_tokens - num_prompt_part
-            request.num_computed_tokens += num_tokens
-            assert request.num_computed_tokens <= request.num_tokens
-            kv.cache_blocks(request, request.num_computed_tokens)
-            if request.num_computed_tokens < request.num_tokens:
-                continue  # partial prefill chunk: nothing sampled
+            # Positions whose KV stays: all, or of a verified proposal the accepted ones
+            # (later steps write the rejected positions again).
+            proposal = scheduler_output.scheduled_spec_decode_tokens.get(request_id)
+            kept = num_tokens if not proposal else self._verified(request_id, proposal, runner_output)
+            computed = request.num_computed_tokens + kept
+            if computed < request.num_tokens:  # a partial prefill chunk: nothing sampled
+                request.num_computed_tokens = computed
+                kv.cache_blocks(request, computed)
+                continue
             sampled = runner_output.sampled_token_ids.get(request_id)
             if not sampled:
                 raise RuntimeError(
@@ -435,6 +398,9 @@ class Scheduler:
                     "which reached the end of its tokens this step."
                 )
             new_token_ids = self._append_sampled(request, sampled, finished)
+            # A stop inside an accepted run leaves fewer tokens than computed positions.
+            request.num_computed_tokens = min(computed, request.num_tokens)
+            kv.cache_blocks(request, request.num_computed_tokens)
             progress.append(
                 RequestProgress(
                     req_id=request_id,
@@ -466,39 +432,19 @@ class Scheduler:
                 break
         return new_token_ids
 
-    def _update_speculated(
-        self,
-        request: Request,
-        num_tokens: int,
-        proposal: list[int],
-        runner_output: ModelRunnerOutput,
-        finished: list[Request],
-    ) -> RequestProgress:
-        """A verified step: its accepted proposals and one more token are appended; the KV
-        of the rejected positions is given up (num_computed_tokens covers the accepted
-        ones only; later steps write those positions again). The blocks allocated for
-        them stay in the table until the request ends: freeing them would need the
-        runner's copy of the table to shrink too."""
-        emitted = runner_output.sampled_token_ids.get(request.request_id)
+    def _verified(self, request_id: str, proposal: list[int], runner_output: ModelRunnerOutput) -> int:
+        """A verified proposal: the positions whose KV stays (the request's next token and
+        the accepted proposed ones). The blocks allocated for the rejected ones stay in
+        the table until the request ends: freeing them would need the runner's copy of
+        the table to shrink too."""
+        emitted = runner_output.sampled_token_ids.get(request_id)
         if not emitted or len(emitted) > len(proposal) + 1:
-            raise RuntimeError(f"The runner's verification of {request.request_id!r} emitted {emitted!r}.")
+            raise RuntimeError(f"The runner's verification of {request_id!r} emitted {emitted!r}.")
         num_accepted = len(emitted) - 1
         assert emitted[:num_accepted] == proposal[:num_accepted], "accepted tokens are the proposed ones"
         if self.speculator is not None:
             self.speculator.record(len(proposal), num_accepted)
-        self._num_decode_tokens += num_tokens
-        computed = request.num_computed_tokens + 1 + num_accepted
-        new_token_ids = self._append_sampled(request, emitted, finished)
-        if not request.is_finished:
-            request.num_computed_tokens = computed
-            assert computed == request.num_tokens - 1
-            self.kv_cache_manager.cache_blocks(request, computed)
-        return RequestProgress(
-            req_id=request.request_id,
-            new_token_ids=new_token_ids,
-            finish_reason=request.finish_reason,
-            stop_reason=request.stop_reason,
-        )
+        return 1 + num_accepted
 
     def _fork(
         self, parent: Request, first_token_ids: list[int], finished: list[Request]

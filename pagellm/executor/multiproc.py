@@ -85,20 +85,21 @@ class MultiprocExecutor(DistributedExecutor):
         return [process.pid for process in self._processes if process.pid is not None]
 
     def _wait_until_loaded(self, pipes: list[multiprocessing.connection.Connection]) -> None:
+        """Each rank's word (ready, or why not); a rank that dies first closes its pipe."""
         pending = dict(zip(pipes, range(1, len(pipes) + 1), strict=True))
-        sentinels = {p.sentinel: rank for rank, p in enumerate(self._processes, start=1)}
         while pending:
-            ready = multiprocessing.connection.wait([*pending, *sentinels])
-            for item in ready:
-                if item in pending:
-                    rank = pending.pop(item)  # type: ignore[call-overload]
-                    status, detail = item.recv()  # type: ignore[union-attr]
-                    if status != "ready":
-                        raise WorkerDiedError(f"tensor-parallel rank {rank} failed to start: {detail}")
-                elif sentinels[item] in pending.values():  # type: ignore[index]
-                    rank = sentinels[item]  # type: ignore[index]
-                    code = self._processes[rank - 1].exitcode
-                    raise WorkerDiedError(f"tensor-parallel rank {rank} exited with code {code} while loading")
+            for pipe in multiprocessing.connection.wait(list(pending)):
+                rank = pending.pop(pipe)  # type: ignore[call-overload]
+                try:
+                    status, detail = pipe.recv()  # type: ignore[union-attr]
+                except EOFError:
+                    process = self._processes[rank - 1]
+                    process.join(timeout=5.0)
+                    raise WorkerDiedError(
+                        f"tensor-parallel rank {rank} exited with code {process.exitcode} while loading"
+                    ) from None
+                if status != "ready":
+                    raise WorkerDiedError(f"tensor-parallel rank {rank} failed to start: {detail}")
 
     def _watch(self) -> None:
         multiprocessing.connection.wait([p.sentinel for p in self._processes])

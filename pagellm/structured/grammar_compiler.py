@@ -20,7 +20,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pagellm.errors import InvalidRequestError
@@ -47,12 +47,12 @@ class GrammarStats:
 
     compiles: int = 0
     cache_hits: int = 0
-    compile_seconds: list[float] | None = None  # not yet taken
+    compile_seconds: list[float] = field(default_factory=list)  # not yet taken
     cache_hits_taken: int = 0
 
     def take(self) -> tuple[list[float], int]:
         """Compile times and cache hits since the last take."""
-        seconds, self.compile_seconds = self.compile_seconds or [], []
+        seconds, self.compile_seconds = self.compile_seconds, []
         hits, self.cache_hits_taken = self.cache_hits - self.cache_hits_taken, self.cache_hits
         return seconds, hits
 
@@ -66,7 +66,7 @@ class GrammarCompiler:
         self._ll_tokenizer: Any = None
         self._cache: OrderedDict[tuple[str, str], CompiledGrammar] = OrderedDict()
         self._in_progress: dict[tuple[str, str], threading.Event] = {}
-        self.stats = GrammarStats(compile_seconds=[])
+        self.stats = GrammarStats()
 
     def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
         """The compiled constraint (from the cache when seen before). A constraint the
@@ -97,7 +97,6 @@ class GrammarCompiler:
             while len(self._cache) > MAX_CACHED_GRAMMARS:
                 self._cache.popitem(last=False)
             self.stats.compiles += 1
-            assert self.stats.compile_seconds is not None
             self.stats.compile_seconds.append(compiled.compile_seconds)
         return compiled
 

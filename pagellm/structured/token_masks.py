@@ -10,8 +10,9 @@ and logprobs all then see the masked distribution.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -96,22 +97,16 @@ class MaskTimer:
         self._seconds = 0.0
         self.total_seconds = 0.0
 
-    def time(self) -> _Timing:
-        return _Timing(self)
+    @contextlib.contextmanager
+    def time(self) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            elapsed = time.perf_counter() - start
+            self._seconds += elapsed
+            self.total_seconds += elapsed
 
     def take(self) -> float:
         seconds, self._seconds = self._seconds, 0.0
         return seconds
-
-
-class _Timing:
-    def __init__(self, owner: MaskTimer) -> None:
-        self._owner = owner
-
-    def __enter__(self) -> None:
-        self._start = time.perf_counter()
-
-    def __exit__(self, *exc: object) -> None:
-        elapsed = time.perf_counter() - self._start
-        self._owner._seconds += elapsed
-        self._owner.total_seconds += elapsed

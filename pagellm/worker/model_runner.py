@@ -161,16 +161,13 @@ class ModelRunner:
                     state.token_ids[start:end] + drafts, start, state.block_ids, end == len(state.token_ids)
                 )
             )
-        # The flat batch holds each sequence's tokens in order, without padding.
-        starts = [0]
-        for seq in sequences:
-            starts.append(starts[-1] + len(seq.token_ids))
-        rows = self._sample_rows(req_ids, sequences, starts, proposals)
         if self.decode_graphs is not None and self.decode_graphs.can_run(sequences):
             hidden = self.decode_graphs.run(sequences)
+            starts = list(range(len(sequences) + 1))
         else:
             inputs = prepare_model_inputs(sequences, self.block_size, self.device)
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
+            starts = inputs.metadata.query_start_loc
 
         output = ModelRunnerOutput(
             req_ids=req_ids, sampled_token_ids={req_id: [] for req_id in req_ids}
@@ -178,6 +175,7 @@ class ModelRunner:
         self._prompt_logprobs(req_ids, sequences, starts, hidden, output)
         if proposals:
             self._verify(req_ids, proposals, starts, hidden, output)
+        rows = self._sample_rows(req_ids, sequences, starts, proposals)
         if rows:
             self._sample(rows, hidden, output)
         return output

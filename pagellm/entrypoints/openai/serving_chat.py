@@ -153,7 +153,6 @@ class ChatServing:
         context.check_model(body.model)
         tools = tool_mode(body)
         params, constraint_field = self._sampling_params(body, tools)
-        await context.compile_constraint(params, constraint_field)
         prompt_ids = chat_prompt_ids(context.tokenizer, body.messages, body, tools)
         response_id = new_request_id("chatcmpl")
         job = _Job(
@@ -163,8 +162,8 @@ class ChatServing:
             (body.top_logprobs or 0) if body.logprobs else None,
             tools,
         )
-        stream = await context.async_llm.add_requests(
-            [NewRequest(response_id, prompt_ids, params, body.priority, arrival_time)]
+        stream = await context.add_requests(
+            [NewRequest(response_id, prompt_ids, params, body.priority, arrival_time)], constraint_field
         )
         if body.stream:
             return EventStreamResponse(self._stream(job, stream), on_close=stream.cancel)

@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from pagellm.engine.async_llm import AsyncLLM, OutputStream
+from pagellm.engine.async_llm import AsyncLLM, NewRequest, OutputStream
 from pagellm.entrypoints.openai.errors import APIError
 from pagellm.entrypoints.openai.protocol import UsageInfo
 from pagellm.errors import InvalidRequestError
 from pagellm.outputs import RequestOutput
-from pagellm.sampling_params import SamplingParams
+from pagellm.structured_outputs_params import KINDS as CONSTRAINT_KINDS
 from pagellm.tokenizer import Tokenizer
 
 
@@ -33,16 +32,15 @@ class ServingContext:
     def vocab_size(self) -> int:
         return self.async_llm.engine.config.model_config.vocab_size
 
-    async def compile_constraint(self, params: SamplingParams, field: str) -> None:
-        """Compile a request's output constraint on a worker thread before it is queued
-        (the engine then finds it cached: a new schema never stalls the step loop); one
-        that does not compile is a 400 naming the request field it came from."""
-        if params.structured_outputs is None:
-            return
+    async def add_requests(self, requests: list[NewRequest], constraint_field: str) -> OutputStream:
+        """Queue the requests. An output constraint that does not compile (AsyncLLM
+        compiles it on a worker thread first) is a 400 naming the request field it came from."""
         try:
-            await asyncio.to_thread(self.async_llm.engine.grammars.compile, params.structured_outputs)
+            return await self.async_llm.add_requests(requests)
         except InvalidRequestError as e:
-            raise APIError(400, f"{field}: {e}", param=field) from None
+            if constraint_field and e.parameter in CONSTRAINT_KINDS:
+                raise APIError(400, f"{constraint_field}: {e}", param=constraint_field) from None
+            raise
 
     def check_model(self, model: str | None) -> None:
         """404 unless `model` is the served one (None means "whatever is served")."""

@@ -95,15 +95,15 @@ class CompletionServing:
         context.check_model(body.model)
         prompts = normalize_prompts(body.prompt)
         params, constraint_field = self._sampling_params(body)
-        await context.compile_constraint(params, constraint_field)
         response_id = new_request_id("cmpl")
         engine_ids = [f"{response_id}-{i}" for i in range(len(prompts))]
         job = _Job(response_id, context.served_model_name, body, prompts, engine_ids)
-        stream = await context.async_llm.add_requests(
+        stream = await context.add_requests(
             [
                 NewRequest(rid, prompt, params, body.priority, arrival_time)
                 for rid, prompt in zip(engine_ids, prompts)
-            ]
+            ],
+            constraint_field,
         )
         if body.stream:
             return EventStreamResponse(self._stream(job, stream), on_close=stream.cancel)

@@ -37,10 +37,6 @@ class ToolMode:
     kind: str
     name: str | None = None  # the named function
 
-    @property
-    def constrained(self) -> bool:
-        return self.kind in ("required", "named")
-
 
 def tool_mode(request: ChatCompletionRequest) -> ToolMode:
     tools = request.tools or []

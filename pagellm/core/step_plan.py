@@ -1,0 +1,44 @@
+"""Core: one schedule() call's plan so far: the budgets left and what is scheduled."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from pagellm.request import Request
+
+
+@dataclasses.dataclass
+class StepPlan:
+    """What one schedule() call has decided so far."""
+
+    token_budget: int
+    prefill_budget: int  # tokens prefill chunks may still take (see prefill_token_cap)
+    num_scheduled_tokens: dict[str, int] = dataclasses.field(default_factory=dict)
+    prefill_req_ids: set[str] = dataclasses.field(default_factory=set)
+    new_block_ids: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    # Requests the runner holds no state for: admitted or swapped in this step.
+    resumed_req_ids: set[str] = dataclasses.field(default_factory=set)
+    preempted_req_ids: set[str] = dataclasses.field(default_factory=set)
+    blocks_to_swap_out: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    # Speculative decoding: proposals to verify, per scheduled request.
+    spec_tokens: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    speculate: bool = False  # proposals are asked for in this step
+
+    def schedule(self, request: Request, num_tokens: int, block_ids: list[int], is_prefill: bool) -> None:
+        self.num_scheduled_tokens[request.request_id] = num_tokens
+        self.new_block_ids[request.request_id] = block_ids
+        self.token_budget -= num_tokens
+        if is_prefill:
+            self.prefill_req_ids.add(request.request_id)
+            self.prefill_budget -= num_tokens
+
+    def unschedule(self, request: Request) -> None:
+        """Give back the budget of a request preempted after it was scheduled."""
+        num_tokens = self.num_scheduled_tokens.pop(request.request_id, 0)
+        self.new_block_ids.pop(request.request_id, None)
+        self.spec_tokens.pop(request.request_id, None)
+        self.token_budget += num_tokens
+        if request.request_id in self.prefill_req_ids:
+            self.prefill_req_ids.discard(request.request_id)
+            self.prefill_budget += num_tokens
