@@ -167,6 +167,8 @@ class Scheduler:
         del self.requests[request.request_id]
         del self._arrival_index[request.request_id]
         self._finished_req_ids.add(request.request_id)
+        if self.speculator is not None:
+            self.speculator.finished(request.request_id)
 
     # --------------------------------------------------------------- schedule
 
@@ -443,7 +445,7 @@ class Scheduler:
         num_accepted = len(emitted) - 1
         assert emitted[:num_accepted] == proposal[:num_accepted], "accepted tokens are the proposed ones"
         if self.speculator is not None:
-            self.speculator.record(len(proposal), num_accepted)
+            self.speculator.record(self.requests[request_id], len(proposal), num_accepted)
         return 1 + num_accepted
 
     def _fork(

@@ -14,5 +14,8 @@ class Speculator(Protocol):
     def propose(self, request: Request) -> list[int]:
         """Tokens to verify after the request's next one ([]: none)."""
 
-    def record(self, num_proposed: int, num_accepted: int) -> None:
+    def record(self, request: Request, num_proposed: int, num_accepted: int) -> None:
         """One verification's outcome."""
+
+    def finished(self, request_id: str) -> None:
+        """The request left the engine: forget what was kept for it."""

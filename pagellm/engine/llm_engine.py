@@ -347,6 +347,7 @@ class LLMEngine:
             self.scheduler.finish_requests(result.stopped_req_ids, RequestStatus.FINISHED_STOPPED)
         self.metrics.record_structured_outputs(*self.grammars.take_stats(), self.runner.mask_timer.take())
         if self.speculator is not None:
+            self.speculator.observe_step(sum(scheduler_output.num_scheduled_tokens.values()), time.perf_counter() - started)
             self.metrics.record_speculation(*self.speculator.take_new())
         self.metrics.record_step(
             scheduler_output,
@@ -368,7 +369,9 @@ class LLMEngine:
             seq_len = request.num_computed_tokens + num_tokens
             query_lens.append(num_tokens)
             seq_lens.append(seq_len)
-            logit_rows += seq_len == request.num_tokens
+            proposal = scheduler_output.scheduled_spec_decode_tokens.get(request_id)
+            # A verification computes logits at all its k + 1 positions.
+            logit_rows += len(proposal) + 1 if proposal else seq_len == request.num_tokens
         return StepWork.from_batch(query_lens, seq_lens, logit_rows)
 
     @property

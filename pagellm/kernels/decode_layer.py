@@ -1,5 +1,11 @@
-"""Kernels, CPU: decode steps of up to 20 requests run each decoder layer as one native
-call (csrc/decode_layer.c) instead of ~50 PyTorch operations.
+"""Kernels, CPU: steps of up to 20 tokens run each decoder layer as one native call
+(csrc/decode_layer.c) instead of ~50 PyTorch operations.
+
+The native layer treats every token as a decode of its own: row i attends to its
+request's context up to and including its own position (positions[i] + 1 tokens), read
+through its request's block table. A request with several tokens in the step (the k + 1
+positions that verify a speculative proposal, a short prefill chunk) is thus causal
+without a mask, since every row's K/V is stored before any row attends.
 
 At a few tokens per step the layer's arithmetic is tiny and PyTorch's per-operation
 dispatch (norms, rotary, splits, activations, residual adds) costs as much as streaming
@@ -62,7 +68,7 @@ def _ptr(tensor: torch.Tensor | None) -> int | None:
 
 
 class FusedDecode:
-    """Runs a decode-only step of <= MAX_ROWS requests through the native layer, for one model."""
+    """Runs a step of <= MAX_ROWS tokens through the native layer, for one model."""
 
     def __init__(self, library: ctypes.CDLL, model: torch.nn.Module) -> None:
         config = model.config
@@ -113,7 +119,6 @@ class FusedDecode:
         num_tokens = hidden.shape[0]
         return (
             0 < num_tokens <= MAX_ROWS
-            and metadata.num_reqs == num_tokens  # one token each: decodes only
             and hidden.dtype is torch.bfloat16
             and kv_caches[0].dtype in _CACHE_DTYPES
             and kv_caches[0].is_contiguous()
@@ -130,7 +135,17 @@ class FusedDecode:
     ) -> torch.Tensor:
         m = hidden.shape[0]
         rows = torch.arange(m, dtype=torch.int64)
-        seq_lens = torch.tensor(metadata.seq_lens, dtype=torch.int64)
+        positions = positions.contiguous()
+        if metadata.num_reqs == m:  # decodes: one row per request
+            reqs = rows
+            seq_lens = torch.tensor(metadata.seq_lens, dtype=torch.int64)
+        else:  # each row reads its request's table up to its own position
+            starts = metadata.query_start_loc
+            reqs = torch.repeat_interleave(
+                torch.arange(metadata.num_reqs, dtype=torch.int64),
+                torch.tensor([starts[r + 1] - starts[r] for r in range(metadata.num_reqs)]),
+            )
+            seq_lens = positions.to(torch.int64) + 1
         max_seq_len = max(metadata.seq_lens)
         shape = self._shape
         needed = self._num_threads * max_seq_len * shape.num_heads
@@ -139,10 +154,9 @@ class FusedDecode:
         shape.block_size = kv_caches[0].shape[2]
         shape.cache_type = ELEMENT_TYPES[kv_caches[0].dtype]
         tables = metadata.block_tables
-        positions = positions.contiguous()
         inputs = _StepInputs(
             m, positions.data_ptr(), metadata.slot_mapping.data_ptr(), tables.data_ptr(), tables.stride(0),
-            rows.data_ptr(), rows.data_ptr(), seq_lens.data_ptr(), max_seq_len,
+            rows.data_ptr(), reqs.data_ptr(), seq_lens.data_ptr(), max_seq_len,
             self._rotary.cos_cache.data_ptr(), self._rotary.sin_cache.data_ptr(),
         )  # fmt: skip
         scratch = _Scratch(*(b.data_ptr() for b in self._buffers), self._attention_workspace.data_ptr())

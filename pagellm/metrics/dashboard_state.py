@@ -7,6 +7,7 @@ manager's block tables and the metrics' time series. The engine hands itself in 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -105,4 +106,7 @@ def dashboard_state(engine: DashboardSource, max_series_points: int = 300) -> di
         },
         "series": series,
         "utilization": utilization,
+        # Totals since start; None where nothing was verified (no speculation configured,
+        # or no step small enough to speculate).
+        "spec_decode": dataclasses.asdict(metrics.spec_decode) if metrics.spec_decode.num_verifications else None,
     }

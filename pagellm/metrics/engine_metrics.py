@@ -19,6 +19,7 @@ from typing import Any
 from pagellm.core.scheduler_output import SchedulerOutput
 from pagellm.core.scheduler_stats import SchedulerStats
 from pagellm.metrics.prometheus_metrics import PrometheusMetrics
+from pagellm.metrics.spec_decode_stats import SpecDecodeStats
 from pagellm.metrics.utilization import Ceilings, StepWork, Utilization, step_cost
 from pagellm.model.costs import ModelCosts
 from pagellm.outputs import RequestOutput
@@ -67,6 +68,7 @@ class MetricsSnapshot:
     finished_requests: dict[str, int]
     rejected_requests: dict[str, int]
     latencies: dict[str, LatencySummary]  # ttft, itl, e2e, queue_time, prefill_time, decode_time
+    spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)  # zeros without speculation
 
 
 class _Window:
@@ -105,6 +107,7 @@ class EngineMetrics:
         self.generation_tokens = 0
         self.finished: dict[str, int] = {}
         self.rejected: dict[str, int] = {}
+        self.spec_decode = SpecDecodeStats()
         # Work estimates for MFU / MBU (set_utilization_model), summed over busy steps.
         self._model_cost: ModelCosts | None = None
         self.ceilings: Ceilings | None = None
@@ -225,6 +228,7 @@ class EngineMetrics:
     def record_speculation(self, num_drafts: int, num_draft_tokens: int, num_accepted_tokens: int) -> None:
         """Speculative verifications since the last call (acceptance rate = accepted / draft tokens)."""
         if num_drafts:
+            self.spec_decode += SpecDecodeStats(num_drafts, num_draft_tokens, num_accepted_tokens)
             self.prom.spec_decode_num_drafts.inc(num_drafts)
             self.prom.spec_decode_num_draft_tokens.inc(num_draft_tokens)
             self.prom.spec_decode_num_accepted_tokens.inc(num_accepted_tokens)
@@ -266,6 +270,9 @@ class EngineMetrics:
             "flops": self.estimated_flops,
             "bytes": self.estimated_bytes,
             "busy_seconds": self.busy_seconds,
+            "spec_verifications": self.spec_decode.num_verifications,
+            "spec_proposed": self.spec_decode.num_proposed_tokens,
+            "spec_accepted": self.spec_decode.num_accepted_tokens,
         }
         for field_name in (*_MIRRORED_COUNTERS, "num_preemptions_recompute", "num_preemptions_swap"):
             totals[field_name] = getattr(stats, field_name) if stats else 0
@@ -288,6 +295,7 @@ class EngineMetrics:
             "allocation_failure_rate": delta["num_allocation_failures"] / attempts if attempts else 0.0,
             "preemptions": delta["num_preemptions_recompute"] + delta["num_preemptions_swap"],
             **self._window_utilization(delta),
+            **_window_speculation(delta),
         }
 
     def _window_utilization(self, delta: dict[str, float]) -> dict[str, float]:
@@ -346,6 +354,11 @@ class EngineMetrics:
                 used = Utilization(r["mfu"], r["mbu"])
                 hint = used.hint(stats.num_running, stats.num_waiting, self.max_num_seqs)
                 logger.info("%s%s", used.describe(), f" | hint: {hint}" if hint else "")
+            if "spec_verifications" in r:
+                window_spec = SpecDecodeStats(
+                    int(r["spec_verifications"]), int(r["spec_proposed"]), int(r["spec_accepted"])
+                )
+                logger.info("speculative decoding: %s", window_spec.describe())
         self._log_window = _Window(now, self._totals(stats))
 
     def snapshot(self, stats: SchedulerStats) -> MetricsSnapshot:
@@ -357,12 +370,30 @@ class EngineMetrics:
             finished_requests=dict(self.finished),
             rejected_requests=dict(self.rejected),
             latencies={name: _summary(values) for name, values in self._latencies.items()},
+            spec_decode=self.spec_decode,
         )
 
     def close(self) -> None:
         if self._series_file is not None:
             self._series_file.close()
             self._series_file = None
+
+
+def _window_speculation(delta: dict[str, float]) -> dict[str, float]:
+    """A window's verifications, their tokens, acceptance rate and mean accepted length
+    (nothing when no step speculated, so idle or non-speculating windows stay quiet)."""
+    verifications = delta["spec_verifications"]
+    if not verifications:
+        return {}
+    window = SpecDecodeStats(int(verifications), int(delta["spec_proposed"]), int(delta["spec_accepted"]))
+    assert window.mean_accepted_length is not None
+    return {
+        "spec_verifications": window.num_verifications,
+        "spec_proposed": window.num_proposed_tokens,
+        "spec_accepted": window.num_accepted_tokens,
+        "spec_acceptance_rate": window.acceptance_rate or 0.0,
+        "spec_mean_accepted_length": window.mean_accepted_length,
+    }
 
 
 def _percentile(values: list[float] | deque[float], q: float) -> float | None:

@@ -21,7 +21,9 @@ from collections.abc import Sequence
 from pagellm.config import CacheConfig, SchedulerConfig
 from pagellm.core.scheduler_stats import SchedulerStats
 from pagellm.errors import ConfigError
+from pagellm.metrics.spec_decode_stats import SpecDecodeStats
 from pagellm.sim.cost_model import StepCostModel
+from pagellm.sim.sim_speculator import SimSpeculationConfig
 from pagellm.sim.sim_workload import SimRequest
 from pagellm.sim.simulator import KVSample, SimRequestResult, SimResult, Simulator
 
@@ -46,16 +48,27 @@ def run_replicas(
     cost_model: StepCostModel,
     requests: Sequence[SimRequest],
     num_replicas: int,
+    speculation: SimSpeculationConfig | None = None,
 ) -> SimResult:
     """Serve `requests` on `num_replicas` engines of the same configuration."""
     if num_replicas == 1:
-        return Simulator(scheduler_config, cache_config, cost_model).run(requests)
+        return Simulator(scheduler_config, cache_config, cost_model, speculation).run(requests)
     shares = split_round_robin(requests, num_replicas)
     results = [
-        Simulator(scheduler_config, cache_config, cost_model).run([requests[i] for i in share])
-        for share in shares
+        Simulator(scheduler_config, cache_config, cost_model, _replica_speculation(speculation, index)).run(
+            [requests[i] for i in share]
+        )
+        for index, share in enumerate(shares)
     ]
     return merge_results(results, shares, len(requests))
+
+
+def _replica_speculation(speculation: SimSpeculationConfig | None, index: int) -> SimSpeculationConfig | None:
+    """Each replica draws its acceptances from its own seed (the same draws on every
+    replica would correlate them)."""
+    if speculation is None or index == 0:
+        return speculation
+    return dataclasses.replace(speculation, seed=speculation.seed + index)
 
 
 def merge_results(
@@ -99,6 +112,11 @@ def merge_results(
         scheduler_config=first.scheduler_config,
         cache_config=total_cache,
         cost_model=first.cost_model,
+        speculation=first.speculation,
+        spec_decode=(
+            None if first.spec_decode is None
+            else sum((r.spec_decode for r in results if r.spec_decode is not None), SpecDecodeStats())
+        ),
     )
 
 

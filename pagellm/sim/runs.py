@@ -22,6 +22,7 @@ from pagellm.sim.interconnect_presets import default_interconnect, get_interconn
 from pagellm.sim.replicas import ROUTING, run_replicas
 from pagellm.sim.sim_args import roofline_params_from, sim_workload_spec_from
 from pagellm.sim.sim_report import summarize_sim
+from pagellm.sim.sim_speculator import SimSpeculationConfig
 from pagellm.sim.sim_target import (
     SimEngineConfig,
     SimTarget,
@@ -117,16 +118,21 @@ def workload_from_args(args: argparse.Namespace, max_model_len: int) -> Workload
 
 
 def simulate(
-    target: SimTarget, engine_args: EngineArgs, requests: list[SimRequest], data_parallel_size: int = 1
+    target: SimTarget,
+    engine_args: EngineArgs,
+    requests: list[SimRequest],
+    data_parallel_size: int = 1,
+    speculation: SimSpeculationConfig | None = None,
 ) -> SimRun:
     """Resolve the engine configuration on the target and run the workload through it
-    (through `data_parallel_size` replicas of it)."""
+    (through `data_parallel_size` replicas of it), speculating as `speculation` says."""
     if data_parallel_size < 1:
         raise ConfigError(f"--data-parallel-size must be at least 1, got {data_parallel_size}")
     engine_config = resolve_engine_config(target, engine_args)
     result = run_replicas(
-        engine_config.scheduler_config, engine_config.cache_config, target.cost_model, requests, data_parallel_size
-    )
+        engine_config.scheduler_config, engine_config.cache_config, target.cost_model, requests, data_parallel_size,
+        speculation,
+    )  # fmt: skip
     return SimRun(engine_args, engine_config, result, summarize_sim(result), data_parallel_size)
 
 

@@ -4,7 +4,8 @@ Four groups: the target (a model preset or checkpoint on a GPU preset with the
 roofline cost model, or a calibration file from `pagellm calibrate`), parallelism
 (tensor- and data-parallel sizes, vLLM's flag names, and the interconnect), the workload
 (the benchmarks' workload flags plus arrivals, a shared-prefix share, or a trace), and
-the engine arguments, with EngineArgs' names and defaults. Only argparse-level work
+the engine arguments, with EngineArgs' names and defaults; `simulate` adds speculative
+decoding from an assumed acceptance rate. Only argparse-level work
 happens here; nothing heavy is imported.
 """
 
@@ -22,6 +23,7 @@ from pagellm.sim.gpu_presets import GPU_PRESETS
 from pagellm.sim.interconnect_presets import INTERCONNECT_PRESETS
 from pagellm.sim.model_presets import MODEL_PRESETS
 from pagellm.sim.roofline import RooflineParams
+from pagellm.sim.sim_speculator import SimSpeculationConfig
 from pagellm.sim.tensor_parallel import DEFAULT_ALLREDUCE_EFFICIENCY
 from pagellm.workload.synthetic import add_workload_args, workload_spec_from_args
 
@@ -136,6 +138,35 @@ def add_sim_engine_args(parser: argparse.ArgumentParser, *, sweep: bool = False)
     for name in _BOOL_KNOBS:
         group.add_argument(_flag(name), action=argparse.BooleanOptionalAction,
                            default=_ENGINE_DEFAULTS[name])  # fmt: skip
+
+
+def add_sim_speculation_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("speculative decoding (modelled from an acceptance rate)")
+    group.add_argument("--speculative-tokens", type=int, default=0, metavar="K",
+                       help="tokens proposed per decode and verified in the same step, as "
+                       "--speculative-config's num_speculative_tokens (default 0: no speculation)")
+    group.add_argument("--spec-acceptance-rate", type=float, default=None, metavar="A",
+                       help="chance that each proposed token is accepted, given the ones before it "
+                       "were (a rejection ends the run); needed with --speculative-tokens")
+    group.add_argument("--spec-disable-by-batch-size", type=int, default=8, metavar="N",
+                       help="no step speculates with more than N requests running, as the engine's "
+                       "disable_by_batch_size (default 8; 0: always speculate)")  # fmt: skip
+
+
+def speculation_from(args: argparse.Namespace) -> SimSpeculationConfig | None:
+    """The speculation flags as a config (None: no speculation); acceptances are drawn
+    from the workload's --seed, so a run repeats."""
+    k, rate = args.speculative_tokens, args.spec_acceptance_rate
+    if k == 0:
+        if rate is not None:
+            raise ConfigError("--spec-acceptance-rate needs --speculative-tokens K (K >= 1)")
+        return None
+    if rate is None:
+        raise ConfigError("--speculative-tokens needs --spec-acceptance-rate A (0 <= A <= 1)")
+    limit = args.spec_disable_by_batch_size
+    if limit < 0:
+        raise ConfigError(f"--spec-disable-by-batch-size must be >= 0 (0: always speculate), got {limit}")
+    return SimSpeculationConfig(k, rate, limit or None, args.seed)
 
 
 def engine_args_from(args: argparse.Namespace, **overrides: Any) -> EngineArgs:

@@ -4,9 +4,11 @@ Latency names and definitions follow pagellm/bench/serve_metrics.py (names and s
 from pagellm/workload/latency.py), measured from each
 request's arrival (the simulated client sends at once): TTFT to the end of the step that
 sampled its first token, ITL between consecutive tokens, TPOT = (last - first token) /
-(tokens - 1), E2EL to the last token. On top: KV usage over time, preemptions,
+(tokens - 1), E2EL to the last token (with speculation a step may emit several tokens of
+a request: one ITL gap, as a streaming client sees one chunk). On top: KV usage over time, preemptions,
 allocation failures, the prefill/decode split, and what contiguous per-request
-allocation of max_model_len would have reserved against what paged blocks did.
+allocation of max_model_len would have reserved against what paged blocks did, and with
+speculation the acceptance assumed next to what the verifications came to.
 """
 
 from __future__ import annotations
@@ -92,6 +94,8 @@ def summarize_sim(result: SimResult) -> dict[str, Any]:
         ),
     })  # fmt: skip
     summary.update(_kv_summary(result))
+    if result.speculation is not None:
+        summary["spec_decode"] = _spec_summary(result)
     summary.update({
         "num_steps": result.num_steps,
         "num_extrapolated_steps": result.num_extrapolated_steps,
@@ -141,6 +145,42 @@ def _kv_summary(result: SimResult) -> dict[str, Any]:
     }
 
 
+def _spec_summary(result: SimResult) -> dict[str, Any]:
+    """The assumption (k, A and what they imply for full-length proposals) and the
+    verifications' totals and figures, named as the engine's get_metrics() names them."""
+    assert result.speculation is not None and result.spec_decode is not None
+    observed = result.spec_decode
+    return {
+        **result.speculation.describe(),
+        "num_verifications": observed.num_verifications,
+        "num_proposed_tokens": observed.num_proposed_tokens,
+        "num_accepted_tokens": observed.num_accepted_tokens,
+        "num_emitted_tokens": observed.num_emitted_tokens,
+        "acceptance_rate": None if observed.acceptance_rate is None else round(observed.acceptance_rate, 4),
+        "mean_accepted_length": (
+            None if observed.mean_accepted_length is None else round(observed.mean_accepted_length, 4)
+        ),
+    }
+
+
+def _spec_line(spec: dict[str, Any]) -> str:
+    limit = spec["disable_by_batch_size"]
+    assumed = (
+        f"k={spec['num_speculative_tokens']}, A={spec['acceptance_rate_assumed']:g} per proposal"
+        f"{'' if limit is None else f', off above {limit} running'} (expected for k proposals: "
+        f"acceptance rate {spec['expected_acceptance_rate']:.1%}, "
+        f"{spec['expected_mean_accepted_length']:.2f} tokens per verification)"
+    )
+    if not spec["num_verifications"]:
+        return f"{assumed}; no step speculated"
+    return (
+        f"{assumed}; observed: acceptance rate {spec['acceptance_rate']:.1%} "
+        f"({spec['num_accepted_tokens']} of {spec['num_proposed_tokens']} proposed), "
+        f"{spec['mean_accepted_length']:.2f} tokens per verification "
+        f"({spec['num_verifications']} verifications)"
+    )
+
+
 def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
@@ -183,6 +223,8 @@ def print_sim_table(record: dict[str, Any]) -> None:
     ]  # fmt: skip
     if parallel.get("num_gpus", 1) > 1:
         rows.insert(1, ("parallelism", _parallel_line(parallel)))
+    if "spec_decode" in s:
+        rows.insert(len(rows) - 1, ("speculative decoding", _spec_line(s["spec_decode"])))
     if s["num_extrapolated_steps"]:
         rows.append(("extrapolated steps", f"{s['num_extrapolated_steps']} beyond the calibrated range"))
     width = max(len(key) for key, _ in rows)

@@ -15,6 +15,7 @@ from pagellm.errors import PagellmError
 from pagellm.sim.sim_args import (
     add_parallel_args,
     add_sim_engine_args,
+    add_sim_speculation_args,
     add_sim_workload_args,
     add_target_args,
 )
@@ -34,6 +35,7 @@ def add_simulate_parser(commands: Any) -> argparse.ArgumentParser:
     add_parallel_args(p)
     add_sim_workload_args(p)
     add_sim_engine_args(p)
+    add_sim_speculation_args(p)
     p.add_argument("--result-file", default="", help="append the JSON line here")
     p.set_defaults(run_command=run_simulate)
     return p
@@ -50,15 +52,16 @@ def append_json_line(path: str, record: dict[str, Any]) -> None:
 
 def run_simulate(args: argparse.Namespace) -> dict[str, Any]:
     from pagellm.sim.runs import make_record, simulate, target_from_args, workload_from_args
-    from pagellm.sim.sim_args import engine_args_from
+    from pagellm.sim.sim_args import engine_args_from, speculation_from
     from pagellm.sim.sim_report import print_sim_table
     from pagellm.sim.sim_target import resolve_engine_config
 
     target = target_from_args(args)
     engine_args = engine_args_from(args)
+    speculation = speculation_from(args)
     engine_config = resolve_engine_config(target, engine_args)  # refuse bad configs before the workload
     workload = workload_from_args(args, engine_config.scheduler_config.max_model_len)
-    run = simulate(target, engine_args, workload.requests, args.data_parallel_size)
+    run = simulate(target, engine_args, workload.requests, args.data_parallel_size, speculation)
     record = make_record(target, workload, run)
     print(json.dumps(record))
     print_sim_table(record)

@@ -3,8 +3,9 @@
 The loop is the engine's: schedule() -> execute -> update_from_output(), on the very
 Scheduler (and through it the KVCacheManager and BlockPool) that LLMEngine uses. Only
 the execution is replaced: a fake runner returns one sampled token for every request
-that reaches the end of its tokens, and the clock advances by the step duration the
-cost model predicts. Requests arriving while a step runs join at the next step, as in
+that reaches the end of its tokens (with speculation, a verification's accepted tokens
+and one more, sim_speculator.py), and the clock advances by the step duration the cost
+model predicts. Requests arriving while a step runs join at the next step, as in
 the engine's loop; an idle engine jumps to the next arrival.
 """
 
@@ -21,9 +22,11 @@ from pagellm.core.scheduler import Scheduler
 from pagellm.core.scheduler_output import ModelRunnerOutput
 from pagellm.core.scheduler_stats import SchedulerStats
 from pagellm.errors import InvalidRequestError
+from pagellm.metrics.spec_decode_stats import SpecDecodeStats
 from pagellm.request import Request
 from pagellm.sampling_params import SamplingParams
 from pagellm.sim.cost_model import StepCostModel
+from pagellm.sim.sim_speculator import SimSpeculationConfig, SimSpeculator
 from pagellm.sim.sim_workload import SimRequest
 from pagellm.sim.step_batch import batch_from_schedule
 
@@ -85,6 +88,10 @@ class SimResult:
     scheduler_config: SchedulerConfig
     cache_config: CacheConfig
     cost_model: dict = field(default_factory=dict)
+    # Speculative decoding: what was assumed, and what the verifications came to
+    # (both None without speculation).
+    speculation: SimSpeculationConfig | None = None
+    spec_decode: SpecDecodeStats | None = None
 
 
 class _Track:
@@ -106,11 +113,17 @@ class Simulator:
         scheduler_config: SchedulerConfig,
         cache_config: CacheConfig,
         cost_model: StepCostModel,
+        speculation: SimSpeculationConfig | None = None,
     ) -> None:
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self.cost_model = cost_model
-        self.scheduler = Scheduler(scheduler_config, cache_config)
+        self.speculation = speculation
+        self.speculator = (
+            None if speculation is None
+            else SimSpeculator(speculation, scheduler_config.max_model_len, FAKE_TOKEN_ID)
+        )  # fmt: skip
+        self.scheduler = Scheduler(scheduler_config, cache_config, speculator=self.speculator)
 
     def run(self, requests: Sequence[SimRequest]) -> SimResult:
         """Serve every request; returns per-request times, ITLs, KV samples, counters.
@@ -166,12 +179,14 @@ class Simulator:
             seconds = predict(batch)
             if outside_range is not None and outside_range(batch):
                 num_extrapolated += 1
+            sampled_token_ids = dict.fromkeys(sampled, _SAMPLED)
+            if output.scheduled_spec_decode_tokens:
+                assert self.speculator is not None
+                for request_id, proposal in output.scheduled_spec_decode_tokens.items():
+                    sampled_token_ids[request_id] = self.speculator.verify(proposal)  # type: ignore[assignment]
             progress = scheduler.update_from_output(
                 output,
-                ModelRunnerOutput(
-                    list(output.num_scheduled_tokens),
-                    dict.fromkeys(sampled, _SAMPLED),  # type: ignore[arg-type]
-                ),
+                ModelRunnerOutput(list(output.num_scheduled_tokens), sampled_token_ids),  # type: ignore[arg-type]
             )
             num_steps += 1
             now += seconds
@@ -220,6 +235,8 @@ class Simulator:
             scheduler_config=self.scheduler_config,
             cache_config=self.cache_config,
             cost_model=cost_model.describe(),
+            speculation=self.speculation,
+            spec_decode=self.speculator.stats if self.speculator is not None else None,
         )
 
 

@@ -4,7 +4,11 @@ A step computes, for every scheduled request, `num_tokens` new tokens on top of 
 `context` tokens whose KV is already cached. A request computing exactly one token is
 a decode (a one-token prefill chunk costs the same: one query row over its context);
 anything longer is a prefill chunk (a prompt, or a prompt plus outputs recomputed after
-a preemption).
+a preemption), or a speculative verification: a decode's next token plus its k proposed
+ones. A verification costs what a (k + 1)-token chunk over the same context costs: its
+positions go through the weights with the step's other tokens (weights read once per
+step), attend causally, and read the context once, as the engine's multi-row attention
+path does; unlike a chunk, all k + 1 rows go through the LM head (each is checked).
 """
 
 from __future__ import annotations
@@ -25,8 +29,8 @@ class StepBatch:
     prefill_context_lens: tuple[int, ...] = ()
     # Per decode: tokens already in the KV cache (the new token attends to these + itself).
     decode_context_lens: tuple[int, ...] = ()
-    # Rows whose logits are computed and sampled: decodes, and prefill chunks that reach
-    # the end of their request's tokens (a partial chunk samples nothing).
+    # Rows whose logits are computed: decodes, prefill chunks that reach the end of their
+    # request's tokens (a partial chunk samples nothing), every position of a verification.
     num_sampled_tokens: int = 0
     # KV tokens copied between host and device before the forward pass (swap preemption:
     # whole blocks, so a multiple of the block size).
@@ -97,6 +101,7 @@ def batch_from_schedule(
     prefill_contexts: list[int] = []
     decode_contexts: list[int] = []
     num_sampled = 0
+    proposals = scheduler_output.scheduled_spec_decode_tokens
     for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
         request = requests[request_id]
         context = request.num_computed_tokens
@@ -106,7 +111,7 @@ def batch_from_schedule(
             prefill_tokens.append(num_tokens)
             prefill_contexts.append(context)
         if context + num_tokens >= request.num_tokens:
-            num_sampled += 1
+            num_sampled += num_tokens if request_id in proposals else 1
             if sampled_req_ids is not None:
                 sampled_req_ids.append(request_id)
     return StepBatch(

@@ -80,7 +80,8 @@ def greedy_verify(
     num_drafts: torch.Tensor,  # [num_requests]
 ) -> VerifiedTokens:
     """Accept drafts while they are the target's argmax; then the argmax."""
-    best = target_logits.argmax(dim=-1)  # [n, max_drafts + 1]
+    # float32 first: torch's bf16 argmax is ~5x slower on the CPU (0.49 vs 0.10 ms, 5 x 49152).
+    best = target_logits.float().argmax(dim=-1)  # [n, max_drafts + 1]
     max_drafts = draft_token_ids.shape[1]
     if max_drafts == 0:
         return VerifiedTokens([[token] for token in best[:, 0].tolist()], [0] * best.shape[0])

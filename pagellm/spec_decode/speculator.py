@@ -3,9 +3,13 @@
 The scheduler (pure Python) asks this object for each running decode's proposal. A step
 speculates only while at most `disable_by_batch_size` requests run: a larger decode batch
 is compute-bound, and verifying k proposed tokens then costs about k times the work it
-might save. A request speculates only where verification is plain argmax (greedy, no
-penalties, bias, banned tokens, logprobs or output constraint): those are exactly the
-tokens it would get without speculation. Pure Python.
+might save. Each request then proposes as many tokens as its recent acceptance and the
+measured cost of a verified position make worth it (policy.py), none when its proposals
+have lately been poor. A request that does not propose still has its would-be proposal
+checked against the token it goes on to produce (free for prompt lookup), so it starts
+again when its text turns to quoting. A request speculates only where verification is
+plain argmax (greedy, no penalties, bias, banned tokens, logprobs or output constraint):
+those are exactly the tokens it would get without speculation. Pure Python.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from dataclasses import dataclass
 from pagellm.config import SpeculativeConfig
 from pagellm.request import Request
 from pagellm.spec_decode.ngram_proposer import propose_ngram
+from pagellm.spec_decode.policy import AcceptanceEstimate, StepCost, best_num_tokens
 
 
 @dataclass
@@ -28,11 +33,21 @@ class SpeculationStats:
         return self.num_accepted / self.num_proposed if self.num_proposed else None
 
 
+@dataclass
+class _RequestSpeculation:
+    acceptance: AcceptanceEstimate
+    # A proposal made but not verified (the policy chose 0): checked against the tokens
+    # the request produces next. (position of its first token, tokens)
+    shadow: tuple[int, list[int]] | None = None
+
+
 class NgramSpeculator:
     def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
         self.config = config
         self.max_model_len = max_model_len
         self.stats = SpeculationStats()
+        self.step_cost = StepCost()
+        self._requests: dict[str, _RequestSpeculation] = {}
         self._taken = (0, 0, 0)
 
     def active(self, num_running: int) -> bool:
@@ -56,12 +71,47 @@ class NgramSpeculator:
         k = min(self.config.num_speculative_tokens, room)
         if k <= 0:
             return []
-        return propose_ngram(request.all_token_ids, k, self.config.prompt_lookup_min, self.config.prompt_lookup_max)
+        state = self._requests.get(request.request_id)
+        if state is None:
+            state = self._requests[request.request_id] = _RequestSpeculation(AcceptanceEstimate())
+        tokens = request.all_token_ids
+        if state.shadow is not None:
+            self._check_shadow(state, tokens)
+        proposal = propose_ngram(tokens, k, self.config.prompt_lookup_min, self.config.prompt_lookup_max)
+        if not proposal:
+            return []
+        wanted = best_num_tokens(state.acceptance.rate, self.step_cost.ratio, len(proposal))
+        if wanted == 0:
+            state.shadow = (len(tokens), proposal)
+        return proposal[:wanted]
 
-    def record(self, num_proposed: int, num_accepted: int) -> None:
+    @staticmethod
+    def _check_shadow(state: _RequestSpeculation, tokens: list[int]) -> None:
+        """Score an unverified proposal against the tokens produced since it was made."""
+        assert state.shadow is not None
+        position, proposal = state.shadow
+        state.shadow = None
+        produced = tokens[position : position + len(proposal)]
+        matched = 0
+        while matched < len(produced) and produced[matched] == proposal[matched]:
+            matched += 1
+        if produced:
+            state.acceptance.update(matched, was_rejected=matched < len(produced))
+
+    def record(self, request: Request, num_proposed: int, num_accepted: int) -> None:
         self.stats.num_proposed += num_proposed
         self.stats.num_accepted += num_accepted
         self.stats.num_verifications += 1
+        state = self._requests.get(request.request_id)
+        if state is not None:
+            state.acceptance.update(num_accepted, was_rejected=num_accepted < num_proposed)
+
+    def finished(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+
+    def observe_step(self, num_positions: int, seconds: float) -> None:
+        """A step's size (positions computed) and duration, for the cost estimate."""
+        self.step_cost.observe(num_positions, seconds)
 
     def take_new(self) -> tuple[int, int, int]:
         """(verifications, proposed, accepted) since the last call, for the metrics."""

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from pagellm.kernels.decode_layer import MAX_ROWS
 from pagellm.kernels.linear import cpu_linear_kernels
 from pagellm.model.linear import CpuLinear, linear
 
@@ -111,24 +112,42 @@ def test_bf16_model_logits_native_and_torch(tmp_path, arch, num_requests):
     assert model.cpu_linear_kernels is not None  # bf16 on CPU: attached at load
     assert model.fused_decode is not None and model.native_layers is not None
 
-    def prefill_and_decode_logits() -> tuple[torch.Tensor, torch.Tensor]:
-        # A prefill step, then one decode step (one row per request).
-        kv = allocate_kv_caches(model.config, num_requests + 1, 16, torch.bfloat16, "cpu")
+    def prefill_and_decode_logits() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # A prefill step, one decode step (one row per request), then a step of 4 rows per
+        # request crossing a block boundary (a speculative verification: 12 rows for 3
+        # requests take the one-call layer, each row attending up to its own position).
+        kv = allocate_kv_caches(model.config, 2 * num_requests + 1, 16, torch.bfloat16, "cpu")
         shapes = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [20] * 12, [30, 31, 32, 33, 34, 35, 36, 37]]
         prompts = [[t + i for t in shapes[i % 3]] for i in range(num_requests)]
-        tables = [[i + 1] for i in range(num_requests)]
+        tables = [[i + 1, num_requests + i + 1] for i in range(num_requests)]
         with torch.inference_mode():
             prefill = [ScheduledSequence(p, 0, t, True) for p, t in zip(prompts, tables)]
             inputs = prepare_model_inputs(prefill, 16, "cpu")
             prefill_logits = model.compute_logits(model(inputs.input_ids, inputs.positions, kv, inputs.metadata))
             decode = [ScheduledSequence([40 + i], len(p), t, True) for i, (p, t) in enumerate(zip(prompts, tables))]
             inputs = prepare_model_inputs(decode, 16, "cpu")
+            decode_logits = model.compute_logits(model(inputs.input_ids, inputs.positions, kv, inputs.metadata))
+            verify = [
+                ScheduledSequence([50 + i, 7, 9, 11], len(p) + 1, t, True) for i, (p, t) in enumerate(zip(prompts, tables))
+            ]
+            inputs = prepare_model_inputs(verify, 16, "cpu")
             hidden = model(inputs.input_ids, inputs.positions, kv, inputs.metadata)
-            return prefill_logits.float(), model.compute_logits(hidden).float()
+            return prefill_logits.float(), decode_logits.float(), model.compute_logits(hidden).float()
 
     # Prefill: native elementwise stages around torch matmuls; decode: one native call per
     # layer up to fused_decode.MAX_ROWS requests, the native stages beyond.
+    fused_rows: list[int] = []
+    fused_run = model.fused_decode.run
+
+    def counted_run(hidden, *args):  # noqa: ANN001, ANN202
+        fused_rows.append(hidden.shape[0])
+        return fused_run(hidden, *args)
+
+    model.fused_decode.run = counted_run
     native = prefill_and_decode_logits()
+    # The decode step and (3 requests) the 12-row verification step take the one-call layer.
+    assert fused_rows == ([num_requests, 4 * num_requests] if 4 * num_requests <= MAX_ROWS else [num_requests] if num_requests <= MAX_ROWS else [])
+    del model.fused_decode.run
     fused_decode, model.fused_decode = model.fused_decode, None
     native_layers = prefill_and_decode_logits()  # decode through the native stages too
     native_layers_runner, model.native_layers = model.native_layers, None

@@ -73,6 +73,11 @@ function drawQueues(state) {
     ["prefill tokens", c.prefill_tokens], ["decode tokens", c.decode_tokens],
     ["prefix hit rate", hit], ["preemptions", c.preemptions], ["alloc failures", c.allocation_failures],
   ];
+  const spec = state.spec_decode;  // null unless some step speculated
+  if (spec) {
+    items.push(["spec acceptance", (100 * spec.acceptance_rate).toFixed(1) + "%"],
+               ["tokens / verification", spec.mean_accepted_length.toFixed(2)]);
+  }
   document.getElementById("counters").replaceChildren(...items.map(([label, value]) => {
     const div = document.createElement("div");
     const b = document.createElement("b");
