@@ -50,22 +50,7 @@ class Sampler:
         num_rows = logits.shape[0]
         wants_logprobs = [p.logprobs is not None for p in batch.params]
         raw_logprobs = logits.log_softmax(dim=-1) if any(wants_logprobs) else None
-
-        self._apply_logit_bias(logits, batch.params)
-        for row, banned in enumerate(batch.banned_token_ids):
-            if banned:
-                logits[row, banned] = float("-inf")
-        if batch.penalty_rows:
-            assert batch.output_counts is not None and batch.prompt_mask is not None
-            index = torch.tensor(batch.penalty_rows, device=logits.device)
-            penalized = logits[index]
-            apply_penalties(
-                penalized,
-                batch.output_counts,
-                batch.prompt_mask,
-                [batch.params[i] for i in batch.penalty_rows],
-            )
-            logits[index] = penalized
+        self.process(logits, batch)
 
         tokens = logits.argmax(dim=-1)
         sample_rows = [i for i, p in enumerate(batch.params) if p.temperature > 0.0]
@@ -84,8 +69,43 @@ class Sampler:
         token_list = tokens.tolist()
         logprobs: list[TokenLogprobs | None] = [None] * num_rows
         if raw_logprobs is not None:
-            logprobs = _gather_logprobs(raw_logprobs, tokens, batch.params)
+            logprobs = gather_logprobs(raw_logprobs, tokens, batch.params)
         return SamplerOutput(token_ids=token_list, logprobs=logprobs)
+
+    def process(self, logits: torch.Tensor, batch: SamplingBatch) -> None:
+        """logit_bias, held-back tokens and penalties, in place on float32 logits."""
+        self._apply_logit_bias(logits, batch.params)
+        for row, banned in enumerate(batch.banned_token_ids):
+            if banned:
+                logits[row, banned] = float("-inf")
+        if batch.penalty_rows:
+            assert batch.output_counts is not None and batch.prompt_mask is not None
+            index = torch.tensor(batch.penalty_rows, device=logits.device)
+            penalized = logits[index]
+            apply_penalties(
+                penalized,
+                batch.output_counts,
+                batch.prompt_mask,
+                [batch.params[i] for i in batch.penalty_rows],
+            )
+            logits[index] = penalized
+
+    def target_probs(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:  # [num_rows, vocab]
+        """The distribution each row's token is drawn from: after every processing step,
+        temperature and the top-k/top-p/min-p filters; greedy rows a point mass on the
+        argmax. (What speculative verification accepts proposals against.)"""
+        logits = logits.float()
+        self.process(logits, batch)
+        probs = torch.zeros_like(logits)
+        greedy = [i for i, p in enumerate(batch.params) if p.temperature == 0.0]
+        if greedy:
+            index = torch.tensor(greedy, device=logits.device)
+            probs[index] = probs[index].scatter_(1, logits[index].argmax(dim=-1, keepdim=True), 1.0)
+        sampled = [i for i, p in enumerate(batch.params) if p.temperature > 0.0]
+        if sampled:
+            index = torch.tensor(sampled, device=logits.device)
+            probs[index] = _filtered_probs(logits[index], [batch.params[i] for i in sampled])
+        return probs
 
     @staticmethod
     def _apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> None:
@@ -131,7 +151,7 @@ def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
     return probs
 
 
-def _gather_logprobs(
+def gather_logprobs(
     logprobs: torch.Tensor,  # [num_rows, vocab]
     tokens: torch.Tensor,  # [num_rows]
     params: list[SamplingParams],

@@ -7,9 +7,11 @@ might save. Each request then proposes as many tokens as its recent acceptance a
 measured cost of a verified position make worth it (policy.py), none when its proposals
 have lately been poor. A request that does not propose still has its would-be proposal
 checked against the token it goes on to produce (free for prompt lookup), so it starts
-again when its text turns to quoting. A request speculates only where verification is
-plain argmax (greedy, no penalties, bias, banned tokens, logprobs or output constraint):
-those are exactly the tokens it would get without speculation. Pure Python.
+again when its text turns to quoting. Any request speculates except one with an output
+constraint (its grammar would have to follow each draft): the runner verifies greedy
+ones by argmax and others by rejection sampling, exact either way. A seeded request's
+proposal length depends on its tokens only (the prior position cost, not the measured
+one), so that its draws, and so its text, are the same from run to run. Pure Python.
 """
 
 from __future__ import annotations
@@ -56,14 +58,7 @@ class NgramSpeculator:
 
     def propose(self, request: Request) -> list[int]:
         params = request.sampling_params
-        if (
-            not params.is_greedy
-            or params.has_penalties
-            or params.logit_bias
-            or params.min_tokens
-            or params.logprobs is not None
-            or params.structured_outputs is not None
-        ):
+        if params.structured_outputs is not None:
             return []
         room = self.max_model_len - request.num_tokens  # positions the cache may still hold
         if params.max_tokens is not None:
@@ -80,7 +75,8 @@ class NgramSpeculator:
         proposal = propose_ngram(tokens, k, self.config.prompt_lookup_min, self.config.prompt_lookup_max)
         if not proposal:
             return []
-        wanted = best_num_tokens(state.acceptance.rate, self.step_cost.ratio, len(proposal))
+        ratio = self.step_cost.prior_ratio if params.seed is not None else self.step_cost.ratio
+        wanted = best_num_tokens(state.acceptance.rate, ratio, len(proposal))
         if wanted == 0:
             state.shadow = (len(tokens), proposal)
         return proposal[:wanted]

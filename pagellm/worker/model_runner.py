@@ -26,9 +26,9 @@ from pagellm.core.scheduler_output import (
 from pagellm.model.llama import LlamaForCausalLM
 from pagellm.request import child_request_id
 from pagellm.sample.penalties import PenaltyState
-from pagellm.sample.sampler import Sampler, SamplingBatch
+from pagellm.sample.sampler import Sampler, SamplingBatch, gather_logprobs
 from pagellm.sampling_params import SamplingParams
-from pagellm.spec_decode.rejection_sampler import greedy_verify
+from pagellm.spec_decode.rejection_sampler import greedy_verify, rejection_sample
 from pagellm.structured.grammar_compiler import GrammarCompiler
 from pagellm.structured.token_masks import MaskTimer, apply_masks, fill_masks
 from pagellm.worker.cuda_graphs import Capture, DecodeGraphs, cuda_graph_capture
@@ -188,8 +188,14 @@ class ModelRunner:
         hidden: torch.Tensor,
         output: ModelRunnerOutput,
     ) -> None:
-        """Greedy verification of the proposed tokens: kept while they are the target's
-        argmax, then its argmax (the tokens greedy decoding gives, one to k + 1 a step)."""
+        """Verify each speculating request's proposal from its k + 1 rows' logits.
+
+        Plain greedy requests keep the drafts while they are the argmax, then the argmax.
+        Every other request goes through rejection sampling against the distribution its
+        token would be drawn from at each position (penalties, bias, held-back tokens,
+        temperature, top-k/top-p/min-p, with the drafts before the position counted as
+        output), so the emitted tokens follow exactly that distribution; a seeded request
+        draws from its own generator."""
         spans = [(req_id, starts[i], starts[i + 1]) for i, req_id in enumerate(req_ids) if req_id in proposals]
         index = torch.tensor([row for _, first, end in spans for row in range(first, end)], device=self.device)
         logits = self.model.compute_logits(hidden[index])  # every rank: a collective under TP
@@ -200,10 +206,50 @@ class ModelRunner:
             drafts = proposals[req_id]
             rows = logits[offset : offset + end - first]
             offset += end - first
-            verified = greedy_verify(rows.unsqueeze(0), torch.tensor([drafts], device=rows.device), torch.tensor([len(drafts)]))
+            state = self.requests[req_id]
+            params = state.sampling_params
+            draft_ids = torch.tensor([drafts], device=rows.device)
+            num_drafts = torch.tensor([len(drafts)], device=rows.device)
+            raw_logprobs = rows.float().log_softmax(dim=-1) if params.logprobs is not None else None
+            if params.is_greedy and not (params.has_penalties or params.logit_bias or params.min_tokens):
+                verified = greedy_verify(rows.unsqueeze(0), draft_ids, num_drafts)
+            else:
+                probs = self.sampler.target_probs(rows, self._verification_batch(req_id, drafts))
+                verified = rejection_sample(
+                    probs.unsqueeze(0), draft_ids, num_drafts, generator=self.generators.get(req_id)
+                )
             emitted = verified.token_ids[0]
-            self.requests[req_id].token_ids.extend(emitted)
+            if raw_logprobs is not None:
+                if output.logprobs is None:
+                    output.logprobs = {}
+                chosen = torch.tensor(emitted, device=rows.device)
+                output.logprobs[req_id] = gather_logprobs(raw_logprobs[: len(emitted)], chosen, [params] * len(emitted))
+            state.token_ids.extend(emitted)
+            if self.penalties.has(req_id):
+                for token in emitted:
+                    self.penalties.record([req_id], [token])
             output.sampled_token_ids[req_id] = emitted
+
+    def _verification_batch(self, req_id: str, drafts: list[int]) -> SamplingBatch:
+        """Sampling settings of a proposal's k + 1 positions: position j comes after the
+        request's tokens and drafts[:j] (for min_tokens and the penalties' counts)."""
+        state = self.requests[req_id]
+        params = state.sampling_params
+        num_rows = len(drafts) + 1
+        held_back = set(params.stop_token_ids) | (set() if params.ignore_eos else set(state.eos_token_ids))
+        banned = [
+            sorted(held_back) if state.num_output_tokens + j < params.min_tokens else [] for j in range(num_rows)
+        ]
+        batch = SamplingBatch(params=[params] * num_rows, generators=[None] * num_rows, banned_token_ids=banned)
+        if self.penalties.has(req_id):
+            row = self.penalties.rows_of([req_id])
+            counts = self.penalties.output_counts[row].repeat(num_rows, 1)
+            for j in range(1, num_rows):
+                counts[j:, drafts[j - 1]] += 1
+            batch.penalty_rows = list(range(num_rows))
+            batch.output_counts = counts
+            batch.prompt_mask = self.penalties.prompt_mask[row].repeat(num_rows, 1)
+        return batch
 
     # ------------------------------------------------------------- sampling
 
