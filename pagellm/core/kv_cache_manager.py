@@ -97,6 +97,9 @@ class KVCacheManager:
         """A copy of the request's device block table (empty if it holds none)."""
         return list(self._block_tables.get(request_id, ()))
 
+    def num_device_blocks(self, request_id: str) -> int:
+        return len(self._block_tables.get(request_id, ()))
+
     def get_host_block_ids(self, request_id: str) -> list[int]:
         return list(self._host_block_tables.get(request_id, ()))
 
@@ -217,6 +220,21 @@ class KVCacheManager:
             self.stats.num_prefix_query_tokens += request.num_tokens
             self.stats.num_prefix_hit_tokens += num_hit_tokens
         return new_ids
+
+    def trim(self, request: Request, num_tokens: int) -> int:
+        """Free the blocks past the first `num_tokens` positions (slots allocated for
+        positions that were not kept: a rejected speculative proposal). Returns how many."""
+        table = self._block_tables.get(request.request_id)
+        keep = cdiv(num_tokens, self.block_size)
+        if not table or len(table) <= keep:
+            return 0
+        dropped = table[keep:]
+        del table[keep:]
+        blocks = self.device_pool.blocks
+        self.device_pool.free(blocks[block_id] for block_id in reversed(dropped))
+        if self.events is not None:
+            self.events.record("free", request.request_id, reversed(dropped))
+        return len(dropped)
 
     # ------------------------------------------------------ parallel sampling
 

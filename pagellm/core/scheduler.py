@@ -346,6 +346,8 @@ class Scheduler:
                         req_id=request_id,
                         new_block_ids=plan.new_block_ids[request_id],
                         num_computed_tokens=request.num_computed_tokens,
+                        num_kept_block_ids=self.kv_cache_manager.num_device_blocks(request_id)
+                        - len(plan.new_block_ids[request_id]),
                     )
                 )
         finished, self._finished_req_ids = self._finished_req_ids, set()
@@ -403,6 +405,8 @@ class Scheduler:
             # A stop inside an accepted run leaves fewer tokens than computed positions.
             request.num_computed_tokens = min(computed, request.num_tokens)
             kv.cache_blocks(request, request.num_computed_tokens)
+            if proposal:  # blocks holding only rejected positions go back to the pool
+                kv.trim(request, request.num_tokens)
             progress.append(
                 RequestProgress(
                     req_id=request_id,

@@ -52,6 +52,9 @@ class CachedRequestData:
     req_id: str
     new_block_ids: list[int]  # appended to the block table this step (often empty)
     num_computed_tokens: int
+    # The table's length before new_block_ids: shorter than the runner's copy when blocks
+    # were freed since (the rejected positions of a speculative verification).
+    num_kept_block_ids: int | None = None
 
 
 @dataclass

@@ -142,6 +142,8 @@ class ModelRunner:
             self._add_request(new)
         for cached in scheduler_output.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
+            if cached.num_kept_block_ids is not None:
+                del state.block_ids[cached.num_kept_block_ids :]
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
