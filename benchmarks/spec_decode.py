@@ -7,10 +7,11 @@ Three figures, each with the acceptance rate it ran at:
 1. Single stream, input-grounded (prompts that ask to repeat, correct, rename or
    reformat a passage of a few hundred tokens): output tok/s of greedy decoding alone,
    with n-gram speculation, and with a draft model; one request at a time.
-2. The target as its own draft (every proposal the target's own argmax): the ceiling of
-   the verification step, i.e. how close one step over k + 1 positions comes to k + 1
-   decode steps' worth of tokens. Reported as the verification step's tokens per second
-   against k + 1 times the plain decode rate, from the runner's own step timings.
+2. The ceiling of the verification step: proposals that are the target's own tokens
+   (an oracle: the plain run's output, every proposal accepted, always k of them),
+   output tok/s against k + 1 times the plain rate. (A draft-model run with the target
+   as its own draft would measure the same step plus the draft's cost; draft models are
+   not available yet.)
 3. The mixed 64-request workload (`bench throughput --workload mixed`'s list: random
    prompts of 16-256 tokens, 16-256 outputs), with and without speculation configured:
    the per-step policy (disable_by_batch_size) must keep it from costing throughput.
@@ -93,12 +94,14 @@ def single_stream(
     llm.chat([[{"role": "user", "content": "Say hello."}]], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
     before = llm.get_metrics()
     tokens: list[list[int]] = []
+    prompt_token_ids: list[list[int]] = []
     elapsed = 0.0
     for prompt in prompts:
         start = time.perf_counter()
         out = llm.chat([[{"role": "user", "content": prompt}]], params, use_tqdm=False)[0]
         elapsed += time.perf_counter() - start
         tokens.append(list(out.outputs[0].token_ids))
+        prompt_token_ids.append(list(out.prompt_token_ids))
     after = llm.get_metrics()
     llm.shutdown()
     output_tokens = sum(len(t) for t in tokens)
@@ -109,6 +112,7 @@ def single_stream(
         "output_tok_s": round(output_tokens / elapsed, 1),
         **speculation_figures(before, after),
         "token_ids": tokens,
+        "prompt_token_ids": prompt_token_ids,
     }
 
 
@@ -127,6 +131,35 @@ def speculation_figures(before: Any, after: Any) -> dict[str, Any]:
         "acceptance_rate": round(accepted / proposed, 3) if proposed else None,
         "mean_accepted_length": round((accepted + verifications) / verifications, 2) if verifications else None,
     }
+
+
+def oracle_ceiling(
+    model: str | None, dtype: str, prompts: list[str], max_tokens: int, baseline: dict[str, Any], k: int
+) -> dict[str, Any]:
+    """Propose exactly what the plain run produced next (k tokens, always)."""
+    import pagellm.spec_decode.speculator as speculator_module
+
+    runs = [(tuple(p), t) for p, t in zip(baseline["prompt_token_ids"], baseline["token_ids"], strict=True)]
+
+    def oracle(token_ids: list[int], k: int, lookup_min: int, lookup_max: int) -> list[int]:
+        for prompt, output in runs:
+            produced = token_ids[len(prompt) :]
+            if tuple(token_ids[: len(prompt)]) == prompt and output[: len(produced)] == produced:
+                return output[len(produced) : len(produced) + k]
+        return []
+
+    saved = speculator_module.propose_ngram, speculator_module.best_num_tokens
+    speculator_module.propose_ngram = oracle
+    speculator_module.best_num_tokens = lambda acceptance, ratio, most: most
+    try:
+        row = single_stream(model, dtype, prompts, max_tokens, {"method": "ngram", "num_speculative_tokens": k})
+    finally:
+        speculator_module.propose_ngram, speculator_module.best_num_tokens = saved
+    row["proposals"] = "oracle (the plain run's tokens)"
+    row["ceiling_tok_s"] = round((k + 1) * baseline["output_tok_s"], 1)
+    row["of_ceiling"] = round(row["output_tok_s"] / row["ceiling_tok_s"], 3)
+    row["speedup"] = round(row["output_tok_s"] / baseline["output_tok_s"], 3)
+    return row
 
 
 def mixed_throughput(model: str | None, dtype: str, num_requests: int, spec: dict[str, Any] | None) -> dict[str, Any]:
@@ -172,13 +205,14 @@ def main() -> None:
     parser.add_argument("--mixed-requests", type=int, default=64)
     parser.add_argument("--quick", action="store_true", help="two prompts, k=4, 16 mixed requests")
     parser.add_argument("--skip-mixed", action="store_true")
+    parser.add_argument("--ceiling-k", type=int, nargs="+", default=[2, 4, 6])
     args = parser.parse_args()
     prompts = GROUNDED_PROMPTS[:2] if args.quick else GROUNDED_PROMPTS
     ks = [4] if args.quick else args.k
     mixed_requests = 16 if args.quick else args.mixed_requests
 
     results: dict[str, Any] = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "cpu": cpu_info(), "dtype": args.dtype,
-                               "max_tokens": args.max_tokens, "single_stream": [], "mixed": []}  # fmt: skip
+                               "max_tokens": args.max_tokens, "single_stream": [], "ceiling": [], "mixed": []}  # fmt: skip
     baseline = single_stream(args.model, args.dtype, prompts, args.max_tokens, None)
     results["single_stream"].append(baseline)
     for k in ks:
@@ -188,6 +222,11 @@ def main() -> None:
         row["tokens_vs_plain"] = same_tokens(row["token_ids"], baseline["token_ids"])
         results["single_stream"].append(row)
         print(json.dumps({key: value for key, value in row.items() if key != "token_ids"}), flush=True)
+    for k in [4] if args.quick else args.ceiling_k:
+        row = oracle_ceiling(args.model, args.dtype, prompts, args.max_tokens, baseline, k)
+        row["tokens_vs_plain"] = same_tokens(row["token_ids"], baseline["token_ids"])
+        results["ceiling"].append(row)
+        print(json.dumps({key: value for key, value in row.items() if key not in ("token_ids", "prompt_token_ids")}), flush=True)
     if not args.skip_mixed:
         plain = mixed_throughput(args.model, args.dtype, mixed_requests, None)
         spec = {"method": "ngram", "num_speculative_tokens": 4}
@@ -195,8 +234,9 @@ def main() -> None:
         speculating["ratio"] = round(speculating["output_tok_s"] / plain["output_tok_s"], 3)
         results["mixed"] = [plain, speculating]
 
-    for row in results["single_stream"]:
+    for row in results["single_stream"] + results["ceiling"]:
         row.pop("token_ids", None)
+        row.pop("prompt_token_ids", None)
     lines = [f"# Speculative decoding ({results['time']})", "", f"CPU: {describe_cpu(results['cpu'])}; dtype {args.dtype}", "",
              "## Single stream, input-grounded prompts (greedy)", "",
              "| speculation | output tok/s | speedup | acceptance | mean accepted length | tokens vs plain |",
@@ -206,6 +246,13 @@ def main() -> None:
         label = "none" if spec is None else json.dumps(spec)
         lines.append(f"| {label} | {row['output_tok_s']} | {row.get('speedup', 1.0)} | {row.get('acceptance_rate')} | "
                      f"{row.get('mean_accepted_length')} | {row.get('tokens_vs_plain', '-')} |")  # fmt: skip
+    lines += ["", "## Ceiling of the verification step (oracle proposals: every one accepted)", "",
+              "| k | output tok/s | (k + 1) x plain | of that | speedup | acceptance | tokens vs plain |",
+              "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for row in results["ceiling"]:
+        k = row["speculative_config"]["num_speculative_tokens"]
+        lines.append(f"| {k} | {row['output_tok_s']} | {row['ceiling_tok_s']} | {row['of_ceiling']} | {row['speedup']} | "
+                     f"{row.get('acceptance_rate')} | {row['tokens_vs_plain']} |")  # fmt: skip
     if results["mixed"]:
         lines += ["", f"## Mixed workload, {mixed_requests} requests", "", "| speculation | output tok/s | ratio | acceptance |", "|---|---|---|---|"]
         for row in results["mixed"]:
