@@ -1,10 +1,10 @@
-"""Kernels, CPU: steps of up to 20 tokens run each decoder layer as one native call
+"""Kernels, CPU: steps of up to 20 tokens (up to 8 per request) run each decoder layer as one native call
 (csrc/decode_layer.c) instead of ~50 PyTorch operations.
 
 The native layer treats every token as a decode of its own: row i attends to its
 request's context up to and including its own position (positions[i] + 1 tokens), read
 through its request's block table. A request with several tokens in the step (the k + 1
-positions that verify a speculative proposal, a short prefill chunk) is thus causal
+positions that verify a speculative proposal, a prefill chunk of <= 8) is thus causal
 without a mask, since every row's K/V is stored before any row attends.
 
 At a few tokens per step the layer's arithmetic is tiny and PyTorch's per-operation
@@ -34,6 +34,10 @@ _CACHE_DTYPES = (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
 # ms, 20 rows 20.4 / 20.5, 24 rows 21.9 / 20.8, 28 rows 24.6 / 22.4, 48 rows 38.0 / 34.0:
 # beyond ~20 rows its serial norm and rotary stages cost more than the calls it saves).
 MAX_ROWS = 20
+# Positions of one request it takes (a speculative verification's k + 1): each row reads
+# the request's whole context, so a longer prefill chunk is left to native_layers.py,
+# whose attention reads the context once for all of a request's rows.
+MAX_ROWS_PER_REQUEST = 8
 
 
 class _LayerWeights(ctypes.Structure):
@@ -61,6 +65,11 @@ class _StepInputs(ctypes.Structure):
 
 class _Scratch(ctypes.Structure):
     _fields_ = [(name, c_void_p) for name in ("normed", "qkv", "attn", "proj", "gate_up", "act", "attn_scratch")]
+
+
+def _longest_query(metadata: AttentionMetadata) -> int:
+    starts = metadata.query_start_loc
+    return max(starts[r + 1] - starts[r] for r in range(metadata.num_reqs))
 
 
 def _ptr(tensor: torch.Tensor | None) -> int | None:
@@ -119,6 +128,7 @@ class FusedDecode:
         num_tokens = hidden.shape[0]
         return (
             0 < num_tokens <= MAX_ROWS
+            and (metadata.num_reqs == num_tokens or _longest_query(metadata) <= MAX_ROWS_PER_REQUEST)
             and hidden.dtype is torch.bfloat16
             and kv_caches[0].dtype in _CACHE_DTYPES
             and kv_caches[0].is_contiguous()
