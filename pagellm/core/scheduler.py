@@ -439,11 +439,10 @@ class Scheduler:
         return new_token_ids
 
     def _verified(self, request_id: str, proposal: list[int], runner_output: ModelRunnerOutput) -> int:
-        """A verified proposal: the positions whose KV stays (the request's next token and
-        the accepted proposed ones). The blocks allocated for the rejected ones stay in
-        the table until the request ends: freeing them would need the runner's copy of
-        the table to shrink too."""
+        """A verified proposal (the draft's tokens where the runner drafted them): the
+        positions whose KV stays, i.e. the request's next token and the accepted ones."""
         emitted = runner_output.sampled_token_ids.get(request_id)
+        proposal = runner_output.drafted_token_ids.get(request_id, proposal)
         if not emitted or len(emitted) > len(proposal) + 1:
             raise RuntimeError(f"The runner's verification of {request_id!r} emitted {emitted!r}.")
         num_accepted = len(emitted) - 1

@@ -73,7 +73,8 @@ class SchedulerOutput:
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) device
     # Speculative decoding: per request, the proposed tokens computed after its next one
-    # (they are part of its num_scheduled_tokens); the runner verifies them.
+    # (they are part of its num_scheduled_tokens); the runner verifies them. With a draft
+    # model they are DRAFT_PLACEHOLDER: the runner's draft fills them in.
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
@@ -117,6 +118,13 @@ class ModelRunnerOutput:
     # Parent id -> first tokens of completions 1..n-1, sampled from the same logits as
     # the parent's own first token.
     forked_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Speculative decoding with a draft model: the tokens the draft proposed (and the
+    # runner verified) in place of the scheduled placeholders.
+    drafted_token_ids: dict[str, list[int]] = field(default_factory=dict)
+
+
+# A proposed position whose token the runner's draft model decides.
+DRAFT_PLACEHOLDER = -1
 
 
 @dataclass

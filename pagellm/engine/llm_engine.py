@@ -36,7 +36,7 @@ from pagellm.model.loader import (
 from pagellm.outputs import RequestOutput
 from pagellm.request import RequestStatus
 from pagellm.sampling_params import SamplingParams
-from pagellm.spec_decode.speculator import NgramSpeculator
+from pagellm.spec_decode.speculator import make_speculator
 from pagellm.structured.grammar_compiler import GrammarCompiler
 from pagellm.tokenizer import Tokenizer
 from pagellm.attention.kv_cache_dtype import resolve_kv_cache_dtype
@@ -153,6 +153,28 @@ def _size_cache(executor: Executor, args: EngineArgs, max_model_len: int, kv_cac
     return cache_config
 
 
+def _resolve_draft_model(
+    path: str, target: ModelConfig, max_model_len: int, tensor_parallel_size: int
+) -> tuple[ModelSource, ModelConfig]:
+    """The draft model of speculative decoding: it must share the target's vocabulary
+    (its tokens are proposed as the target's) and reach max_model_len."""
+    if tensor_parallel_size > 1:
+        raise ConfigError("speculative_config: a draft model runs with tensor_parallel_size 1 only")
+    source = resolve_model_source(path)
+    config = load_model_config(source)
+    if config.vocab_size != target.vocab_size:
+        raise ConfigError(
+            f"speculative_config: the draft model {source.name!r} has a vocabulary of {config.vocab_size} tokens, "
+            f"the target {target.vocab_size}: a draft must use the target's tokenizer"
+        )
+    if config.max_position_embeddings < max_model_len:
+        raise ConfigError(
+            f"speculative_config: the draft model {source.name!r} reaches {config.max_position_embeddings} "
+            f"positions, less than max_model_len={max_model_len}"
+        )
+    return source, config
+
+
 class LLMEngine:
     def __init__(
         self,
@@ -168,7 +190,7 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.executor = executor
         self.speculator = (
-            NgramSpeculator(config.speculative_config, config.scheduler_config.max_model_len)
+            make_speculator(config.speculative_config, config.scheduler_config.max_model_len)
             if config.speculative_config is not None
             else None
         )
@@ -224,6 +246,10 @@ class LLMEngine:
         tp_size = args.tensor_parallel_size
         if tp_size > 1:
             check_tp_size(model_config, tp_size)
+        speculative_config = resolve_speculative_config(args.speculative_config)
+        draft_source, draft_config = None, None
+        if speculative_config is not None and speculative_config.model is not None:
+            draft_source, draft_config = _resolve_draft_model(speculative_config.model, model_config, max_model_len, tp_size)
         spec = WorkerSpec(
             source=source,
             model_config=model_config,
@@ -245,6 +271,8 @@ class LLMEngine:
             tensor_parallel_size=tp_size,
             # CPU ranks share the machine's cores.
             num_threads=max(1, torch.get_num_threads() // tp_size) if tp_size > 1 and device.type == "cpu" else None,
+            draft_source=draft_source,
+            draft_model_config=draft_config,
         )
         executor = create_executor(spec, args.distributed_executor_backend, device)
         try:
@@ -254,8 +282,7 @@ class LLMEngine:
             executor.shutdown()
             raise
         config = EngineConfig(
-            source, model_config, cache_config, scheduler_config, device, dtype, kv_cache_dtype,
-            resolve_speculative_config(args.speculative_config),
+            source, model_config, cache_config, scheduler_config, device, dtype, kv_cache_dtype, speculative_config,
         )  # fmt: skip
         metrics = EngineMetrics(
             source.name,

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pagellm.config import SpeculativeConfig
+from pagellm.core.scheduler_output import DRAFT_PLACEHOLDER
 from pagellm.request import Request
 from pagellm.spec_decode.ngram_proposer import propose_ngram
 from pagellm.spec_decode.policy import AcceptanceEstimate, StepCost, best_num_tokens
@@ -41,9 +42,12 @@ class _RequestSpeculation:
     # A proposal made but not verified (the policy chose 0): checked against the tokens
     # the request produces next. (position of its first token, tokens)
     shadow: tuple[int, list[int]] | None = None
+    declined: int = 0  # decodes in a row without a proposal (draft models probe after a while)
 
 
-class NgramSpeculator:
+class _Speculator:
+    """What both proposal methods share: eligibility, room, the policy, the counts."""
+
     def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
         self.config = config
         self.max_model_len = max_model_len
@@ -69,13 +73,45 @@ class NgramSpeculator:
         state = self._requests.get(request.request_id)
         if state is None:
             state = self._requests[request.request_id] = _RequestSpeculation(AcceptanceEstimate())
+        ratio = self.step_cost.prior_ratio if params.seed is not None else self.step_cost.ratio
+        return self._proposal(request, state, k, ratio)
+
+    def _proposal(self, request: Request, state: _RequestSpeculation, k: int, ratio: float) -> list[int]:
+        raise NotImplementedError
+
+    def record(self, request: Request, num_proposed: int, num_accepted: int) -> None:
+        self.stats.num_proposed += num_proposed
+        self.stats.num_accepted += num_accepted
+        self.stats.num_verifications += 1
+        state = self._requests.get(request.request_id)
+        if state is not None:
+            state.acceptance.update(num_accepted, was_rejected=num_accepted < num_proposed)
+
+    def finished(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+
+    def observe_step(self, num_positions: int, seconds: float) -> None:
+        """A step's size (positions computed) and duration, for the cost estimate. With
+        a draft model the draft's forwards are part of the step: its cost per proposed
+        token is in the fitted cost of a position."""
+        self.step_cost.observe(num_positions, seconds)
+
+    def take_new(self) -> tuple[int, int, int]:
+        """(verifications, proposed, accepted) since the last call, for the metrics."""
+        stats, last = self.stats, self._taken
+        new = (stats.num_verifications - last[0], stats.num_proposed - last[1], stats.num_accepted - last[2])
+        self._taken = (stats.num_verifications, stats.num_proposed, stats.num_accepted)
+        return new
+
+
+class NgramSpeculator(_Speculator):
+    def _proposal(self, request: Request, state: _RequestSpeculation, k: int, ratio: float) -> list[int]:
         tokens = request.all_token_ids
         if state.shadow is not None:
             self._check_shadow(state, tokens)
         proposal = propose_ngram(tokens, k, self.config.prompt_lookup_min, self.config.prompt_lookup_max)
         if not proposal:
             return []
-        ratio = self.step_cost.prior_ratio if params.seed is not None else self.step_cost.ratio
         wanted = best_num_tokens(state.acceptance.rate, ratio, len(proposal))
         if wanted == 0:
             state.shadow = (len(tokens), proposal)
@@ -94,24 +130,28 @@ class NgramSpeculator:
         if produced:
             state.acceptance.update(matched, was_rejected=matched < len(produced))
 
-    def record(self, request: Request, num_proposed: int, num_accepted: int) -> None:
-        self.stats.num_proposed += num_proposed
-        self.stats.num_accepted += num_accepted
-        self.stats.num_verifications += 1
-        state = self._requests.get(request.request_id)
-        if state is not None:
-            state.acceptance.update(num_accepted, was_rejected=num_accepted < num_proposed)
 
-    def finished(self, request_id: str) -> None:
-        self._requests.pop(request_id, None)
+# A request whose draft proposals stopped paying proposes one token again after this many
+# decodes without (a draft's proposal costs a forward to know, unlike a lookup's).
+DRAFT_PROBE_INTERVAL = 16
 
-    def observe_step(self, num_positions: int, seconds: float) -> None:
-        """A step's size (positions computed) and duration, for the cost estimate."""
-        self.step_cost.observe(num_positions, seconds)
 
-    def take_new(self) -> tuple[int, int, int]:
-        """(verifications, proposed, accepted) since the last call, for the metrics."""
-        stats, last = self.stats, self._taken
-        new = (stats.num_verifications - last[0], stats.num_proposed - last[1], stats.num_accepted - last[2])
-        self._taken = (stats.num_verifications, stats.num_proposed, stats.num_accepted)
-        return new
+class DraftModelSpeculator(_Speculator):
+    """Proposals are k placeholders: the runner's draft model decides the tokens in the
+    same step (spec_decode/draft_model.py), and the runner reports them back."""
+
+    def _proposal(self, request: Request, state: _RequestSpeculation, k: int, ratio: float) -> list[int]:
+        wanted = best_num_tokens(state.acceptance.rate, ratio, k)
+        if wanted == 0:
+            state.declined += 1
+            if state.declined < DRAFT_PROBE_INTERVAL:
+                return []
+            wanted = 1
+        state.declined = 0
+        return [DRAFT_PLACEHOLDER] * wanted
+
+
+def make_speculator(config: SpeculativeConfig, max_model_len: int) -> _Speculator:
+    if config.method == "draft_model":
+        return DraftModelSpeculator(config, max_model_len)
+    return NgramSpeculator(config, max_model_len)

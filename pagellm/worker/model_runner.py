@@ -28,6 +28,7 @@ from pagellm.request import child_request_id
 from pagellm.sample.penalties import PenaltyState
 from pagellm.sample.sampler import Sampler, SamplingBatch, gather_logprobs
 from pagellm.sampling_params import SamplingParams
+from pagellm.spec_decode.draft_model import DraftModelProposer, Drafts, DraftWork
 from pagellm.spec_decode.rejection_sampler import greedy_verify, rejection_sample
 from pagellm.structured.grammar_compiler import GrammarCompiler
 from pagellm.structured.token_masks import MaskTimer, apply_masks, fill_masks
@@ -107,6 +108,8 @@ class ModelRunner:
         # Structured outputs: set by the engine on the driver (the rank that samples).
         self.grammars: GrammarCompiler | None = None
         self.mask_timer = MaskTimer()  # time spent filling and applying masks
+        # Speculative decoding with a draft model: set by the worker.
+        self.draft: DraftModelProposer | None = None
 
     def capture_decode_graphs(
         self, sizes: list[int], max_model_len: int, capture: Capture | None = None
@@ -151,16 +154,20 @@ class ModelRunner:
         if not req_ids:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids={})
         proposals = scheduler_output.scheduled_spec_decode_tokens
+        drafted: dict[str, Drafts] = {}
+        if proposals and self.draft is not None:
+            drafted = self._run_draft(proposals)
+            proposals = {req_id: result.token_ids for req_id, result in drafted.items()}
         sequences: list[ScheduledSequence] = []
         for req_id in req_ids:
             state = self.requests[req_id]
             start = state.num_computed_tokens
-            drafts = proposals.get(req_id, [])
+            proposal = proposals.get(req_id, [])
             # A speculating request computes its next token and the proposed ones after it.
-            end = start + scheduler_output.num_scheduled_tokens[req_id] - len(drafts)
+            end = start + scheduler_output.num_scheduled_tokens[req_id] - len(proposal)
             sequences.append(
                 ScheduledSequence(
-                    state.token_ids[start:end] + drafts, start, state.block_ids, end == len(state.token_ids)
+                    state.token_ids[start:end] + proposal, start, state.block_ids, end == len(state.token_ids)
                 )
             )
         if self.decode_graphs is not None and self.decode_graphs.can_run(sequences):
@@ -176,7 +183,7 @@ class ModelRunner:
         )
         self._prompt_logprobs(req_ids, sequences, starts, hidden, output)
         if proposals:
-            self._verify(req_ids, proposals, starts, hidden, output)
+            self._verify(req_ids, proposals, starts, hidden, output, drafted)
         rows = self._sample_rows(req_ids, sequences, starts, proposals)
         if rows:
             self._sample(rows, hidden, output)
@@ -189,6 +196,7 @@ class ModelRunner:
         starts: list[int],
         hidden: torch.Tensor,
         output: ModelRunnerOutput,
+        drafts: dict[str, Drafts],
     ) -> None:
         """Verify each speculating request's proposal from its k + 1 rows' logits.
 
@@ -197,7 +205,8 @@ class ModelRunner:
         token would be drawn from at each position (penalties, bias, held-back tokens,
         temperature, top-k/top-p/min-p, with the drafts before the position counted as
         output), so the emitted tokens follow exactly that distribution; a seeded request
-        draws from its own generator."""
+        draws from its own generator. A draft model's tokens drawn from its own
+        distribution q are accepted with min(1, p/q); greedy ones are point masses."""
         spans = [(req_id, starts[i], starts[i + 1]) for i, req_id in enumerate(req_ids) if req_id in proposals]
         index = torch.tensor([row for _, first, end in spans for row in range(first, end)], device=self.device)
         logits = self.model.compute_logits(hidden[index])  # every rank: a collective under TP
@@ -205,22 +214,30 @@ class ModelRunner:
             return
         offset = 0
         for req_id, first, end in spans:
-            drafts = proposals[req_id]
+            proposal = proposals[req_id]
             rows = logits[offset : offset + end - first]
             offset += end - first
             state = self.requests[req_id]
             params = state.sampling_params
-            draft_ids = torch.tensor([drafts], device=rows.device)
-            num_drafts = torch.tensor([len(drafts)], device=rows.device)
+            draft_ids = torch.tensor([proposal], device=rows.device)
+            num_drafts = torch.tensor([len(proposal)], device=rows.device)
             raw_logprobs = rows.float().log_softmax(dim=-1) if params.logprobs is not None else None
-            if params.is_greedy and not (params.has_penalties or params.logit_bias or params.min_tokens):
+            drafted = drafts.get(req_id)
+            draft_probs = None
+            if drafted is not None and drafted.probs is not None:
+                draft_probs = torch.stack(drafted.probs).unsqueeze(0)
+            if _plain_greedy(params):
                 verified = greedy_verify(rows.unsqueeze(0), draft_ids, num_drafts)
             else:
-                probs = self.sampler.target_probs(rows, self._verification_batch(req_id, drafts))
+                probs = self.sampler.target_probs(rows, self._verification_batch(req_id, proposal))
                 verified = rejection_sample(
-                    probs.unsqueeze(0), draft_ids, num_drafts, generator=self.generators.get(req_id)
+                    probs.unsqueeze(0), draft_ids, num_drafts, draft_probs, generator=self.generators.get(req_id)
                 )
             emitted = verified.token_ids[0]
+            if drafted is not None:
+                assert self.draft is not None
+                self.draft.verified(req_id, len(state.token_ids), len(proposal), verified.num_accepted[0])
+                output.drafted_token_ids[req_id] = proposal
             if raw_logprobs is not None:
                 if output.logprobs is None:
                     output.logprobs = {}
@@ -232,26 +249,49 @@ class ModelRunner:
                     self.penalties.record([req_id], [token])
             output.sampled_token_ids[req_id] = emitted
 
-    def _verification_batch(self, req_id: str, drafts: list[int]) -> SamplingBatch:
-        """Sampling settings of a proposal's k + 1 positions: position j comes after the
-        request's tokens and drafts[:j] (for min_tokens and the penalties' counts)."""
+    def _verification_batch(self, req_id: str, drafts: list[int], first: int = 0) -> SamplingBatch:
+        """Sampling settings of positions first..len(drafts) of a proposal: position j
+        comes after the request's tokens and drafts[:j] (for min_tokens and the
+        penalties' counts)."""
         state = self.requests[req_id]
         params = state.sampling_params
-        num_rows = len(drafts) + 1
+        positions = range(first, len(drafts) + 1)
         held_back = set(params.stop_token_ids) | (set() if params.ignore_eos else set(state.eos_token_ids))
-        banned = [
-            sorted(held_back) if state.num_output_tokens + j < params.min_tokens else [] for j in range(num_rows)
-        ]
-        batch = SamplingBatch(params=[params] * num_rows, generators=[None] * num_rows, banned_token_ids=banned)
+        banned = [sorted(held_back) if state.num_output_tokens + j < params.min_tokens else [] for j in positions]
+        batch = SamplingBatch(params=[params] * len(positions), generators=[None] * len(positions), banned_token_ids=banned)
         if self.penalties.has(req_id):
             row = self.penalties.rows_of([req_id])
-            counts = self.penalties.output_counts[row].repeat(num_rows, 1)
-            for j in range(1, num_rows):
-                counts[j:, drafts[j - 1]] += 1
-            batch.penalty_rows = list(range(num_rows))
+            counts = self.penalties.output_counts[row].repeat(len(positions), 1)
+            for i, j in enumerate(positions):
+                for token in drafts[:j]:
+                    counts[i, token] += 1
+            batch.penalty_rows = list(range(len(positions)))
             batch.output_counts = counts
-            batch.prompt_mask = self.penalties.prompt_mask[row].repeat(num_rows, 1)
+            batch.prompt_mask = self.penalties.prompt_mask[row].repeat(len(positions), 1)
         return batch
+
+    # ---------------------------------------------------------- draft model
+
+    def _run_draft(self, proposals: dict[str, list[int]]) -> dict[str, Drafts]:
+        """The draft model's tokens for the scheduled placeholders."""
+        assert self.draft is not None
+        work = []
+        for req_id, placeholders in proposals.items():
+            state = self.requests[req_id]
+            work.append(DraftWork(req_id, state.token_ids, state.block_ids, len(state.token_ids), len(placeholders)))
+        return self.draft.propose(work, self._choose_draft)
+
+    def _choose_draft(self, req_id: str, drafts: list[int], logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+        """The draft's next token: its argmax for greedy requests, else a draw from its
+        distribution after the request's processing (returned: rejection sampling needs it)."""
+        params = self.requests[req_id].sampling_params
+        if _plain_greedy(params):
+            return int(logits.float().argmax()), None
+        probs = self.sampler.target_probs(logits.unsqueeze(0), self._verification_batch(req_id, drafts, len(drafts)))[0]
+        if params.is_greedy:
+            return int(probs.argmax()), None
+        token = torch.multinomial(probs, 1, generator=self.generators.get(req_id))
+        return int(token), probs
 
     # ------------------------------------------------------------- sampling
 
@@ -407,6 +447,8 @@ class ModelRunner:
             num_pending_forks=new.num_pending_forks,
         )
         self.requests[new.req_id] = state
+        if self.draft is not None:
+            self.draft.drop(new.req_id)  # its draft K/V is computed afresh
         constraint = new.sampling_params.structured_outputs
         if constraint is not None and self.is_driver:
             assert self.grammars is not None, "the engine compiles constraints"
@@ -429,6 +471,8 @@ class ModelRunner:
     def _drop(self, req_id: str) -> None:
         self.requests.pop(req_id, None)
         self.penalties.remove(req_id)
+        if self.draft is not None:
+            self.draft.drop(req_id)
 
     # ---------------------------------------------------------------- copies
 
@@ -443,6 +487,11 @@ class ModelRunner:
         if scheduler_output.blocks_to_swap_in:
             src, dst = zip(*scheduler_output.blocks_to_swap_in, strict=True)
             _copy_blocks(self.host_kv_caches, self.kv_caches, src, dst)
+
+
+def _plain_greedy(params: SamplingParams) -> bool:
+    """Greedy with nothing that changes the logits: verified by argmax alone."""
+    return params.is_greedy and not (params.has_penalties or params.logit_bias or params.min_tokens)
 
 
 def _copy_blocks(

@@ -23,6 +23,7 @@ from pagellm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagellm.model.config import ModelConfig
 from pagellm.model.loader import ModelSource, load_model
 from pagellm.model.tensor_parallel import TPLayout
+from pagellm.spec_decode.draft_model import DraftModelProposer
 from pagellm.worker.cache_sizing import GiB, CacheSize, decide_cache_size
 from pagellm.worker.cuda_graphs import DEFAULT_MAX_CAPTURE_BATCH_SIZE, capture_sizes
 from pagellm.worker.distributed import DistributedTPGroup
@@ -54,6 +55,10 @@ class WorkerSpec:
     max_capture_batch_size: int | None = None  # None: min(max_num_seqs, 512)
     tensor_parallel_size: int = 1
     num_threads: int | None = None  # CPU threads per rank (None: torch's default)
+    # Speculative decoding's draft model (tensor_parallel_size 1 only): its own weights
+    # and a KV cache addressed by the target's block ids.
+    draft_source: ModelSource | None = None
+    draft_model_config: ModelConfig | None = None
 
 
 @dataclass(frozen=True)
@@ -103,6 +108,12 @@ class Worker:
         self.model = load_model(
             spec.source, spec.model_config, self.backend, spec.dtype, device, spec.load_format, spec.quantization, self.tp
         )  # fmt: skip
+        self.draft_model = None
+        if spec.draft_source is not None:
+            assert spec.draft_model_config is not None and self.tp is None
+            self.draft_model = load_model(
+                spec.draft_source, spec.draft_model_config, self.backend, spec.dtype, device, "auto", "auto"
+            )
         self.runner: ModelRunner | None = None
 
     @property
@@ -130,6 +141,8 @@ class Worker:
         spec = self.spec
         config = self.model.config  # this rank's heads
         bytes_per_block = kv_cache_bytes_per_block(config, spec.block_size, spec.kv_cache_dtype)
+        if self.draft_model is not None:  # a block holds the draft's K/V of its positions too
+            bytes_per_block += kv_cache_bytes_per_block(self.draft_model.config, spec.block_size, spec.kv_cache_dtype)
         peak = None
         if self.device.type == "cuda" and spec.num_gpu_blocks_override is None and spec.kv_cache_memory_bytes is None:
             from pagellm.worker.profiling import profile_memory
@@ -166,6 +179,10 @@ class Worker:
             self.device,
             is_driver=self.is_driver,
         )
+        if self.draft_model is not None:
+            self.runner.draft = DraftModelProposer(
+                self.draft_model, num_gpu_blocks, self.spec.block_size, self.spec.kv_cache_dtype, self.device
+            )
         sizes = self.graph_sizes()
         if sizes:
             reserved = torch.cuda.memory_reserved(self.device)
