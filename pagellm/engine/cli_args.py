@@ -59,7 +59,8 @@ _HELP = {
     "prefill_share": "fraction of the step budget prefills may take while requests decode; the rest "
     "is reserved for decodes (unset = 1.0)",
     "speculative_config": "speculative decoding, as JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
-    "\"prompt_lookup_min\": 1, \"prompt_lookup_max\": 4, \"disable_by_batch_size\": 8} (greedy requests; exact)",
+    "\"prompt_lookup_min\": 1, \"prompt_lookup_max\": 4, \"disable_by_batch_size\": 8}, or a draft model: "
+    "{\"model\": PATH, \"num_speculative_tokens\": 4} (same vocabulary); exact for greedy and sampled requests",
     "tensor_parallel_size": "split the model over this many ranks (GPUs, or CPU processes): attention and KV "
     "heads, the MLP and the vocabulary; one all-reduce after each attention and MLP block",
     "distributed_executor_backend": "where tensor-parallel ranks run: mp = processes on this machine "

@@ -232,6 +232,7 @@ class EngineMetrics:
             self.prom.spec_decode_num_drafts.inc(num_drafts)
             self.prom.spec_decode_num_draft_tokens.inc(num_draft_tokens)
             self.prom.spec_decode_num_accepted_tokens.inc(num_accepted_tokens)
+            self.prom.spec_decode_num_emitted_tokens.inc(num_accepted_tokens + num_drafts)
 
     def update_scheduler_metrics(self, stats: SchedulerStats) -> None:
         """Gauges from a scheduler snapshot, and its counters' growth since the last one."""

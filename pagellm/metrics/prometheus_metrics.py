@@ -111,6 +111,9 @@ class PrometheusMetrics:
         self.spec_decode_num_drafts = counter("spec_decode_num_drafts", "Speculative verifications (one per request and step).")
         self.spec_decode_num_draft_tokens = counter("spec_decode_num_draft_tokens", "Tokens proposed for verification.")
         self.spec_decode_num_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Proposed tokens the model accepted.")
+        self.spec_decode_num_emitted_tokens = counter(
+            "spec_decode_num_emitted_tokens", "Tokens verifications emitted (accepted ones plus the model's own next)."
+        )
         self.structured_mask_seconds = histogram(
             "structured_mask_seconds", "Per step with constrained requests: time to fill and apply their token masks.",
             _MASK_BUCKETS,

@@ -54,6 +54,7 @@ def test_single_requests_and_a_batch_with_prefix_hits(smollm2_path, reference):
     assert value("pagellm:spec_decode_num_draft_tokens_total") == stats.num_proposed
     assert value("pagellm:spec_decode_num_accepted_tokens_total") == stats.num_accepted
     assert value("pagellm:spec_decode_num_drafts_total") == stats.num_verifications
+    assert value("pagellm:spec_decode_num_emitted_tokens_total") == stats.num_accepted + stats.num_verifications
 
 
 @pytest.mark.parametrize(
@@ -94,3 +95,31 @@ def test_tensor_parallel_ranks_follow_the_verified_tokens(tmp_path):
         assert greedy(llm, batch) == expected
         assert llm.engine.speculator.stats.num_proposed > 0
         assert_engine_drained(llm)
+
+
+def test_stop_strings_inside_accepted_runs_and_constrained_requests(smollm2_path, reference):
+    import re
+
+    from pagellm.structured_outputs_params import StructuredOutputsParams
+
+    batch, alone, _ = reference
+    plain = LLM(str(smollm2_path), max_model_len=512)
+    llm = LLM(str(smollm2_path), max_model_len=512, speculative_config=SPEC)
+    # A stop string from the middle of the quoted code: the output ends there, as without.
+    free = plain.generate([batch[0]], SamplingParams(temperature=0.0, max_tokens=32), use_tqdm=False)[0].outputs[0]
+    stop = free.text[len(free.text) // 2 :][:8]
+    params = SamplingParams(temperature=0.0, max_tokens=32, stop=[stop])
+    expected = plain.generate([batch[0]], params, use_tqdm=False)[0].outputs[0]
+    got = llm.generate([batch[0]], params, use_tqdm=False)[0].outputs[0]
+    assert (got.text, got.finish_reason) == (expected.text, expected.finish_reason)
+    assert expected.finish_reason == "stop" and len(expected.text) < len(free.text)
+    assert llm.engine.speculator.stats.num_accepted > 0
+    # A constrained request in the same batch as speculating ones: it does not speculate,
+    # and follows its constraint.
+    constrained = SamplingParams(
+        temperature=0.0, max_tokens=24, structured_outputs=StructuredOutputsParams(regex="[a-z]+( [a-z]+){0,5}")
+    )
+    outputs = llm.generate(batch[:2], [constrained, SamplingParams(temperature=0.0, max_tokens=24)], use_tqdm=False)
+    assert re.fullmatch("[a-z]+( [a-z]+){0,5}", outputs[0].outputs[0].text)
+    assert list(outputs[1].outputs[0].token_ids) == alone[1][:24]
+    assert_engine_drained(llm)

@@ -69,3 +69,22 @@ def test_a_request_whose_proposals_fail_stops_proposing_and_starts_again_on_a_ma
     assert speculator.propose(request), "matches seen while not proposing bring speculation back"
     speculator.finished("r")
     assert speculator._requests == {}
+
+
+def test_a_draft_speculator_proposes_placeholders_and_probes_after_declining():
+    from pagellm.core.scheduler_output import DRAFT_PLACEHOLDER
+    from pagellm.spec_decode.speculator import DRAFT_PROBE_INTERVAL, DraftModelSpeculator
+
+    config = SpeculativeConfig(method="draft_model", model="/draft", num_speculative_tokens=3)
+    speculator = DraftModelSpeculator(config, max_model_len=1000)
+    request = _request([1, 2, 3], max_tokens=3)
+    # Room: max_tokens 3, nothing produced yet: at most 2 proposals (never past max_tokens).
+    assert speculator.propose(request) == [DRAFT_PLACEHOLDER] * 2
+    request = _request([1, 2, 3])
+    for _ in range(10):
+        speculator.observe_step(1, 0.004)
+        speculator.observe_step(4, 0.010)  # a position costs half a step
+        speculator.record(request, 3, 0)
+    declined = [speculator.propose(request) for _ in range(DRAFT_PROBE_INTERVAL)]
+    assert declined[:-1] == [[]] * (DRAFT_PROBE_INTERVAL - 1)
+    assert declined[-1] == [DRAFT_PLACEHOLDER]  # a one-token probe keeps measuring
