@@ -82,7 +82,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
     ) -> None:
         num_heads, head_dim = query.shape[1:]
         _, _, block_size, num_kv_heads, _ = kv_cache.shape
-        needed = plan.num_threads * plan.max_seq_len * num_heads
+        needed = plan.num_threads * plan.max_seq_len * num_heads * self._kernels.attention_segment_rows()
         if self._workspace.numel() < needed:
             self._workspace = torch.empty(needed, dtype=torch.float32)
         tables = metadata.block_tables

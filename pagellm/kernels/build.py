@@ -116,6 +116,8 @@ def _declare(library: ctypes.CDLL) -> None:
         c_int, c_int64,  # num threads, max seq len
         c_void_p, c_int64, c_void_p,  # out, out row stride, workspace
     ]
+    library.attention_segment_rows.restype = c_int
+    library.attention_segment_rows.argtypes = []
     library.linear_bf16_supported.restype = c_int
     library.linear_bf16_supported.argtypes = []
     library.linear_bf16.restype = None

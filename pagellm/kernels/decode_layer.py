@@ -82,6 +82,7 @@ class FusedDecode:
     def __init__(self, library: ctypes.CDLL, model: torch.nn.Module) -> None:
         config = model.config
         self._run_layer = library.decode_layer_bf16
+        self._segment_rows = library.attention_segment_rows()  # attention workspace per thread
         self._model = model
         self._num_threads = torch.get_num_threads()
         self._shape = _LayerShape(
@@ -158,7 +159,7 @@ class FusedDecode:
             seq_lens = positions.to(torch.int64) + 1
         max_seq_len = max(metadata.seq_lens)
         shape = self._shape
-        needed = self._num_threads * max_seq_len * shape.num_heads
+        needed = self._num_threads * max_seq_len * shape.num_heads * self._segment_rows
         if self._attention_workspace.numel() < needed:
             self._attention_workspace = torch.empty(2 * needed, dtype=torch.float32)
         shape.block_size = kv_caches[0].shape[2]

@@ -43,6 +43,10 @@ void linear_weight_part(const uint16_t *x, int64_t x_stride, const Weight *w, co
 
 /* paged_decode.c: the attention rows' work items, shared among a region's threads. dtype:
  * the query's and output's element type, cache_type the cache's (fp8.h ELEM_*). */
+/* Rows of one request that paged decode attention takes as one work item (see
+ * paged_decode.c); its workspace is this many times larger per thread. */
+#define MAX_SEGMENT_ROWS 8
+int attention_segment_rows(void);
 void paged_decode_attention_in_region(
     const void *query, int64_t query_row_stride,
     const void *key_cache, const void *value_cache,
@@ -64,6 +68,6 @@ void paged_decode_prefetch_in_region(const void *key_cache, const void *value_ca
 int attend_bf16_supported(int head_dim);
 void attend_bf16(const uint16_t *q, const void *key_cache, const void *value_cache, int cache_type, const int64_t *table,
                  int64_t seq_len, int kv_head, int span, int num_kv_heads, int group, int head_dim,
-                 int block_size, float scale, float *scores, float *acc);
+                 int block_size, float scale, float *scores, float *acc, const int64_t *head_lens);
 
 #endif

@@ -130,8 +130,10 @@ typedef void (*attend_fn)(const float *, const void *, const void *, const int64
  * block_tables: [num_reqs, table_stride]
  * rows, reqs, seq_lens: [num_decodes] row of the flat batch, request index, context length
  * out:          [*, num_heads, head_dim], row r starts at r * out_row_stride elements
- * workspace:    num_threads * max_seq_len * num_heads floats
+ * workspace:    num_threads * max_seq_len * num_heads * MAX_SEGMENT_ROWS floats
  */
+int attention_segment_rows(void) { return MAX_SEGMENT_ROWS; }
+
 /* The loop over work items, shared among the threads of the enclosing parallel region
  * (an orphaned `omp for`; called outside any region it runs on the calling thread). */
 void paged_decode_attention_in_region(
@@ -144,42 +146,82 @@ void paged_decode_attention_in_region(
     void *out, int64_t out_row_stride, float *workspace)
 {
     const int group = num_heads / num_kv_heads;
-    /* Many requests: one item per request, reading whole K/V rows. Few requests: split
-     * by kv head as well so every thread has work. */
-    const int span = num_decodes >= 4 * (int64_t)num_threads ? num_kv_heads : 1;
-    const int items_per_decode = num_kv_heads / span;
-    const int64_t num_items = num_decodes * items_per_decode;
     const int fast_bf16 = dtype == ELEM_BF16 && cache_type != ELEM_F32 && attend_bf16_supported(head_dim);
+    /* Consecutive rows of one request at consecutive positions (a speculative
+     * verification's k + 1) form one segment: with the bf16 kernel they are one item per
+     * kv head, all their query heads reading each K/V block once, each row only up to
+     * its own position. Otherwise a segment is one row. */
+    int64_t segment_first[num_decodes > 0 ? num_decodes : 1];
+    int segment_rows[num_decodes > 0 ? num_decodes : 1];
+    int64_t num_segments = 0;
+    /* A lone verification (one request, a few rows) in two segments rather than one, so
+     * that both halves of the kv heads' items keep the threads busy. */
+    const int max_rows = num_decodes <= MAX_SEGMENT_ROWS && num_kv_heads < 2 * num_threads
+                             ? (int)(num_decodes + 1) / 2 : MAX_SEGMENT_ROWS;
+    for (int64_t d = 0; d < num_decodes; d++) {
+        const int64_t previous = num_segments ? segment_first[num_segments - 1] : -1;
+        const int joins = fast_bf16 && previous >= 0 && reqs[d] == reqs[previous] &&
+                          segment_rows[num_segments - 1] < max_rows &&
+                          seq_lens[d] == seq_lens[d - 1] + 1 && rows[d] == rows[d - 1] + 1;
+        if (joins) {
+            segment_rows[num_segments - 1]++;
+        } else {
+            segment_first[num_segments] = d;
+            segment_rows[num_segments++] = 1;
+        }
+    }
+    /* Many requests: one item per request, reading whole K/V rows. Few requests, or
+     * segments of several rows (their heads side by side take one kv head each): split
+     * by kv head as well. */
+    const int span = num_segments >= 4 * (int64_t)num_threads && num_segments == num_decodes ? num_kv_heads : 1;
+    const int items_per_segment = num_kv_heads / span;
+    const int64_t num_items = num_segments * items_per_segment;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < num_items; item++) {
         int thread = 0;
 #ifdef _OPENMP
         thread = omp_get_thread_num();
 #endif
-        const int64_t decode = item / items_per_decode;
-        const int kv_head = (int)(item % items_per_decode) * span;
+        const int64_t segment = item / items_per_segment;
+        const int64_t decode = segment_first[segment];
+        const int count = segment_rows[segment];
+        const int kv_head = (int)(item % items_per_segment) * span;
         const int64_t *table = block_tables + reqs[decode] * table_stride;
-        float *scores = workspace + (int64_t)thread * max_seq_len * num_heads;
+        float *scores = workspace + (int64_t)thread * max_seq_len * num_heads * MAX_SEGMENT_ROWS;
         const int heads = span * group;
-        float q[heads * head_dim], acc[heads * head_dim];
+        float q[heads * head_dim], acc[count * heads * head_dim];
         const int64_t first_head = (int64_t)kv_head * group * head_dim;
         const int64_t query_offset = rows[decode] * query_row_stride + first_head;
-        if (fast_bf16) {
+        if (fast_bf16 && count > 1) {  /* span is 1: the rows' query heads side by side */
+            uint16_t rows_q[count * heads * head_dim];
+            int64_t head_lens[count * heads];
+            for (int j = 0; j < count; j++) {
+                memcpy(rows_q + (int64_t)j * heads * head_dim,
+                       (const uint16_t *)query + rows[decode + j] * query_row_stride + first_head,
+                       sizeof(uint16_t) * (size_t)(heads * head_dim));
+                for (int h = 0; h < heads; h++) head_lens[j * heads + h] = seq_lens[decode + j];
+            }
+            attend_bf16(rows_q, key_cache, value_cache, cache_type, table, seq_lens[decode + count - 1], kv_head, 1,
+                        num_kv_heads, count * heads, head_dim, block_size, scale, scores, acc, head_lens);
+        } else if (fast_bf16) {
             attend_bf16((const uint16_t *)query + query_offset, key_cache, value_cache, cache_type, table,
                         seq_lens[decode], kv_head, span, num_kv_heads, group, head_dim, block_size, scale, scores,
-                        acc);
+                        acc, NULL);
         } else {
             load_row(query, query_offset, heads * head_dim, dtype, q);
             const attend_fn attend = head_dim == 64 ? attend_64 : head_dim == 128 ? attend_128 : attend_any;
             attend(q, key_cache, value_cache, table, seq_lens[decode], kv_head, span, num_kv_heads, group,
                    head_dim, block_size, scale, cache_type, scores, acc);
         }
-        const int64_t offset = rows[decode] * out_row_stride + first_head;
-        if (dtype == ELEM_BF16) {
-            uint16_t *dst = (uint16_t *)out + offset;
-            for (int i = 0; i < heads * head_dim; i++) dst[i] = float_to_bf16(acc[i]);
-        } else {
-            memcpy((float *)out + offset, acc, sizeof(float) * (size_t)(heads * head_dim));
+        for (int j = 0; j < count; j++) {
+            const int64_t offset = rows[decode + j] * out_row_stride + first_head;
+            const float *result = acc + (int64_t)j * heads * head_dim;
+            if (dtype == ELEM_BF16) {
+                uint16_t *dst = (uint16_t *)out + offset;
+                for (int i = 0; i < heads * head_dim; i++) dst[i] = float_to_bf16(result[i]);
+            } else {
+                memcpy((float *)out + offset, result, sizeof(float) * (size_t)(heads * head_dim));
+            }
         }
     }
 }

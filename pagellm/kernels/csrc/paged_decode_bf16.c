@@ -206,10 +206,11 @@ static void scores_fp8(const uint16_t *q, const uint8_t *rows, int64_t row_strid
  * one request over its context, block by block (each block's rows of the item's kv
  * heads are read together, front to back). q: bf16 [span * group, head_dim]; the caches
  * of cache_type (ELEM_BF16 or an fp8 type); acc: float32, same shape as q, normalised on
- * return; scores: [span * group, seq_len] floats. */
+ * return; scores: [span * group, seq_len] floats. head_lens: NULL, or per head the
+ * positions it attends to (<= seq_len: several query rows of one request in one item). */
 void attend_bf16(const uint16_t *q, const void *key_cache, const void *value_cache, int cache_type,
                  const int64_t *table, int64_t seq_len, int kv_head, int span, int num_kv_heads, int group,
-                 int head_dim, int block_size, float scale, float *scores, float *acc) {
+                 int head_dim, int block_size, float scale, float *scores, float *acc, const int64_t *head_lens) {
     const int heads = span * group;
     const int64_t row_stride = (int64_t)num_kv_heads * head_dim;  /* elements */
     const int element_bytes = elem_bytes(cache_type);
@@ -245,8 +246,16 @@ void attend_bf16(const uint16_t *q, const void *key_cache, const void *value_cac
                    head_dim, element_bytes);
     for (int h = 0; h < heads; h++) {  /* unnormalised softmax weights; the sum divides at the end */
         float *s = scores + h * seq_len, sum = 0.0f;
-        const float best = _mm512_reduce_max_ps(top[h]);
-        for (int64_t pos = 0; pos < seq_len; pos++) {
+        float best = _mm512_reduce_max_ps(top[h]);
+        /* A head of an earlier query row sees only its first head_lens[h] positions: its
+         * maximum is taken over those, and the later positions weigh 0. */
+        const int64_t len = head_lens ? head_lens[h] : seq_len;
+        if (len < seq_len) {
+            best = -FLT_MAX;
+            for (int64_t pos = 0; pos < len; pos++) best = fmaxf(best, s[pos]);
+            for (int64_t pos = len; pos < seq_len; pos++) s[pos] = 0.0f;
+        }
+        for (int64_t pos = 0; pos < len; pos++) {
             s[pos] = expf(fmaxf(s[pos] - best, SOFTMAX_EXP_FLOOR));
             sum += s[pos];
         }
@@ -279,7 +288,8 @@ int attend_bf16_supported(int head_dim) {
 }
 void attend_bf16(const uint16_t *q, const void *key_cache, const void *value_cache, int cache_type,
                  const int64_t *table, int64_t seq_len, int kv_head, int span, int num_kv_heads, int group,
-                 int head_dim, int block_size, float scale, float *scores, float *acc) {
+                 int head_dim, int block_size, float scale, float *scores, float *acc, const int64_t *head_lens) {
+    (void)head_lens;
     (void)q; (void)key_cache; (void)value_cache; (void)cache_type; (void)table; (void)seq_len; (void)kv_head; (void)span;
     (void)num_kv_heads; (void)group; (void)head_dim; (void)block_size; (void)scale; (void)scores; (void)acc;
 }
