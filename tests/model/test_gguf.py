@@ -105,3 +105,70 @@ def test_corrupt_and_unsupported_gguf(tmp_path):
     writer.close()
     with pytest.raises(UnsupportedModelError, match="'gpt2'.*llama"):
         load_model_config(ModelSource("gguf", other, "gpt2"))
+
+
+def _metadata_only_gguf(path, overrides: dict, dropped: tuple[str, ...] = ()):
+    """A llama GGUF with the model metadata only (values typed as given) and an embedding."""
+    values = {
+        "llama.block_count": 2, "llama.context_length": 512, "llama.embedding_length": 64,
+        "llama.feed_forward_length": 128, "llama.attention.head_count": 4, "llama.attention.head_count_kv": 2,
+        "llama.rope.freq_base": 10000.0, "llama.attention.layer_norm_rms_epsilon": 1e-5,
+    }  # fmt: skip
+    values.update(overrides)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for key, value in values.items():
+        if key in dropped:
+            continue
+        if isinstance(value, str):
+            writer.add_string(key, value)
+        elif isinstance(value, float):
+            writer.add_float32(key, value)
+        else:
+            writer.add_uint32(key, value)
+    writer.add_tensor("token_embd.weight", np.zeros((256, 64), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return ModelSource("gguf", path, "meta")
+
+
+def test_bad_metadata_is_an_error_naming_its_key_not_a_silent_default(tmp_path, caplog):
+    cases = [
+        ({"llama.rope.freq_base": "ten thousand"}, "llama.rope.freq_base in .* is 'ten thousand', not a number"),
+        ({"llama.attention.head_count_kv": "2"}, "llama.attention.head_count_kv in .* is '2', not an integer"),
+        ({"llama.attention.head_count_kv": 3}, "4 attention heads do not split into 3 KV heads"),
+        ({"llama.embedding_length": 0}, "llama.embedding_length in .* is 0, not an integer >= 1"),
+        ({"llama.attention.layer_norm_rms_epsilon": "tiny"}, "llama.attention.layer_norm_rms_epsilon"),
+    ]
+    for index, (overrides, message) in enumerate(cases):
+        with pytest.raises(ModelLoadError, match=message):
+            load_model_config(_metadata_only_gguf(tmp_path / f"bad{index}.gguf", overrides))
+    with pytest.raises(ModelLoadError, match="lacks metadata key llama.block_count"):
+        load_model_config(_metadata_only_gguf(tmp_path / "no_layers.gguf", {}, dropped=("llama.block_count",)))
+    # Keys the format makes optional take its defaults, and say so.
+    with caplog.at_level("INFO"):
+        source = _metadata_only_gguf(
+            tmp_path / "defaults.gguf", {}, dropped=("llama.rope.freq_base", "llama.attention.head_count_kv")
+        )
+        config = load_model_config(source)
+    assert (config.rope_theta, config.num_key_value_heads, config.vocab_size) == (10000.0, 4, 256)
+    assert "no llama.rope.freq_base: using the format's default 10000.0" in caplog.text
+    assert "no llama.attention.head_count_kv" in caplog.text
+
+
+def test_an_unreadable_metadata_value_is_named(tmp_path):
+    from pagellm.model.loader.gguf_loader import gguf_model_config
+
+    source = _metadata_only_gguf(tmp_path / "ok.gguf", {})
+    reader = open_gguf(source.path)
+
+    class Unreadable:  # a field whose bytes the reader cannot decode
+        data = [0]
+
+        def contents(self):  # noqa: ANN202
+            raise ValueError("bad bytes")
+
+    reader.fields["llama.rope.freq_base"] = Unreadable()
+    with pytest.raises(ModelLoadError, match="llama.rope.freq_base in .* cannot be read"):
+        gguf_model_config(reader, source.path)

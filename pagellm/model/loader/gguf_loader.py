@@ -76,66 +76,104 @@ def open_gguf(path: Path) -> GGUFReader:
         raise ModelLoadError(f"{path} is not a readable GGUF file ({e})") from None
 
 
-def gguf_fields(reader: GGUFReader) -> dict[str, Any]:
-    """Scalar metadata as plain Python values (large arrays such as vocabularies skipped)."""
+def gguf_fields(reader: GGUFReader) -> tuple[dict[str, Any], set[str]]:
+    """Scalar metadata as plain Python values (large arrays such as vocabularies skipped),
+    and the keys whose values could not be read."""
     fields: dict[str, Any] = {}
+    unreadable: set[str] = set()
     for key, field in reader.fields.items():
         if key.startswith("tokenizer.ggml.") and len(field.data) > 1:
             continue
         try:
             fields[key] = field.contents()
-        except Exception:  # an unreadable metadata value is not needed for the model
-            continue
-    return fields
+        except Exception:  # the reader's own errors on bad bytes: named if the key is used
+            unreadable.add(key)
+    return fields, unreadable
+
+
+class _Metadata:
+    """Typed reads of a GGUF file's model metadata: a value that is unreadable, of the
+    wrong type or out of range is a ModelLoadError naming its key; a missing optional
+    key takes the format's default, logged."""
+
+    def __init__(self, reader: GGUFReader, path: Path) -> None:
+        self.values, self.unreadable = gguf_fields(reader)
+        self.path = path
+
+    def raw(self, key: str) -> Any:
+        if key in self.unreadable:
+            raise ModelLoadError(f"GGUF metadata {key} in {self.path} cannot be read (corrupted or of an unknown type)")
+        return self.values.get(key)
+
+    def number(self, key: str, kind: type, default: float | None = None, minimum: float = 1) -> Any:
+        value = self.raw(key)
+        if value is None:
+            if default is None:
+                raise ModelLoadError(f"GGUF file {self.path} lacks metadata key {key}")
+            logger.info("GGUF file %s has no %s: using the format's default %s", self.path, key, default)
+            return kind(default)
+        is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not is_number or (kind is int and value != int(value)) or value < minimum:
+            expected = "an integer" if kind is int else "a number"
+            raise ModelLoadError(f"GGUF metadata {key} in {self.path} is {value!r}, not {expected} >= {minimum:g}")
+        return kind(value)
 
 
 def gguf_model_config(reader: GGUFReader, path: Path) -> ModelConfig:
-    meta = gguf_fields(reader)
-    arch = meta.get("general.architecture")
+    meta = _Metadata(reader, path)
+    arch = meta.raw("general.architecture")
     if arch not in SUPPORTED_GGUF_ARCHITECTURES:
         raise UnsupportedModelError(
             f"GGUF architecture {arch!r} in {path} is not supported; "
             f"supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}"
         )
 
-    def get(key: str, default: Any = None) -> Any:
-        value = meta.get(f"{arch}.{key}", default)
-        if value is None:
-            raise ModelLoadError(f"GGUF file {path} lacks metadata key {arch}.{key}")
-        return value
+    def integer(key: str, default: int | None = None) -> int:
+        return meta.number(f"{arch}.{key}", int, default)
+
+    def real(key: str, default: float | None = None, minimum: float = 0.0) -> float:
+        return meta.number(f"{arch}.{key}", float, default, minimum)
 
     names = {t.name for t in reader.tensors}
-    hidden = int(get("embedding_length"))
-    num_heads = int(get("attention.head_count"))
-    vocab_size = meta.get(f"{arch}.vocab_size")
-    if vocab_size is None:
-        embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    hidden = integer("embedding_length")
+    num_heads = integer("attention.head_count")
+    num_kv_heads = integer("attention.head_count_kv", num_heads)  # optional: no grouped-query attention
+    if num_heads % num_kv_heads:
+        raise ModelLoadError(f"GGUF metadata in {path}: {num_heads} attention heads do not split into {num_kv_heads} KV heads")
+    if meta.raw(f"{arch}.vocab_size") is not None:
+        vocab_size = integer("vocab_size")
+    else:
+        embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+        if embd is None:
+            raise ModelLoadError(f"GGUF file {path} has neither {arch}.vocab_size nor a token_embd.weight tensor")
         vocab_size = int(embd.shape[1])
     scaling = None
-    scaling_type = meta.get(f"{arch}.rope.scaling.type")
+    scaling_type = meta.raw(f"{arch}.rope.scaling.type")
     if scaling_type == "linear":
-        scaling = RopeScaling("linear", factor=float(get("rope.scaling.factor")))
+        scaling = RopeScaling("linear", factor=real("rope.scaling.factor", minimum=1.0))
     elif scaling_type not in (None, "none"):
         raise UnsupportedModelError(f"GGUF rope scaling {scaling_type!r} is not supported")
-    eos = meta.get("tokenizer.ggml.eos_token_id")
+    eos = meta.raw("tokenizer.ggml.eos_token_id")
+    bos = meta.raw("tokenizer.ggml.bos_token_id")
     return ModelConfig(
         architecture=arch,
-        vocab_size=int(vocab_size),
+        vocab_size=vocab_size,
         hidden_size=hidden,
-        intermediate_size=int(get("feed_forward_length")),
-        num_hidden_layers=int(get("block_count")),
+        intermediate_size=integer("feed_forward_length"),
+        num_hidden_layers=integer("block_count"),
         num_attention_heads=num_heads,
-        num_key_value_heads=int(get("attention.head_count_kv", num_heads)),
-        head_dim=int(get("attention.key_length", hidden // num_heads)),
-        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
-        rope_theta=float(get("rope.freq_base", 10000.0)),
+        num_key_value_heads=num_kv_heads,
+        head_dim=integer("attention.key_length", hidden // num_heads),
+        rms_norm_eps=real("attention.layer_norm_rms_epsilon", minimum=0.0),
+        # Optional in the format; llama.cpp's default.
+        rope_theta=real("rope.freq_base", 10000.0, minimum=1e-6),
         rope_scaling=scaling,
-        max_position_embeddings=int(get("context_length")),
+        max_position_embeddings=integer("context_length"),
         tie_word_embeddings="output.weight" not in names,
         attention_bias="blk.0.attn_q.bias" in names,
         attention_out_bias="blk.0.attn_output.bias" in names,
-        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-        eos_token_ids=(int(eos),) if eos is not None else (),
+        bos_token_id=meta.number("tokenizer.ggml.bos_token_id", int, minimum=0) if bos is not None else None,
+        eos_token_ids=(meta.number("tokenizer.ggml.eos_token_id", int, minimum=0),) if eos is not None else (),
     )
 
 
