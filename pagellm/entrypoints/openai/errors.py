@@ -103,7 +103,11 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def on_http_error(_: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
-        return APIError(exc.status_code, str(exc.detail)).response()
+        response = APIError(exc.status_code, str(exc.detail)).response()
+        # The router's own headers (a 405's Allow: the methods the path takes) stay.
+        for name, value in (exc.headers or {}).items():
+            response.headers[name] = value
+        return response
 
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(PagellmError, on_api_error)

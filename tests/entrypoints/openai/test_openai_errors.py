@@ -63,6 +63,15 @@ def test_unknown_model_is_404(server):
     assert_error(httpx2.get(server.base_url + "/v1/nowhere", headers=server.headers()), 404)
 
 
+def test_a_wrong_method_is_405_with_allow(server):
+    response = httpx2.get(server.api_url + "/completions", headers=server.headers(), timeout=30)
+    assert_error(response, 405)
+    assert response.headers["allow"] == "POST"
+    response = httpx2.delete(server.api_url + "/models", headers=server.headers(), timeout=30)
+    assert_error(response, 405)
+    assert response.headers["allow"] == "GET"
+
+
 def test_openai_client_sees_typed_errors(client, model_name):
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-7", prompt="hi", max_tokens=2)
