@@ -37,3 +37,12 @@ class InvalidRequestError(PagellmError, ValueError):
     def __init__(self, message: str, parameter: str | None = None) -> None:
         super().__init__(message)
         self.parameter = parameter
+
+
+class RequestFailedError(PagellmError):
+    """The engine step that computed this request raised: the request is ended (its
+    blocks freed) and the engine goes on serving the others."""
+
+
+class EngineFailedError(PagellmError):
+    """Steps keep failing: the engine stops rather than fail every request it is given."""

@@ -55,3 +55,6 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     # One entry per prompt token (None for the first), if prompt_logprobs was asked for.
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    # Set when the request ended because an engine step it was in failed (finish_reason
+    # "error"): what failed. The other requests of the engine are not affected.
+    error: str | None = None

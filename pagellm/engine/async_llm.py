@@ -28,7 +28,7 @@ from pagellm.core.scheduler_stats import SchedulerStats
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.input_processor import PromptInput
 from pagellm.engine.llm_engine import LLMEngine
-from pagellm.errors import PagellmError
+from pagellm.errors import PagellmError, RequestFailedError
 from pagellm.executor.base import WorkerDiedError
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
@@ -69,7 +69,8 @@ class OutputStream:
     """The outputs of a group of requests added together, as the engine makes them.
 
     Iterate it for RequestOutputs (each group member's last one has finished=True); it
-    ends when all have finished. It raises EngineDeadError if the engine dies first.
+    ends when all have finished. It raises EngineDeadError if the engine dies first, and
+    RequestFailedError if an engine step a member was in failed (the others are aborted).
     Call `cancel()` when done early (client gone): unfinished members are aborted.
     """
 
@@ -98,6 +99,10 @@ class OutputStream:
                 raise item
             if item.request_id not in self._unfinished:
                 continue  # e.g. an abort echo after cancel()
+            if item.error is not None:  # a failed step ended it: the group fails with it
+                self._unfinished.discard(item.request_id)
+                self.cancel()
+                raise RequestFailedError(item.error)
             if item.finished:
                 self._unfinished.discard(item.request_id)
             return item

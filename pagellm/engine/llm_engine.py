@@ -25,7 +25,7 @@ from pagellm.model.costs import ModelCosts
 from pagellm.engine.arg_utils import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineArgs
 from pagellm.engine.input_processor import InputProcessor, PromptInput
 from pagellm.engine.output_processor import OutputProcessor
-from pagellm.errors import ConfigError, InvalidRequestError
+from pagellm.errors import ConfigError, EngineFailedError, InvalidRequestError
 from pagellm.model.config import ModelConfig
 from pagellm.model.loader import (
     ModelSource,
@@ -34,13 +34,13 @@ from pagellm.model.loader import (
     resolve_model_source,
 )
 from pagellm.outputs import RequestOutput
-from pagellm.request import RequestStatus
+from pagellm.request import RequestStatus, child_request_id
 from pagellm.sampling_params import SamplingParams
 from pagellm.spec_decode.speculator import make_speculator
 from pagellm.structured.grammar_compiler import GrammarCompiler
 from pagellm.tokenizer import Tokenizer
 from pagellm.attention.kv_cache_dtype import resolve_kv_cache_dtype
-from pagellm.executor.base import Executor
+from pagellm.executor.base import Executor, WorkerDiedError
 from pagellm.executor.factory import create_executor
 from pagellm.model.tensor_parallel import check_tp_size
 from pagellm.worker.cache_sizing import GiB
@@ -175,6 +175,10 @@ def _resolve_draft_model(
     return source, config
 
 
+# Steps that may fail in a row (each ending its own requests) before the engine stops.
+MAX_CONSECUTIVE_STEP_FAILURES = 3
+
+
 class LLMEngine:
     def __init__(
         self,
@@ -214,6 +218,7 @@ class LLMEngine:
             self.kv_events = KVEventLog(kv_events_file)
             self.scheduler.kv_cache_manager.set_event_log(self.kv_events)
         self._request_counter = itertools.count()
+        self._consecutive_step_failures = 0
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -364,11 +369,17 @@ class LLMEngine:
             new.req_id: self.scheduler.requests[new.req_id].num_cached_tokens
             for new in scheduler_output.scheduled_new_reqs
         }
-        runner_output = self.executor.execute_model(scheduler_output)
-        progress = self.scheduler.update_from_output(scheduler_output, runner_output)
-        result = self.output_processor.process(
-            progress, runner_output.logprobs, runner_output.prompt_logprobs, cached
-        )
+        try:
+            runner_output = self.executor.execute_model(scheduler_output)
+            progress = self.scheduler.update_from_output(scheduler_output, runner_output)
+            result = self.output_processor.process(
+                progress, runner_output.logprobs, runner_output.prompt_logprobs, cached
+            )
+        except WorkerDiedError:
+            raise
+        except Exception as error:  # noqa: BLE001 - one step's failure ends its requests, not the engine
+            return self._fail_step(scheduler_output, error)
+        self._consecutive_step_failures = 0
         if result.stopped_req_ids:
             # A stop string ended these completions: free their blocks now.
             self.scheduler.finish_requests(result.stopped_req_ids, RequestStatus.FINISHED_STOPPED)
@@ -387,6 +398,36 @@ class LLMEngine:
         if self.kv_events is not None:
             self.kv_events.flush()
         return result.outputs
+
+    def _fail_step(self, scheduler_output: SchedulerOutput, error: Exception) -> list[RequestOutput]:
+        """A step raised (model forward, sampler, detokenizer, grammar): end the requests
+        it computed or preempted, all completions of each, free their blocks, and carry
+        on with the others. Their state in the runner and scheduler may be half-updated;
+        ending them is what keeps everyone else's exact. Several failures in a row, or
+        one with tensor parallelism (the ranks may have diverged), stop the engine."""
+        self._consecutive_step_failures += 1
+        logger.error("step %d failed; its requests are ended", self.num_steps, exc_info=error)
+        if self._consecutive_step_failures >= MAX_CONSECUTIVE_STEP_FAILURES or not self.executor.can_recover_from_step_failures:
+            raise EngineFailedError(
+                f"{self._consecutive_step_failures} engine step(s) failed in a row, the last with {error!r}"
+            ) from error
+        message = f"the engine step computing this request failed ({type(error).__name__}: {error})"
+        involved = list(scheduler_output.num_scheduled_tokens) + list(scheduler_output.preempted_req_ids)
+        outputs: list[RequestOutput] = []
+        for scheduler_id in involved:
+            output = self.output_processor.fail(scheduler_id, message)
+            if output is None:
+                continue
+            ids = [output.request_id] + [
+                child_request_id(output.request_id, i) for i in range(1, len(output.outputs))
+            ]
+            self.scheduler.finish_requests(
+                [i for i in ids if i in self.scheduler.requests], RequestStatus.FINISHED_ABORTED
+            )
+            outputs.append(output)
+        self.metrics.record_outputs(outputs, time.time())
+        self.metrics.update_scheduler_metrics(self.scheduler.make_stats())
+        return outputs
 
     def _step_work(self, scheduler_output: SchedulerOutput) -> StepWork:
         """What this step computes (read before update_from_output moves the counts)."""

@@ -158,6 +158,21 @@ class OutputProcessor:
         self._forget(state)
         return output
 
+    def fail(self, scheduler_id: str, message: str) -> RequestOutput | None:
+        """End the request that completion `scheduler_id` belongs to (all its completions)
+        because a step it was in failed; None if it is not known (already finished)."""
+        entry = self._completions.get(scheduler_id)
+        if entry is None:
+            return None
+        state = entry[0]
+        for completion in state.completions:
+            if completion.finish_reason is None:
+                completion.finish_reason = "error"
+        output = self._make_output(state)
+        output.error = message
+        self._forget(state)
+        return output
+
     # ---------------------------------------------------------------- helpers
 
     def _add_tokens(

@@ -26,6 +26,9 @@ class WorkerDiedError(PagellmError):
 
 class Executor(ABC):
     driver: Worker
+    # Whether a step that raised can be forgotten (its requests ended): with one rank,
+    # yes; with several, a rank may have run the step the others did not.
+    can_recover_from_step_failures = False
 
     def __init__(self) -> None:
         self.dead_error: WorkerDiedError | None = None
@@ -71,6 +74,8 @@ class Executor(ABC):
 
 class UniProcExecutor(Executor):
     """One rank, in this process: the default single-device engine."""
+
+    can_recover_from_step_failures = True
 
     def __init__(self, driver: Worker) -> None:
         super().__init__()

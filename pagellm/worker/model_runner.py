@@ -33,6 +33,7 @@ from pagellm.spec_decode.rejection_sampler import greedy_verify, rejection_sampl
 from pagellm.structured.grammar_compiler import GrammarCompiler
 from pagellm.structured.token_masks import MaskTimer, apply_masks, fill_masks
 from pagellm.worker.cuda_graphs import Capture, DecodeGraphs, cuda_graph_capture
+from pagellm.worker.fault_injection import FaultInjector
 from pagellm.worker.kv_cache import allocate_kv_caches
 from pagellm.worker.model_inputs import ScheduledSequence, prepare_model_inputs
 
@@ -110,6 +111,8 @@ class ModelRunner:
         self.mask_timer = MaskTimer()  # time spent filling and applying masks
         # Speculative decoding with a draft model: set by the worker.
         self.draft: DraftModelProposer | None = None
+        # Tests only: steps made to fail on purpose (worker/fault_injection.py).
+        self.faults = FaultInjector.from_env()
 
     def capture_decode_graphs(
         self, sizes: list[int], max_model_len: int, capture: Capture | None = None
@@ -170,6 +173,8 @@ class ModelRunner:
                     state.token_ids[start:end] + proposal, start, state.block_ids, end == len(state.token_ids)
                 )
             )
+        if self.faults is not None:
+            self.faults.check(scheduler_output)
         if self.decode_graphs is not None and self.decode_graphs.can_run(sequences):
             hidden = self.decode_graphs.run(sequences)
             starts = list(range(len(sequences) + 1))

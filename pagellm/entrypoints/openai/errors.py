@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagellm.engine.async_llm import EngineDeadError, EngineOverloadedError
 from pagellm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
-from pagellm.errors import ChatTemplateError, InvalidRequestError, PagellmError
+from pagellm.errors import ChatTemplateError, InvalidRequestError, PagellmError, RequestFailedError
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +67,8 @@ def to_api_error(exc: BaseException) -> APIError:
         return APIError(503, str(exc), code="overloaded")
     if isinstance(exc, EngineDeadError):
         return APIError(503, f"The engine is not running: {exc}", code="engine_dead")
+    if isinstance(exc, RequestFailedError):  # logged with its traceback by the engine
+        return APIError(500, f"Internal error: {exc}", code="internal_error")
     logger.error("internal error while serving a request", exc_info=exc)
     return APIError(500, f"Internal server error: {type(exc).__name__}", code="internal_error")
 
