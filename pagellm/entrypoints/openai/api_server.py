@@ -27,6 +27,8 @@ from pagellm.engine.async_llm import AsyncLLM
 from pagellm.engine.cli_args import engine_args_from_namespace
 from pagellm.entrypoints.openai import metrics
 from pagellm.entrypoints.openai.auth import ApiKeyMiddleware
+from pagellm.entrypoints.openai.limits_config import RequestLimits
+from pagellm.entrypoints.openai.request_limits import BodySizeLimitMiddleware
 from pagellm.entrypoints.openai.errors import install_error_handlers, to_api_error
 from pagellm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -54,10 +56,12 @@ def build_app(
     served_model_name: str | None = None,
     api_key: str | None = None,
     on_ready: Callable[[], None] | None = None,
+    limits: RequestLimits | None = None,
 ) -> FastAPI:
     """The FastAPI app serving `async_llm`; its lifespan starts and stops the engine loop."""
     name = served_model_name or async_llm.engine.config.source.name
-    context = ServingContext(async_llm, name)
+    limits = limits or RequestLimits()
+    context = ServingContext(async_llm, name, limits)
     completions = CompletionServing(context)
     chat = ChatServing(context)
     tokens = TokenServing(context)
@@ -75,7 +79,8 @@ def build_app(
 
     app = FastAPI(title="pagellm", lifespan=lifespan)
     install_error_handlers(app)
-    if api_key:
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=limits.max_request_body_bytes)
+    if api_key:  # added last: runs first, so that no body is read for a bad key
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
 
     @app.get("/health")
@@ -170,6 +175,7 @@ def run_server(args: argparse.Namespace) -> None:
         name,
         args.api_key,
         on_ready=lambda: logger.info("%s", _ready_message(async_llm, name, sock)),
+        limits=RequestLimits.from_namespace(args),
     )
     config = uvicorn.Config(
         app,

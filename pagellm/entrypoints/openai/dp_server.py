@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -38,6 +39,7 @@ from pagellm.engine.cli_args import engine_args_from_namespace, engine_args_to_c
 from pagellm.entrypoints.dashboard import STATIC_DIR
 from pagellm.entrypoints.openai.api_server import bind_socket, keep_signals_from_killing
 from pagellm.entrypoints.openai.auth import ApiKeyMiddleware
+from pagellm.entrypoints.openai.limits_config import RequestLimits
 from pagellm.entrypoints.openai.errors import APIError
 from pagellm.entrypoints.openai.serve_command import API_KEY_ENV
 from pagellm.entrypoints.openai.replicas import Replica, start_process_replicas, start_ray_replicas
@@ -311,6 +313,10 @@ def replica_serve_args(args: argparse.Namespace, engine_args: EngineArgs, name: 
     flags = ["--served-model-name", name, "--shutdown-timeout", str(args.shutdown_timeout)]
     if args.max_num_queued_requests is not None:
         flags += ["--max-num-queued-requests", str(args.max_num_queued_requests)]
+    for field in dataclasses.fields(RequestLimits):  # each replica checks the limits
+        value = getattr(args, field.name, None)
+        if value is not None:
+            flags += ["--" + field.name.replace("_", "-"), str(value)]
     return flags + engine_args_to_cli(engine_args)
 
 

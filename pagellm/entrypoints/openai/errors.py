@@ -28,6 +28,7 @@ _TYPE_BY_STATUS = {
     401: "invalid_request_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
+    413: "invalid_request_error",
     500: "internal_server_error",
     503: "service_unavailable",
 }

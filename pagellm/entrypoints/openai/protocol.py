@@ -14,7 +14,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
-MAX_N = 128  # completions per request; n is a real cost multiplier, so it is bounded
+from pagellm.entrypoints.openai.limits_config import MAX_N
+
 MAX_LOGPROBS = 20  # alternatives per position
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1

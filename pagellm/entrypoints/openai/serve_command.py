@@ -10,6 +10,7 @@ import argparse
 import os
 
 from pagellm.engine.cli_args import add_engine_args
+from pagellm.entrypoints.openai.limits_config import RequestLimits, add_limit_args
 from pagellm.errors import ConfigError
 
 API_KEY_ENV = "PAGELLM_API_KEY"
@@ -62,6 +63,7 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentP
         help="how the replicas are chosen: affinity = prefix-cache affinity, then load; "
         "load = the least loaded replica only (default: affinity)",
     )
+    add_limit_args(serve)
     add_engine_args(serve)
     return serve
 
@@ -77,6 +79,7 @@ def run_serve(args: argparse.Namespace) -> None:
         raise ConfigError(f"--port must be in [0, 65535], got {args.port}")
     if args.shutdown_timeout < 0:
         raise ConfigError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+    RequestLimits.from_namespace(args)  # a bad limit fails here, named
     if args.data_parallel_size < 1:
         raise ConfigError(f"--data-parallel-size must be at least 1, got {args.data_parallel_size}")
     if args.data_parallel_size > 1:

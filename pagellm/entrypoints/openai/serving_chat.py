@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response
 
 from pagellm.engine.async_llm import NewRequest, OutputStream
 from pagellm.entrypoints.openai.errors import APIError, to_api_error
+from pagellm.entrypoints.openai.request_limits import check_chat
 from pagellm.entrypoints.openai.logprobs import chat_logprobs
 from pagellm.entrypoints.openai.protocol import (
     ChatChoice,
@@ -151,6 +152,7 @@ class ChatServing:
         arrival_time = time.time()  # queueing in the server counts toward latency
         context = self.context
         context.check_model(body.model)
+        check_chat(context.limits, body)
         tools = tool_mode(body)
         params, constraint_field = self._sampling_params(body, tools)
         prompt_ids = chat_prompt_ids(context.tokenizer, body.messages, body, tools)

@@ -7,6 +7,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from pagellm.engine.async_llm import AsyncLLM, NewRequest, OutputStream
+from pagellm.entrypoints.openai.limits_config import RequestLimits
 from pagellm.entrypoints.openai.errors import APIError
 from pagellm.entrypoints.openai.protocol import UsageInfo
 from pagellm.errors import InvalidRequestError
@@ -19,6 +20,7 @@ from pagellm.tokenizer import Tokenizer
 class ServingContext:
     async_llm: AsyncLLM
     served_model_name: str
+    limits: RequestLimits = RequestLimits()
 
     @property
     def tokenizer(self) -> Tokenizer:

@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, Response
 
 from pagellm.engine.async_llm import NewRequest, OutputStream
 from pagellm.entrypoints.openai.errors import APIError, to_api_error
+from pagellm.entrypoints.openai.request_limits import check_completion
 from pagellm.entrypoints.openai.logprobs import CompletionLogprobsBuilder
 from pagellm.entrypoints.openai.protocol import (
     CompletionChoice,
@@ -94,6 +95,7 @@ class CompletionServing:
         context = self.context
         context.check_model(body.model)
         prompts = normalize_prompts(body.prompt)
+        check_completion(context.limits, body, len(prompts))
         params, constraint_field = self._sampling_params(body)
         response_id = new_request_id("cmpl")
         engine_ids = [f"{response_id}-{i}" for i in range(len(prompts))]
