@@ -27,6 +27,7 @@ from pagellm.engine.async_llm import AsyncLLM
 from pagellm.engine.cli_args import engine_args_from_namespace
 from pagellm.entrypoints.openai import metrics
 from pagellm.entrypoints.openai.auth import ApiKeyMiddleware
+from pagellm.entrypoints.openai.openapi_docs import GENERATION, HEALTH, READ, TOKENS, install_openapi
 from pagellm.entrypoints.openai.limits_config import RequestLimits
 from pagellm.entrypoints.openai.request_limits import BodySizeLimitMiddleware
 from pagellm.entrypoints.openai.errors import install_error_handlers, to_api_error
@@ -79,11 +80,12 @@ def build_app(
 
     app = FastAPI(title="pagellm", lifespan=lifespan)
     install_error_handlers(app)
+    install_openapi(app)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=limits.max_request_body_bytes)
     if api_key:  # added last: runs first, so that no body is read for a bad key
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
 
-    @app.get("/health")
+    @app.get("/health", responses=HEALTH)
     async def health() -> Response:
         error = async_llm.dead_error
         if error is not None:
@@ -95,20 +97,20 @@ def build_app(
         body, content_type = metrics.render(registry)
         return Response(body, media_type=content_type)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=READ)
     async def list_models() -> ModelList:
         # No file path in `root`: clients need not learn the server's file layout.
         return ModelList(data=[ModelCard(id=name, root=name, max_model_len=context.max_model_len)])
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=GENERATION)
     async def create_completion(body: CompletionRequest, raw: Request) -> Response:
         return await completions.create(body, raw)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=GENERATION)
     async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Response:
         return await chat.create(body, raw)
 
-    @app.get("/v1/engine/state")
+    @app.get("/v1/engine/state", responses=HEALTH)
     async def engine_state() -> Response:
         """The block map, queues and time series the dashboard draws."""
         error = async_llm.dead_error
@@ -124,11 +126,11 @@ def build_app(
 
     app.mount("/dashboard", StaticFiles(directory=STATIC_DIR, html=True), name="dashboard")
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", responses=TOKENS)
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
         return tokens.tokenize(body)
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", responses=TOKENS)
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         return tokens.detokenize(body)
 

@@ -13,8 +13,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagellm.entrypoints.openai.errors import APIError
 
-# The dashboard is an operator view like /metrics (a browser page cannot send the key).
-OPEN_PATHS = frozenset({"/health", "/metrics", "/v1/engine/state", "/dashboard"})
+# The dashboard is an operator view like /metrics (a browser page cannot send the key);
+# the API's schema is public knowledge that client generators and fuzzers start from.
+OPEN_PATHS = frozenset({"/health", "/metrics", "/v1/engine/state", "/dashboard", "/openapi.json"})
 OPEN_PREFIXES = ("/dashboard/",)
 
 

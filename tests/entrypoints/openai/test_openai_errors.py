@@ -199,3 +199,18 @@ def test_tokenize_and_detokenize(server, model_name):
     chat_tokens = post(server, "/tokenize", {"messages": [{"role": "user", "content": "hi"}]}).json()
     assert bytes(chat_tokens["tokens"]) == b"<user>hi\n<assistant>"
     assert post(server, "/detokenize", {"tokens": list(b"hi!")}).json() == {"prompt": "hi!"}
+
+
+def test_the_openapi_schema_documents_each_status_with_the_error_body(server):
+    spec = httpx2.get(server.base_url + "/openapi.json", timeout=30).json()
+    error_ref = {"$ref": "#/components/schemas/ErrorResponse"}
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        operation = spec["paths"][path]["post"]
+        assert "requestBody" in operation
+        responses = operation["responses"]
+        assert sorted(responses) == ["200", "400", "401", "404", "413", "500", "503"]
+        for status in ("400", "401", "404", "413", "500", "503"):
+            assert responses[status]["content"]["application/json"]["schema"] == error_ref
+    # The server answers invalid bodies with 400 in OpenAI's shape, not FastAPI's 422.
+    assert not any("422" in op["responses"] for ops in spec["paths"].values() for op in ops.values())
+    assert "HTTPValidationError" not in spec["components"]["schemas"]
