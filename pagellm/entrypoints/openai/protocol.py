@@ -32,6 +32,7 @@ class OpenAIModel(BaseModel):
 
 class StreamOptions(OpenAIModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: usage in every chunk, counted so far
 
 
 class JsonSchemaFormat(OpenAIModel):

@@ -41,6 +41,7 @@ from pagellm.entrypoints.openai.serving_common import (
     ServingContext,
     collect_finals,
     new_request_id,
+    continuous_usage,
     usage_of,
 )
 from pagellm.entrypoints.openai.streaming import (
@@ -214,7 +215,7 @@ class ChatServing:
                     if (choice := self._delta_choice(job, completion))
                 ]
                 if choices:
-                    yield self._chunk(job, choices)
+                    yield self._chunk(job, choices, continuous_usage(body, [output]))
             if body.stream_options is not None and body.stream_options.include_usage:
                 yield self._chunk(job, [], usage_of([latest] if latest else []))
         except Exception as e:  # noqa: BLE001 - the status is sent: report in the stream

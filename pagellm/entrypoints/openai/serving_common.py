@@ -69,17 +69,27 @@ def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def usage_of(outputs: Iterable[RequestOutput]) -> UsageInfo:
-    """Token counts of the latest outputs: the prompt once per request, every completion."""
+def usage_of(outputs: Iterable[RequestOutput], prompt_only: bool = False) -> UsageInfo:
+    """Token counts of the latest outputs: the prompt once per request, every completion
+    (none when only the prompt is reported: echo with max_tokens 0)."""
     prompt_tokens = completion_tokens = 0
     for output in outputs:
         prompt_tokens += len(output.prompt_token_ids)
-        completion_tokens += sum(len(c.token_ids) for c in output.outputs)
+        if not prompt_only:
+            completion_tokens += sum(len(c.token_ids) for c in output.outputs)
     return UsageInfo(
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
         total_tokens=prompt_tokens + completion_tokens,
     )
+
+
+def continuous_usage(body: object, latest: Iterable[RequestOutput], prompt_only: bool = False) -> UsageInfo | None:
+    """stream_options.continuous_usage_stats: the usage so far, for every chunk."""
+    options = getattr(body, "stream_options", None)
+    if options is None or not options.continuous_usage_stats:
+        return None
+    return usage_of(latest, prompt_only)
 
 
 async def collect_finals(stream: OutputStream) -> dict[str, RequestOutput]:

@@ -33,6 +33,7 @@ from pagellm.entrypoints.openai.sampling import (
 from pagellm.entrypoints.openai.serving_common import (
     ServingContext,
     collect_finals,
+    continuous_usage,
     new_request_id,
     usage_of,
 )
@@ -57,6 +58,9 @@ class _Job:
     body: CompletionRequest
     prompts: list[str | list[int]]
     engine_ids: list[str]
+    # echo with max_tokens 0 (scoring a text): the prompt (and its logprobs) only. The
+    # engine computes one token, which is not reported.
+    prompt_only: bool = False
 
     def prompt_index(self, engine_id: str) -> int:
         return int(engine_id.rsplit("-", 1)[1])
@@ -85,6 +89,10 @@ class CompletionServing:
         fields = common_sampling_fields(body, self.context.vocab_size)
         fields["structured_outputs"], constraint_field = structured_outputs(body)
         fields["max_tokens"] = body.max_tokens
+        if body.max_tokens == 0:
+            if not body.echo:
+                raise APIError(400, "max_tokens must be at least 1 (0 only with echo: the prompt alone).", param="max_tokens")
+            fields["max_tokens"] = 1
         fields["logprobs"] = body.logprobs
         if body.echo and body.logprobs is not None:
             fields["prompt_logprobs"] = body.logprobs
@@ -99,7 +107,7 @@ class CompletionServing:
         params, constraint_field = self._sampling_params(body)
         response_id = new_request_id("cmpl")
         engine_ids = [f"{response_id}-{i}" for i in range(len(prompts))]
-        job = _Job(response_id, context.served_model_name, body, prompts, engine_ids)
+        job = _Job(response_id, context.served_model_name, body, prompts, engine_ids, prompt_only=body.max_tokens == 0)
         stream = await context.add_requests(
             [
                 NewRequest(rid, prompt, params, body.priority, arrival_time)
@@ -126,6 +134,7 @@ class CompletionServing:
             output = finals[engine_id]
             prefix = self._prompt_text(job, output) if body.echo else ""
             for completion in output.outputs:
+                generated_ids = [] if job.prompt_only else completion.token_ids
                 logprobs = None
                 if body.logprobs is not None:
                     builder = CompletionLogprobsBuilder(self.context.tokenizer, body.logprobs)
@@ -133,13 +142,13 @@ class CompletionServing:
                     if body.echo:
                         token_ids += output.prompt_token_ids
                         positions += output.prompt_logprobs or [None] * len(token_ids)
-                    token_ids += completion.token_ids
-                    positions += completion.logprobs or [None] * len(completion.token_ids)
+                    token_ids += generated_ids
+                    positions += (completion.logprobs or [None] * len(generated_ids))[: len(generated_ids)]
                     logprobs = builder.build(token_ids, positions)
                 choices.append(
                     CompletionChoice(
                         index=prompt_index * body.n + completion.index,
-                        text=prefix + completion.text,
+                        text=prefix + ("" if job.prompt_only else completion.text),
                         logprobs=logprobs,
                         finish_reason=completion.finish_reason,
                         stop_reason=completion.stop_reason,
@@ -147,7 +156,7 @@ class CompletionServing:
                 )
         choices.sort(key=lambda choice: choice.index)
         return CompletionResponse(
-            id=job.response_id, model=job.model, choices=choices, usage=usage_of(finals.values())
+            id=job.response_id, model=job.model, choices=choices, usage=usage_of(finals.values(), job.prompt_only)
         )
 
     # ----------------------------------------------------------------- streaming
@@ -165,8 +174,9 @@ class CompletionServing:
                 latest[output.request_id] = output
                 for completion in output.outputs:
                     # Only what this step added: the engine's delta fields.
-                    new_token_ids = completion.delta_token_ids
-                    if not (completion.delta_text or new_token_ids or completion.finished):
+                    new_token_ids = [] if job.prompt_only else completion.delta_token_ids
+                    delta_text = "" if job.prompt_only else completion.delta_text
+                    if not (delta_text or new_token_ids or completion.finished):
                         continue
                     index = prompt_index * body.n + completion.index
                     logprobs = None
@@ -174,21 +184,21 @@ class CompletionServing:
                         builder = builders.setdefault(
                             index, CompletionLogprobsBuilder(self.context.tokenizer, body.logprobs)
                         )
-                        positions = completion.delta_logprobs or [None] * len(new_token_ids)
+                        positions = (completion.delta_logprobs or [None] * len(new_token_ids))[: len(new_token_ids)]
                         logprobs = builder.build(new_token_ids, positions)
                     choices.append(
                         CompletionChoice(
                             index=index,
-                            text=completion.delta_text,
+                            text=delta_text,
                             logprobs=logprobs,
                             finish_reason=completion.finish_reason,
                             stop_reason=completion.stop_reason,
                         )
                     )
                 if choices:
-                    yield self._chunk(job, choices)
+                    yield self._chunk(job, choices, continuous_usage(body, latest.values(), job.prompt_only))
             if body.stream_options is not None and body.stream_options.include_usage:
-                yield self._chunk(job, [], usage_of(latest.values()))
+                yield self._chunk(job, [], usage_of(latest.values(), job.prompt_only))
         except Exception as e:  # noqa: BLE001 - the status is sent: report in the stream
             yield sse_event(to_api_error(e).body().model_dump_json())
         finally:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import httpx2
+import openai
 import pytest
 from serve_helpers import greedy_offline
 
@@ -107,6 +108,50 @@ def test_echo_puts_the_prompt_in_front(client, model_name, offline_llm):
         model=model_name, prompt=PROMPT, max_tokens=6, temperature=0, echo=True, stream=True
     )
     assert "".join(c.choices[0].text for c in streamed) == PROMPT + expected
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt_alone(client, model_name, offline_llm):
+    # The scoring idiom: the prompt back with its logprobs, no generated token.
+    from pagellm import SamplingParams
+
+    reference = offline_llm.generate([PROMPT], SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)[0]
+    result = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=0, echo=True, logprobs=1)
+    choice = result.choices[0]
+    assert choice.text == PROMPT and choice.finish_reason == "length"
+    assert result.usage.completion_tokens == 0 and result.usage.prompt_tokens == len(reference.prompt_token_ids)
+    assert choice.logprobs.token_logprobs[0] is None
+    expected = [entry[token].logprob for token, entry in zip(reference.prompt_token_ids[1:], reference.prompt_logprobs[1:])]
+    assert choice.logprobs.token_logprobs[1:] == pytest.approx(expected, abs=1e-4)
+    streamed = list(
+        client.completions.create(
+            model=model_name, prompt=PROMPT, max_tokens=0, echo=True, stream=True,
+            stream_options={"include_usage": True},
+        )
+    )  # fmt: skip
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == PROMPT
+    assert streamed[-1].usage.completion_tokens == 0
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(model=model_name, prompt=PROMPT, max_tokens=0)
+
+
+def test_continuous_usage_stats_put_usage_in_every_chunk(client, model_name):
+    for create, kwargs in (
+        (client.completions.create, {"prompt": PROMPT}),
+        (client.chat.completions.create, {"messages": [{"role": "user", "content": PROMPT}]}),
+    ):
+        chunks = list(
+            create(
+                model=model_name, max_tokens=6, temperature=0, stream=True, **kwargs,
+                stream_options={"include_usage": True, "continuous_usage_stats": True},
+                extra_body={"ignore_eos": True},
+            )
+        )  # fmt: skip
+        # Every chunk of tokens carries the usage so far (the chat's opening role chunk
+        # comes before any output).
+        with_tokens = [c for c in chunks[1:] if c.choices]
+        counted = [c.usage.completion_tokens for c in with_tokens]
+        assert len(counted) >= 2 and counted == sorted(counted) and counted[-1] == 6
+        assert chunks[-1].usage.completion_tokens == 6
 
 
 def test_stop_token_ids_and_ignore_eos_and_min_tokens(client, model_name, offline_llm):
