@@ -40,6 +40,9 @@ from typing import Any
 import httpx2
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from pagellm.bench.machine import cpu_info  # noqa: E402
 READY = re.compile(r"pagellm is ready: model '[^']*' at (http://[^/ ]+)/v1")
 BODY_LIMIT = 64 * 1024
 
@@ -401,6 +404,7 @@ def main() -> int:
     finally:
         status = server.stop()
     result = summarize(run, args)
+    result["cpu"] = cpu_info()
     result["server_exit_status"] = status
     result["checks"]["server exits 0 on SIGINT"] = status == 0
     result["passed"] = all(result["checks"].values())
