@@ -17,7 +17,14 @@ At the end it checks, and exits 1 if any check fails:
 - once the load stops: running = waiting = 0 and every KV block is free;
 - RSS after warm-up grew by less than 5%; file descriptors and threads came back to
   their level before the load.
-It prints a table and writes soak.json (and soak.png: RSS, KV usage, requests over time).
+It prints a table and writes soak.json (and soak.png: RSS, KV usage, requests over time;
+soak.log, the server's output, when a check failed).
+
+With --fault-rate R (tests only) the server makes that share of its steps fail
+(PAGELLM_FAULT_INJECTION): a request in a failing step must end with a 500 or a stream
+error event, and the requests the clients saw fail must be exactly the ones the server
+ended for their steps (pagellm:request_failures_total; a client that cancelled sees
+none), with everything else served as usual and the server still serving at the end.
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ sys.path.insert(0, str(ROOT))
 from pagellm.bench.machine import cpu_info  # noqa: E402
 READY = re.compile(r"pagellm is ready: model '[^']*' at (http://[^/ ]+)/v1")
 BODY_LIMIT = 64 * 1024
+FAULTS_ON = False  # --fault-rate > 0: 500 internal_error is how a failed step's request ends
 
 
 # ----------------------------------------------------------------------- server
@@ -61,6 +69,8 @@ class Server:
         if args.model:
             command += ["--model", args.model]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        if args.fault_rate > 0:  # tests only: steps fail on purpose (worker/fault_injection.py)
+            env["PAGELLM_FAULT_INJECTION"] = f"rate={args.fault_rate},seed={args.seed}"
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         self.log: list[str] = []
         self.url = ""
@@ -121,6 +131,7 @@ class Outcome:
     status: int | None = None
     ok: bool = True  # matched what this kind of request must get
     problem: str = ""
+    failed: bool = False  # ended by a failing engine step (500 / stream error event)
     ttft: float | None = None
     itl: list[float] = field(default_factory=list)
 
@@ -201,6 +212,8 @@ def check_refusal(kind: str, status: int, allowed: set[int]) -> Outcome:
 async def plain(client: httpx2.AsyncClient, base: str, path: str, body: dict[str, Any], kind: str) -> Outcome:
     response = await client.post(base + path, json=body)
     if response.status_code != 200:  # 503: refused while the queue is full (bursts fill it)
+        if FAULTS_ON and response.status_code == 500 and '"internal_error"' in response.text:
+            return Outcome(kind, 500, True, failed=True)
         ok = response.status_code == 503
         return Outcome(kind, response.status_code, ok, "" if ok else f"status {response.status_code}: {response.text[:200]}")
     data = response.json()
@@ -237,6 +250,9 @@ async def streamed(
                 continue
             chunk = json.loads(line[6:])
             if "error" in chunk:
+                if FAULTS_ON and chunk["error"].get("code") == "internal_error":
+                    outcome.failed = True
+                    return outcome
                 outcome.ok, outcome.problem = False, f"stream error {chunk['error']}"
                 return outcome
             for choice in chunk.get("choices", []):
@@ -301,12 +317,22 @@ async def drive(server: Server, args: argparse.Namespace) -> dict[str, Any]:
             if values.get("pagellm:num_requests_running", 1) == 0 and values.get("pagellm:num_requests_waiting", 1) == 0:
                 break
             await asyncio.sleep(0.5)
-        final_metrics = metric_values((await client.get(base + "/metrics")).text)
+        # Still serving once the load is over (a probe may itself draw a failing step).
+        still_serving = False
+        for _ in range(3):
+            probe = await plain(client, base, "/v1/completions", {"prompt": "still there?", "max_tokens": 4}, "probe")
+            outcomes.append(probe)
+            if probe.status == 200:
+                still_serving = True
+                break
+        final_text = (await client.get(base + "/metrics")).text
+        final_metrics = metric_values(final_text)
         sampler.cancel()
     # The client's pooled connections are closed now: the server's sockets with them.
     await asyncio.sleep(2.0)
     after = server.proc()
-    return {"outcomes": outcomes, "samples": samples, "baseline": baseline, "after": after, "metrics": final_metrics}
+    return {"outcomes": outcomes, "samples": samples, "baseline": baseline, "after": after, "metrics": final_metrics,
+            "still_serving": still_serving}  # fmt: skip
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -322,7 +348,12 @@ def summarize(run: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     by_kind = Counter(o.kind for o in outcomes)
     statuses = Counter(str(o.status) for o in outcomes)
     problems = [f"{o.kind}: {o.problem}" for o in outcomes if not o.ok]
-    unexpected_5xx = sum(1 for o in outcomes if o.status is not None and o.status >= 500 and o.status != 503)
+    unexpected_5xx = sum(
+        1 for o in outcomes if o.status is not None and o.status >= 500 and o.status != 503 and not o.failed
+    )
+    client_failed = sum(o.failed for o in outcomes)
+    server_failed = int(run["metrics"].get("pagellm:request_failures_total", 0))
+    cancelled = sum(1 for o in outcomes if o.kind == "cancel_stream")
     warm = [s for s in samples if s["t"] >= min(60.0, args.duration * 0.2)]
     rss_start = warm[0]["rss_mib"] if warm else run["baseline"]["rss_mib"]
     rss_end = run["after"]["rss_mib"]
@@ -336,6 +367,11 @@ def summarize(run: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
         "file descriptors back to baseline": run["after"]["fds"] <= run["baseline"]["fds"] + 2,
         "threads back to baseline": run["after"]["threads"] <= run["baseline"]["threads"] + 2,
     }  # fmt: skip
+    if args.fault_rate > 0:
+        # No collateral loss: every failure a client saw is a request the server ended for
+        # its step (a client that had gone away sees none of its own).
+        checks["failures are only the failed steps' requests"] = client_failed <= server_failed <= client_failed + cancelled
+        checks["still serving after the faults"] = run["still_serving"]
     ttfts = [o.ttft for o in outcomes if o.ttft is not None]
     itls = [gap for o in outcomes for gap in o.itl]
     return {
@@ -349,6 +385,10 @@ def summarize(run: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
         "by_status": dict(statuses),
         "cancelled_by_client": by_kind.get("cancel_stream", 0),
         "unexpected_5xx": unexpected_5xx,
+        "fault_rate": args.fault_rate,
+        "failed_requests_seen_by_clients": client_failed,
+        "requests_ended_by_failed_steps": server_failed,
+        "failed_steps": int(run["metrics"].get("pagellm:failed_steps_total", 0)),
         "problems": problems[:20],
         "num_problems": len(problems),
         "leaked_blocks": int(metrics.get("pagellm:num_usable_blocks", 0) - metrics.get("pagellm:num_free_blocks", 0)),
@@ -397,7 +437,11 @@ def main() -> int:
     parser.add_argument("--max-queued", type=int, default=8, help="--max-num-queued-requests of the server")
     parser.add_argument("--max-num-seqs", type=int, default=16)
     parser.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
+    parser.add_argument("--fault-rate", type=float, default=0.0, help="share of steps made to fail (tests only)")
+    parser.add_argument("--name", default="soak", help="result files' name (NAME.json, NAME.png)")
     args = parser.parse_args()
+    global FAULTS_ON
+    FAULTS_ON = args.fault_rate > 0
     server = Server(args)
     try:
         run = asyncio.run(drive(server, args))
@@ -410,8 +454,10 @@ def main() -> int:
     result["passed"] = all(result["checks"].values())
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "soak.json").write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
-    plot(run["samples"], out / "soak.png")
+    (out / f"{args.name}.json").write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    plot(run["samples"], out / f"{args.name}.png")
+    if not result["passed"]:  # the server's side of what went wrong
+        (out / f"{args.name}.log").write_text("".join(server.log), encoding="utf-8")
     print(json.dumps({k: v for k, v in result.items() if k not in ("problems",)}))
     width = max(len(name) for name in result["checks"])
     print(f"\n{result['requests']} requests in {args.duration:.0f} s; by status {result['by_status']}; by kind {result['by_kind']}")

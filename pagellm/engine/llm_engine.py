@@ -425,6 +425,7 @@ class LLMEngine:
                 [i for i in ids if i in self.scheduler.requests], RequestStatus.FINISHED_ABORTED
             )
             outputs.append(output)
+        self.metrics.record_failed_step(len(outputs))
         self.metrics.record_outputs(outputs, time.time())
         self.metrics.update_scheduler_metrics(self.scheduler.make_stats())
         return outputs

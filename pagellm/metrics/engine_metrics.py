@@ -225,6 +225,11 @@ class EngineMetrics:
         if mask_seconds > 0:
             self.prom.structured_mask_seconds.observe(mask_seconds)
 
+    def record_failed_step(self, num_requests: int) -> None:
+        self.prom.failed_steps.inc()
+        if num_requests:
+            self.prom.request_failures.inc(num_requests)
+
     def record_speculation(self, num_drafts: int, num_draft_tokens: int, num_accepted_tokens: int) -> None:
         """Speculative verifications since the last call (acceptance rate = accepted / draft tokens)."""
         if num_drafts:

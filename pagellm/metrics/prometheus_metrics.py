@@ -108,6 +108,10 @@ class PrometheusMetrics:
             _COMPILE_BUCKETS,
         )  # fmt: skip
         self.grammar_cache_hits = counter("grammar_cache_hits", "Output constraints found already compiled.")
+        self.failed_steps = counter("failed_steps", "Engine steps that raised (their requests were ended).")
+        self.request_failures = counter(
+            "request_failures", "Requests ended because an engine step they were in failed."
+        )
         self.spec_decode_num_drafts = counter("spec_decode_num_drafts", "Speculative verifications (one per request and step).")
         self.spec_decode_num_draft_tokens = counter("spec_decode_num_draft_tokens", "Tokens proposed for verification.")
         self.spec_decode_num_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Proposed tokens the model accepted.")

@@ -38,6 +38,8 @@ def test_failed_steps_fail_their_requests_and_the_server_serves_on(tiny_model, m
         assert completion(server).status_code == 200
         metrics = httpx2.get(server.base_url + "/metrics", timeout=30).text
         assert 'finished_reason="error"' in metrics
+        failures = [line for line in metrics.splitlines() if line.startswith("pagellm:request_failures_total")]
+        assert failures and float(failures[0].rsplit(" ", 1)[1]) == 2  # the two failed requests
     finally:
         assert server.stop() == 0, server.log
 
