@@ -137,6 +137,16 @@ class Scheduler:
         self._next_arrival_index += 1
         self.waiting.add(request)
 
+    def fail_step(self, scheduler_output: SchedulerOutput) -> list[str]:
+        """A step that raised: end every request it scheduled or preempted (their state
+        may be half-updated) and send its finished ids again, since the runner may never
+        have seen them. Returns the ended ids."""
+        self._finished_req_ids |= scheduler_output.finished_req_ids
+        involved = [*scheduler_output.num_scheduled_tokens, *scheduler_output.preempted_req_ids]
+        ended = [request_id for request_id in involved if request_id in self.requests]
+        self.finish_requests(ended, RequestStatus.FINISHED_ABORTED)
+        return ended
+
     def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
         """Finish requests from outside (abort, stop string), whatever state they are in.
 

@@ -412,17 +412,15 @@ class LLMEngine:
                 f"{self._consecutive_step_failures} engine step(s) failed in a row, the last with {error!r}"
             ) from error
         message = f"the engine step computing this request failed ({type(error).__name__}: {error})"
-        involved = list(scheduler_output.num_scheduled_tokens) + list(scheduler_output.preempted_req_ids)
         outputs: list[RequestOutput] = []
-        for scheduler_id in involved:
+        for scheduler_id in self.scheduler.fail_step(scheduler_output):
             output = self.output_processor.fail(scheduler_id, message)
             if output is None:
-                continue
-            ids = [output.request_id] + [
-                child_request_id(output.request_id, i) for i in range(1, len(output.outputs))
-            ]
+                continue  # a completion of a request already ended
+            # Its other completions (n > 1) end with it, wherever they are.
+            siblings = [child_request_id(output.request_id, i) for i in range(1, len(output.outputs))]
             self.scheduler.finish_requests(
-                [i for i in ids if i in self.scheduler.requests], RequestStatus.FINISHED_ABORTED
+                [i for i in [output.request_id, *siblings] if i in self.scheduler.requests], RequestStatus.FINISHED_ABORTED
             )
             outputs.append(output)
         self.metrics.record_failed_step(len(outputs))

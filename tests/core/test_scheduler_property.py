@@ -1,4 +1,4 @@
-"""Property test: random add / step / abort / stop sequences on small pools.
+"""Property test: random add / step / abort / stop / failed-step sequences on small pools.
 
 Every configuration axis is drawn (block size, pool sizes, chunked prefill, budget,
 max_num_seqs, prefix caching, policy, preemption mode). After every operation the
@@ -98,6 +98,7 @@ def operations(setup: Setup) -> st.SearchStrategy[list[tuple]]:
         st.tuples(st.just("step")),
         st.tuples(st.just("abort"), st.integers(0, 30)),
         st.tuples(st.just("stop"), st.integers(0, 30)),
+        st.tuples(st.just("fail"), st.booleans()),  # a step that raises (ran or not)
     )
     # A burst of arrivals first puts the small pools under pressure at once.
     return st.tuples(
@@ -179,6 +180,14 @@ def test_random_workloads_finish_and_keep_invariants(setup: Setup, data) -> None
                 requests.append(request)
         elif kind == "step":
             step(scheduler, runner)
+        elif kind == "fail":
+            # The engine's answer to a step that raised (LLMEngine._fail_step): no
+            # update_from_output; every request it scheduled or preempted is ended. The
+            # runner may have run part of it or none.
+            out = scheduler.schedule()
+            if op[1]:
+                runner.execute(out)
+            aborted.update(scheduler.fail_step(out))
         else:
             if requests:
                 target = requests[op[1] % len(requests)]
