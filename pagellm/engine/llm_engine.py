@@ -385,7 +385,7 @@ class LLMEngine:
             self.scheduler.finish_requests(result.stopped_req_ids, RequestStatus.FINISHED_STOPPED)
         self.metrics.record_structured_outputs(*self.grammars.take_stats(), self.runner.mask_timer.take())
         if self.speculator is not None:
-            self.speculator.observe_step(sum(scheduler_output.num_scheduled_tokens.values()), time.perf_counter() - started)
+            self.speculator.observe_step(scheduler_output.total_num_scheduled_tokens, time.perf_counter() - started)
             self.metrics.record_speculation(*self.speculator.take_new())
         self.metrics.record_step(
             scheduler_output,

@@ -75,7 +75,7 @@ class DraftModelProposer:
             start = self.computed.get(item.req_id, 0)
             sequences.append(ScheduledSequence(item.token_ids[start : item.num_tokens], start, item.block_ids, True))
         logits = self._forward(sequences)
-        drafts = {item.req_id: Drafts([], []) for item in work}
+        drafts = {item.req_id: Drafts([], None) for item in work}
         self._choose(work, logits, drafts, choose)
         for item in work:
             self.computed[item.req_id] = item.num_tokens
@@ -88,9 +88,6 @@ class DraftModelProposer:
                 for item in active
             ]
             self._choose(active, self._forward(sequences), drafts, choose)
-        for result in drafts.values():
-            if result.probs is not None and not result.probs:
-                result.probs = None
         return drafts
 
     def verified(self, req_id: str, num_tokens: int, num_drafts: int, num_accepted: int) -> None:
@@ -109,7 +106,5 @@ class DraftModelProposer:
             result = drafts[item.req_id]
             token, probs = choose(item.req_id, result.token_ids, logits[row])
             result.token_ids.append(token)
-            if probs is None:
-                result.probs = None
-            elif result.probs is not None:
-                result.probs.append(probs)
+            if probs is not None:  # a request draws every draft token, or none (greedy)
+                result.probs = [*(result.probs or []), probs]

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from pagellm.core.scheduler_output import SchedulerOutput
 from pagellm.errors import ConfigError
@@ -30,37 +30,36 @@ class InjectedFault(RuntimeError):
 @dataclass
 class FaultInjector:
     rate: float = 0.0
-    steps: set[int] = field(default_factory=set)
+    steps: frozenset[int] = frozenset()
     request: str | None = None
     seed: int = 0
-    num_steps: int = 0
 
     def __post_init__(self) -> None:
         self._random = random.Random(self.seed)
+        self.num_steps = 0
 
     @classmethod
     def from_env(cls) -> FaultInjector | None:
         spec = os.environ.get(ENV_VAR, "").strip()
         if not spec:
             return None
-        injector = cls()
+        settings: dict[str, object] = {}
         for part in spec.split(","):
             key, _, value = part.strip().partition("=")
             try:
                 if key == "rate":
-                    injector.rate = float(value)
+                    settings["rate"] = float(value)
                 elif key == "seed":
-                    injector.seed = int(value)
+                    settings["seed"] = int(value)
                 elif key == "steps":
-                    injector.steps = {int(step) for step in value.split(":") if step}
+                    settings["steps"] = frozenset(int(step) for step in value.split(":") if step)
                 elif key == "request":
-                    injector.request = value
+                    settings["request"] = value
                 else:
                     raise ValueError(f"unknown key {key!r}")
             except ValueError as e:
                 raise ConfigError(f"{ENV_VAR}={spec!r}: {e} (rate=R, seed=S, steps=A:B, request=TEXT)") from None
-        injector.__post_init__()
-        return injector
+        return cls(**settings)  # type: ignore[arg-type]
 
     def check(self, scheduler_output: SchedulerOutput) -> None:
         """Raise InjectedFault if this step is one to fail."""

@@ -26,16 +26,16 @@ from pagellm.core.scheduler_output import (
 from pagellm.model.llama import LlamaForCausalLM
 from pagellm.request import child_request_id
 from pagellm.sample.penalties import PenaltyState
-from pagellm.sample.sampler import Sampler, SamplingBatch, gather_logprobs
+from pagellm.sample.sampler import Sampler, SamplingBatch
 from pagellm.sampling_params import SamplingParams
-from pagellm.spec_decode.draft_model import DraftModelProposer, Drafts, DraftWork
-from pagellm.spec_decode.rejection_sampler import greedy_verify, rejection_sample
+from pagellm.spec_decode.draft_model import DraftModelProposer, Drafts
 from pagellm.structured.grammar_compiler import GrammarCompiler
 from pagellm.structured.token_masks import MaskTimer, apply_masks, fill_masks
 from pagellm.worker.cuda_graphs import Capture, DecodeGraphs, cuda_graph_capture
 from pagellm.worker.fault_injection import FaultInjector
 from pagellm.worker.kv_cache import allocate_kv_caches
 from pagellm.worker.model_inputs import ScheduledSequence, prepare_model_inputs
+from pagellm.worker.spec_verification import SpeculativeVerifier, held_back_ids
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +113,7 @@ class ModelRunner:
         self.draft: DraftModelProposer | None = None
         # Tests only: steps made to fail on purpose (worker/fault_injection.py).
         self.faults = FaultInjector.from_env()
+        self.verifier = SpeculativeVerifier(self)
 
     def capture_decode_graphs(
         self, sizes: list[int], max_model_len: int, capture: Capture | None = None
@@ -159,7 +160,7 @@ class ModelRunner:
         proposals = scheduler_output.scheduled_spec_decode_tokens
         drafted: dict[str, Drafts] = {}
         if proposals and self.draft is not None:
-            drafted = self._run_draft(proposals)
+            drafted = self.verifier.draft(proposals)
             proposals = {req_id: result.token_ids for req_id, result in drafted.items()}
         sequences: list[ScheduledSequence] = []
         for req_id in req_ids:
@@ -188,115 +189,11 @@ class ModelRunner:
         )
         self._prompt_logprobs(req_ids, sequences, starts, hidden, output)
         if proposals:
-            self._verify(req_ids, proposals, starts, hidden, output, drafted)
+            self.verifier.verify(req_ids, proposals, starts, hidden, output, drafted)
         rows = self._sample_rows(req_ids, sequences, starts, proposals)
         if rows:
             self._sample(rows, hidden, output)
         return output
-
-    def _verify(
-        self,
-        req_ids: list[str],
-        proposals: dict[str, list[int]],
-        starts: list[int],
-        hidden: torch.Tensor,
-        output: ModelRunnerOutput,
-        drafts: dict[str, Drafts],
-    ) -> None:
-        """Verify each speculating request's proposal from its k + 1 rows' logits.
-
-        Plain greedy requests keep the drafts while they are the argmax, then the argmax.
-        Every other request goes through rejection sampling against the distribution its
-        token would be drawn from at each position (penalties, bias, held-back tokens,
-        temperature, top-k/top-p/min-p, with the drafts before the position counted as
-        output), so the emitted tokens follow exactly that distribution; a seeded request
-        draws from its own generator. A draft model's tokens drawn from its own
-        distribution q are accepted with min(1, p/q); greedy ones are point masses."""
-        spans = [(req_id, starts[i], starts[i + 1]) for i, req_id in enumerate(req_ids) if req_id in proposals]
-        index = torch.tensor([row for _, first, end in spans for row in range(first, end)], device=self.device)
-        logits = self.model.compute_logits(hidden[index])  # every rank: a collective under TP
-        if not self.is_driver:
-            return
-        offset = 0
-        for req_id, first, end in spans:
-            proposal = proposals[req_id]
-            rows = logits[offset : offset + end - first]
-            offset += end - first
-            state = self.requests[req_id]
-            params = state.sampling_params
-            draft_ids = torch.tensor([proposal], device=rows.device)
-            num_drafts = torch.tensor([len(proposal)], device=rows.device)
-            raw_logprobs = rows.float().log_softmax(dim=-1) if params.logprobs is not None else None
-            drafted = drafts.get(req_id)
-            draft_probs = None
-            if drafted is not None and drafted.probs is not None:
-                draft_probs = torch.stack(drafted.probs).unsqueeze(0)
-            if _plain_greedy(params):
-                verified = greedy_verify(rows.unsqueeze(0), draft_ids, num_drafts)
-            else:
-                probs = self.sampler.target_probs(rows, self._verification_batch(req_id, proposal))
-                verified = rejection_sample(
-                    probs.unsqueeze(0), draft_ids, num_drafts, draft_probs, generator=self.generators.get(req_id)
-                )
-            emitted = verified.token_ids[0]
-            if drafted is not None:
-                assert self.draft is not None
-                self.draft.verified(req_id, len(state.token_ids), len(proposal), verified.num_accepted[0])
-                output.drafted_token_ids[req_id] = proposal
-            if raw_logprobs is not None:
-                if output.logprobs is None:
-                    output.logprobs = {}
-                chosen = torch.tensor(emitted, device=rows.device)
-                output.logprobs[req_id] = gather_logprobs(raw_logprobs[: len(emitted)], chosen, [params] * len(emitted))
-            state.token_ids.extend(emitted)
-            if self.penalties.has(req_id):
-                for token in emitted:
-                    self.penalties.record([req_id], [token])
-            output.sampled_token_ids[req_id] = emitted
-
-    def _verification_batch(self, req_id: str, drafts: list[int], first: int = 0) -> SamplingBatch:
-        """Sampling settings of positions first..len(drafts) of a proposal: position j
-        comes after the request's tokens and drafts[:j] (for min_tokens and the
-        penalties' counts)."""
-        state = self.requests[req_id]
-        params = state.sampling_params
-        positions = range(first, len(drafts) + 1)
-        held_back = set(params.stop_token_ids) | (set() if params.ignore_eos else set(state.eos_token_ids))
-        banned = [sorted(held_back) if state.num_output_tokens + j < params.min_tokens else [] for j in positions]
-        batch = SamplingBatch(params=[params] * len(positions), generators=[None] * len(positions), banned_token_ids=banned)
-        if self.penalties.has(req_id):
-            row = self.penalties.rows_of([req_id])
-            counts = self.penalties.output_counts[row].repeat(len(positions), 1)
-            for i, j in enumerate(positions):
-                for token in drafts[:j]:
-                    counts[i, token] += 1
-            batch.penalty_rows = list(range(len(positions)))
-            batch.output_counts = counts
-            batch.prompt_mask = self.penalties.prompt_mask[row].repeat(len(positions), 1)
-        return batch
-
-    # ---------------------------------------------------------- draft model
-
-    def _run_draft(self, proposals: dict[str, list[int]]) -> dict[str, Drafts]:
-        """The draft model's tokens for the scheduled placeholders."""
-        assert self.draft is not None
-        work = []
-        for req_id, placeholders in proposals.items():
-            state = self.requests[req_id]
-            work.append(DraftWork(req_id, state.token_ids, state.block_ids, len(state.token_ids), len(placeholders)))
-        return self.draft.propose(work, self._choose_draft)
-
-    def _choose_draft(self, req_id: str, drafts: list[int], logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
-        """The draft's next token: its argmax for greedy requests, else a draw from its
-        distribution after the request's processing (returned: rejection sampling needs it)."""
-        params = self.requests[req_id].sampling_params
-        if _plain_greedy(params):
-            return int(logits.float().argmax()), None
-        probs = self.sampler.target_probs(logits.unsqueeze(0), self._verification_batch(req_id, drafts, len(drafts)))[0]
-        if params.is_greedy:
-            return int(probs.argmax()), None
-        token = torch.multinomial(probs, 1, generator=self.generators.get(req_id))
-        return int(token), probs
 
     # ------------------------------------------------------------- sampling
 
@@ -380,13 +277,7 @@ class ModelRunner:
             if row.req_id != row.owner_id and sp.seed is not None:
                 self._ensure_generator(row.req_id, sp.seed + int(row.req_id.rsplit("#", 1)[1]))
             generators.append(self.generators.get(row.req_id))
-            if state.num_output_tokens < sp.min_tokens:
-                held_back = set(sp.stop_token_ids)
-                if not sp.ignore_eos:
-                    held_back |= state.eos_token_ids
-                banned.append(sorted(held_back))
-            else:
-                banned.append([])
+            banned.append(held_back_ids(state) if state.num_output_tokens < sp.min_tokens else [])
             if self.penalties.has(row.owner_id):
                 penalty_rows.append(position)
                 penalty_owners.append(row.owner_id)
@@ -492,11 +383,6 @@ class ModelRunner:
         if scheduler_output.blocks_to_swap_in:
             src, dst = zip(*scheduler_output.blocks_to_swap_in, strict=True)
             _copy_blocks(self.host_kv_caches, self.kv_caches, src, dst)
-
-
-def _plain_greedy(params: SamplingParams) -> bool:
-    """Greedy with nothing that changes the logits: verified by argmax alone."""
-    return params.is_greedy and not (params.has_penalties or params.logit_bias or params.min_tokens)
 
 
 def _copy_blocks(
