@@ -15,6 +15,7 @@ from pagellm.structured_outputs_params import StructuredOutputsParams
 # Bounds shared with the HTTP server's validation and error messages.
 MAX_LOGIT_BIAS = 100.0
 PENALTY_RANGE = (-2.0, 2.0)
+REPETITION_PENALTY_MAX = 2.0  # in (0, REPETITION_PENALTY_MAX]
 
 
 @dataclass(frozen=True)
@@ -89,8 +90,8 @@ class SamplingParams:
             if not low <= value <= high:
                 fail(name, f"must be in [{low}, {high}], got {value}.")
         _check_number("repetition_penalty", self.repetition_penalty)
-        if not 0.0 < self.repetition_penalty <= 2.0:
-            fail("repetition_penalty", f"must be in (0, 2], got {self.repetition_penalty}.")
+        if not 0.0 < self.repetition_penalty <= REPETITION_PENALTY_MAX:
+            fail("repetition_penalty", f"must be in (0, {REPETITION_PENALTY_MAX}], got {self.repetition_penalty}.")
         if self.seed is not None:
             _check_int("seed", self.seed)
         if self.max_tokens is not None:

@@ -20,14 +20,23 @@ from types import FrameType
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, RedirectResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 
 from pagellm.engine.async_llm import AsyncLLM
 from pagellm.engine.cli_args import engine_args_from_namespace
 from pagellm.entrypoints.openai import metrics
 from pagellm.entrypoints.openai.auth import ApiKeyMiddleware
-from pagellm.entrypoints.openai.openapi_docs import GENERATION, HEALTH, READ, TOKENS, install_openapi
+from pagellm.entrypoints.openai.openapi_docs import (
+    CHAT,
+    COMPLETION,
+    HEALTH,
+    METRICS,
+    READ,
+    TOKENS,
+    ServerBounds,
+    install_openapi,
+)
 from pagellm.entrypoints.openai.limits_config import RequestLimits
 from pagellm.entrypoints.openai.request_limits import BodySizeLimitMiddleware
 from pagellm.entrypoints.openai.errors import install_error_handlers, to_api_error
@@ -80,7 +89,7 @@ def build_app(
 
     app = FastAPI(title="pagellm", lifespan=lifespan)
     install_error_handlers(app)
-    install_openapi(app)
+    install_openapi(app, ServerBounds(context.vocab_size, context.max_model_len, limits, api_key=bool(api_key)))
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=limits.max_request_body_bytes)
     if api_key:  # added last: runs first, so that no body is read for a bad key
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
@@ -92,7 +101,7 @@ def build_app(
             return to_api_error(error).response()
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses=METRICS)
     async def get_metrics() -> Response:
         body, content_type = metrics.render(registry)
         return Response(body, media_type=content_type)
@@ -102,11 +111,11 @@ def build_app(
         # No file path in `root`: clients need not learn the server's file layout.
         return ModelList(data=[ModelCard(id=name, root=name, max_model_len=context.max_model_len)])
 
-    @app.post("/v1/completions", responses=GENERATION)
+    @app.post("/v1/completions", responses=COMPLETION)
     async def create_completion(body: CompletionRequest, raw: Request) -> Response:
         return await completions.create(body, raw)
 
-    @app.post("/v1/chat/completions", responses=GENERATION)
+    @app.post("/v1/chat/completions", responses=CHAT)
     async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Response:
         return await chat.create(body, raw)
 

@@ -92,7 +92,12 @@ def validation_error(errors: Sequence[Any]) -> APIError:
 
 
 def _path(loc: Sequence[Any]) -> str:
-    parts = [str(p) for p in loc if p != "body"]
+    parts: list[str] = []
+    for part in loc:
+        # A tagged union's tag repeats the field it is named after (/tokenize's
+        # "prompt" form: prompt.prompt).
+        if part != "body" and (not parts or parts[-1] != str(part)):
+            parts.append(str(part))
     return ".".join(parts) or "body"
 
 

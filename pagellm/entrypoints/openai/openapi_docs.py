@@ -1,23 +1,45 @@
-"""Entrypoints (HTTP): what /openapi.json says about errors.
+"""Entrypoints (HTTP): what /openapi.json says: error statuses, response media types, and
+the bounds this server adds to the request models.
 
 Every route documents the statuses the server can answer with, each with the
 OpenAI-shaped error body. FastAPI would document 422 with its own validation body; the
 server answers invalid bodies with a 400 in OpenAI's shape instead (errors.py), so the
-schema says that.
+schema says that. The request models (protocol.py) carry the ranges every server shares;
+what depends on the served model and on the server's flags (token ids below the
+vocabulary size, max_tokens within max_model_len, the request limits) is written into
+the schema at start, so that a client or a fuzzer generating from it knows them too.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from pagellm.entrypoints.openai.protocol import ErrorResponse
+from pagellm.entrypoints.openai.limits_config import RequestLimits
+from pagellm.entrypoints.openai.protocol import (
+    ChatCompletionResponse,
+    CompletionResponse,
+    ErrorResponse,
+)
 
 
 def _error(description: str) -> dict[str, Any]:
     return {"model": ErrorResponse, "description": description}
+
+
+def _generated(model: type, description: str) -> dict[Any, Any]:
+    # A JSON body, or with "stream": true a text/event-stream whose events' data are JSON
+    # chunks and, last, "[DONE]" (OpenAPI before 3.2 describes each event with `schema`).
+    event = {
+        "type": "object",
+        "required": ["data"],
+        "properties": {"data": {"type": "string"}},
+        "description": "data: one JSON chunk, an {\"error\": ...} object, or [DONE] last.",
+    }
+    return {200: {"model": model, "description": description, "content": {"text/event-stream": {"schema": event}}}}
 
 
 AUTH = {401: _error("Missing or wrong API key (when the server has one).")}
@@ -29,14 +51,28 @@ BODY = {
     400: _error("An invalid body or field; `param` names it."),
     413: _error("The request body is larger than --max-request-body-bytes."),
 }
-GENERATION = {**BODY, **AUTH, 404: _error("Unknown model."), **ENGINE}
-TOKENS = {**BODY, **AUTH}
+UNKNOWN_MODEL = {404: _error("The body names a model this server does not serve.")}
+GENERATION = {**BODY, **AUTH, **UNKNOWN_MODEL, **ENGINE}
+COMPLETION = {**_generated(CompletionResponse, "The completions (JSON, or a stream of them)."), **GENERATION}
+CHAT = {**_generated(ChatCompletionResponse, "The chat completion (JSON), or a stream of chunks."), **GENERATION}
+TOKENS = {**BODY, **AUTH, **UNKNOWN_MODEL}
 READ = {**AUTH}
 HEALTH = {503: _error("The engine has stopped.")}
+METRICS = {200: {"description": "Prometheus text format."}}
 
 
-def install_openapi(app: FastAPI) -> None:
-    """Generate the schema once, without FastAPI's 422 entries and their models."""
+@dataclass(frozen=True)
+class ServerBounds:
+    """What the served model and the server's flags allow, for the published schema."""
+
+    vocab_size: int
+    max_model_len: int
+    limits: RequestLimits
+    api_key: bool = False
+
+
+def install_openapi(app: FastAPI, bounds: ServerBounds) -> None:
+    """Generate the schema once: without FastAPI's 422 entries, with the server's bounds."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
@@ -47,7 +83,103 @@ def install_openapi(app: FastAPI) -> None:
             schemas = schema.get("components", {}).get("schemas", {})
             for name in ("HTTPValidationError", "ValidationError"):
                 schemas.pop(name, None)
+            _add_bounds(schemas, bounds)
+            if bounds.api_key:
+                _add_bearer_auth(schema)
             app.openapi_schema = schema
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+
+
+# ------------------------------------------------------------------ bounds
+
+
+def _variants(prop: dict[str, Any]) -> list[dict[str, Any]]:
+    """The non-null forms a property may take (anyOf members, or itself)."""
+    forms = prop.get("anyOf", [prop])
+    return [form for form in forms if form.get("type") != "null"]
+
+
+def _bound(prop: dict[str, Any], form_type: str, **keywords: Any) -> None:
+    for form in _variants(prop):
+        if form.get("type") == form_type:
+            form.update(keywords)
+
+
+def _token_ids(prop: dict[str, Any], max_id: int, **array_keywords: Any) -> None:
+    """An array of token ids (and arrays of them): every id at most max_id."""
+    for form in _variants(prop):
+        if form.get("type") != "array":
+            continue
+        items = form.get("items", {})
+        if items.get("type") == "integer":
+            items["maximum"] = max_id
+            form.update(array_keywords)
+        elif items.get("type") == "array" and items.get("items", {}).get("type") == "integer":
+            items["items"]["maximum"] = max_id
+            form.update(array_keywords)
+
+
+def _add_bounds(schemas: dict[str, Any], bounds: ServerBounds) -> None:
+    limits = bounds.limits
+    max_id = bounds.vocab_size - 1
+    for name in ("CompletionRequest", "ChatCompletionRequest"):
+        props = schemas[name]["properties"]
+        props["n"]["maximum"] = limits.max_n
+        _bound(props["stop"], "string", maxLength=limits.max_stop_string_length)
+        for form in _variants(props["stop"]):
+            if form.get("type") == "array":
+                form["maxItems"] = limits.max_stop_strings
+                form["items"]["maxLength"] = limits.max_stop_string_length
+        _token_ids(props["stop_token_ids"], max_id, maxItems=limits.max_stop_strings)
+        _bound(
+            props["logit_bias"], "object",
+            maxProperties=limits.max_logit_bias_entries,
+            propertyNames={"pattern": token_id_key_pattern(max_id)},
+        )  # fmt: skip
+        for field in ("max_tokens", "max_completion_tokens"):
+            if field in props:
+                _bound(props[field], "integer", maximum=bounds.max_model_len)
+    completion = schemas["CompletionRequest"]["properties"]
+    _token_ids(completion["prompt"], max_id)
+    for form in _variants(completion["prompt"]):
+        if form.get("type") == "array":
+            form["maxItems"] = limits.max_prompts_per_request if form["items"].get("type") != "integer" else bounds.max_model_len
+    for name in ("ChatCompletionRequest", "TokenizeChatRequest"):
+        schemas[name]["properties"]["messages"]["maxItems"] = limits.max_messages
+    _bound(schemas["ChatMessage"]["properties"]["content"], "string", maxLength=limits.max_message_chars)
+    _token_ids(schemas["DetokenizeRequest"]["properties"]["tokens"], max_id)
+
+
+def token_id_key_pattern(max_id: int) -> str:
+    """A regular expression matching the decimal numbers 0..max_id (no sign, no leading
+    zero): the logit_bias keys this model has."""
+    digits = str(max_id)
+    shorter = ["0"] if len(digits) > 1 else []
+    shorter += [f"[1-9][0-9]{{{n - 1}}}" if n > 1 else "[1-9]" for n in range(1, len(digits))]
+    # Numbers with as many digits as max_id: equal to it up to position i, then smaller.
+    same_length = []
+    for i, digit in enumerate(digits):
+        low = "1" if i == 0 else "0"
+        if int(digit) > int(low):
+            top = str(int(digit) - 1)
+            rest = len(digits) - i - 1
+            choice = low if low == top else f"[{low}-{top}]"
+            same_length.append(digits[:i] + choice + (f"[0-9]{{{rest}}}" if rest else ""))
+    same_length.append(digits)
+    if len(digits) == 1:
+        same_length = [f"[0-{digits}]"]
+    return "^(" + "|".join(shorter + same_length) + ")$"
+
+
+def _add_bearer_auth(schema: dict[str, Any]) -> None:
+    from pagellm.entrypoints.openai.auth import OPEN_PATHS
+
+    schema.setdefault("components", {})["securitySchemes"] = {
+        "apiKey": {"type": "http", "scheme": "bearer", "description": "The server's --api-key."}
+    }
+    for path, operations in schema.get("paths", {}).items():
+        if path not in OPEN_PATHS:
+            for operation in operations.values():
+                operation["security"] = [{"apiKey": []}]

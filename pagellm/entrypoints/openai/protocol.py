@@ -1,8 +1,11 @@
 """Entrypoints (HTTP): the OpenAI-compatible request and response bodies, as pydantic models.
 
-Requests check types and the server's own safety bounds (finite floats, seeds that fit in
-64 bits, at most MAX_N completions and MAX_LOGPROBS alternatives); the value ranges of
-sampling parameters are SamplingParams' job, so they are checked in one place. Unknown
+The request models are the contract /openapi.json publishes, and the one place a body's
+types and value ranges are checked: strictly (no "1" for 1 or "true" for true), with the
+same ranges SamplingParams enforces for the offline API (sampling_ranges), finite floats
+and integers a JSON number carries exactly. What depends on the served model or the server's flags
+(vocabulary size, max_model_len, request limits) is added to the published schema at
+start (openapi_docs.py) and checked by request_limits.py and the serving code. Unknown
 fields are ignored, as the OpenAI API does. The extra sampling fields vLLM accepts
 (top_k, min_p, repetition_penalty, ...) are accepted under the same names.
 """
@@ -10,15 +13,19 @@ fields are ignored, as the OpenAI API does. The extra sampling fields vLLM accep
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, model_validator
 
 from pagellm.entrypoints.openai.limits_config import MAX_N
+from pagellm.sampling_params import MAX_LOGIT_BIAS, PENALTY_RANGE, REPETITION_PENALTY_MAX
 
 MAX_LOGPROBS = 20  # alternatives per position
-INT64_MIN = -(2**63)
-INT64_MAX = 2**63 - 1
+# Integers a JSON number carries exactly in every client (JavaScript's safe integers):
+# seeds and priorities beyond them would not mean what the client wrote.
+MAX_SAFE_INT = 2**53 - 1
+# A token id written as a JSON object key (logit_bias): digits, no sign, no leading zero.
+TOKEN_ID_KEY_PATTERN = r"^(0|[1-9][0-9]*)$"
 
 
 class OpenAIModel(BaseModel):
@@ -27,63 +34,109 @@ class OpenAIModel(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
+class RequestModel(OpenAIModel):
+    """A request body's part: strict types, so that what the schema calls invalid is."""
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
+
+
+def _integral_float_as_int(value: Any) -> Any:
+    # JSON Schema counts 98.0 as an integer, and so does the server; 98.5 and "98" stay
+    # invalid (the models are strict).
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+_INTEGRAL = BeforeValidator(_integral_float_as_int)
+
+
+def _int(**bounds: int) -> Any:
+    # Bounds before the validator: so they appear in the JSON schema as minimum/maximum.
+    return Annotated[int, Field(**bounds), _INTEGRAL]
+
+
+NonNegativeInt = _int(ge=0)
+PositiveInt = _int(ge=1)
+TokenId = NonNegativeInt
+NumCompletions = _int(ge=1, le=MAX_N)
+NumLogprobs = _int(ge=0, le=MAX_LOGPROBS)
+TopK = _int(ge=-1)
+TokenIdKey = Annotated[str, Field(pattern=TOKEN_ID_KEY_PATTERN)]
+LogitBias = Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]
+StopString = Annotated[str, Field(min_length=1)]
+SafeInt = _int(ge=-MAX_SAFE_INT, le=MAX_SAFE_INT)
+Penalty = Annotated[float, Field(ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1])]
+
 # ------------------------------------------------------------------------ requests
 
 
-class StreamOptions(OpenAIModel):
+class StreamOptions(RequestModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM: usage in every chunk, counted so far
 
 
-class JsonSchemaFormat(OpenAIModel):
+class JsonSchemaFormat(RequestModel):
     name: str | None = None
     description: str | None = None
     # "schema" shadows a BaseModel attribute: the field is named schema_ in Python.
-    schema_: dict[str, Any] | bool | None = Field(None, alias="schema")
+    schema_: dict[str, Any] | bool = Field(alias="schema")
     strict: bool | None = None
 
 
-class ResponseFormat(OpenAIModel):
-    """OpenAI's response_format: text, any JSON object, or JSON following a schema."""
-
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
+class TextResponseFormat(RequestModel):
+    type: Literal["text"]
 
 
-class StructuredOutputsFields(OpenAIModel):
+class JsonObjectResponseFormat(RequestModel):
+    type: Literal["json_object"]
+
+
+class JsonSchemaResponseFormat(RequestModel):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaFormat
+
+
+# OpenAI's response_format: text, any JSON object, or JSON following a schema.
+ResponseFormat = Annotated[
+    TextResponseFormat | JsonObjectResponseFormat | JsonSchemaResponseFormat, Field(discriminator="type")
+]
+
+
+class StructuredOutputsFields(RequestModel):
     """vLLM's structured_outputs field (one of these)."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
     json_: dict[str, Any] | str | None = Field(None, alias="json")
     json_object: bool | None = None
     regex: str | None = None
-    choice: list[str] | None = None
+    choice: list[str] | None = Field(None, min_length=1)
     grammar: str | None = None
 
 
-class SamplingFields(OpenAIModel):
+class SamplingFields(RequestModel):
     """Fields shared by completions and chat: the model and how to sample."""
 
     model: str | None = None
-    n: int = Field(1, le=MAX_N)
-    temperature: float | None = None
-    top_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
-    stop: str | list[str] | None = None
-    logit_bias: dict[str, float] | None = None
+    n: NumCompletions = 1
+    temperature: float | None = Field(None, ge=0.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    seed: SafeInt | None = None
+    stop: StopString | list[StopString] | None = None
+    logit_bias: dict[TokenIdKey, LogitBias] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # vLLM's extra sampling fields.
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int | None = None
+    top_k: TopK | None = None
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=REPETITION_PENALTY_MAX)
+    min_tokens: NonNegativeInt | None = None
     ignore_eos: bool = False
-    priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)
-    stop_token_ids: list[StrictInt] | None = None
+    priority: SafeInt = 0
+    stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # Output constraints: OpenAI's response_format, vLLM's structured_outputs and its
@@ -92,52 +145,82 @@ class SamplingFields(OpenAIModel):
     structured_outputs: StructuredOutputsFields | None = None
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
-    guided_choice: list[str] | None = None
+    guided_choice: list[str] | None = Field(None, min_length=1)
     guided_grammar: str | None = None
 
 
-Prompt = str | list[str] | list[StrictInt] | list[list[StrictInt]]
+# One prompt or several, each text or token ids; no empty list. (Whether a text prompt
+# has tokens depends on the tokenizer: "" with a BOS token is one.)
+Prompt = (
+    str
+    | Annotated[list[str], Field(min_length=1)]
+    | Annotated[list[TokenId], Field(min_length=1)]
+    | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
+)
 
 
 class CompletionRequest(SamplingFields):
     prompt: Prompt
-    max_tokens: int | None = 16
+    # 0 only with echo: the prompt (and its logprobs) alone, for scoring.
+    max_tokens: NonNegativeInt | None = 16
     echo: bool = False
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    best_of: int | None = None
-    suffix: str | None = None
+    logprobs: NumLogprobs | None = None
+    best_of: NumCompletions | None = None  # only equal to n
+    suffix: None = Field(None, description="Not supported: only null.")
 
 
-class TextContentPart(OpenAIModel):
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
-    type: str
-    text: str | None = None
+class TextContentPart(RequestModel):
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)
+    type: Literal["text"]
+    text: str
 
 
-class ChatMessage(OpenAIModel):
-    # Templates may read more keys (name, tool_calls, tool_call_id, ...): keep them.
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
-    role: str
+Role = Literal["system", "developer", "user", "assistant", "tool"]
+
+
+class ChatMessage(RequestModel):
+    # Templates may read more keys (name, tool_call_id, ...): keep them.
+    model_config = ConfigDict(
+        extra="allow",
+        allow_inf_nan=False,
+        strict=True,
+        # What the validator below checks, for the published schema.
+        json_schema_extra={
+            "anyOf": [
+                {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}},
+                {"required": ["tool_calls"], "properties": {"tool_calls": {"type": "array", "minItems": 1}}},
+            ]
+        },
+    )
+    role: Role
     content: str | list[TextContentPart] | None = None
+    # An assistant turn calling tools (OpenAI's shape; the template reads it).
+    tool_calls: list[dict[str, Any]] | None = None
+
+    @model_validator(mode="after")
+    def _content_or_tool_calls(self) -> ChatMessage:
+        if self.content is None and not self.tool_calls:
+            raise ValueError("a message needs content (null only beside a non-empty tool_calls)")
+        return self
 
 
-class FunctionDefinition(OpenAIModel):
+class FunctionDefinition(RequestModel):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_\-]+$")
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema; None: no arguments
     strict: bool | None = None
 
 
-class ToolDefinition(OpenAIModel):
+class ToolDefinition(RequestModel):
     type: Literal["function"] = "function"
     function: FunctionDefinition
 
 
-class NamedFunction(OpenAIModel):
+class NamedFunction(RequestModel):
     name: str
 
 
-class NamedToolChoice(OpenAIModel):
+class NamedToolChoice(RequestModel):
     type: Literal["function"] = "function"
     function: NamedFunction
 
@@ -147,22 +230,51 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: PositiveInt | None = None
+    max_completion_tokens: PositiveInt | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: NumLogprobs | None = None
 
 
-class TokenizeRequest(OpenAIModel):
+class TokenizeFields(RequestModel):
+    # Exactly one of prompt and messages: each form is its own model, and other keys are
+    # refused so that a body with both matches neither.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
     model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+
+
+class TokenizeCompletionRequest(TokenizeFields):
+    prompt: str
     add_special_tokens: bool = True
 
 
-class DetokenizeRequest(OpenAIModel):
+class TokenizeChatRequest(TokenizeFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+
+
+def _tokenize_form(body: Any) -> str | None:
+    keys = body.keys() if isinstance(body, dict) else ()
+    if "prompt" in keys and "messages" not in keys:
+        return "prompt"
+    if "messages" in keys and "prompt" not in keys:
+        return "messages"
+    return None
+
+
+# The form is chosen by the key present, so that errors name the field they are about.
+TokenizeRequest = Annotated[
+    Annotated[TokenizeCompletionRequest, Tag("prompt")] | Annotated[TokenizeChatRequest, Tag("messages")],
+    Discriminator(
+        _tokenize_form,
+        custom_error_type="tokenize_form",
+        custom_error_message="Give exactly one of 'prompt' and 'messages'.",
+    ),
+]
+
+
+class DetokenizeRequest(RequestModel):
     model: str | None = None
-    tokens: list[StrictInt]
+    tokens: list[TokenId]
 
 
 # ----------------------------------------------------------------------- responses

@@ -13,7 +13,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagellm.entrypoints.openai.errors import APIError
 from pagellm.entrypoints.openai.limits_config import RequestLimits
-from pagellm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from pagellm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
 
 
 def check_sampling(limits: RequestLimits, body: SamplingFields) -> None:
@@ -41,6 +41,7 @@ def check_sampling(limits: RequestLimits, body: SamplingFields) -> None:
             param="logit_bias",
         )  # fmt: skip
 
+
 def check_completion(limits: RequestLimits, body: CompletionRequest, num_prompts: int) -> None:
     check_sampling(limits, body)
     if num_prompts > limits.max_prompts_per_request:
@@ -48,18 +49,24 @@ def check_completion(limits: RequestLimits, body: CompletionRequest, num_prompts
             400, f"the request has {num_prompts} prompts; at most {limits.max_prompts_per_request}.", param="prompt"
         )
 
+
 def check_chat(limits: RequestLimits, body: ChatCompletionRequest) -> None:
     check_sampling(limits, body)
-    if len(body.messages) > limits.max_messages:
-        raise APIError(400, f"{len(body.messages)} messages; at most {limits.max_messages}.", param="messages")
-    for index, message in enumerate(body.messages):
+    check_messages(limits, body.messages)
+
+
+def check_messages(limits: RequestLimits, messages: list[ChatMessage]) -> None:
+    """How many messages, and how much content in each (a list's text parts together)."""
+    if len(messages) > limits.max_messages:
+        raise APIError(400, f"{len(messages)} messages; at most {limits.max_messages}.", param="messages")
+    for index, message in enumerate(messages):
         content = message.content
         if isinstance(content, str):
             length = len(content)
         elif content is None:
             length = 0
         else:
-            length = sum(len(getattr(part, "text", "") or "") for part in content)
+            length = sum(len(part.text) for part in content)
         if length > limits.max_message_chars:
             raise APIError(
                 400, f"messages[{index}] has {length} characters of content; at most {limits.max_message_chars}.",

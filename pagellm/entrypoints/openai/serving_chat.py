@@ -70,20 +70,10 @@ logger = logging.getLogger(__name__)
 def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """Messages as the template sees them; text content parts are joined into one string."""
     result = []
-    for index, message in enumerate(messages):
+    for message in messages:
         as_dict = message.model_dump(exclude_none=True)
         if isinstance(message.content, list):
-            texts = []
-            for part in message.content:
-                if part.type != "text" or part.text is None:
-                    raise APIError(
-                        400,
-                        f"messages[{index}]: only text content parts are supported, "
-                        f"got type {part.type!r}.",
-                        param="messages",
-                    )
-                texts.append(part.text)
-            as_dict["content"] = "\n".join(texts)
+            as_dict["content"] = "\n".join(part.text for part in message.content)
         result.append(as_dict)
     return result
 

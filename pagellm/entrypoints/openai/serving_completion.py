@@ -70,8 +70,6 @@ def normalize_prompts(prompt: str | list) -> list[str | list[int]]:
     """The request's prompt field as a list of prompts (text or token ids)."""
     if isinstance(prompt, str):
         return [prompt]
-    if not prompt:
-        raise APIError(400, "The prompt is empty.", param="prompt")
     if all(isinstance(p, int) for p in prompt):
         return [list(prompt)]
     return list(prompt)
@@ -82,8 +80,6 @@ class CompletionServing:
         self.context = context
 
     def _sampling_params(self, body: CompletionRequest) -> tuple[SamplingParams, str]:
-        if body.suffix is not None:
-            raise APIError(400, "'suffix' is not supported.", param="suffix")
         if body.best_of is not None and body.best_of != body.n:
             raise APIError(400, "'best_of' other than n is not supported.", param="best_of")
         fields = common_sampling_fields(body, self.context.vocab_size)

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from pagellm.entrypoints.openai.errors import APIError
 from pagellm.entrypoints.openai.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
+    TokenizeChatRequest,
     TokenizeRequest,
     TokenizeResponse,
 )
+from pagellm.entrypoints.openai.request_limits import check_messages
 from pagellm.entrypoints.openai.serving_chat import chat_prompt_ids
 from pagellm.entrypoints.openai.serving_common import ServingContext
 
@@ -20,12 +21,10 @@ class TokenServing:
     def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
         context = self.context
         context.check_model(body.model)
-        if (body.prompt is None) == (body.messages is None):
-            raise APIError(400, "Give exactly one of 'prompt' and 'messages'.", param="prompt")
-        if body.messages is not None:
+        if isinstance(body, TokenizeChatRequest):
+            check_messages(context.limits, body.messages)
             token_ids = chat_prompt_ids(context.tokenizer, body.messages)
         else:
-            assert body.prompt is not None
             token_ids = context.tokenizer.encode(
                 body.prompt, add_special_tokens=body.add_special_tokens
             )

@@ -134,3 +134,14 @@ def parse_metrics(text: str) -> dict[str, float]:
             key = name + ("{" + ",".join(kept) + "}" if kept else "")
         values[key] = float(value)
     return values
+
+
+def engine_drained(base_url: str) -> dict[str, float] | None:
+    metrics = get_metrics(base_url)
+    drained = (
+        metrics["pagellm:num_requests_running"] == 0
+        and metrics["pagellm:num_requests_waiting"] == 0
+        and metrics["pagellm:num_unfinished_requests"] == 0
+        and metrics["pagellm:num_free_blocks"] == metrics["pagellm:num_usable_blocks"]
+    )
+    return metrics if drained else None

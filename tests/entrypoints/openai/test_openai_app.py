@@ -69,7 +69,7 @@ sampling = {
     "presence_penalty": st.floats(-2, 2),
     "frequency_penalty": st.floats(-2, 2),
     "repetition_penalty": st.floats(0.5, 2),
-    "seed": st.integers(min_value=-(2**63), max_value=2**63 - 1),
+    "seed": st.integers(min_value=-(2**53 - 1), max_value=2**53 - 1),
     "stop": st.one_of(st.text(max_size=3), st.lists(st.text(max_size=3), max_size=3)),
     "stop_token_ids": st.lists(st.integers(min_value=0, max_value=255), max_size=3),
     "logit_bias": st.dictionaries(

@@ -13,6 +13,7 @@ import json
 import httpx2
 from serve_helpers import (
     MAX_MODEL_LEN,
+    engine_drained,
     get_metrics,
     greedy_offline,
     parse_metrics,
@@ -33,17 +34,6 @@ def long_body(model: str, prompt: str, stream: bool) -> dict:
         "ignore_eos": True,
         "stream": stream,
     }
-
-
-def engine_drained(base_url: str) -> dict[str, float] | None:
-    metrics = get_metrics(base_url)
-    drained = (
-        metrics["pagellm:num_requests_running"] == 0
-        and metrics["pagellm:num_requests_waiting"] == 0
-        and metrics["pagellm:num_unfinished_requests"] == 0
-        and metrics["pagellm:num_free_blocks"] == metrics["pagellm:num_usable_blocks"]
-    )
-    return metrics if drained else None
 
 
 async def open_streams_then_leave(server, model: str) -> int:  # noqa: ANN001

@@ -214,3 +214,91 @@ def test_the_openapi_schema_documents_each_status_with_the_error_body(server):
     # The server answers invalid bodies with 400 in OpenAI's shape, not FastAPI's 422.
     assert not any("422" in op["responses"] for ops in spec["paths"].values() for op in ops.values())
     assert "HTTPValidationError" not in spec["components"]["schemas"]
+
+
+def test_the_openapi_schema_carries_this_servers_bounds(server):
+    """Ranges every server shares come from the request models; the vocabulary,
+    max_model_len and the request limits are this server's own."""
+    from pagellm.entrypoints.openai.limits_config import RequestLimits
+
+    spec = httpx2.get(server.base_url + "/openapi.json", timeout=30).json()
+    schemas = spec["components"]["schemas"]
+    props = schemas["CompletionRequest"]["properties"]
+    limits = RequestLimits()
+
+    def non_null(prop: dict) -> list[dict]:
+        return [form for form in prop.get("anyOf", [prop]) if form.get("type") != "null"]
+
+    assert props["n"]["minimum"] == 1 and props["n"]["maximum"] == limits.max_n
+    assert non_null(props["top_p"]) == [{"type": "number", "exclusiveMinimum": 0.0, "maximum": 1.0}]
+    assert non_null(props["temperature"])[0]["minimum"] == 0
+    assert non_null(props["max_tokens"])[0]["maximum"] == MAX_MODEL_LEN
+    token_lists = [form for form in non_null(props["prompt"]) if form["type"] == "array" and form["items"].get("type") == "integer"]
+    assert token_lists[0]["items"]["maximum"] == 255  # the tiny model's vocabulary is 256
+    bias = non_null(props["logit_bias"])[0]
+    assert bias["maxProperties"] == limits.max_logit_bias_entries
+    assert bias["propertyNames"]["pattern"] == token_id_key_pattern(255)
+    assert non_null(props["suffix"]) == []  # only null
+    roles = schemas["ChatMessage"]["properties"]["role"]["enum"]
+    assert set(roles) == {"system", "developer", "user", "assistant", "tool"}
+    assert spec["paths"]["/metrics"]["get"]["responses"]["200"]["content"].keys() == {"text/plain"}
+    assert "text/event-stream" in spec["paths"]["/v1/completions"]["post"]["responses"]["200"]["content"]
+    assert spec["components"]["securitySchemes"]["apiKey"]["scheme"] == "bearer"
+    assert "security" not in spec["paths"]["/health"]["get"]
+    assert spec["paths"]["/v1/models"]["get"]["security"] == [{"apiKey": []}]
+
+
+def token_id_key_pattern(max_id: int) -> str:
+    from pagellm.entrypoints.openai.openapi_docs import token_id_key_pattern as pattern
+
+    return pattern(max_id)
+
+
+@pytest.mark.parametrize("max_id", [0, 5, 9, 10, 99, 100, 150, 255, 1000, 31999, 151935])
+def test_the_token_id_key_pattern_matches_exactly_the_ids_below_the_vocabulary(max_id: int):
+    import re
+
+    pattern = re.compile(token_id_key_pattern(max_id))
+    matched = [i for i in range(2 * max_id + 20) if pattern.match(str(i))]
+    assert matched == list(range(max_id + 1))
+    for key in ("01", "-1", " 1", "1 ", "+1", "1.0", ""):
+        assert not pattern.match(key)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "param"),
+    [
+        ("stream", "true", "stream"),  # strict: a string is not a boolean
+        ("n", "2", "n"),  # nor a number
+        ("n", 1.5, "n"),
+        ("temperature", True, "temperature"),
+        ("top_p", 0, "top_p"),
+        ("stop", "", "stop"),
+        ("logit_bias", {"01": 1}, "logit_bias"),
+        ("logit_bias", {"5": 101}, "logit_bias"),
+        ("seed", 2**53, "seed"),
+        ("suffix", "tail", "suffix"),
+        ("guided_choice", [], "guided_choice"),
+    ],
+)
+def test_the_request_models_refuse_what_the_schema_refuses(server, field, value, param):
+    assert_error(post(server, "/v1/completions", completion(**{field: value})), 400, param)
+
+
+def test_integral_floats_are_integers_as_in_json_schema(server):
+    response = post(server, "/v1/completions", completion(n=2.0, max_tokens=3.0, prompt=[5.0, 6]))
+    assert response.status_code == 200, response.text
+    assert len(response.json()["choices"]) == 2
+
+
+def test_chat_messages_need_a_known_role_and_content_or_tool_calls(server):
+    assert_error(post(server, "/v1/chat/completions", chat(messages=[{"role": "", "content": "x"}])), 400, "messages")
+    assert_error(post(server, "/v1/chat/completions", chat(messages=[{"role": "user"}])), 400, "messages")
+    assert_error(post(server, "/v1/chat/completions", chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}])), 400, "messages")
+
+
+def test_tokenize_takes_a_prompt_or_messages_not_both(server):
+    assert post(server, "/tokenize", {"prompt": "hi"}).status_code == 200
+    assert post(server, "/tokenize", {"messages": [{"role": "user", "content": "hi"}]}).status_code == 200
+    for body in ({}, {"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}):
+        assert_error(post(server, "/tokenize", body), 400)

@@ -1,0 +1,70 @@
+"""Schemathesis hooks for test_openapi_fuzz.py (loaded with SCHEMATHESIS_HOOKS).
+
+One check replaces schemathesis' positive_data_acceptance: the same check, except for
+a 400 that names one of the rules a schema cannot state (DOCUMENTED_REFUSALS). Every
+response it sees is also logged (method, path, status) to $PAGELLM_FUZZ_LOG, so that
+the test can count the requests per operation.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import schemathesis
+from schemathesis.specs.openapi.checks import positive_data_acceptance
+
+# (param, message pattern) of the 400s that a schema-valid body may get: each a rule
+# that relates two fields, depends on what text becomes as tokens, or on whether a
+# grammar compiles.
+DOCUMENTED_REFUSALS = [
+    # The prompt's tokens (plus max_tokens) must fit in max_model_len.
+    (r"prompt|messages|max_tokens|max_completion_tokens", r"maximum context length|max_model_len"),
+    # A text prompt that the tokenizer turns into no tokens (a tokenizer without BOS).
+    (r"prompt", r"the prompt is empty"),
+    # Two fields together.
+    (r"min_tokens", r"must not exceed max_tokens"),
+    (r"max_tokens", r"0 only with echo"),
+    (r"best_of", r"'best_of' other than n is not supported"),
+    (r"top_logprobs", r"top_logprobs needs logprobs set to true"),
+    # The sum of a message's text parts (a schema bounds one string's length).
+    (r"messages", r"characters of content; at most"),
+    # One output constraint per request, and it must compile.
+    (r"guided_json|guided_regex|guided_choice|guided_grammar|structured_outputs|response_format",
+     r"Give one output constraint|: "),
+    (r"tools|tool_choice", r"tool"),
+]  # fmt: skip
+
+
+def documented_refusal(status: int, body: object) -> bool:
+    if status == 413:  # the body is over --max-request-body-bytes
+        return True
+    if status != 400 or not isinstance(body, dict) or not isinstance(body.get("error"), dict):
+        return False
+    param = body["error"].get("param") or ""
+    message = body["error"].get("message") or ""
+    return any(
+        re.fullmatch(param_pattern, param) and re.search(message_pattern, message)
+        for param_pattern, message_pattern in DOCUMENTED_REFUSALS
+    )
+
+
+def _log(case: object, status: int, documented: bool) -> None:
+    path = os.environ.get("PAGELLM_FUZZ_LOG")
+    if path:
+        with open(path, "a") as log:
+            log.write(json.dumps([case.method.upper(), case.path, status, documented]) + "\n")  # type: ignore[attr-defined]
+
+
+@schemathesis.check
+def positive_data_acceptance_but_documented_rules(ctx, response, case):  # noqa: ANN001, ANN201
+    try:
+        body = json.loads(response.content)
+    except ValueError:
+        body = None
+    documented = documented_refusal(response.status_code, body)
+    _log(case, response.status_code, documented)
+    if documented:
+        return None
+    return positive_data_acceptance(ctx, response, case)
