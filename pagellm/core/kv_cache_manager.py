@@ -267,7 +267,11 @@ class KVCacheManager:
     def _needs_copy_on_write(self, request_id: str, table: list[int]) -> bool:
         if request_id not in self._copy_on_write:
             return False
-        if self.device_pool.blocks[table[-1]].ref_cnt > 1:
+        block = self.device_pool.blocks[table[-1]]
+        # A hash means the block was filled (by the parent) and is in the prefix cache
+        # under that content: writing this request's tokens into it would corrupt the
+        # cache, even when no one else holds it any more.
+        if block.ref_cnt > 1 or block.block_hash is not None:
             return True
         # Everyone else let go of the block: it is this request's own now.
         self._copy_on_write.discard(request_id)
@@ -396,7 +400,10 @@ class KVCacheManager:
                 hashes = request.get_block_hashes(self.block_size)
                 for index, block_id in enumerate(table):
                     block_hash = self.device_pool.blocks[block_id].block_hash
-                    if block_hash is not None:
+                    # A forked request's shared last block, not copied yet, holds the
+                    # parent's tokens after the prompt: the copy comes before any write.
+                    pending_copy = request.request_id in self._copy_on_write and index == len(table) - 1
+                    if block_hash is not None and not pending_copy:
                         assert index < len(hashes) and block_hash == hashes[index], (
                             f"{request} shares block {block_id} holding other tokens"
                         )

@@ -126,6 +126,15 @@ class Scheduler:
             )
         if request.status is not RequestStatus.WAITING or request.num_computed_tokens:
             raise InvalidRequestError("Only a new request can be added.", "request_id")
+        max_num_seqs = self.scheduler_config.max_num_seqs
+        if request.sampling_params.n > max_num_seqs:
+            # Its completions run side by side (they share the prompt's blocks): it
+            # could never be admitted.
+            raise InvalidRequestError(
+                f"n={request.sampling_params.n} completions run side by side, but max_num_seqs "
+                f"is {max_num_seqs}. Lower n or raise max_num_seqs.",
+                "n",
+            )
         check_request_fits(
             request,
             self.max_model_len,
@@ -276,11 +285,10 @@ class Scheduler:
     def _has_room_for(self, request: Request, plan: StepPlan) -> bool:
         # An n > 1 request reserves seats for the completions it will fork, so that
         # forking never pushes the running set past max_num_seqs.
+        # Running parents that have not forked yet hold their children's seats too.
+        taken = len(self.running) + sum(r.num_pending_forks for r in self.running)
         seats = 1 + request.num_pending_forks
-        return (
-            plan.token_budget > 0
-            and len(self.running) + seats <= self.scheduler_config.max_num_seqs
-        )
+        return plan.token_budget > 0 and taken + seats <= self.scheduler_config.max_num_seqs
 
     def _schedule_swapped(self, plan: StepPlan) -> None:
         kv = self.kv_cache_manager

@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 from pagellm.config import CacheConfig, SchedulerConfig
 from pagellm.core import ModelRunnerOutput, RequestProgress, Scheduler, SchedulerOutput
+from pagellm.core.parallel_sampling import child_request_id
 from pagellm.request import Request
 from pagellm.sampling_params import SamplingParams
 
@@ -88,6 +89,7 @@ class _RunnerRequest:
     token_ids: list[int]
     block_ids: list[int]
     num_computed_tokens: int
+    num_pending_forks: int = 0
 
 
 class FakeRunner:
@@ -110,9 +112,10 @@ class FakeRunner:
         self.num_steps += 1
         for request_id in out.finished_req_ids | out.preempted_req_ids:
             self.requests.pop(request_id, None)
-        assert out.blocks_to_copy == []
         for device_id, host_id in out.blocks_to_swap_out:
             self.host[host_id] = list(self.device[device_id])
+        for source_id, target_id in out.blocks_to_copy:  # copy-on-write of a forked request
+            self.device[target_id] = list(self.device.get(source_id, [None] * self.block_size))
         for host_id, device_id in out.blocks_to_swap_in:
             self.device[device_id] = list(self.host[host_id])
         for new in out.scheduled_new_reqs:
@@ -122,6 +125,7 @@ class FakeRunner:
                 new.prompt_token_ids + new.output_token_ids,
                 list(new.block_ids),
                 new.num_computed_tokens,
+                new.num_pending_forks,
             )
         for cached in out.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
@@ -134,6 +138,7 @@ class FakeRunner:
         assert out.total_num_scheduled_tokens == sum(out.num_scheduled_tokens.values())
 
         sampled: dict[str, list[int]] = {}
+        forked: dict[str, list[int]] = {}
         for request_id, num_tokens in out.num_scheduled_tokens.items():
             state = self.requests[request_id]
             start = state.num_computed_tokens
@@ -152,12 +157,20 @@ class FakeRunner:
                 block[offset] = (state.token_ids[position], position)
             state.num_computed_tokens = end
             if end == len(state.token_ids):
-                token = self.sample(request_id, list(state.token_ids))
+                history = list(state.token_ids)
+                # n > 1: the other completions' first tokens, from the same position.
+                if state.num_pending_forks:
+                    forked[request_id] = [
+                        self.sample(child_request_id(request_id, index), history)
+                        for index in range(1, state.num_pending_forks + 1)
+                    ]
+                    state.num_pending_forks = 0
+                token = self.sample(request_id, history)
                 state.token_ids.append(token)
                 sampled[request_id] = [token]
             else:
                 sampled[request_id] = []
-        return ModelRunnerOutput(list(out.num_scheduled_tokens), sampled)
+        return ModelRunnerOutput(list(out.num_scheduled_tokens), sampled, forked_token_ids=forked)
 
 
 @dataclasses.dataclass

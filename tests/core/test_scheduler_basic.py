@@ -259,3 +259,18 @@ def test_a_tiny_pool_serves_many_requests(
     if preemption_mode == "swap" and num_cpu_blocks == 16:
         assert stats.num_preemptions_swap > 0
         assert stats.num_swapped_in_blocks == stats.num_swapped_out_blocks > 0
+
+
+def test_n_beyond_max_num_seqs_is_refused_when_added() -> None:
+    """The completions of one request run side by side: with more of them than
+    max_num_seqs it could never be admitted, so it is refused rather than left waiting."""
+    import pytest
+    from core_harness import make_request, make_scheduler
+
+    from pagellm.errors import InvalidRequestError
+
+    scheduler = make_scheduler(max_num_seqs=2)
+    with pytest.raises(InvalidRequestError, match="max_num_seqs") as refused:
+        scheduler.add_request(make_request("r", 3, n=3))
+    assert refused.value.parameter == "n"
+    scheduler.add_request(make_request("ok", 3, n=2))

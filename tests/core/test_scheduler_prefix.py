@@ -101,3 +101,31 @@ def test_prefix_caching_off_never_hits(new_scheduler) -> None:
     stats = scheduler.make_stats()
     assert (stats.num_prefix_query_tokens, stats.num_prefix_hit_tokens) == (0, 0)
     assert_drained(scheduler)
+
+
+def test_a_fork_copies_its_shared_block_once_the_parent_filled_and_cached_it() -> None:
+    """n = 2, a one-token prompt in blocks of 2: the parent fills the shared block with
+    its first output (the block enters the prefix cache under the parent's tokens) and
+    finishes before its child runs. The child must still copy the block before writing
+    its own token there, or the cached block would hold the child's token: a later
+    prompt matching the parent's tokens would read it (the fake runner checks reads)."""
+    from core_harness import FakeRunner, assert_drained, make_request, make_scheduler, run_to_completion, step
+
+    def by_request(request_id: str, tokens: list[int]) -> int:
+        return 50 + len(tokens) + (100 if "#" in request_id else 0)  # children differ
+
+    scheduler = make_scheduler(block_size=2, num_gpu_blocks=8, max_num_batched_tokens=1, max_model_len=8)
+    runner = FakeRunner(2, sample=by_request)
+    parent = make_request("p", [11], max_tokens=2, n=2)
+    scheduler.add_request(parent)
+    step(scheduler, runner)  # the prompt: the parent's first token and the child's
+    step(scheduler, runner)  # a budget of 1: only the parent runs, fills the block, ends
+    assert parent.is_finished
+    copies = step(scheduler, runner).output.blocks_to_copy  # the child's turn
+    assert len(copies) == 1
+    follower = make_request("f", [11, *parent.output_token_ids[:1], 70], max_tokens=1)
+    scheduler.add_request(follower)
+    run_to_completion(scheduler, runner)
+    assert follower.num_cached_tokens == 2  # it read the parent's block from the cache
+    step(scheduler, runner)
+    assert_drained(scheduler)

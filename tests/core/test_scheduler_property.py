@@ -1,4 +1,5 @@
-"""Property test: random add / step / abort / stop / failed-step sequences on small pools.
+"""Property test: random add / step / abort / stop / failed-step sequences on small pools,
+with parallel sampling (n > 1: forks sharing the prompt's blocks, copy-on-write).
 
 Every configuration axis is drawn (block size, pool sizes, chunked prefill, budget,
 max_num_seqs, prefix caching, policy, preemption mode). After every operation the
@@ -10,6 +11,7 @@ lost, repeated or reordered by preemption), and the scheduler is drained.
 from __future__ import annotations
 
 import os
+import zlib
 from dataclasses import dataclass
 
 from core_harness import FakeRunner, assert_drained, make_scheduler, run_to_completion, step
@@ -27,8 +29,10 @@ PREFIXES = [list(range(10, 26)), list(range(30, 46)), [10, 11, 12, 13, 99, 98, 9
 
 
 def sample(request_id: str, tokens: list[int]) -> int:
-    """Deterministic in the token history; emits EOS or STOP now and then."""
-    return (sum(tokens[-3:]) * 31 + len(tokens)) % 61
+    """Deterministic in the request and its token history; emits EOS or STOP now and
+    then. The request id matters so that the completions of one n > 1 request differ:
+    a child writing into its parent's block (a missing copy-on-write) is then caught."""
+    return (sum(tokens[-3:]) * 31 + len(tokens) + zlib.crc32(request_id.encode())) % 61
 
 
 @dataclass(frozen=True)
@@ -88,6 +92,7 @@ def operations(setup: Setup) -> st.SearchStrategy[list[tuple]]:
         st.integers(0, 3),  # priority
         st.integers(0, 3),  # min_tokens
         st.booleans(),  # ignore_eos
+        st.sampled_from([1, 1, 2, 3]),  # n
     )
     others = st.one_of(
         add,
@@ -112,10 +117,11 @@ def make_prompt(num_tokens: int, which: int, first_own_token: int) -> list[int]:
     return (prefix + own)[:num_tokens]
 
 
-def would_fit(setup: Setup, num_prompt: int, max_tokens: int) -> bool:
+def would_fit(setup: Setup, num_prompt: int, max_tokens: int, n: int) -> bool:
     usable = setup.num_gpu_blocks - 1
     blocks = -(-(num_prompt + max_tokens - 1) // setup.block_size)
-    return 0 < num_prompt and num_prompt + max_tokens <= setup.max_model_len and blocks <= usable
+    fits = 0 < num_prompt and num_prompt + max_tokens <= setup.max_model_len and blocks <= usable
+    return fits and n <= setup.max_num_seqs
 
 
 def check_outputs(request: Request, setup: Setup, aborted: set[str]) -> None:
@@ -140,6 +146,20 @@ def check_outputs(request: Request, setup: Setup, aborted: set[str]) -> None:
         )
 
 
+def record_forks(scheduler, requests: list[Request]) -> None:  # noqa: ANN001 - a Scheduler
+    """Append every completion the scheduler forks (n > 1) to `requests`, so that the
+    test checks them like the requests it added. (A child may finish in the step that
+    creates it, so looking for it in scheduler.requests afterwards could miss it.)"""
+    fork = scheduler._fork
+
+    def recording_fork(parent: Request, first_token_ids: list[int], finished: list[Request]):  # noqa: ANN202
+        progress = fork(parent, first_token_ids, finished)
+        requests.extend(scheduler.requests[p.req_id] for p in progress)
+        return progress
+
+    scheduler._fork = recording_fork
+
+
 @settings(
     # PAGELLM_CORE_EXAMPLES=20000 for a long bug hunt; the default keeps the suite fast.
     max_examples=int(os.environ.get("PAGELLM_CORE_EXAMPLES", "600")),
@@ -149,13 +169,13 @@ def check_outputs(request: Request, setup: Setup, aborted: set[str]) -> None:
 @given(setup=setups(), data=st.data())
 def test_random_workloads_finish_and_keep_invariants(setup: Setup, data) -> None:
     scheduler = make_scheduler(**setup.__dict__)
+    record_forks(scheduler, requests := [])
     runner = FakeRunner(setup.block_size, sample=sample)
-    requests: list[Request] = []
     aborted: set[str] = set()
     for op in data.draw(operations(setup)):
         kind = op[0]
         if kind == "add":
-            _, (num_prompt, total), which, first_own_token, priority, min_tokens, ignore_eos = op
+            _, (num_prompt, total), which, first_own_token, priority, min_tokens, ignore_eos, n = op
             prompt = make_prompt(num_prompt, which, first_own_token)
             max_tokens = total - num_prompt
             request = Request(
@@ -166,6 +186,7 @@ def test_random_workloads_finish_and_keep_invariants(setup: Setup, data) -> None
                     min_tokens=min(min_tokens, max_tokens),
                     stop_token_ids=[STOP],
                     ignore_eos=ignore_eos,
+                    n=n,
                 ),
                 eos_token_ids={EOS},
                 priority=priority,
@@ -174,9 +195,9 @@ def test_random_workloads_finish_and_keep_invariants(setup: Setup, data) -> None
             try:
                 scheduler.add_request(request)
             except InvalidRequestError:
-                assert not would_fit(setup, len(prompt), max_tokens)
+                assert not would_fit(setup, len(prompt), max_tokens, n)
             else:
-                assert would_fit(setup, len(prompt), max_tokens)
+                assert would_fit(setup, len(prompt), max_tokens, n)
                 requests.append(request)
         elif kind == "step":
             step(scheduler, runner)
