@@ -59,7 +59,7 @@ SCENARIOS = {
 
 def run_one(workload: list[str], backend: str, dtype: str, extra: list[str], result_file: Path, label: str) -> dict:
     command = [sys.executable, "-m", "pagellm.entrypoints.cli", "bench", "throughput", "--backend", backend,
-               *workload, *extra, "--result-file", str(result_file)]  # fmt: skip
+               *workload, *extra, "--result-file", str(result_file), "--json"]  # fmt: skip
     if backend != "llamacpp":
         command += ["--dtype", dtype]
     print("$", " ".join(command[1:]), flush=True)
@@ -67,7 +67,7 @@ def run_one(workload: list[str], backend: str, dtype: str, extra: list[str], res
     if proc.returncode != 0:
         print(proc.stdout[-2000:], proc.stderr[-4000:], file=sys.stderr)
         return {"backend": backend, "dtype": label, "error": (proc.stderr.strip().splitlines() or ["failed"])[-1]}
-    record = json.loads(proc.stdout.splitlines()[0])
+    record = json.loads(proc.stdout)  # --json: stdout is the record alone
     record["dtype"] = label
     print(f"  -> {record['output_tok_s']} output tok/s, {record['achieved_gflop_s']} GFLOP/s, "
           f"agreement {agreement_cell(record)}", flush=True)

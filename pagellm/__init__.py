@@ -17,7 +17,6 @@ if TYPE_CHECKING:
     from pagellm.structured_outputs_params import StructuredOutputsParams
 
 __all__ = ["LLM", "EngineArgs", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput"]
-__version__ = "0.1.0"
 
 _LOCATIONS = {
     "LLM": "pagellm.entrypoints.llm",
@@ -30,6 +29,10 @@ _LOCATIONS = {
 
 
 def __getattr__(name: str) -> Any:
+    if name == "__version__":  # read on first use: importlib.metadata costs ~20 ms to import
+        from pagellm.version import package_version
+
+        return package_version()
     if name in _LOCATIONS:
         return getattr(importlib.import_module(_LOCATIONS[name]), name)
     raise AttributeError(f"module 'pagellm' has no attribute {name!r}")

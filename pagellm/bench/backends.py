@@ -42,8 +42,15 @@ def median_run(runs: list[float]) -> float:
 
 
 def run_pagellm(
-    requests: list[BenchRequest], model: str | None, dtype: str, engine_args: dict[str, Any], repeats: int = 1
+    requests: list[BenchRequest],
+    model: str | None,
+    dtype: str,
+    engine_args: dict[str, Any],
+    repeats: int = 1,
+    show_progress: bool = False,
 ) -> BackendResult:
+    """show_progress: the measured runs show LLM.generate's bar (requests done / total),
+    which it draws only when stderr is a terminal."""
     from pagellm import LLM, SamplingParams
 
     llm = LLM(model, dtype=dtype, disable_log_stats=True, **engine_args)
@@ -57,7 +64,9 @@ def run_pagellm(
     for _ in range(repeats):
         llm.engine.scheduler.kv_cache_manager.reset_prefix_cache()
         start = time.perf_counter()
-        outputs = llm.generate([r.prompt_token_ids for r in requests], [params(r) for r in requests], use_tqdm=False)
+        outputs = llm.generate(
+            [r.prompt_token_ids for r in requests], [params(r) for r in requests], use_tqdm=show_progress
+        )
         runs.append(time.perf_counter() - start)
         output_token_ids = [list(o.outputs[0].token_ids) for o in outputs]
         produced = sum(len(ids) for ids in output_token_ids)

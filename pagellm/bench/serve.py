@@ -5,8 +5,10 @@ requests, at Poisson or gamma-distributed arrival times and/or a fixed concurren
 reports throughput, TTFT / TPOT / ITL / end-to-end latency and goodput under SLOs
 (definitions in serve_metrics.py; the load itself in serve_load.py). The run is bounded:
 exactly --num-requests requests, each with a total timeout; a failed request is counted
-with its error, never raised. Prints one JSON line and a table, appends the JSON line to
---result-file, and optionally writes PNG charts (serve_report.py).
+with its error, never raised. Prints a table (or, with --json, the full result as one JSON
+document), appends the result as a JSON line to --result-file, and optionally writes PNG
+charts (serve_report.py). While it runs, a bar of requests done / total goes to stderr
+when that is a terminal.
 
 Exit status: 0 when at least one request completed; 1 when every request failed (the
 results are still printed and written first).
@@ -27,7 +29,6 @@ import os
 import sys
 import time
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 from pagellm.bench.serve_load import (
@@ -43,6 +44,7 @@ from pagellm.bench.serve_load import (
 )
 from pagellm.bench.serve_metrics import parse_goodput_slos, summarize
 from pagellm.errors import ConfigError, PagellmError
+from pagellm.workload.command_output import add_output_args, emit_result, print_note
 from pagellm.workload.synthetic import (
     BenchRequest,
     WorkloadSpec,
@@ -59,7 +61,9 @@ def add_bench_serve_parser(bench_commands: Any) -> argparse.ArgumentParser:
         "serve",
         help="load-test an OpenAI-compatible server (TTFT, TPOT, ITL, goodput)",
         description="Send a synthetic workload to an OpenAI-compatible server as streaming "
-        "requests and report throughput and latency. Exits 1 if every request failed.",
+        "requests and report throughput and latency. Prints a table; --json prints the full "
+        "result as JSON instead; the result is also appended to --result-file. Exits 1 if "
+        "every request failed.",
     )
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server to load")
     p.add_argument("--endpoint", choices=tuple(ENDPOINTS), default="completions")
@@ -81,8 +85,6 @@ def add_bench_serve_parser(bench_commands: Any) -> argparse.ArgumentParser:
                    help='JSON object merged into every request, e.g. \'{"temperature": 0}\'')
     p.add_argument("--goodput", nargs="+", default=None, metavar="NAME:SECONDS",
                    help="SLOs for goodput, e.g. ttft:0.5 tpot:0.05 e2el:10")
-    p.add_argument("--result-file", default="bench-results/serve.jsonl",
-                   help="the JSON line is appended here ('' = do not write)")
     p.add_argument("--plot-dir", default=None, help="write PNG charts here (needs matplotlib)")
     add_workload_args(p)  # the same workload flags as `bench throughput`, --seed included
     p.add_argument("--max-model-len", type=int, default=None,
@@ -90,6 +92,7 @@ def add_bench_serve_parser(bench_commands: Any) -> argparse.ArgumentParser:
     p.add_argument("--token-id-range", type=int, nargs=2, default=(100, 30000),
                    metavar=("LO", "HI"),
                    help="prompt token ids are drawn from [LO, HI) (keep HI within the vocabulary)")
+    add_output_args(p, default_result_file="bench-results/serve.jsonl")
     return p  # fmt: skip
 
 
@@ -129,7 +132,7 @@ def workload_from_args(args: argparse.Namespace) -> tuple[WorkloadSpec, list[Ben
 
 
 def run_bench_serve(args: argparse.Namespace) -> dict[str, Any]:
-    """Run the benchmark; print the JSON line and the table; append to --result-file."""
+    """Run the benchmark; print the table (or the JSON with --json); append to --result-file."""
     from pagellm.bench.serve_report import matplotlib_missing, print_table, write_plots
 
     try:
@@ -166,23 +169,14 @@ def run_bench_serve(args: argparse.Namespace) -> dict[str, Any]:
         )
     )
     result = make_result(config, spec, prompt_format, run, slos)
-    print(json.dumps(result))
-    print_table(result)
-    if args.result_file:
-        path = Path(args.result_file)
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with open(path, "a", encoding="utf-8") as f:
-                f.write(json.dumps(result) + "\n")
-        except OSError as e:
-            raise PagellmError(f"cannot write the result file {path}: {e.strerror}") from None
+    emit_result(result, print_table, args.json, args.result_file)
     if args.plot_dir:
         missing = matplotlib_missing()
         if missing:
-            print(f"charts not written: {missing}")
+            print_note(f"charts not written: {missing}", args.json)
         else:
             for chart in write_plots(run.records, result, args.plot_dir):
-                print(f"chart: {chart}")
+                print_note(f"chart: {chart}", args.json)
     if result["completed"] == 0 and result["num_requests"] > 0:
         first_error = next(iter(result["errors"]), "unknown error")
         raise PagellmError(

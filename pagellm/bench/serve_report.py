@@ -43,7 +43,7 @@ def _ms(value: float | None) -> str:
 
 
 def print_table(result: dict[str, Any]) -> None:
-    """The result as aligned lines on stdout (the JSON line holds the same numbers)."""
+    """The result as aligned lines on stdout (--json prints the full record instead)."""
     rate = result["request_rate"]
     prompts = f"{result['prompt_format']} prompts"
     tokens = f"{result['total_input_tokens']} / {result['total_output_tokens']}"

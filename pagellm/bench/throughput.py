@@ -1,7 +1,7 @@
 """Benchmarks: `pagellm bench throughput`, offline throughput on one request list.
 
-Prints its configuration and results as one JSON line plus a table, and appends the
-JSON line to --result-file. Achieved GFLOP/s (matmul FLOPs of the work actually asked
+Prints its configuration and results as a table (or, with --json, as one JSON document)
+and appends the record as a JSON line to --result-file. Achieved GFLOP/s (matmul FLOPs of the work actually asked
 for, over wall time) is reported against the matmul ceiling measured at start. Beside
 the figures: the CPU they were measured on (bench/machine.py) and how far the first
 requests' greedy outputs agree with a reference (bench/agreement.py).
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 import os
 import platform
@@ -26,6 +25,7 @@ from pagellm.bench.backends import BackendResult, run_hf, run_pagellm
 from pagellm.bench.ceiling import measure_matmul_ceiling, workload_flops
 from pagellm.bench.machine import cpu_info, describe_cpu
 from pagellm.errors import PagellmError
+from pagellm.workload.command_output import emit_result
 from pagellm.workload.synthetic import make_workload, workload_spec_from_args
 
 logger = logging.getLogger(__name__)
@@ -58,7 +58,8 @@ def run_bench_throughput(args: argparse.Namespace) -> dict[str, Any]:
         }  # fmt: skip
         if args.max_num_batched_tokens:
             engine_args["max_num_batched_tokens"] = args.max_num_batched_tokens
-        result = run_pagellm(requests, args.model, args.dtype, engine_args, repeats=args.repeats)
+        # The engine's own bar (requests done / total) shows when stderr is a terminal.
+        result = run_pagellm(requests, args.model, args.dtype, engine_args, repeats=args.repeats, show_progress=True)
     elif args.backend == "hf":
         result = run_hf(requests, source.path, args.dtype, args.hf_batch_sizes)
     else:
@@ -78,11 +79,7 @@ def run_bench_throughput(args: argparse.Namespace) -> dict[str, Any]:
     agreement = check_agreement(source.path, requests, result.output_token_ids, args.check_requests, args.check_tokens)
     flops = workload_flops(config, [len(r.prompt_token_ids) for r in requests], [r.output_len for r in requests])
     record = make_record(args, source.name, result, flops, ceiling, len(requests), agreement)
-    print_result(record)
-    if args.result_file:
-        Path(args.result_file).parent.mkdir(parents=True, exist_ok=True)
-        with open(args.result_file, "a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")
+    emit_result(record, print_result, args.json, args.result_file)
     return record
 
 
@@ -111,28 +108,28 @@ def _run_structured(args: argparse.Namespace, model: str, requests: list[Any], c
         "matmul_ceiling_gflop_s": round(ceiling, 1),
         **figures,
     }  # fmt: skip
-    print(json.dumps(record))
-    print(f"{model} on {record['machine']}; CPU {describe_cpu(record['cpu'])}")
+    emit_result(record, print_structured_result, args.json, args.result_file)
+    return record
+
+
+def print_structured_result(record: dict[str, Any]) -> None:
+    """The structured workload's record as aligned lines on stdout."""
+    print(f"{record['model']} on {record['machine']}; CPU {describe_cpu(record['cpu'])}")
     rows = [
-        ("requests", f"{figures['num_requests']} ({figures['valid_outputs']} outputs validate, "
-                     f"{figures['ended_by_schema']} ended by their schema)"),
-        ("output tokens", figures["output_tokens"]),
-        ("constrained", f"{figures['constrained_s']:.2f} s, {figures['constrained_output_tok_s']} tok/s"),
-        ("unconstrained, same lengths", f"{figures['unconstrained_s']:.2f} s, {figures['unconstrained_output_tok_s']} tok/s"),
-        ("constrained / unconstrained", f"{figures['ratio']:.3f}x"),
-        ("mask time", f"{figures['mask_s']:.3f} s ({100 * figures['mask_share']:.1f}% of the constrained run)"),
-        ("schema compile", ", ".join(f"{ms} ms" for ms in figures["schema_compile_ms"])
-                           + f" (after waiting {figures['grammar_tokenizer_wait_ms']} ms for the vocabulary's setup)"),
-        ("first token, new / cached schema", f"{figures['ttft_new_schema_ms']} / {figures['ttft_cached_schema_ms']} ms"),
+        ("requests", f"{record['num_requests']} ({record['valid_outputs']} outputs validate, "
+                     f"{record['ended_by_schema']} ended by their schema)"),
+        ("output tokens", record["output_tokens"]),
+        ("constrained", f"{record['constrained_s']:.2f} s, {record['constrained_output_tok_s']} tok/s"),
+        ("unconstrained, same lengths", f"{record['unconstrained_s']:.2f} s, {record['unconstrained_output_tok_s']} tok/s"),
+        ("constrained / unconstrained", f"{record['ratio']:.3f}x"),
+        ("mask time", f"{record['mask_s']:.3f} s ({100 * record['mask_share']:.1f}% of the constrained run)"),
+        ("schema compile", ", ".join(f"{ms} ms" for ms in record["schema_compile_ms"])
+                           + f" (after waiting {record['grammar_tokenizer_wait_ms']} ms for the vocabulary's setup)"),
+        ("first token, new / cached schema", f"{record['ttft_new_schema_ms']} / {record['ttft_cached_schema_ms']} ms"),
     ]  # fmt: skip
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"{key:<{width}}  {value}")
-    if args.result_file:
-        Path(args.result_file).parent.mkdir(parents=True, exist_ok=True)
-        with open(args.result_file, "a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")
-    return record
 
 
 def make_record(
@@ -199,7 +196,6 @@ def machine_description() -> str:
 
 
 def print_result(record: dict[str, Any]) -> None:
-    print(json.dumps(record))
     print(f"{record['model']} on {record['machine']}; CPU {describe_cpu(record['cpu'])}")
     rows = [
         ("backend", f"{record['backend']} ({record['dtype']})"),

@@ -8,13 +8,19 @@ import argparse
 from pagellm.config import QUANTIZATION_CHOICES
 
 from pagellm.bench.agreement import DEFAULT_CHECK_REQUESTS, DEFAULT_CHECK_TOKENS
+from pagellm.workload.command_output import add_output_args
 from pagellm.workload.synthetic import add_workload_args
 
 BACKENDS = ("pagellm", "hf", "llamacpp")
 
 
 def add_bench_throughput_parser(bench_commands: "argparse._SubParsersAction") -> None:
-    p = bench_commands.add_parser("throughput", help="offline throughput on a synthetic workload")
+    p = bench_commands.add_parser(
+        "throughput", help="offline throughput on a synthetic workload",
+        description="Run one synthetic request list on a backend and report throughput. Prints a "
+        "table; --json prints the full result as JSON instead; the result is also appended to "
+        "--result-file.",
+    )  # fmt: skip
     p.add_argument("--backend", choices=BACKENDS, default="pagellm")
     p.add_argument("--model", default=None, help="GGUF file or HF folder (default: embedded SmolLM2)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
@@ -46,9 +52,9 @@ def add_bench_throughput_parser(bench_commands: "argparse._SubParsersAction") ->
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--result-file", default="bench-results/throughput.jsonl")
     p.add_argument("--check-requests", type=int, default=DEFAULT_CHECK_REQUESTS,
                    help="requests whose leading greedy tokens are compared with HF float32's (0 = no check)")
     p.add_argument("--check-tokens", type=int, default=DEFAULT_CHECK_TOKENS,
                    help="leading output tokens compared per checked request")  # fmt: skip
     add_workload_args(p)
+    add_output_args(p, default_result_file="bench-results/throughput.jsonl")

@@ -14,6 +14,7 @@ from pagellm.engine.cli_args import add_engine_args
 from pagellm.entrypoints.openai.serve_command import add_serve_parser, run_serve
 from pagellm.errors import PagellmError
 from pagellm.sim.commands import add_calibrate_parser, add_simulate_parser, add_tune_parser
+from pagellm.version import package_version
 
 logger = logging.getLogger("pagellm")
 
@@ -24,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="LLM inference with continuous batching over a paged KV cache.",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--version", action="version", version=f"pagellm {package_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     gen = commands.add_parser("generate", help="generate text for a prompt")

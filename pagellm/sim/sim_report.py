@@ -186,7 +186,7 @@ def _ms(value: float | None) -> str:
 
 
 def print_sim_table(record: dict[str, Any]) -> None:
-    """The record as aligned lines on stdout (the JSON line holds the same numbers)."""
+    """The record as aligned lines on stdout (--json prints the full record instead)."""
     s = record["results"]
     waste = s["kv_waste"]
     engine = record["engine"]

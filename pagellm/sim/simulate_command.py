@@ -1,17 +1,15 @@
 """Simulation stage: `pagellm simulate`, one engine configuration against a workload.
 
-Prints one JSON line and a readable table, and appends the JSON line to --result-file.
+Prints a readable table (or, with --json, the full record as one JSON document) and
+appends the record as a JSON line to --result-file.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-from pathlib import Path
 from typing import Any
 
-from pagellm.errors import PagellmError
 from pagellm.sim.sim_args import (
     add_parallel_args,
     add_sim_engine_args,
@@ -19,6 +17,7 @@ from pagellm.sim.sim_args import (
     add_sim_workload_args,
     add_target_args,
 )
+from pagellm.workload.command_output import add_output_args, emit_result
 
 logger = logging.getLogger(__name__)
 
@@ -29,25 +28,17 @@ def add_simulate_parser(commands: Any) -> argparse.ArgumentParser:
         help="run the real scheduler on a simulated clock: throughput, latency, KV use",
         description="Serve a workload with pagellm's own scheduler and KV cache manager, "
         "a step cost model (roofline on a GPU preset, or calibrated on a measured machine) "
-        "standing in for the model. Prints a JSON line and a table.",
+        "standing in for the model. Prints a table; --json prints the full result as JSON "
+        "instead, --result-file appends it to a file.",
     )
     add_target_args(p)
     add_parallel_args(p)
     add_sim_workload_args(p)
     add_sim_engine_args(p)
     add_sim_speculation_args(p)
-    p.add_argument("--result-file", default="", help="append the JSON line here")
+    add_output_args(p)
     p.set_defaults(run_command=run_simulate)
     return p
-
-
-def append_json_line(path: str, record: dict[str, Any]) -> None:
-    try:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")
-    except OSError as e:
-        raise PagellmError(f"cannot write the result file {path}: {e.strerror}") from None
 
 
 def run_simulate(args: argparse.Namespace) -> dict[str, Any]:
@@ -63,8 +54,5 @@ def run_simulate(args: argparse.Namespace) -> dict[str, Any]:
     workload = workload_from_args(args, engine_config.scheduler_config.max_model_len)
     run = simulate(target, engine_args, workload.requests, args.data_parallel_size, speculation)
     record = make_record(target, workload, run)
-    print(json.dumps(record))
-    print_sim_table(record)
-    if args.result_file:
-        append_json_line(args.result_file, record)
+    emit_result(record, print_sim_table, args.json, args.result_file)
     return record

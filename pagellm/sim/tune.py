@@ -160,17 +160,31 @@ def run_grid(
     points: Sequence[dict[str, Any]],
     simulate_point: Callable[[dict[str, Any]], TunePoint],
     jobs: int = 1,
+    on_point_done: Callable[[], object] | None = None,
 ) -> list[TunePoint]:
-    """Simulate every point, on `jobs` processes (forked: they inherit the workload)."""
+    """Simulate every point, on `jobs` processes (forked: they inherit the workload);
+    on_point_done is called once per finished point (a progress bar). Results keep the
+    order of `points`."""
     if jobs <= 1 or len(points) <= 1 or "fork" not in _start_methods():
-        return [simulate_point(point) for point in points]
+        results = []
+        for point in points:
+            results.append(simulate_point(point))
+            if on_point_done is not None:
+                on_point_done()
+        return results
     import multiprocessing
 
     global _POINT_FUNCTION
     _POINT_FUNCTION = simulate_point
     try:
+        found: dict[int, TunePoint] = {}
         with multiprocessing.get_context("fork").Pool(min(jobs, len(points))) as pool:
-            return pool.map(_simulate_in_child, points, chunksize=1)
+            # Unordered, so that progress counts points as they finish, not in grid order.
+            for index, result in pool.imap_unordered(_simulate_in_child, enumerate(points), chunksize=1):
+                found[index] = result
+                if on_point_done is not None:
+                    on_point_done()
+        return [found[i] for i in range(len(points))]
     finally:
         _POINT_FUNCTION = None
 
@@ -178,9 +192,10 @@ def run_grid(
 _POINT_FUNCTION: Callable[[dict[str, Any]], TunePoint] | None = None
 
 
-def _simulate_in_child(point: dict[str, Any]) -> TunePoint:
+def _simulate_in_child(item: tuple[int, dict[str, Any]]) -> tuple[int, TunePoint]:
     assert _POINT_FUNCTION is not None
-    return _POINT_FUNCTION(point)
+    index, point = item
+    return index, _POINT_FUNCTION(point)
 
 
 def _start_methods() -> list[str]:

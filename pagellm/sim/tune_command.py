@@ -1,7 +1,9 @@
 """Simulation stage: `pagellm tune`, a grid of engine arguments simulated and ranked.
 
-Prints the ranked table, the recommended engine arguments as a ready command line, one
-JSON line (appended to --result-file), and draws throughput against latency (PNG).
+Prints the ranked table and the recommended engine arguments as a ready command line (or,
+with --json, the full record as one JSON document), appends the record as a JSON line to
+--result-file, and draws throughput against latency (PNG). A progress bar (configurations
+done / total) goes to stderr when it is a terminal.
 With --num-gpus N the grid is the deployment layouts of N GPUs (tune_layouts.py), each
 crossed with whatever engine knobs were given several values.
 """
@@ -9,7 +11,6 @@ crossed with whatever engine knobs were given several values.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
 import time
@@ -25,10 +26,11 @@ from pagellm.sim.sim_args import (
 )
 from pagellm.sim.tune import GOALS, LATENCY_METRICS, default_jobs
 from pagellm.sim.tune_layouts import best_layout_line
+from pagellm.workload.command_output import add_output_args, emit_result, print_note, progress_bar
 
 logger = logging.getLogger(__name__)
 
-# Results kept per grid point in the JSON line (the full simulate record is much larger).
+# Results kept per grid point in the JSON record (the full simulate record is much larger).
 _POINT_FIELDS = (
     "num_requests", "completed", "rejected", "requests_per_s", "output_tok_s", "ttft_ms_median", "ttft_ms_p99",
     "itl_ms_median", "itl_ms_p99", "tpot_ms_median", "e2el_ms_p99", "kv_usage_mean",
@@ -47,7 +49,8 @@ def add_tune_parser(commands: Any) -> argparse.ArgumentParser:
         "max_model_len, block_size and the prefill/decode balance knobs (each flag takes "
         "several values) over one simulated workload, rank the configurations for a goal, "
         "and print the winner as a command line. --num-gpus compares the ways to deploy "
-        "the model on that many GPUs (tensor- x data-parallel layouts).",
+        "the model on that many GPUs (tensor- x data-parallel layouts). --json prints the "
+        "full result as JSON instead of the table, --result-file appends it to a file.",
     )
     add_target_args(p)
     add_parallel_args(p, tune=True)
@@ -66,7 +69,7 @@ def add_tune_parser(commands: Any) -> argparse.ArgumentParser:
     p.add_argument("--top", type=int, default=15, help="rows of the ranked table")
     p.add_argument("--plot", default="pagellm-tune.png",
                    help="PNG chart of throughput against latency ('' = none)")
-    p.add_argument("--result-file", default="", help="append the JSON line here")
+    add_output_args(p)
     p.set_defaults(run_command=run_tune)
     return p  # fmt: skip
 
@@ -74,7 +77,6 @@ def add_tune_parser(commands: Any) -> argparse.ArgumentParser:
 def run_tune(args: argparse.Namespace) -> dict[str, Any]:
     from pagellm.sim.runs import target_from_args, workload_from_args
     from pagellm.sim.sim_args import engine_args_from
-    from pagellm.sim.simulate_command import append_json_line
     from pagellm.sim.tune import DEFAULT_GRID, TuneGoal, grid_points, rank, run_grid
     from pagellm.sim.tune_layouts import enumerate_layouts
 
@@ -126,7 +128,12 @@ def run_tune(args: argparse.Namespace) -> dict[str, Any]:
     start = time.perf_counter()
     simulate_point = _PointSimulator(targets, target.tensor_parallel_size, args.data_parallel_size,
                                      base, workload.requests, goal)  # fmt: skip
-    ranked = rank(run_grid(points, simulate_point, jobs), goal)
+    progress = progress_bar(len(points), "configurations", "config")
+    try:
+        ranked = rank(run_grid(points, simulate_point, jobs, None if progress is None else progress.update), goal)
+    finally:
+        if progress is not None:
+            progress.close()
     wall = time.perf_counter() - start
     grid = values if layouts is None else {
         "tensor_parallel_size": [layout.tensor_parallel_size for layout in layouts],
@@ -140,15 +147,11 @@ def run_tune(args: argparse.Namespace) -> dict[str, Any]:
         links = [t.tensor_parallel.describe() for t in targets.values()
                  if not isinstance(t, str) and t.tensor_parallel is not None]  # fmt: skip
         record["interconnect"] = {k: v for k, v in links[0].items() if k != "tensor_parallel_size"} if links else None
-    print(json.dumps(record))
-    print_ranking(record, args.top)
+    emit_result(record, lambda r: print_ranking(r, args.top), args.json, args.result_file)
     if args.plot:
         from pagellm.sim.tune_chart import draw_tune_chart
 
-        message = draw_tune_chart(record, args.plot)
-        print(message)
-    if args.result_file:
-        append_json_line(args.result_file, record)
+        print_note(draw_tune_chart(record, args.plot), args.json)
     return record
 
 
@@ -277,7 +280,7 @@ def print_ranking(record: dict[str, Any], top: int) -> None:
     for row in rows:
         print("  ".join(cell.rjust(w) if i < len(row) - 1 else cell for i, (cell, w) in enumerate(zip(row, widths))))
     if len(record["points"]) > top:
-        print(f"... {len(record['points']) - top} more in the JSON line")
+        print(f"... {len(record['points']) - top} more with --json or in --result-file (or raise --top)")
     recommended = record["recommended"]
     if recommended is None:
         print("no valid configuration: every one was refused (see status)")

@@ -290,12 +290,11 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
 
 
 def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, dict, str]:
-    """main(argv) in this process: exit status, the JSON line, stderr."""
-    status = main(argv)
+    """main(argv + --json) in this process: exit status, the result (stdout is one JSON
+    document), stderr."""
+    status = main([*argv, "--json"])
     captured = capsys.readouterr()
-    lines = [line for line in captured.out.splitlines() if line.startswith("{")]
-    assert len(lines) == 1, captured.out
-    return status, json.loads(lines[0]), captured.err
+    return status, json.loads(captured.out), captured.err
 
 
 def capture_runs(monkeypatch: pytest.MonkeyPatch) -> list[bench_serve.ServeBenchRun]:
@@ -390,11 +389,19 @@ def test_closed_port_counts_every_request_as_failed(
     result_file = tmp_path / "closed.jsonl"
     argv = ["bench", "serve", "--base-url", f"http://127.0.0.1:{port}", "--num-requests", "6",
             "--request-rate", "200", "--result-file", str(result_file)]  # fmt: skip
-    status, result, err = run_cli(argv, capsys)
+    # Without --json: the table on stdout, the result in --result-file.
+    status = main(argv)
+    captured = capsys.readouterr()
+    out, err = captured.out, captured.err
     assert status == 1  # documented: every request failed
+    assert not any(line.startswith("{") for line in out.splitlines())
+    assert "failed requests" in out and "error x" in out
+    (line,) = result_file.read_text().splitlines()
+    result = json.loads(line)
+    for name in RESULT_FIELDS:
+        assert name in result, name
     assert result["completed"] == 0 and result["failed"] == 6
     assert sum(result["errors"].values()) == 6
     assert all("Connect" in message for message in result["errors"])
     assert "all 6 requests failed" in err and f"127.0.0.1:{port}" in err
     assert "Traceback" not in err
-    assert json.loads(result_file.read_text()) == result

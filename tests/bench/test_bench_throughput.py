@@ -50,7 +50,7 @@ def bench_args(folder, backend, **extra):
         backend=backend, model=str(folder), dtype="float32", hf_batch_sizes=[2, 4], llamacpp_parallel=4,
         max_num_seqs=256, max_num_batched_tokens=None, max_model_len=256, result_file=None, repeats=1,
         workload="mixed", num_requests=6, prompt_len=(4, 20), output_len=(3, 9), shared_prefix_len=8, seed=0,
-        check_requests=4, check_tokens=16,
+        check_requests=4, check_tokens=16, json=False,
     )  # fmt: skip
     for key, value in extra.items():
         setattr(args, key, value)
@@ -88,8 +88,9 @@ def test_backends_produce_exact_work_and_a_record(folder, backend, tmp_path, cap
     assert agreement["matched_tokens"] == agreement["compared_tokens"] and agreement["fraction"] == 1.0
     assert isinstance(record["cpu"]["model"], str) and isinstance(record["cpu"]["isa_flags"], list)
     out = capsys.readouterr().out
-    assert out.startswith("{") and "output tok/s" in out
-    header = out.splitlines()[1]
+    # The table only: its header first, no JSON on stdout without --json.
+    assert not out.startswith("{") and "output tok/s" in out
+    header = out.splitlines()[0]
     assert "CPU " + record["cpu"]["model"] in header
     assert re.search(r"^agreement +1\.00 \(16 leading tokens x 4 requests vs hf float32 greedy\)$", out, re.M)
 
@@ -126,6 +127,34 @@ def test_a_fast_wrong_engine_shows_in_its_agreement(folder, tmp_path, monkeypatc
     record = throughput.run_bench_throughput(bench_args(folder, "pagellm", check_requests=0))
     assert record["agreement"] is None
     assert re.search(r"^agreement +not checked$", capsys.readouterr().out, re.M)
+
+
+def test_json_prints_the_record_instead_of_the_table(folder, tmp_path, monkeypatch, capsys):
+    from pagellm.bench import throughput
+    from pagellm.bench.backends import BackendResult
+    from pagellm.entrypoints.cli import build_parser
+
+    def engine(requests, *args, **kwargs):  # a stand-in: only the output is under test
+        ids = [[1] * r.output_len for r in requests]
+        return BackendResult("pagellm", 1e-3, sum(map(len, ids)), 0, output_token_ids=ids)
+
+    monkeypatch.setattr(throughput, "run_pagellm", engine)
+    result_file = tmp_path / "r.jsonl"
+    record = throughput.run_bench_throughput(
+        bench_args(folder, "pagellm", check_requests=0, json=True, result_file=str(result_file))
+    )
+    out = capsys.readouterr().out
+    assert json.loads(out) == record == json.loads(result_file.read_text())
+    assert "output tok/s" not in out  # no table
+    assert set(record) == {
+        "bench", "time", "machine", "cpu", "model", "backend", "dtype", "workload", "settings", "sweep",
+        "elapsed_s", "output_tokens", "prompt_tokens", "requests_per_s", "output_tok_s", "total_tok_s",
+        "achieved_gflop_s", "matmul_ceiling_gflop_s", "fraction_of_ceiling", "agreement",
+    }  # fmt: skip
+    # The flags: --json off and results appended to bench-results/ unless told otherwise.
+    args = build_parser().parse_args(["bench", "throughput"])
+    assert args.json is False and args.result_file == "bench-results/throughput.jsonl"
+    assert build_parser().parse_args(["bench", "throughput", "--json", "--result-file", ""]).json is True
 
 
 def test_repeats_report_the_median_run(folder, tmp_path, monkeypatch):

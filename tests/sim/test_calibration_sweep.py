@@ -95,8 +95,8 @@ def test_calibrate_then_simulate_on_the_command_line(tiny_model, tmp_path, capsy
     assert json.loads(out.splitlines()[0])["bench"] == "calibrate"
     assert "fit: R^2" in out and path.exists()
     assert main(["simulate", "--calibration", str(path), "--num-requests", "12", "--request-rate", "4",
-                 "--prompt-len", "8", "64", "--output-len", "4", "16", "--max-model-len", "256"]) == 0  # fmt: skip
-    record = json.loads(capsys.readouterr().out.splitlines()[0])
+                 "--prompt-len", "8", "64", "--output-len", "4", "16", "--max-model-len", "256", "--json"]) == 0  # fmt: skip
+    record = json.loads(capsys.readouterr().out)
     assert record["cost_model"]["kind"] == "calibrated"
     assert record["target"]["device"] == "CPU" and record["results"]["completed"] == 12
 

@@ -192,19 +192,20 @@ BASELINE_ARGV = ["simulate", "--model", "Llama-3-8B", "--gpu", "H100-SXM", "--wo
 @pytest.mark.parametrize("extra", [[], ["--tensor-parallel-size", "1", "--data-parallel-size", "1", "--interconnect", "PCIe4"]])
 def test_tp1_results_are_unchanged(capsys, extra):
     # Pinned from the simulator before tensor/data parallelism existed.
-    code, out, _ = run(capsys, *BASELINE_ARGV, *extra)
+    code, out, _ = run(capsys, *BASELINE_ARGV, *extra, "--json")
     assert code == 0
-    r = json.loads(out.splitlines()[0])["results"]
+    r = json.loads(out)["results"]
     assert (r["duration_s"], r["output_tok_s"], r["num_steps"], r["kv_capacity_tokens"]) == (26.47, 3620.431, 3619, 456624)
     assert (r["ttft_ms_p99"], r["itl_ms_median"], r["prefix_hit_rate"]) == (30.149, 7.578, 0.1817)
 
 
-def test_simulate_with_tp_and_dp_on_the_command_line(capsys):
-    code, out, _ = run(capsys, "simulate", "--model", "Llama-3-70B", "--gpu", "H200", "--num-requests", "40",
-                       "--request-rate", "10", "--tensor-parallel-size", "4", "--data-parallel-size", "2")  # fmt: skip
+def test_simulate_with_tp_and_dp_on_the_command_line(capsys, tmp_path):
+    result_file = tmp_path / "sim.jsonl"
+    code, table, _ = run(capsys, "simulate", "--model", "Llama-3-70B", "--gpu", "H200", "--num-requests", "40",
+                         "--request-rate", "10", "--tensor-parallel-size", "4", "--data-parallel-size", "2",
+                         "--result-file", str(result_file))  # fmt: skip
     assert code == 0
-    lines = out.splitlines()
-    record = json.loads(lines[0])
+    record = json.loads(result_file.read_text())
     assert record["parallel"] == {
         "tensor_parallel_size": 4, "data_parallel_size": 2, "num_gpus": 8, "interconnect": "NVLink4",
         "interconnect_unidirectional_gbs": 450.0, "allreduce_efficiency": 0.8, "allreduce_latency_us": 10.0,
@@ -215,7 +216,6 @@ def test_simulate_with_tp_and_dp_on_the_command_line(capsys):
     assert record["results"]["completed"] == 40
     # Two replicas' caches together.
     assert record["results"]["kv_capacity_tokens"] == 2 * (record["kv_cache"]["num_gpu_blocks"] - 1) * 16
-    table = "\n".join(lines[1:])
     assert "8 GPUs: 2 replicas x TP=4 over NVLink4" in table and "2 replicas x " in table
 
 
@@ -264,8 +264,8 @@ def test_tp_needs_the_roofline_model(tmp_path, capsys):
     assert code == 1 and "a calibration measures one device" in err
     # Data parallelism of the measured engine is fine.
     code, out, _ = run(capsys, "simulate", "--calibration", str(path), "--data-parallel-size", "2",
-                       "--num-requests", "10", "--prompt-len", "8", "16", "--output-len", "4", "8")  # fmt: skip
-    assert code == 0 and json.loads(out.splitlines()[0])["parallel"]["data_parallel_size"] == 2
+                       "--num-requests", "10", "--prompt-len", "8", "16", "--output-len", "4", "8", "--json")  # fmt: skip
+    assert code == 0 and json.loads(out)["parallel"]["data_parallel_size"] == 2
 
 
 # --- Interconnect presets ------------------------------------------------------------

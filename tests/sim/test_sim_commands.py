@@ -1,5 +1,5 @@
-"""`pagellm simulate` on the command line: a JSON line and a table; bad input gives one
-`pagellm: error:` line and no traceback."""
+"""`pagellm simulate` on the command line: a table on stdout (the record with --json, and
+appended to --result-file); bad input gives one `pagellm: error:` line and no traceback."""
 
 from __future__ import annotations
 
@@ -18,15 +18,30 @@ def run(capsys, *argv: str) -> tuple[int, str, str]:
     return code, captured.out, captured.err
 
 
-def test_simulate_prints_a_record_and_a_table(tmp_path, capsys):
+# The record's top-level keys (what scripts read; the same as before the table became the default).
+RECORD_KEYS = {"bench", "time", "cost_model", "target", "engine", "kv_cache", "parallel", "workload", "results"}
+
+
+def is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
+
+
+def test_simulate_prints_a_table_and_writes_the_record(tmp_path, capsys):
     results = tmp_path / "sim.jsonl"
     code, out, _ = run(capsys, "simulate", "--model", "Qwen2.5-7B", "--gpu", "A100-80GB", "--workload", "sharegpt",
                        "--request-rate", "5", "--num-requests", "200", "--shared-prefix-share", "0.5",
                        "--shared-prefix-len", "256", "--result-file", str(results))  # fmt: skip
     assert code == 0
     lines = out.splitlines()
-    record = json.loads(lines[0])
-    assert record == json.loads(results.read_text())
+    # People get the table only: no line of stdout is the JSON record.
+    assert lines[0].startswith("cost model") and not any(line.lstrip().startswith("{") for line in lines)
+    (line,) = results.read_text().splitlines()
+    record = json.loads(line)
+    assert set(record) == RECORD_KEYS
     r = record["results"]
     assert r["completed"] == 200 and r["rejected"] == 0
     assert r["prefix_hit_rate"] > 0.1  # half the prompts share 256 tokens
@@ -38,17 +53,32 @@ def test_simulate_prints_a_record_and_a_table(tmp_path, capsys):
     waste = r["kv_waste"]
     assert waste["contiguous_waste_frac"] > waste["paged_waste_frac"]
     assert waste["contiguous_max_concurrency"] == r["kv_capacity_tokens"] // record["engine"]["max_model_len"]
-    table = "\n".join(lines[1:])
     for label in ("output tok/s", "KV usage", "preemptions", "TTFT", "ITL", "max_model_len slabs"):
-        assert label in table
+        assert label in out
+    assert f"{r['completed']} completed" in out
+
+
+def test_json_prints_the_record_instead_of_the_table(tmp_path, capsys):
+    results = tmp_path / "out" / "sim.jsonl"
+    argv = ["simulate", "--model", "SmolLM2-135M", "--gpu", "L4", "--num-requests", "3", "--result-file", str(results)]
+    code, out, _ = run(capsys, *argv, "--json")
+    assert code == 0
+    record = json.loads(out)  # stdout is one JSON document
+    assert set(record) == RECORD_KEYS and record["results"]["completed"] == 3
+    assert "cost model" not in out
+    # --result-file appends: a second run adds a second line.
+    code, out, _ = run(capsys, *argv)
+    assert code == 0 and not is_json(out)
+    first, second = (json.loads(line) for line in results.read_text().splitlines())
+    assert first == record and set(second) == RECORD_KEYS
 
 
 def test_a_trace_is_served_as_given(tmp_path, capsys):
     trace = tmp_path / "trace.jsonl"
     trace.write_text("".join(json.dumps({"arrival_time": i * 0.5, "prompt_len": 100, "output_len": 20}) + "\n" for i in range(10)))
-    code, out, _ = run(capsys, "simulate", "--trace", str(trace), "--model", "SmolLM2-135M", "--gpu", "L4")
+    code, out, _ = run(capsys, "simulate", "--trace", str(trace), "--model", "SmolLM2-135M", "--gpu", "L4", "--json")
     assert code == 0
-    record = json.loads(out.splitlines()[0])
+    record = json.loads(out)
     assert record["workload"]["kind"] == "trace"
     assert record["results"]["total_output_tokens"] == 200 and record["results"]["total_input_tokens"] == 1000
 

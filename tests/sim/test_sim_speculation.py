@@ -161,22 +161,24 @@ def test_bad_speculation_configs_are_refused(kwargs, fragment):
         SimSpeculationConfig(**kwargs)
 
 
-def test_simulate_command_reports_the_assumed_and_observed_figures(capsys):
+def test_simulate_command_reports_the_assumed_and_observed_figures(capsys, tmp_path):
+    result_file = tmp_path / "sim.jsonl"
     argv = ["simulate", "--model", "SmolLM2-135M", "--gpu", "L4", "--num-requests", "12", "--request-rate", "4",
-            "--speculative-tokens", "3", "--spec-acceptance-rate", "0.8", "--spec-disable-by-batch-size", "0"]  # fmt: skip
+            "--speculative-tokens", "3", "--spec-acceptance-rate", "0.8", "--spec-disable-by-batch-size", "0",
+            "--result-file", str(result_file)]  # fmt: skip
     assert main(argv) == 0
     lines = capsys.readouterr().out.splitlines()
-    record = json.loads(lines[0])
+    record = json.loads(result_file.read_text())
     block = record["results"]["spec_decode"]
     assert block["num_speculative_tokens"] == 3 and block["acceptance_rate_assumed"] == 0.8
     assert block["disable_by_batch_size"] is None
     assert block["expected_mean_accepted_length"] == pytest.approx(1 + 0.8 + 0.64 + 0.512)
     assert block["num_emitted_tokens"] == block["num_accepted_tokens"] + block["num_verifications"] > 0
     assert 0 < block["acceptance_rate"] <= 1 and 1 <= block["mean_accepted_length"] <= 4
-    row = next(line for line in lines[1:] if line.startswith("speculative decoding"))
+    row = next(line for line in lines if line.startswith("speculative decoding"))
     assert "A=0.8" in row and "observed: acceptance rate" in row and "tokens per verification" in row
-    assert main(["simulate", "--num-requests", "3"]) == 0
-    assert "spec_decode" not in json.loads(capsys.readouterr().out.splitlines()[0])["results"]
+    assert main(["simulate", "--num-requests", "3", "--json"]) == 0
+    assert "spec_decode" not in json.loads(capsys.readouterr().out)["results"]
 
 
 @pytest.mark.parametrize("argv,fragment", [

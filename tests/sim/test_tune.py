@@ -85,7 +85,12 @@ def test_tune_end_to_end(tmp_path, capsys):
     chart = tmp_path / "tune.png"
     assert main(tune_argv(tmp_path, "2", str(chart))) == 0  # two processes
     out = capsys.readouterr().out.splitlines()
-    record = json.loads(out[0])
+    # The ranked table on stdout; the record in --result-file.
+    assert out[0].startswith("SmolLM2-135M on L4") and not any(line.startswith("{") for line in out)
+    (line,) = (tmp_path / "tune.jsonl").read_text().splitlines()
+    record = json.loads(line)
+    assert set(record) == {"bench", "time", "cost_model", "target", "goal", "grid", "workload", "points",
+                           "recommended", "wall_s"}  # fmt: skip
     assert len(record["points"]) == 8 and [p["rank"] for p in record["points"]] == list(range(1, 9))
     assert record["grid"] == {"max_num_seqs": [4, 32], "max_num_batched_tokens": [256, 1024], "max_model_len": [512, 8192]}
     best = record["points"][0]
@@ -95,11 +100,22 @@ def test_tune_end_to_end(tmp_path, capsys):
     # max_model_len 512 refuses the workload's longer requests.
     assert all(p["misses"] for p in record["points"] if p["knobs"]["max_model_len"] == 512)
     assert chart.exists() and chart.stat().st_size > 10_000
-    assert json.loads((tmp_path / "tune.jsonl").read_text())["bench"] == "tune"
-    # Same grid, same workload: the same ranking in one process.
-    assert main(tune_argv(tmp_path, "1", "")) == 0
-    again = json.loads(capsys.readouterr().out.splitlines()[0])
+    # Same grid, same workload: the same ranking in one process; --json prints the record
+    # (and only it) instead of the table, with the same keys.
+    assert main([*tune_argv(tmp_path, "1", ""), "--json"]) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert set(again) == set(record)
     assert [p["knobs"] for p in again["points"]] == [p["knobs"] for p in record["points"]]
     assert [p["results"] for p in again["points"]] == [
         {**p["results"], "sim_wall_s": q["results"]["sim_wall_s"]} for p, q in zip(record["points"], again["points"])
     ]
+
+
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_run_grid_reports_each_point_done_and_keeps_the_grid_order(jobs):
+    from pagellm.sim.tune import run_grid
+
+    points = [{"max_num_seqs": n} for n in (8, 1, 4, 2)]
+    done = []
+    results = run_grid(points, lambda knobs: point(knobs["max_num_seqs"], 1.0, 1.0), jobs, lambda: done.append(1))
+    assert seqs_of(results) == [8, 1, 4, 2] and len(done) == 4

@@ -76,17 +76,20 @@ def test_best_layout_line():
     assert best_layout_line({"recommended": None}) is None
 
 
-def tune_layouts(capsys, *extra: str) -> tuple[dict, list[str]]:
+def tune_layouts(capsys, tmp_path, *extra: str) -> tuple[dict, list[str]]:
+    """The record (from --result-file) and the table (stdout)."""
+    result_file = tmp_path / "tune.jsonl"
     argv = ["tune", "--num-gpus", "8", "--model", "Llama-3-70B", "--gpu", "H100-SXM", "--num-requests", "60",
             "--request-rate", "20", "--max-p99-ttft-ms", "2000", "--max-p99-itl-ms", "50", "--jobs", "1",
-            "--plot", "", *extra]  # fmt: skip
+            "--plot", "", "--result-file", str(result_file), *extra]  # fmt: skip
     assert main(argv) == 0
     out = capsys.readouterr().out.splitlines()
-    return json.loads(out[0]), out[1:]
+    (line,) = result_file.read_text().splitlines()
+    return json.loads(line), out
 
 
-def test_tune_compares_the_layouts_of_8_gpus(capsys):
-    record, table = tune_layouts(capsys)
+def test_tune_compares_the_layouts_of_8_gpus(capsys, tmp_path):
+    record, table = tune_layouts(capsys, tmp_path)
     assert record["num_gpus"] == 8
     assert record["grid"] == {"tensor_parallel_size": [8, 4, 2, 1], "data_parallel_size": [1, 2, 4, 8]}
     points = {(p["knobs"]["tensor_parallel_size"], p["knobs"]["data_parallel_size"]): p for p in record["points"]}
@@ -114,26 +117,26 @@ def test_tune_compares_the_layouts_of_8_gpus(capsys):
     assert record["interconnect"]["interconnect"] == "NVLink4"
 
 
-def test_a_layout_matches_simulate_with_the_same_flags(capsys):
-    record, _ = tune_layouts(capsys)
+def test_a_layout_matches_simulate_with_the_same_flags(capsys, tmp_path):
+    record, _ = tune_layouts(capsys, tmp_path)
     point = next(p for p in record["points"] if p["knobs"] == {"tensor_parallel_size": 4, "data_parallel_size": 2})
     assert main(["simulate", "--model", "Llama-3-70B", "--gpu", "H100-SXM", "--num-requests", "60", "--request-rate", "20",
-                 "--tensor-parallel-size", "4", "--data-parallel-size", "2"]) == 0  # fmt: skip
-    simulated = json.loads(capsys.readouterr().out.splitlines()[0])["results"]
+                 "--tensor-parallel-size", "4", "--data-parallel-size", "2", "--json"]) == 0  # fmt: skip
+    simulated = json.loads(capsys.readouterr().out)["results"]
     for key in ("output_tok_s", "ttft_ms_p99", "itl_ms_p99", "kv_capacity_tokens", "num_steps"):
         assert point["results"][key] == simulated[key], key
 
 
-def test_layouts_cross_the_knobs_given(capsys):
-    record, _ = tune_layouts(capsys, "--max-num-seqs", "64", "128", "--num-requests", "20")
+def test_layouts_cross_the_knobs_given(capsys, tmp_path):
+    record, _ = tune_layouts(capsys, tmp_path, "--max-num-seqs", "64", "128", "--num-requests", "20")
     assert len(record["points"]) == 8  # 4 layouts x 2 values
     assert {p["knobs"]["max_num_seqs"] for p in record["points"]} == {64, 128}
 
 
 def test_layouts_that_do_not_split_are_refused_without_simulating(capsys):
     assert main(["tune", "--num-gpus", "4", "--model", "SmolLM2-135M", "--gpu", "L4", "--num-requests", "20",
-                 "--jobs", "1", "--plot", ""]) == 0  # fmt: skip
-    record = json.loads(capsys.readouterr().out.splitlines()[0])
+                 "--jobs", "1", "--plot", "", "--json"]) == 0  # fmt: skip
+    record = json.loads(capsys.readouterr().out)
     errors = {p["knobs"]["tensor_parallel_size"]: p["error"] for p in record["points"]}
     assert errors[4] == "num_attention_heads=9 does not split over TP=4"
     assert errors[2] == "num_attention_heads=9 does not split over TP=2"
@@ -145,8 +148,8 @@ def test_layouts_that_do_not_split_are_refused_without_simulating(capsys):
 @pytest.mark.parametrize("extra", [[], ["--tensor-parallel-size", "2", "--data-parallel-size", "2"]])
 def test_tune_without_num_gpus_keeps_its_grid(capsys, extra):
     assert main(["tune", "--model", "Llama-3-8B", "--num-requests", "20", "--max-num-seqs", "8", "16",
-                 "--max-num-batched-tokens", "512", "--jobs", "1", "--plot", "", *extra]) == 0  # fmt: skip
-    record = json.loads(capsys.readouterr().out.splitlines()[0])
+                 "--max-num-batched-tokens", "512", "--jobs", "1", "--plot", "", "--json", *extra]) == 0  # fmt: skip
+    record = json.loads(capsys.readouterr().out)
     assert record["grid"] == {"max_num_seqs": [8, 16], "max_num_batched_tokens": [512]}
     assert "num_gpus" not in record
     engine = record["points"][0]["engine"]
