@@ -10,4 +10,4 @@ if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; 
         >/dev/null 2>&1 || echo "note: could not install chromium; the dashboard browser test will skip"
 fi
 . .venv/bin/activate
-python -m pytest -q -p no:cacheprovider "$@"
+python -m pytest -q -p no:cacheprovider --durations=15 "$@"
