@@ -89,7 +89,16 @@ def build_app(
 
     app = FastAPI(title="pagellm", lifespan=lifespan)
     install_error_handlers(app)
-    install_openapi(app, ServerBounds(context.vocab_size, context.max_model_len, limits, api_key=bool(api_key)))
+    engine = async_llm.engine
+    bounds = ServerBounds(
+        context.vocab_size,
+        context.max_model_len,
+        limits,
+        max_logprobs=engine.max_logprobs,
+        max_num_seqs=engine.config.scheduler_config.max_num_seqs,
+        api_key=bool(api_key),
+    )
+    install_openapi(app, bounds)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=limits.max_request_body_bytes)
     if api_key:  # added last: runs first, so that no body is read for a bad key
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)

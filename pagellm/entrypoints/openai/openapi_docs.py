@@ -18,9 +18,10 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from pagellm.entrypoints.openai.limits_config import RequestLimits
+from pagellm.entrypoints.openai.limits_config import MAX_N, RequestLimits
 from pagellm.entrypoints.openai.protocol import (
     ChatCompletionResponse,
+    MAX_LOGPROBS,
     CompletionResponse,
     ErrorResponse,
 )
@@ -68,6 +69,8 @@ class ServerBounds:
     vocab_size: int
     max_model_len: int
     limits: RequestLimits
+    max_logprobs: int = MAX_LOGPROBS  # the engine's --max-logprobs
+    max_num_seqs: int = MAX_N  # completions of one request run side by side
     api_key: bool = False
 
 
@@ -126,7 +129,7 @@ def _add_bounds(schemas: dict[str, Any], bounds: ServerBounds) -> None:
     max_id = bounds.vocab_size - 1
     for name in ("CompletionRequest", "ChatCompletionRequest"):
         props = schemas[name]["properties"]
-        props["n"]["maximum"] = limits.max_n
+        props["n"]["maximum"] = min(limits.max_n, bounds.max_num_seqs)
         _bound(props["stop"], "string", maxLength=limits.max_stop_string_length)
         for form in _variants(props["stop"]):
             if form.get("type") == "array":
@@ -141,6 +144,9 @@ def _add_bounds(schemas: dict[str, Any], bounds: ServerBounds) -> None:
         for field in ("max_tokens", "max_completion_tokens"):
             if field in props:
                 _bound(props[field], "integer", maximum=bounds.max_model_len)
+        for field in ("logprobs", "top_logprobs"):
+            if field in props:
+                _bound(props[field], "integer", maximum=min(MAX_LOGPROBS, bounds.max_logprobs))
     completion = schemas["CompletionRequest"]["properties"]
     _token_ids(completion["prompt"], max_id)
     for form in _variants(completion["prompt"]):

@@ -237,9 +237,6 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class TokenizeFields(RequestModel):
-    # Exactly one of prompt and messages: each form is its own model, and other keys are
-    # refused so that a body with both matches neither.
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
     model: str | None = None
 
 
@@ -253,7 +250,9 @@ class TokenizeChatRequest(TokenizeFields):
 
 
 def _tokenize_form(body: Any) -> str | None:
-    keys = body.keys() if isinstance(body, dict) else ()
+    # Exactly one of prompt and messages (a null one counts as absent): the published
+    # schema says the same with oneOf.
+    keys = {key for key, value in body.items() if value is not None} if isinstance(body, dict) else set()
     if "prompt" in keys and "messages" not in keys:
         return "prompt"
     if "messages" in keys and "prompt" not in keys:

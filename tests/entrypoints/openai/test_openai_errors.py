@@ -233,6 +233,7 @@ def test_the_openapi_schema_carries_this_servers_bounds(server):
     assert non_null(props["top_p"]) == [{"type": "number", "exclusiveMinimum": 0.0, "maximum": 1.0}]
     assert non_null(props["temperature"])[0]["minimum"] == 0
     assert non_null(props["max_tokens"])[0]["maximum"] == MAX_MODEL_LEN
+    assert non_null(props["logprobs"])[0]["maximum"] == 20  # the engine's --max-logprobs
     token_lists = [form for form in non_null(props["prompt"]) if form["type"] == "array" and form["items"].get("type") == "integer"]
     assert token_lists[0]["items"]["maximum"] == 255  # the tiny model's vocabulary is 256
     bias = non_null(props["logit_bias"])[0]
@@ -300,5 +301,6 @@ def test_chat_messages_need_a_known_role_and_content_or_tool_calls(server):
 def test_tokenize_takes_a_prompt_or_messages_not_both(server):
     assert post(server, "/tokenize", {"prompt": "hi"}).status_code == 200
     assert post(server, "/tokenize", {"messages": [{"role": "user", "content": "hi"}]}).status_code == 200
+    assert post(server, "/tokenize", {"prompt": "hi", "messages": None, "unknown": 1}).status_code == 200
     for body in ({}, {"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}):
-        assert_error(post(server, "/tokenize", body), 400)
+        assert_error(post(server, "/tokenize", body), 400, None, "exactly one of 'prompt' and 'messages'")

@@ -39,6 +39,7 @@ FUZZ_SERVER_FLAGS = [
     "--max-model-len", "96",
     "--num-gpu-blocks-override", "256",
     "--max-n", "3",
+    "--max-num-seqs", "2",  # below --max-n: the schema publishes the smaller bound
     "--max-prompts-per-request", "3",
     "--max-stop-strings", "3",
     "--max-stop-string-length", "16",
@@ -46,6 +47,7 @@ FUZZ_SERVER_FLAGS = [
     "--max-messages", "4",
     "--max-message-chars", "64",
     "--max-request-body-bytes", "16384",
+    "--max-logprobs", "5",
 ]  # fmt: skip
 
 
