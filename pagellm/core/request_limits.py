@@ -11,7 +11,7 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def check_request_fits(
-    request: Request, max_model_len: int, block_size: int, num_usable_blocks: int
+    request: Request, max_model_len: int, block_size: int, num_usable_blocks: int, max_num_seqs: int
 ) -> None:
     """Refuse a request that could never finish; resolve max_tokens when it is None.
 
@@ -21,6 +21,13 @@ def check_request_fits(
     request needs at most cdiv(prompt + max_tokens - 1, block_size) blocks.
     Raises InvalidRequestError naming the parameter to change.
     """
+    n = request.sampling_params.n
+    if n > max_num_seqs:  # its completions run side by side: it could never be admitted
+        raise InvalidRequestError(
+            f"n={n} completions run side by side, but max_num_seqs is {max_num_seqs}. "
+            "Lower n or raise max_num_seqs.",
+            "n",
+        )
     num_prompt = request.num_prompt_tokens
     if num_prompt == 0:
         raise InvalidRequestError("The prompt is empty; it needs at least one token.", "prompt")

@@ -126,20 +126,12 @@ class Scheduler:
             )
         if request.status is not RequestStatus.WAITING or request.num_computed_tokens:
             raise InvalidRequestError("Only a new request can be added.", "request_id")
-        max_num_seqs = self.scheduler_config.max_num_seqs
-        if request.sampling_params.n > max_num_seqs:
-            # Its completions run side by side (they share the prompt's blocks): it
-            # could never be admitted.
-            raise InvalidRequestError(
-                f"n={request.sampling_params.n} completions run side by side, but max_num_seqs "
-                f"is {max_num_seqs}. Lower n or raise max_num_seqs.",
-                "n",
-            )
         check_request_fits(
             request,
             self.max_model_len,
             self.cache_config.block_size,
             self.kv_cache_manager.num_usable_blocks,
+            self.scheduler_config.max_num_seqs,
         )
         self.requests[request.request_id] = request
         self._arrival_index[request.request_id] = self._next_arrival_index

@@ -110,18 +110,14 @@ def _bound(prop: dict[str, Any], form_type: str, **keywords: Any) -> None:
             form.update(keywords)
 
 
-def _token_ids(prop: dict[str, Any], max_id: int, **array_keywords: Any) -> None:
+def _token_ids(prop: dict[str, Any], max_id: int) -> None:
     """An array of token ids (and arrays of them): every id at most max_id."""
     for form in _variants(prop):
-        if form.get("type") != "array":
-            continue
         items = form.get("items", {})
-        if items.get("type") == "integer":
+        if items.get("type") == "array":
+            items = items.get("items", {})
+        if form.get("type") == "array" and items.get("type") == "integer":
             items["maximum"] = max_id
-            form.update(array_keywords)
-        elif items.get("type") == "array" and items.get("items", {}).get("type") == "integer":
-            items["items"]["maximum"] = max_id
-            form.update(array_keywords)
 
 
 def _add_bounds(schemas: dict[str, Any], bounds: ServerBounds) -> None:
@@ -131,11 +127,11 @@ def _add_bounds(schemas: dict[str, Any], bounds: ServerBounds) -> None:
         props = schemas[name]["properties"]
         props["n"]["maximum"] = min(limits.max_n, bounds.max_num_seqs)
         _bound(props["stop"], "string", maxLength=limits.max_stop_string_length)
+        _bound(props["stop"], "array", maxItems=limits.max_stop_strings)
         for form in _variants(props["stop"]):
-            if form.get("type") == "array":
-                form["maxItems"] = limits.max_stop_strings
-                form["items"]["maxLength"] = limits.max_stop_string_length
-        _token_ids(props["stop_token_ids"], max_id, maxItems=limits.max_stop_strings)
+            form.get("items", {})["maxLength"] = limits.max_stop_string_length
+        _token_ids(props["stop_token_ids"], max_id)
+        _bound(props["stop_token_ids"], "array", maxItems=limits.max_stop_strings)
         _bound(
             props["logit_bias"], "object",
             maxProperties=limits.max_logit_bias_entries,
@@ -151,7 +147,9 @@ def _add_bounds(schemas: dict[str, Any], bounds: ServerBounds) -> None:
     _token_ids(completion["prompt"], max_id)
     for form in _variants(completion["prompt"]):
         if form.get("type") == "array":
-            form["maxItems"] = limits.max_prompts_per_request if form["items"].get("type") != "integer" else bounds.max_model_len
+            # One prompt of token ids fits in the context; a list of prompts, in the limit.
+            one_prompt = form["items"].get("type") == "integer"
+            form["maxItems"] = bounds.max_model_len if one_prompt else limits.max_prompts_per_request
     for name in ("ChatCompletionRequest", "TokenizeChatRequest"):
         schemas[name]["properties"]["messages"]["maxItems"] = limits.max_messages
     _bound(schemas["ChatMessage"]["properties"]["content"], "string", maxLength=limits.max_message_chars)

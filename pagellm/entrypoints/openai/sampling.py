@@ -36,19 +36,10 @@ def _supported_fields() -> set[str]:
     return {f.name for f in dataclasses.fields(SamplingParams)}
 
 
-def common_sampling_fields(request: SamplingFields, vocab_size: int) -> dict[str, Any]:
-    """The sampling fields both endpoints share, checked against the vocabulary."""
-    stop = request.stop
-    if isinstance(stop, str):
-        stop = [stop]
-    if request.stop_token_ids is not None:
-        for token_id in request.stop_token_ids:
-            if not 0 <= token_id < vocab_size:
-                raise APIError(
-                    400,
-                    f"stop_token_ids: token id {token_id} is out of range [0, {vocab_size}).",
-                    param="stop_token_ids",
-                )
+def common_sampling_fields(request: SamplingFields) -> dict[str, Any]:
+    """The sampling fields both endpoints share. SamplingParams takes a single stop string
+    and logit_bias keys as strings; the engine checks token ids against the vocabulary
+    when the request is added (SamplingParams.check_against_model)."""
     return {
         "n": request.n,
         "temperature": request.temperature,
@@ -59,12 +50,12 @@ def common_sampling_fields(request: SamplingFields, vocab_size: int) -> dict[str
         "frequency_penalty": request.frequency_penalty,
         "repetition_penalty": request.repetition_penalty,
         "seed": request.seed,
-        "stop": stop,
+        "stop": request.stop,
         "stop_token_ids": request.stop_token_ids,
         "include_stop_str_in_output": request.include_stop_str_in_output,
         "ignore_eos": request.ignore_eos,
         "min_tokens": request.min_tokens,
-        "logit_bias": _logit_bias(request.logit_bias, vocab_size),
+        "logit_bias": request.logit_bias,
         "skip_special_tokens": request.skip_special_tokens,
     }
 
@@ -103,24 +94,6 @@ def structured_outputs(request: SamplingFields) -> tuple[StructuredOutputsParams
 def _schema(schema: dict[str, Any] | bool) -> dict[str, Any]:
     # A boolean schema: true is any JSON value, false nothing (refused when compiled).
     return schema if isinstance(schema, dict) else ({} if schema else {"not": {}})
-
-
-def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:
-    # Keys are digit strings and values within +-MAX_LOGIT_BIAS (the request model
-    # checked both); whether an id exists depends on the served vocabulary.
-    if bias is None:
-        return None
-    checked: dict[int, float] = {}
-    for key, value in bias.items():
-        token_id = int(key)
-        if token_id >= vocab_size:
-            raise APIError(
-                400,
-                f"logit_bias: token id {token_id} is out of range [0, {vocab_size}).",
-                param="logit_bias",
-            )
-        checked[token_id] = value
-    return checked
 
 
 def make_sampling_params(fields: dict[str, Any]) -> SamplingParams:

@@ -122,7 +122,7 @@ class ChatServing:
             raise APIError(
                 400, "top_logprobs needs logprobs set to true.", param="top_logprobs"
             )
-        fields = common_sampling_fields(body, self.context.vocab_size)
+        fields = common_sampling_fields(body)
         constraint, constraint_field = structured_outputs(body)
         tool_calls_constraint = tool_constraint(body, tools)
         if constraint is not None and tool_calls_constraint is not None:

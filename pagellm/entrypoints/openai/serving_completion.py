@@ -82,7 +82,7 @@ class CompletionServing:
     def _sampling_params(self, body: CompletionRequest) -> tuple[SamplingParams, str]:
         if body.best_of is not None and body.best_of != body.n:
             raise APIError(400, "'best_of' other than n is not supported.", param="best_of")
-        fields = common_sampling_fields(body, self.context.vocab_size)
+        fields = common_sampling_fields(body)
         fields["structured_outputs"], constraint_field = structured_outputs(body)
         fields["max_tokens"] = body.max_tokens
         if body.max_tokens == 0:
