@@ -40,6 +40,11 @@ def _cache_dir() -> Path:
     return Path(root) / "kernels"
 
 
+def kernel_cache_dir() -> Path:
+    """Where the compiled kernels and the measured kernel choices are kept."""
+    return _cache_dir()
+
+
 def _cpu_signature() -> str:
     """-march=native code is only valid on the CPU it was built for."""
     try:
@@ -123,14 +128,15 @@ def _declare(library: ctypes.CDLL) -> None:
     library.linear_bf16.restype = None
     library.linear_bf16.argtypes = [
         c_void_p, c_int64, c_void_p, c_void_p,  # x, x row stride, weight, bias (or None)
-        c_void_p, c_int64,  # out, out row stride
-        c_int64, c_int64, c_int64, c_int,  # m, n, k, num threads
+        c_void_p, c_int64, c_int,  # out, out row stride, out is float32
+        c_int64, c_int64, c_int64, c_int, c_int,  # m, n, k, kernel (csrc/kernels.h LINEAR_*), num threads
     ]
     # quant_linear.c: Weight* arguments are kernels/weights.py's structures.
     library.linear_weight.restype = None
     library.linear_weight.argtypes = [
         c_void_p, c_int64, c_void_p, c_void_p,  # x, x row stride, Weight*, bias (or None)
-        c_void_p, c_int64, c_int64, c_int64, c_int,  # out, out row stride, m, k, num threads
+        c_void_p, c_int64, c_int,  # out, out row stride, out is float32
+        c_int64, c_int64, c_int, c_int,  # m, k, kernel (csrc/kernels.h LINEAR_*), num threads
     ]
     library.quant_type_supported.restype = c_int
     library.quant_type_supported.argtypes = [c_int]
@@ -144,26 +150,25 @@ def _declare(library: ctypes.CDLL) -> None:
     # StepInputs*, Scratch*): the structs are declared in kernels/decode_layer.py.
     library.decode_layer_bf16.restype = None
     library.decode_layer_bf16.argtypes = [c_void_p] * 7
-    # layer_ops.c: the elementwise stages of a bf16 layer (model/native_layer_ops.py).
-    library.rms_norm_residual_bf16.restype = None
-    library.rms_norm_residual_bf16.argtypes = [
-        c_void_p, c_void_p, c_void_p, c_float,  # hidden (updated), delta or None, weight, eps
-        c_void_p, c_int64, c_int64, c_int,  # out, m, hidden size, num threads
+    # layer_ops.c: the elementwise stages of a layer (kernels/native_layers.py), float32
+    # residual stream, bf16 matmul inputs.
+    library.rms_norm_residual.restype = None
+    library.rms_norm_residual.argtypes = [
+        c_void_p, c_void_p, c_void_p, c_float,  # hidden float32 (updated), delta float32 or None, weight, eps
+        c_void_p, c_int64, c_int64, c_int,  # out bf16, m, hidden size, num threads
     ]
-    library.rotary_store_bf16.restype = None
-    library.rotary_store_bf16.argtypes = [
-        c_void_p, c_int64, c_int64, c_void_p,  # qkv, m, row stride, positions
+    library.rotary_store.restype = None
+    library.rotary_store.argtypes = [
+        c_void_p, c_int64, c_int64, c_void_p,  # qkv float32, m, row stride, positions
         c_void_p, c_void_p,  # cos, sin tables
         c_int, c_int, c_int,  # num heads, num kv heads, head dim
-        c_void_p, c_void_p, c_void_p,  # slots, key cache, value cache
+        c_void_p, c_void_p, c_void_p, c_void_p,  # slots, query out (bf16), key cache, value cache
         c_int, c_int,  # cache element type (ELEMENT_TYPES), num threads
     ]
     library.bf16_to_fp8_rows.restype = None
     library.bf16_to_fp8_rows.argtypes = [c_void_p, c_void_p, c_int64, c_int]  # src, dst, n, fp8 element type
-    library.silu_mul_bf16.restype = None
-    library.silu_mul_bf16.argtypes = [c_void_p, c_void_p, c_int64, c_int64, c_int]
-    library.add_bf16.restype = None
-    library.add_bf16.argtypes = [c_void_p, c_void_p, c_int64, c_int]
+    library.silu_mul_rows.restype = None
+    library.silu_mul_rows.argtypes = [c_void_p, c_void_p, c_int64, c_int64, c_int]  # gate_up f32, act bf16, m, inter, threads
     library.apply_token_bitmask.restype = None
     # logits, dtype, row stride, vocab, bitmask, words, row index, n
     library.apply_token_bitmask.argtypes = [c_void_p, c_int, c_int64, c_int64, c_void_p, c_int64, c_void_p, c_int64]

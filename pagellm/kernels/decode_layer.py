@@ -11,8 +11,11 @@ At a few tokens per step the layer's arithmetic is tiny and PyTorch's per-operat
 dispatch (norms, rotary, splits, activations, residual adds) costs as much as streaming
 the weights; the native layer does the same computation, rounding to bf16 where the
 PyTorch path stores bf16, with the weight-streaming linear kernel and the paged decode
-attention kernel. Used for bf16 models on CPUs with AVX-512 BF16; other steps, dtypes
-and devices take the PyTorch path.
+attention kernel. The residual stream is float32 (csrc/layer_rows.h). Each linear takes
+its measured native kernel for the step's rows (kernels/linear_choice.py); a step whose
+rows some linear layer is measured faster on oneDNN for goes to native_layers.py, which
+can call it. Used for bf16 models on CPUs with AVX-512 BF16; other steps, dtypes and
+devices take the PyTorch path.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch
 
 from pagellm.attention.backend import AttentionMetadata
 from pagellm.attention.kv_cache_dtype import ELEMENT_TYPES
+from pagellm.kernels.linear import LinearImpl
 
 # Caches the native layer writes and reads: bf16, or fp8 (stored rounded and saturated
 # in C as torch's path does, read by the attention kernel's fp8 path).
@@ -52,6 +56,7 @@ class _LayerShape(ctypes.Structure):
         ("hidden", c_int64), ("intermediate", c_int64),
         ("num_heads", c_int), ("num_kv_heads", c_int), ("head_dim", c_int), ("block_size", c_int),
         ("eps", c_float), ("scale", c_float), ("num_threads", c_int), ("cache_type", c_int),
+        ("linear_impl", c_int * 4),  # qkv, o, gate_up, down: kernels/linear.py LinearImpl (native)
     ]  # fmt: skip
 
 
@@ -64,7 +69,9 @@ class _StepInputs(ctypes.Structure):
 
 
 class _Scratch(ctypes.Structure):
-    _fields_ = [(name, c_void_p) for name in ("normed", "qkv", "attn", "proj", "gate_up", "act", "attn_scratch")]
+    _fields_ = [
+        (name, c_void_p) for name in ("normed", "qkv", "query", "attn", "proj", "gate_up", "act", "kv_row", "attn_scratch")
+    ]
 
 
 def _longest_query(metadata: AttentionMetadata) -> int:
@@ -104,13 +111,22 @@ class FusedDecode:
         q_size = config.num_attention_heads * config.head_dim
         kv_size = config.num_key_value_heads * config.head_dim
 
-        def scratch(width: int) -> torch.Tensor:
-            return torch.empty(MAX_ROWS, width, dtype=torch.bfloat16)
+        def scratch(width: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+            return torch.empty(MAX_ROWS, width, dtype=dtype)
 
+        f32 = torch.float32
         self._buffers = [
-            scratch(config.hidden_size), scratch(q_size + 2 * kv_size), scratch(q_size),
-            scratch(config.hidden_size), scratch(2 * config.intermediate_size), scratch(config.intermediate_size),
+            scratch(config.hidden_size), scratch(q_size + 2 * kv_size, f32), scratch(q_size), scratch(q_size),
+            scratch(config.hidden_size, f32), scratch(2 * config.intermediate_size, f32),
+            scratch(config.intermediate_size), scratch(2 * kv_size),
         ]  # fmt: skip
+        # The measured choice per row count (the same for every layer: they share shapes).
+        first = model.layers[0]
+        linears = (first.self_attn.qkv_proj, first.self_attn.o_proj, first.mlp.gate_up_proj, first.mlp.down_proj)
+        self._impls: list[tuple[int, int, int, int] | None] = [None]
+        for rows in range(1, MAX_ROWS + 1):
+            impls = [LinearImpl.BY_ROWS if lin.plan is None else lin.plan.choose(rows) for lin in linears]
+            self._impls.append(tuple(int(i) for i in impls) if all(i.native for i in impls) else None)
         self._attention_workspace = torch.empty(0, dtype=torch.float32)
         self._rotary = model.rotary
 
@@ -129,6 +145,7 @@ class FusedDecode:
         num_tokens = hidden.shape[0]
         return (
             0 < num_tokens <= MAX_ROWS
+            and self._impls[num_tokens] is not None
             and (metadata.num_reqs == num_tokens or _longest_query(metadata) <= MAX_ROWS_PER_REQUEST)
             and hidden.dtype is torch.bfloat16
             and kv_caches[0].dtype in _CACHE_DTYPES
@@ -139,11 +156,11 @@ class FusedDecode:
 
     def run(
         self,
-        hidden: torch.Tensor,  # [num_tokens, hidden_size] bf16, updated in place
+        hidden: torch.Tensor,  # [num_tokens, hidden_size] bf16 embeddings
         positions: torch.Tensor,  # [num_tokens] int64
         kv_caches: list[torch.Tensor],
         metadata: AttentionMetadata,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor:  # [num_tokens, hidden_size] float32, before the final norm
         m = hidden.shape[0]
         rows = torch.arange(m, dtype=torch.int64)
         positions = positions.contiguous()
@@ -164,6 +181,7 @@ class FusedDecode:
             self._attention_workspace = torch.empty(2 * needed, dtype=torch.float32)
         shape.block_size = kv_caches[0].shape[2]
         shape.cache_type = ELEMENT_TYPES[kv_caches[0].dtype]
+        shape.linear_impl = self._impls[m]
         tables = metadata.block_tables
         inputs = _StepInputs(
             m, positions.data_ptr(), metadata.slot_mapping.data_ptr(), tables.data_ptr(), tables.stride(0),
@@ -171,7 +189,7 @@ class FusedDecode:
             self._rotary.cos_cache.data_ptr(), self._rotary.sin_cache.data_ptr(),
         )  # fmt: skip
         scratch = _Scratch(*(b.data_ptr() for b in self._buffers), self._attention_workspace.data_ptr())
-        hidden = hidden.contiguous()
+        hidden = hidden.to(torch.float32).contiguous()
         hidden_ptr = hidden.data_ptr()
         shape_ref, inputs_ref, scratch_ref = ctypes.byref(shape), ctypes.byref(inputs), ctypes.byref(scratch)
         for weights, cache in zip(self._layers, kv_caches, strict=True):

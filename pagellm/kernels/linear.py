@@ -1,31 +1,51 @@
 """Kernels, CPU bf16: bindings of the linear layers' native kernels, on CPUs with AVX-512 BF16.
 
-Measured on this machine's two cores against PyTorch's bf16 GEMM (oneDNN):
-- up to 16 rows (decode steps of few requests) the time is the time to read the weight;
-  csrc/small_linear.c reads each weight row once and multiplies every activation row into
-  it, at about twice the bandwidth the GEMM reaches at this size;
-- from 17 rows on, csrc/gemm_bf16.c repacks the weight into the dot-product instruction's
-  pair layout a panel at a time and computes 6 x 64 register tiles: at 32-64 rows 600-850
-  GFLOP/s against PyTorch's 400-650, about even from 512 rows (prefill chunks).
-csrc/linear_bf16.c picks between the two by the number of rows (STREAMING_MAX_ROWS in
-csrc/kernels.h), for these layers and inside the one-call decode layer alike. float32,
-other devices and autograd take torch's F.linear.
+Three implementations can compute a bf16 linear layer here, and which is fastest depends
+on the CPU and the number of rows, so kernels/linear_choice.py measures them on the
+machine at hand:
+- STREAMING (csrc/small_linear.c, quant_linear.c's streaming loops): reads each weight row
+  once and multiplies every activation row into it; decode steps of few rows are bound by
+  reading the weight;
+- GEMM (csrc/gemm_bf16.c): repacks the weight a panel at a time (quantized weights are
+  dequantized into the panel) and computes 6 x 64 register tiles;
+- ONEDNN: torch's F.linear, oneDNN underneath (AMX on CPUs that have it, AVX-512 elsewhere);
+  a quantized weight is dequantized into a scratch buffer for the call.
+The native kernels can write float32 outputs (the residual stream, logits); oneDNN gives
+bf16. float32 models, other devices and autograd take torch's F.linear.
 """
 
 from __future__ import annotations
 
 import ctypes
+import enum
 
 import torch
 
 from pagellm.kernels.build import load_kernels
 
 
+class LinearImpl(enum.IntEnum):
+    """A linear layer's implementation; the native ones' numbers are csrc/kernels.h LINEAR_*."""
+
+    BY_ROWS = 0  # the native kernels' own rule by row count (no measured choice attached)
+    STREAMING = 1
+    GEMM = 2
+    ONEDNN = 3
+
+    @property
+    def label(self) -> str:
+        return self.name.lower().replace("_", "-")
+
+    @property
+    def native(self) -> bool:
+        return self is not LinearImpl.ONEDNN
+
+
 class CpuLinearKernels:
     """The compiled kernels and the thread count to run them with."""
 
     def __init__(self, library: ctypes.CDLL, num_threads: int) -> None:
-        self._run = library.linear_bf16  # picks the kernel by the number of rows
+        self._run = library.linear_bf16
         self.num_threads = num_threads
 
     def applies(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -50,13 +70,21 @@ class CpuLinearKernels:
             and not torch.is_grad_enabled()
         )
 
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def __call__(
+        self,
+        x: torch.Tensor,  # [m, k] bf16
+        weight: torch.Tensor,  # [n, k] bf16
+        bias: torch.Tensor | None,
+        impl: LinearImpl = LinearImpl.BY_ROWS,
+        out_dtype: torch.dtype = torch.bfloat16,  # or float32
+    ) -> torch.Tensor:  # [m, n]
+        assert impl.native, "oneDNN is torch's F.linear, not a native kernel"
         m, k = x.shape
         n = weight.shape[0]
-        out = torch.empty(m, n, dtype=torch.bfloat16)
+        out = torch.empty(m, n, dtype=out_dtype)
         self._run(
             x.data_ptr(), x.stride(0), weight.data_ptr(), None if bias is None else bias.data_ptr(),
-            out.data_ptr(), n, m, n, k, self.num_threads,
+            out.data_ptr(), n, out_dtype is torch.float32, m, n, k, int(impl), self.num_threads,
         )  # fmt: skip
         return out
 

@@ -1,20 +1,23 @@
-"""Kernels, CPU bf16: steps the one-call decode layer does not take (more than
-fused_decode.MAX_ROWS decodes, prefill chunks) run each decoder layer as its four linear layers (kernels/linear.py's
-kernels) plus four native calls (csrc/layer_ops.c) for everything between them.
+"""Kernels, CPU bf16: steps the one-call decode layer does not take (more rows than it is
+chosen for, prefill chunks) run each decoder layer as its four linear layers (each the
+implementation measured fastest for the step's rows, kernels/linear_choice.py) plus four
+native calls (csrc/layer_ops.c) for everything between them.
 
 The PyTorch path spends about 40 small operations per layer on the norms, rotary
 embedding, cache writes, activation and residual adds; at a hundred rows they cost
 several milliseconds per step. Per layer here:
 
     normed = rms_norm(hidden += delta)          native (delta: the previous layer's MLP)
-    qkv = normed Wqkv^T (+b)                    cpu_linear
-    rotary(q, k); cache[slot] = k, v            native
+    qkv = normed Wqkv^T (+b)                    linear, float32 out
+    rotary(q, k); cache[slot] = k, v            native, q to bf16
     attn = paged attention                      native (CpuAttentionBackend.attend_cached)
-    normed = rms_norm(hidden += attn Wo^T (+b)) cpu_linear, native
-    act = silu(gate) * up of normed Wgu^T       cpu_linear, native
-    delta = act Wd^T                            cpu_linear
+    normed = rms_norm(hidden += attn Wo^T (+b)) linear, native
+    act = silu(gate) * up of normed Wgu^T       linear, native, act to bf16
+    delta = act Wd^T                            linear
 
-Values are rounded to bf16 where the PyTorch path stores bf16, as in the one-call layer.
+The residual stream (`hidden`) and every linear output are float32; only the matmuls'
+inputs and the KV cache are bf16 (csrc/layer_rows.h), as in the one-call layer. oneDNN
+returns bf16, which is widened for the float32 stages.
 """
 
 from __future__ import annotations
@@ -54,48 +57,50 @@ class NativeLayers:
 
     def run(
         self,
-        hidden: torch.Tensor,  # [num_tokens, hidden_size] bf16, a fresh tensor: updated in place
+        hidden: torch.Tensor,  # [num_tokens, hidden_size] bf16 embeddings
         positions: torch.Tensor,  # [num_tokens] int64
         kv_caches: list[torch.Tensor],
         metadata: AttentionMetadata,
-    ) -> torch.Tensor:  # the last layer's output, before the final norm
+    ) -> torch.Tensor:  # [num_tokens, hidden_size] float32: the last layer's output, before the final norm
         model, library, threads = self._model, self._library, self._num_threads
         config = model.config
+        hidden = hidden.to(torch.float32)
         m, size = hidden.shape
         heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
         q_size = heads * head_dim
         positions = positions.contiguous()
         slots = metadata.slot_mapping.contiguous()
         cos, sin = model.rotary.cos_cache, model.rotary.sin_cache
-        normed = torch.empty_like(hidden)
-        act = torch.empty(m, config.intermediate_size, dtype=hidden.dtype)
+        normed = torch.empty(m, size, dtype=torch.bfloat16)
+        query = torch.empty(m, q_size, dtype=torch.bfloat16)
+        act = torch.empty(m, config.intermediate_size, dtype=torch.bfloat16)
+        f32 = torch.float32
         delta: torch.Tensor | None = None
         for layer, cache in zip(model.layers, kv_caches, strict=True):
             attention, mlp = layer.self_attn, layer.mlp
-            library.rms_norm_residual_bf16(
+            library.rms_norm_residual(
                 hidden.data_ptr(), _ptr(delta), layer.input_layernorm.weight.data_ptr(),
                 layer.input_layernorm.eps, normed.data_ptr(), m, size, threads,
             )  # fmt: skip
-            qkv = attention.qkv_proj(normed)
-            library.rotary_store_bf16(
+            qkv = attention.qkv_proj.compute(normed, f32)
+            library.rotary_store(
                 qkv.data_ptr(), m, qkv.stride(0), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-                heads, kv_heads, head_dim, slots.data_ptr(), cache[0].data_ptr(), cache[1].data_ptr(),
-                ELEMENT_TYPES[cache.dtype], threads,
+                heads, kv_heads, head_dim, slots.data_ptr(), query.data_ptr(), cache[0].data_ptr(),
+                cache[1].data_ptr(), ELEMENT_TYPES[cache.dtype], threads,
             )  # fmt: skip
-            query = qkv[:, :q_size].view(m, heads, head_dim)
-            attended = model.backend.attend_cached(query, cache, metadata, attention.scale)
-            projected = attention.o_proj(attended.view(m, q_size))
+            attended = model.backend.attend_cached(query.view(m, heads, head_dim), cache, metadata, attention.scale)
+            projected = attention.o_proj.compute(attended.view(m, q_size), f32)
             if model.tp is not None:
                 projected = model.tp.all_reduce(projected)
-            library.rms_norm_residual_bf16(
+            library.rms_norm_residual(
                 hidden.data_ptr(), projected.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
                 layer.post_attention_layernorm.eps, normed.data_ptr(), m, size, threads,
             )  # fmt: skip
-            gate_up = mlp.gate_up_proj(normed)
-            library.silu_mul_bf16(gate_up.data_ptr(), act.data_ptr(), m, config.intermediate_size, threads)
-            delta = mlp.down_proj(act)
+            gate_up = mlp.gate_up_proj.compute(normed, f32)
+            library.silu_mul_rows(gate_up.data_ptr(), act.data_ptr(), m, config.intermediate_size, threads)
+            delta = mlp.down_proj.compute(act, f32)
             if model.tp is not None:
                 delta = model.tp.all_reduce(delta)
         if delta is not None:
-            library.add_bf16(hidden.data_ptr(), delta.data_ptr(), hidden.numel(), threads)
+            hidden += delta
         return hidden

@@ -172,19 +172,29 @@ class PackedWeight:
     def struct_address(self) -> int:
         return ctypes.addressof(self._struct)
 
-    def linear(self, x: torch.Tensor, bias: torch.Tensor | None, num_threads: int) -> torch.Tensor:
-        """x [m, in_features] bf16 (unit column stride) -> [m, out_features] bf16."""
+    def linear(
+        self,
+        x: torch.Tensor,
+        bias: torch.Tensor | None,
+        num_threads: int,
+        impl: int = 0,
+        out_dtype: torch.dtype = torch.bfloat16,
+    ) -> torch.Tensor:
+        """x [m, in_features] bf16 (unit column stride) -> [m, out_features] bf16 or float32;
+        impl: the native kernel (kernels/linear.py LinearImpl, 0 = by row count)."""
         m = x.shape[0]
-        out = torch.empty(m, self.out_features, dtype=torch.bfloat16)
+        out = torch.empty(m, self.out_features, dtype=out_dtype)
         if m:
             self._library.linear_weight(
                 x.data_ptr(), x.stride(0), self.struct_address(), None if bias is None else bias.data_ptr(),
-                out.data_ptr(), self.out_features, m, self.in_features, num_threads,
+                out.data_ptr(), self.out_features, out_dtype is torch.float32, m, self.in_features, impl, num_threads,
             )  # fmt: skip
         return out
 
-    def dequantize(self) -> torch.Tensor:  # [out_features, in_features] bf16
-        out = torch.empty(self.out_features, self.in_features, dtype=torch.bfloat16)
+    def dequantize(self, out: torch.Tensor | None = None) -> torch.Tensor:  # [out_features, in_features] bf16
+        """The weight as bf16, into `out` (a scratch buffer of that shape) or a new tensor."""
+        if out is None:
+            out = torch.empty(self.out_features, self.in_features, dtype=torch.bfloat16)
         row = 0
         for i, part in enumerate(self.parts):
             self._library.dequantize_rows_bf16(

@@ -3,8 +3,10 @@ where they apply and torch everywhere else (float32, other devices, autograd).
 
 A layer's weight is either its float parameter or, once `use_packed` is called, a
 `PackedWeight` kept as stored (GGUF quantization blocks, int8 rows); a packed layer has no
-`weight` parameter. Where the kernels do not apply, a packed weight is dequantized for
-the call (the PyTorch fallback).
+`weight` parameter. Which implementation a bf16 call takes is the layer's measured
+`plan` (kernels/linear_choice.py) for the call's row count; without one, the native
+kernels pick by row count. Where the kernels do not apply, a packed weight is dequantized
+for the call (the PyTorch fallback).
 """
 
 from __future__ import annotations
@@ -13,24 +15,56 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagellm.kernels.linear import CpuLinearKernels
+from pagellm.kernels.linear import CpuLinearKernels, LinearImpl
+from pagellm.kernels.linear_choice import LinearPlan
 from pagellm.kernels.weights import PackedWeight, bf16_weight
 
 
-def linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernel: CpuLinearKernels | None
-) -> torch.Tensor:
-    if kernel is not None and kernel.applies(x, weight) and (bias is None or bias.is_contiguous()):
-        return kernel(x, weight, bias)
-    return F.linear(x, weight, bias)
+class _DequantizeScratch:
+    """One reused bf16 buffer for dequantizing a packed weight before a oneDNN call (a
+    layer's worth at a time, never a second copy of the model)."""
+
+    def __init__(self) -> None:
+        self._buffer = torch.empty(0, dtype=torch.bfloat16)
+
+    def weight(self, packed: PackedWeight) -> torch.Tensor:  # [out_features, in_features] bf16
+        size = packed.out_features * packed.in_features
+        if self._buffer.numel() < size:
+            self._buffer = torch.empty(size, dtype=torch.bfloat16)
+        return packed.dequantize(self._buffer[:size].view(packed.out_features, packed.in_features))
 
 
-def packed_linear(
-    x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None, kernel: CpuLinearKernels | None
-) -> torch.Tensor:
-    if kernel is not None and kernel.applies_to_rows(x) and (bias is None or bias.is_contiguous()):
-        return packed.linear(x, bias, kernel.num_threads)
-    return F.linear(x, packed.dequantize().to(x.dtype), None if bias is None else bias.to(x.dtype))
+_SCRATCH = _DequantizeScratch()
+
+
+def apply_linear(
+    x: torch.Tensor,  # [m, k]
+    weight: torch.Tensor | None,  # [n, k] float parameter, or None for a packed weight
+    packed: PackedWeight | None,
+    bias: torch.Tensor | None,
+    kernel: CpuLinearKernels | None,
+    plan: LinearPlan | None,
+    out_dtype: torch.dtype | None = None,  # None: x's dtype
+) -> torch.Tensor:  # [m, n]
+    """x W^T (+ b) through the implementation chosen for x's rows. The native kernels
+    write float32 outputs directly; oneDNN and torch's fallback give x's dtype, converted."""
+    out_dtype = out_dtype or x.dtype
+    usable = kernel is not None and (bias is None or bias.is_contiguous())
+    if packed is not None:
+        usable = usable and kernel.applies_to_rows(x)
+    else:
+        usable = usable and kernel.applies(x, weight)
+    if not usable:
+        if packed is not None:
+            weight = packed.dequantize().to(x.dtype)
+            bias = None if bias is None else bias.to(x.dtype)
+        return F.linear(x, weight, bias).to(out_dtype)
+    impl = LinearImpl.BY_ROWS if plan is None else plan.choose(x.shape[0])
+    if impl is LinearImpl.ONEDNN:
+        return F.linear(x, weight if packed is None else _SCRATCH.weight(packed), bias).to(out_dtype)
+    if packed is not None:
+        return packed.linear(x, bias, kernel.num_threads, int(impl), out_dtype)
+    return kernel(x, weight, bias, impl, out_dtype)
 
 
 class CpuLinear(nn.Linear):
@@ -38,12 +72,15 @@ class CpuLinear(nn.Linear):
 
     kernel: CpuLinearKernels | None = None
     packed: PackedWeight | None = None
+    plan: LinearPlan | None = None
     _kernel_weight: PackedWeight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
-            return packed_linear(x, self.packed, self.bias, self.kernel)
-        return linear(x, self.weight, self.bias, self.kernel)
+        return self.compute(x)
+
+    def compute(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """forward(), with the output in `out_dtype` (float32 for the native layers' residual stream)."""
+        return apply_linear(x, self.weight, self.packed, self.bias, self.kernel, self.plan, out_dtype)
 
     def use_packed(self, packed: PackedWeight) -> None:
         """Keep the weight as stored: the float parameter goes away."""

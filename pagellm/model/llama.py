@@ -24,10 +24,13 @@ from pagellm.model.config import ModelConfig
 from pagellm.model.layers import RMSNorm, RotaryEmbedding, apply_rotary
 from pagellm.kernels.linear import CpuLinearKernels
 from pagellm.kernels.weights import PackedWeight, WeightPart, WeightType, check_part
-from pagellm.model.linear import CpuEmbedding, CpuLinear, linear, packed_linear
+from pagellm.kernels.linear_choice import LinearPlan
+from pagellm.model.linear import CpuEmbedding, CpuLinear, apply_linear
 from pagellm.model.tensor_parallel import TPGroup, vocab_parallel_embed
 
 if TYPE_CHECKING:
+    from pagellm.kernels.linear_choice import LinearChoice
+    from pagellm.model.linear_plans import LinearGroup
     from pagellm.kernels.decode_layer import FusedDecode
     from pagellm.kernels.native_layers import NativeLayers
 
@@ -159,16 +162,21 @@ class LlamaForCausalLM(nn.Module):
             hidden = self.embed_tokens(input_ids)
         else:
             hidden = self.tp.all_reduce(vocab_parallel_embed(self.tp.layout, self.embed_tokens, input_ids))
+        # The native paths keep the residual stream in float32; the final norm's output is
+        # rounded to bf16 once, as the LM head's input.
         if self.fused_decode is not None and self.fused_decode.applies(hidden, kv_caches, metadata):
-            return self.norm(self.fused_decode.run(hidden, positions, kv_caches, metadata))
+            return self.norm(self.fused_decode.run(hidden, positions, kv_caches, metadata)).to(hidden.dtype)
         if self.native_layers is not None and self.native_layers.applies(hidden, kv_caches):
-            return self.norm(self.native_layers.run(hidden, positions, kv_caches, metadata))
+            return self.norm(self.native_layers.run(hidden, positions, kv_caches, metadata)).to(hidden.dtype)
         cos_sin = self.rotary.lookup(positions, hidden.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden = layer(cos_sin, hidden, kv_cache, metadata, self.backend)
         return self.norm(hidden)
 
     cpu_linear_kernels: CpuLinearKernels | None = None
+    lm_head_plan: LinearPlan | None = None  # the measured kernel choice of the LM head (float32 logits)
+    linear_choice: LinearChoice | None = None  # every linear group's plan and timings (model/linear_plans.py)
+    linear_groups: list[LinearGroup] | None = None
     fused_decode: FusedDecode | None = None  # CPU bf16: decode steps of <= 20 requests in C
     native_layers: NativeLayers | None = None  # CPU bf16: other steps' elementwise stages in C
 
@@ -179,14 +187,19 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, CpuLinear):
                 module.kernel = kernel
 
+    def lm_head_module(self) -> CpuLinear | CpuEmbedding:
+        return self.embed_tokens if self.lm_head is None else self.lm_head
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, vocab_size]
         """Logits of the full vocabulary (with tensor parallelism: gathered from every rank,
-        a collective call that every rank makes with the same rows)."""
-        head = self.embed_tokens if self.lm_head is None else self.lm_head
-        if head.packed is not None:
-            logits = packed_linear(hidden, head.packed, None, self.cpu_linear_kernels)
-        else:
-            logits = linear(hidden, head.weight, None, self.cpu_linear_kernels)
+        a collective call that every rank makes with the same rows). A bf16 model on the
+        native kernels gets float32 logits: rounding them to bf16 (spacing 0.06-0.125 at
+        typical logit sizes) would tie tokens float32 tells apart."""
+        head = self.lm_head_module()
+        out_dtype = torch.float32 if self.cpu_linear_kernels is not None else None
+        logits = apply_linear(
+            hidden, head.weight, head.packed, None, self.cpu_linear_kernels, self.lm_head_plan, out_dtype
+        )
         return logits if self.tp is None else self.tp.gather_vocab(logits)
 
     @torch.no_grad()

@@ -114,3 +114,41 @@ def test_nan_in_x_propagates():
     x[1, 7] = float("nan")
     y = weight.linear(x, None, 2)
     assert torch.isfinite(y[0]).all() and torch.isnan(y[1]).all()
+
+
+# The row counts at every bucket edge of the measured kernel choice (kernels/linear_choice.py).
+BUCKET_EDGE_ROWS = [1, 2, 4, 5, 8, 9, 16, 17, 32, 33, 64, 65, 256, 257]
+
+
+@pytest.mark.parametrize("impl", ["streaming", "gemm", "onednn"])
+@pytest.mark.parametrize("weight_type", [*QUANT_TYPES, WeightType.I8_ROW, WeightType.BF16], ids=lambda t: t.name)
+def test_every_implementation_at_every_bucket_edge(weight_type, impl):
+    # Every path the measured choice may take on some CPU, for every stored type, at every
+    # row count where the choice may switch, with bf16 and float32 outputs.
+    from pagellm.kernels.linear import LinearImpl, cpu_linear_kernels
+    from pagellm.kernels.linear_choice import NUM_BUCKETS, LinearPlan
+    from pagellm.model.linear import apply_linear
+
+    rng = np.random.default_rng(int(weight_type) + 17)
+    k, n = (512 if weight_type.block_elements == 32 else 768), 40
+    if weight_type is WeightType.BF16:
+        w = torch.from_numpy(rng.standard_normal((n, k)).astype(np.float32)).to(torch.bfloat16)
+        packed_weight, float_weight, reference = None, w, w.double().numpy()
+    elif weight_type is WeightType.I8_ROW:
+        part = quantize_int8_rows(torch.from_numpy(rng.standard_normal((n, k)).astype(np.float32)))
+        packed_weight, float_weight = PackedWeight([part], k), None
+        reference = (part.data.view(torch.int8).double() * part.row_scales.double()[:, None]).numpy()
+    else:
+        data = random_blocks(weight_type, n, k, rng)
+        packed_weight, float_weight = PackedWeight([WeightPart(weight_type, packed(weight_type, data, k))], k), None
+        reference = reference_weight(weight_type, data, k)
+    bias = torch.from_numpy(rng.standard_normal(n).astype(np.float32)).to(torch.bfloat16)
+    plan = LinearPlan((LinearImpl[impl.upper()],) * NUM_BUCKETS)
+    kernel = cpu_linear_kernels()
+    for rows in BUCKET_EDGE_ROWS:
+        x = torch.from_numpy(rng.standard_normal((rows, k)).astype(np.float32)).to(torch.bfloat16)
+        for out_dtype in (torch.bfloat16, torch.float32):
+            with torch.inference_mode():
+                y = apply_linear(x, float_weight, packed_weight, bias, kernel, plan, out_dtype)
+            assert y.dtype is out_dtype and y.shape == (rows, n)
+            _check(y, x, reference, bias.double().numpy())

@@ -22,4 +22,12 @@ static inline uint16_t float_to_bf16(float value) {
     return (uint16_t)((bits & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
 }
 
+/* out[index] = value, out being bf16 (rounded) or float32 (out_f32). */
+static inline void store_float(void *out, int64_t index, float value, int out_f32) {
+    if (out_f32)
+        ((float *)out)[index] = value;
+    else
+        ((uint16_t *)out)[index] = float_to_bf16(value);
+}
+
 #endif

@@ -10,9 +10,9 @@
  *   -> paged decode attention -> h += attn Wo^T (+b)
  *   -> x = rms_norm(h) -> g, u = x Wgu^T -> h += (silu(g) * u) Wd^T
  *
- * Values are rounded to bf16 where the PyTorch path stores a bf16 tensor (norm output,
- * projections, attention output, activations, the residual stream); the arithmetic in
- * between is float32. The linear layers go through quant_linear.c's linear_weight_part (bf16 or
+ * Only the matrix multiplications' inputs (norm outputs, query, attention output,
+ * activation) and the KV cache are bf16; the residual stream and the projections' outputs
+ * are float32 (layer_rows.h). The linear layers go through quant_linear.c's linear_weight_part (bf16 or
  * quantized weights; streaming up to 16 rows, register tiles above); the attention is paged_decode.c's.
  *
  * Built at run time by pagellm/kernels/build.py; needs AVX-512 BF16 like linear_bf16.c.
@@ -49,6 +49,7 @@ typedef struct {
     float eps, scale;
     int num_threads;
     int cache_type;  /* fp8.h ELEM_BF16 or an fp8 type */
+    int linear_impl[4]; /* kernels.h LINEAR_* of qkv, o, gate_up, down: the measured choice for this step's rows */
 } LayerShape;
 
 typedef struct {
@@ -65,17 +66,19 @@ typedef struct {
 
 typedef struct {
     uint16_t *normed;     /* [m, hidden] */
-    uint16_t *qkv;        /* [m, q + 2 kv] */
+    float *qkv;           /* [m, q + 2 kv] */
+    uint16_t *query;      /* [m, q] rotated */
     uint16_t *attn;       /* [m, q] */
-    uint16_t *proj;       /* [m, hidden] */
-    uint16_t *gate_up;    /* [m, 2 inter] */
+    float *proj;          /* [m, hidden] */
+    float *gate_up;       /* [m, 2 inter] */
     uint16_t *act;        /* [m, inter] */
+    uint16_t *kv_row;     /* [m, 2 kv]: one row's k and v as bf16 on their way to the cache */
     float *attn_scratch;  /* paged_decode_attention's workspace */
 } Scratch;
 
-/* act = bf16(silu(gate)) * up per row, gate and up being the halves of each gate_up row,
+/* act = bf16(silu(gate) * up) per row, gate and up being the halves of each gate_up row,
  * shared among the threads of the enclosing region (32 rows x 1536 is ~50k expf). */
-static void silu_and_mul(const uint16_t *gate_up, uint16_t *act, int64_t m, int64_t inter) {
+static void silu_and_mul(const float *gate_up, uint16_t *act, int64_t m, int64_t inter) {
     const int64_t total = m * inter;
 #pragma omp for schedule(static)
     for (int64_t index = 0; index < total; index++) {
@@ -84,15 +87,11 @@ static void silu_and_mul(const uint16_t *gate_up, uint16_t *act, int64_t m, int6
     }
 }
 
-static void add_residual(uint16_t *hidden, const uint16_t *delta, int64_t count) {
-    for (int64_t i = 0; i < count; i++) hidden[i] = float_to_bf16(bf16_to_float(hidden[i]) + bf16_to_float(delta[i]));
-}
-
-/* hidden: [m, hidden] bf16, updated in place to the layer's output; the caches are the
+/* hidden: [m, hidden] float32 (the residual stream), updated in place to the layer's output; the caches are the
  * layer's [blocks, block_size, kv_heads, head_dim] K and V, of element type s->cache_type. One parallel region for the
  * whole layer: each thread streams its share of every weight matrix, with barriers
  * between the phases, instead of a fork and join per operation. */
-void decode_layer_bf16(uint16_t *hidden, const LayerWeights *w, void *key_cache, void *value_cache,
+void decode_layer_bf16(float *hidden, const LayerWeights *w, void *key_cache, void *value_cache,
                        const LayerShape *s, const StepInputs *in, const Scratch *scratch) {
     const int64_t m = in->m, h = s->hidden, inter = s->intermediate;
     const int64_t q_size = (int64_t)s->num_heads * s->head_dim;
@@ -112,39 +111,39 @@ void decode_layer_bf16(uint16_t *hidden, const LayerWeights *w, void *key_cache,
                                         in->seq_lens, m, s->num_kv_heads, s->head_dim, s->block_size,
                                         elem_bytes(s->cache_type), t, nt,
                                         CONTEXT_PREFETCH_BYTES);
-#pragma omp single
+#pragma omp for schedule(static)
         for (int64_t r = 0; r < m; r++)
             rms_norm_row(hidden + r * h, NULL, w->input_norm, s->eps, scratch->normed + r * h, h);
-        linear_weight_part(scratch->normed, h, w->qkv, w->qkv_bias, scratch->qkv, qkv_size, m, h, t, nt);
+        linear_weight_part(scratch->normed, h, w->qkv, w->qkv_bias, scratch->qkv, qkv_size, 1, m, h, s->linear_impl[0], t,
+                           nt);
 #pragma omp barrier
-#pragma omp single
+#pragma omp for schedule(static)
         for (int64_t r = 0; r < m; r++) {
-            uint16_t *row = scratch->qkv + r * qkv_size;
             const float *cos = in->cos_table + in->positions[r] * half;
             const float *sin = in->sin_table + in->positions[r] * half;
-            rotate_heads(row, s->num_heads, s->head_dim, cos, sin);
-            rotate_heads(row + q_size, s->num_kv_heads, s->head_dim, cos, sin);
-            int64_t slot = in->slots[r];
-            store_bf16_row(key_cache, slot * kv_size, row + q_size, kv_size, s->cache_type);
-            store_bf16_row(value_cache, slot * kv_size, row + q_size + kv_size, kv_size, s->cache_type);
+            rotate_and_store_row(scratch->qkv + r * qkv_size, s->num_heads, s->num_kv_heads, s->head_dim, cos, sin,
+                                 scratch->query + r * q_size, in->slots[r], key_cache, value_cache, s->cache_type,
+                                 scratch->kv_row + r * 2 * kv_size);
         }
-        paged_decode_attention_in_region(scratch->qkv, qkv_size, key_cache, value_cache, in->block_tables,
+        paged_decode_attention_in_region(scratch->query, q_size, key_cache, value_cache, in->block_tables,
                                          in->table_stride, in->rows, in->reqs, in->seq_lens, m, s->num_heads,
                                          s->num_kv_heads, s->head_dim, s->block_size, s->scale, ELEM_BF16,
                                          s->cache_type, nt,
                                          in->max_seq_len, scratch->attn, q_size, scratch->attn_scratch);
-        linear_weight_part(scratch->attn, q_size, w->o, w->o_bias, scratch->proj, h, m, q_size, t, nt);
+        linear_weight_part(scratch->attn, q_size, w->o, w->o_bias, scratch->proj, h, 1, m, q_size, s->linear_impl[1], t,
+                           nt);
 #pragma omp barrier
-#pragma omp single
+#pragma omp for schedule(static)
         for (int64_t r = 0; r < m; r++)  /* residual add, then the norm */
             rms_norm_row(hidden + r * h, scratch->proj + r * h, w->post_norm, s->eps, scratch->normed + r * h, h);
-        linear_weight_part(scratch->normed, h, w->gate_up, NULL, scratch->gate_up, 2 * inter, m, h, t, nt);
+        linear_weight_part(scratch->normed, h, w->gate_up, NULL, scratch->gate_up, 2 * inter, 1, m, h, s->linear_impl[2],
+                           t, nt);
 #pragma omp barrier
         silu_and_mul(scratch->gate_up, scratch->act, m, inter);
-        linear_weight_part(scratch->act, inter, w->down, NULL, scratch->proj, h, m, inter, t, nt);
+        linear_weight_part(scratch->act, inter, w->down, NULL, scratch->proj, h, 1, m, inter, s->linear_impl[3], t, nt);
 #pragma omp barrier
-#pragma omp single
-        add_residual(hidden, scratch->proj, m * h);
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < m * h; i++) hidden[i] += scratch->proj[i];
         float_mode_restore(float_mode);
     }
 }

@@ -108,7 +108,7 @@ static inline __m512bh pair_of(const uint16_t *x, int64_t p, int64_t full_pairs)
  * tile; ROWS and VECTORS are constants in every instantiation, so acc stays in registers. */
 static inline __attribute__((always_inline)) void tile(
     const uint16_t *x, int64_t x_stride, const uint32_t *panel, int64_t k, const uint16_t *bias,
-    uint16_t *out, int64_t out_stride, int64_t width, const char *prefetch, int64_t prefetch_lines,
+    void *out, int64_t out_stride, int out_f32, int64_t width, const char *prefetch, int64_t prefetch_lines,
     const int ROWS, const int VECTORS) {
     const int64_t pairs = (k + 1) / 2, full_pairs = k / 2;
     __m512 acc[TILE_ROWS][PANEL_VECTORS];
@@ -132,30 +132,34 @@ static inline __attribute__((always_inline)) void tile(
                                       _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias + 16 * v)), 16))
                                 : _mm512_setzero_ps();
         for (int r = 0; r < ROWS; r++) {
-            const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r][v], add));
-            _mm256_mask_storeu_epi16(out + r * out_stride + 16 * v, mask, rounded);
+            const __m512 value = _mm512_add_ps(acc[r][v], add);
+            if (out_f32)
+                _mm512_mask_storeu_ps((float *)out + r * out_stride + 16 * v, mask, value);
+            else
+                _mm256_mask_storeu_epi16((uint16_t *)out + r * out_stride + 16 * v, mask,
+                                         (__m256i)_mm512_cvtneps_pbh(value));
         }
     }
 }
 
 #define TILE_CASE(R, V) \
-    case R: tile(x, x_stride, panel, k, bias, out, out_stride, width, prefetch, prefetch_lines, R, V); break;
+    case R: tile(x, x_stride, panel, k, bias, out, out_stride, out_f32, width, prefetch, prefetch_lines, R, V); break;
 #define TILE_SWITCH(V)                                                                       \
     static void tile_##V(const uint16_t *x, int64_t x_stride, const uint32_t *panel, int64_t k, \
-                         const uint16_t *bias, uint16_t *out, int64_t out_stride, int64_t width,   \
+                         const uint16_t *bias, void *out, int64_t out_stride, int out_f32, int64_t width, \
                          const char *prefetch, int64_t prefetch_lines, int rows) {                  \
         switch (rows) { TILE_CASE(1, V) TILE_CASE(2, V) TILE_CASE(3, V) TILE_CASE(4, V) TILE_CASE(5, V) TILE_CASE(6, V) } \
     }
 TILE_SWITCH(1) TILE_SWITCH(2) TILE_SWITCH(3) TILE_SWITCH(4)
 
-typedef void (*tile_fn)(const uint16_t *, int64_t, const uint32_t *, int64_t, const uint16_t *, uint16_t *,
-                        int64_t, int64_t, const char *, int64_t, int);
+typedef void (*tile_fn)(const uint16_t *, int64_t, const uint32_t *, int64_t, const uint16_t *, void *,
+                        int64_t, int, int64_t, const char *, int64_t, int);
 static const tile_fn TILES[PANEL_VECTORS + 1] = {0, tile_1, tile_2, tile_3, tile_4};
 
 /* Thread t of nt's share of out = x w^T (+ bias), inside a parallel region: the output
  * columns in 16-column groups, all rows. */
 void gemm_bf16_part(const uint16_t *x, int64_t x_stride, const uint16_t *w, const uint16_t *bias,
-                    uint16_t *out, int64_t out_stride, int64_t m, int64_t n, int64_t k, int t, int nt) {
+                    void *out, int64_t out_stride, int out_f32, int64_t m, int64_t n, int64_t k, int t, int nt) {
     const int64_t groups = (n + 15) / 16;
     const int64_t per = groups / nt, extra = groups % nt;
     const int64_t first = t * per + (t < extra ? t : extra);
@@ -166,8 +170,8 @@ void gemm_bf16_part(const uint16_t *x, int64_t x_stride, const uint16_t *w, cons
     if (!panel) {
         /* No memory for a panel (a few hundred KB): this thread's columns stream W instead. */
         const int64_t col = 16 * first, width = 16 * (first + count) < n ? 16 * count : n - col;
-        small_linear_bf16_part(x, x_stride, w + col * k, bias ? bias + col : 0, out + col, out_stride, m, width,
-                               k, 0, 1);
+        small_linear_bf16_part(x, x_stride, w + col * k, bias ? bias + col : 0, out_at(out, col, out_f32), out_stride,
+                               out_f32, m, width, k, 0, 1);
         return;
     }
     for (int64_t row0 = 0; row0 < m; row0 += BLOCK_ROWS) {
@@ -189,7 +193,8 @@ void gemm_bf16_part(const uint16_t *x, int64_t x_stride, const uint16_t *w, cons
                 const int tile_rows = (int)(rows - r < TILE_ROWS ? rows - r : TILE_ROWS);
                 const int64_t lines = prefetch_lines < pairs ? prefetch_lines : pairs;
                 TILES[vectors](x + (row0 + r) * x_stride, x_stride, panel, k, bias ? bias + col : 0,
-                               out + (row0 + r) * out_stride + col, out_stride, width, prefetch, lines, tile_rows);
+                               out_at(out, (row0 + r) * out_stride + col, out_f32), out_stride, out_f32, width,
+                               prefetch, lines, tile_rows);
                 prefetch += 64 * lines;
                 prefetch_lines -= lines;
             }
@@ -198,8 +203,8 @@ void gemm_bf16_part(const uint16_t *x, int64_t x_stride, const uint16_t *w, cons
 }
 #else
 void gemm_bf16_part(const uint16_t *x, int64_t x_stride, const uint16_t *w, const uint16_t *bias,
-                    uint16_t *out, int64_t out_stride, int64_t m, int64_t n, int64_t k, int t, int nt) {
-    (void)x; (void)x_stride; (void)w; (void)bias; (void)out; (void)out_stride;
+                    void *out, int64_t out_stride, int out_f32, int64_t m, int64_t n, int64_t k, int t, int nt) {
+    (void)x; (void)x_stride; (void)w; (void)bias; (void)out; (void)out_stride; (void)out_f32;
     (void)m; (void)n; (void)k; (void)t; (void)nt;
 }
 #endif

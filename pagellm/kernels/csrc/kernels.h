@@ -12,6 +12,16 @@
  * 11.3 ms, at 20 rows 12.4 vs 10.8). */
 #define STREAMING_MAX_ROWS 16
 
+/* Which of the kernels a linear layer takes (kernels/linear_choice.py measures them):
+ * LINEAR_BY_ROWS picks by the row count with the constants here and in quant_linear.c. */
+enum { LINEAR_BY_ROWS = 0, LINEAR_STREAMING = 1, LINEAR_GEMM = 2 };
+
+/* The outputs of the linear layers are bf16 or float32 (out_f32): float32 where the value
+ * goes on in float32 (the residual stream, rotary, activations, logits). */
+static inline void *out_at(void *out, int64_t index, int out_f32) {
+    return (char *)out + index * (out_f32 ? 4 : 2);
+}
+
 /* The [begin, end) share of `total` items that thread t of nt takes, in whole multiples of
  * `unit` (the last share may end short at total). */
 static inline void thread_share(int64_t total, int64_t unit, int t, int nt, int64_t *begin, int64_t *end) {
@@ -26,20 +36,22 @@ static inline void thread_share(int64_t total, int64_t unit, int t, int nt, int6
 /* linear_bf16.c: thread t of nt's share of out = x w^T (+ bias), bf16, inside a region;
  * the row count picks the kernel below. */
 void linear_bf16_part(const uint16_t *x, int64_t x_stride, const uint16_t *w, const uint16_t *bias,
-                      uint16_t *out, int64_t out_stride, int64_t m, int64_t n, int64_t k, int t, int nt);
+                      void *out, int64_t out_stride, int out_f32, int64_t m, int64_t n, int64_t k, int impl,
+                      int t, int nt);
 
 /* small_linear.c: the same, streaming W once (up to STREAMING_MAX_ROWS rows). */
 void small_linear_bf16_part(const uint16_t *x, int64_t x_stride, const uint16_t *w, const uint16_t *bias,
-                            uint16_t *out, int64_t out_stride, int64_t m, int64_t n, int64_t k, int t, int nt);
+                            void *out, int64_t out_stride, int out_f32, int64_t m, int64_t n, int64_t k, int t,
+                            int nt);
 
 /* gemm_bf16.c: the same for tens of rows and more (weights repacked into register tiles). */
 void gemm_bf16_part(const uint16_t *x, int64_t x_stride, const uint16_t *w, const uint16_t *bias,
-                    uint16_t *out, int64_t out_stride, int64_t m, int64_t n, int64_t k, int t, int nt);
+                    void *out, int64_t out_stride, int out_f32, int64_t m, int64_t n, int64_t k, int t, int nt);
 
 /* quant_linear.c: thread t of nt's share of out = x W^T (+ bias) for any Weight (bf16 or
  * quantized parts), inside a region. */
-void linear_weight_part(const uint16_t *x, int64_t x_stride, const Weight *w, const uint16_t *bias, uint16_t *out,
-                        int64_t out_stride, int64_t m, int64_t k, int t, int nt);
+void linear_weight_part(const uint16_t *x, int64_t x_stride, const Weight *w, const uint16_t *bias, void *out,
+                        int64_t out_stride, int out_f32, int64_t m, int64_t k, int impl, int t, int nt);
 
 /* paged_decode.c: the attention rows' work items, shared among a region's threads. dtype:
  * the query's and output's element type, cache_type the cache's (fp8.h ELEM_*). */

@@ -1,6 +1,11 @@
-/* One row's worth of a decoder layer's elementwise stages in bf16, shared by the one-call
- * decode layer (decode_layer.c) and the per-stage calls (layer_ops.c). Values are rounded
- * to bf16 where the PyTorch path stores bf16 (model/layers.py, model/llama.py). */
+/* One row's worth of a decoder layer's elementwise stages, shared by the one-call decode
+ * layer (decode_layer.c) and the per-stage calls (layer_ops.c).
+ *
+ * Only what a matrix multiplication reads is bf16 (the norms' outputs, the query, the
+ * attention output, the activation) and the KV cache; the residual stream, the linear
+ * layers' outputs, rotary and the activation's inputs stay float32, and each bf16 value
+ * is rounded once. HF transformers' bf16 rounds at every stored tensor (about eleven
+ * times per layer): keeping the rest in float32 is cheap, since it is all elementwise. */
 #ifndef PAGELLM_LAYER_ROWS_H
 #define PAGELLM_LAYER_ROWS_H
 
@@ -8,45 +13,48 @@
 #include <stdint.h>
 
 #include "bf16.h"
+#include "fp8.h"
 
-static inline float round_bf16(float value) { return bf16_to_float(float_to_bf16(value)); }
-
-/* row += delta (when delta is not NULL), then out = weight * bf16(row * rsqrt(mean(row^2) + eps)). */
-static inline void rms_norm_row(uint16_t *row, const uint16_t *delta, const uint16_t *weight, float eps,
-                                uint16_t *out, int64_t h) {
+/* row += delta (when delta is not NULL), then out = bf16(weight * row * rsqrt(mean(row^2) + eps)). */
+static inline void rms_norm_row(float *row, const float *delta, const uint16_t *weight, float eps, uint16_t *out,
+                                int64_t h) {
     if (delta != NULL)
-        for (int64_t i = 0; i < h; i++) row[i] = float_to_bf16(bf16_to_float(row[i]) + bf16_to_float(delta[i]));
+        for (int64_t i = 0; i < h; i++) row[i] += delta[i];
     float sum = 0.0f;
-    for (int64_t i = 0; i < h; i++) {
-        const float v = bf16_to_float(row[i]);
-        sum += v * v;
-    }
+    for (int64_t i = 0; i < h; i++) sum += row[i] * row[i];
     const float inverse = 1.0f / sqrtf(sum / (float)h + eps);
-    for (int64_t i = 0; i < h; i++)
-        out[i] = float_to_bf16(bf16_to_float(weight[i]) * round_bf16(bf16_to_float(row[i]) * inverse));
+    for (int64_t i = 0; i < h; i++) out[i] = float_to_bf16(bf16_to_float(weight[i]) * (row[i] * inverse));
 }
 
-/* Half-split rotary (HF layout) of `num_heads` heads of one row, in place. */
-static inline void rotate_heads(uint16_t *heads, int num_heads, int head_dim, const float *cos, const float *sin) {
+/* Half-split rotary (HF layout) of `num_heads` heads of one float32 row, written as bf16. */
+static inline void rotate_heads(const float *heads, int num_heads, int head_dim, const float *cos, const float *sin,
+                                uint16_t *out) {
     const int half = head_dim / 2;
-    float x1[half], x2[half];  /* both halves read before either is written: the loops vectorize */
     for (int h = 0; h < num_heads; h++) {
-        uint16_t *x = heads + (int64_t)h * head_dim;
+        const float *x = heads + (int64_t)h * head_dim;
+        uint16_t *y = out + (int64_t)h * head_dim;
         for (int i = 0; i < half; i++) {
-            x1[i] = bf16_to_float(x[i]);
-            x2[i] = bf16_to_float(x[i + half]);
-        }
-        for (int i = 0; i < half; i++) {
-            x[i] = float_to_bf16(x1[i] * cos[i] - x2[i] * sin[i]);
-            x[i + half] = float_to_bf16(x2[i] * cos[i] + x1[i] * sin[i]);
+            y[i] = float_to_bf16(x[i] * cos[i] - x[i + half] * sin[i]);
+            y[i + half] = float_to_bf16(x[i + half] * cos[i] + x[i] * sin[i]);
         }
     }
 }
 
-/* bf16(silu(gate)) * up, rounded to bf16. */
-static inline uint16_t silu_mul(uint16_t gate, uint16_t up) {
-    const float g = bf16_to_float(gate);
-    return float_to_bf16(round_bf16(g / (1.0f + expf(-g))) * bf16_to_float(up));
+/* One qkv row ([q | k | v] float32): q rotated into query (bf16), k rotated and v stored in
+ * the caches at `slot` (cache_type, fp8.h) unless slot < 0. `scratch` holds 2 * kv_size. */
+static inline void rotate_and_store_row(const float *qkv, int num_heads, int num_kv_heads, int head_dim,
+                                        const float *cos, const float *sin, uint16_t *query, int64_t slot,
+                                        void *key_cache, void *value_cache, int cache_type, uint16_t *scratch) {
+    const int64_t q_size = (int64_t)num_heads * head_dim, kv_size = (int64_t)num_kv_heads * head_dim;
+    rotate_heads(qkv, num_heads, head_dim, cos, sin, query);
+    if (slot < 0) return;
+    rotate_heads(qkv + q_size, num_kv_heads, head_dim, cos, sin, scratch);
+    for (int64_t i = 0; i < kv_size; i++) scratch[kv_size + i] = float_to_bf16(qkv[q_size + kv_size + i]);
+    store_bf16_row(key_cache, slot * kv_size, scratch, kv_size, cache_type);
+    store_bf16_row(value_cache, slot * kv_size, scratch + kv_size, kv_size, cache_type);
 }
+
+/* bf16(silu(gate) * up), from float32 gate and up. */
+static inline uint16_t silu_mul(float gate, float up) { return float_to_bf16(gate / (1.0f + expf(-gate)) * up); }
 
 #endif

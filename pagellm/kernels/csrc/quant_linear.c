@@ -431,7 +431,7 @@ static _Thread_local size_t permuted_capacity;
 
 /* Thread t of nt's share of out[:, rows of this part] for m <= STREAMING_MAX_ROWS. */
 static void quant_stream_part(const uint16_t *x, int64_t x_stride, const WeightPart *p, const uint16_t *bias,
-                              uint16_t *out, int64_t out_stride, int64_t m, int64_t k, int t, int nt) {
+                              void *out, int64_t out_stride, int out_f32, int64_t m, int64_t k, int t, int nt) {
     int64_t begin, end;
     thread_share(p->rows, 16, t, nt, &begin, &end);
     if (begin >= end) return;
@@ -460,7 +460,7 @@ static void quant_stream_part(const uint16_t *x, int64_t x_stride, const WeightP
             const int rows = m - first < STREAM_ROWS ? (int)(m - first) : STREAM_ROWS;
             kernels[rows](x + first * x_stride, x_stride, sums + first * sums_stride, sums_stride, row, row_scale, k,
                    result);
-            for (int r = 0; r < rows; r++) out[(first + r) * out_stride + n] = float_to_bf16(result[r] + b);
+            for (int r = 0; r < rows; r++) store_float(out, (first + r) * out_stride + n, result[r] + b, out_f32);
         }
     }
 }
@@ -557,7 +557,7 @@ static void dequantize_part_rows(const WeightPart *p, int64_t row0, int64_t coun
 /* Thread t of nt's share for m > STREAMING_MAX_ROWS: a panel of W's rows at a time is
  * dequantized into this thread's buffer (kept within L2) and multiplied by the bf16 GEMM. */
 static void quant_gemm_part(const uint16_t *x, int64_t x_stride, const WeightPart *p, const uint16_t *bias,
-                            uint16_t *out, int64_t out_stride, int64_t m, int64_t k, int t, int nt) {
+                            void *out, int64_t out_stride, int out_f32, int64_t m, int64_t k, int t, int nt) {
     int64_t begin, end;
     thread_share(p->rows, 16, t, nt, &begin, &end);
     const int64_t panel = k <= 2048 ? 64 : (k <= 4096 ? 32 : 16);
@@ -575,33 +575,41 @@ static void quant_gemm_part(const uint16_t *x, int64_t x_stride, const WeightPar
             for (int64_t offset = 0; offset < next_count * p->row_bytes; offset += 64)
                 _mm_prefetch(from + offset, _MM_HINT_T1);
         }
+        void *panel_out = out_at(out, n, out_f32);
         if (m <= STREAMING_MAX_ROWS) /* few rows: the panel streams from L2 */
-            small_linear_bf16_part(x, x_stride, buffer, bias ? bias + n : NULL, out + n, out_stride, m, count, k, 0, 1);
+            small_linear_bf16_part(x, x_stride, buffer, bias ? bias + n : NULL, panel_out, out_stride, out_f32, m,
+                                   count, k, 0, 1);
         else
-            gemm_bf16_part(x, x_stride, buffer, bias ? bias + n : NULL, out + n, out_stride, m, count, k, 0, 1);
+            gemm_bf16_part(x, x_stride, buffer, bias ? bias + n : NULL, panel_out, out_stride, out_f32, m, count, k,
+                           0, 1);
     }
 }
 #endif
 
-/* Thread t of nt's share of out = x W^T (+ bias) for any Weight, inside a parallel region. */
-void linear_weight_part(const uint16_t *x, int64_t x_stride, const Weight *w, const uint16_t *bias, uint16_t *out,
-                        int64_t out_stride, int64_t m, int64_t k, int t, int nt) {
+/* Thread t of nt's share of out = x W^T (+ bias) for any Weight, inside a parallel region;
+ * impl (kernels.h LINEAR_*) names the streaming or the panel/GEMM kernels, or leaves them
+ * to the row count. */
+void linear_weight_part(const uint16_t *x, int64_t x_stride, const Weight *w, const uint16_t *bias, void *out,
+                        int64_t out_stride, int out_f32, int64_t m, int64_t k, int impl, int t, int nt) {
 #if defined(__AVX512BF16__)
     int64_t offset = 0;
     for (int i = 0; i < w->num_parts; i++) {
         const WeightPart *p = &w->parts[i];
         const uint16_t *part_bias = bias ? bias + offset : NULL;
+        void *part_out = out_at(out, offset, out_f32);
+        const int stream = impl == LINEAR_STREAMING || (impl == LINEAR_BY_ROWS && m <= QUANT_STREAMING_MAX_ROWS);
         if (p->type == WEIGHT_BF16)
-            linear_bf16_part(x, x_stride, (const uint16_t *)p->data, part_bias, out + offset, out_stride, m, p->rows,
-                             k, t, nt);
-        else if (m <= QUANT_STREAMING_MAX_ROWS)
-            quant_stream_part(x, x_stride, p, part_bias, out + offset, out_stride, m, k, t, nt);
+            linear_bf16_part(x, x_stride, (const uint16_t *)p->data, part_bias, part_out, out_stride, out_f32, m,
+                             p->rows, k, impl, t, nt);
+        else if (stream)
+            quant_stream_part(x, x_stride, p, part_bias, part_out, out_stride, out_f32, m, k, t, nt);
         else
-            quant_gemm_part(x, x_stride, p, part_bias, out + offset, out_stride, m, k, t, nt);
+            quant_gemm_part(x, x_stride, p, part_bias, part_out, out_stride, out_f32, m, k, t, nt);
         offset += p->rows;
     }
 #else
-    (void)x; (void)x_stride; (void)w; (void)bias; (void)out; (void)out_stride; (void)m; (void)k; (void)t; (void)nt;
+    (void)x; (void)x_stride; (void)w; (void)bias; (void)out; (void)out_stride; (void)out_f32; (void)m; (void)k;
+    (void)impl; (void)t; (void)nt;
 #endif
 }
 

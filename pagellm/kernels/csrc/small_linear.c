@@ -8,7 +8,7 @@
  * split over the threads in contiguous ranges, so each thread streams its own part of W.
  *
  * bfloat16: AVX-512 BF16 dot products (pairs of bf16 products summed into float32
- * lanes), float32 accumulation, one rounding to bf16 at the end.
+ * lanes), float32 accumulation, one rounding to bf16 at the end (none for a float32 output).
  * Weight rows are handled several at a time so independent accumulation chains run:
  * four for a single activation row (measured: ~46 GB/s against ~39 with two), two for
  * more, where the activation rows already give each step enough chains (four measured
@@ -95,14 +95,16 @@ static void bf16_one_row_quad(const uint16_t *x, const uint16_t *w, int64_t k, f
 
 /* Thread t of nt's share of the output columns (called by every thread of a region). */
 void small_linear_bf16_part(const uint16_t *x, int64_t x_stride, const uint16_t *w, const uint16_t *bias,
-                            uint16_t *out, int64_t out_stride, int64_t m, int64_t n, int64_t k, int t, int nt) {
+                            void *out, int64_t out_stride, int out_f32, int64_t m, int64_t n, int64_t k, int t,
+                            int nt) {
     int64_t begin, end;
     thread_share(n, 2, t, nt, &begin, &end);
     if (m == 1) {
         float sums[4];
         for (; begin + 4 <= end; begin += 4) {
             bf16_one_row_quad(x, w + begin * k, k, sums);
-            for (int r = 0; r < 4; r++) out[begin + r] = float_to_bf16(sums[r] + (bias ? bf16_to_float(bias[begin + r]) : 0.0f));
+            for (int r = 0; r < 4; r++)
+                store_float(out, begin + r, sums[r] + (bias ? bf16_to_float(bias[begin + r]) : 0.0f), out_f32);
         }
     }
     float sum0[MAX_ROWS], sum1[MAX_ROWS];
@@ -114,17 +116,18 @@ void small_linear_bf16_part(const uint16_t *x, int64_t x_stride, const uint16_t 
             int64_t rows = m - first < MAX_ROWS ? m - first : MAX_ROWS;
             BF16_KERNELS[rows](x + first * x_stride, x_stride, w + j * k, w + j1 * k, k, sum0, sum1);
             for (int64_t r = 0; r < rows; r++) {
-                uint16_t *row = out + (first + r) * out_stride;
-                row[j] = float_to_bf16(sum0[r] + b0);
-                if (j1 != j) row[j1] = float_to_bf16(sum1[r] + b1);
+                void *row = out_at(out, (first + r) * out_stride, out_f32);
+                store_float(row, j, sum0[r] + b0, out_f32);
+                if (j1 != j) store_float(row, j1, sum1[r] + b1, out_f32);
             }
         }
     }
 }
 #else
 void small_linear_bf16_part(const uint16_t *x, int64_t x_stride, const uint16_t *w, const uint16_t *bias,
-                            uint16_t *out, int64_t out_stride, int64_t m, int64_t n, int64_t k, int t, int nt) {
-    (void)x; (void)x_stride; (void)w; (void)bias; (void)out; (void)out_stride;
+                            void *out, int64_t out_stride, int out_f32, int64_t m, int64_t n, int64_t k, int t,
+                            int nt) {
+    (void)x; (void)x_stride; (void)w; (void)bias; (void)out; (void)out_stride; (void)out_f32;
     (void)m; (void)n; (void)k; (void)t; (void)nt;
 }
 #endif

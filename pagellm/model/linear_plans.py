@@ -1,0 +1,144 @@
+"""Model stage: the measured kernel choice of a bf16 CPU model's linear layers, attached at load.
+
+Groups the model's linear layers by shape and weight types, times each group's candidates
+on one of its layers (kernels/linear_choice.py: bounded, cached on disk), gives every
+layer its plan and logs the table once. The LM head is chosen among the native kernels
+only: they write float32 logits, oneDNN would round them to bf16.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from pagellm.kernels import cpu_features
+from pagellm.kernels.build import kernel_cache_dir, load_kernels
+from pagellm.kernels.linear import CpuLinearKernels, LinearImpl
+from pagellm.kernels.linear_choice import NUM_BUCKETS, LinearChoice, LinearPlan, LinearShape, resolve_choice
+from pagellm.kernels.weights import WeightType
+from pagellm.model.linear import CpuEmbedding, CpuLinear, apply_linear
+
+logger = logging.getLogger(__name__)
+
+LAYER_CANDIDATES = (LinearImpl.STREAMING, LinearImpl.GEMM, LinearImpl.ONEDNN)
+HEAD_CANDIDATES = (LinearImpl.STREAMING, LinearImpl.GEMM)
+# A timed candidate runs for at least this long (several calls at small shapes).
+MIN_TIMED_SECONDS = 0.002
+MAX_TIMED_CALLS = 50
+
+
+@dataclass(frozen=True)
+class LinearGroup:
+    """Layers that share a shape and weight types, and so a plan."""
+
+    shape: LinearShape
+    names: tuple[str, ...]  # module names, e.g. layers.0.mlp.gate_up_proj
+    module: CpuLinear | CpuEmbedding  # the one that is timed
+
+    @property
+    def label(self) -> str:
+        kinds = sorted({name.rsplit(".", 1)[-1] for name in self.names})
+        return f"{'/'.join(kinds)} {self.shape.n}x{self.shape.k} {'+'.join(self.shape.weight_types)}"
+
+
+def _weight_types(module: CpuLinear | CpuEmbedding) -> tuple[str, ...]:
+    if module.packed is not None:
+        return tuple(t.label for t in module.packed.types)
+    return (WeightType.BF16.label,)
+
+
+def linear_groups(model: torch.nn.Module) -> list[LinearGroup]:
+    """The model's linear layers (and LM head) grouped by what their choice depends on."""
+    members: dict[str, list[str]] = {}
+    firsts: dict[str, tuple[LinearShape, CpuLinear | CpuEmbedding]] = {}
+    head = model.lm_head_module()
+    for name, module in [*((n, m) for n, m in model.named_modules() if isinstance(m, CpuLinear) and m is not head),
+                         ("lm_head", head)]:  # fmt: skip
+        n, k = (module.out_features, module.in_features) if isinstance(module, CpuLinear) else (
+            module.num_embeddings, module.embedding_dim)  # fmt: skip
+        candidates = HEAD_CANDIDATES if module is head else LAYER_CANDIDATES
+        shape = LinearShape(n, k, _weight_types(module), candidates)
+        members.setdefault(shape.key, []).append(name)
+        firsts.setdefault(shape.key, (shape, module))
+    return [LinearGroup(shape, tuple(members[key]), module) for key, (shape, module) in firsts.items()]
+
+
+def seconds_per_call(run: Callable[[], object]) -> float:
+    """Best mean time of `run()` over two rounds of calls lasting MIN_TIMED_SECONDS."""
+    run()  # warm-up: caches, page faults, the kernels' per-thread buffers
+    start = time.perf_counter()
+    run()
+    single = time.perf_counter() - start
+    calls = max(1, min(MAX_TIMED_CALLS, int(MIN_TIMED_SECONDS / max(single, 1e-9))))
+    best = single
+    for _ in range(2 if calls > 1 else 1):
+        start = time.perf_counter()
+        for _ in range(calls):
+            run()
+        best = min(best, (time.perf_counter() - start) / calls)
+    return best
+
+
+def _timer(groups: list[LinearGroup], kernel: CpuLinearKernels) -> Callable[[LinearShape, int, LinearImpl], float]:
+    by_key = {g.shape.key: g.module for g in groups}
+    generator = torch.Generator().manual_seed(0)
+
+    def time_candidate(shape: LinearShape, rows: int, impl: LinearImpl) -> float:
+        module = by_key[shape.key]
+        x = torch.randn(rows, shape.k, generator=generator).to(torch.bfloat16)
+        bias = module.bias if isinstance(module, CpuLinear) else None
+        plan = LinearPlan((impl,) * NUM_BUCKETS)
+        return seconds_per_call(
+            lambda: apply_linear(x, module.weight, module.packed, bias, kernel, plan, torch.float32)
+        )
+
+    return time_candidate
+
+
+def choice_signature(model_name: str, num_threads: int) -> dict[str, object]:
+    """Everything besides the shapes that the timings depend on."""
+    library = load_kernels()
+    return {
+        "cpu": cpu_features.cpu_signature(),
+        "threads": num_threads,
+        "torch": torch.__version__,
+        "kernels": getattr(library, "_name", ""),
+        "model": model_name,
+    }
+
+
+def attach_linear_plans(model: torch.nn.Module, kernel: CpuLinearKernels, model_name: str = "") -> LinearChoice:
+    """Measure (or read the cached choice) and give every linear layer its plan."""
+    groups = linear_groups(model)
+    signature = choice_signature(model_name, kernel.num_threads)
+    with torch.inference_mode():
+        choice = resolve_choice([g.shape for g in groups], _timer(groups, kernel), signature, kernel_cache_dir())
+    head = model.lm_head_module()
+    for group in groups:
+        plan = choice.plans[group.shape.key]
+        if group.module is head:
+            model.lm_head_plan = plan
+        else:
+            for name in group.names:
+                model.get_submodule(name).plan = plan
+    model.linear_choice = choice
+    model.linear_groups = groups
+    logger.info("%s", describe_choice(choice, groups))
+    return choice
+
+
+def describe_choice(choice: LinearChoice, groups: list[LinearGroup]) -> str:
+    """The startup log's table: where the choice came from, the ISA in use, a line per group."""
+    how = {"measured": f"measured in {choice.seconds:.1f}s", "cache": "cached measurement", "forced": "forced by PAGELLM_LINEAR_KERNEL"}[choice.source]
+    lines = [f"linear kernels ({how}; {cpu_features.describe_isa()}):"]
+    for group in groups:
+        line = f"  {group.label}: rows {choice.plans[group.shape.key].describe()}"
+        unmeasured = choice.unmeasured_buckets.get(group.shape.key)
+        if unmeasured:
+            line += f" ({len(unmeasured)} largest buckets not measured within the budget)"
+        lines.append(line)
+    return "\n".join(lines)

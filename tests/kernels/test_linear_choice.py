@@ -1,0 +1,129 @@
+"""The measured choice of linear kernels (kernels/linear_choice.py) with injected timings:
+the fastest per bucket, ties, failing candidates, pruning, the budget, the disk cache and
+its key, and the forcing variable."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pagellm.errors import ConfigError
+from pagellm.kernels import linear_choice as lc
+from pagellm.kernels.linear import LinearImpl
+
+S, G, O = LinearImpl.STREAMING, LinearImpl.GEMM, LinearImpl.ONEDNN
+SHAPE = lc.LinearShape(3072, 576, ("Q4_1",), (S, G, O))
+HEAD = lc.LinearShape(49152, 576, ("Q8_0",), (S, G))
+
+
+def amx_like(shape: lc.LinearShape, rows: int, impl: LinearImpl) -> float:
+    """Seconds per call shaped like the issue's Xeon: streaming flat in rows until it is
+    compute-bound, oneDNN with a high fixed cost and a far higher rate."""
+    work = 2.0 * rows * shape.n * shape.k
+    weight_read = shape.n * shape.k * 2 / 40e9
+    return {S: weight_read + work / 150e9, G: 2 * weight_read + work / 200e9, O: 4 * weight_read + work / 2000e9}[impl]
+
+
+@pytest.fixture(autouse=True)
+def _not_forced(monkeypatch):
+    monkeypatch.delenv(lc.FORCE_VARIABLE, raising=False)
+
+
+def test_buckets_and_labels():
+    assert [lc.bucket_of(r) for r in (1, 2, 4, 5, 8, 9, 16, 17, 32, 33, 64, 65, 256, 257, 4096)] == [
+        0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7]  # fmt: skip
+    assert [lc.bucket_label(i) for i in range(lc.NUM_BUCKETS)] == [
+        "1", "2-4", "5-8", "9-16", "17-32", "33-64", "65-256", "257+"]  # fmt: skip
+    # every timed row count lies in its own bucket
+    assert [lc.bucket_of(r) for r in lc.TIMED_ROWS] == list(range(lc.NUM_BUCKETS))
+
+
+def test_fastest_per_bucket_and_the_plan_description():
+    choice = lc.measure_choice([SHAPE], amx_like, budget_seconds=10)
+    plan = choice.plans[SHAPE.key]
+    assert plan.choose(1) is S and plan.choose(4096) is O
+    for bucket, times in enumerate(choice.timings[SHAPE.key]):
+        valid = {impl: t for impl, t in times.items() if t is not None}
+        assert plan.choices[bucket] is min(valid, key=valid.get)
+    assert plan.describe().startswith("1") and plan.describe().endswith("+ onednn")
+    assert lc.LinearPlan((S, S, S, G, G, O, O, O)).describe() == "1-8 streaming, 9-32 gemm, 33+ onednn"
+    assert lc.LinearPlan((G,) * lc.NUM_BUCKETS).describe() == "1+ gemm"
+
+
+def test_ties_go_to_the_earlier_candidate():
+    assert lc.pick_fastest({S: 1.0, G: 1.0, O: 1.0}, (S, G, O)) is S
+    assert lc.pick_fastest({S: 1.02, G: 1.0}, (S, G)) is S  # within TIE_TOLERANCE
+    assert lc.pick_fastest({S: 1.2, G: 1.0}, (S, G)) is G
+    assert lc.pick_fastest({S: None, G: float("nan"), O: 0.0}, (S, G, O)) is None
+
+
+def test_a_failing_candidate_is_never_chosen():
+    def timer(shape, rows, impl):  # noqa: ANN001, ANN202
+        if impl is O:
+            raise RuntimeError("oneDNN exploded")
+        return amx_like(shape, rows, impl)
+
+    choice = lc.measure_choice([SHAPE], timer, budget_seconds=10)
+    assert O not in choice.plans[SHAPE.key].choices
+    assert all(times[O] is None for times in choice.timings[SHAPE.key])
+    with pytest.raises(RuntimeError, match="no linear kernel ran"):
+        lc.measure_choice([SHAPE], lambda *a: (_ for _ in ()).throw(RuntimeError("x")), budget_seconds=10)
+
+
+def test_a_candidate_falling_behind_stops_being_timed():
+    calls: list[tuple[int, LinearImpl]] = []
+
+    def timer(shape, rows, impl):  # noqa: ANN001, ANN202
+        calls.append((rows, impl))
+        return amx_like(shape, rows, impl)
+
+    lc.measure_choice([SHAPE], timer, budget_seconds=10)
+    streaming_rows = [rows for rows, impl in calls if impl is S]
+    assert streaming_rows[0] == 1 and streaming_rows[-1] < lc.TIMED_ROWS[-1]
+    assert [rows for rows, impl in calls if impl is O] == list(lc.TIMED_ROWS)  # never pruned: it gains
+
+
+def test_the_budget_leaves_large_buckets_with_the_last_choice():
+    choice = lc.measure_choice([SHAPE, HEAD], amx_like, budget_seconds=0.0)
+    for shape in (SHAPE, HEAD):
+        plan = choice.plans[shape.key]
+        assert len(plan.choices) == lc.NUM_BUCKETS and len(set(plan.choices)) == 1
+        assert choice.unmeasured_buckets[shape.key] == list(range(1, lc.NUM_BUCKETS))
+
+
+def test_cache_round_trip_and_stale_signatures(tmp_path):
+    timed = []
+
+    def timer(shape, rows, impl):  # noqa: ANN001, ANN202
+        timed.append(rows)
+        return amx_like(shape, rows, impl)
+
+    signature = {"cpu": "Xeon|x86_64|amx_bf16 avx512f", "threads": 2, "torch": "2.13.0", "kernels": "a.so"}
+    first = lc.resolve_choice([SHAPE, HEAD], timer, signature, tmp_path, budget_seconds=10)
+    assert first.source == "measured" and timed
+    timed.clear()
+    again = lc.resolve_choice([SHAPE, HEAD], timer, signature, tmp_path, budget_seconds=10)
+    assert again.source == "cache" and not timed and again.plans == first.plans
+    # Another CPU (or thread count, torch, kernels) is another file: measured anew.
+    for changed in ({"cpu": "EPYC|x86_64|avx512f"}, {"threads": 4}, {"torch": "2.14.0"}, {"kernels": "b.so"}):
+        assert lc.resolve_choice([SHAPE], timer, {**signature, **changed}, tmp_path, 10).source == "measured"
+    # A file for other shapes, or a corrupted one, is not used.
+    path = lc.cache_path(tmp_path, signature, [SHAPE, HEAD])
+    record = json.loads(path.read_text())
+    record["plans"].pop(HEAD.key)
+    path.write_text(json.dumps(record))
+    assert lc.load_choice(path, [SHAPE, HEAD]) is None
+    path.write_text("{not json")
+    assert lc.resolve_choice([SHAPE, HEAD], timer, signature, tmp_path, 10).source == "measured"
+
+
+def test_forcing_one_implementation(monkeypatch):
+    monkeypatch.setenv(lc.FORCE_VARIABLE, "onednn")
+    choice = lc.resolve_choice([SHAPE], amx_like, {}, None)
+    assert choice.source == "forced" and choice.plans[SHAPE.key].choices == (O,) * lc.NUM_BUCKETS
+    monkeypatch.setenv(lc.FORCE_VARIABLE, "auto")
+    assert lc.resolve_choice([SHAPE], amx_like, {}, None, budget_seconds=10).source == "measured"
+    monkeypatch.setenv(lc.FORCE_VARIABLE, "fastest")
+    with pytest.raises(ConfigError, match="PAGELLM_LINEAR_KERNEL='fastest'"):
+        lc.resolve_choice([SHAPE], amx_like, {}, None)
