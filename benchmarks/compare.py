@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import subprocess
 import sys
 import tempfile
@@ -66,7 +67,11 @@ def run_one(workload: list[str], backend: str, dtype: str, extra: list[str], res
     proc = subprocess.run(command, capture_output=True, text=True)
     if proc.returncode != 0:
         print(proc.stdout[-2000:], proc.stderr[-4000:], file=sys.stderr)
-        return {"backend": backend, "dtype": label, "error": (proc.stderr.strip().splitlines() or ["failed"])[-1]}
+        if proc.returncode < 0:  # the backend's process died (llama.cpp runs in one of its own)
+            error = f"killed by signal {signal.Signals(-proc.returncode).name}"
+        else:
+            error = (proc.stderr.strip().splitlines() or ["failed"])[-1]
+        return {"backend": backend, "dtype": label, "error": error}
     record = json.loads(proc.stdout)  # --json: stdout is the record alone
     record["dtype"] = label
     print(f"  -> {record['output_tok_s']} output tok/s, {record['achieved_gflop_s']} GFLOP/s, "

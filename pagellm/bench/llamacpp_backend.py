@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import multiprocessing
 import os
+import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -112,6 +115,51 @@ def run_llamacpp(
                   "version": getattr(llama_cpp, "__version__", "?")},
         output_token_ids=output_token_ids,
     )  # fmt: skip
+
+
+def run_llamacpp_isolated(
+    requests: list[BenchRequest],
+    model_path: Path,
+    parallel: int,
+    n_batch: int = 512,
+    repeats: int = 1,
+    target: Callable[..., BackendResult] | None = None,
+) -> BackendResult:
+    """run_llamacpp (or `target`, tests) in a child process of its own: a crash inside
+    llama.cpp (a segfault in a kernel it picked for this CPU) ends only that process and
+    is reported as this backend's failure, with the signal, so the other backends of a
+    comparison still print their figures. The child is spawned, not forked: torch's
+    OpenMP pool in this process must not be inherited by a library with threads of its own."""
+    context = multiprocessing.get_context("spawn")
+    receiver, sender = context.Pipe(duplex=False)
+    process = context.Process(
+        target=_run_in_child, args=(sender, target or run_llamacpp, requests, model_path, parallel, n_batch, repeats)
+    )
+    process.start()
+    sender.close()
+    try:
+        outcome = receiver.recv()
+    except EOFError:  # the child died before sending anything
+        outcome = None
+    process.join()
+    if outcome is None:
+        code = process.exitcode
+        if code is not None and code < 0:
+            raise PagellmError(f"llama.cpp crashed: its process was killed by signal {signal.Signals(-code).name}")
+        raise PagellmError(f"llama.cpp's process exited with status {code} before returning a result")
+    kind, value = outcome
+    if kind == "error":
+        raise PagellmError(value)
+    return value
+
+
+def _run_in_child(sender: Any, target: Callable[..., BackendResult], *args: Any) -> None:
+    try:
+        sender.send(("result", target(*args)))
+    except Exception as error:  # reported in the parent as this backend's failure
+        sender.send(("error", f"{type(error).__name__}: {error}" if not isinstance(error, PagellmError) else str(error)))
+    finally:
+        sender.close()
 
 
 def decode_all(

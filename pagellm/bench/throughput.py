@@ -63,14 +63,14 @@ def run_bench_throughput(args: argparse.Namespace) -> dict[str, Any]:
     elif args.backend == "hf":
         result = run_hf(requests, source.path, args.dtype, args.hf_batch_sizes)
     else:
-        from pagellm.bench.llamacpp_backend import run_llamacpp
+        from pagellm.bench.llamacpp_backend import run_llamacpp_isolated
 
         if source.format != "gguf":
             raise PagellmError("the llama.cpp backend needs a GGUF model")
         model_path = source.path
         if args.llamacpp_weights != "stored":
             model_path = float_gguf_copy(source.path, args.llamacpp_weights)
-        result = run_llamacpp(requests, model_path, args.llamacpp_parallel, repeats=args.repeats)
+        result = run_llamacpp_isolated(requests, model_path, args.llamacpp_parallel, repeats=args.repeats)
         result.settings["weights"] = (
             "GGUF as stored" if args.llamacpp_weights == "stored" else f"GGUF dequantized to {args.llamacpp_weights}"
         )

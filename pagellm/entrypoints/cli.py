@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from pagellm.bench.serve import add_bench_serve_parser
 from pagellm.bench.throughput_args import add_bench_throughput_parser
+from pagellm.bench.kernels import add_bench_kernels_parser
 from pagellm.bench.knob_sweep import add_bench_knobs_parser
 from pagellm.engine.cli_args import add_engine_args
 from pagellm.entrypoints.openai.serve_command import add_serve_parser, run_serve
@@ -54,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_serve_parser(bench_commands)
     add_bench_throughput_parser(bench_commands)
     add_bench_knobs_parser(bench_commands)
+    add_bench_kernels_parser(bench_commands)
     add_simulate_parser(commands)
     add_tune_parser(commands)
     add_calibrate_parser(commands)

@@ -35,7 +35,7 @@ ROW_BUCKET_EDGES = (1, 4, 8, 16, 32, 64, 256)
 # The row count each bucket is timed at.
 TIMED_ROWS = (1, 3, 6, 12, 24, 48, 128, 512)
 NUM_BUCKETS = len(ROW_BUCKET_EDGES) + 1
-DEFAULT_BUDGET_SECONDS = 3.0
+DEFAULT_BUDGET_SECONDS = 2.0
 # A candidate within this fraction of the fastest, and earlier in the candidate order,
 # wins: the choice does not flip between runs on timing noise.
 TIE_TOLERANCE = 0.03

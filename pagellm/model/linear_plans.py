@@ -68,14 +68,15 @@ def linear_groups(model: torch.nn.Module) -> list[LinearGroup]:
 
 
 def seconds_per_call(run: Callable[[], object]) -> float:
-    """Best mean time of `run()` over two rounds of calls lasting MIN_TIMED_SECONDS."""
+    """Best mean time of `run()` over two rounds of calls lasting MIN_TIMED_SECONDS (a call
+    longer than that is timed twice)."""
     run()  # warm-up: caches, page faults, the kernels' per-thread buffers
     start = time.perf_counter()
     run()
     single = time.perf_counter() - start
     calls = max(1, min(MAX_TIMED_CALLS, int(MIN_TIMED_SECONDS / max(single, 1e-9))))
     best = single
-    for _ in range(2 if calls > 1 else 1):
+    for _ in range(2 if calls > 1 else 1):  # one more call when a call alone is long enough
         start = time.perf_counter()
         for _ in range(calls):
             run()

@@ -61,19 +61,33 @@ def test_bf16_agrees_with_hf_float32(model, runs, name):
     dp.check_against_reference(result, NUM_LAYERS, name)
 
 
+@pytest.mark.parametrize("kernel", ["streaming", "gemm", "onednn"])
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_each_forced_linear_kernel_agrees_with_hf_float32(model, runs, name, kernel, monkeypatch):
+    # The measured choice may take any of the three on some CPU: each one, forced for every
+    # linear layer and row count, under every scheduling regime.
+    _, reference = model
+    folder, _ = model
+    monkeypatch.setenv("PAGELLM_LINEAR_KERNEL", kernel)
+    run = dp.run_scenario(folder, SCENARIOS[name], "bfloat16")
+    dp.check_native_paths(run)
+    if kernel == "onednn":  # the one-call layer has no oneDNN: every step takes the layer ops
+        assert not run.paths.fused_decode
+    elif name == "plain":
+        # 24 requests of different lengths: decode steps of more than MAX_ROWS requests take
+        # the native layer ops, the later smaller ones the one-call decode layer.
+        assert run.paths.fused_decode and max(run.paths.fused_decode) <= MAX_ROWS
+        assert any(rows > MAX_ROWS for rows in run.paths.native_layers_decode)
+    result = dp.teacher_forced(reference, run.completions)
+    dp.check_against_reference(result, NUM_LAYERS, f"{name} ({kernel})")
+    dp.check_same_schedule(run, runs(name, "float32"))
+
+
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_bf16_schedules_as_float32(runs, name):
     float32_run = runs(name, "float32")
     assert float32_run.paths is None  # pagellm's exact path: no native bf16 routes
     dp.check_same_schedule(runs(name, "bfloat16"), float32_run)
-
-
-def test_both_native_decode_routes_ran(runs):
-    # 24 requests of different lengths: decode steps of more than MAX_ROWS requests take the
-    # native layer ops, the later smaller ones the one-call decode layer.
-    paths = runs("plain", "bfloat16").paths
-    assert paths.fused_decode and max(paths.fused_decode) <= MAX_ROWS
-    assert any(rows > MAX_ROWS for rows in paths.native_layers_decode)
 
 
 def test_parallel_greedy_completions_are_equal(runs):
