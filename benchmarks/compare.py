@@ -39,6 +39,11 @@ SCENARIOS = {
             ("llamacpp", "bfloat16", ["--llamacpp-parallel", "64", "--llamacpp-weights", "bfloat16"]),
         ],
     ),
+    "prefill-only": (
+        # Prompts only (one output token each): the batched path, where AMX through oneDNN counts.
+        ["--workload", "mixed", "--num-requests", "64", "--prompt-len", "24", "300", "--output-len", "1", "1"],
+        [AS_STORED, ("hf", "bfloat16", ["--hf-batch-sizes", "16", "32"])],
+    ),
     "single-stream": (
         # One request takes about a second: the median of 5 runs, for every backend alike.
         ["--workload", "fixed", "--num-requests", "1", "--prompt-len", "16", "16", "--output-len", "128", "128",

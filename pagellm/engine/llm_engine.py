@@ -19,6 +19,7 @@ from pagellm.core.kv_events import KVEventLog
 from pagellm.core.scheduler import Scheduler, SchedulerStats
 from pagellm.core.scheduler_output import SchedulerOutput
 from pagellm.metrics.ceilings import device_ceilings
+from pagellm.model.linear_plans import kernel_info
 from pagellm.metrics.engine_metrics import EngineMetrics, MetricsSnapshot
 from pagellm.metrics.utilization import StepWork
 from pagellm.model.costs import ModelCosts
@@ -299,6 +300,9 @@ class LLMEngine:
             device_ceilings(device.type, dtype),
             scheduler_config.max_num_seqs,
         )
+        info = kernel_info(getattr(getattr(executor, "runner", None), "model", None))
+        if info is not None:  # in-process bf16 CPU models
+            metrics.set_cpu_kernels(info)
         return cls(config, tokenizer, executor, args.max_logprobs, metrics, args.kv_events_file)
 
     # ------------------------------------------------------------------ requests

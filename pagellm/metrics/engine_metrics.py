@@ -120,6 +120,10 @@ class EngineMetrics:
         self._series_window = _Window(now, self._totals(None))
         self._log_window = _Window(now, self._totals(None))
 
+    def set_cpu_kernels(self, info: dict[str, str]) -> None:
+        """The kernel choice of a bf16 CPU model (model/linear_plans.py kernel_info), as an info metric."""
+        self.prom.cpu_kernels.info(info)
+
     def set_utilization_model(self, cost: ModelCosts, ceilings: Ceilings, max_num_seqs: int) -> None:
         """Turn on MFU / MBU: the model's cost constants and the device's peaks."""
         self._model_cost = cost

@@ -7,7 +7,7 @@ engines (tests, benchmarks) never collide.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 _LATENCY_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
@@ -48,6 +48,10 @@ class PrometheusMetrics:
         self.memory_bandwidth_utilization = gauge(
             "memory_bandwidth_utilization", "Estimated bytes/s (weights, KV) over the device's bandwidth, last window (0-1)."
         )
+        self.cpu_kernels = Info(
+            "pagellm:cpu_kernels", "The CPU kernels in use: ISA levels and each linear group's measured choice.",
+            labels, registry=reg,
+        ).labels(model_name)  # fmt: skip
         self.flops_ceiling = gauge("flops_ceiling", "The device's matmul ceiling used for MFU (FLOP/s).")
         self.bandwidth_ceiling = gauge("bandwidth_ceiling", "The device's memory bandwidth used for MBU (bytes/s).")
         self.estimated_flops = counter("estimated_flops", "FLOPs of the steps run (matmuls, attention, LM head).")

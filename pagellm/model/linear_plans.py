@@ -143,3 +143,18 @@ def describe_choice(choice: LinearChoice, groups: list[LinearGroup]) -> str:
             line += f" ({len(unmeasured)} largest buckets not measured within the budget)"
         lines.append(line)
     return "\n".join(lines)
+
+
+def kernel_info(model: torch.nn.Module) -> dict[str, str] | None:
+    """What /metrics says of the CPU kernels: ISA levels, where the choice came from, and
+    each linear group's plan (None when the model has no measured choice)."""
+    if getattr(model, "linear_choice", None) is None:
+        return None
+    choice = model.linear_choice
+    return {
+        "cpu": cpu_features.cpu_model(),
+        "native_isa": cpu_features.native_isa(),
+        "onednn_isa": cpu_features.onednn_isa(),
+        "choice": choice.source,
+        "linear": "; ".join(f"{g.label}: {choice.plans[g.shape.key].describe()}" for g in model.linear_groups),
+    }
