@@ -435,7 +435,11 @@ def page(name: str) -> str:
 def metric_names() -> set[str]:
     from pagellm.metrics.prometheus_metrics import PrometheusMetrics
 
-    names = {family.name for family in PrometheusMetrics("docs").registry.collect()}
+    # An info metric's family is named without the `_info` its samples (what /metrics shows) carry.
+    names = {
+        family.name + ("_info" if family.type == "info" else "")
+        for family in PrometheusMetrics("docs").registry.collect()
+    }
     # The server's and the data-parallel router's own metrics are named in their source.
     for source in (ROOT / "pagellm" / "entrypoints" / "openai").glob("*.py"):
         names |= set(re.findall(r"\"(pagellm:[a-z_]+)\"", source.read_text(encoding="utf-8")))
