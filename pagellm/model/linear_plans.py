@@ -100,22 +100,22 @@ def _timer(groups: list[LinearGroup], kernel: CpuLinearKernels) -> Callable[[Lin
     return time_candidate
 
 
-def choice_signature(model_name: str, num_threads: int) -> dict[str, object]:
-    """Everything besides the shapes that the timings depend on."""
+def choice_signature(num_threads: int) -> dict[str, object]:
+    """Everything besides the shapes that the timings depend on (models that share their
+    shapes share a cached choice)."""
     library = load_kernels()
     return {
         "cpu": cpu_features.cpu_signature(),
         "threads": num_threads,
         "torch": torch.__version__,
         "kernels": getattr(library, "_name", ""),
-        "model": model_name,
     }
 
 
-def attach_linear_plans(model: torch.nn.Module, kernel: CpuLinearKernels, model_name: str = "") -> LinearChoice:
+def attach_linear_plans(model: torch.nn.Module, kernel: CpuLinearKernels) -> LinearChoice:
     """Measure (or read the cached choice) and give every linear layer its plan."""
     groups = linear_groups(model)
-    signature = choice_signature(model_name, kernel.num_threads)
+    signature = choice_signature(kernel.num_threads)
     with torch.inference_mode():
         choice = resolve_choice([g.shape for g in groups], _timer(groups, kernel), signature, kernel_cache_dir())
     head = model.lm_head_module()

@@ -144,7 +144,7 @@ def load_model(
         model.load_weights(weights, device=device)
     model.eval()
     if torch.device(device).type == "cpu" and dtype == torch.bfloat16:
-        _use_cpu_decode_kernels(model, source.name)
+        _use_cpu_decode_kernels(model)
     logger.info(
         "loaded %s (%s%s, %.1fM parameters, %s) in %.1fs; weights: %s",
         source.name,
@@ -235,7 +235,7 @@ def _int8_rows(weights: Weights) -> Weights:
             yield name, tensor
 
 
-def _use_cpu_decode_kernels(model: LlamaForCausalLM, model_name: str) -> None:
+def _use_cpu_decode_kernels(model: LlamaForCausalLM) -> None:
     """bf16 on a CPU with AVX-512 BF16: each linear layer takes the kernel measured fastest
     for a step's rows (model/linear_plans.py), decode steps of few requests run layer by
     layer in C, and other steps run the layers' elementwise stages in C around the linears."""
@@ -243,7 +243,7 @@ def _use_cpu_decode_kernels(model: LlamaForCausalLM, model_name: str) -> None:
     if kernel is None:
         return
     model.use_cpu_linear_kernels(kernel)
-    attach_linear_plans(model, kernel, model_name)  # before the decode layer, which reads the plans
+    attach_linear_plans(model, kernel)  # before the decode layer, which reads the plans
     # The one-call layer has no point to all-reduce at: tensor-parallel ranks run the
     # layer ops (all-reduces between them) instead.
     if FusedDecode.supports(model) and model.tp is None:
