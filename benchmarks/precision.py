@@ -116,7 +116,7 @@ def main() -> None:
     result["prefill_ratio"] = result["pagellm_prefill_mean_abs_dlogprob"] / result["hf_bf16_prefill_mean_abs_dlogprob"]
     print(f"precision against HF float32, {model_path.name}, {describe_cpu(result['cpu'])}, "
           f"linear kernel {result['linear_kernel']}")
-    print(f"| path | positions | pagellm bf16 mean abs dlogprob | HF bf16 | ratio |")
+    print("| path | positions | pagellm bf16 mean abs dlogprob | HF bf16 | ratio |")
     print("|---|---:|---:|---:|---:|")
     print(f"| decode (generated tokens) | {len(decode)} | {result['pagellm_decode_mean_abs_dlogprob']:.4f} | "
           f"{result['hf_bf16_decode_mean_abs_dlogprob']:.4f} | {result['decode_ratio']:.2f} |")

@@ -24,7 +24,7 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = ("paged_decode.c", "paged_decode_bf16.c", "small_linear.c", "gemm_bf16.c", "linear_bf16.c", "quant_linear.c", "decode_layer.c", "layer_ops.c", "token_masks.c")
+_SOURCES = ("paged_decode.c", "paged_decode_bf16.c", "small_linear.c", "gemm_bf16.c", "gemm_amx.c", "linear_bf16.c", "quant_linear.c", "decode_layer.c", "layer_ops.c", "token_masks.c")
 _HEADERS = ("bf16.h", "float_mode.h", "fp8.h", "kernels.h", "layer_rows.h", "weights.h")  # included by the sources: part of what the cached library is keyed by
 _COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11", "-Wall")
 # Linked without -ffast-math: with it, GCC adds crtfastmath.o, whose constructor turns on
@@ -123,6 +123,8 @@ def _declare(library: ctypes.CDLL) -> None:
     ]
     library.attention_segment_rows.restype = c_int
     library.attention_segment_rows.argtypes = []
+    library.amx_supported.restype = c_int
+    library.amx_supported.argtypes = []
     library.linear_bf16_supported.restype = c_int
     library.linear_bf16_supported.argtypes = []
     library.linear_bf16.restype = None

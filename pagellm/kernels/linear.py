@@ -8,6 +8,7 @@ machine at hand:
   reading the weight;
 - GEMM (csrc/gemm_bf16.c): repacks the weight a panel at a time (quantized weights are
   dequantized into the panel) and computes 6 x 64 register tiles;
+- AMX (csrc/gemm_amx.c, CPUs with AMX-BF16): the GEMM's panels multiplied on AMX tiles;
 - ONEDNN: torch's F.linear, oneDNN underneath (AMX on CPUs that have it, AVX-512 elsewhere);
   a quantized weight is dequantized into a scratch buffer for the call.
 The native kernels can write float32 outputs (the residual stream, logits); oneDNN gives
@@ -31,6 +32,7 @@ class LinearImpl(enum.IntEnum):
     STREAMING = 1
     GEMM = 2
     ONEDNN = 3
+    AMX = 4
 
     @property
     def label(self) -> str:
@@ -47,6 +49,11 @@ class CpuLinearKernels:
     def __init__(self, library: ctypes.CDLL, num_threads: int) -> None:
         self._run = library.linear_bf16
         self.num_threads = num_threads
+        self.has_amx = bool(library.amx_supported())  # the CPU has AMX-BF16 and Linux granted tile state
+
+    def native_impls(self) -> tuple[LinearImpl, ...]:
+        """The native implementations this machine can run, in order of preference on a tie."""
+        return (LinearImpl.STREAMING, LinearImpl.GEMM) + ((LinearImpl.AMX,) if self.has_amx else ())
 
     def applies(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         return (

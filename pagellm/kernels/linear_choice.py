@@ -9,7 +9,8 @@ of the bucket and the fastest kept. The measurement is bounded (`DEFAULT_BUDGET_
 buckets not reached take the last measured bucket's choice and are marked so), and the
 result is cached on disk, keyed by everything it depends on: the CPU, the thread count,
 the torch version, the compiled kernels, the shapes. PAGELLM_LINEAR_KERNEL=streaming|gemm|
-onednn forces one implementation everywhere (tests, and repeatable runs).
+amx|onednn forces one implementation everywhere (tests, and repeatable runs; amx where the
+CPU has it, else the GEMM).
 """
 
 from __future__ import annotations
@@ -39,6 +40,10 @@ DEFAULT_BUDGET_SECONDS = 2.0
 # A candidate within this fraction of the fastest, and earlier in the candidate order,
 # wins: the choice does not flip between runs on timing noise.
 TIE_TOLERANCE = 0.03
+# A native kernel (float32 output) within this fraction of a faster oneDNN call wins: the
+# precision of the default path is worth a few percent of one layer (oneDNN rounds its
+# outputs to bf16; benchmarks/precision.py measures what that costs).
+PRECISION_TOLERANCE = 0.10
 # A candidate that is this many times slower than the fastest, and losing more than in
 # the bucket before, is not timed in larger buckets (the streaming kernel at prefill sizes).
 PRUNE_RATIO = 4.0
@@ -120,12 +125,19 @@ class LinearChoice:
 
 
 def pick_fastest(times: Mapping[LinearImpl, float | None], order: Sequence[LinearImpl]) -> LinearImpl | None:
-    """The fastest candidate (None if none ran); on a near tie the one earlier in `order`."""
+    """The fastest candidate (None if none ran); on a near tie the one earlier in `order`;
+    a native kernel within PRECISION_TOLERANCE of oneDNN rather than oneDNN."""
     valid = {impl: t for impl, t in times.items() if t is not None and math.isfinite(t) and t > 0}
     if not valid:
         return None
     best = min(valid.values())
-    return next(impl for impl in order if impl in valid and valid[impl] <= best * (1 + TIE_TOLERANCE))
+    chosen = next(impl for impl in order if impl in valid and valid[impl] <= best * (1 + TIE_TOLERANCE))
+    if not chosen.native:
+        native = [impl for impl in order if impl in valid and impl.native]
+        fastest_native = min(native, key=valid.get, default=None)
+        if fastest_native is not None and valid[fastest_native] <= valid[chosen] * (1 + PRECISION_TOLERANCE):
+            return fastest_native
+    return chosen
 
 
 def forced_impl() -> LinearImpl | None:
@@ -133,10 +145,10 @@ def forced_impl() -> LinearImpl | None:
     value = os.environ.get(FORCE_VARIABLE, "").strip().lower()
     if value in ("", "auto"):
         return None
-    for impl in (LinearImpl.STREAMING, LinearImpl.GEMM, LinearImpl.ONEDNN):
+    for impl in (LinearImpl.STREAMING, LinearImpl.GEMM, LinearImpl.AMX, LinearImpl.ONEDNN):
         if impl.label == value:
             return impl
-    raise ConfigError(f"{FORCE_VARIABLE}={value!r}: expected auto, streaming, gemm or onednn")
+    raise ConfigError(f"{FORCE_VARIABLE}={value!r}: expected auto, streaming, gemm, amx or onednn")
 
 
 # A timer runs one shape at `rows` rows with `impl` and returns seconds per call (raising

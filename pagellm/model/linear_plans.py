@@ -3,7 +3,8 @@
 Groups the model's linear layers by shape and weight types, times each group's candidates
 on one of its layers (kernels/linear_choice.py: bounded, cached on disk), gives every
 layer its plan and logs the table once. The LM head is chosen among the native kernels
-only: they write float32 logits, oneDNN would round them to bf16.
+only (streaming, GEMM, AMX where the CPU has it): they write float32 logits, oneDNN would
+round them to bf16.
 """
 
 from __future__ import annotations
@@ -24,8 +25,6 @@ from pagellm.model.linear import CpuEmbedding, CpuLinear, apply_linear
 
 logger = logging.getLogger(__name__)
 
-LAYER_CANDIDATES = (LinearImpl.STREAMING, LinearImpl.GEMM, LinearImpl.ONEDNN)
-HEAD_CANDIDATES = (LinearImpl.STREAMING, LinearImpl.GEMM)
 # A timed candidate runs for at least this long (several calls at small shapes).
 MIN_TIMED_SECONDS = 0.002
 MAX_TIMED_CALLS = 50
@@ -51,8 +50,9 @@ def _weight_types(module: CpuLinear | CpuEmbedding) -> tuple[str, ...]:
     return (WeightType.BF16.label,)
 
 
-def linear_groups(model: torch.nn.Module) -> list[LinearGroup]:
-    """The model's linear layers (and LM head) grouped by what their choice depends on."""
+def linear_groups(model: torch.nn.Module, native: tuple[LinearImpl, ...]) -> list[LinearGroup]:
+    """The model's linear layers (and LM head) grouped by what their choice depends on;
+    `native`: the native implementations this machine runs (the head's candidates)."""
     members: dict[str, list[str]] = {}
     firsts: dict[str, tuple[LinearShape, CpuLinear | CpuEmbedding]] = {}
     head = model.lm_head_module()
@@ -60,7 +60,7 @@ def linear_groups(model: torch.nn.Module) -> list[LinearGroup]:
                          ("lm_head", head)]:  # fmt: skip
         n, k = (module.out_features, module.in_features) if isinstance(module, CpuLinear) else (
             module.num_embeddings, module.embedding_dim)  # fmt: skip
-        candidates = HEAD_CANDIDATES if module is head else LAYER_CANDIDATES
+        candidates = native if module is head else (*native, LinearImpl.ONEDNN)
         shape = LinearShape(n, k, _weight_types(module), candidates)
         members.setdefault(shape.key, []).append(name)
         firsts.setdefault(shape.key, (shape, module))
@@ -114,7 +114,7 @@ def choice_signature(num_threads: int) -> dict[str, object]:
 
 def attach_linear_plans(model: torch.nn.Module, kernel: CpuLinearKernels) -> LinearChoice:
     """Measure (or read the cached choice) and give every linear layer its plan."""
-    groups = linear_groups(model)
+    groups = linear_groups(model, kernel.native_impls())
     signature = choice_signature(kernel.num_threads)
     with torch.inference_mode():
         choice = resolve_choice([g.shape for g in groups], _timer(groups, kernel), signature, kernel_cache_dir())

@@ -61,7 +61,7 @@ def test_bf16_agrees_with_hf_float32(model, runs, name):
     dp.check_against_reference(result, NUM_LAYERS, name)
 
 
-@pytest.mark.parametrize("kernel", ["streaming", "gemm", "onednn"])
+@pytest.mark.parametrize("kernel", ["streaming", "gemm", "amx", "onednn"])
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_each_forced_linear_kernel_agrees_with_hf_float32(model, runs, name, kernel, monkeypatch):
     # The measured choice may take any of the three on some CPU: each one, forced for every

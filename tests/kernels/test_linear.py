@@ -9,7 +9,6 @@ import torch.nn.functional as F
 
 from pagellm.kernels.decode_layer import MAX_ROWS
 from pagellm.kernels.linear import cpu_linear_kernels
-from pagellm.kernels.linear import LinearImpl
 from pagellm.kernels.linear_choice import NUM_BUCKETS, LinearPlan
 from pagellm.model.linear import CpuLinear, apply_linear
 

@@ -58,6 +58,16 @@ def test_ties_go_to_the_earlier_candidate():
     assert lc.pick_fastest({S: None, G: float("nan"), O: 0.0}, (S, G, O)) is None
 
 
+def test_a_native_kernel_close_to_onednn_wins_for_precision():
+    A = LinearImpl.AMX
+    # float32 outputs within PRECISION_TOLERANCE of oneDNN's bf16 ones are preferred ...
+    assert lc.pick_fastest({S: 3.0, G: 1.08, A: 1.09, O: 1.0}, (S, G, A, O)) is G
+    assert lc.pick_fastest({G: 1.2, A: 1.05, O: 1.0}, (G, A, O)) is A
+    # ... and never at more than that: the choice stays within 0.9x of the fastest.
+    assert lc.pick_fastest({S: 3.0, G: 1.2, O: 1.0}, (S, G, O)) is O
+    assert 1 / (1 + lc.PRECISION_TOLERANCE) >= 0.9
+
+
 def test_a_failing_candidate_is_never_chosen():
     def timer(shape, rows, impl):  # noqa: ANN001, ANN202
         if impl is O:

@@ -120,11 +120,12 @@ def test_nan_in_x_propagates():
 BUCKET_EDGE_ROWS = [1, 2, 4, 5, 8, 9, 16, 17, 32, 33, 64, 65, 256, 257]
 
 
-@pytest.mark.parametrize("impl", ["streaming", "gemm", "onednn"])
+@pytest.mark.parametrize("impl", ["streaming", "gemm", "amx", "onednn"])
 @pytest.mark.parametrize("weight_type", [*QUANT_TYPES, WeightType.I8_ROW, WeightType.BF16], ids=lambda t: t.name)
 def test_every_implementation_at_every_bucket_edge(weight_type, impl):
     # Every path the measured choice may take on some CPU, for every stored type, at every
-    # row count where the choice may switch, with bf16 and float32 outputs.
+    # row count where the choice may switch, with bf16 and float32 outputs (amx: AMX tiles
+    # where the CPU has them, else the GEMM it falls back to).
     from pagellm.kernels.linear import LinearImpl, cpu_linear_kernels
     from pagellm.kernels.linear_choice import NUM_BUCKETS, LinearPlan
     from pagellm.model.linear import apply_linear

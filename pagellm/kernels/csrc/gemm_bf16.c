@@ -78,7 +78,7 @@ static inline void transpose_16x16(__m512i r[16]) {
 /* Pack columns [col, col + 16 * vectors) of W (rows of W beyond n read as zero) into
  * panel[p * vectors * 16 + v * 16 + l] = pair p of W row col + 16 v + l. An odd k's last
  * pair has a zero second half. */
-static void pack_panel(const uint16_t *w, int64_t n, int64_t k, int64_t col, int vectors, uint32_t *panel) {
+void pack_panel(const uint16_t *w, int64_t n, int64_t k, int64_t col, int vectors, uint32_t *panel) {
     const int64_t pairs = (k + 1) / 2;
     for (int v = 0; v < vectors; v++) {
         for (int64_t p0 = 0; p0 < pairs; p0 += 16) {

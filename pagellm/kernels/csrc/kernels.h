@@ -14,7 +14,7 @@
 
 /* Which of the kernels a linear layer takes (kernels/linear_choice.py measures them):
  * LINEAR_BY_ROWS picks by the row count with the constants here and in quant_linear.c. */
-enum { LINEAR_BY_ROWS = 0, LINEAR_STREAMING = 1, LINEAR_GEMM = 2 };
+enum { LINEAR_BY_ROWS = 0, LINEAR_STREAMING = 1, LINEAR_GEMM = 2, LINEAR_AMX = 4 }; /* 3: oneDNN, in Python */
 
 /* The outputs of the linear layers are bf16 or float32 (out_f32): float32 where the value
  * goes on in float32 (the residual stream, rotary, activations, logits). */
@@ -47,6 +47,16 @@ void small_linear_bf16_part(const uint16_t *x, int64_t x_stride, const uint16_t 
 /* gemm_bf16.c: the same for tens of rows and more (weights repacked into register tiles). */
 void gemm_bf16_part(const uint16_t *x, int64_t x_stride, const uint16_t *w, const uint16_t *bias,
                     void *out, int64_t out_stride, int out_f32, int64_t m, int64_t n, int64_t k, int t, int nt);
+
+/* gemm_bf16.c: columns [col, col + 16 * vectors) of W [n, k] bf16 as pairs,
+ * panel[(p * vectors + v) * 16 + l] = pair p of W row col + 16 v + l (rows past n zero). */
+void pack_panel(const uint16_t *w, int64_t n, int64_t k, int64_t col, int vectors, uint32_t *panel);
+
+/* gemm_amx.c: the same as gemm_bf16_part on AMX tiles, where the CPU has them and the
+ * process was granted tile state (amx_supported); returns 0 when it could not run. */
+int amx_supported(void);
+int gemm_amx_part(const uint16_t *x, int64_t x_stride, const uint16_t *w, const uint16_t *bias, void *out,
+                  int64_t out_stride, int out_f32, int64_t m, int64_t n, int64_t k, int t, int nt);
 
 /* quant_linear.c: thread t of nt's share of out = x W^T (+ bias) for any Weight (bf16 or
  * quantized parts), inside a region. */

@@ -29,7 +29,7 @@ void linear_bf16_part(const uint16_t *x, int64_t x_stride, const uint16_t *w, co
                       int t, int nt) {
     if (impl == LINEAR_STREAMING || (impl == LINEAR_BY_ROWS && m <= STREAMING_MAX_ROWS))
         small_linear_bf16_part(x, x_stride, w, bias, out, out_stride, out_f32, m, n, k, t, nt);
-    else
+    else if (impl != LINEAR_AMX || !gemm_amx_part(x, x_stride, w, bias, out, out_stride, out_f32, m, n, k, t, nt))
         gemm_bf16_part(x, x_stride, w, bias, out, out_stride, out_f32, m, n, k, t, nt);
 }
 

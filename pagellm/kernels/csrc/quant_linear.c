@@ -557,7 +557,8 @@ static void dequantize_part_rows(const WeightPart *p, int64_t row0, int64_t coun
 /* Thread t of nt's share for m > STREAMING_MAX_ROWS: a panel of W's rows at a time is
  * dequantized into this thread's buffer (kept within L2) and multiplied by the bf16 GEMM. */
 static void quant_gemm_part(const uint16_t *x, int64_t x_stride, const WeightPart *p, const uint16_t *bias,
-                            void *out, int64_t out_stride, int out_f32, int64_t m, int64_t k, int t, int nt) {
+                            void *out, int64_t out_stride, int out_f32, int64_t m, int64_t k, int impl, int t,
+                            int nt) {
     int64_t begin, end;
     thread_share(p->rows, 16, t, nt, &begin, &end);
     const int64_t panel = k <= 2048 ? 64 : (k <= 4096 ? 32 : 16);
@@ -576,6 +577,10 @@ static void quant_gemm_part(const uint16_t *x, int64_t x_stride, const WeightPar
                 _mm_prefetch(from + offset, _MM_HINT_T1);
         }
         void *panel_out = out_at(out, n, out_f32);
+        const uint16_t *panel_bias = bias ? bias + n : NULL;
+        if (impl == LINEAR_AMX && gemm_amx_part(x, x_stride, buffer, panel_bias, panel_out, out_stride, out_f32, m,
+                                                count, k, 0, 1))
+            continue;
         if (m <= STREAMING_MAX_ROWS) /* few rows: the panel streams from L2 */
             small_linear_bf16_part(x, x_stride, buffer, bias ? bias + n : NULL, panel_out, out_stride, out_f32, m,
                                    count, k, 0, 1);
@@ -604,7 +609,7 @@ void linear_weight_part(const uint16_t *x, int64_t x_stride, const Weight *w, co
         else if (stream)
             quant_stream_part(x, x_stride, p, part_bias, part_out, out_stride, out_f32, m, k, t, nt);
         else
-            quant_gemm_part(x, x_stride, p, part_bias, part_out, out_stride, out_f32, m, k, t, nt);
+            quant_gemm_part(x, x_stride, p, part_bias, part_out, out_stride, out_f32, m, k, impl, t, nt);
         offset += p->rows;
     }
 #else
