@@ -9,9 +9,9 @@ without a mask, since every row's K/V is stored before any row attends.
 
 At a few tokens per step the layer's arithmetic is tiny and PyTorch's per-operation
 dispatch (norms, rotary, splits, activations, residual adds) costs as much as streaming
-the weights; the native layer does the same computation, rounding to bf16 where the
-PyTorch path stores bf16, with the weight-streaming linear kernel and the paged decode
-attention kernel. The residual stream is float32 (csrc/layer_rows.h). Each linear takes
+the weights; the native layer does the same computation with the native linear kernels
+and the paged decode attention kernel, keeping the residual stream and the linear
+outputs in float32 (only matmul inputs and the KV cache are bf16, csrc/layer_rows.h). Each linear takes
 its measured native kernel for the step's rows (kernels/linear_choice.py); a step whose
 rows some linear layer is measured faster on oneDNN for goes to native_layers.py, which
 can call it. Used for bf16 models on CPUs with AVX-512 BF16; other steps, dtypes and
@@ -79,6 +79,13 @@ def _longest_query(metadata: AttentionMetadata) -> int:
     return max(starts[r + 1] - starts[r] for r in range(metadata.num_reqs))
 
 
+def _layer_impls(layer: torch.nn.Module, rows: int) -> tuple[int, int, int, int] | None:
+    """The native kernels of a layer's four linears at `rows` rows (None: one is oneDNN)."""
+    linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+    impls = [LinearImpl.BY_ROWS if linear.plan is None else linear.plan.choose(rows) for linear in linears]
+    return tuple(int(impl) for impl in impls) if all(impl.native for impl in impls) else None
+
+
 def _ptr(tensor: torch.Tensor | None) -> int | None:
     return None if tensor is None else tensor.data_ptr()
 
@@ -120,13 +127,13 @@ class FusedDecode:
             scratch(config.hidden_size, f32), scratch(2 * config.intermediate_size, f32),
             scratch(config.intermediate_size), scratch(2 * kv_size),
         ]  # fmt: skip
-        # The measured choice per row count (the same for every layer: they share shapes).
-        first = model.layers[0]
-        linears = (first.self_attn.qkv_proj, first.self_attn.o_proj, first.mlp.gate_up_proj, first.mlp.down_proj)
-        self._impls: list[tuple[int, int, int, int] | None] = [None]
+        # Each layer's measured choice per row count (layers of a GGUF may store different
+        # types); a row count where some linear of some layer is planned on oneDNN is not
+        # taken (None).
+        self._impls: list[list[tuple[int, int, int, int]] | None] = [None]
         for rows in range(1, MAX_ROWS + 1):
-            impls = [LinearImpl.BY_ROWS if lin.plan is None else lin.plan.choose(rows) for lin in linears]
-            self._impls.append(tuple(int(i) for i in impls) if all(i.native for i in impls) else None)
+            per_layer = [_layer_impls(layer, rows) for layer in model.layers]
+            self._impls.append(None if any(impls is None for impls in per_layer) else per_layer)
         self._attention_workspace = torch.empty(0, dtype=torch.float32)
         self._rotary = model.rotary
 
@@ -181,7 +188,6 @@ class FusedDecode:
             self._attention_workspace = torch.empty(2 * needed, dtype=torch.float32)
         shape.block_size = kv_caches[0].shape[2]
         shape.cache_type = ELEMENT_TYPES[kv_caches[0].dtype]
-        shape.linear_impl = self._impls[m]
         tables = metadata.block_tables
         inputs = _StepInputs(
             m, positions.data_ptr(), metadata.slot_mapping.data_ptr(), tables.data_ptr(), tables.stride(0),
@@ -192,7 +198,8 @@ class FusedDecode:
         hidden = hidden.to(torch.float32).contiguous()
         hidden_ptr = hidden.data_ptr()
         shape_ref, inputs_ref, scratch_ref = ctypes.byref(shape), ctypes.byref(inputs), ctypes.byref(scratch)
-        for weights, cache in zip(self._layers, kv_caches, strict=True):
+        for weights, cache, impls in zip(self._layers, kv_caches, self._impls[m], strict=True):
+            shape.linear_impl = impls
             self._run_layer(
                 hidden_ptr, ctypes.byref(weights), cache[0].data_ptr(), cache[1].data_ptr(),
                 shape_ref, inputs_ref, scratch_ref,
