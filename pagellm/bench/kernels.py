@@ -33,10 +33,9 @@ def run_bench_kernels(args: argparse.Namespace) -> None:
     from pagellm.bench.machine import cpu_info
     from pagellm.errors import ConfigError
     from pagellm.kernels import cpu_features
-    from pagellm.kernels.linear_choice import NUM_BUCKETS, TIMED_ROWS, LinearPlan, bucket_label
+    from pagellm.kernels.linear_choice import TIMED_ROWS, bucket_label
     from pagellm.metrics.ceilings import device_ceilings
-    from pagellm.model.linear import CpuLinear, apply_linear
-    from pagellm.model.linear_plans import seconds_per_call
+    from pagellm.model.linear_plans import candidate_timer
 
     llm = LLM(args.model, dtype="bfloat16", device="cpu", max_model_len=1024, disable_log_stats=True)
     model = llm.engine.runner.model
@@ -45,21 +44,14 @@ def run_bench_kernels(args: argparse.Namespace) -> None:
     ceilings = device_ceilings("cpu", torch.bfloat16)
     kernel = model.cpu_linear_kernels
     rows_out: list[dict[str, Any]] = []
-    generator = torch.Generator().manual_seed(0)
+    time_candidate = candidate_timer(model.linear_groups, kernel)  # what the load-time choice timed
     with torch.inference_mode():
         for group in model.linear_groups:
             module = group.module
             weight_bytes = module.packed.nbytes if module.packed is not None else module.weight.numel() * 2
-            bias = module.bias if isinstance(module, CpuLinear) else None
             plan = model.linear_choice.plans[group.shape.key]
             for bucket, rows in enumerate(TIMED_ROWS):
-                x = torch.randn(rows, group.shape.k, generator=generator).to(torch.bfloat16)
-                times = {}
-                for impl in group.shape.candidates:
-                    forced = LinearPlan((impl,) * NUM_BUCKETS)
-                    times[impl] = seconds_per_call(
-                        lambda: apply_linear(x, module.weight, module.packed, bias, kernel, forced, torch.float32)
-                    )
+                times = {impl: time_candidate(group.shape, rows, impl) for impl in group.shape.candidates}
                 fastest = min(times.values())
                 chosen = plan.choices[bucket]
                 flops = 2.0 * rows * group.shape.n * group.shape.k

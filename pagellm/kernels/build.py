@@ -22,6 +22,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from pagellm.kernels import cpu_features
+
 logger = logging.getLogger(__name__)
 
 _SOURCES = ("paged_decode.c", "paged_decode_bf16.c", "small_linear.c", "gemm_bf16.c", "gemm_amx.c", "linear_bf16.c", "quant_linear.c", "decode_layer.c", "layer_ops.c", "token_masks.c")
@@ -43,18 +45,6 @@ def _cache_dir() -> Path:
 def kernel_cache_dir() -> Path:
     """Where the compiled kernels and the measured kernel choices are kept."""
     return _cache_dir()
-
-
-def _cpu_signature() -> str:
-    """-march=native code is only valid on the CPU it was built for."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as info:
-            for line in info:
-                if line.startswith(("flags", "Features")):
-                    return line
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _compiler() -> str | None:
@@ -90,7 +80,7 @@ def load_kernels() -> ctypes.CDLL | None:
     sources = [Path(__file__).with_name("csrc") / name for name in _SOURCES]
     digest = hashlib.sha256()
     flags = " ".join(_COMPILE_FLAGS + _LINK_FLAGS)
-    for part in (compiler, flags, _cpu_signature(), platform.python_implementation()):
+    for part in (compiler, flags, cpu_features.cpu_signature(), platform.python_implementation()):  # -march=native code runs only there
         digest.update(part.encode())
     for source in sources + [Path(__file__).with_name("csrc") / name for name in _HEADERS]:
         digest.update(source.read_bytes())

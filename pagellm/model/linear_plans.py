@@ -84,19 +84,31 @@ def seconds_per_call(run: Callable[[], object]) -> float:
     return best
 
 
-def _timer(groups: list[LinearGroup], kernel: CpuLinearKernels) -> Callable[[LinearShape, int, LinearImpl], float]:
+def candidate_timer(
+    groups: list[LinearGroup], kernel: CpuLinearKernels
+) -> Callable[[LinearShape, int, LinearImpl], float]:
+    """Seconds per call of one candidate on a group's timed layer at `rows` random rows
+    (float32 output, as the native layers ask for)."""
     by_key = {g.shape.key: g.module for g in groups}
     generator = torch.Generator().manual_seed(0)
 
-    def time_candidate(shape: LinearShape, rows: int, impl: LinearImpl) -> float:
+    def run(shape: LinearShape, x: torch.Tensor, impl: LinearImpl) -> Callable[[], torch.Tensor]:
         module = by_key[shape.key]
-        x = torch.randn(rows, shape.k, generator=generator).to(torch.bfloat16)
         bias = module.bias if isinstance(module, CpuLinear) else None
         plan = LinearPlan((impl,) * NUM_BUCKETS)
-        return seconds_per_call(
-            lambda: apply_linear(x, module.weight, module.packed, bias, kernel, plan, torch.float32)
-        )
+        return lambda: apply_linear(x, module.weight, module.packed, bias, kernel, plan, torch.float32)
 
+    def time_candidate(shape: LinearShape, rows: int, impl: LinearImpl) -> float:
+        return seconds_per_call(run(shape, torch.randn(rows, shape.k, generator=generator).to(torch.bfloat16), impl))
+
+    # The first calls of a process pay once for the kernels' thread pool and per-thread
+    # buffers (measured: 250 ms, then milliseconds for a few calls): not the first timed
+    # candidate's cost.
+    for group in groups:
+        x = torch.zeros(1, group.shape.k, dtype=torch.bfloat16)
+        for impl in group.shape.candidates:
+            for _ in range(3):
+                run(group.shape, x, impl)()
     return time_candidate
 
 
@@ -117,7 +129,7 @@ def attach_linear_plans(model: torch.nn.Module, kernel: CpuLinearKernels) -> Lin
     groups = linear_groups(model, kernel.native_impls())
     signature = choice_signature(kernel.num_threads)
     with torch.inference_mode():
-        choice = resolve_choice([g.shape for g in groups], _timer(groups, kernel), signature, kernel_cache_dir())
+        choice = resolve_choice([g.shape for g in groups], candidate_timer(groups, kernel), signature, kernel_cache_dir())
     head = model.lm_head_module()
     for group in groups:
         plan = choice.plans[group.shape.key]
