@@ -44,8 +44,8 @@ TIE_TOLERANCE = 0.03
 # precision of the default path is worth a few percent of one layer (oneDNN rounds its
 # outputs to bf16; benchmarks/precision.py measures what that costs).
 PRECISION_TOLERANCE = 0.10
-# A candidate that is this many times slower than the fastest, and losing more than in
-# the bucket before, is not timed in larger buckets (the streaming kernel at prefill sizes).
+# A candidate this many times slower than the fastest in two buckets in a row is not timed
+# in larger buckets (the streaming kernel at prefill sizes).
 PRUNE_RATIO = 4.0
 FORCE_VARIABLE = "PAGELLM_LINEAR_KERNEL"
 BUDGET_VARIABLE = "PAGELLM_KERNEL_CHOICE_SECONDS"
@@ -194,17 +194,17 @@ def measure_choice(shapes: Sequence[LinearShape], timer: Timer, budget_seconds: 
 
 
 def _prune_falling_behind(times: BucketTimes, previous: BucketTimes, pruned: set[LinearImpl]) -> None:
-    valid = [t for t in times.values() if t is not None]
-    if not valid:
-        return
-    best = min(valid)
-    previous_valid = [t for t in previous.values() if t is not None]
-    for impl, t in times.items():
-        if t is None or t < PRUNE_RATIO * best:
-            continue
-        before = previous.get(impl)
-        if before is not None and previous_valid and t / best > before / min(previous_valid):
+    """Stop timing a candidate PRUNE_RATIO behind the fastest in this bucket and the one
+    before: one slow bucket (a timing spike on a shared machine) prunes nothing."""
+    for impl in times:
+        if _behind(times, impl) and _behind(previous, impl):
             pruned.add(impl)
+
+
+def _behind(times: BucketTimes, impl: LinearImpl) -> bool:
+    valid = [t for t in times.values() if t is not None]
+    t = times.get(impl)
+    return t is not None and bool(valid) and t >= PRUNE_RATIO * min(valid)
 
 
 def forced_choice(shapes: Sequence[LinearShape], impl: LinearImpl) -> LinearChoice:
