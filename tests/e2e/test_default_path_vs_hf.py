@@ -14,6 +14,7 @@ import pytest
 from hf_models import load_hf_reference
 
 import default_path as dp
+from conftest import KERNEL_ISA_LEVELS
 from pagellm.kernels.decode_layer import MAX_ROWS
 
 NUM_LAYERS = dp.DEFAULT_PATH_SHAPE["num_hidden_layers"]
@@ -80,6 +81,21 @@ def test_each_forced_linear_kernel_agrees_with_hf_float32(model, runs, name, ker
         assert any(rows > MAX_ROWS for rows in run.paths.native_layers_decode)
     result = dp.teacher_forced(reference, run.completions)
     dp.check_against_reference(result, NUM_LAYERS, f"{name} ({kernel})")
+    dp.check_same_schedule(run, runs(name, "float32"))
+
+
+@pytest.mark.skipif(len(KERNEL_ISA_LEVELS) < 2, reason="the host runs no kernel build below its default one")
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_avx2_build_agrees_with_hf_float32(model, runs, name, monkeypatch):
+    # What an AVX2-only CPU runs (float32 arithmetic on bf16 inputs, linear_f32.c, and the
+    # generic attention loop), under every scheduling regime, on a host that has more.
+    _, reference = model
+    folder, _ = model
+    monkeypatch.setenv("PAGELLM_KERNEL_ISA", KERNEL_ISA_LEVELS[0])
+    run = dp.run_scenario(folder, SCENARIOS[name], "bfloat16")
+    dp.check_native_paths(run)
+    result = dp.teacher_forced(reference, run.completions)
+    dp.check_against_reference(result, NUM_LAYERS, f"{name} ({KERNEL_ISA_LEVELS[0]})")
     dp.check_same_schedule(run, runs(name, "float32"))
 
 

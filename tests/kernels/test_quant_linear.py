@@ -1,5 +1,6 @@
-"""The quantized linear kernels (csrc/quant_linear.c) against the gguf package's own
-dequantization followed by a float64 matmul, for every type the kernels know.
+"""The quantized linear kernels (csrc/quant_linear.c, and linear_f32.c in the builds without
+AVX-512 BF16) against the gguf package's own dequantization followed by a float64 matmul,
+for every type the kernels know, in every kernel build the host CPU executes (kernel_isa).
 
 Tolerance. The kernels read x in bf16 (exact here: x is drawn as bf16) and accumulate in
 float32; the result is rounded once to bf16, a relative error of at most 2^-9 of |y|.
@@ -19,7 +20,7 @@ from quant_blocks import QUANT_TYPES, packed, random_blocks, reference_weight
 from pagellm.kernels.weights import PackedWeight, WeightPart, WeightType, kernels_support, quantize_int8_rows
 
 pytestmark = pytest.mark.skipif(
-    not kernels_support(WeightType.Q4_0), reason="quantized kernels need AVX-512 BF16 and a C compiler"
+    not kernels_support(WeightType.Q4_0), reason="quantized kernels need x86-64 with AVX2 and a C compiler"
 )
 BOUND = 2.0**-8
 
@@ -36,7 +37,7 @@ def _check(y: torch.Tensor, x: torch.Tensor, w: np.ndarray, bias: np.ndarray | N
 @pytest.mark.parametrize("weight_type", QUANT_TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 16, 17, 64])
 @pytest.mark.parametrize("odd", [False, True], ids=["even", "odd"])
-def test_linear_matches_gguf_dequantization(weight_type, rows, odd):
+def test_linear_matches_gguf_dequantization(weight_type, rows, odd, kernel_isa):
     # odd: 33 groups of 32 (the row-packed types pad a pair), or 3 K-quant super-blocks.
     k = (1056 if weight_type.block_elements == 32 else 768) if odd else 512
     rng = np.random.default_rng(int(weight_type) * 100 + rows)
@@ -49,7 +50,7 @@ def test_linear_matches_gguf_dequantization(weight_type, rows, odd):
 
 @pytest.mark.parametrize("weight_type", QUANT_TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("scale", [6e-8, 1e-4, 30.0, 3000.0], ids=["subnormal", "tiny", "large", "huge"])
-def test_extreme_scales(weight_type, scale):
+def test_extreme_scales(weight_type, scale, kernel_isa):
     """fp16 scales from subnormal to thousands: the products stay within float32."""
     rng = np.random.default_rng(7)
     k, n = 256, 24
@@ -61,7 +62,7 @@ def test_extreme_scales(weight_type, scale):
 
 
 @pytest.mark.parametrize("weight_type", QUANT_TYPES, ids=lambda t: t.name)
-def test_dequantize_and_gather_match_gguf(weight_type):
+def test_dequantize_and_gather_match_gguf(weight_type, kernel_isa):
     rng = np.random.default_rng(3)
     k, n = 512, 33
     data = random_blocks(weight_type, n, k, rng)
@@ -74,7 +75,7 @@ def test_dequantize_and_gather_match_gguf(weight_type):
     assert torch.equal(weight.gather(ids), weight.dequantize()[ids])
 
 
-def test_int8_rows_and_strided_x():
+def test_int8_rows_and_strided_x(kernel_isa):
     rng = np.random.default_rng(1)
     w = torch.from_numpy(rng.standard_normal((70, 192)).astype(np.float32))
     part = quantize_int8_rows(w)
@@ -88,7 +89,7 @@ def test_int8_rows_and_strided_x():
         _check(weight.linear(x, None, 2), x, q.numpy())
 
 
-def test_parts_of_different_types_with_bias():
+def test_parts_of_different_types_with_bias(kernel_isa):
     """A fused qkv whose q, k and v are stored in different types, plus a bias."""
     rng = np.random.default_rng(11)
     k = 512
@@ -106,7 +107,7 @@ def test_parts_of_different_types_with_bias():
     assert weight.nbytes == sum(b.nbytes for b in blocks) + bf16_rows.numel() * 2
 
 
-def test_nan_in_x_propagates():
+def test_nan_in_x_propagates(kernel_isa):
     rng = np.random.default_rng(2)
     data = random_blocks(WeightType.Q4_0, 16, 256, rng)
     weight = PackedWeight([WeightPart(WeightType.Q4_0, packed(WeightType.Q4_0, data, 256))], 256)
@@ -122,7 +123,7 @@ BUCKET_EDGE_ROWS = [1, 2, 4, 5, 8, 9, 16, 17, 32, 33, 64, 65, 256, 257]
 
 @pytest.mark.parametrize("impl", ["streaming", "gemm", "amx", "onednn"])
 @pytest.mark.parametrize("weight_type", [*QUANT_TYPES, WeightType.I8_ROW, WeightType.BF16], ids=lambda t: t.name)
-def test_every_implementation_at_every_bucket_edge(weight_type, impl):
+def test_every_implementation_at_every_bucket_edge(weight_type, impl, kernel_isa):
     # Every path the measured choice may take on some CPU, for every stored type, at every
     # row count where the choice may switch, with bf16 and float32 outputs (amx: AMX tiles
     # where the CPU has them, else the GEMM it falls back to).

@@ -18,6 +18,7 @@
  * Linux gives a process AMX tile state only when asked (arch_prctl ARCH_REQ_XCOMP_PERM):
  * amx_supported() asks once; each thread loads the tile configuration per call.
  */
+#define _GNU_SOURCE /* syscall() */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -61,15 +62,6 @@ static _Thread_local uint32_t *amx_panel;
 static _Thread_local size_t amx_panel_capacity;
 static _Thread_local uint16_t *amx_rows;
 static _Thread_local size_t amx_rows_capacity;
-
-static void *grow_buffer(void **buffer, size_t *capacity, size_t bytes) {
-    if (bytes > *capacity) {
-        free(*buffer);
-        *buffer = aligned_alloc(64, (bytes + 63) / 64 * 64);
-        *capacity = *buffer ? bytes : 0;
-    }
-    return *buffer;
-}
 
 /* 16 rows x (16 * vectors) columns of the accumulators, with bias, into out. */
 static void store_tiles(const float *acc, int rows, int64_t width, const uint16_t *bias, void *out,

@@ -4,8 +4,15 @@
 #define PAGELLM_KERNELS_H
 
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "weights.h"
+
+/* The builds without AVX-512 BF16 (build.py's avx2 and avx512 levels) compute the linear
+ * layers in float32 (linear_f32.c); the others with bf16 dot products (quant_linear.c). */
+#if !defined(__AVX512BF16__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define PAGELLM_FLOAT32_LINEARS 1
+#endif
 
 /* Up to this many rows the linear layers stream their weights (small_linear.c), above it
  * they take gemm_bf16.c (measured crossover: a SmolLM2 step's linears at 16 rows 10.1 vs
@@ -33,6 +40,17 @@ static inline void thread_share(int64_t total, int64_t unit, int t, int nt, int6
     *end = unit * (first + count) < total ? unit * (first + count) : total;
 }
 
+/* A per-thread scratch buffer of at least `bytes`, grown as needed and kept (the callers'
+ * buffers are _Thread_local, and OpenMP reuses its threads). */
+static inline void *grow_buffer(void **buffer, size_t *capacity, size_t bytes) {
+    if (bytes > *capacity) {
+        free(*buffer);
+        *buffer = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        *capacity = *buffer ? bytes : 0;
+    }
+    return *buffer;
+}
+
 /* linear_bf16.c: thread t of nt's share of out = x w^T (+ bias), bf16, inside a region;
  * the row count picks the kernel below. */
 void linear_bf16_part(const uint16_t *x, int64_t x_stride, const uint16_t *w, const uint16_t *bias,
@@ -58,7 +76,11 @@ int amx_supported(void);
 int gemm_amx_part(const uint16_t *x, int64_t x_stride, const uint16_t *w, const uint16_t *bias, void *out,
                   int64_t out_stride, int out_f32, int64_t m, int64_t n, int64_t k, int t, int nt);
 
-/* quant_linear.c: thread t of nt's share of out = x W^T (+ bias) for any Weight (bf16 or
+/* quant_linear.c: the bytes of one stored row of k weights of a type (-1: not a type the
+ * kernels read). */
+int64_t weight_row_bytes(int type, int64_t k);
+
+/* quant_linear.c (linear_f32.c in the float32 builds): thread t of nt's share of out = x W^T (+ bias) for any Weight (bf16 or
  * quantized parts), inside a region. */
 void linear_weight_part(const uint16_t *x, int64_t x_stride, const Weight *w, const uint16_t *bias, void *out,
                         int64_t out_stride, int out_f32, int64_t m, int64_t k, int impl, int t, int nt);

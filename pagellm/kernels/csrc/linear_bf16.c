@@ -18,7 +18,7 @@
 #include "float_mode.h"
 #include "kernels.h"
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) || defined(PAGELLM_FLOAT32_LINEARS)
 int linear_bf16_supported(void) { return 1; }
 #else
 int linear_bf16_supported(void) { return 0; }

@@ -31,9 +31,9 @@
 
 #include "bf16.h"
 #include "kernels.h"
+#include "quant_groups.h"
 #include "weights.h"
 
-#define GROUP 32
 #define STREAM_ROWS 8 /* rows of x per pass over a weight row */
 /* Weight rows read ahead, whole, while streaming (a 1B-sized Q4_0 layer at one row:
  * 0.220 ms against 0.232-0.245 without; 1, 4 and 8 rows ahead within noise of 2). */
@@ -43,20 +43,6 @@
  * SmolLM2's Q4_1 layers, all 30 layers' linears, one thread: 8 rows 16.5 vs 19.4 ms,
  * 16 rows 33.1 vs 25.0 ms). */
 #define QUANT_STREAMING_MAX_ROWS 8
-
-static inline float half_to_float(const uint8_t *p) {
-    uint16_t bits;
-    memcpy(&bits, p, 2);
-    return _cvtsh_ss(bits);
-}
-
-/* Q4_0 and Q4_1 rows are repacked at load (kernels/weights.py, pack_rows): the nibbles of
- * groups 2p and 2p + 1 share 32 bytes (group 2p in the low nibbles, in element order, 2p + 1
- * in the high ones), followed by the row's fp16 scales d[groups] (and, Q4_1, mins
- * m[groups]); an odd group count is padded with a zero group. Q8_0 rows are the int8
- * values of all groups followed by d[groups]. The same bytes as the file's blocks, laid
- * out so that a 32-byte load feeds two groups and the scales of 16 groups convert at once. */
-static inline int64_t padded_groups(int64_t k) { return (k / 32 + 1) / 2 * 2; }
 
 /* Elements per quantization block and its bytes. */
 static inline int64_t block_elements(int type) {
@@ -77,36 +63,12 @@ int64_t weight_row_bytes(int type, int64_t k) {
     }
 }
 
-int quant_type_supported(int type) {
+/* The rest of this file is the AVX-512 BF16 builds' kernels; the others take linear_f32.c's. */
 #if defined(__AVX512BF16__)
-    return weight_row_bytes(type, 256) > 0 && type != WEIGHT_BF16;
-#else
-    (void)type;
-    return 0;
-#endif
-}
-
-#if defined(__AVX512BF16__)
-
-/* The scale and offset of a group: w = scale * u + min for its first 16 elements (lo) and
- * its last 16 (hi). */
-typedef struct {
-    float scale_lo, scale_hi, min_lo, min_hi;
-} GroupScale;
+int quant_type_supported(int type) { return weight_row_bytes(type, 256) > 0 && type != WEIGHT_BF16; }
 
 /* Whether group_words gives 128 + u (unsigned types) rather than u itself (signed ones). */
 static inline int words_shifted(int type) { return type != WEIGHT_I8_ROW; }
-
-/* 6-bit scale and min j of a Q4_K / Q5_K super-block (GGML's packing of 12 bytes). */
-static inline void k_scale_min(const uint8_t *s, int j, int *scale, int *min) {
-    if (j < 4) {
-        *scale = s[j] & 63;
-        *min = s[j + 4] & 63;
-    } else {
-        *scale = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
-        *min = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-    }
-}
 
 static inline __m512i unsigned_words(__m256i bytes) {
     return _mm512_or_si512(_mm512_cvtepu8_epi16(bytes), _mm512_set1_epi16(0x4300));
@@ -125,51 +87,13 @@ static inline __m512i signed_words(const int8_t *q) {
  * kernel keeps one branch. */
 static inline __attribute__((always_inline)) __m512i group_words(int type, const uint8_t *row, int64_t g,
                                                                  int64_t k, float row_scale, GroupScale *gs) {
-    const __m256i low4 = _mm256_set1_epi8(0x0F);
-    switch (type) {
-    case WEIGHT_I8_ROW:
+    (void)k;
+    if (type == WEIGHT_I8_ROW) {
         gs->scale_lo = gs->scale_hi = row_scale;
         gs->min_lo = gs->min_hi = 0.0f;
         return signed_words((const int8_t *)(row + g * 32));
-    case WEIGHT_Q4_K:
-    case WEIGHT_Q5_K: {
-        const int64_t sub = g & 7;
-        const uint8_t *block = row + (g >> 3) * (type == WEIGHT_Q4_K ? 144 : 176);
-        int sc, mn;
-        k_scale_min(block + 4, (int)sub, &sc, &mn);
-        const float scale = half_to_float(block) * (float)sc;
-        const float min = -half_to_float(block + 2) * (float)mn;
-        const uint8_t *qs = block + (type == WEIGHT_Q4_K ? 16 : 48) + 32 * (sub >> 1);
-        __m256i packed = _mm256_loadu_si256((const __m256i *)qs);
-        __m256i u = _mm256_and_si256((sub & 1) ? _mm256_srli_epi16(packed, 4) : packed, low4);
-        if (type == WEIGHT_Q5_K) {
-            __m256i high = _mm256_loadu_si256((const __m256i *)(block + 16));
-            high = _mm256_and_si256(_mm256_srl_epi16(high, _mm_cvtsi64_si128(sub)), _mm256_set1_epi8(1));
-            u = _mm256_or_si256(u, _mm256_slli_epi16(high, 4));
-        }
-        gs->scale_lo = gs->scale_hi = scale;
-        gs->min_lo = gs->min_hi = min;
-        return unsigned_words(u);
     }
-    case WEIGHT_Q6_K:
-    default: {
-        const int64_t sub = g & 7, half = sub >> 2, i = sub & 3;
-        const uint8_t *block = row + (g >> 3) * 210;
-        const uint8_t *ql = block + 64 * half, *qh = block + 128 + 32 * half;
-        const int8_t *scales = (const int8_t *)(block + 192) + 8 * half;
-        const float d = half_to_float(block + 208);
-        __m256i packed = _mm256_loadu_si256((const __m256i *)(ql + 32 * (i & 1)));
-        __m256i u = _mm256_and_si256(i >= 2 ? _mm256_srli_epi16(packed, 4) : packed, low4);
-        __m256i high = _mm256_loadu_si256((const __m256i *)qh);
-        high = _mm256_and_si256(_mm256_srl_epi16(high, _mm_cvtsi64_si128(2 * i)), _mm256_set1_epi8(3));
-        u = _mm256_or_si256(u, _mm256_slli_epi16(high, 4));
-        gs->scale_lo = d * (float)scales[2 * i];
-        gs->scale_hi = d * (float)scales[2 * i + 1];
-        gs->min_lo = -32.0f * gs->scale_lo; /* u - 32 */
-        gs->min_hi = -32.0f * gs->scale_hi;
-        return unsigned_words(u);
-    }
-    }
+    return unsigned_words(k_group_bytes(type, row, g, gs));
 }
 
 /* What sum_i x_i of a half group contributes: w = scale * (128 + u) + min - 128 * scale. */
@@ -186,19 +110,6 @@ static _Thread_local float *sums_buffer;
 static _Thread_local size_t sums_capacity;
 static _Thread_local uint16_t *panel_buffer;
 static _Thread_local size_t panel_capacity;
-
-static void *grow(void **buffer, size_t *capacity, size_t bytes) {
-    if (bytes > *capacity) {
-        free(*buffer);
-        *buffer = aligned_alloc(64, (bytes + 63) / 64 * 64);
-        *capacity = *buffer ? bytes : 0;
-    }
-    return *buffer;
-}
-
-static inline int is_row_packed(int type) {
-    return type == WEIGHT_Q4_0 || type == WEIGHT_Q4_1 || type == WEIGHT_Q8_0;
-}
 
 /* sums[r * (k / span) + j] = sum of x[r, span j .. span (j + 1)) in float32, span 16 or 32. */
 static void column_sums(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, int span, float *sums) {
@@ -438,10 +349,10 @@ static void quant_stream_part(const uint16_t *x, int64_t x_stride, const WeightP
     /* Sums of x over 32 columns for the row-packed types, over 16 for the others. */
     const int span = is_row_packed(p->type) ? 32 : 16;
     const int64_t sums_stride = k / span;
-    float *sums = grow((void **)&sums_buffer, &sums_capacity, sizeof(float) * (size_t)(m * sums_stride));
+    float *sums = grow_buffer((void **)&sums_buffer, &sums_capacity, sizeof(float) * (size_t)(m * sums_stride));
     column_sums(x, x_stride, m, k, span, sums);
     if (p->type == WEIGHT_Q4_0 || p->type == WEIGHT_Q4_1) {
-        uint16_t *permuted = grow((void **)&permuted_buffer, &permuted_capacity, sizeof(uint16_t) * (size_t)(m * k));
+        uint16_t *permuted = grow_buffer((void **)&permuted_buffer, &permuted_capacity, sizeof(uint16_t) * (size_t)(m * k));
         permute_x_for_q4(x, x_stride, m, k, permuted);
         x = permuted;
         x_stride = k;
@@ -562,7 +473,7 @@ static void quant_gemm_part(const uint16_t *x, int64_t x_stride, const WeightPar
     int64_t begin, end;
     thread_share(p->rows, 16, t, nt, &begin, &end);
     const int64_t panel = k <= 2048 ? 64 : (k <= 4096 ? 32 : 16);
-    uint16_t *buffer = grow((void **)&panel_buffer, &panel_capacity, sizeof(uint16_t) * (size_t)(panel * k));
+    uint16_t *buffer = grow_buffer((void **)&panel_buffer, &panel_capacity, sizeof(uint16_t) * (size_t)(panel * k));
     for (int64_t n = begin; n < end; n += panel) {
         const int64_t count = end - n < panel ? end - n : panel;
         dequantize_part_rows(p, n, count, k, buffer);
@@ -589,14 +500,11 @@ static void quant_gemm_part(const uint16_t *x, int64_t x_stride, const WeightPar
                            0, 1);
     }
 }
-#endif
-
 /* Thread t of nt's share of out = x W^T (+ bias) for any Weight, inside a parallel region;
  * impl (kernels.h LINEAR_*) names the streaming or the panel/GEMM kernels, or leaves them
  * to the row count. */
 void linear_weight_part(const uint16_t *x, int64_t x_stride, const Weight *w, const uint16_t *bias, void *out,
                         int64_t out_stride, int out_f32, int64_t m, int64_t k, int impl, int t, int nt) {
-#if defined(__AVX512BF16__)
     int64_t offset = 0;
     for (int i = 0; i < w->num_parts; i++) {
         const WeightPart *p = &w->parts[i];
@@ -612,27 +520,16 @@ void linear_weight_part(const uint16_t *x, int64_t x_stride, const Weight *w, co
             quant_gemm_part(x, x_stride, p, part_bias, part_out, out_stride, out_f32, m, k, impl, t, nt);
         offset += p->rows;
     }
-#else
-    (void)x; (void)x_stride; (void)w; (void)bias; (void)out; (void)out_stride; (void)out_f32; (void)m; (void)k;
-    (void)impl; (void)t; (void)nt;
-#endif
 }
 
 /* Rows [row0, row0 + count) of one part as bf16 [count, k] (the embedding lookup, tests,
  * and the PyTorch fallback). */
 void dequantize_rows_bf16(const WeightPart *p, int64_t row0, int64_t count, int64_t k, uint16_t *out) {
-#if defined(__AVX512BF16__)
     dequantize_part_rows(p, row0, count, k, out);
-#else
-    (void)p; (void)row0; (void)count; (void)k; (void)out;
-#endif
 }
 
 /* Gathered rows ids[0 .. count) of one part as bf16 [count, k] (embedding lookup). */
 void gather_rows_bf16(const WeightPart *p, const int64_t *ids, int64_t count, int64_t k, uint16_t *out) {
-#if defined(__AVX512BF16__)
     for (int64_t i = 0; i < count; i++) dequantize_part_rows(p, ids[i], 1, k, out + i * k);
-#else
-    (void)p; (void)ids; (void)count; (void)k; (void)out;
-#endif
 }
+#endif

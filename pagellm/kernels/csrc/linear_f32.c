@@ -1,0 +1,351 @@
+/* Kernels, CPU: y = x W^T (+ b) computed in float32, for the builds without AVX-512 BF16
+ * (build.py's levels avx2 and avx512: Haswell to Ice Lake, Zen 1 to 3).
+ *
+ * The same entry points as quant_linear.c (linear_weight_part, the dequantization), the
+ * same weight formats, read as they are stored (quant_groups.h): a GGUF file stays
+ * quantized in memory on these CPUs too. What differs is the arithmetic. Without a bf16
+ * dot-product instruction, each group of 32 weights is dequantized in registers to
+ * float32 (w = scale * u + min, one fused multiply-add) and multiplied into float32
+ * activations (x, bf16 in memory, converted once per call) with fused multiply-adds;
+ * float32 accumulation, one rounding at the end (none for a float32 output).
+ *
+ * Two loops, as on the other builds (kernels/linear_choice.py measures which is faster
+ * at each row count; LINEAR_BY_ROWS takes the constant below):
+ * - streaming, up to F32_STREAMING_MAX_ROWS rows: each weight row is read once and
+ *   multiplied into up to 8 rows of x while its groups are in registers;
+ * - GEMM (LINEAR_GEMM, and LINEAR_AMX, which this build does not have): a panel of W's
+ *   rows is dequantized to float32 in a per-thread buffer that stays in L2, and 4 x 3
+ *   blocks of dot products (12 accumulators) are computed from it.
+ *
+ * The intrinsics are AVX2 + FMA + F16C; the avx512 build compiles the same code and lets
+ * the compiler use the wider registers where it vectorizes on its own.
+ */
+#include <stdint.h>
+#include <string.h>
+#include <immintrin.h>
+
+#include "bf16.h"
+#include "kernels.h"
+#include "quant_groups.h"
+#include "weights.h"
+
+#if !defined(__AVX512BF16__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+
+#define F32_STREAM_ROWS 8
+/* Up to this many rows the streaming loop is the default (the rule when no measured choice
+ * is attached): above, a row of W would be decoded again for every 8 rows of x. */
+#define F32_STREAMING_MAX_ROWS 8
+/* Weight rows read ahead, whole, while streaming (as quant_linear.c). */
+#define PREFETCH_ROWS 2
+
+static _Thread_local float *x_buffer;
+static _Thread_local size_t x_capacity;
+static _Thread_local float *panel_buffer;
+static _Thread_local size_t panel_capacity;
+
+static inline __m256 bf16x8_to_float(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+/* Eight floats rounded to bf16 (to nearest even, as float_to_bf16; the values are finite). */
+static inline __m128i float_to_bf16x8(__m256 v) {
+    const __m256i bits = _mm256_castps_si256(v);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7fff)), odd), 16);
+    return _mm_packus_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1));
+}
+
+static inline float sum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* The mask that loads the first `count` (0..8) of eight floats. */
+static inline __m256i first_lanes(int64_t count) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)count), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+/* x [m, k] bf16 (row stride x_stride) as float32 [m, k]. */
+static void x_to_float(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, float *out) {
+    for (int64_t r = 0; r < m; r++) {
+        const uint16_t *src = x + r * x_stride;
+        float *dst = out + r * k;
+        int64_t i = 0;
+        for (; i + 8 <= k; i += 8) _mm256_storeu_ps(dst + i, bf16x8_to_float(src + i));
+        for (; i < k; i++) dst[i] = bf16_to_float(src[i]);
+    }
+}
+
+/* 32 integers as bytes (signed or not) -> four vectors of eight floats, in order. */
+static inline __attribute__((always_inline)) void bytes_to_floats(__m256i bytes, int is_signed, __m256 f[4]) {
+    const __m128i lo = _mm256_castsi256_si128(bytes), hi = _mm256_extracti128_si256(bytes, 1);
+    const __m128i quarters[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+    for (int j = 0; j < 4; j++)
+        f[j] = _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(quarters[j]) : _mm256_cvtepu8_epi32(quarters[j]));
+}
+
+/* Group g (32 weights along k) of a quantized row as four vectors of float32 weights.
+ * `type` is a constant where this is inlined, so each kernel keeps one branch. */
+static inline __attribute__((always_inline)) void group_floats(int type, const uint8_t *row, int64_t g, int64_t k,
+                                                               float row_scale, __m256 w[4]) {
+    GroupScale gs;
+    __m256i bytes;
+    int is_signed = 0;
+    if (type == WEIGHT_Q4_0 || type == WEIGHT_Q4_1) {
+        const int64_t stored = padded_groups(k);
+        const __m256i packed = _mm256_loadu_si256((const __m256i *)(row + 32 * (g >> 1)));
+        bytes = _mm256_and_si256((g & 1) ? _mm256_srli_epi16(packed, 4) : packed, _mm256_set1_epi8(0x0F));
+        const uint8_t *d_half = row + stored * 16;
+        gs.scale_lo = gs.scale_hi = half_to_float(d_half + 2 * g);
+        gs.min_lo = gs.min_hi = type == WEIGHT_Q4_1 ? half_to_float(d_half + 2 * stored + 2 * g) : -8.0f * gs.scale_lo;
+    } else if (type == WEIGHT_Q8_0 || type == WEIGHT_I8_ROW) {
+        bytes = _mm256_loadu_si256((const __m256i *)(row + 32 * g));
+        is_signed = 1;
+        gs.scale_lo = gs.scale_hi = type == WEIGHT_Q8_0 ? half_to_float(row + k + 2 * g) : row_scale;
+        gs.min_lo = gs.min_hi = 0.0f;
+    } else {
+        bytes = k_group_bytes(type, row, g, &gs);
+    }
+    __m256 f[4];
+    bytes_to_floats(bytes, is_signed, f);
+    const __m256 scale_lo = _mm256_set1_ps(gs.scale_lo), scale_hi = _mm256_set1_ps(gs.scale_hi);
+    const __m256 min_lo = _mm256_set1_ps(gs.min_lo), min_hi = _mm256_set1_ps(gs.min_hi);
+    w[0] = _mm256_fmadd_ps(f[0], scale_lo, min_lo);
+    w[1] = _mm256_fmadd_ps(f[1], scale_lo, min_lo);
+    w[2] = _mm256_fmadd_ps(f[2], scale_hi, min_hi);
+    w[3] = _mm256_fmadd_ps(f[3], scale_hi, min_hi);
+}
+
+/* One quantized weight row against M (<= 8) rows of float x [M, k]: result[r] = x[r] . w.
+ * Two accumulators per row, so that one row of x still has two independent chains. */
+static inline __attribute__((always_inline)) void stream_row(int type, int M, const float *x, int64_t k,
+                                                             const uint8_t *row, float row_scale, float *result) {
+    __m256 acc0[F32_STREAM_ROWS], acc1[F32_STREAM_ROWS];
+    for (int r = 0; r < M; r++) acc0[r] = acc1[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < k / GROUP; g++) {
+        __m256 w[4];
+        group_floats(type, row, g, k, row_scale, w);
+        for (int r = 0; r < M; r++) {
+            const float *xg = x + r * k + g * GROUP;
+            acc0[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xg), w[0], acc0[r]);
+            acc1[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xg + 8), w[1], acc1[r]);
+            acc0[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xg + 16), w[2], acc0[r]);
+            acc1[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xg + 24), w[3], acc1[r]);
+        }
+    }
+    for (int r = 0; r < M; r++) result[r] = sum8(_mm256_add_ps(acc0[r], acc1[r]));
+}
+
+/* The same for a bf16 weight row (any k: the last k % 8 columns are a masked load). */
+static inline __attribute__((always_inline)) void stream_bf16_row(int M, const float *x, int64_t k,
+                                                                  const uint16_t *w, float *result) {
+    __m256 acc0[F32_STREAM_ROWS], acc1[F32_STREAM_ROWS];
+    for (int r = 0; r < M; r++) acc0[r] = acc1[r] = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= k; i += 16) {
+        const __m256 w0 = bf16x8_to_float(w + i), w1 = bf16x8_to_float(w + i + 8);
+        for (int r = 0; r < M; r++) {
+            acc0[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * k + i), w0, acc0[r]);
+            acc1[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * k + i + 8), w1, acc1[r]);
+        }
+    }
+    for (; i < k; i += 8) {
+        const __m256i mask = first_lanes(k - i);
+        uint16_t tail[8] = {0};
+        memcpy(tail, w + i, sizeof(uint16_t) * (size_t)(k - i < 8 ? k - i : 8));
+        const __m256 wv = bf16x8_to_float(tail);
+        for (int r = 0; r < M; r++) acc0[r] = _mm256_fmadd_ps(_mm256_maskload_ps(x + r * k + i, mask), wv, acc0[r]);
+    }
+    for (int r = 0; r < M; r++) result[r] = sum8(_mm256_add_ps(acc0[r], acc1[r]));
+}
+
+typedef void (*stream_fn)(const float *x, int64_t k, const uint8_t *row, float row_scale, float *result);
+
+#define STREAM_FN(NAME, TYPE, M)                                                                                 \
+    static __attribute__((noinline)) void NAME##_##M(const float *x, int64_t k, const uint8_t *row, float row_scale, \
+                                                     float *result) {                                            \
+        if (TYPE == WEIGHT_BF16) {                                                                               \
+            (void)row_scale;                                                                                     \
+            stream_bf16_row(M, x, k, (const uint16_t *)row, result);                                             \
+        } else {                                                                                                 \
+            stream_row(TYPE, M, x, k, row, row_scale, result);                                                   \
+        }                                                                                                        \
+    }
+#define STREAM_KERNELS(NAME, TYPE)                                                                               \
+    STREAM_FN(NAME, TYPE, 1) STREAM_FN(NAME, TYPE, 2) STREAM_FN(NAME, TYPE, 3) STREAM_FN(NAME, TYPE, 4)            \
+    STREAM_FN(NAME, TYPE, 5) STREAM_FN(NAME, TYPE, 6) STREAM_FN(NAME, TYPE, 7) STREAM_FN(NAME, TYPE, 8)            \
+    static const stream_fn NAME[F32_STREAM_ROWS + 1] = {0, NAME##_1, NAME##_2, NAME##_3, NAME##_4,                \
+                                                        NAME##_5, NAME##_6, NAME##_7, NAME##_8};
+
+STREAM_KERNELS(stream_q4_0, WEIGHT_Q4_0)
+STREAM_KERNELS(stream_q4_1, WEIGHT_Q4_1)
+STREAM_KERNELS(stream_q8_0, WEIGHT_Q8_0)
+STREAM_KERNELS(stream_q4_k, WEIGHT_Q4_K)
+STREAM_KERNELS(stream_q5_k, WEIGHT_Q5_K)
+STREAM_KERNELS(stream_q6_k, WEIGHT_Q6_K)
+STREAM_KERNELS(stream_i8_row, WEIGHT_I8_ROW)
+STREAM_KERNELS(stream_bf16, WEIGHT_BF16)
+
+static const stream_fn *stream_kernels(int type) {
+    switch (type) {
+    case WEIGHT_Q4_0: return stream_q4_0;
+    case WEIGHT_Q4_1: return stream_q4_1;
+    case WEIGHT_Q8_0: return stream_q8_0;
+    case WEIGHT_Q4_K: return stream_q4_k;
+    case WEIGHT_Q5_K: return stream_q5_k;
+    case WEIGHT_Q6_K: return stream_q6_k;
+    case WEIGHT_I8_ROW: return stream_i8_row;
+    default: return stream_bf16;
+    }
+}
+
+/* Thread t of nt's share of one part's output columns [begin, end), streaming. */
+static void stream_part(const float *x, const WeightPart *p, const uint16_t *bias, void *out, int64_t out_stride,
+                        int out_f32, int64_t m, int64_t k, int64_t begin, int64_t end) {
+    const stream_fn *kernels = stream_kernels(p->type);
+    float result[F32_STREAM_ROWS];
+    for (int64_t n = begin; n < end; n++) {
+        const uint8_t *row = p->data + n * p->row_bytes;
+        if (n + PREFETCH_ROWS < end) { /* the whole row a few rows ahead, not just its first line */
+            const char *ahead = (const char *)(row + PREFETCH_ROWS * p->row_bytes);
+            for (int64_t offset = 0; offset < p->row_bytes; offset += 64) _mm_prefetch(ahead + offset, _MM_HINT_T0);
+        }
+        const float row_scale = p->row_scales ? p->row_scales[n] : 1.0f;
+        const float b = bias ? bf16_to_float(bias[n]) : 0.0f;
+        for (int64_t first = 0; first < m; first += F32_STREAM_ROWS) {
+            const int rows = m - first < F32_STREAM_ROWS ? (int)(m - first) : F32_STREAM_ROWS;
+            kernels[rows](x + first * k, k, row, row_scale, result);
+            for (int r = 0; r < rows; r++) store_float(out, (first + r) * out_stride + n, result[r] + b, out_f32);
+        }
+    }
+}
+
+/* Rows [row0, row0 + count) of a part as float32 [count, k]. */
+static void dequantize_float(const WeightPart *p, int64_t row0, int64_t count, int64_t k, float *out) {
+    for (int64_t n = 0; n < count; n++) {
+        const uint8_t *row = p->data + (row0 + n) * p->row_bytes;
+        float *dst = out + n * k;
+        if (p->type == WEIGHT_BF16) {
+            x_to_float((const uint16_t *)row, 0, 1, k, dst);
+            continue;
+        }
+        const float row_scale = p->row_scales ? p->row_scales[row0 + n] : 1.0f;
+        for (int64_t g = 0; g < k / GROUP; g++) {
+            __m256 w[4];
+            switch (p->type) { /* one inlined decoder per type */
+            case WEIGHT_Q4_0: group_floats(WEIGHT_Q4_0, row, g, k, row_scale, w); break;
+            case WEIGHT_Q4_1: group_floats(WEIGHT_Q4_1, row, g, k, row_scale, w); break;
+            case WEIGHT_Q8_0: group_floats(WEIGHT_Q8_0, row, g, k, row_scale, w); break;
+            case WEIGHT_Q4_K: group_floats(WEIGHT_Q4_K, row, g, k, row_scale, w); break;
+            case WEIGHT_Q5_K: group_floats(WEIGHT_Q5_K, row, g, k, row_scale, w); break;
+            case WEIGHT_Q6_K: group_floats(WEIGHT_Q6_K, row, g, k, row_scale, w); break;
+            default: group_floats(WEIGHT_I8_ROW, row, g, k, row_scale, w); break;
+            }
+            for (int j = 0; j < 4; j++) _mm256_storeu_ps(dst + g * GROUP + 8 * j, w[j]);
+        }
+    }
+}
+
+/* out[r][c] = x[r] . w[c] for 4 rows of x and 3 rows of w, all of length k (float32). */
+static void dot_block_4x3(const float *const x[4], const float *const w[3], int64_t k, float out[4][3]) {
+    __m256 acc[4][3];
+    for (int r = 0; r < 4; r++)
+        for (int c = 0; c < 3; c++) acc[r][c] = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= k; i += 8) {
+        const __m256 w0 = _mm256_loadu_ps(w[0] + i), w1 = _mm256_loadu_ps(w[1] + i), w2 = _mm256_loadu_ps(w[2] + i);
+        for (int r = 0; r < 4; r++) {
+            const __m256 xr = _mm256_loadu_ps(x[r] + i);
+            acc[r][0] = _mm256_fmadd_ps(xr, w0, acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(xr, w1, acc[r][1]);
+            acc[r][2] = _mm256_fmadd_ps(xr, w2, acc[r][2]);
+        }
+    }
+    if (i < k) {
+        const __m256i mask = first_lanes(k - i);
+        const __m256 w0 = _mm256_maskload_ps(w[0] + i, mask), w1 = _mm256_maskload_ps(w[1] + i, mask);
+        const __m256 w2 = _mm256_maskload_ps(w[2] + i, mask);
+        for (int r = 0; r < 4; r++) {
+            const __m256 xr = _mm256_maskload_ps(x[r] + i, mask);
+            acc[r][0] = _mm256_fmadd_ps(xr, w0, acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(xr, w1, acc[r][1]);
+            acc[r][2] = _mm256_fmadd_ps(xr, w2, acc[r][2]);
+        }
+    }
+    for (int r = 0; r < 4; r++)
+        for (int c = 0; c < 3; c++) out[r][c] = sum8(acc[r][c]);
+}
+
+/* Thread t of nt's share [begin, end) of one part's columns, a dequantized panel at a time. */
+static void gemm_part(const float *x, const WeightPart *p, const uint16_t *bias, void *out, int64_t out_stride,
+                      int out_f32, int64_t m, int64_t k, int64_t begin, int64_t end) {
+    /* A panel of about 192 KB: it stays in L2 while every block of 4 rows of x passes it. */
+    int64_t panel = (192 * 1024 / 4) / k;
+    panel = panel < 3 ? 3 : (panel > 96 ? 96 : panel / 3 * 3);
+    float *buffer = grow_buffer((void **)&panel_buffer, &panel_capacity, sizeof(float) * (size_t)(panel * k));
+    float block[4][3];
+    for (int64_t n0 = begin; n0 < end; n0 += panel) {
+        const int64_t count = end - n0 < panel ? end - n0 : panel;
+        dequantize_float(p, n0, count, k, buffer);
+        for (int64_t r0 = 0; r0 < m; r0 += 4) {
+            const int rows = m - r0 < 4 ? (int)(m - r0) : 4;
+            const float *xs[4];
+            for (int r = 0; r < 4; r++) xs[r] = x + (r0 + (r < rows ? r : rows - 1)) * k; /* short blocks repeat a row */
+            for (int64_t c0 = 0; c0 < count; c0 += 3) {
+                const int cols = count - c0 < 3 ? (int)(count - c0) : 3;
+                const float *ws[3];
+                for (int c = 0; c < 3; c++) ws[c] = buffer + (c0 + (c < cols ? c : cols - 1)) * k;
+                dot_block_4x3(xs, ws, k, block);
+                for (int r = 0; r < rows; r++)
+                    for (int c = 0; c < cols; c++) {
+                        const int64_t n = n0 + c0 + c;
+                        store_float(out, (r0 + r) * out_stride + n, block[r][c] + (bias ? bf16_to_float(bias[n]) : 0.0f),
+                                    out_f32);
+                    }
+            }
+        }
+    }
+}
+
+void linear_weight_part(const uint16_t *x, int64_t x_stride, const Weight *w, const uint16_t *bias, void *out,
+                        int64_t out_stride, int out_f32, int64_t m, int64_t k, int impl, int t, int nt) {
+    float *xf = grow_buffer((void **)&x_buffer, &x_capacity, sizeof(float) * (size_t)(m * k));
+    x_to_float(x, x_stride, m, k, xf);
+    const int stream = impl == LINEAR_STREAMING || (impl == LINEAR_BY_ROWS && m <= F32_STREAMING_MAX_ROWS);
+    int64_t offset = 0;
+    for (int i = 0; i < w->num_parts; i++) {
+        const WeightPart *p = &w->parts[i];
+        int64_t begin, end;
+        thread_share(p->rows, 16, t, nt, &begin, &end);
+        if (begin < end) {
+            const uint16_t *part_bias = bias ? bias + offset : NULL;
+            void *part_out = out_at(out, offset, out_f32);
+            if (stream)
+                stream_part(xf, p, part_bias, part_out, out_stride, out_f32, m, k, begin, end);
+            else
+                gemm_part(xf, p, part_bias, part_out, out_stride, out_f32, m, k, begin, end);
+        }
+        offset += p->rows;
+    }
+}
+
+int quant_type_supported(int type) { return weight_row_bytes(type, 256) > 0 && type != WEIGHT_BF16; }
+
+void dequantize_rows_bf16(const WeightPart *p, int64_t row0, int64_t count, int64_t k, uint16_t *out) {
+    if (p->type == WEIGHT_BF16) {
+        memcpy(out, p->data + row0 * p->row_bytes, (size_t)(count * k * 2));
+        return;
+    }
+    float *row = grow_buffer((void **)&panel_buffer, &panel_capacity, sizeof(float) * (size_t)k);
+    for (int64_t n = 0; n < count; n++) {
+        dequantize_float(p, row0 + n, 1, k, row);
+        for (int64_t i = 0; i < k; i += 8) _mm_storeu_si128((__m128i *)(out + n * k + i), float_to_bf16x8(_mm256_loadu_ps(row + i)));
+    }
+}
+
+void gather_rows_bf16(const WeightPart *p, const int64_t *ids, int64_t count, int64_t k, uint16_t *out) {
+    for (int64_t i = 0; i < count; i++) dequantize_rows_bf16(p, ids[i], 1, k, out + i * k);
+}
+#endif
