@@ -1,7 +1,7 @@
 """The default path (bfloat16 through the native CPU kernels) judged against HF float32.
 
 The test suite pins float32 (tests/conftest.py), the path that must equal HF transformers
-token for token. What users get by default on a CPU with AVX-512 BF16 is bfloat16 through
+token for token. What users get by default on an x86-64 CPU (AVX2 and up) is bfloat16 through
 pagellm/kernels/ (the bf16 linear kernels, the one-call decode layer for decode steps of
 <= fused_decode.MAX_ROWS requests, the native layer ops for every other step). bf16 cannot
 reproduce float32's tokens exactly, so it is judged the way a lower precision can be:
@@ -62,7 +62,7 @@ MIN_TOP1_AGREEMENT = 0.97
 
 
 def native_bf16_kernels_available() -> bool:
-    """Whether this machine runs the default CPU path (AVX-512 BF16 and a C compiler)."""
+    """Whether this machine runs the default CPU path (x86-64 with AVX2, and a C compiler)."""
     from pagellm.kernels.linear import cpu_linear_kernels
 
     return cpu_linear_kernels() is not None

@@ -40,7 +40,7 @@ def run_bench_kernels(args: argparse.Namespace) -> None:
     llm = LLM(args.model, dtype="bfloat16", device="cpu", max_model_len=1024, disable_log_stats=True)
     model = llm.engine.runner.model
     if model.linear_choice is None:
-        raise ConfigError("this machine has no native bf16 kernels (AVX-512 BF16 and a C compiler): nothing to choose")
+        raise ConfigError("this machine has no native kernels (they need x86-64 with AVX2 and a C compiler): nothing to choose")
     ceilings = device_ceilings("cpu", torch.bfloat16)
     kernel = model.cpu_linear_kernels
     rows_out: list[dict[str, Any]] = []

@@ -36,7 +36,7 @@ _CHOICES = {
 }
 _HELP = {
     "model": "GGUF file or HF checkpoint folder (default: embedded SmolLM2-135M-Instruct)",
-    "dtype": "weights and activations; auto = bfloat16 on GPU and on CPUs with native bf16 (AVX-512 BF16, AMX), else float32",
+    "dtype": "weights and activations; auto = bfloat16 on GPU and on CPUs that run the native kernels (x86-64 with AVX2 and a C compiler), else float32",
     "load_format": "auto = weights from the checkpoint; dummy = random weights of its shapes, made on the "
     "device (benchmarks)",
     "attention_backend": "auto = triton on GPU, the compiled kernel on CPU; torch = the reference path",

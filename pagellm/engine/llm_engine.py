@@ -75,21 +75,21 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU computes bfloat16 natively (AVX-512 BF16 or AMX)."""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return bool(flags & {"avx512_bf16", "amx_bf16"})
-    except OSError:
-        pass
-    return False
+def cpu_runs_native_kernels() -> bool:
+    """Whether pagellm's C kernels run bf16 models on this CPU (x86-64 with AVX2 and a C
+    compiler; kernels/build.py picks the build by CPUID)."""
+    from pagellm.kernels.linear import cpu_linear_kernels
+
+    return cpu_linear_kernels() is not None
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """"auto": bfloat16 on GPUs and on CPUs with native bf16, else float32.
+    """"auto": bfloat16 on GPUs and on CPUs where the native kernels run, else float32.
+
+    On CPU bf16 is what the kernels read (a GGUF stays quantized only there); they compute in
+    bf16 where the CPU has AVX-512 BF16 or AMX and in float32 on bf16 inputs on AVX2, and
+    bf16 is faster on both (docs/performance.md: on the AVX2 build 3.9x float32 single
+    stream).
 
     PAGELLM_CPU_DTYPE=float32 pins the CPU choice (the tests do: float32 is the
     exactness reference against HF transformers).
@@ -103,7 +103,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
         if forced not in _DTYPES:
             raise ConfigError(f"PAGELLM_CPU_DTYPE must be one of {sorted(_DTYPES)}, got {forced!r}")
         return _DTYPES[forced]
-    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+    return torch.bfloat16 if cpu_runs_native_kernels() else torch.float32
 
 
 def resolve_max_model_len(args: EngineArgs, model_config: ModelConfig) -> int:

@@ -1,13 +1,15 @@
 """Kernels, CPU: what this processor is and which instruction sets the kernels use on it.
 
-The native kernels are compiled for the machine they run on (kernels/build.py); oneDNN,
-under torch's F.linear, dispatches at run time and uses AMX tiles for bf16 where the CPU
-has them. Both are named in the startup log, the kernel benchmark and /metrics.
+The native kernels are compiled once per instruction-set level and the level is chosen at
+run time by CPUID (kernels/build.py); oneDNN, under torch's F.linear, dispatches at run
+time too and uses AMX tiles for bf16 where the CPU has them. Both are named in the startup
+log, the kernel benchmark and /metrics.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import platform
 
 # The instruction sets that decide which kernels can run, highest first.
@@ -48,12 +50,11 @@ def cpu_signature() -> str:
 
 
 def native_isa() -> str:
-    """The highest level the native kernels are built for here (-march=native)."""
-    flags = _cpuinfo()[1]
-    for level in ("avx512_bf16", "avx512f", "avx2"):
-        if level in flags:
-            return level
-    return "baseline"
+    """The build of the native kernels that runs here (kernels/build.py ISA_LEVELS), or "none"."""
+    from pagellm.kernels.build import selected_isa_level
+
+    level = selected_isa_level()
+    return level.name if level is not None else "none"
 
 
 def onednn_isa() -> str:
@@ -61,7 +62,9 @@ def onednn_isa() -> str:
     import torch
 
     capability = torch.backends.cpu.get_cpu_capability()
-    return f"{capability} + AMX-BF16" if "amx_bf16" in _cpuinfo()[1] else capability
+    limit = os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper()  # oneDNN's own cap, as users set it
+    amx = "amx_bf16" in _cpuinfo()[1] and (limit == "ALL" or "AMX" in limit)
+    return f"{capability} + AMX-BF16" if amx else capability
 
 
 def describe_isa() -> str:

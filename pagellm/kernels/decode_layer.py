@@ -14,7 +14,7 @@ and the paged decode attention kernel, keeping the residual stream and the linea
 outputs in float32 (only matmul inputs and the KV cache are bf16, csrc/layer_rows.h). Each linear takes
 its measured native kernel for the step's rows (kernels/linear_choice.py); a step whose
 rows some linear layer is measured faster on oneDNN for goes to native_layers.py, which
-can call it. Used for bf16 models on CPUs with AVX-512 BF16; other steps, dtypes and
+can call it. Used for bf16 models on x86-64 CPUs (AVX2 and up); other steps, dtypes and
 devices take the PyTorch path.
 """
 

@@ -1,16 +1,20 @@
-"""Kernels, CPU bf16: bindings of the linear layers' native kernels, on CPUs with AVX-512 BF16.
+"""Kernels, CPU bf16: bindings of the linear layers' native kernels (x86-64 CPUs with AVX2 and up).
 
 Three implementations can compute a bf16 linear layer here, and which is fastest depends
 on the CPU and the number of rows, so kernels/linear_choice.py measures them on the
 machine at hand:
-- STREAMING (csrc/small_linear.c, quant_linear.c's streaming loops): reads each weight row
-  once and multiplies every activation row into it; decode steps of few rows are bound by
-  reading the weight;
+- STREAMING (csrc/small_linear.c, quant_linear.c's streaming loops; linear_f32.c's in the
+  builds without AVX-512 BF16): reads each weight row once and multiplies every activation
+  row into it; decode steps of few rows are bound by reading the weight;
 - GEMM (csrc/gemm_bf16.c): repacks the weight a panel at a time (quantized weights are
-  dequantized into the panel) and computes 6 x 64 register tiles;
+  dequantized into the panel) and computes 6 x 64 register tiles (linear_f32.c: float32
+  panels, 4 x 3 blocks of dot products);
 - AMX (csrc/gemm_amx.c, CPUs with AMX-BF16): the GEMM's panels multiplied on AMX tiles;
-- ONEDNN: torch's F.linear, oneDNN underneath (AMX on CPUs that have it, AVX-512 elsewhere);
-  a quantized weight is dequantized into a scratch buffer for the call.
+- ONEDNN: torch's F.linear in bf16, oneDNN underneath (AMX on CPUs that have it, AVX-512
+  BF16 elsewhere; without either, torch's bf16 matmul is a scalar loop and loses); a
+  quantized weight is dequantized into a scratch buffer for the call;
+- ONEDNN_F32: the same in float32 (x widened, the weight widened or dequantized into a
+  float32 scratch buffer): where the CPU has no bf16 arithmetic, oneDNN's float32 GEMM.
 The native kernels can write float32 outputs (the residual stream, logits); oneDNN gives
 bf16. float32 models, other devices and autograd take torch's F.linear.
 """
@@ -33,6 +37,7 @@ class LinearImpl(enum.IntEnum):
     GEMM = 2
     ONEDNN = 3
     AMX = 4
+    ONEDNN_F32 = 5
 
     @property
     def label(self) -> str:
@@ -40,7 +45,7 @@ class LinearImpl(enum.IntEnum):
 
     @property
     def native(self) -> bool:
-        return self is not LinearImpl.ONEDNN
+        return self not in (LinearImpl.ONEDNN, LinearImpl.ONEDNN_F32)
 
 
 class CpuLinearKernels:
@@ -97,7 +102,7 @@ class CpuLinearKernels:
 
 
 def cpu_linear_kernels() -> CpuLinearKernels | None:
-    """The kernels where this machine can run them (AVX-512 BF16 and a C compiler)."""
+    """The kernels where this machine can run them (x86-64 with AVX2, and a C compiler)."""
     library = load_kernels()
     if library is None or not library.linear_bf16_supported():
         return None

@@ -9,7 +9,7 @@ of the bucket and the fastest kept. The measurement is bounded (`DEFAULT_BUDGET_
 buckets not reached take the last measured bucket's choice and are marked so), and the
 result is cached on disk, keyed by everything it depends on: the CPU, the thread count,
 the torch version, the compiled kernels, the shapes. PAGELLM_LINEAR_KERNEL=streaming|gemm|
-amx|onednn forces one implementation everywhere (tests, and repeatable runs; amx where the
+amx|onednn|onednn-f32 forces one implementation everywhere (tests, and repeatable runs; amx where the
 CPU has it, else the GEMM).
 """
 
@@ -145,10 +145,10 @@ def forced_impl() -> LinearImpl | None:
     value = os.environ.get(FORCE_VARIABLE, "").strip().lower()
     if value in ("", "auto"):
         return None
-    for impl in (LinearImpl.STREAMING, LinearImpl.GEMM, LinearImpl.AMX, LinearImpl.ONEDNN):
+    for impl in (LinearImpl.STREAMING, LinearImpl.GEMM, LinearImpl.AMX, LinearImpl.ONEDNN, LinearImpl.ONEDNN_F32):
         if impl.label == value:
             return impl
-    raise ConfigError(f"{FORCE_VARIABLE}={value!r}: expected auto, streaming, gemm, amx or onednn")
+    raise ConfigError(f"{FORCE_VARIABLE}={value!r}: expected auto, streaming, gemm, amx, onednn or onednn-f32")
 
 
 # A timer runs one shape at `rows` rows with `impl` and returns seconds per call (raising
@@ -173,6 +173,7 @@ def measure_choice(shapes: Sequence[LinearShape], timer: Timer, budget_seconds: 
                 unmeasured.setdefault(shape.key, []).append(bucket)
                 continue
             times: BucketTimes = {}
+            pruned[shape.key] |= _too_long_to_time(timings[shape.key], bucket, pruned[shape.key], deadline)
             for impl in shape.candidates:
                 if impl in pruned[shape.key]:
                     times[impl] = None
@@ -191,6 +192,26 @@ def measure_choice(shapes: Sequence[LinearShape], timer: Timer, budget_seconds: 
             choices[shape.key].append(chosen)
     plans = {key: LinearPlan(tuple(c)) for key, c in choices.items()}
     return LinearChoice(plans, timings, "measured", unmeasured, time.perf_counter() - start)
+
+
+def _too_long_to_time(
+    earlier: list[BucketTimes], bucket: int, pruned: set[LinearImpl], deadline: float
+) -> set[LinearImpl]:
+    """The candidates whose timing at this bucket (a few calls) would take more than the
+    budget left, predicted from their last timed bucket scaled by the rows; never the one
+    predicted fastest. A candidate with no fast path on this CPU (torch's bf16 matmul
+    without AVX-512 BF16 or AMX falls back to a scalar loop: seconds per call at prefill
+    sizes) must not hold the load up for minutes."""
+    predicted: dict[LinearImpl, float] = {}
+    for index in range(bucket - 1, -1, -1):
+        for impl, seconds in earlier[index].items():
+            if seconds is not None and impl not in pruned and impl not in predicted:
+                predicted[impl] = seconds * TIMED_ROWS[bucket] / TIMED_ROWS[index]
+    if not predicted:
+        return set()
+    fastest = min(predicted, key=predicted.__getitem__)
+    left = deadline - time.perf_counter()
+    return {impl for impl, seconds in predicted.items() if impl is not fastest and 4 * seconds > left}
 
 
 def _prune_falling_behind(times: BucketTimes, previous: BucketTimes, pruned: set[LinearImpl]) -> None:

@@ -43,11 +43,20 @@ def _best_rate(work: float, run: object, device: torch.device, seconds: float) -
 def measure_matmul_ceiling(
     dtype: torch.dtype = torch.float32, seconds: float = 1.5, size: int = 2048, device: str | torch.device = "cpu"
 ) -> float:
-    """Best GFLOP/s of large square matmuls in `dtype` on this device."""
+    """Best GFLOP/s of large square matmuls in `dtype` on this device (smaller ones where a
+    large one would take longer than `seconds`: bf16 on a CPU without bf16 hardware falls
+    back to a scalar loop, seconds per call)."""
     device = torch.device(device)
-    a = torch.randn(size, size, device=device).to(dtype)
-    b = torch.randn(size, size, device=device).to(dtype)
-    return _best_rate(2.0 * size**3, lambda: torch.mm(a, b), device, seconds) / 1e9
+
+    def rate(n: int, seconds: float) -> float:
+        a = torch.randn(n, n, device=device).to(dtype)
+        b = torch.randn(n, n, device=device).to(dtype)
+        return _best_rate(2.0 * n**3, lambda: torch.mm(a, b), device, seconds)
+
+    probe = min(size, 256)
+    if 2.0 * size**3 / rate(probe, 0.0) > seconds / 4:  # a large call would outlast the measurement
+        return rate(probe, seconds) / 1e9
+    return rate(size, seconds) / 1e9
 
 
 def measure_bandwidth(seconds: float = 0.3, megabytes: int = 256, device: str | torch.device = "cpu") -> float:
@@ -66,6 +75,10 @@ def device_ceilings(device: str, dtype: torch.dtype) -> Ceilings:
         flops, moved = (float(x) for x in override.split(","))
         return Ceilings(flops, moved, "PAGELLM_DEVICE_CEILINGS")
     flops = measure_matmul_ceiling(dtype, seconds=0.25, size=1024 if device == "cpu" else 4096, device=device) * 1e9
+    if device == "cpu" and dtype == torch.bfloat16:
+        # A bf16 CPU model may compute in float32 (the kernels' float32 builds, oneDNN in
+        # float32), which is the faster of the two on a CPU without bf16 arithmetic.
+        flops = max(flops, measure_matmul_ceiling(torch.float32, seconds=0.25, size=1024) * 1e9)
     moved = measure_bandwidth(seconds=0.15, megabytes=128 if device == "cpu" else 1024, device=device)
     logger.info(
         "device ceilings (measured): %.0f GFLOP/s %s matmul, %.1f GB/s memory copy",

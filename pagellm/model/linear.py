@@ -21,17 +21,23 @@ from pagellm.kernels.weights import PackedWeight, bf16_weight
 
 
 class _DequantizeScratch:
-    """One reused bf16 buffer for dequantizing a packed weight before a oneDNN call (a
-    layer's worth at a time, never a second copy of the model)."""
+    """Reused buffers for a weight before a oneDNN call: a packed weight dequantized to bf16,
+    any weight widened to float32 (a layer's worth at a time, never a second copy of the model)."""
 
     def __init__(self) -> None:
-        self._buffer = torch.empty(0, dtype=torch.bfloat16)
+        self._buffers = {torch.bfloat16: torch.empty(0, dtype=torch.bfloat16), torch.float32: torch.empty(0)}
+
+    def _buffer(self, dtype: torch.dtype, rows: int, cols: int) -> torch.Tensor:
+        if self._buffers[dtype].numel() < rows * cols:
+            self._buffers[dtype] = torch.empty(rows * cols, dtype=dtype)
+        return self._buffers[dtype][: rows * cols].view(rows, cols)
 
     def weight(self, packed: PackedWeight) -> torch.Tensor:  # [out_features, in_features] bf16
-        size = packed.out_features * packed.in_features
-        if self._buffer.numel() < size:
-            self._buffer = torch.empty(size, dtype=torch.bfloat16)
-        return packed.dequantize(self._buffer[:size].view(packed.out_features, packed.in_features))
+        return packed.dequantize(self._buffer(torch.bfloat16, packed.out_features, packed.in_features))
+
+    def float_weight(self, weight: torch.Tensor | None, packed: PackedWeight | None) -> torch.Tensor:
+        bf16 = weight if packed is None else self.weight(packed)
+        return self._buffer(torch.float32, *bf16.shape).copy_(bf16)
 
 
 _SCRATCH = _DequantizeScratch()
@@ -62,6 +68,9 @@ def apply_linear(
     impl = LinearImpl.BY_ROWS if plan is None else plan.choose(x.shape[0])
     if impl is LinearImpl.ONEDNN:
         return F.linear(x, weight if packed is None else _SCRATCH.weight(packed), bias).to(out_dtype)
+    if impl is LinearImpl.ONEDNN_F32:
+        bias = None if bias is None else bias.float()
+        return F.linear(x.float(), _SCRATCH.float_weight(weight, packed), bias).to(out_dtype)
     if packed is not None:
         return packed.linear(x, bias, kernel.num_threads, int(impl), out_dtype)
     return kernel(x, weight, bias, impl, out_dtype)

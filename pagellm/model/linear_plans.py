@@ -60,7 +60,7 @@ def linear_groups(model: torch.nn.Module, native: tuple[LinearImpl, ...]) -> lis
                          ("lm_head", head)]:  # fmt: skip
         n, k = (module.out_features, module.in_features) if isinstance(module, CpuLinear) else (
             module.num_embeddings, module.embedding_dim)  # fmt: skip
-        candidates = native if module is head else (*native, LinearImpl.ONEDNN)
+        candidates = native if module is head else (*native, LinearImpl.ONEDNN, LinearImpl.ONEDNN_F32)
         shape = LinearShape(n, k, _weight_types(module), candidates)
         members.setdefault(shape.key, []).append(name)
         firsts.setdefault(shape.key, (shape, module))

@@ -11,6 +11,7 @@ q/k/v biases, tied embeddings and rope settings, all carried by ModelConfig.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -22,6 +23,7 @@ from pagellm.attention.backend import AttentionBackend, AttentionMetadata
 from pagellm.errors import ModelLoadError
 from pagellm.model.config import ModelConfig
 from pagellm.model.layers import RMSNorm, RotaryEmbedding, apply_rotary
+from pagellm.kernels import step_paths
 from pagellm.kernels.linear import CpuLinearKernels
 from pagellm.kernels.weights import PackedWeight, WeightPart, WeightType, check_part
 from pagellm.kernels.linear_choice import LinearPlan
@@ -33,6 +35,7 @@ if TYPE_CHECKING:
     from pagellm.model.linear_plans import LinearGroup
     from pagellm.kernels.decode_layer import FusedDecode
     from pagellm.kernels.native_layers import NativeLayers
+    from pagellm.kernels.step_paths import StepPathChoice
 
 
 class LlamaAttention(nn.Module):
@@ -164,9 +167,19 @@ class LlamaForCausalLM(nn.Module):
             hidden = self.tp.all_reduce(vocab_parallel_embed(self.tp.layout, self.embed_tokens, input_ids))
         # The native paths keep the residual stream in float32; the final norm's output is
         # rounded to bf16 once, as the LM head's input.
-        if self.fused_decode is not None and self.fused_decode.applies(hidden, kv_caches, metadata):
+        fused = self.fused_decode is not None and self.fused_decode.applies(hidden, kv_caches, metadata)
+        layers = self.native_layers is not None and self.native_layers.applies(hidden, kv_caches)
+        if fused and layers and self.step_paths is not None:  # either path may run it: the measured one
+            rows = hidden.shape[0]
+            path = self.step_paths.path_for(rows)
+            runner = self.fused_decode if path == step_paths.FUSED else self.native_layers
+            start = time.perf_counter()
+            out = runner.run(hidden, positions, kv_caches, metadata)
+            self.step_paths.record(rows, path, time.perf_counter() - start)
+            return self.norm(out).to(hidden.dtype)
+        if fused:
             return self.norm(self.fused_decode.run(hidden, positions, kv_caches, metadata)).to(hidden.dtype)
-        if self.native_layers is not None and self.native_layers.applies(hidden, kv_caches):
+        if layers:
             return self.norm(self.native_layers.run(hidden, positions, kv_caches, metadata)).to(hidden.dtype)
         cos_sin = self.rotary.lookup(positions, hidden.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
@@ -179,6 +192,7 @@ class LlamaForCausalLM(nn.Module):
     linear_groups: list[LinearGroup] | None = None
     fused_decode: FusedDecode | None = None  # CPU bf16: decode steps of <= 20 requests in C
     native_layers: NativeLayers | None = None  # CPU bf16: other steps' elementwise stages in C
+    step_paths: StepPathChoice | None = None  # CPU bf16: which of the two runs a step both can (measured)
 
     def use_cpu_linear_kernels(self, kernel: CpuLinearKernels | None) -> None:
         """Route linear layers (and the LM head) with few rows through `kernel` (None: torch)."""

@@ -31,7 +31,7 @@ SCHEDULE_CHECKED = ("recompute_preemption", "swap_preemption", "prefix_caching")
 @pytest.fixture(scope="module", autouse=True)
 def _needs_native_bf16():
     if not dp.native_bf16_kernels_available():
-        pytest.skip("the quantized path needs the native CPU kernels (AVX-512 BF16 and a C compiler)")
+        pytest.skip("the quantized path needs the native CPU kernels (x86-64 with AVX2, and a C compiler)")
 
 
 @pytest.fixture(scope="module")

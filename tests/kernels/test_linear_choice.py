@@ -107,6 +107,25 @@ def test_one_slow_bucket_prunes_nothing():
     assert choice.plans[SHAPE.key].choose(4096) is O
 
 
+def test_a_candidate_too_slow_to_time_is_not_timed_at_larger_buckets():
+    # torch's bf16 matmul on an AVX2 CPU: a scalar loop, ~0.2 s per call at one row and
+    # linear in rows; timing it at 512 rows would take minutes. The budget (10 s) is never
+    # reached by the injected timings, only by the prediction.
+    timed: list[tuple[int, LinearImpl]] = []
+
+    def scalar_onednn(shape: lc.LinearShape, rows: int, impl: LinearImpl) -> float:
+        timed.append((rows, impl))
+        return 0.2 * rows if impl is O else 0.15 * rows  # never 4x behind: only the prediction cuts it
+
+    choice = lc.measure_choice([SHAPE], scalar_onednn, budget_seconds=10)
+    onednn_rows = [rows for rows, impl in timed if impl is O]
+    assert onednn_rows == [1, 3, 6, 12]  # at 24 rows, 4 calls of ~4.8 s would outlast the budget
+    assert all(times[O] is None for times in choice.timings[SHAPE.key][4:])
+    # The fastest candidate is always timed, however slow: a choice is made at every bucket.
+    assert [rows for rows, impl in timed if impl is S] == list(lc.TIMED_ROWS)
+    assert set(choice.plans[SHAPE.key].choices) == {S}
+
+
 def test_the_budget_leaves_large_buckets_with_the_last_choice():
     choice = lc.measure_choice([SHAPE, HEAD], amx_like, budget_seconds=0.0)
     for shape in (SHAPE, HEAD):

@@ -121,7 +121,7 @@ def test_nan_in_x_propagates(kernel_isa):
 BUCKET_EDGE_ROWS = [1, 2, 4, 5, 8, 9, 16, 17, 32, 33, 64, 65, 256, 257]
 
 
-@pytest.mark.parametrize("impl", ["streaming", "gemm", "amx", "onednn"])
+@pytest.mark.parametrize("impl", ["streaming", "gemm", "amx", "onednn", "onednn_f32"])
 @pytest.mark.parametrize("weight_type", [*QUANT_TYPES, WeightType.I8_ROW, WeightType.BF16], ids=lambda t: t.name)
 def test_every_implementation_at_every_bucket_edge(weight_type, impl, kernel_isa):
     # Every path the measured choice may take on some CPU, for every stored type, at every

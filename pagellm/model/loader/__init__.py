@@ -21,6 +21,7 @@ from pagellm.model.llama import LlamaForCausalLM
 from pagellm.model.tensor_parallel import TPGroup, TPLayout, shard_float
 from pagellm.kernels.build import load_kernels
 from pagellm.kernels.decode_layer import FusedDecode
+from pagellm.kernels.step_paths import StepPathChoice, forced_path
 from pagellm.kernels.native_layers import NativeLayers
 from pagellm.kernels.linear import cpu_linear_kernels
 from pagellm.model.linear_plans import attach_linear_plans
@@ -102,7 +103,7 @@ def load_model(
     this tensor-parallel rank's share of it.
 
     quantization "auto": a GGUF's quantized linear layers and embedding stay as stored
-    where the CPU kernels run them (bf16 on a CPU with AVX-512 BF16), float checkpoints
+    where the CPU kernels run them (bf16 on an x86-64 CPU with AVX2 or more), float checkpoints
     load as they are; "none": everything is dequantized to `dtype`; "int8": the linear
     layers and embedding of a float checkpoint become int8 rows with per-row scales.
     """
@@ -195,7 +196,7 @@ def _plan_quantization(
         if WeightType.I8_ROW not in supported:
             raise ConfigError(
                 "--quantization int8 runs on the CPU kernels: it needs --dtype bfloat16 on the CPU, "
-                "AVX-512 BF16 and a C compiler"
+                "x86-64 with AVX2 and a C compiler"
             )
         if source.format == "gguf":
             stored = gguf_loader.quantized_tensor_types(gguf_loader.open_gguf(source.path))
@@ -211,8 +212,8 @@ def _plan_quantization(
         if stored:
             where = f"{str(dtype).removeprefix('torch.')} on {torch.device(device).type}"
             logger.info(
-                "quantized weights dequantized (%s; they stay as stored with bfloat16 on a CPU with "
-                "AVX-512 BF16 and a C compiler)", "no native kernels here" if on_cpu_bf16 else where,
+                "quantized weights dequantized (%s; they stay as stored with bfloat16 on an x86-64 CPU "
+                "with AVX2 and a C compiler)", "no native kernels here" if on_cpu_bf16 else where,
             )  # fmt: skip
     return supported
 
@@ -236,9 +237,11 @@ def _int8_rows(weights: Weights) -> Weights:
 
 
 def _use_cpu_decode_kernels(model: LlamaForCausalLM) -> None:
-    """bf16 on a CPU with AVX-512 BF16: each linear layer takes the kernel measured fastest
+    """bf16 on an x86-64 CPU with AVX2 or more: each linear layer takes the kernel measured fastest
     for a step's rows (model/linear_plans.py), decode steps of few requests run layer by
-    layer in C, and other steps run the layers' elementwise stages in C around the linears."""
+    layer in C or through the layer ops (whichever the first steps measure faster,
+    kernels/step_paths.py), and other steps run the layers' elementwise stages in C around
+    the linears."""
     kernel = cpu_linear_kernels()
     if kernel is None:
         return
@@ -250,6 +253,8 @@ def _use_cpu_decode_kernels(model: LlamaForCausalLM) -> None:
         model.fused_decode = FusedDecode(load_kernels(), model)
     if NativeLayers.supports(model):
         model.native_layers = NativeLayers(load_kernels(), model)
+    if model.fused_decode is not None and model.native_layers is not None:
+        model.step_paths = StepPathChoice(forced_path())  # the faster of the two per row bucket, measured
 
 
 @torch.no_grad()
