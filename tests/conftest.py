@@ -15,16 +15,7 @@ if not Path("/dev/nvidiactl").exists():  # no NVIDIA driver on this machine
 sys.path.insert(0, str(Path(__file__).parent))
 
 import pytest
-
-
-def _kernel_isa_levels() -> list[str]:
-    from pagellm.kernels.build import host_isa_levels
-
-    return list(host_isa_levels())
-
-
-# Every build of the native kernels this CPU can execute (kernels/build.py ISA_LEVELS).
-KERNEL_ISA_LEVELS = _kernel_isa_levels()
+from kernel_builds import KERNEL_ISA_LEVELS
 
 
 @pytest.fixture(params=KERNEL_ISA_LEVELS or [None], ids=lambda level: level or "no-native-kernels")

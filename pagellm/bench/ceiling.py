@@ -6,11 +6,11 @@ so benchmark GFLOP/s and the engine's live MFU count the same work.
 
 from __future__ import annotations
 
-from pagellm.metrics.ceilings import measure_matmul_ceiling
+from pagellm.metrics.ceilings import measure_matmul_ceiling, model_matmul_ceiling
 from pagellm.model.costs import ModelCosts
 from pagellm.model.config import ModelConfig
 
-__all__ = ["measure_matmul_ceiling", "matmul_flops_per_token", "workload_flops"]
+__all__ = ["measure_matmul_ceiling", "model_matmul_ceiling", "matmul_flops_per_token", "workload_flops"]
 
 
 def matmul_flops_per_token(config: ModelConfig) -> float:

@@ -22,7 +22,7 @@ import torch
 
 from pagellm.bench.agreement import check_agreement, describe_agreement
 from pagellm.bench.backends import BackendResult, run_hf, run_pagellm
-from pagellm.bench.ceiling import measure_matmul_ceiling, workload_flops
+from pagellm.bench.ceiling import model_matmul_ceiling, workload_flops
 from pagellm.bench.machine import cpu_info, describe_cpu
 from pagellm.errors import PagellmError
 from pagellm.workload.command_output import emit_result
@@ -48,7 +48,7 @@ def run_bench_throughput(args: argparse.Namespace) -> dict[str, Any]:
     if args.backend == "llamacpp":
         computes_bf16 = getattr(args, "llamacpp_weights", "stored") == "bfloat16"
     torch_dtype = torch.bfloat16 if computes_bf16 else torch.float32
-    ceiling = measure_matmul_ceiling(torch_dtype)
+    ceiling = model_matmul_ceiling(torch_dtype)
     if getattr(args, "structured_output", "none") != "none":
         return _run_structured(args, source.name, requests, ceiling)
     if args.backend == "pagellm":

@@ -162,7 +162,14 @@ def load_kernels() -> ctypes.CDLL | None:
         if _compiler() is None:
             logger.warning("no C compiler found: CPU attention uses the slower PyTorch path")
         return None
-    return _load_level(level)
+    library = _load_level(level)
+    if library is None and os.environ.get("PAGELLM_KERNEL_ISA", "auto") == "auto":
+        # A compiler too old for the level's flags (AMX needs GCC 11): the next level down.
+        for lower in reversed(ISA_LEVELS[: ISA_LEVELS.index(level)]):
+            library = _load_level(lower)
+            if library is not None:
+                break
+    return library
 
 
 @functools.cache
@@ -174,6 +181,7 @@ def _load_level(level: IsaLevel) -> ctypes.CDLL | None:
         logger.warning("CPU kernels (%s) unavailable (%s): using the PyTorch path", level.name, _detail(error))
         return None
     _declare(library)
+    library.isa_level = level  # which build this is (cpu_features.native_isa)
     return library
 
 

@@ -51,10 +51,10 @@ def cpu_signature() -> str:
 
 def native_isa() -> str:
     """The build of the native kernels that runs here (kernels/build.py ISA_LEVELS), or "none"."""
-    from pagellm.kernels.build import selected_isa_level
+    from pagellm.kernels.build import load_kernels
 
-    level = selected_isa_level()
-    return level.name if level is not None else "none"
+    library = load_kernels()
+    return library.isa_level.name if library is not None else "none"
 
 
 def onednn_isa() -> str:

@@ -47,6 +47,8 @@ PRECISION_TOLERANCE = 0.10
 # A candidate this many times slower than the fastest in two buckets in a row is not timed
 # in larger buckets (the streaming kernel at prefill sizes).
 PRUNE_RATIO = 4.0
+# Bumped when the measuring rules change, so that cached choices made under the old ones are redone.
+RULES_VERSION = 2
 FORCE_VARIABLE = "PAGELLM_LINEAR_KERNEL"
 BUDGET_VARIABLE = "PAGELLM_KERNEL_CHOICE_SECONDS"
 _CACHE_FORMAT = 1
@@ -216,16 +218,20 @@ def _too_long_to_time(
 
 def _prune_falling_behind(times: BucketTimes, previous: BucketTimes, pruned: set[LinearImpl]) -> None:
     """Stop timing a candidate PRUNE_RATIO behind the fastest in this bucket and the one
-    before: one slow bucket (a timing spike on a shared machine) prunes nothing."""
+    before, and not closing the gap: one slow bucket (a timing spike on a shared machine)
+    prunes nothing, nor does a high fixed cost that more rows amortize (oneDNN in float32
+    widens the weight per call: 6x behind at one row on an AVX2 CPU, ahead from 128)."""
     for impl in times:
-        if _behind(times, impl) and _behind(previous, impl):
+        now, before = _lag(times, impl), _lag(previous, impl)
+        if now is not None and before is not None and now >= PRUNE_RATIO and before >= PRUNE_RATIO and now >= before:
             pruned.add(impl)
 
 
-def _behind(times: BucketTimes, impl: LinearImpl) -> bool:
+def _lag(times: BucketTimes, impl: LinearImpl) -> float | None:
+    """How many times slower than the fastest `impl` was in one bucket (None: not timed)."""
     valid = [t for t in times.values() if t is not None]
     t = times.get(impl)
-    return t is not None and bool(valid) and t >= PRUNE_RATIO * min(valid)
+    return None if t is None or not valid or min(valid) <= 0 else t / min(valid)
 
 
 def forced_choice(shapes: Sequence[LinearShape], impl: LinearImpl) -> LinearChoice:

@@ -59,6 +59,19 @@ def measure_matmul_ceiling(
     return rate(size, seconds) / 1e9
 
 
+def model_matmul_ceiling(
+    dtype: torch.dtype = torch.float32, seconds: float = 1.5, size: int = 2048, device: str | torch.device = "cpu"
+) -> float:
+    """The GFLOP/s ceiling of a model running in `dtype`: its matmuls', and on a CPU for
+    bf16 also float32's, since a bf16 CPU model may compute in float32 (the kernels'
+    float32 builds, oneDNN in float32), the faster of the two on a CPU without bf16
+    arithmetic."""
+    ceiling = measure_matmul_ceiling(dtype, seconds, size, device)
+    if torch.device(device).type == "cpu" and dtype == torch.bfloat16:
+        ceiling = max(ceiling, measure_matmul_ceiling(torch.float32, seconds, size, device))
+    return ceiling
+
+
 def measure_bandwidth(seconds: float = 0.3, megabytes: int = 256, device: str | torch.device = "cpu") -> float:
     """Best bytes/s of a large copy (bytes read plus bytes written)."""
     device = torch.device(device)
@@ -74,11 +87,7 @@ def device_ceilings(device: str, dtype: torch.dtype) -> Ceilings:
     if override:
         flops, moved = (float(x) for x in override.split(","))
         return Ceilings(flops, moved, "PAGELLM_DEVICE_CEILINGS")
-    flops = measure_matmul_ceiling(dtype, seconds=0.25, size=1024 if device == "cpu" else 4096, device=device) * 1e9
-    if device == "cpu" and dtype == torch.bfloat16:
-        # A bf16 CPU model may compute in float32 (the kernels' float32 builds, oneDNN in
-        # float32), which is the faster of the two on a CPU without bf16 arithmetic.
-        flops = max(flops, measure_matmul_ceiling(torch.float32, seconds=0.25, size=1024) * 1e9)
+    flops = model_matmul_ceiling(dtype, seconds=0.25, size=1024 if device == "cpu" else 4096, device=device) * 1e9
     moved = measure_bandwidth(seconds=0.15, megabytes=128 if device == "cpu" else 1024, device=device)
     logger.info(
         "device ceilings (measured): %.0f GFLOP/s %s matmul, %.1f GB/s memory copy",

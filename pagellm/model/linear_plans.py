@@ -19,7 +19,7 @@ import torch
 from pagellm.kernels import cpu_features
 from pagellm.kernels.build import kernel_cache_dir, load_kernels
 from pagellm.kernels.linear import CpuLinearKernels, LinearImpl
-from pagellm.kernels.linear_choice import NUM_BUCKETS, LinearChoice, LinearPlan, LinearShape, resolve_choice
+from pagellm.kernels.linear_choice import NUM_BUCKETS, RULES_VERSION, LinearChoice, LinearPlan, LinearShape, resolve_choice
 from pagellm.kernels.weights import WeightType
 from pagellm.model.linear import CpuEmbedding, CpuLinear, apply_linear
 
@@ -121,6 +121,7 @@ def choice_signature(num_threads: int) -> dict[str, object]:
         "threads": num_threads,
         "torch": torch.__version__,
         "kernels": getattr(library, "_name", ""),
+        "rules": RULES_VERSION,  # a choice made under other pruning rules is measured again
     }
 
 

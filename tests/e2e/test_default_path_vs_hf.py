@@ -14,7 +14,7 @@ import pytest
 from hf_models import load_hf_reference
 
 import default_path as dp
-from conftest import KERNEL_ISA_LEVELS
+from kernel_builds import KERNEL_ISA_LEVELS
 from pagellm.kernels.decode_layer import MAX_ROWS
 
 NUM_LAYERS = dp.DEFAULT_PATH_SHAPE["num_hidden_layers"]
@@ -81,6 +81,24 @@ def test_each_forced_linear_kernel_agrees_with_hf_float32(model, runs, name, ker
         assert any(rows > MAX_ROWS for rows in run.paths.native_layers_decode)
     result = dp.teacher_forced(reference, run.completions)
     dp.check_against_reference(result, NUM_LAYERS, f"{name} ({kernel})")
+    dp.check_same_schedule(run, runs(name, "float32"))
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_the_layer_ops_for_small_decode_steps_agree_with_hf_float32(model, runs, name, monkeypatch):
+    # The measured step-path choice (kernels/step_paths.py) may keep the layer ops for small
+    # decode steps on some CPU (the one-call layer is what the tests above mostly take):
+    # forced, under every scheduling regime.
+    _, reference = model
+    folder, _ = model
+    monkeypatch.setenv("PAGELLM_DECODE_PATH", "layers")
+    run = dp.run_scenario(folder, SCENARIOS[name], "bfloat16")
+    dp.check_native_paths(run)
+    assert not run.paths.fused_decode
+    if name == "plain":  # 24 requests: decode steps of every size, down to a few rows
+        assert any(rows <= MAX_ROWS for rows in run.paths.native_layers_decode)
+    result = dp.teacher_forced(reference, run.completions)
+    dp.check_against_reference(result, NUM_LAYERS, f"{name} (layer ops)")
     dp.check_same_schedule(run, runs(name, "float32"))
 
 

@@ -95,6 +95,20 @@ def test_a_candidate_falling_behind_stops_being_timed():
     assert [rows for rows, impl in calls if impl is O] == list(lc.TIMED_ROWS)  # never pruned: it gains
 
 
+def test_a_candidate_far_behind_but_gaining_is_still_timed():
+    # oneDNN in float32 on an AVX2 CPU: it widens the weight on every call, 6x behind at one
+    # row, and overtakes the native kernels at prefill sizes.
+    calls: list[tuple[int, LinearImpl]] = []
+
+    def timer(shape, rows, impl):  # noqa: ANN001, ANN202
+        calls.append((rows, impl))
+        return {S: 15e-6 + 10e-6 * rows, G: 30e-6 + 8e-6 * rows, O: 240e-6 + 2e-6 * rows}[impl]
+
+    choice = lc.measure_choice([SHAPE], timer, budget_seconds=10)
+    assert [rows for rows, impl in calls if impl is O] == list(lc.TIMED_ROWS)
+    assert choice.plans[SHAPE.key].choose(512) is O and choice.plans[SHAPE.key].choose(1) is S
+
+
 def test_one_slow_bucket_prunes_nothing():
     # A timing spike on a shared machine (both AMX users slow at one bucket) must not stop
     # the candidates from being timed, and chosen, at the sizes where they win.

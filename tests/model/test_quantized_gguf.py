@@ -126,9 +126,9 @@ def test_quantized_equals_dequantized_bf16_above_16_rows(quantized_gguf, monkeyp
     """On the GEMM a panel of the stored weights is dequantized to bf16 and multiplied by
     the bf16 GEMM: bit for bit what --quantization none computes in bf16 on it (forced: the
     measured choice may pick other kernels for the two models' weight types)."""
-    from pagellm.kernels.build import selected_isa_level
+    from pagellm.kernels.build import load_kernels
 
-    if not selected_isa_level().bf16_hardware:
+    if not load_kernels().isa_level.bf16_hardware:
         pytest.skip("the float32 builds (linear_f32.c) multiply unrounded float32 weights: no bf16 equality to claim")
     monkeypatch.setenv("PAGELLM_LINEAR_KERNEL", "gemm")
     packed = load(quantized_gguf, torch.bfloat16, "auto")
