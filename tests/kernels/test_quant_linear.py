@@ -131,6 +131,9 @@ def test_every_implementation_at_every_bucket_edge(weight_type, impl, kernel_isa
     from pagellm.kernels.linear_choice import NUM_BUCKETS, LinearPlan
     from pagellm.model.linear import apply_linear
 
+    if impl == "amx" and kernel_isa != "amx":
+        pytest.skip("without AMX tiles the amx kernel is the GEMM, tested as gemm in this build")
+
     rng = np.random.default_rng(int(weight_type) + 17)
     k, n = (512 if weight_type.block_elements == 32 else 768), 40
     if weight_type is WeightType.BF16:
