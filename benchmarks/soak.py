@@ -34,10 +34,7 @@ import asyncio
 import json
 import os
 import random
-import re
-import subprocess
 import sys
-import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -50,7 +47,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from pagellm.bench.machine import cpu_info  # noqa: E402
-READY = re.compile(r"pagellm is ready: model '[^']*' at (http://[^/ ]+)/v1")
+from pagellm.bench.server_process import ServerProcess  # noqa: E402
 BODY_LIMIT = 64 * 1024
 FAULTS_ON = False  # --fault-rate > 0: 500 internal_error is how a failed step's request ends
 
@@ -58,38 +55,19 @@ FAULTS_ON = False  # --fault-rate > 0: 500 internal_error is how a failed step's
 # ----------------------------------------------------------------------- server
 
 
-class Server:
+class Server(ServerProcess):
     def __init__(self, args: argparse.Namespace) -> None:
-        command = [
-            sys.executable, "-m", "pagellm.entrypoints.cli", "serve", "--port", "0",
+        serve_args = [
             "--max-model-len", str(args.max_model_len), "--num-gpu-blocks-override", str(args.num_blocks),
             "--max-num-queued-requests", str(args.max_queued), "--max-request-body-bytes", str(BODY_LIMIT),
             "--max-num-seqs", str(args.max_num_seqs), "--disable-log-stats",
         ]  # fmt: skip
         if args.model:
-            command += ["--model", args.model]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+            serve_args += ["--model", args.model]
+        env = {}
         if args.fault_rate > 0:  # tests only: steps fail on purpose (worker/fault_injection.py)
             env["PAGELLM_FAULT_INJECTION"] = f"rate={args.fault_rate},seed={args.seed}"
-        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-        self.log: list[str] = []
-        self.url = ""
-        ready = threading.Event()
-
-        def read() -> None:
-            assert self.process.stdout is not None
-            for line in self.process.stdout:
-                self.log.append(line)
-                match = READY.search(line)
-                if match and not self.url:
-                    self.url = match.group(1)
-                    ready.set()
-            ready.set()
-
-        threading.Thread(target=read, daemon=True).start()
-        if not ready.wait(300) or not self.url:
-            self.process.kill()
-            raise RuntimeError("the server did not start:\n" + "".join(self.log[-40:]))
+        super().__init__(serve_args, env)
 
     def proc(self) -> dict[str, float]:
         """RSS (MiB), open file descriptors and threads of the server process."""
@@ -103,14 +81,6 @@ class Server:
                     values["threads"] = int(line.split()[1])
         values["fds"] = len(os.listdir(f"/proc/{pid}/fd"))
         return values
-
-    def stop(self) -> int:
-        self.process.send_signal(2)
-        try:
-            return self.process.wait(60)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            return self.process.wait()
 
 
 def metric_values(text: str) -> dict[str, float]:

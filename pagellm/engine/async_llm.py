@@ -1,7 +1,8 @@
 """Engine stage (async): one engine thread steps the LLMEngine; asyncio callers stream outputs.
 
 The LLMEngine is not thread-safe, so every call into it (add_request, abort_request, step,
-get_stats) happens on one dedicated engine thread. Callers on the asyncio event loop talk
+get_stats) happens on one dedicated engine thread, the one that built it
+(`from_engine_args`; engine_thread.py says why that thread must be the same). Callers on the asyncio event loop talk
 to that thread only through a thread-safe command queue (add / abort / stop); the thread
 drains the queue between steps, so an abort takes effect within one step. Outputs travel
 back in one `loop.call_soon_threadsafe` per step, which feeds each request group's own
@@ -26,6 +27,7 @@ from typing import Any
 
 from pagellm.core.scheduler_stats import SchedulerStats
 from pagellm.engine.arg_utils import EngineArgs
+from pagellm.engine.engine_thread import EngineThread
 from pagellm.engine.input_processor import PromptInput
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.errors import PagellmError, RequestFailedError
@@ -152,7 +154,14 @@ class AsyncLLM:
     without bound. None means no cap.
     """
 
-    def __init__(self, engine: LLMEngine, max_num_queued_requests: int | None = None) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        max_num_queued_requests: int | None = None,
+        engine_thread: EngineThread[LLMEngine] | None = None,
+    ) -> None:
+        """`engine_thread`: the thread that built `engine`, to step it too (see
+        engine_thread.py for why that matters); without one, `start()` makes a thread."""
         if max_num_queued_requests is not None and max_num_queued_requests < 1:
             raise ValueError(
                 f"max_num_queued_requests must be at least 1, got {max_num_queued_requests}"
@@ -166,6 +175,7 @@ class AsyncLLM:
         self._closed_error: EngineDeadError | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        self._engine_thread = engine_thread
         # Owned by the engine thread.
         self._streams: dict[str, OutputStream] = {}
         # Commands taken off the queue and not yet applied (answered if the loop dies).
@@ -179,7 +189,9 @@ class AsyncLLM:
     def from_engine_args(
         cls, args: EngineArgs, max_num_queued_requests: int | None = None
     ) -> AsyncLLM:
-        return cls(LLMEngine.from_engine_args(args), max_num_queued_requests)
+        """Build the engine on the thread that will step it (and wait for it)."""
+        engine_thread = EngineThread(lambda: LLMEngine.from_engine_args(args))
+        return cls(engine_thread.result(), max_num_queued_requests, engine_thread)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -191,8 +203,12 @@ class AsyncLLM:
         if self._thread is not None:
             raise RuntimeError("the engine loop is already started")
         self._bind_loop()
-        self._thread = threading.Thread(target=self._run, name="pagellm-engine", daemon=True)
-        self._thread.start()
+        if self._engine_thread is not None:
+            self._thread = self._engine_thread.thread
+            self._engine_thread.run(self._run)
+        else:
+            self._thread = threading.Thread(target=self._run, name="pagellm-engine", daemon=True)
+            self._thread.start()
 
     async def shutdown(self, timeout_s: float = 30.0) -> None:
         """Abort whatever is still in flight and stop the engine thread."""
@@ -200,6 +216,8 @@ class AsyncLLM:
             if self._closed_error is None:
                 self._closed_error = EngineDeadError("the server is shutting down")
                 self._commands.put(_STOP)
+        if self._thread is None and self._engine_thread is not None:
+            self._engine_thread.cancel()  # never started: let the builder thread end
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, timeout_s)
             if self._thread.is_alive():
