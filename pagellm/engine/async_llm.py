@@ -2,11 +2,11 @@
 
 The LLMEngine is not thread-safe, so every call into it (add_request, abort_request, step,
 get_stats) happens on one dedicated engine thread, the one that built it
-(`from_engine_args`; engine_thread.py says why that thread must be the same). Callers on the asyncio event loop talk
-to that thread only through a thread-safe command queue (add / abort / stop); the thread
-drains the queue between steps, so an abort takes effect within one step. Outputs travel
-back in one `loop.call_soon_threadsafe` per step, which feeds each request group's own
-asyncio queue. The event loop therefore never waits for a model step, and every request
+(`from_engine_args`; engine_thread.py says why that thread must be the same). Callers on
+the asyncio event loop talk to that thread only through a thread-safe command queue (add /
+abort / stop); the thread drains the queue between steps, so an abort takes effect within
+one step. Outputs travel back in one `loop.call_soon_threadsafe` per step, which feeds each
+request group's own asyncio queue. The event loop therefore never waits for a model step, and every request
 in flight shares the engine's batch (continuous batching).
 
 If the engine thread dies, every waiting caller gets an EngineDeadError (never a hang),
