@@ -22,8 +22,11 @@ from pagellm.sampling_params import SamplingParams
 class OfflineRun:
     records: list[RequestRecord]
     duration_s: float  # first add to the last request's end
-    num_steps: int
     step_seconds: list[float]  # wall time of each engine step
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.step_seconds)
 
 
 def measure_offline(
@@ -47,13 +50,11 @@ def measure_offline(
         engine.add_request(request_id, prompt, params)
         by_id[request_id] = record
     step_seconds: list[float] = []
-    num_steps = 0
     while engine.has_unfinished_requests():
         step_start = time.perf_counter()
         outputs = engine.step()
         now = time.perf_counter()
         step_seconds.append(now - step_start)
-        num_steps += 1
         for output in outputs:
             record = by_id[output.request_id]
             completion = output.outputs[0]
@@ -70,4 +71,4 @@ def measure_offline(
         if record.chunk_times_s:
             record.ttft_s = record.chunk_times_s[0]
     duration = max((r.end_s for r in records), default=0.0)
-    return OfflineRun(records, duration, num_steps, step_seconds)
+    return OfflineRun(records, duration, step_seconds)
