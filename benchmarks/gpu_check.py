@@ -1,4 +1,4 @@
-"""GPU check (issue 8, item 5): correctness and speed of pagellm on one NVIDIA GPU (and
+"""GPU check: correctness and speed of pagellm on one NVIDIA GPU (and
 tensor parallelism across several, where the machine has them).
 
 One script, under 8 minutes on an H200 with no network access, run in sections:

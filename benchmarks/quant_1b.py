@@ -6,7 +6,7 @@
     python benchmarks/quant_1b.py --layers 2 --hidden 256 --intermediate 512 --heads 4 \
         --kv-heads 2 --vocab 1000 --out /tmp/quant_1b_smoke.json   # a tiny shape (smoke test)
 
-Issue 17's target. Steps:
+The quantized-decode target (pagellm against llama.cpp on the same file). Steps:
 1. The model: a random-weight GGUF of the Llama shape (default 22 layers, hidden 2048,
    32 heads / 4 KV heads, intermediate 5632, vocab 32000), every linear weight, the token
    embedding and the LM head (`output`, --output-type, default the same type) as random

@@ -1,6 +1,6 @@
 """Check the roofline presets against published vLLM measurements.
 
-The main check (issue 9's target: within 25%) replays a published vLLM run request for
+The main check (target: within 25%) replays a published vLLM run request for
 request: Lambda's vLLM benchmark of meta-llama/Meta-Llama-3-8B-Instruct on one H100
 80GB SXM, 10 ShareGPT prompts sent at once (request rate inf). The raw result files
 list every request's input and output length, so the simulator serves exactly that
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pagellm.engine.arg_utils import EngineArgs
+from pagellm.config.engine_args import EngineArgs
 from pagellm.sim.gpu_presets import get_gpu_preset
 from pagellm.sim.roofline import RooflineParams
 from pagellm.sim.sim_report import summarize_sim

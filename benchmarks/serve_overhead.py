@@ -37,7 +37,7 @@ from pagellm.bench.offline_streams import measure_offline  # noqa: E402
 from pagellm.bench.server_process import ServerProcess  # noqa: E402
 from pagellm.bench.serve_load import ServeBenchConfig, run_requests  # noqa: E402
 from pagellm.bench.serve_metrics import summarize  # noqa: E402
-from pagellm.engine.cli_args import add_engine_args, engine_args_from_namespace, engine_args_to_cli  # noqa: E402
+from pagellm.config.cli_args import add_engine_args, engine_args_from_namespace, engine_args_to_cli  # noqa: E402
 from pagellm.engine.llm_engine import LLMEngine  # noqa: E402
 from pagellm.workload.synthetic import WorkloadSpec, make_workload  # noqa: E402
 

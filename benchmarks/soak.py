@@ -48,6 +48,7 @@ sys.path.insert(0, str(ROOT))
 
 from pagellm.bench.machine import cpu_info  # noqa: E402
 from pagellm.bench.server_process import ServerProcess  # noqa: E402
+from pagellm.workload.latency import percentile  # noqa: E402
 BODY_LIMIT = 64 * 1024
 FAULTS_ON = False  # --fault-rate > 0: 500 internal_error is how a failed step's request ends
 
@@ -305,11 +306,9 @@ async def drive(server: Server, args: argparse.Namespace) -> dict[str, Any]:
             "still_serving": still_serving}  # fmt: skip
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * (len(ordered) - 1) + 0.5))]
+def percentile_of(values: list[float], q: float) -> float | None:
+    """The q-th percentile (0..1) of unsorted values (None of nothing), as every report computes it."""
+    return percentile(sorted(values), q * 100) if values else None
 
 
 def summarize(run: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
@@ -367,8 +366,8 @@ def summarize(run: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
                     "growth_pct": round(100 * (rss_end - rss_start) / rss_start, 2)},  # fmt: skip
         "fds": {"baseline": run["baseline"]["fds"], "end": run["after"]["fds"]},
         "threads": {"baseline": run["baseline"]["threads"], "end": run["after"]["threads"]},
-        "ttft_s": {"p50": percentile(ttfts, 0.5), "p99": percentile(ttfts, 0.99)},
-        "itl_s": {"p50": percentile(itls, 0.5), "p99": percentile(itls, 0.99)},
+        "ttft_s": {"p50": percentile_of(ttfts, 0.5), "p99": percentile_of(ttfts, 0.99)},
+        "itl_s": {"p50": percentile_of(itls, 0.5), "p99": percentile_of(itls, 0.99)},
         "checks": checks,
         "passed": all(checks.values()),
     }

@@ -71,6 +71,7 @@ import torch
 from pagellm.bench.results import write_result_files
 from pagellm.bench.machine import cpu_info, describe_cpu
 from pagellm.metrics.ceilings import measure_bandwidth
+from pagellm.workload import latency
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -237,14 +238,10 @@ def constraints() -> list[tuple[str, str, str, str]]:
 
 
 def percentile(values: list[float], q: float) -> float:
-    """The q-th percentile (0..100) with linear interpolation between ranks."""
-    ordered = sorted(values)
-    if not ordered:
+    """The q-th percentile (0..100) of unsorted values, as every report computes it."""
+    if not values:
         raise ValueError("percentile of no values")
-    rank = (len(ordered) - 1) * q / 100
-    low = int(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+    return latency.percentile(sorted(values), q)
 
 
 def summarize_ms(seconds: list[float]) -> dict[str, float]:

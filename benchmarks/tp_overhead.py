@@ -282,8 +282,8 @@ def build_llms(model: str, args: argparse.Namespace, max_model_len: int, num_blo
 
 def threads_of(llm: Any, total: int) -> int:
     """CPU threads of the LLM's driver (TP>1: its share of `total`)."""
-    spec = llm.engine.executor.driver.spec
-    return spec.num_threads if spec.num_threads is not None else total
+    threads = llm.engine.config.parallel_config.num_threads_per_rank
+    return threads if threads is not None else total
 
 
 def fill_decode_batch(llm: Any, prompts: list[list[int]], max_tokens: int, batch_size: int) -> list[str]:

@@ -58,7 +58,7 @@ from pagellm.sim.simulator import Simulator
 logger = logging.getLogger("validate_sim")
 RESULTS = Path(__file__).resolve().parent / "results"
 
-# Targets of issue 9: relative error allowed per compared figure.
+# The simulator's accuracy targets: relative error allowed per compared figure.
 TARGETS = {"output_tok_s": 0.10, "ttft_ms_median": 0.10, "ttft_ms_p99": 0.20, "num_preemptions": 0.10}
 
 
@@ -239,7 +239,7 @@ def on_clean_engine(engine: Any, run: Any) -> Any:
 
 
 def make_engine(engine_fields: dict[str, Any]) -> Any:
-    from pagellm.engine.arg_utils import EngineArgs
+    from pagellm.config.engine_args import EngineArgs
     from pagellm.engine.llm_engine import LLMEngine
 
     engine = LLMEngine.from_engine_args(EngineArgs(**{**COMMON_ENGINE, **engine_fields}))

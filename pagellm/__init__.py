@@ -10,7 +10,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from pagellm.engine.arg_utils import EngineArgs
+    from pagellm.config.engine_args import EngineArgs
     from pagellm.entrypoints.llm import LLM
     from pagellm.outputs import CompletionOutput, RequestOutput
     from pagellm.sampling_params import SamplingParams
@@ -20,7 +20,7 @@ __all__ = ["LLM", "EngineArgs", "SamplingParams", "StructuredOutputsParams", "Re
 
 _LOCATIONS = {
     "LLM": "pagellm.entrypoints.llm",
-    "EngineArgs": "pagellm.engine.arg_utils",
+    "EngineArgs": "pagellm.config.engine_args",
     "SamplingParams": "pagellm.sampling_params",
     "StructuredOutputsParams": "pagellm.structured_outputs_params",
     "RequestOutput": "pagellm.outputs",

@@ -27,6 +27,13 @@ class LayerRule:
     exempt: tuple[str, ...] = ()  # ...except these importers: a module, or "package.*"
 
 
+def _stages_except(*allowed: str) -> tuple[str, ...]:
+    """Every top-level module and subpackage of pagellm but `allowed` (the stages)."""
+    names = {p.stem for p in PACKAGE_ROOT.glob("*.py") if p.stem != "__init__"}
+    names |= {p.name for p in PACKAGE_ROOT.iterdir() if (p / "__init__.py").exists()}
+    return tuple(f"pagellm.{name}" for name in sorted(names - set(allowed)))
+
+
 LAYER_RULES = [
     LayerRule("metrics/ is fed by the engine and never imports it", "pagellm.metrics",
               ("pagellm.engine", "pagellm.entrypoints")),
@@ -39,6 +46,8 @@ LAYER_RULES = [
                "pagellm.attention.triton_backend", "pagellm.attention.triton_kernels",
                "pagellm.attention.selector", "pagellm.kernels")),
     LayerRule("core/ is pure Python", "pagellm.core", ("torch", "triton", "numpy")),
+    LayerRule("config/ decides settings from numbers: no torch and no other stage", "pagellm.config",
+              ("torch", "triton", "numpy", *_stages_except("config", "errors"))),
 ]  # fmt: skip
 
 # Top-level subpackages that may depend on each other one way at most.

@@ -49,7 +49,7 @@ DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "gpu_check.json"
 # A smoke run must not overwrite a GPU run's results.
 DEFAULT_SMOKE_OUT = Path(tempfile.gettempdir()) / "gpu_check_smoke.json"
 DESCRIPTION = (
-    "GPU check (issue 8): correctness and speed of pagellm on one NVIDIA GPU, in sections "
+    "GPU check: correctness and speed of pagellm on one NVIDIA GPU, in sections "
     "(and tensor parallelism where there are 2+)."
 )
 

@@ -19,9 +19,14 @@ from __future__ import annotations
 
 import torch
 
-from pagellm.errors import ConfigError
-
-FP8_DTYPES: dict[str, torch.dtype] = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+# config/'s dtype names (the model's, and the cache's fp8 ones) as torch dtypes.
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
 
 # The element-type codes of the C kernels (csrc/fp8.h ELEM_*).
 ELEMENT_TYPES: dict[torch.dtype, int] = {
@@ -32,13 +37,9 @@ ELEMENT_TYPES: dict[torch.dtype, int] = {
 }
 
 
-def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
-    """The cache's torch dtype for --kv-cache-dtype `name` ("auto": the model's)."""
-    if name == "auto":
-        return model_dtype
-    if name not in FP8_DTYPES:
-        raise ConfigError(f"kv_cache_dtype must be one of {('auto', *FP8_DTYPES)}, got {name!r}")
-    return FP8_DTYPES[name]
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a resolved dtype name (EngineConfig.dtype, .kv_cache_dtype)."""
+    return TORCH_DTYPES[name]
 
 
 def is_fp8(dtype: torch.dtype) -> bool:

@@ -13,7 +13,7 @@ import torch
 
 from pagellm.attention.backend import AttentionBackend
 from pagellm.attention.torch_backend import TorchAttentionBackend
-from pagellm.config import ATTENTION_BACKENDS
+from pagellm.config.engine_args import ATTENTION_BACKENDS
 from pagellm.errors import ConfigError
 
 logger = logging.getLogger(__name__)

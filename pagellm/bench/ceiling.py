@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pagellm.metrics.ceilings import measure_matmul_ceiling, model_matmul_ceiling
 from pagellm.model.costs import ModelCosts
-from pagellm.model.config import ModelConfig
+from pagellm.config.model import ModelConfig
 
 __all__ = ["measure_matmul_ceiling", "model_matmul_ceiling", "matmul_flops_per_token", "workload_flops"]
 

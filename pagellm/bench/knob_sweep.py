@@ -48,7 +48,7 @@ def add_bench_knobs_parser(bench_commands: "argparse._SubParsersAction") -> None
 
 
 def run_bench_knobs(args: argparse.Namespace) -> list[dict[str, Any]]:
-    from pagellm.engine.arg_utils import EngineArgs
+    from pagellm.config.engine_args import EngineArgs
     from pagellm.engine.llm_engine import LLMEngine
     from pagellm.sim.real_run import run_on_engine
     from pagellm.sim.sim_report import summarize_sim

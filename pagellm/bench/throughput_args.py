@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from pagellm.config import QUANTIZATION_CHOICES
+from pagellm.config.engine_args import QUANTIZATION_CHOICES
 
 from pagellm.bench.agreement import DEFAULT_CHECK_REQUESTS, DEFAULT_CHECK_TOKENS
 from pagellm.workload.command_output import add_output_args

@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from typing import NamedTuple
 
 from pagellm.config import CacheConfig
+from pagellm.config.units import cdiv
 from pagellm.core.kv_events import KVEventLog
 from pagellm.core.block_pool import BlockPool
 from pagellm.request import Request
@@ -39,10 +40,6 @@ class KVCacheStats:
     num_allocation_failures: int = 0
     num_swapped_out_blocks: int = 0
     num_swapped_in_blocks: int = 0
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class KVCacheManager:
@@ -418,4 +415,4 @@ class KVCacheManager:
         return self._block_tables.keys() | self._host_block_tables.keys()
 
 
-__all__ = ["ComputedBlocks", "KVCacheManager", "KVCacheStats", "cdiv"]
+__all__ = ["ComputedBlocks", "KVCacheManager", "KVCacheStats"]

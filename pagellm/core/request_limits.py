@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
+from pagellm.config.units import cdiv
 from pagellm.errors import InvalidRequestError
 from pagellm.request import Request, RequestStatus
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def check_request_fits(
@@ -39,7 +36,7 @@ def check_request_fits(
             "prompt",
         )
     cache_tokens = num_usable_blocks * block_size
-    num_prompt_blocks = _cdiv(num_prompt, block_size)
+    num_prompt_blocks = cdiv(num_prompt, block_size)
     if num_prompt_blocks > num_usable_blocks:
         raise InvalidRequestError(
             f"The prompt has {num_prompt} tokens and needs {num_prompt_blocks} KV cache "
@@ -61,7 +58,7 @@ def check_request_fits(
             f"{max_model_len - num_prompt} or shorten the prompt.",
             "max_tokens",
         )
-    num_max_blocks = _cdiv(num_prompt + max_tokens - 1, block_size)
+    num_max_blocks = cdiv(num_prompt + max_tokens - 1, block_size)
     if num_max_blocks > num_usable_blocks:
         raise InvalidRequestError(
             f"The request may need {num_max_blocks} KV cache blocks ({num_prompt} prompt "

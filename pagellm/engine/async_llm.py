@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagellm.core.scheduler_stats import SchedulerStats
-from pagellm.engine.arg_utils import EngineArgs
+from pagellm.config.engine_args import EngineArgs
 from pagellm.engine.engine_thread import EngineThread
 from pagellm.engine.input_processor import PromptInput
 from pagellm.engine.llm_engine import LLMEngine

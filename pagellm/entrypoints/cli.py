@@ -11,7 +11,7 @@ from pagellm.bench.serve import add_bench_serve_parser
 from pagellm.bench.throughput_args import add_bench_throughput_parser
 from pagellm.bench.kernels import add_bench_kernels_parser
 from pagellm.bench.knob_sweep import add_bench_knobs_parser
-from pagellm.engine.cli_args import add_engine_args
+from pagellm.config.cli_args import add_engine_args
 from pagellm.entrypoints.openai.serve_command import add_serve_parser, run_serve
 from pagellm.errors import PagellmError
 from pagellm.sim.commands import add_calibrate_parser, add_simulate_parser, add_tune_parser

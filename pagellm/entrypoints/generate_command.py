@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from pagellm.engine.llm_engine import LLMEngine
-from pagellm.engine.cli_args import engine_args_from_namespace
+from pagellm.config.cli_args import engine_args_from_namespace
 from pagellm.sampling_params import SamplingParams
 
 

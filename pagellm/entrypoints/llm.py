@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from pagellm.engine.arg_utils import EngineArgs
+from pagellm.config.engine_args import EngineArgs
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.errors import InvalidRequestError
 from pagellm.outputs import RequestOutput

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from pagellm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagellm.errors import PagellmError
-from pagellm.worker.cache_sizing import CacheSize
+from pagellm.config.cache import CacheSize
 from pagellm.worker.model_runner import ModelRunner
 from pagellm.worker.worker import Worker
 

@@ -17,7 +17,7 @@ from abc import abstractmethod
 from pagellm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagellm.executor.base import Executor, WorkerDiedError
 from pagellm.executor.worker_loop import INIT_CACHE, SHUTDOWN, STEP
-from pagellm.worker.cache_sizing import CacheSize
+from pagellm.config.cache import CacheSize
 from pagellm.worker.worker import StepMessage, Worker
 
 logger = logging.getLogger(__name__)

@@ -24,7 +24,8 @@ from pagellm.errors import ConfigError
 from pagellm.executor.base import WorkerDiedError
 from pagellm.executor.distributed_executor import DistributedExecutor
 from pagellm.executor.worker_loop import local_init_method, serve_driver
-from pagellm.worker.worker import Worker, WorkerSpec
+from pagellm.config.engine_config import EngineConfig
+from pagellm.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
 
@@ -37,8 +38,8 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
 
 
 class MultiprocExecutor(DistributedExecutor):
-    def __init__(self, spec: WorkerSpec, device: torch.device) -> None:
-        size = spec.tensor_parallel_size
+    def __init__(self, config: EngineConfig, device: torch.device) -> None:
+        size = config.parallel_config.tensor_parallel_size
         if device.type == "cuda" and torch.cuda.device_count() < size:
             raise ConfigError(
                 f"tensor_parallel_size={size} needs {size} GPUs on this machine, "
@@ -53,7 +54,7 @@ class MultiprocExecutor(DistributedExecutor):
             parent, child = context.Pipe(duplex=False)
             process = context.Process(
                 target=_worker_main,
-                args=(spec, rank, rank_device(device, rank), init_method, child),
+                args=(config, rank, rank_device(device, rank), init_method, child),
                 name=f"pagellm-tp{rank}",
                 daemon=True,
             )
@@ -63,7 +64,7 @@ class MultiprocExecutor(DistributedExecutor):
             pipes.append(parent)
         try:
             # The driver loads its own share while the others load theirs.
-            driver = Worker(spec, 0, rank_device(device, 0))
+            driver = Worker(config, 0, rank_device(device, 0))
             super().__init__(driver, init_method)
             self._wait_until_loaded(pipes)
             self._connect_driver()
@@ -130,7 +131,7 @@ class MultiprocExecutor(DistributedExecutor):
 
 
 def _worker_main(
-    spec: WorkerSpec,
+    config: EngineConfig,
     rank: int,
     device: torch.device,
     init_method: str,
@@ -138,7 +139,7 @@ def _worker_main(
 ) -> None:
     logging.basicConfig(level=os.environ.get("PAGELLM_WORKER_LOG_LEVEL", "WARNING"))
     try:
-        worker = Worker(spec, rank, device)
+        worker = Worker(config, rank, device)
     except BaseException as e:  # noqa: BLE001 - reported to the driver, then this rank ends
         pipe.send(("error", f"{type(e).__name__}: {e}"))
         raise SystemExit(1) from None

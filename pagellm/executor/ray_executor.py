@@ -21,7 +21,8 @@ from pagellm.errors import ConfigError
 from pagellm.executor.base import WorkerDiedError
 from pagellm.executor.distributed_executor import DistributedExecutor
 from pagellm.executor.worker_loop import local_init_method, serve_driver
-from pagellm.worker.worker import Worker, WorkerSpec
+from pagellm.config.engine_config import EngineConfig
+from pagellm.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
 
@@ -52,10 +53,10 @@ class _RankActor:
 
         return ray.util.get_node_ip_address()
 
-    def load(self, spec: WorkerSpec, rank: int, device_type: str) -> None:
+    def load(self, config: EngineConfig, rank: int, device_type: str) -> None:
         # Ray gives a GPU actor exactly its own GPU (CUDA_VISIBLE_DEVICES): cuda:0 here.
         device = torch.device("cuda", 0) if device_type == "cuda" else torch.device("cpu")
-        self.worker = Worker(spec, rank, device)
+        self.worker = Worker(config, rank, device)
 
     def serve(self, init_method: str) -> None:
         assert self.worker is not None, "load first"
@@ -72,7 +73,7 @@ class _GpuHolder:
 
 
 class RayExecutor(DistributedExecutor):
-    def __init__(self, spec: WorkerSpec, device: torch.device) -> None:
+    def __init__(self, config: EngineConfig, device: torch.device) -> None:
         ray = require_ray()
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -81,7 +82,7 @@ class RayExecutor(DistributedExecutor):
         if not ray.is_initialized():
             # Joins the cluster `ray start` made on this machine, or starts a local one.
             ray.init(logging_level=logging.WARNING, configure_logging=False)
-        size = spec.tensor_parallel_size
+        size = config.parallel_config.tensor_parallel_size
         on_gpu = device.type == "cuda"
         bundle = {"GPU": 1.0, "CPU": 1.0} if on_gpu else {"CPU": 1.0}
         bundles = [dict(bundle) for _ in range(size - 1)]
@@ -114,8 +115,8 @@ class RayExecutor(DistributedExecutor):
                 holder = ray.remote(num_cpus=0, num_gpus=1)(_GpuHolder).options(scheduling_strategy=in_bundle(0)).remote()
                 self._actors.append(holder)
                 device = torch.device("cuda", int(ray.get(holder.gpu_id.remote())))
-            loads = [actor.load.remote(spec, rank, device.type) for rank, actor in enumerate(self._actors[: size - 1], start=1)]
-            driver = Worker(spec, 0, device)
+            loads = [actor.load.remote(config, rank, device.type) for rank, actor in enumerate(self._actors[: size - 1], start=1)]
+            driver = Worker(config, 0, device)
             init_method = local_init_method().replace("127.0.0.1", ray.util.get_node_ip_address())
             super().__init__(driver, init_method)
             self._wait(loads, "failed to start")

@@ -23,6 +23,7 @@ from pagellm.metrics.spec_decode_stats import SpecDecodeStats
 from pagellm.metrics.utilization import Ceilings, StepWork, Utilization, step_cost
 from pagellm.model.costs import ModelCosts
 from pagellm.outputs import RequestOutput
+from pagellm.workload.latency import percentile
 
 logger = logging.getLogger(__name__)
 
@@ -379,7 +380,7 @@ class EngineMetrics:
             generation_tokens=self.generation_tokens,
             finished_requests=dict(self.finished),
             rejected_requests=dict(self.rejected),
-            latencies={name: _summary(values) for name, values in self._latencies.items()},
+            latencies={name: latency_summary(values) for name, values in self._latencies.items()},
             spec_decode=self.spec_decode,
         )
 
@@ -407,14 +408,12 @@ def _window_speculation(delta: dict[str, float]) -> dict[str, float]:
 
 
 def _percentile(values: list[float] | deque[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
-    return ordered[index]
+    """The engine's percentiles are the benchmarks' (workload/latency.py), None of nothing."""
+    return percentile(sorted(values), q) if values else None
 
 
-def _summary(values: deque[float]) -> LatencySummary:
+def latency_summary(values: deque[float] | list[float]) -> LatencySummary:
+    """count, mean and percentiles of latencies in seconds (zeros for none)."""
     if not values:
         return LatencySummary(0, 0.0, 0.0, 0.0, 0.0)
     return LatencySummary(

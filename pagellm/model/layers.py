@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from pagellm.model.config import RopeScaling
+from pagellm.config.model import RopeScaling
 
 
 class RMSNorm(nn.Module):

@@ -21,7 +21,7 @@ from torch import nn
 
 from pagellm.attention.backend import AttentionBackend, AttentionMetadata
 from pagellm.errors import ModelLoadError
-from pagellm.model.config import ModelConfig
+from pagellm.config.model import ModelConfig
 from pagellm.model.layers import RMSNorm, RotaryEmbedding, apply_rotary
 from pagellm.kernels import step_paths
 from pagellm.kernels.linear import CpuLinearKernels

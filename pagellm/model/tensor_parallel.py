@@ -1,5 +1,8 @@
 """Model stage: Megatron-style tensor parallelism of the Llama family, one rank's share.
 
+Which splits work and the shapes each rank holds are config/parallel.py's rule; this
+module slices the weights by it.
+
 Each of the `size` ranks holds:
 
 - a slice of the attention heads (q rows of qkv_proj, the matching columns of o_proj)
@@ -19,7 +22,6 @@ gathered. The model stays in the HF names, so checkpoints are sliced as they loa
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
@@ -27,30 +29,8 @@ from typing import Protocol, TypeVar
 import numpy as np
 import torch
 
-from pagellm.errors import ConfigError
-from pagellm.model.config import ModelConfig
-
-
-def valid_tp_sizes(config: ModelConfig, limit: int = 64) -> list[int]:
-    """The degrees that split this model's heads: q heads divide evenly and KV heads
-    either divide evenly or are each replicated on a whole number of ranks."""
-    heads, kv = config.num_attention_heads, config.num_key_value_heads
-    return [
-        n for n in range(1, limit + 1)
-        if heads % n == 0 and (kv % n == 0 or n % kv == 0) and config.intermediate_size % n == 0
-    ]  # fmt: skip
-
-
-def check_tp_size(config: ModelConfig, size: int) -> None:
-    """A degree the model cannot be split by is an error naming the ones that work."""
-    if size < 1:
-        raise ConfigError(f"tensor_parallel_size must be >= 1, got {size}")
-    if size not in valid_tp_sizes(config, limit=max(size, 64)):
-        raise ConfigError(
-            f"tensor_parallel_size={size} does not split this model: {config.num_attention_heads} "
-            f"attention heads, {config.num_key_value_heads} KV heads, intermediate size "
-            f"{config.intermediate_size}; sizes that work: {valid_tp_sizes(config)}"
-        )
+from pagellm.config.model import ModelConfig
+from pagellm.config.parallel import check_tp_size, rank_model_config
 
 
 @dataclass(frozen=True)
@@ -70,20 +50,19 @@ class TPLayout:
     @classmethod
     def of(cls, config: ModelConfig, rank: int, size: int) -> TPLayout:
         check_tp_size(config, size)
+        share = rank_model_config(config, size)
         kv = config.num_key_value_heads
-        if kv % size == 0:
-            kv_local, first_kv = kv // size, rank * (kv // size)
-        else:  # fewer KV heads than ranks: each is replicated on size // kv ranks
-            kv_local, first_kv = 1, rank // (size // kv)
+        # Fewer KV heads than ranks: each is replicated on size // kv ranks.
+        first_kv = rank * share.num_key_value_heads if kv % size == 0 else rank // (size // kv)
         return cls(
             rank=rank,
             size=size,
-            num_heads=config.num_attention_heads // size,
-            num_kv_heads=kv_local,
+            num_heads=share.num_attention_heads,
+            num_kv_heads=share.num_key_value_heads,
             first_kv_head=first_kv,
-            intermediate_size=config.intermediate_size // size,
+            intermediate_size=share.intermediate_size,
             vocab_size=config.vocab_size,
-            vocab_per_rank=-(-config.vocab_size // size),
+            vocab_per_rank=share.vocab_size,
             head_dim=config.head_dim,
         )
 
@@ -93,13 +72,7 @@ class TPLayout:
 
     def local_config(self, config: ModelConfig) -> ModelConfig:
         """The shapes this rank's layers are built with (and its KV cache sized by)."""
-        return dataclasses.replace(
-            config,
-            num_attention_heads=self.num_heads,
-            num_key_value_heads=self.num_kv_heads,
-            intermediate_size=self.intermediate_size,
-            vocab_size=self.vocab_per_rank,
-        )
+        return rank_model_config(config, self.size)
 
     # ------------------------------------------------------------- slicing
 

@@ -18,7 +18,7 @@ logger = logging.getLogger(__name__)
 
 
 def add_calibrate_parser(commands: Any) -> argparse.ArgumentParser:
-    from pagellm.engine.cli_args import add_engine_args
+    from pagellm.config.cli_args import add_engine_args
     from pagellm.sim.calibration_sweep import DEFAULT_MAX_CHUNK
 
     p = commands.add_parser(
@@ -41,7 +41,7 @@ def add_calibrate_parser(commands: Any) -> argparse.ArgumentParser:
 
 def run_calibrate(args: argparse.Namespace) -> dict[str, Any]:
     from pagellm.engine.llm_engine import LLMEngine
-    from pagellm.engine.cli_args import engine_args_from_namespace
+    from pagellm.config.cli_args import engine_args_from_namespace
     from pagellm.sim.calibration_sweep import calibrate_engine
 
     if args.max_chunk < 8:

@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from pagellm.errors import ConfigError
-from pagellm.model.config import ModelConfig
+from pagellm.config.model import ModelConfig
 from pagellm.sim.step_batch import StepBatch
 
 CALIBRATION_FORMAT = "pagellm-step-cost-calibration/5"

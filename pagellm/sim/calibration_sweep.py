@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from pagellm.config.cache import DTYPE_BYTES
 from pagellm.errors import ConfigError
 from pagellm.sampling_params import SamplingParams
 from pagellm.sim.calibrated import CalibratedCostModel, fit_step_costs
@@ -193,10 +194,10 @@ def calibrate_engine(
         measured += measure_steps(engine, cases, seed=seed + sweep, on_case=on_case)
     native_max = native_decode_max_reqs(engine)
     fit = fit_step_costs([m.batch for m in measured], [m.seconds for m in measured], native_max)
-    dtype = str(engine.config.dtype).removeprefix("torch.")
+    dtype = engine.config.dtype
     metadata = {
         "machine": machine_description(),
-        "device": engine.config.device.type,
+        "device": engine.config.device_type,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "sweep_seconds": round(time.perf_counter() - start, 1),
         "sweeps": earlier_sweeps + sweeps,
@@ -214,7 +215,7 @@ def calibrate_engine(
     }
     model = CalibratedCostModel(
         fit, engine.config.source.name, engine.model_config, dtype,
-        _element_size(engine.config.dtype), metadata,
+        DTYPE_BYTES[dtype], metadata,
     )  # fmt: skip
     return model, measured
 
@@ -226,9 +227,3 @@ def native_decode_max_reqs(engine: LLMEngine) -> int:
     from pagellm.kernels.decode_layer import MAX_ROWS
 
     return MAX_ROWS
-
-
-def _element_size(dtype: object) -> int:
-    import torch
-
-    return torch.empty((), dtype=dtype).element_size()  # type: ignore[arg-type]

@@ -11,9 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pagellm.config.units import GiB
 from pagellm.errors import ConfigError
-
-GiB = 1 << 30
 
 
 @dataclass(frozen=True)

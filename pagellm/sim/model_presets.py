@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pagellm.errors import ConfigError
-from pagellm.model.config import ModelConfig
+from pagellm.config.model import ModelConfig
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from pagellm.engine.arg_utils import EngineArgs
+from pagellm.config.engine_args import EngineArgs
 from pagellm.errors import ConfigError
 from pagellm.sim.calibrated import CalibratedCostModel
 from pagellm.sim.gpu_presets import GiB, GpuSpec, get_gpu_preset

@@ -16,8 +16,8 @@ import dataclasses
 import math
 from typing import Any
 
-from pagellm.config import PREEMPTION_MODES, SCHEDULING_POLICIES
-from pagellm.engine.arg_utils import PROFILE_CHOICES, EngineArgs
+from pagellm.config.scheduler import PREEMPTION_MODES, SCHEDULING_POLICIES
+from pagellm.config.engine_args import PROFILE_CHOICES, EngineArgs
 from pagellm.errors import ConfigError
 from pagellm.sim.gpu_presets import GPU_PRESETS
 from pagellm.sim.interconnect_presets import INTERCONNECT_PRESETS
@@ -29,7 +29,8 @@ from pagellm.workload.synthetic import add_workload_args, workload_spec_from_arg
 
 _ENGINE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineArgs)}
 # The engine arguments a simulation uses, with their types; `tune` can sweep these (the
-# first five by issue 9, then the prefill/decode balance knobs of the scheduler).
+# first five: the classic memory and batching knobs; then the scheduler's prefill/decode
+# balance knobs).
 TUNED_KNOBS: dict[str, type] = {
     "max_num_seqs": int,
     "max_num_batched_tokens": int,

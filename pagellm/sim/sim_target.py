@@ -2,8 +2,9 @@
 and the engine configuration that device would give a set of engine arguments.
 
 Engine arguments are pagellm's own EngineArgs (vLLM's names and defaults); they resolve
-into the SchedulerConfig and CacheConfig the real engine would build, with the KV cache
-sized from the device memory instead of by profiling a real device.
+through the engine's own resolver (config/) into the EngineConfig the real engine would
+build, with the memory facts of the KV cache's sizing estimated from the device preset
+instead of measured on a real device.
 
 A target may be a tensor-parallel group: its cost model and its KV cache are then one
 GPU's of the group (tensor_parallel.py). Data parallelism is not a property of the
@@ -12,17 +13,20 @@ target but of how many of them serve the workload (replicas.py).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
 from pagellm.config import CacheConfig, SchedulerConfig
-from pagellm.engine.arg_utils import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineArgs
+from pagellm.config.cache import CacheSize, MemoryFacts, sized_cache_config
+from pagellm.config.engine_args import EngineArgs
+from pagellm.config.engine_config import DeviceFacts, EngineConfig, resolve_engine_config as resolve_config
+from pagellm.config.model import ModelConfig, ModelSource
 from pagellm.errors import ConfigError
-from pagellm.model.config import ModelConfig
 from pagellm.sim.calibrated import CalibratedCostModel
 from pagellm.sim.cost_model import StepCostModel
-from pagellm.sim.gpu_presets import GiB, GpuSpec
-from pagellm.sim.kv_capacity import KVCapacity, activation_peak_bytes, kv_capacity, tp_sizes_that_fit
+from pagellm.sim.gpu_presets import GpuSpec
+from pagellm.sim.kv_capacity import gpu_memory_facts, simulated_cache_size
 from pagellm.model.costs import ModelCosts
 from pagellm.sim.model_presets import MODEL_PRESETS, get_model_preset
 from pagellm.sim.roofline import RooflineCostModel, RooflineParams
@@ -31,6 +35,7 @@ from pagellm.sim.tensor_parallel import (
     TensorParallelComm,
     TensorParallelLink,
     rank_costs,
+    tp_split_error,
 )
 
 
@@ -94,81 +99,101 @@ def calibrated_target(model: CalibratedCostModel) -> SimTarget:
 
 @dataclass(frozen=True)
 class SimEngineConfig:
-    scheduler_config: SchedulerConfig
-    cache_config: CacheConfig
-    kv: KVCapacity
+    """The engine's config on the target, with how its KV cache was sized."""
+
+    engine_config: EngineConfig  # sized (cache_config set)
+    kv: CacheSize
+
+    @property
+    def scheduler_config(self) -> SchedulerConfig:
+        return self.engine_config.scheduler_config
+
+    @property
+    def cache_config(self) -> CacheConfig:
+        assert self.engine_config.cache_config is not None
+        return self.engine_config.cache_config
+
+
+# The dtype a CPU target ran in, by its bytes per element (GPU targets are bfloat16, as
+# dtype auto resolves there).
+_CPU_DTYPES = {4: "float32", 2: "bfloat16"}
+
+
+def device_facts(target: SimTarget) -> DeviceFacts:
+    """The facts the engine would probe on the target's device."""
+    if target.gpu is not None:
+        return DeviceFacts(cuda_available=True)
+    return DeviceFacts(cpu_dtype_override=_CPU_DTYPES.get(target.dtype_bytes, "float32"))
+
+
+def memory_facts(target: SimTarget, config: EngineConfig) -> MemoryFacts:
+    """What one rank would measure before sizing the cache (nothing to measure on CPU)."""
+    if target.gpu is None:
+        return MemoryFacts()
+    scheduler = config.scheduler_config
+    return gpu_memory_facts(
+        target.model_config, target.dtype_bytes, target.gpu,
+        max_num_batched_tokens=scheduler.max_num_batched_tokens, max_num_seqs=scheduler.max_num_seqs,
+        tensor_parallel_size=target.tensor_parallel_size,
+    )  # fmt: skip
+
+
+def target_engine_config(target: SimTarget, args: EngineArgs) -> EngineConfig:
+    """The engine's resolver (config/) on the target's facts: every setting but the
+    KV cache's size."""
+    args = dataclasses.replace(args, tensor_parallel_size=target.tensor_parallel_size)
+    source = ModelSource("preset", Path(target.model_name), target.model_name)
+    return resolve_config(args, source, target.model_config, device_facts(target))
 
 
 def resolve_engine_config(target: SimTarget, args: EngineArgs) -> SimEngineConfig:
-    """The configs LLMEngine.from_engine_args would build for `args` on the target (the
-    same steps, in the same order; tests/sim/test_sim_target.py compares the two).
+    """The EngineConfig LLMEngine.from_engine_args would build for `args` on the target:
+    the engine's resolver and cache sizing, fed the target's facts.
 
-    Raises ConfigError where the engine would refuse to start.
-    """
-    args = args.with_profile()
-    model_max = target.model_config.max_position_embeddings
-    max_model_len = args.max_model_len or model_max
-    if max_model_len > model_max:
-        raise ConfigError(
-            f"max_model_len={max_model_len} exceeds what {target.model_name} supports ({model_max})"
-        )
-    budget = args.max_num_batched_tokens
-    if budget is None:
-        budget = DEFAULT_MAX_NUM_BATCHED_TOKENS if args.enable_chunked_prefill else max_model_len
-    scheduler_config = SchedulerConfig(
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=budget,
-        max_model_len=max_model_len,
-        enable_chunked_prefill=args.enable_chunked_prefill,
-        scheduling_policy=args.scheduling_policy,  # type: ignore[arg-type]
-        preemption_mode=args.preemption_mode,  # type: ignore[arg-type]
-        max_num_partial_prefills=args.max_num_partial_prefills,
-        long_prefill_token_threshold=args.long_prefill_token_threshold,
-        prefill_share=1.0 if args.prefill_share is None else args.prefill_share,
-    )
-    tp = target.tensor_parallel_size
+    Raises ConfigError where the engine would refuse to start (with the tensor-parallel
+    sizes at which the model would fit, where one GPU's memory is what fails)."""
+    config = target_engine_config(target, args)
     try:
-        kv = kv_capacity(
-            costs=target.costs,
-            block_size=args.block_size,
-            gpu=target.gpu,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            activation_bytes=activation_peak_bytes(
-                target.model_config, target.dtype_bytes, budget, args.max_num_seqs, tp
-            ),
-            kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-            num_gpu_blocks_override=args.num_gpu_blocks_override,
-            swap_space_bytes=int(args.swap_space * GiB) if args.preemption_mode == "swap" else 0,
-            tensor_parallel_size=tp,
-        )
+        kv = simulated_cache_size(
+            target.model_config, config.kv_cache_dtype, config.cache_budget, memory_facts(target, config),
+            target.tensor_parallel_size,
+        )  # fmt: skip
+        cache_config = sized_cache_config(config.cache_budget, kv, config.max_model_len)
     except ConfigError as e:
-        raise ConfigError(str(e) + _fit_hint(target, args, budget, max_model_len)) from None
-    cache_config = CacheConfig(
-        block_size=args.block_size,
-        num_gpu_blocks=kv.num_gpu_blocks,
-        num_cpu_blocks=kv.num_cpu_blocks,
-        enable_prefix_caching=args.enable_prefix_caching,
-    )
-    capacity = cache_config.max_num_cached_tokens
-    if -(-max_model_len // args.block_size) > cache_config.num_usable_gpu_blocks:
-        raise ConfigError(
-            f"the KV cache ({kv.how}) holds {capacity} tokens, too few for one request of "
-            f"max_model_len={max_model_len}; the largest max_model_len that fits is {capacity}"
-            + _fit_hint(target, args, budget, max_model_len)
-        )
-    return SimEngineConfig(scheduler_config, cache_config, kv)
+        raise ConfigError(str(e) + _fit_hint(target, config)) from None
+    return SimEngineConfig(config.with_cache(cache_config), kv)
 
 
-def _fit_hint(target: SimTarget, args: EngineArgs, budget: int, max_model_len: int) -> str:
+def tp_sizes_that_fit(target: SimTarget, config: EngineConfig) -> list[int]:
+    """The tensor-parallel sizes (up to one node) at which the model splits and each GPU
+    has room for its weights, its activations and the KV of one max_model_len request."""
+    assert target.gpu is not None
+    scheduler = config.scheduler_config
+    sizes = []
+    for tp in range(1, MAX_TENSOR_PARALLEL_SIZE + 1):
+        if tp_split_error(target.model_config, tp) is not None:
+            continue
+        memory = gpu_memory_facts(
+            target.model_config, target.dtype_bytes, target.gpu,
+            max_num_batched_tokens=scheduler.max_num_batched_tokens, max_num_seqs=scheduler.max_num_seqs,
+            tensor_parallel_size=tp,
+        )  # fmt: skip
+        try:
+            kv = simulated_cache_size(target.model_config, config.kv_cache_dtype, config.cache_budget, memory, tp)
+            sized_cache_config(config.cache_budget, kv, config.max_model_len)
+        except ConfigError:
+            continue
+        sizes.append(tp)
+    return sizes
+
+
+def _fit_hint(target: SimTarget, config: EngineConfig) -> str:
     """Where the model does not fit on one GPU's memory: the tensor-parallel sizes at
     which it would (only when the device memory decided the KV cache size)."""
-    if target.gpu is None or args.num_gpu_blocks_override is not None or args.kv_cache_memory_bytes is not None:
+    budget = config.cache_budget
+    if target.gpu is None or budget.num_gpu_blocks_override is not None or budget.kv_cache_memory_bytes is not None:
         return ""
-    sizes = tp_sizes_that_fit(
-        target.model_config, target.dtype_bytes, target.gpu,
-        gpu_memory_utilization=args.gpu_memory_utilization, block_size=args.block_size,
-        max_model_len=max_model_len, max_num_batched_tokens=budget, max_num_seqs=args.max_num_seqs,
-    )  # fmt: skip
+    sizes = tp_sizes_that_fit(target, config)
     tp = target.tensor_parallel_size
     if not sizes:
         return f"; it fits at no --tensor-parallel-size up to {MAX_TENSOR_PARALLEL_SIZE} either (now {tp})"

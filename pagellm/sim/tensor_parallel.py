@@ -1,9 +1,8 @@
 """Simulation stage: tensor parallelism in the cost model: one GPU's share of the model,
 and the time its all-reduces take.
 
-The split is the engine's (pagellm/model/tensor_parallel.py, which imports torch, so it
-is mirrored here; tests/sim checks that the two agree), Megatron-LM's as vLLM lays it
-out: q/k/v and gate/up are split by columns
+The split is the engine's (config/parallel.py), Megatron-LM's as vLLM lays it out:
+q/k/v and gate/up are split by columns
 (attention heads, MLP rows), o_proj and down_proj by rows, so each decoder layer ends its
 attention and its MLP with an all-reduce of the [num_tokens, hidden_size] activations.
 The embedding and the LM head are split by vocabulary: the embedding lookup ends with one
@@ -22,12 +21,13 @@ are intra-node links), so MAX_TENSOR_PARALLEL_SIZE is a node of 8 GPUs.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from pagellm.config.model import ModelConfig
+from pagellm.config import parallel
+from pagellm.config.parallel import rank_model_config
 from pagellm.errors import ConfigError
-from pagellm.model.config import ModelConfig
 from pagellm.model.costs import ModelCosts
 from pagellm.sim.interconnect_presets import InterconnectSpec
 
@@ -41,62 +41,22 @@ DEFAULT_ALLREDUCE_EFFICIENCY = 0.8
 
 
 def tp_split_error(config: ModelConfig, tensor_parallel_size: int) -> str | None:
-    """Why `config` cannot be split over `tensor_parallel_size` GPUs (None: it can).
-
-    Query heads must split evenly; KV heads must split evenly or each be replicated an
-    equal number of times; the MLP's intermediate rows must split evenly (vLLM's
-    column-parallel layers refuse an uneven split).
-    """
-    tp = tensor_parallel_size
-    if tp < 1:
-        return f"tensor_parallel_size must be at least 1, got {tp}"
-    if tp > MAX_TENSOR_PARALLEL_SIZE:
+    """Why `config` cannot be split over `tensor_parallel_size` GPUs of one node (None:
+    it can): the engine's rule (config/parallel.py), within one node."""
+    if tensor_parallel_size > MAX_TENSOR_PARALLEL_SIZE:
         return (
-            f"TP={tp} spans more than one node of {MAX_TENSOR_PARALLEL_SIZE} GPUs; "
+            f"TP={tensor_parallel_size} spans more than one node of {MAX_TENSOR_PARALLEL_SIZE} GPUs; "
             "inter-node tensor parallelism is not modelled"
         )
-    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    if heads % tp:
-        return f"num_attention_heads={heads} does not split over TP={tp}"
-    if kv_heads % tp and tp % kv_heads:
-        return f"num_key_value_heads={kv_heads} neither splits over nor replicates across TP={tp}"
-    if config.intermediate_size % tp:
-        return f"intermediate_size={config.intermediate_size} does not split over TP={tp}"
-    return None
-
-
-def check_tp_split(config: ModelConfig, tensor_parallel_size: int) -> None:
-    error = tp_split_error(config, tensor_parallel_size)
-    if error is not None:
-        raise ConfigError(error)
-
-
-def kv_heads_per_rank(num_kv_heads: int, tensor_parallel_size: int) -> int:
-    """KV heads each GPU holds: an even share, or one replicated head when there are
-    fewer KV heads than GPUs."""
-    return max(1, num_kv_heads // tensor_parallel_size)
-
-
-def rank_config(config: ModelConfig, tensor_parallel_size: int) -> ModelConfig:
-    """The shape one GPU of the group holds and computes, as a ModelConfig, so that
-    ModelCosts and the activation estimate apply to it unchanged. The vocabulary is
-    padded up to a multiple of TP, as vLLM pads the vocab-parallel embedding."""
-    tp = tensor_parallel_size
-    if tp == 1:
-        return config
-    check_tp_split(config, tp)
-    return dataclasses.replace(
-        config,
-        num_attention_heads=config.num_attention_heads // tp,
-        num_key_value_heads=kv_heads_per_rank(config.num_key_value_heads, tp),
-        intermediate_size=config.intermediate_size // tp,
-        vocab_size=-(-config.vocab_size // tp),
-    )
+    return parallel.tp_split_error(config, tensor_parallel_size)
 
 
 def rank_costs(config: ModelConfig, dtype_bytes: float, tensor_parallel_size: int) -> ModelCosts:
     """FLOPs and bytes of one GPU of the group (TP=1: the whole model's)."""
-    return ModelCosts.from_config(rank_config(config, tensor_parallel_size), dtype_bytes)
+    error = tp_split_error(config, tensor_parallel_size)
+    if error is not None:
+        raise ConfigError(error)
+    return ModelCosts.from_config(rank_model_config(config, tensor_parallel_size), dtype_bytes)
 
 
 def ring_all_reduce_seconds(

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagellm.errors import ConfigError
-from pagellm.model.config import ModelConfig
+from pagellm.config.model import ModelConfig
 from pagellm.sim.tensor_parallel import tp_split_error
 
 

@@ -6,15 +6,7 @@ import mmap
 
 import torch
 
-from pagellm.model.config import ModelConfig
-
-
-def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block takes across all layers (K and V) in the cache's dtype (fp8: one
-    byte per element, half of bf16)."""
-    element_size = dtype.itemsize
-    per_token = 2 * config.num_key_value_heads * config.head_dim * element_size
-    return config.num_hidden_layers * block_size * per_token
+from pagellm.config.model import ModelConfig
 
 
 def allocate_kv_caches(

@@ -8,13 +8,12 @@ from dataclasses import dataclass
 import torch
 
 from pagellm.config import SchedulerConfig
+from pagellm.config.units import GiB
 from pagellm.model.llama import LlamaForCausalLM
 from pagellm.worker.kv_cache import allocate_kv_caches
 from pagellm.worker.model_inputs import ScheduledSequence, prepare_model_inputs
 
 logger = logging.getLogger(__name__)
-
-GiB = 1 << 30
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,9 @@
-"""Worker stage: one rank's model share, KV cache and runner, built from the engine's settings.
+"""Worker stage: one rank's model share, KV cache and runner, built from the engine's config.
 
-The engine (driver) resolves every setting once into a `WorkerSpec`, which is all a rank
-needs, in this process or another one. Each rank then:
+The engine (driver) resolves every setting once into an `EngineConfig` (config/), which
+is all a rank needs, in this process or another one. Each rank then:
 
-1. loads its share of the model (`Worker(spec, rank, device)`),
+1. loads its share of the model (`Worker(config, rank, device)`),
 2. joins the tensor-parallel group (`connect`, size > 1 only),
 3. says how many KV blocks its memory holds (`cache_size`: the minimum over ranks, since
    every rank holds the same block ids for its own heads),
@@ -17,48 +17,21 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from pagellm.attention.kv_cache_dtype import torch_dtype
 from pagellm.attention.selector import get_attention_backend
-from pagellm.config import SchedulerConfig
+from pagellm.config.cache import CacheSize, MemoryFacts, decide_cache_size, kv_bytes_per_block
+from pagellm.config.engine_config import EngineConfig
+from pagellm.config.units import GiB
 from pagellm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from pagellm.model.config import ModelConfig
-from pagellm.model.loader import ModelSource, load_model
+from pagellm.model.loader import load_model
 from pagellm.model.tensor_parallel import TPLayout
 from pagellm.spec_decode.draft_model import DraftModelProposer
-from pagellm.worker.cache_sizing import GiB, CacheSize, decide_cache_size
+from pagellm.worker.memory import available_ram_bytes
 from pagellm.worker.cuda_graphs import DEFAULT_MAX_CAPTURE_BATCH_SIZE, capture_sizes
 from pagellm.worker.distributed import DistributedTPGroup
-from pagellm.worker.kv_cache import kv_cache_bytes_per_block
 from pagellm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class WorkerSpec:
-    """Every resolved setting a rank needs (picklable: it travels to worker processes)."""
-
-    source: ModelSource
-    model_config: ModelConfig  # the full model
-    scheduler_config: SchedulerConfig
-    dtype: torch.dtype
-    kv_cache_dtype: torch.dtype
-    block_size: int
-    seed: int = 0
-    attention_backend: str = "auto"
-    load_format: str = "auto"
-    quantization: str = "auto"
-    gpu_memory_utilization: float = 0.9
-    kv_cache_memory_bytes: int | None = None
-    num_gpu_blocks_override: int | None = None
-    swap_space_bytes: int = 0  # host memory for swapped-out blocks (swap preemption only)
-    enforce_eager: bool = False
-    max_capture_batch_size: int | None = None  # None: min(max_num_seqs, 512)
-    tensor_parallel_size: int = 1
-    num_threads: int | None = None  # CPU threads per rank (None: torch's default)
-    # Speculative decoding's draft model (tensor_parallel_size 1 only): its own weights
-    # and a KV cache addressed by the target's block ids.
-    draft_source: ModelSource | None = None
-    draft_model_config: ModelConfig | None = None
 
 
 @dataclass(frozen=True)
@@ -89,30 +62,34 @@ def decode_graph_sizes(
 
 
 class Worker:
-    def __init__(self, spec: WorkerSpec, rank: int, device: torch.device) -> None:
-        self.spec = spec
+    def __init__(self, config: EngineConfig, rank: int, device: torch.device) -> None:
+        self.config = config
         self.rank = rank
         self.device = device
+        self.dtype = torch_dtype(config.dtype)
+        self.kv_cache_dtype = torch_dtype(config.kv_cache_dtype)
         if device.type == "cuda":
             torch.cuda.set_device(device)
         # torch's thread count is the process's: the driver's share of the cores holds
         # until close() gives the process its own count back.
         self._previous_threads = torch.get_num_threads()
-        if spec.num_threads is not None and device.type == "cpu":
-            torch.set_num_threads(spec.num_threads)
-        torch.manual_seed(spec.seed)
+        parallel = config.parallel_config
+        if parallel.num_threads_per_rank is not None and device.type == "cpu":
+            torch.set_num_threads(parallel.num_threads_per_rank)
+        torch.manual_seed(config.seed)
         self.tp: DistributedTPGroup | None = None
-        if spec.tensor_parallel_size > 1:
-            self.tp = DistributedTPGroup(TPLayout.of(spec.model_config, rank, spec.tensor_parallel_size))
-        self.backend = get_attention_backend(spec.attention_backend, device)
+        if parallel.tensor_parallel_size > 1:
+            self.tp = DistributedTPGroup(TPLayout.of(config.model_config, rank, parallel.tensor_parallel_size))
+        self.backend = get_attention_backend(config.attention_backend, device)
         self.model = load_model(
-            spec.source, spec.model_config, self.backend, spec.dtype, device, spec.load_format, spec.quantization, self.tp
+            config.source, config.model_config, self.backend, self.dtype, device, config.load_format,
+            config.quantization, self.tp,
         )  # fmt: skip
         self.draft_model = None
-        if spec.draft_source is not None:
-            assert spec.draft_model_config is not None and self.tp is None
+        if config.draft is not None:
+            assert self.tp is None
             self.draft_model = load_model(
-                spec.draft_source, spec.draft_model_config, self.backend, spec.dtype, device, "auto", "auto"
+                config.draft.source, config.draft.model_config, self.backend, self.dtype, device, "auto", "auto"
             )
         self.runner: ModelRunner | None = None
 
@@ -125,43 +102,24 @@ class Worker:
         self.tp.connect(init_method, self.device)
 
     def graph_sizes(self) -> list[int]:
-        spec = self.spec
+        config = self.config
         return decode_graph_sizes(
             self.device,
             self.backend.name,
-            enforce_eager=spec.enforce_eager,
-            max_capture_batch_size=spec.max_capture_batch_size,
-            max_num_seqs=spec.scheduler_config.max_num_seqs,
-            tensor_parallel_size=spec.tensor_parallel_size,
+            enforce_eager=config.enforce_eager,
+            max_capture_batch_size=config.max_capture_batch_size,
+            max_num_seqs=config.scheduler_config.max_num_seqs,
+            tensor_parallel_size=config.parallel_config.tensor_parallel_size,
         )
 
     def cache_size(self) -> CacheSize:
         """How many blocks this rank's memory holds; with tensor parallelism the minimum
         over ranks (a collective: every rank calls it)."""
-        spec = self.spec
-        config = self.model.config  # this rank's heads
-        bytes_per_block = kv_cache_bytes_per_block(config, spec.block_size, spec.kv_cache_dtype)
+        config, budget = self.config, self.config.cache_budget
+        bytes_per_block = kv_bytes_per_block(self.model.config, budget.block_size, config.kv_cache_dtype)  # this rank's heads
         if self.draft_model is not None:  # a block holds the draft's K/V of its positions too
-            bytes_per_block += kv_cache_bytes_per_block(self.draft_model.config, spec.block_size, spec.kv_cache_dtype)
-        peak = None
-        if self.device.type == "cuda" and spec.num_gpu_blocks_override is None and spec.kv_cache_memory_bytes is None:
-            from pagellm.worker.profiling import profile_memory
-
-            sizes = self.graph_sizes()
-            profile = profile_memory(
-                self.model, spec.scheduler_config, spec.block_size, spec.kv_cache_dtype, self.device,
-                graph_batch_size=max(sizes) if sizes else None,
-            )  # fmt: skip
-            peak = profile.total_bytes
-        size = decide_cache_size(
-            bytes_per_block=bytes_per_block,
-            device=self.device,
-            gpu_memory_utilization=spec.gpu_memory_utilization,
-            kv_cache_memory_bytes=spec.kv_cache_memory_bytes,
-            num_gpu_blocks_override=spec.num_gpu_blocks_override,
-            swap_space_bytes=spec.swap_space_bytes,
-            profiled_peak_bytes=peak,
-        )
+            bytes_per_block += kv_bytes_per_block(self.draft_model.config, budget.block_size, config.kv_cache_dtype)
+        size = decide_cache_size(budget, bytes_per_block, self._memory_facts())
         if self.tp is None:
             return size
         num_gpu = self.tp.min_over_ranks(size.num_gpu_blocks)
@@ -169,24 +127,43 @@ class Worker:
         how = size.how if num_gpu == size.num_gpu_blocks else f"{size.how}; the smallest over {self.tp.layout.size} ranks"
         return replace(size, num_gpu_blocks=num_gpu, num_cpu_blocks=num_cpu, how=how)
 
+    def _memory_facts(self) -> MemoryFacts:
+        """This rank's memory, measured only where the budget depends on it: a GPU's total
+        and the peak of a profiling forward, or the RAM free now."""
+        budget = self.config.cache_budget
+        if budget.num_gpu_blocks_override is not None or budget.kv_cache_memory_bytes is not None:
+            return MemoryFacts()
+        if self.device.type != "cuda":
+            return MemoryFacts(available_ram_bytes=available_ram_bytes())
+        from pagellm.worker.profiling import profile_memory
+
+        sizes = self.graph_sizes()
+        profile = profile_memory(
+            self.model, self.config.scheduler_config, budget.block_size, self.kv_cache_dtype, self.device,
+            graph_batch_size=max(sizes) if sizes else None,
+        )  # fmt: skip
+        properties = torch.cuda.get_device_properties(self.device)
+        return MemoryFacts(device_total_bytes=properties.total_memory, used_bytes=profile.total_bytes, device_name=properties.name)
+
     def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+        block_size = self.config.cache_budget.block_size
         self.runner = ModelRunner(
             self.model,
-            self.spec.block_size,
+            block_size,
             num_gpu_blocks,
             num_cpu_blocks,
-            self.spec.kv_cache_dtype,
+            self.kv_cache_dtype,
             self.device,
             is_driver=self.is_driver,
         )
         if self.draft_model is not None:
             self.runner.draft = DraftModelProposer(
-                self.draft_model, num_gpu_blocks, self.spec.block_size, self.spec.kv_cache_dtype, self.device
+                self.draft_model, num_gpu_blocks, block_size, self.kv_cache_dtype, self.device
             )
         sizes = self.graph_sizes()
         if sizes:
             reserved = torch.cuda.memory_reserved(self.device)
-            self.runner.capture_decode_graphs(sizes, self.spec.scheduler_config.max_model_len)
+            self.runner.capture_decode_graphs(sizes, self.config.max_model_len)
             logger.info("CUDA graphs hold %.2f GiB", (torch.cuda.memory_reserved(self.device) - reserved) / GiB)
 
     def execute_model(

@@ -405,3 +405,13 @@ def test_closed_port_counts_every_request_as_failed(
     assert all("Connect" in message for message in result["errors"])
     assert "all 6 requests failed" in err and f"127.0.0.1:{port}" in err
     assert "Traceback" not in err
+
+
+def test_the_engine_and_the_benchmarks_report_the_same_percentiles():
+    """LLM.get_metrics() and `pagellm bench serve` summarise latencies with one function."""
+    from pagellm.metrics.engine_metrics import latency_summary
+
+    seconds = [0.010, 0.200, 0.030, 0.015, 0.090, 0.011, 0.500]
+    engine, bench = latency_summary(seconds), describe_ms(seconds)
+    assert (round(engine.p50 * 1000, 3), round(engine.p99 * 1000, 3)) == (bench["median"], bench["p99"])
+    assert engine.p99 == pytest.approx(0.200 + 0.3 * 0.94)  # interpolated between the two largest

@@ -39,7 +39,7 @@ def test_sweep_runs_each_setting_on_the_same_workload(folder, tmp_path, capsys):
 
 
 def test_every_named_setting_is_valid_engine_arguments():
-    from pagellm.engine.arg_utils import EngineArgs
+    from pagellm.config.engine_args import EngineArgs
 
     for knobs in SETTINGS.values():
         EngineArgs(**knobs).with_profile()

@@ -1,4 +1,5 @@
-"""The core is pure Python: importing it with torch blocked must work (DESIGN.md).
+"""The core and config/ are pure Python: importing them with torch blocked must work
+(docs/architecture.md).
 
 Two checks, so that a failure says where torch comes from:
 - the core modules themselves, loaded under a bare `pagellm` package (its __init__ not run);
@@ -21,8 +22,9 @@ IMPORT_CORE = textwrap.dedent(
     """
     import importlib, pkgutil
     import pagellm.config, pagellm.request, pagellm.core
-    for module in pkgutil.iter_modules(pagellm.core.__path__, "pagellm.core."):
-        importlib.import_module(module.name)
+    for package in (pagellm.core, pagellm.config):
+        for module in pkgutil.iter_modules(package.__path__, package.__name__ + "."):
+            importlib.import_module(module.name)
     heavy = sorted(m for m in ("numpy", "triton", "transformers") if m in sys.modules)
     assert not heavy, f"core pulled in {heavy}"
     print("ok")

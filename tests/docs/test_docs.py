@@ -464,7 +464,7 @@ def test_every_documented_metric_exists():
 
 
 def test_every_engine_argument_is_documented():
-    from pagellm.engine.arg_utils import EngineArgs
+    from pagellm.config.engine_args import EngineArgs
 
     text = page("engine-settings.md")
     assert not [f for f in EngineArgs.field_names() if f"`{f}`" not in text]

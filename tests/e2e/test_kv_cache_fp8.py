@@ -20,7 +20,8 @@ from hf_models import make_tiny_hf_checkpoint
 from reference import pagellm_greedy
 
 from pagellm import LLM
-from pagellm.engine.cli_args import add_engine_args
+from pagellm.attention.kv_cache_dtype import torch_dtype
+from pagellm.config.cli_args import add_engine_args
 from pagellm.errors import ConfigError
 
 NEW_TOKENS = 12
@@ -58,7 +59,7 @@ def test_fp8_cache_holds_more_blocks_in_the_same_bytes(folder, caplog, dtype, ra
             llm = LLM(folder, dtype=dtype, kv_cache_dtype=kv_cache_dtype, max_model_len=64, kv_cache_memory_bytes=1 << 20)
         usable = llm.engine.config.cache_config.num_usable_gpu_blocks
         assert _blocks_logged(caplog) == usable  # the start-up line reports it
-        assert llm.engine.runner.kv_caches[0].dtype == llm.engine.config.kv_cache_dtype
+        assert llm.engine.runner.kv_caches[0].dtype == torch_dtype(llm.engine.config.kv_cache_dtype)
         blocks[kv_cache_dtype] = usable
     assert blocks["fp8_e4m3"] == blocks["fp8_e5m2"] == ratio * blocks["auto"]
 

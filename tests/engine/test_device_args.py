@@ -11,7 +11,7 @@ from hf_models import make_tiny_hf_checkpoint
 
 from pagellm import LLM, SamplingParams
 from pagellm.attention.torch_backend import TorchAttentionBackend
-from pagellm.engine.arg_utils import EngineArgs
+from pagellm.config.engine_args import EngineArgs
 from pagellm.worker.worker import decode_graph_sizes
 from pagellm.errors import ConfigError
 from pagellm.worker.profiling import MemoryProfile
@@ -74,7 +74,7 @@ def test_memory_profile_adds_up():
 def test_cli_has_the_device_flags():
     import argparse
 
-    from pagellm.engine.cli_args import add_engine_args, engine_args_from_namespace
+    from pagellm.config.cli_args import add_engine_args, engine_args_from_namespace
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)

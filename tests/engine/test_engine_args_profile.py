@@ -2,7 +2,7 @@
 
 import pytest
 
-from pagellm.engine.arg_utils import PROFILES, EngineArgs
+from pagellm.config.engine_args import PROFILES, EngineArgs
 from pagellm.errors import ConfigError
 
 

@@ -7,7 +7,7 @@ from hf_models import make_tiny_hf_checkpoint
 
 from pagellm import LLM, SamplingParams
 from pagellm.errors import ConfigError, InvalidRequestError
-from pagellm.worker.kv_cache import kv_cache_bytes_per_block
+from pagellm.config.cache import kv_bytes_per_block
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +93,7 @@ def test_seeded_sampling_does_not_depend_on_the_batch(llm):
 def test_kv_cache_memory_bytes_sets_the_block_count(folder):
     llm = LLM(folder, max_model_len=64, kv_cache_memory_bytes=1 << 20)
     config = llm.engine.model_config
-    per_block = kv_cache_bytes_per_block(config, 16, torch.float32)
+    per_block = kv_bytes_per_block(config, 16, "float32")
     assert llm.engine.config.cache_config.num_gpu_blocks == (1 << 20) // per_block + 1
 
 

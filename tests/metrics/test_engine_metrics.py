@@ -10,6 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pagellm import LLM, SamplingParams
 from pagellm.core.kv_replay import block_map_of, read_events, replay
+from pagellm.config.cache import DTYPE_BYTES
 from pagellm.errors import InvalidRequestError
 
 PROMPTS = [[5 + i] * n for i, n in enumerate([3, 17, 32, 9, 40])]
@@ -135,7 +136,7 @@ def test_estimated_work_equals_the_steps_run(folder):
 
     llm = LLM(folder, max_model_len=128, max_num_batched_tokens=16)
     engine = llm.engine
-    cost = ModelCosts.from_config(engine.model_config, dtype_bytes=engine.config.dtype.itemsize)
+    cost = ModelCosts.from_config(engine.model_config, dtype_bytes=DTYPE_BYTES[engine.config.dtype])
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=MAX_TOKENS[i], ignore_eos=True))
     outputs = []

@@ -4,7 +4,7 @@ import pytest
 
 from pagellm.metrics.utilization import Ceilings, StepWork, Utilization, step_cost, utilization
 from pagellm.model.costs import ModelCosts
-from pagellm.model.config import ModelConfig
+from pagellm.config.model import ModelConfig
 
 
 def tiny_config(**overrides):

@@ -18,7 +18,7 @@ from pagellm.attention.selector import get_attention_backend
 from pagellm.model.loader import ModelSource, load_model, load_model_config
 from pagellm.worker.kv_cache import allocate_kv_caches
 from pagellm.worker.model_inputs import ScheduledSequence, prepare_model_inputs
-from pagellm.config import ConfigError
+from pagellm.errors import ConfigError
 from pagellm.errors import ModelLoadError
 from pagellm.kernels.weights import WeightType, kernels_support
 

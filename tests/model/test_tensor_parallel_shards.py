@@ -10,8 +10,9 @@ from gguf.quants import dequantize, quantize
 
 from pagellm.errors import ConfigError
 from pagellm.kernels.weights import WeightType, block_bytes
-from pagellm.model.config import ModelConfig
-from pagellm.model.tensor_parallel import TPLayout, check_tp_size, shard_blocks, shard_float, valid_tp_sizes
+from pagellm.config.model import ModelConfig
+from pagellm.config.parallel import check_tp_size, valid_tp_sizes
+from pagellm.model.tensor_parallel import TPLayout, shard_blocks, shard_float
 
 T = gguf.GGMLQuantizationType
 

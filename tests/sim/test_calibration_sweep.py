@@ -7,7 +7,7 @@ import json
 import pytest
 from hf_models import make_tiny_hf_checkpoint
 
-from pagellm.engine.arg_utils import EngineArgs
+from pagellm.config.engine_args import EngineArgs
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.entrypoints.cli import main
 from pagellm.errors import ConfigError

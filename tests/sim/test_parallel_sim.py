@@ -9,30 +9,27 @@ from types import SimpleNamespace
 import pytest
 
 from pagellm.config import CacheConfig, SchedulerConfig
-from pagellm.engine.arg_utils import EngineArgs
+from pagellm.config.engine_args import EngineArgs
 from pagellm.entrypoints.cli import build_parser, main
 from pagellm.errors import ConfigError
-from pagellm.model.config import ModelConfig
+from pagellm.config.model import ModelConfig
 from pagellm.sim.gpu_presets import GiB, GpuSpec, get_gpu_preset
 from pagellm.sim.interconnect_presets import (
     INTERCONNECT_PRESETS,
     default_interconnect,
     get_interconnect_preset,
 )
-from pagellm.sim.kv_capacity import (
-    GPU_RUNTIME_RESERVE_BYTES,
-    kv_capacity,
-    tp_sizes_that_fit,
-)
+from pagellm.config.cache import CacheBudget, MemoryFacts
+from pagellm.sim.kv_capacity import GPU_RUNTIME_RESERVE_BYTES, simulated_cache_size
 from pagellm.sim.model_presets import get_model_preset
 from pagellm.sim.replicas import merge_kv_samples, run_replicas, split_round_robin
 from pagellm.sim.roofline import RooflineParams
 from pagellm.sim.runs import simulate, target_from_args
 from pagellm.sim.sim_report import summarize_sim
-from pagellm.sim.sim_target import resolve_engine_config, roofline_target
+from pagellm.sim.sim_target import resolve_engine_config, roofline_target, target_engine_config, tp_sizes_that_fit
 from pagellm.sim.sim_workload import SimRequest
 from pagellm.sim.simulator import KVSample
-from pagellm.sim.tensor_parallel import TensorParallelLink, rank_costs
+from pagellm.sim.tensor_parallel import TensorParallelLink
 
 H100 = get_gpu_preset("H100-SXM")
 NVLINK4 = get_interconnect_preset("NVLink4")
@@ -74,7 +71,7 @@ def test_llama3_70b_kv_cache_at_tp4_on_h100_by_hand():
     block = 2 * 80 * 2 * 128 * 2 * 16
     budget = int(80 * GiB * 0.9 - weights - activations - GPU_RUNTIME_RESERVE_BYTES)
     assert kv.num_gpu_blocks == budget // block + 1
-    assert "on each of the TP=4 GPUs" in kv.how and "32.86 GiB weights" in kv.how
+    assert "on each of the TP=4 GPUs" in kv.how and "weights 32.86" in kv.how
 
 
 def test_kv_blocks_per_gpu_follow_the_kv_heads_it_holds():
@@ -98,9 +95,8 @@ def test_replicated_kv_heads_add_no_capacity():
                          rms_norm_eps=1e-5)  # fmt: skip
     blocks = {}
     for tp in (1, 2, 4):
-        costs = rank_costs(config, 2, tp)
-        blocks[tp] = kv_capacity(costs=costs, block_size=16, gpu=H100, gpu_memory_utilization=0.9,
-                                 activation_bytes=0, kv_cache_memory_bytes=1 << 20).num_gpu_blocks  # fmt: skip
+        budget = CacheBudget(block_size=16, kv_cache_memory_bytes=1 << 20)
+        blocks[tp] = simulated_cache_size(config, "bfloat16", budget, MemoryFacts(), tp).num_gpu_blocks
     # A block: K and V x 2 layers x heads held x 8 x 2 bytes x 16 tokens.
     assert blocks[1] == (1 << 20) // (2 * 2 * 2 * 8 * 2 * 16) + 1 == 513
     assert blocks[2] == blocks[4] == (1 << 20) // (2 * 2 * 1 * 8 * 2 * 16) + 1 == 1025
@@ -115,10 +111,10 @@ def test_a_model_too_big_for_one_gpu_names_the_tp_sizes_that_fit(capsys):
     # At TP=8 it resolves, with room for 1/8 of the weights per GPU.
     target = roofline_target("Llama-3-70B", H100, RooflineParams(), TensorParallelLink(8, NVLINK4))
     assert resolve_engine_config(target, EngineArgs()).cache_config.max_num_cached_tokens > 1_000_000
-    fits = {"gpu_memory_utilization": 0.9, "block_size": 16, "max_model_len": 8192,
-            "max_num_batched_tokens": 2048, "max_num_seqs": 256}  # fmt: skip
-    assert tp_sizes_that_fit(LLAMA_70B, 2, get_gpu_preset("A100-40GB"), **fits) == [4, 8]
-    assert tp_sizes_that_fit(get_model_preset("Llama-3-8B").config, 2, H100, **fits) == [1, 2, 4, 8]
+    args = EngineArgs(max_model_len=8192, max_num_batched_tokens=2048, max_num_seqs=256)
+    for model, gpu, sizes in (("Llama-3-70B", "A100-40GB", [4, 8]), ("Llama-3-8B", "H100-SXM", [1, 2, 4, 8])):
+        target = roofline_target(model, get_gpu_preset(gpu), RooflineParams())
+        assert tp_sizes_that_fit(target, target_engine_config(target, args)) == sizes
 
 
 # --- Data parallelism ----------------------------------------------------------------

@@ -7,7 +7,7 @@ import pytest
 from hf_models import make_tiny_hf_checkpoint
 
 from pagellm.workload.synthetic import WorkloadSpec
-from pagellm.engine.arg_utils import EngineArgs
+from pagellm.config.engine_args import EngineArgs
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.sim.real_run import run_on_engine
 from pagellm.sim.sim_report import summarize_sim

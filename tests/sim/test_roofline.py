@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pagellm.errors import ConfigError
-from pagellm.model.config import ModelConfig
+from pagellm.config.model import ModelConfig
 from pagellm.sim.gpu_presets import GpuSpec, get_gpu_preset
 from pagellm.model.costs import ModelCosts
 from pagellm.sim.model_presets import get_model_preset

@@ -1,19 +1,29 @@
-"""The simulator resolves engine arguments into the very configs the engine builds."""
+"""The simulator resolves engine arguments through the engine's own resolver: the same
+EngineConfig for the same arguments and facts (a check that it passes its facts through)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 from hf_models import make_tiny_hf_checkpoint
 
-from pagellm.engine.arg_utils import EngineArgs
+from pagellm.config.engine_args import EngineArgs
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.sim.calibrated import CalibratedCostModel, FitQuality, StepCostFit
 from pagellm.sim.sim_target import calibrated_target, resolve_engine_config
+from pagellm.sim.runs import target_from_args
+from pagellm.entrypoints.cli import build_parser
 
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
     return str(make_tiny_hf_checkpoint(tmp_path_factory.mktemp("tiny-target"), "llama", seed=2))
+
+
+def cpu_target(engine: LLMEngine):
+    fit = StepCostFit((1,), (0.01,), (1,), (0.0,), 0.0, 0.0, 0.0, FitQuality(1, 1.0, 0, 0, 0, 0))
+    return calibrated_target(CalibratedCostModel(fit, "tiny", engine.model_config, "float32", 4))
 
 
 @pytest.mark.parametrize("fields", [
@@ -25,16 +35,30 @@ def tiny_model(tmp_path_factory):
     {"max_model_len": 256, "prefill_share": 0.5, "max_num_partial_prefills": 2,
      "long_prefill_token_threshold": 64, "scheduling_policy": "shortest-remaining"},
 ])  # fmt: skip
-def test_same_configs_as_the_engine(tiny_model, fields):
+def test_same_engine_config_as_the_engine(tiny_model, fields):
     args = EngineArgs(model=tiny_model, dtype="float32", disable_log_stats=True, **fields)
     engine = LLMEngine.from_engine_args(args)
-    fit = StepCostFit((1,), (0.01,), (1,), (0.0,), 0.0, 0.0, 0.0, FitQuality(1, 1.0, 0, 0, 0, 0))
-    target = calibrated_target(CalibratedCostModel(fit, "tiny", engine.model_config, "float32", 4))
-    resolved = resolve_engine_config(target, args)
-    assert resolved.scheduler_config == engine.config.scheduler_config
+    try:
+        resolved = resolve_engine_config(cpu_target(engine), args).engine_config
+    finally:
+        engine.close()
+    # The simulator knows the shapes, not the files.
+    resolved = dataclasses.replace(resolved, source=engine.config.source)
     if "num_gpu_blocks_override" in fields or "kv_cache_memory_bytes" in fields:
-        assert resolved.cache_config == engine.config.cache_config
+        assert resolved == engine.config
     else:
         # The engine's CPU default budget is also capped at half of the free RAM of the
         # machine it runs on; the simulator takes the fixed default.
-        assert resolved.cache_config.block_size == engine.config.cache_config.block_size
+        assert dataclasses.replace(resolved, cache_config=engine.config.cache_config) == engine.config
+
+
+def test_a_sliding_window_model_gets_one_answer(tmp_path):
+    """A Mistral-style checkpoint with 4096 positions and a 64-token window: the engine
+    and `pagellm simulate --model` on the same folder plan the same max_model_len."""
+    folder = make_tiny_hf_checkpoint(tmp_path, "mistral", seed=1, max_position_embeddings=4096, sliding_window=64)
+    engine = LLMEngine.from_engine_args(EngineArgs(model=str(folder), dtype="float32", disable_log_stats=True))
+    engine_len = engine.config.max_model_len
+    engine.close()
+    args = build_parser().parse_args(["simulate", "--model", str(folder), "--gpu", "H100-SXM"])
+    target = target_from_args(args)
+    assert resolve_engine_config(target, EngineArgs()).scheduler_config.max_model_len == engine_len == 64

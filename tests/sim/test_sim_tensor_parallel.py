@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from pagellm.errors import ConfigError
-from pagellm.model.config import ModelConfig
+from pagellm.config.model import ModelConfig
+from pagellm.config.parallel import kv_heads_per_rank, rank_model_config
 from pagellm.model.costs import ModelCosts
 from pagellm.sim.gpu_presets import GpuSpec, get_gpu_preset
 from pagellm.sim.interconnect_presets import InterconnectSpec, get_interconnect_preset
@@ -16,8 +17,6 @@ from pagellm.sim.step_batch import StepBatch
 from pagellm.sim.tensor_parallel import (
     TensorParallelComm,
     TensorParallelLink,
-    kv_heads_per_rank,
-    rank_config,
     rank_costs,
     ring_all_reduce_seconds,
     ring_gather_seconds,
@@ -67,7 +66,7 @@ def test_kv_heads_are_replicated_when_fewer_than_gpus():
     assert kv_heads_per_rank(8, 4) == 2 and kv_heads_per_rank(8, 8) == 1 and kv_heads_per_rank(2, 4) == 1
     full = ModelCosts.from_config(TOY, 2)
     quarter = rank_costs(TOY, 2, 4)  # 2 KV heads over 4 GPUs: each holds one, twice over
-    assert rank_config(TOY, 4).num_key_value_heads == 1
+    assert rank_model_config(TOY, 4).num_key_value_heads == 1
     # KV per GPU is 1/2 of the model's, not 1/4: a block costs twice the split's share.
     assert quarter.kv_bytes_per_token == full.kv_bytes_per_token / 2 == 2 * 2 * 1 * 2 * 2
     assert quarter.kv_bytes_per_block(16) == 2 * ModelCosts.from_config(TOY, 2).kv_bytes_per_block(16) / 4
@@ -92,7 +91,7 @@ def test_splits_that_do_not_work_are_named(config, tp, fragment):
     error = tp_split_error(config, tp)
     assert error is not None and fragment in error
     with pytest.raises(ConfigError, match=fragment.split(" ")[0]):
-        rank_config(config, tp)
+        rank_costs(config, 2, tp)
 
 
 def test_splits_that_work():
@@ -158,18 +157,3 @@ def test_link_parameters_are_checked():
         TensorParallelLink(2, nvlink, allreduce_latency_s=-1.0)
     with pytest.raises(ConfigError, match="--tensor-parallel-size"):
         TensorParallelLink(0, nvlink)
-
-
-@pytest.mark.parametrize("model", ["Llama-3-8B", "Llama-3-70B", "Qwen2.5-7B", "SmolLM2-135M"])
-def test_the_split_is_the_engines(model):
-    pytest.importorskip("torch")
-    from pagellm.model.tensor_parallel import TPLayout, valid_tp_sizes
-
-    config = get_model_preset(model).config
-    assert [tp for tp in range(1, 9) if tp_split_error(config, tp) is None] == valid_tp_sizes(config, limit=8)
-    for tp in valid_tp_sizes(config, limit=8):
-        share, layout = rank_config(config, tp), TPLayout.of(config, 0, tp)
-        assert share.num_attention_heads == layout.num_heads
-        assert share.num_key_value_heads == layout.num_kv_heads
-        assert share.intermediate_size == layout.intermediate_size
-        assert share.vocab_size == layout.vocab_per_rank

@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, RedirectResponse,
 from fastapi.staticfiles import StaticFiles
 
 from pagellm.engine.async_llm import AsyncLLM
-from pagellm.engine.cli_args import engine_args_from_namespace
+from pagellm.config.cli_args import engine_args_from_namespace
 from pagellm.entrypoints.openai import metrics
 from pagellm.entrypoints.openai.auth import ApiKeyMiddleware
 from pagellm.entrypoints.openai.openapi_docs import (

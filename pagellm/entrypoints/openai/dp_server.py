@@ -34,8 +34,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from pagellm.engine.arg_utils import EngineArgs
-from pagellm.engine.cli_args import engine_args_from_namespace, engine_args_to_cli
+from pagellm.config.engine_args import EngineArgs
+from pagellm.config.cli_args import engine_args_from_namespace, engine_args_to_cli
 from pagellm.entrypoints.dashboard import STATIC_DIR
 from pagellm.entrypoints.openai.api_server import bind_socket, keep_signals_from_killing
 from pagellm.entrypoints.openai.auth import ApiKeyMiddleware

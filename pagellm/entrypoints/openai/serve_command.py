@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from pagellm.engine.cli_args import add_engine_args
+from pagellm.config.cli_args import add_engine_args
 from pagellm.entrypoints.openai.limits_config import RequestLimits, add_limit_args
 from pagellm.errors import ConfigError
 

@@ -5,18 +5,17 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 from pagellm.attention.backend import AttentionBackend
-from pagellm.config import QUANTIZATION_CHOICES, ConfigError
-from pagellm.errors import ModelLoadError
+from pagellm.config.engine_args import QUANTIZATION_CHOICES
+from pagellm.config.model import ModelConfig, ModelSource
+from pagellm.errors import ConfigError, ModelLoadError
 from pagellm.kernels.weights import WeightPart, WeightType, kernels_support, quantize_int8_rows
 from pagellm.model.layers import RotaryEmbedding
-from pagellm.model.config import ModelConfig
 from pagellm.model.llama import LlamaForCausalLM
 from pagellm.model.tensor_parallel import TPGroup, TPLayout, shard_float
 from pagellm.kernels.build import load_kernels
@@ -32,15 +31,6 @@ if TYPE_CHECKING:
     from pagellm.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ModelSource:
-    """A resolved checkpoint: a GGUF file or an HF checkpoint folder."""
-
-    format: str  # "gguf" | "hf"
-    path: Path
-    name: str  # what the user calls it (served model name by default)
 
 
 def resolve_model_source(model: str | None) -> ModelSource:

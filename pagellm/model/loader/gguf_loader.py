@@ -22,7 +22,8 @@ from pagellm.kernels.weights import (
     file_row_bytes,
     pack_rows,
 )
-from pagellm.model.config import SUPPORTED_GGUF_ARCHITECTURES, ModelConfig, RopeScaling
+from pagellm.config.model import ModelConfig, RopeScaling
+from pagellm.model.architectures import SUPPORTED_GGUF_ARCHITECTURES
 from pagellm.model.tensor_parallel import TPLayout, shard_blocks, shard_float
 
 logger = logging.getLogger(__name__)

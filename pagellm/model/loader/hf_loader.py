@@ -12,7 +12,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from pagellm.errors import ModelLoadError, UnsupportedModelError
-from pagellm.model.config import SUPPORTED_HF_ARCHITECTURES, ModelConfig, RopeScaling
+from pagellm.config.model import ModelConfig, RopeScaling
+from pagellm.model.architectures import SUPPORTED_HF_ARCHITECTURES
 
 logger = logging.getLogger(__name__)
 

@@ -11,9 +11,9 @@ import httpx2
 import pytest
 from serve_helpers import ServerProcess
 
-from pagellm.engine.arg_utils import EngineArgs
+from pagellm.config.engine_args import EngineArgs
 from pagellm.entrypoints.cli import build_parser
-from pagellm.engine.cli_args import engine_args_from_namespace
+from pagellm.config.cli_args import engine_args_from_namespace
 
 
 def test_serve_takes_server_flags_and_every_engine_argument():

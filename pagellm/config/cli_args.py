@@ -1,4 +1,4 @@
-"""Engine stage: every EngineArgs field as a command-line flag with the same name.
+"""Config stage: every EngineArgs field as a command-line flag with the same name.
 
 Below every command that builds an engine from flags (entrypoints' generate and serve,
 sim's calibrate), so none of them reaches into another's package for it.
@@ -11,16 +11,19 @@ import dataclasses
 import types
 import typing
 
-from pagellm.config import (
+from pagellm.config.cache import KV_CACHE_DTYPES
+from pagellm.config.engine_args import (
     ATTENTION_BACKENDS,
-    DISTRIBUTED_EXECUTOR_BACKENDS,
-    KV_CACHE_DTYPES,
+    DEVICE_CHOICES,
+    DTYPE_CHOICES,
     LOAD_FORMATS,
-    PREEMPTION_MODES,
+    PROFILE_CHOICES,
+    PROFILES,
     QUANTIZATION_CHOICES,
-    SCHEDULING_POLICIES,
+    EngineArgs,
 )
-from pagellm.engine.arg_utils import DEVICE_CHOICES, DTYPE_CHOICES, PROFILE_CHOICES, PROFILES, EngineArgs
+from pagellm.config.parallel import DISTRIBUTED_EXECUTOR_BACKENDS
+from pagellm.config.scheduler import PREEMPTION_MODES, SCHEDULING_POLICIES
 
 _CHOICES = {
     "dtype": DTYPE_CHOICES,

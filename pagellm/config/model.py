@@ -1,15 +1,21 @@
-"""Model stage: the architecture description of a Llama-family checkpoint."""
+"""Config stage: which checkpoint runs, and its architecture's shapes and numerics."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from pagellm.errors import UnsupportedModelError
 
-# Architectures the one Llama-family implementation covers; the differences between
-# them are all expressed by ModelConfig fields (biases, tying, rope, sliding window).
-SUPPORTED_HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2")
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A resolved checkpoint: a GGUF file or an HF checkpoint folder (or, in the
+    simulator, a preset: shapes without weights)."""
+
+    format: str  # "gguf" | "hf" | "preset"
+    path: Path
+    name: str  # what the user calls it (served model name by default)
 
 
 @dataclass(frozen=True)

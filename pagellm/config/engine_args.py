@@ -1,25 +1,24 @@
-"""Setup stage: the engine arguments users set, with vLLM's names and defaults."""
+"""Config stage: the engine arguments users set, with vLLM's names and defaults."""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
 
-from pagellm.config import (
-    ATTENTION_BACKENDS,
-    DISTRIBUTED_EXECUTOR_BACKENDS,
-    KV_CACHE_DTYPES,
-    LOAD_FORMATS,
-    PREEMPTION_MODES,
-    QUANTIZATION_CHOICES,
-    SCHEDULING_POLICIES,
-)
-from pagellm.config import resolve_speculative_config
+from pagellm.config.cache import KV_CACHE_DTYPES
+from pagellm.config.parallel import DISTRIBUTED_EXECUTOR_BACKENDS
+from pagellm.config.scheduler import PREEMPTION_MODES, SCHEDULING_POLICIES
+from pagellm.config.speculative import resolve_speculative_config
 from pagellm.errors import ConfigError
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+# torch: the reference; cpu: the compiled CPU decode kernel; triton: the GPU kernels.
+ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "torch", "cpu", "triton")
+# auto: weights from the checkpoint; dummy: random weights of the checkpoint's shapes,
+# made on the device (benchmarks of large shapes without their files).
+LOAD_FORMATS: tuple[str, ...] = ("auto", "dummy")
+QUANTIZATION_CHOICES: tuple[str, ...] = ("auto", "none", "int8")
 PROFILE_CHOICES = ("interactive", "offline")
 
 # What each --profile sets, for the knobs the user left unset. interactive keeps steps

@@ -1,0 +1,154 @@
+"""Config stage: the paged KV cache's shape, and how many blocks a memory budget holds.
+
+The block count is the one setting that needs a measurement first (the device's memory,
+what the loaded model and a profiling forward use, the RAM free now). Each rank measures
+them into `MemoryFacts`; `decide_cache_size` turns facts and the user's budget settings
+into blocks, the same function whether the facts were measured by a worker or estimated
+by the simulator from a GPU preset.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagellm.config.model import ModelConfig
+from pagellm.config.units import GiB, cdiv
+from pagellm.config.validation import check_int
+from pagellm.errors import ConfigError
+
+# auto: the KV cache in the model's dtype; fp8_*: 8-bit floats (torch.float8_e4m3fn,
+# torch.float8_e5m2), half the bytes of bf16, per-tensor scale 1.0, saturated on store.
+KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8_e4m3", "fp8_e5m2")
+# Bytes per element of every dtype a model or its KV cache may be resolved to.
+DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1}
+# On CPU the "device" memory is the machine's RAM, shared with everything else: the KV
+# cache gets a fixed budget (like vLLM's CPU backend) rather than a fraction of all RAM.
+DEFAULT_CPU_KV_CACHE_BYTES = 4 * GiB
+
+
+@dataclass(frozen=True, kw_only=True)
+class CacheConfig:
+    """Shape of the paged KV cache.
+
+    num_gpu_blocks counts every device block including block 0, which the block pool
+    reserves as a null block; the usable capacity is (num_gpu_blocks - 1) * block_size
+    tokens. num_cpu_blocks is the host pool used when requests are swapped out
+    (0 = swapping impossible; swap preemption then falls back to recompute).
+    """
+
+    block_size: int = 16
+    num_gpu_blocks: int
+    num_cpu_blocks: int = 0
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        check_int("CacheConfig", "block_size", self.block_size, 1)
+        # Block 0 is the null block, so one more is needed to hold any token at all.
+        check_int("CacheConfig", "num_gpu_blocks", self.num_gpu_blocks, 2)
+        check_int("CacheConfig", "num_cpu_blocks", self.num_cpu_blocks, 0)
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ConfigError(
+                "CacheConfig.enable_prefix_caching must be a bool, "
+                f"got {self.enable_prefix_caching!r}."
+            )
+
+    @property
+    def num_usable_gpu_blocks(self) -> int:
+        """Device blocks that can hold tokens (all but the null block)."""
+        return self.num_gpu_blocks - 1
+
+    @property
+    def max_num_cached_tokens(self) -> int:
+        """Most tokens the device cache can hold at once."""
+        return self.num_usable_gpu_blocks * self.block_size
+
+
+@dataclass(frozen=True, kw_only=True)
+class CacheBudget:
+    """The user's settings that size the cache, in order of precedence:
+    num_gpu_blocks_override, kv_cache_memory_bytes, then the device's budget
+    (gpu_memory_utilization of a GPU's memory; a fixed default on CPU)."""
+
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None
+    num_gpu_blocks_override: int | None = None
+    swap_space_bytes: int = 0  # host memory for swapped-out blocks (swap preemption only)
+
+
+@dataclass(frozen=True)
+class MemoryFacts:
+    """What one rank measured (or the simulator estimated) about its memory."""
+
+    device_total_bytes: int | None = None  # a GPU's memory; None on CPU
+    used_bytes: int = 0  # GPU: peak use besides the KV cache (weights, activations, ...)
+    used_how: str = "peak use (weights + activations)"  # what used_bytes counts, for the log
+    available_ram_bytes: int | None = None  # CPU: RAM free now (the budget takes half at most); None: no cap
+    device_name: str | None = None  # for messages ("no memory left ... on H100")
+
+
+@dataclass(frozen=True)
+class CacheSize:
+    num_gpu_blocks: int  # including the reserved null block 0
+    num_cpu_blocks: int
+    kv_cache_bytes: int
+    how: str  # how the size was decided, for the start-up log
+
+
+def kv_bytes_per_block(config: ModelConfig, block_size: int, kv_cache_dtype: str) -> int:
+    """Bytes one block takes across all layers (K and V) of `config` (one rank's heads
+    under tensor parallelism) in the cache's dtype (fp8: one byte per element)."""
+    per_token = 2 * config.num_key_value_heads * config.head_dim * DTYPE_BYTES[kv_cache_dtype]
+    return config.num_hidden_layers * block_size * per_token
+
+
+def decide_cache_size(budget: CacheBudget, bytes_per_block: int, memory: MemoryFacts) -> CacheSize:
+    """Device and host blocks for `budget` on a rank whose blocks take `bytes_per_block`."""
+    num_cpu_blocks = budget.swap_space_bytes // bytes_per_block
+    if budget.num_gpu_blocks_override is not None:
+        num = budget.num_gpu_blocks_override
+        how = "num_gpu_blocks_override"
+    else:
+        if budget.kv_cache_memory_bytes is not None:
+            size, how = budget.kv_cache_memory_bytes, "kv_cache_memory_bytes"
+        elif memory.device_total_bytes is not None:
+            total, used, fraction = memory.device_total_bytes, memory.used_bytes, budget.gpu_memory_utilization
+            size = int(total * fraction) - used
+            how = f"gpu_memory_utilization={fraction} of {total / GiB:.4g} GiB minus {used / GiB:.2f} GiB {memory.used_how}"
+            if size <= 0:
+                where = f" on {memory.device_name}" if memory.device_name else ""
+                raise ConfigError(
+                    f"no memory left for the KV cache{where}: {memory.used_how} take {used / GiB:.2f} GiB, "
+                    f"more than gpu_memory_utilization={fraction} of {total / GiB:.4g} GiB; raise "
+                    "gpu_memory_utilization or lower max_num_batched_tokens"
+                )
+        else:
+            size = DEFAULT_CPU_KV_CACHE_BYTES
+            if memory.available_ram_bytes is not None:
+                size = min(size, memory.available_ram_bytes // 2)
+            how = f"CPU default budget ({size / GiB:.2f} GiB)"
+        # +1: block 0 is the reserved null block and holds no tokens.
+        num = size // bytes_per_block + 1
+    if num < 2:
+        raise ConfigError(f"the KV cache budget ({how}) is smaller than one block of {bytes_per_block} bytes")
+    return CacheSize(num, num_cpu_blocks, (num - 1) * bytes_per_block, how)
+
+
+def sized_cache_config(budget: CacheBudget, size: CacheSize, max_model_len: int) -> CacheConfig:
+    """The cache the scheduler gets; one too small for a request of max_model_len is an
+    error that names the largest max_model_len it holds."""
+    cache_config = CacheConfig(
+        block_size=budget.block_size,
+        num_gpu_blocks=size.num_gpu_blocks,
+        num_cpu_blocks=size.num_cpu_blocks,
+        enable_prefix_caching=budget.enable_prefix_caching,
+    )
+    if cdiv(max_model_len, budget.block_size) > cache_config.num_usable_gpu_blocks:
+        capacity = cache_config.max_num_cached_tokens
+        raise ConfigError(
+            f"the KV cache ({size.how}) holds {capacity} tokens, too few for one request "
+            f"of max_model_len={max_model_len}; the largest max_model_len that fits is "
+            f"{capacity}. Lower max_model_len or give the cache more memory."
+        )
+    return cache_config
