@@ -38,9 +38,9 @@ from typing import Any
 from pagellm.config.engine_args import EngineArgs
 from pagellm.sim.gpu_presets import get_gpu_preset
 from pagellm.sim.roofline import RooflineParams
-from pagellm.sim.sim_report import summarize_sim
-from pagellm.sim.sim_target import resolve_engine_config, roofline_target
-from pagellm.sim.sim_workload import SimRequest
+from pagellm.sim.report import summarize_sim
+from pagellm.sim.target import resolve_engine_config, roofline_target
+from pagellm.sim.request_stream import SimRequest
 from pagellm.sim.simulator import Simulator
 from pagellm.sim.step_batch import StepBatch
 

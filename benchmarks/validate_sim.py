@@ -51,8 +51,8 @@ from typing import Any, Iterator
 
 from pagellm.workload.synthetic import WorkloadSpec
 from pagellm.sim.calibrated import CalibratedCostModel
-from pagellm.sim.sim_report import summarize_sim
-from pagellm.sim.sim_workload import SimRequest, SyntheticWorkload, make_synthetic_requests
+from pagellm.sim.report import summarize_sim
+from pagellm.sim.request_stream import SimRequest, SyntheticWorkload, make_synthetic_requests
 from pagellm.sim.simulator import Simulator
 
 logger = logging.getLogger("validate_sim")

@@ -51,8 +51,8 @@ def run_bench_knobs(args: argparse.Namespace) -> list[dict[str, Any]]:
     from pagellm.config.engine_args import EngineArgs
     from pagellm.engine.llm_engine import LLMEngine
     from pagellm.sim.real_run import run_on_engine
-    from pagellm.sim.sim_report import summarize_sim
-    from pagellm.sim.sim_workload import SyntheticWorkload, make_synthetic_requests
+    from pagellm.sim.report import summarize_sim
+    from pagellm.sim.request_stream import SyntheticWorkload, make_synthetic_requests
 
     from pagellm.model.loader import load_model_config, resolve_model_source
 

@@ -24,7 +24,7 @@ from pagellm.core.parallel_sampling import make_child_request
 from pagellm.core.prefill_balance import prefill_chunk_size, prefill_token_cap, remaining_work
 from pagellm.core.scheduler_integrity import check_scheduler_integrity
 from pagellm.core.scheduler_stats import SchedulerStats
-from pagellm.core.speculator import Speculator
+from pagellm.core.speculator_interface import Speculator
 from pagellm.core.step_plan import StepPlan
 from pagellm.core.request_limits import check_request_fits, check_stop
 from pagellm.core.request_queue import RequestQueue

@@ -3,7 +3,7 @@ with its source.
 
 Datasheets print NVLink as the total of both directions over all of a GPU's links
 ("900 GB/s" on an H100 SXM is 450 GB/s out and 450 GB/s in at once), and PCIe x16 per
-direction or as both together. The ring all-reduce formula (tensor_parallel.py) needs
+direction or as both together. The ring all-reduce formula (tensor_parallel_costs.py) needs
 what one GPU can send while it also receives: the per-direction (unidirectional)
 bandwidth, which is what nccl-tests reports as bus bandwidth ("The measurement is of a
 unidirectional bandwidth", NVIDIA/nccl-tests doc/PERFORMANCE.md). So

@@ -3,7 +3,7 @@
 For validating the simulator: requests are added to an LLMEngine at their arrival times
 (wall clock from the start), every step is timed, and a token counts as received when
 the step that produced it returns, exactly the simulator's definitions. The result is a
-SimResult, so sim_report.summarize_sim describes both runs with the same code.
+SimResult, so report.summarize_sim describes both runs with the same code.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from pagellm.errors import InvalidRequestError
 from pagellm.sampling_params import SamplingParams
 from pagellm.sim.engine_probe import EngineProbe
-from pagellm.sim.sim_workload import SimRequest
+from pagellm.sim.request_stream import SimRequest
 from pagellm.core.scheduler_stats import SchedulerStats
 from pagellm.sim.simulator import KVSampler, SimRequestResult, SimResult
 from pagellm.sim.step_batch import StepBatch

@@ -13,7 +13,7 @@ run one after the other, so their times add:
 - a fixed per-step overhead (CPU work the GPU waits for: scheduling, input preparation,
   sampling and output processing that is not overlapped);
 - with tensor parallelism, the group's all-reduces and the logits gather
-  (tensor_parallel.py). The FLOPs and bytes are then one GPU's share (`costs` is
+  (tensor_parallel_costs.py). The FLOPs and bytes are then one GPU's share (`costs` is
   tensor_parallel.rank_costs), since every GPU of the group works at once.
 
 The efficiency factors are assumptions, not measurements: the fraction of datasheet
@@ -31,7 +31,7 @@ from pagellm.errors import ConfigError
 from pagellm.sim.gpu_presets import GpuSpec
 from pagellm.model.costs import ModelCosts
 from pagellm.sim.step_batch import StepBatch
-from pagellm.sim.tensor_parallel import TensorParallelComm
+from pagellm.sim.tensor_parallel_costs import TensorParallelComm
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 Shared by `pagellm simulate` (one configuration) and `pagellm tune` (a grid of them):
 resolve the target and the workload once, then simulate engine configurations on them.
 A configuration may be data-parallel: that many replicas of the engine share the
-workload (replicas.py).
+workload (data_parallel.py).
 """
 
 from __future__ import annotations
@@ -19,25 +19,25 @@ from pagellm.errors import ConfigError
 from pagellm.sim.calibrated import CalibratedCostModel
 from pagellm.sim.gpu_presets import GiB, GpuSpec, get_gpu_preset
 from pagellm.sim.interconnect_presets import default_interconnect, get_interconnect_preset
-from pagellm.sim.replicas import ROUTING, run_replicas
-from pagellm.sim.sim_args import roofline_params_from, sim_workload_spec_from
-from pagellm.sim.sim_report import summarize_sim
-from pagellm.sim.sim_speculator import SimSpeculationConfig
-from pagellm.sim.sim_target import (
+from pagellm.sim.data_parallel import ROUTING, run_replicas
+from pagellm.sim.command_args import roofline_params_from, sim_workload_spec_from
+from pagellm.sim.report import summarize_sim
+from pagellm.sim.speculation import SimSpeculationConfig
+from pagellm.sim.target import (
     SimEngineConfig,
     SimTarget,
     calibrated_target,
     resolve_engine_config,
     roofline_target,
 )
-from pagellm.sim.sim_workload import (
+from pagellm.sim.request_stream import (
     SimRequest,
     SyntheticWorkload,
     make_synthetic_requests,
     read_trace,
 )
 from pagellm.sim.simulator import SimResult
-from pagellm.sim.tensor_parallel import TensorParallelLink
+from pagellm.sim.tensor_parallel_costs import TensorParallelLink
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ import argparse
 import logging
 from typing import Any
 
-from pagellm.sim.sim_args import (
+from pagellm.sim.command_args import (
     add_parallel_args,
     add_sim_engine_args,
     add_sim_speculation_args,
@@ -43,9 +43,9 @@ def add_simulate_parser(commands: Any) -> argparse.ArgumentParser:
 
 def run_simulate(args: argparse.Namespace) -> dict[str, Any]:
     from pagellm.sim.runs import make_record, simulate, target_from_args, workload_from_args
-    from pagellm.sim.sim_args import engine_args_from, speculation_from
-    from pagellm.sim.sim_report import print_sim_table
-    from pagellm.sim.sim_target import resolve_engine_config
+    from pagellm.sim.command_args import engine_args_from, speculation_from
+    from pagellm.sim.report import print_sim_table
+    from pagellm.sim.target import resolve_engine_config
 
     target = target_from_args(args)
     engine_args = engine_args_from(args)

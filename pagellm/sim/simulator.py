@@ -4,7 +4,7 @@ The loop is the engine's: schedule() -> execute -> update_from_output(), on the 
 Scheduler (and through it the KVCacheManager and BlockPool) that LLMEngine uses. Only
 the execution is replaced: a fake runner returns one sampled token for every request
 that reaches the end of its tokens (with speculation, a verification's accepted tokens
-and one more, sim_speculator.py), and the clock advances by the step duration the cost
+and one more, speculation.py), and the clock advances by the step duration the cost
 model predicts. Requests arriving while a step runs join at the next step, as in
 the engine's loop; an idle engine jumps to the next arrival.
 """
@@ -26,8 +26,8 @@ from pagellm.metrics.spec_decode_stats import SpecDecodeStats
 from pagellm.request import Request
 from pagellm.sampling_params import SamplingParams
 from pagellm.sim.cost_model import StepCostModel
-from pagellm.sim.sim_speculator import SimSpeculationConfig, SimSpeculator
-from pagellm.sim.sim_workload import SimRequest
+from pagellm.sim.speculation import SimSpeculationConfig, SimSpeculator
+from pagellm.sim.request_stream import SimRequest
 from pagellm.sim.step_batch import batch_from_schedule
 
 logger = logging.getLogger(__name__)

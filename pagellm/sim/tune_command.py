@@ -17,7 +17,7 @@ import time
 from typing import Any
 
 from pagellm.errors import ConfigError, PagellmError
-from pagellm.sim.sim_args import (
+from pagellm.sim.command_args import (
     TUNED_KNOBS,
     add_parallel_args,
     add_sim_engine_args,
@@ -76,7 +76,7 @@ def add_tune_parser(commands: Any) -> argparse.ArgumentParser:
 
 def run_tune(args: argparse.Namespace) -> dict[str, Any]:
     from pagellm.sim.runs import target_from_args, workload_from_args
-    from pagellm.sim.sim_args import engine_args_from
+    from pagellm.sim.command_args import engine_args_from
     from pagellm.sim.tune import DEFAULT_GRID, TuneGoal, grid_points, rank, run_grid
     from pagellm.sim.tune_layouts import enumerate_layouts
 

@@ -4,7 +4,7 @@ on N GPUs as DP replicas of a TP-GPU group (TP x DP = N).
 A layout is refused before any simulation when the model's heads cannot split over TP
 (tensor_parallel.tp_split_error); one whose GPUs cannot hold the model's share, its
 activations and the KV of one max_model_len request is refused when its engine
-configuration resolves (sim_target.resolve_engine_config), with the TP sizes that fit.
+configuration resolves (target.resolve_engine_config), with the TP sizes that fit.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 
 from pagellm.errors import ConfigError
 from pagellm.config.model import ModelConfig
-from pagellm.sim.tensor_parallel import tp_split_error
+from pagellm.sim.tensor_parallel_costs import tp_split_error
 
 
 @dataclass(frozen=True)

@@ -22,14 +22,14 @@ from pagellm.sim.interconnect_presets import (
 from pagellm.config.cache import CacheBudget, MemoryFacts
 from pagellm.sim.kv_capacity import GPU_RUNTIME_RESERVE_BYTES, simulated_cache_size
 from pagellm.sim.model_presets import get_model_preset
-from pagellm.sim.replicas import merge_kv_samples, run_replicas, split_round_robin
+from pagellm.sim.data_parallel import merge_kv_samples, run_replicas, split_round_robin
 from pagellm.sim.roofline import RooflineParams
 from pagellm.sim.runs import simulate, target_from_args
-from pagellm.sim.sim_report import summarize_sim
-from pagellm.sim.sim_target import resolve_engine_config, roofline_target, target_engine_config, tp_sizes_that_fit
-from pagellm.sim.sim_workload import SimRequest
+from pagellm.sim.report import summarize_sim
+from pagellm.sim.target import resolve_engine_config, roofline_target, target_engine_config, tp_sizes_that_fit
+from pagellm.sim.request_stream import SimRequest
 from pagellm.sim.simulator import KVSample
-from pagellm.sim.tensor_parallel import TensorParallelLink
+from pagellm.sim.tensor_parallel_costs import TensorParallelLink
 
 H100 = get_gpu_preset("H100-SXM")
 NVLINK4 = get_interconnect_preset("NVLink4")

@@ -10,8 +10,8 @@ from pagellm.workload.synthetic import WorkloadSpec
 from pagellm.config.engine_args import EngineArgs
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.sim.real_run import run_on_engine
-from pagellm.sim.sim_report import summarize_sim
-from pagellm.sim.sim_workload import SyntheticWorkload, make_synthetic_requests
+from pagellm.sim.report import summarize_sim
+from pagellm.sim.request_stream import SyntheticWorkload, make_synthetic_requests
 from pagellm.sim.simulator import Simulator
 from pagellm.sim.step_batch import StepBatch
 

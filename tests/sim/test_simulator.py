@@ -11,8 +11,8 @@ from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.scheduler import Scheduler
 from pagellm.engine import llm_engine
 from pagellm.sim.cost_model import StepCostModel
-from pagellm.sim.sim_report import summarize_sim
-from pagellm.sim.sim_workload import SimRequest, SyntheticWorkload, make_synthetic_requests
+from pagellm.sim.report import summarize_sim
+from pagellm.sim.request_stream import SimRequest, SyntheticWorkload, make_synthetic_requests
 from pagellm.sim.simulator import Simulator
 from pagellm.sim.step_batch import StepBatch
 

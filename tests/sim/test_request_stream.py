@@ -9,7 +9,7 @@ import pytest
 from pagellm.workload.arrivals import arrival_times
 from pagellm.workload.synthetic import WorkloadSpec, make_workload
 from pagellm.errors import ConfigError
-from pagellm.sim.sim_workload import (
+from pagellm.sim.request_stream import (
     SimRequest,
     SyntheticWorkload,
     make_synthetic_requests,

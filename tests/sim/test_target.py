@@ -11,7 +11,7 @@ from hf_models import make_tiny_hf_checkpoint
 from pagellm.config.engine_args import EngineArgs
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.sim.calibrated import CalibratedCostModel, FitQuality, StepCostFit
-from pagellm.sim.sim_target import calibrated_target, resolve_engine_config
+from pagellm.sim.target import calibrated_target, resolve_engine_config
 from pagellm.sim.runs import target_from_args
 from pagellm.entrypoints.cli import build_parser
 

@@ -7,8 +7,8 @@ build, with the memory facts of the KV cache's sizing estimated from the device 
 instead of measured on a real device.
 
 A target may be a tensor-parallel group: its cost model and its KV cache are then one
-GPU's of the group (tensor_parallel.py). Data parallelism is not a property of the
-target but of how many of them serve the workload (replicas.py).
+GPU's of the group (tensor_parallel_costs.py). Data parallelism is not a property of the
+target but of how many of them serve the workload (data_parallel.py).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from pagellm.sim.kv_capacity import gpu_memory_facts, simulated_cache_size
 from pagellm.model.costs import ModelCosts
 from pagellm.sim.model_presets import MODEL_PRESETS, get_model_preset
 from pagellm.sim.roofline import RooflineCostModel, RooflineParams
-from pagellm.sim.tensor_parallel import (
+from pagellm.sim.tensor_parallel_costs import (
     MAX_TENSOR_PARALLEL_SIZE,
     TensorParallelComm,
     TensorParallelLink,

@@ -16,10 +16,10 @@ from pagellm.metrics.spec_decode_stats import SpecDecodeStats
 from pagellm.model.costs import ModelCosts
 from pagellm.sim.gpu_presets import get_gpu_preset
 from pagellm.sim.model_presets import get_model_preset
-from pagellm.sim.replicas import run_replicas
+from pagellm.sim.data_parallel import run_replicas
 from pagellm.sim.roofline import RooflineCostModel, RooflineParams
-from pagellm.sim.sim_speculator import SimSpeculationConfig
-from pagellm.sim.sim_workload import SimRequest
+from pagellm.sim.speculation import SimSpeculationConfig
+from pagellm.sim.request_stream import SimRequest
 from pagellm.sim.simulator import SimResult, Simulator
 from pagellm.sim.step_batch import StepBatch
 

@@ -23,8 +23,8 @@ from pagellm.sim.gpu_presets import GPU_PRESETS
 from pagellm.sim.interconnect_presets import INTERCONNECT_PRESETS
 from pagellm.sim.model_presets import MODEL_PRESETS
 from pagellm.sim.roofline import RooflineParams
-from pagellm.sim.sim_speculator import SimSpeculationConfig
-from pagellm.sim.tensor_parallel import DEFAULT_ALLREDUCE_EFFICIENCY
+from pagellm.sim.speculation import SimSpeculationConfig
+from pagellm.sim.tensor_parallel_costs import DEFAULT_ALLREDUCE_EFFICIENCY
 from pagellm.workload.synthetic import add_workload_args, workload_spec_from_args
 
 _ENGINE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineArgs)}

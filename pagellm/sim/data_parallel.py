@@ -23,8 +23,8 @@ from pagellm.core.scheduler_stats import SchedulerStats
 from pagellm.errors import ConfigError
 from pagellm.metrics.spec_decode_stats import SpecDecodeStats
 from pagellm.sim.cost_model import StepCostModel
-from pagellm.sim.sim_speculator import SimSpeculationConfig
-from pagellm.sim.sim_workload import SimRequest
+from pagellm.sim.speculation import SimSpeculationConfig
+from pagellm.sim.request_stream import SimRequest
 from pagellm.sim.simulator import KVSample, SimRequestResult, SimResult, Simulator
 
 ROUTING = "round-robin"

@@ -12,9 +12,9 @@ from pagellm.sim.gpu_presets import GpuSpec, get_gpu_preset
 from pagellm.sim.interconnect_presets import InterconnectSpec, get_interconnect_preset
 from pagellm.sim.model_presets import get_model_preset
 from pagellm.sim.roofline import RooflineCostModel, RooflineParams
-from pagellm.sim.sim_target import roofline_target
+from pagellm.sim.target import roofline_target
 from pagellm.sim.step_batch import StepBatch
-from pagellm.sim.tensor_parallel import (
+from pagellm.sim.tensor_parallel_costs import (
     TensorParallelComm,
     TensorParallelLink,
     rank_costs,

@@ -1,6 +1,6 @@
 """Simulation stage: speculative decoding from an assumed acceptance rate.
 
-The real Scheduler takes a Speculator (core/speculator.py) and budgets, allocates and
+The real Scheduler takes a Speculator (core/speculator_interface.py) and budgets, allocates and
 updates verifications itself; the simulator hands it this one. It proposes k placeholder
 tokens for every decode with room, k capped as NgramSpeculator caps it (the positions
 max_model_len and max_tokens leave), and it stands in for the runner's verification:
@@ -81,7 +81,7 @@ class SimSpeculator:
         self._num_proposed = 0
         self._num_accepted = 0
 
-    # The Speculator protocol (core/speculator.py), called by the scheduler.
+    # The Speculator protocol (core/speculator_interface.py), called by the scheduler.
 
     def active(self, num_running: int) -> bool:
         limit = self.config.disable_by_batch_size
