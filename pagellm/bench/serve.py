@@ -93,6 +93,7 @@ def add_bench_serve_parser(bench_commands: Any) -> argparse.ArgumentParser:
                    metavar=("LO", "HI"),
                    help="prompt token ids are drawn from [LO, HI) (keep HI within the vocabulary)")
     add_output_args(p, default_result_file="bench-results/serve.jsonl")
+    p.set_defaults(run_command=run_bench_serve)
     return p  # fmt: skip
 
 

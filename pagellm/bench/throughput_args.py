@@ -58,3 +58,11 @@ def add_bench_throughput_parser(bench_commands: "argparse._SubParsersAction") ->
                    help="leading output tokens compared per checked request")  # fmt: skip
     add_workload_args(p)
     add_output_args(p, default_result_file="bench-results/throughput.jsonl")
+    p.set_defaults(run_command=run_bench_throughput_command)
+
+
+def run_bench_throughput_command(args: argparse.Namespace) -> None:
+    # Imported here: building the CLI must not import torch.
+    from pagellm.bench.throughput import run_bench_throughput
+
+    run_bench_throughput(args)

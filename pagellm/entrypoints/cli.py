@@ -12,7 +12,7 @@ from pagellm.bench.throughput_args import add_bench_throughput_parser
 from pagellm.bench.kernels import add_bench_kernels_parser
 from pagellm.bench.knob_sweep import add_bench_knobs_parser
 from pagellm.config.cli_args import add_engine_args
-from pagellm.entrypoints.openai.serve_command import add_serve_parser, run_serve
+from pagellm.entrypoints.openai.serve_command import add_serve_parser
 from pagellm.errors import PagellmError
 from pagellm.sim.commands import add_calibrate_parser, add_simulate_parser, add_tune_parser
 from pagellm.version import package_version
@@ -39,16 +39,19 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--sampling-seed", type=int, default=None, help="seed of this request")
     add_engine_args(gen)
+    gen.set_defaults(run_command=run_generate_command)
 
     add_serve_parser(commands)
 
     report = commands.add_parser("report", help="render a metrics series (JSONL) as PNG charts")
     report.add_argument("series", help="file written with --metrics-series-file")
     report.add_argument("--out", default="pagellm-report", help="folder for the PNG files")
+    report.set_defaults(run_command=run_report)
 
     replay = commands.add_parser("kv-replay", help="rebuild the KV block map from an event log")
     replay.add_argument("events", help="file written with --kv-events-file")
     replay.add_argument("--step", type=int, default=None, help="stop after this step")
+    replay.set_defaults(run_command=run_kv_replay)
 
     bench = commands.add_parser("bench", help="benchmarks: offline throughput, online serving load")
     bench_commands = bench.add_subparsers(dest="bench_command", required=True)
@@ -62,16 +65,33 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def run_kv_replay(path: str, step: int | None) -> None:
+# Every command's parser names its function (set_defaults(run_command=...)); the heavy
+# modules are imported inside them, so that `pagellm --help` imports no torch.
+
+
+def run_generate_command(args: argparse.Namespace) -> None:
+    from pagellm.entrypoints.generate_command import run_generate
+
+    run_generate(args)
+
+
+def run_report(args: argparse.Namespace) -> None:
+    from pagellm.metrics.report import read_series, render_report
+
+    for path in render_report(read_series(args.series), args.out):
+        print(path)
+
+
+def run_kv_replay(args: argparse.Namespace) -> None:
     import json
 
     from pagellm.core.kv_replay import read_events, replay
 
     try:
-        events = read_events(path)
+        events = read_events(args.events)
     except (OSError, ValueError) as e:
-        raise PagellmError(f"cannot read the KV event log {path}: {e}") from None
-    state = replay(events, until_step=step)
+        raise PagellmError(f"cannot read the KV event log {args.events}: {e}") from None
+    state = replay(events, until_step=args.step)
     summary = {
         "step": state.step,
         "blocks_in_use": len(state.device),
@@ -91,29 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         stream=sys.stderr,
     )
     try:
-        if args.command == "generate":
-            from pagellm.entrypoints.generate_command import run_generate
-
-            run_generate(args)
-        elif args.command == "serve":
-            run_serve(args)
-        elif args.command == "report":
-            from pagellm.metrics.report import read_series, render_report
-
-            for path in render_report(read_series(args.series), args.out):
-                print(path)
-        elif args.command == "kv-replay":
-            run_kv_replay(args.events, args.step)
-        elif args.command == "bench" and args.bench_command == "throughput":
-            from pagellm.bench.throughput import run_bench_throughput
-
-            run_bench_throughput(args)
-        elif args.command == "bench" and args.bench_command == "serve":
-            from pagellm.bench.serve import run_bench_serve
-
-            run_bench_serve(args)
-        elif hasattr(args, "run_command"):  # simulate, tune, calibrate (pagellm/sim/commands.py)
-            args.run_command(args)
+        args.run_command(args)
         return 0
     except PagellmError as e:
         print(f"pagellm: error: {e}", file=sys.stderr)

@@ -74,9 +74,10 @@ def test_backends_produce_exact_work_and_a_record(folder, backend, tmp_path, cap
     config = load_model_config(ModelSource("hf", folder, "tiny"))
     flops = workload_flops(config, [len(r.prompt_token_ids) for r in requests], [r.output_len for r in requests])
     assert record["achieved_gflop_s"] == pytest.approx(flops / record["elapsed_s"] / 1e9, rel=0.01, abs=0.06)
-    assert record["fraction_of_ceiling"] == pytest.approx(
-        record["achieved_gflop_s"] / record["matmul_ceiling_gflop_s"], abs=2e-3
-    )
+    # achieved_gflop_s is rounded to 0.1 and the fraction to 0.001: equal up to those roundings
+    # (on a slow or busy machine 0.05 GFLOP/s is a large share of the ceiling).
+    ceiling = record["matmul_ceiling_gflop_s"]
+    assert record["fraction_of_ceiling"] == pytest.approx(record["achieved_gflop_s"] / ceiling, abs=0.05 / ceiling + 1e-3)
     assert json.loads(result_file.read_text().splitlines()[0])["backend"] == backend
     if backend == "hf":
         assert [s["batch_size"] for s in record["sweep"]] == [2, 4]

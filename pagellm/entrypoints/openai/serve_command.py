@@ -65,6 +65,7 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentP
     )
     add_limit_args(serve)
     add_engine_args(serve)
+    serve.set_defaults(run_command=run_serve)
     return serve
 
 
