@@ -26,7 +26,8 @@ from pagellm.core.scheduler_integrity import check_scheduler_integrity
 from pagellm.core.scheduler_stats import SchedulerStats
 from pagellm.core.speculator_interface import Speculator
 from pagellm.core.step_plan import StepPlan
-from pagellm.core.request_limits import check_request_fits, check_stop
+from pagellm.core.admission import check_request_fits
+from pagellm.core.stop_conditions import check_stop
 from pagellm.core.request_queue import RequestQueue
 from pagellm.core.scheduler_output import (
     CachedRequestData,
