@@ -286,13 +286,16 @@ def run_throughput(path: Path, backend: str, workload: list[str], result_file: P
         parallel = workload[workload.index("--num-requests") + 1]
         command += ["--llamacpp-parallel", parallel]
     print("$", " ".join(command[1:]), flush=True)
+    # `bench throughput` prints a table and appends its JSON record to --result-file: a
+    # fresh file, so a failed run cannot hand back the previous run's record.
+    result_file.unlink(missing_ok=True)
     proc = subprocess.run(command, capture_output=True, text=True)
-    if proc.returncode == 0:
-        for line in proc.stdout.splitlines():
-            if line.startswith("{"):
-                record = json.loads(line)
-                print(f"  -> {record['output_tok_s']} output tok/s", flush=True)
-                return record
+    if proc.returncode == 0 and result_file.is_file():
+        lines = result_file.read_text(encoding="utf-8").splitlines()
+        if lines:
+            record = json.loads(lines[-1])
+            print(f"  -> {record['output_tok_s']} output tok/s", flush=True)
+            return record
     print(proc.stdout[-2000:], proc.stderr[-4000:], file=sys.stderr)
     return {"backend": backend, "error": (proc.stderr.strip().splitlines() or ["failed"])[-1]}
 
