@@ -39,6 +39,9 @@ benchmarks/results/gpu_check.json (smoke: the temp dir; --out overrides) and, wh
 is set, to $OUT/gpu_check.json too. The exit status is 0 when every section ran to its
 end (whether or not it met its target) or does not apply to the machine, 1 when one
 failed or was skipped for time.
+
+The sections are package code (pagellm/bench/gpu_checks/, which tests import too); this
+script is their command line, run with pagellm installed (`pip install -e .`).
 """
 
 from __future__ import annotations
@@ -52,13 +55,8 @@ from pathlib import Path
 if "--smoke" in sys.argv or not Path("/dev/nvidiactl").exists():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-# pagellm, tests/paged_steps.py, and the sections in benchmarks/gpu_checks/.
-for _path in (REPO_ROOT, REPO_ROOT / "tests", REPO_ROOT / "benchmarks"):
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
-
-from gpu_checks.runner import main  # noqa: E402
+from pagellm.bench.gpu_checks.runner import main  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # The checkout this script belongs to is the one checked, wherever it is run from.
+    sys.exit(main(repo_root=Path(__file__).resolve().parents[1]))

@@ -18,18 +18,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from pagellm import LLM, SamplingParams  # noqa: E402
-from pagellm.bench.backends import hf_model  # noqa: E402
-from pagellm.bench.machine import cpu_info, describe_cpu  # noqa: E402
-from pagellm.model.loader.default_model import default_model_path  # noqa: E402
+from pagellm import LLM, SamplingParams
+from pagellm.bench.backends import hf_model
+from pagellm.bench.machine import cpu_info, describe_cpu
+from pagellm.model.loader.default_model import default_model_path
 
 # Held out: none of these is a prompt any test or benchmark tunes on.
 PROMPTS = [

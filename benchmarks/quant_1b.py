@@ -10,11 +10,12 @@ The quantized-decode target (pagellm against llama.cpp on the same file). Steps:
 1. The model: a random-weight GGUF of the Llama shape (default 22 layers, hidden 2048,
    32 heads / 4 KV heads, intermediate 5632, vocab 32000), every linear weight, the token
    embedding and the LM head (`output`, --output-type, default the same type) as random
-   valid quantization blocks (tests/quant_blocks.py) whose fp16 scales give weights of RMS
-   about 0.02; norms are F32 ones. Written tensor by tensor (no float copy of the model),
-   to /tmp/pagellm-bench/ by default, and reused while its shape and types match. The
-   vocabulary is byte-level ("gpt2"): the 256 byte tokens, "aa".."zz" (merges), fillers.
-   A freshly written file is opened by llama_cpp.Llama once, to prove llama.cpp takes it.
+   valid quantization blocks (pagellm/bench/quant_blocks.py) whose fp16 scales give
+   weights of RMS about 0.02; norms are F32 ones. Written tensor by tensor (no float copy
+   of the model), to /tmp/pagellm-bench/ by default, and reused while its shape and types
+   match. The vocabulary is byte-level ("gpt2"): the 256 byte tokens, "aa".."zz"
+   (merges), fillers. A freshly written file is opened by llama_cpp.Llama once, to prove
+   llama.cpp takes it.
 2. Memory: a child process loads it with pagellm (bfloat16, small KV cache) and reports
    model.weight_bytes_by_format() against the file's tensor bytes (target: <= 1.1x), and
    its RSS (/proc/self/status) before and after the load.
@@ -45,15 +46,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+import gguf
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from quant_blocks import random_blocks, reference_weight  # noqa: E402
-
-import gguf  # noqa: E402
-
-from pagellm.bench.machine import cpu_info, describe_cpu  # noqa: E402
-from pagellm.kernels.weights import WeightType, file_row_bytes  # noqa: E402
+from pagellm.bench.machine import cpu_info, describe_cpu
+from pagellm.bench.quant_blocks import random_blocks, reference_weight
+from pagellm.kernels.weights import WeightType, file_row_bytes
+from pagellm.tokenizer.gguf_tokenizer import byte_level_alphabet
 
 DEFAULT_SHAPE = {"layers": 22, "hidden": 2048, "heads": 32, "kv_heads": 4, "intermediate": 5632, "vocab": 32000}
 TYPES = ("Q4_0", "Q4_K", "Q6_K", "Q8_0")
@@ -118,13 +117,12 @@ def vocabulary(size: int) -> tuple[list[str], list[str]]:
     """Tokens and merges of a byte-level vocabulary: the 256 byte tokens (spelled as GPT-2
     does), then two-letter tokens "aa".."zz" with their merges (llama.cpp insists on some
     merges), then filler tokens tok<i> up to `size`."""
-    from gguf_models import _byte_char
-
     if size < 256:
         raise SystemExit(f"--vocab must be at least 256 (the byte tokens), got {size}")
     letters = "abcdefghijklmnopqrstuvwxyz"
     pairs = [a + b for a in letters for b in letters][: size - 256]
-    tokens = [_byte_char(b) for b in range(256)] + pairs
+    spelling = byte_level_alphabet()
+    tokens = [spelling[b] for b in range(256)] + pairs
     tokens += [f"tok{i}" for i in range(len(tokens), size)]
     return tokens, [f"{p[0]} {p[1]}" for p in pairs]
 
@@ -288,13 +286,16 @@ def run_throughput(path: Path, backend: str, workload: list[str], result_file: P
         parallel = workload[workload.index("--num-requests") + 1]
         command += ["--llamacpp-parallel", parallel]
     print("$", " ".join(command[1:]), flush=True)
+    # `bench throughput` prints a table and appends its JSON record to --result-file: a
+    # fresh file, so a failed run cannot hand back the previous run's record.
+    result_file.unlink(missing_ok=True)
     proc = subprocess.run(command, capture_output=True, text=True)
-    if proc.returncode == 0:
-        for line in proc.stdout.splitlines():
-            if line.startswith("{"):
-                record = json.loads(line)
-                print(f"  -> {record['output_tok_s']} output tok/s", flush=True)
-                return record
+    if proc.returncode == 0 and result_file.is_file():
+        lines = result_file.read_text(encoding="utf-8").splitlines()
+        if lines:
+            record = json.loads(lines[-1])
+            print(f"  -> {record['output_tok_s']} output tok/s", flush=True)
+            return record
     print(proc.stdout[-2000:], proc.stderr[-4000:], file=sys.stderr)
     return {"backend": backend, "error": (proc.stderr.strip().splitlines() or ["failed"])[-1]}
 

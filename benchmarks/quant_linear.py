@@ -16,18 +16,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from quant_blocks import packed, random_blocks  # noqa: E402
-
-from pagellm.bench.machine import describe_cpu, cpu_info  # noqa: E402
-from pagellm.kernels.weights import PackedWeight, WeightPart, WeightType, bf16_weight, quantize_int8_rows  # noqa: E402
+from pagellm.bench.machine import cpu_info, describe_cpu
+from pagellm.bench.quant_blocks import packed, random_blocks
+from pagellm.kernels.weights import PackedWeight, WeightPart, WeightType, bf16_weight, quantize_int8_rows
 
 SHAPES = {"smollm2 gate_up 3072x576": (3072, 576), "1B gate_up 11264x2048": (11264, 2048)}
 CACHE_BYTES = 64 << 20  # rotate over copies worth more than this (L3 is 32 MiB here)

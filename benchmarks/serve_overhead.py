@@ -24,22 +24,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from pagellm.bench.machine import cpu_info, describe_cpu  # noqa: E402
-from pagellm.bench.offline_streams import measure_offline  # noqa: E402
-from pagellm.bench.server_process import ServerProcess  # noqa: E402
-from pagellm.bench.serve_load import ServeBenchConfig, run_requests  # noqa: E402
-from pagellm.bench.serve_metrics import summarize  # noqa: E402
-from pagellm.config.cli_args import add_engine_args, engine_args_from_namespace, engine_args_to_cli  # noqa: E402
-from pagellm.engine.llm_engine import LLMEngine  # noqa: E402
-from pagellm.workload.synthetic import WorkloadSpec, make_workload  # noqa: E402
+from pagellm.bench.machine import cpu_info, describe_cpu
+from pagellm.bench.offline_streams import measure_offline
+from pagellm.bench.server_process import ServerProcess
+from pagellm.bench.serve_load import ServeBenchConfig, run_requests
+from pagellm.bench.serve_metrics import summarize
+from pagellm.config.cli_args import add_engine_args, engine_args_from_namespace, engine_args_to_cli
+from pagellm.engine.llm_engine import LLMEngine
+from pagellm.workload.synthetic import WorkloadSpec, make_workload
 
 KEYS = ("ttft_ms_median", "itl_ms_median", "itl_ms_p90", "tpot_ms_median", "output_tok_s")
 

@@ -22,17 +22,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from pagellm import LLM, SamplingParams
+from pagellm.bench.machine import cpu_info, describe_cpu
+from pagellm.bench.results import write_result_files
 
-from pagellm import LLM, SamplingParams  # noqa: E402
-from pagellm.bench.machine import cpu_info, describe_cpu  # noqa: E402
-from pagellm.bench.results import write_result_files  # noqa: E402
+RESULTS = Path(__file__).resolve().parent / "results"
 
 CODE = '''def load_orders(path):
     """Read the orders file and return a list of order dictionaries."""
@@ -280,7 +278,7 @@ def main() -> None:
             spec = row["speculative_config"]
             label = "none" if spec is None else json.dumps(spec)
             lines.append(f"| {label} | {row['output_tok_s']} | {row.get('ratio', 1.0)} | {row.get('acceptance_rate')} |")
-    write_result_files(ROOT / "benchmarks" / "results" / "spec_decode.json", results, "\n".join(lines) + "\n")
+    write_result_files(RESULTS / "spec_decode.json", results, "\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

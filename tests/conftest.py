@@ -1,5 +1,4 @@
 import os
-import sys
 from pathlib import Path
 
 # float32 is the exactness reference: "auto" would pick bfloat16 on CPUs with native
@@ -11,11 +10,8 @@ os.environ["PAGELLM_CPU_DTYPE"] = "float32"
 if not Path("/dev/nvidiactl").exists():  # no NVIDIA driver on this machine
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# Test helpers (tests/hf_models.py) are imported as plain modules.
-sys.path.insert(0, str(Path(__file__).parent))
-
 import pytest
-from kernel_builds import KERNEL_ISA_LEVELS
+from kernel_builds import KERNEL_ISA_LEVELS  # a test helper (pyproject.toml puts tests/ on the path)
 
 
 @pytest.fixture(params=KERNEL_ISA_LEVELS or [None], ids=lambda level: level or "no-native-kernels")

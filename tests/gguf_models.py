@@ -92,8 +92,7 @@ def write_gguf_from_hf(
         if value.ndim == 1:
             qtype = gguf.GGMLQuantizationType.F32
         if qtype in _RANDOM_BLOCK_SCALE:
-            from quant_blocks import random_blocks
-
+            from pagellm.bench.quant_blocks import random_blocks
             from pagellm.kernels.weights import WeightType
 
             data = random_blocks(WeightType(int(qtype)), value.shape[0], value.shape[1], rng, _RANDOM_BLOCK_SCALE[qtype])

@@ -5,12 +5,12 @@ import logging
 
 import pytest
 import torch
-from paged_steps import random_step
 
 from pagellm.kernels import build as native
 from pagellm.attention.selector import get_attention_backend
 from pagellm.attention.cpu_backend import CpuAttentionBackend
 from pagellm.attention.torch_backend import TorchAttentionBackend
+from pagellm.bench.paged_steps import random_step
 
 kernels = native.load_kernels()
 needs_kernels = pytest.mark.skipif(kernels is None, reason="no C compiler: CPU kernel not built")

@@ -16,11 +16,11 @@ import math
 
 import pytest
 import torch
-from paged_steps import random_step
 
 from pagellm.attention.cpu_backend import CpuAttentionBackend
 from pagellm.attention.kv_cache_dtype import as_stored, to_cache_dtype
 from pagellm.attention.torch_backend import TorchAttentionBackend
+from pagellm.bench.paged_steps import random_step
 from pagellm.kernels import build as native
 
 kernels = native.load_kernels()

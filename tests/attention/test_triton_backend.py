@@ -12,8 +12,6 @@ import torch
 
 triton = pytest.importorskip("triton", reason="Triton is not installed (pip install 'pagellm[gpu]')")
 
-from paged_steps import random_step
-
 from pagellm.attention.backend import AttentionMetadata
 from pagellm.attention.torch_backend import TorchAttentionBackend
 from pagellm.attention.triton_backend import (
@@ -21,6 +19,7 @@ from pagellm.attention.triton_backend import (
     TritonTuning,
     store_kv,
 )
+from pagellm.bench.paged_steps import random_step
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Small tiles keep the interpreter quick and make each program loop over several key tiles.

@@ -10,11 +10,11 @@ import math
 import signal
 import socket
 import statistics
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from serve_helpers import ServerProcess, engine_cli_flags
 
 from pagellm.bench import serve as bench_serve
 from pagellm.bench.serve_load import (
@@ -33,10 +33,6 @@ from pagellm.entrypoints.cli import main
 from pagellm.errors import ConfigError
 from pagellm.workload.arrivals import arrival_times
 from pagellm.workload.latency import describe_ms, percentile
-
-sys.path.insert(0, str(Path(__file__).parents[1] / "entrypoints" / "openai"))
-
-from serve_helpers import ServerProcess, engine_cli_flags
 
 # ---------------------------------------------------------------- arrival schedule
 

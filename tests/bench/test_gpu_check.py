@@ -1,6 +1,7 @@
-"""benchmarks/gpu_check.py (sections in benchmarks/gpu_checks/): its cheapest section (the kernel checks) on tiny shapes, the
-section guard, the table, the synthetic checkpoints it builds, HF's static batches over the throughput request list and
-their useful-token accounting, and the tensor-parallel section's skip on a machine without 2 GPUs.
+"""benchmarks/gpu_check.py (sections in pagellm/bench/gpu_checks/): its cheapest section (the kernel
+checks) on tiny shapes, the section guard, the table, the synthetic checkpoints it builds, HF's static
+batches over the throughput request list and their useful-token accounting, and the tensor-parallel
+section's skip on a machine without 2 GPUs.
 
 Without CUDA the kernels run under Triton's interpreter (tests/conftest.py sets
 TRITON_INTERPRET=1), as the script's --smoke mode does.
@@ -8,8 +9,6 @@ TRITON_INTERPRET=1), as the script's --smoke mode does.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -17,33 +16,26 @@ import torch
 
 pytest.importorskip("triton", reason="Triton is not installed (pip install 'pagellm[gpu]')")
 
+from pagellm.bench.gpu_checks import (  # noqa: E402
+    common,
+    hf_baseline,
+    kernel_sections,
+    parallel_sections,
+    runner,
+)
 from pagellm.bench.synthetic_model import SHAPES, write_synthetic_checkpoint  # noqa: E402
 from pagellm.model.loader import ModelSource, load_model_config, load_tokenizer  # noqa: E402
-
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 @pytest.fixture(scope="module")
 def gpu_check():
-    """The script's sections and driver (benchmarks/gpu_checks/), as one namespace."""
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        from gpu_checks import (
-            common,
-            hf_baseline,
-            kernel_sections,
-            parallel_sections,
-            runner,
-        )
-
-        yield SimpleNamespace(
-            smoke_config=common.smoke_config, SectionOutput=common.SectionOutput,
-            section_kernels=kernel_sections.section_kernels, runner=runner,
-            run_section=runner.run_section, format_table=runner.format_table,
-            hf=hf_baseline, tp_sizes=parallel_sections.tp_sizes,
-        )  # fmt: skip
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    """The script's sections and driver (pagellm/bench/gpu_checks/), as one namespace."""
+    return SimpleNamespace(
+        smoke_config=common.smoke_config, SectionOutput=common.SectionOutput,
+        section_kernels=kernel_sections.section_kernels, runner=runner,
+        run_section=runner.run_section, format_table=runner.format_table,
+        hf=hf_baseline, tp_sizes=parallel_sections.tp_sizes,
+    )  # fmt: skip
 
 
 def test_kernel_section_passes_on_tiny_shapes(gpu_check):

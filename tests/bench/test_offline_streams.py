@@ -1,6 +1,6 @@
 """benchmarks/serve_overhead.py: the offline side (the engine's token timeline as serve
-records, summarized by the same code as a server's stream), the server trace's stages, and
-one tiny run of the whole benchmark."""
+records, summarized by the same code as a server's stream), the server trace's stages
+(pagellm/bench/stream_trace.py), and one tiny run of the whole benchmark."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from hf_models import make_tiny_hf_checkpoint
 from pagellm import EngineArgs
 from pagellm.bench.offline_streams import measure_offline
 from pagellm.bench.serve_metrics import summarize
+from pagellm.bench.stream_trace import summarize_trace
 from pagellm.engine.llm_engine import LLMEngine
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
@@ -51,11 +52,6 @@ def test_prompts_and_lengths_must_pair_up(engine):
 
 
 def test_the_trace_times_each_stage_from_the_one_before():
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        from stream_trace import summarize_trace
-    finally:
-        sys.path.remove(str(BENCHMARKS))
     # Two steps of two streams each; the event loop delivers step 1 while step 2 runs.
     events = [
         ("step_start", 0.000), ("model_done", 0.006), ("processed", 0.0061), ("handed_off", 0.0062),

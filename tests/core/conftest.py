@@ -2,18 +2,12 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import pytest
+from core_harness import assert_drained, make_scheduler  # pyproject.toml puts tests/core on the path
 
-# Helpers (core_harness.py) are imported as plain modules.
-sys.path.insert(0, str(Path(__file__).parent))
-
-from core_harness import assert_drained, make_scheduler  # noqa: E402
-
-from pagellm.core import Scheduler  # noqa: E402
+from pagellm.core import Scheduler
 
 
 @pytest.fixture

@@ -168,8 +168,9 @@ def subcommands(parser: argparse.ArgumentParser) -> set[str]:
 
 
 def benchmark_flags() -> dict[str, set[str]]:
-    """Each benchmark script's flags, read from its add_argument calls (and those of the
-    benchmarks/ packages it imports, e.g. gpu_check.py's gpu_checks/)."""
+    """Each benchmark script's flags, read from its add_argument calls and those of the
+    pagellm.bench modules it imports (a thin script's command line lives there, e.g.
+    gpu_check.py's in pagellm/bench/gpu_checks/runner.py)."""
 
     def literal_flags(tree: ast.AST) -> set[str]:
         found = set()
@@ -180,15 +181,28 @@ def benchmark_flags() -> dict[str, set[str]]:
                         found.add(arg.value)
         return found
 
+    def bench_files(tree: ast.AST) -> list[Path]:
+        """The files of the pagellm.bench modules `tree` imports from (`from pagellm.bench.x
+        import main`, `from pagellm.bench import x`; a package: all its modules)."""
+        found: list[Path] = []
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("pagellm.bench")):
+                continue
+            for name in (node.module, *(f"{node.module}.{alias.name}" for alias in node.names)):
+                path = ROOT.joinpath(*name.split("."))
+                if path.with_suffix(".py").is_file():
+                    found.append(path.with_suffix(".py"))
+                elif name != node.module and path.is_dir():
+                    found += sorted(path.glob("*.py"))
+        return found
+
     scripts: dict[str, set[str]] = {}
     bench = ROOT / "benchmarks"
     for script in sorted(bench.glob("*.py")):
         tree = ast.parse(script.read_text(encoding="utf-8"))
         flags = literal_flags(tree)
-        for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and node.module and (bench / node.module.split(".")[0]).is_dir():
-                for module in (bench / node.module.split(".")[0]).glob("*.py"):
-                    flags |= literal_flags(ast.parse(module.read_text(encoding="utf-8")))
+        for module in bench_files(tree):
+            flags |= literal_flags(ast.parse(module.read_text(encoding="utf-8")))
         scripts[f"benchmarks/{script.name}"] = flags
     for wrapper in bench.glob("*.sh"):  # gpu_check.sh runs gpu_check.py with its arguments
         scripts[f"benchmarks/{wrapper.name}"] = scripts.get(f"benchmarks/{wrapper.stem}.py", set())

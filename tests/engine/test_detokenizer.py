@@ -1,14 +1,11 @@
 """Incremental detokenization and stop strings."""
 
 import random
-import sys
-from pathlib import Path
 
 import pytest
+from tiny_sentencepiece import tiny_sentencepiece_fields
 
 from pagellm.engine.detokenizer import IncrementalDetokenizer
-
-sys.path.insert(0, str(Path(__file__).parents[1] / "tokenizer"))
 
 
 @pytest.fixture(scope="module")
@@ -21,8 +18,6 @@ def smollm_tokenizer(smollm2_path):
 
 @pytest.fixture(scope="module")
 def sentencepiece_tokenizer():
-    from test_tokenizer_llama_gguf import tiny_sentencepiece_fields
-
     from pagellm.tokenizer import tokenizer_from_gguf_metadata
 
     return tokenizer_from_gguf_metadata(tiny_sentencepiece_fields())

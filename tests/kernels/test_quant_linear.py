@@ -15,8 +15,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from quant_blocks import QUANT_TYPES, packed, random_blocks, reference_weight
 
+from pagellm.bench.quant_blocks import QUANT_TYPES, packed, random_blocks, reference_weight
 from pagellm.kernels.weights import PackedWeight, WeightPart, WeightType, kernels_support, quantize_int8_rows
 
 pytestmark = pytest.mark.skipif(

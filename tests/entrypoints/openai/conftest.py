@@ -7,16 +7,12 @@ need other flags (admission limit, shutdown) start their own in their module.
 from __future__ import annotations
 
 import signal
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))
-
-from hf_models import make_tiny_hf_checkpoint  # noqa: E402
-from serve_helpers import (  # noqa: E402
+from hf_models import make_tiny_hf_checkpoint
+from serve_helpers import (
     API_KEY,
     ENGINE_FLAGS,
     MAX_MODEL_LEN,

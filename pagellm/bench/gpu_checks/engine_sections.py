@@ -1,6 +1,6 @@
-"""GPU check sections on the whole engine: greedy equality with HF transformers, offline
-throughput against HF generate over the same request list, and a large decode step
-against its roofline."""
+"""Benchmarks: the GPU check's sections on the whole engine: greedy equality with HF
+transformers, offline throughput against HF generate over the same request list, and a
+large decode step against its roofline."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from gpu_checks.common import (
+from pagellm.bench.gpu_checks.common import (
     DTYPES,
     CheckConfig,
     Context,
@@ -24,7 +24,7 @@ from gpu_checks.common import (
     measure_copy_bandwidth,
     sync_device,
 )
-from gpu_checks.hf_baseline import (
+from pagellm.bench.gpu_checks.hf_baseline import (
     BenchRequest,
     hf_done_requests,
     hf_generate_batch,

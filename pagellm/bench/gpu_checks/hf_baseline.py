@@ -1,6 +1,6 @@
-"""GPU check: HF transformers as the baseline: float32 greedy references for the equality
-section, and static-batch `generate` timed on the throughput section's request list
-(random-weight models built on the device)."""
+"""Benchmarks: the GPU check's baseline, HF transformers: float32 greedy references for the
+equality section, and static-batch `generate` timed on the throughput section's request
+list (random-weight models built on the device)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from gpu_checks.common import free_memory, sync_device
+from pagellm.bench.gpu_checks.common import free_memory, sync_device
 
 # --------------------------------------------------------------------------- float32 references
 

@@ -1,5 +1,5 @@
-"""GPU check driver: runs the sections in order under a deadline, each guarded and timed,
-then prints one table and writes the JSON results."""
+"""Benchmarks: the GPU check's driver: runs the sections in order under a deadline, each
+guarded and timed, then prints one table and writes the JSON results."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from gpu_checks.common import (
+from pagellm.bench.gpu_checks.common import (
     SECTION_NAMES,
     SECTION_TITLES,
     CheckConfig,
@@ -32,20 +32,20 @@ from gpu_checks.common import (
     gpu_config,
     smoke_config,
 )
-from gpu_checks.engine_sections import (
+from pagellm.bench.gpu_checks.engine_sections import (
     section_equality,
     section_roofline,
     section_throughput,
 )
-from gpu_checks.kernel_sections import (
+from pagellm.bench.gpu_checks.kernel_sections import (
     section_bandwidth,
     section_gpu_tests,
     section_kernels,
 )
-from gpu_checks.parallel_sections import section_tp, tp_skip_reason
+from pagellm.bench.gpu_checks.parallel_sections import section_tp, tp_skip_reason
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "gpu_check.json"
+# Inside the checkout being checked (main's repo_root), where the published results live.
+RESULTS_FILE = Path("benchmarks") / "results" / "gpu_check.json"
 # A smoke run must not overwrite a GPU run's results.
 DEFAULT_SMOKE_OUT = Path(tempfile.gettempdir()) / "gpu_check_smoke.json"
 DESCRIPTION = (
@@ -142,7 +142,7 @@ def run_section(name: str, cfg: CheckConfig, ctx: Context, remaining_s: float) -
     return out
 
 
-def environment() -> dict[str, Any]:
+def environment(repo_root: Path) -> dict[str, Any]:
     env: dict[str, Any] = {
         "python": platform.python_version(),
         "platform": platform.platform(),
@@ -160,8 +160,8 @@ def environment() -> dict[str, Any]:
         props = torch.cuda.get_device_properties(0)
         env.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / GiB, 1), gpu_count=torch.cuda.device_count())
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, check=False, timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=REPO_ROOT, capture_output=True, text=True, check=False, timeout=10)
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo_root, capture_output=True, text=True, check=False, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=repo_root, capture_output=True, text=True, check=False, timeout=10)
         env.update(git_commit=commit.stdout.strip(), git_dirty=bool(dirty.stdout.strip()))
     except (OSError, subprocess.SubprocessError):
         pass
@@ -185,15 +185,18 @@ def format_table(sections: list[SectionOutput], title: str) -> str:
     return "\n".join([title, render(header), rule, *map(render, lines)])
 
 
-def run_checks(cfg: CheckConfig, names: list[str], use_alarm: bool = False) -> tuple[list[SectionOutput], Context]:
-    """Run the named sections in order; `use_alarm` enforces the time limits with
-    SIGALRM (main thread only)."""
+def run_checks(
+    cfg: CheckConfig, names: list[str], repo_root: Path, use_alarm: bool = False
+) -> tuple[list[SectionOutput], Context]:
+    """Run the named sections in order (the gpu tests are `repo_root`'s); `use_alarm`
+    enforces the time limits with SIGALRM (main thread only)."""
     started = time.perf_counter()
     ctx: Context = {}
     sections = []
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
         ctx["tmp"] = tmp
         ctx["use_alarm"] = use_alarm
+        ctx["repo_root"] = repo_root
         for name in names:
             remaining = cfg.deadline_s - (time.perf_counter() - started)
             if ctx.get("terminated"):
@@ -213,12 +216,16 @@ def run_checks(cfg: CheckConfig, names: list[str], use_alarm: bool = False) -> t
     return sections, ctx
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, repo_root: Path | None = None) -> int:
+    """The command line of benchmarks/gpu_check.py. `repo_root` is the checkout under test
+    (its tests run, its git commit is recorded, its results/ gets the JSON); by default
+    the current directory, where benchmarks/gpu_check.sh runs it."""
+    repo_root = Path.cwd() if repo_root is None else repo_root
     parser = argparse.ArgumentParser(description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (Triton interpreter): plumbing only")
     parser.add_argument(
         "--out", type=Path, default=None,
-        help=f"JSON results (default {DEFAULT_OUT.relative_to(REPO_ROOT)}; smoke: {DEFAULT_SMOKE_OUT})",
+        help=f"JSON results (default {RESULTS_FILE}; smoke: {DEFAULT_SMOKE_OUT})",
     )  # fmt: skip
     parser.add_argument("--sections", default=",".join(SECTION_NAMES), help=f"comma-separated subset of {','.join(SECTION_NAMES)}")
     parser.add_argument("--deadline", type=float, default=None, help="seconds for the whole run (default 455; smoke 600)")
@@ -242,9 +249,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING)
     signal.signal(signal.SIGALRM, _on_alarm)
     signal.signal(signal.SIGTERM, _on_term)
-    sections, ctx = run_checks(cfg, [n for n in SECTION_NAMES if n in names], use_alarm=True)
+    sections, ctx = run_checks(cfg, [n for n in SECTION_NAMES if n in names], repo_root, use_alarm=True)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    env = environment()
+    env = environment(repo_root)
     title = (
         f"pagellm GPU check on {env.get('gpu', 'CPU')} ({ctx['wall_s']:.0f} s)"
         if not smoke
@@ -261,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         "table": table.splitlines(),
     }
     text = json.dumps(result, indent=2, default=str)
-    destinations = [args.out or (DEFAULT_SMOKE_OUT if smoke else DEFAULT_OUT)]
+    destinations = [args.out or (DEFAULT_SMOKE_OUT if smoke else repo_root / RESULTS_FILE)]
     if os.environ.get("OUT"):
         destinations.append(Path(os.environ["OUT"]) / "gpu_check.json")
     for path in destinations:

@@ -1,4 +1,5 @@
-"""GPU check: its configuration (GPU and smoke sizes), section results, and timing helpers."""
+"""Benchmarks: the GPU check's configuration (GPU and smoke sizes), section results, and
+timing helpers."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Random paged-attention steps shared by the attention backends' tests."""
+"""Benchmarks: random paged-attention steps, for the GPU check's kernel section and the
+attention backends' tests."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Random GGUF quantization blocks of every type the kernels know, for the kernel tests.
+"""Benchmarks: random GGUF quantization blocks of every type the kernels know, for the
+quantized benchmarks (benchmarks/quant_1b.py, quant_linear.py) and the kernel tests.
 
 Quantized bytes are uniformly random (every bit pattern of the integers is a valid
 block); the fp16 scales are drawn at a chosen magnitude, so a test can push them to

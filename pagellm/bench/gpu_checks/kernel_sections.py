@@ -1,5 +1,5 @@
-"""GPU check sections on the kernels: the gpu-marked tests, the Triton kernels against a
-float32 reference, and the decode kernel's bandwidth against a device copy."""
+"""Benchmarks: the GPU check's sections on the kernels: the gpu-marked tests, the Triton
+kernels against a float32 reference, and the decode kernel's bandwidth against a device copy."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from gpu_checks.common import (
+from pagellm.bench.gpu_checks.common import (
     CheckConfig,
     Context,
     GiB,
@@ -23,18 +23,18 @@ from gpu_checks.common import (
     median_seconds,
 )
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
 # --------------------------------------------------------------------------- 1. gpu tests
 
 
 def section_gpu_tests(cfg: CheckConfig, ctx: Context, out: SectionOutput) -> None:
+    # The tests are the source tree's, not the installed package's: run_checks puts the
+    # checkout the script belongs to in the context.
+    repo_root: Path = ctx["repo_root"]
     command = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests/"]
     out.figures["command"] = " ".join(command[1:])
     try:
         proc = subprocess.run(
-            command, cwd=REPO_ROOT, capture_output=True, text=True, check=False, timeout=cfg.pytest_timeout_s
+            command, cwd=repo_root, capture_output=True, text=True, check=False, timeout=cfg.pytest_timeout_s
         )
     except subprocess.TimeoutExpired:
         out.row("pytest -m gpu", f"timed out after {cfg.pytest_timeout_s:.0f} s", "all pass", False)
@@ -77,7 +77,7 @@ def check_kernel_step(
     seed: int,
 ) -> dict[str, Any]:
     """Run one random step through the Triton backend and the reference; the figures."""
-    from paged_steps import random_step
+    from pagellm.bench.paged_steps import random_step
 
     from pagellm.attention.backend import AttentionMetadata
     from pagellm.attention.torch_backend import TorchAttentionBackend

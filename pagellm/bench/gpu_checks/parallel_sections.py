@@ -1,5 +1,5 @@
-"""GPU check section on tensor parallelism: greedy tokens at TP > 1 against TP = 1, and
-decode steps timed at each TP size the machine's GPUs allow."""
+"""Benchmarks: the GPU check's section on tensor parallelism: greedy tokens at TP > 1
+against TP = 1, and decode steps timed at each TP size the machine's GPUs allow."""
 
 from __future__ import annotations
 
@@ -13,14 +13,14 @@ from typing import Any, TypeVar
 
 import torch
 
-from gpu_checks.common import (
+from pagellm.bench.gpu_checks.common import (
     CheckConfig,
     Context,
     SectionOutput,
     device_of,
     free_memory,
 )
-from gpu_checks.engine_sections import engine_settings, throughput_folder
+from pagellm.bench.gpu_checks.engine_sections import engine_settings, throughput_folder
 
 T = TypeVar("T")
 TP_SIZES = (1, 2, 4, 8)

@@ -1,1 +1,0 @@
-"""The sections of benchmarks/gpu_check.py (see its docstring)."""
