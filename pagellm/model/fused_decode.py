@@ -1,5 +1,5 @@
-"""Kernels, CPU: steps of up to 20 tokens (up to 8 per request) run each decoder layer as one native call
-(csrc/decode_layer.c) instead of ~50 PyTorch operations.
+"""Model stage, CPU: steps of up to 20 tokens (up to 8 per request) run each decoder layer as one native call
+(kernels/csrc/decode_layer.c) instead of ~50 PyTorch operations.
 
 The native layer treats every token as a decode of its own: row i attends to its
 request's context up to and including its own position (positions[i] + 1 tokens), read
@@ -16,62 +16,31 @@ its measured native kernel for the step's rows (kernels/linear_choice.py); a ste
 rows some linear layer is measured faster on oneDNN for goes to native_layers.py, which
 can call it. Used for bf16 models on x86-64 CPUs (AVX2 and up); other steps, dtypes and
 devices take the PyTorch path.
+
+A forward path of the model (it reads the model's layers and the attention metadata);
+the C structures it fills and its row limits are the kernel's binding,
+kernels/decode_layer.py.
 """
 
 from __future__ import annotations
 
 import ctypes
-from ctypes import c_float, c_int, c_int64, c_void_p
 
 import torch
 
 from pagellm.attention.backend import AttentionMetadata
 from pagellm.attention.kv_cache_dtype import ELEMENT_TYPES
+from pagellm.kernels.decode_layer import (
+    CACHE_DTYPES,
+    MAX_ROWS,
+    MAX_ROWS_PER_REQUEST,
+    LayerShape,
+    LayerWeights,
+    Scratch,
+    StepInputs,
+    data_ptr_or_null,
+)
 from pagellm.kernels.linear import LinearImpl
-
-# Caches the native layer writes and reads: bf16, or fp8 (stored rounded and saturated
-# in C as torch's path does, read by the attention kernel's fp8 path).
-_CACHE_DTYPES = (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
-
-# Up to here one native call per layer beats kernels/native_layers.py's nine (measured on
-# SmolLM2 decode steps, median step time, this layer / native_layers: 12 rows 13.9 / 14.3
-# ms, 20 rows 20.4 / 20.5, 24 rows 21.9 / 20.8, 28 rows 24.6 / 22.4, 48 rows 38.0 / 34.0:
-# beyond ~20 rows its serial norm and rotary stages cost more than the calls it saves).
-MAX_ROWS = 20
-# Positions of one request it takes (a speculative verification's k + 1): each row reads
-# the request's whole context, so a longer prefill chunk is left to native_layers.py,
-# whose attention reads the context once for all of a request's rows.
-MAX_ROWS_PER_REQUEST = 8
-
-
-class _LayerWeights(ctypes.Structure):
-    # qkv, o, gate_up and down point at Weight structures (kernels/weights.py): bf16 or quantized.
-    _fields_ = [(name, c_void_p) for name in (
-        "input_norm", "post_norm", "qkv", "qkv_bias", "o", "o_bias", "gate_up", "down",
-    )]  # fmt: skip
-
-
-class _LayerShape(ctypes.Structure):
-    _fields_ = [
-        ("hidden", c_int64), ("intermediate", c_int64),
-        ("num_heads", c_int), ("num_kv_heads", c_int), ("head_dim", c_int), ("block_size", c_int),
-        ("eps", c_float), ("scale", c_float), ("num_threads", c_int), ("cache_type", c_int),
-        ("linear_impl", c_int * 4),  # qkv, o, gate_up, down: kernels/linear.py LinearImpl (native)
-    ]  # fmt: skip
-
-
-class _StepInputs(ctypes.Structure):
-    _fields_ = [
-        ("m", c_int64), ("positions", c_void_p), ("slots", c_void_p), ("block_tables", c_void_p),
-        ("table_stride", c_int64), ("rows", c_void_p), ("reqs", c_void_p), ("seq_lens", c_void_p),
-        ("max_seq_len", c_int64), ("cos_table", c_void_p), ("sin_table", c_void_p),
-    ]  # fmt: skip
-
-
-class _Scratch(ctypes.Structure):
-    _fields_ = [
-        (name, c_void_p) for name in ("normed", "qkv", "query", "attn", "proj", "gate_up", "act", "kv_row", "attn_scratch")
-    ]
 
 
 def _longest_query(metadata: AttentionMetadata) -> int:
@@ -86,10 +55,6 @@ def _layer_impls(layer: torch.nn.Module, rows: int) -> tuple[int, int, int, int]
     return tuple(int(impl) for impl in impls) if all(impl.native for impl in impls) else None
 
 
-def _ptr(tensor: torch.Tensor | None) -> int | None:
-    return None if tensor is None else tensor.data_ptr()
-
-
 class FusedDecode:
     """Runs a step of <= MAX_ROWS tokens through the native layer, for one model."""
 
@@ -99,20 +64,23 @@ class FusedDecode:
         self._segment_rows = library.attention_segment_rows()  # attention workspace per thread
         self._model = model
         self._num_threads = torch.get_num_threads()
-        self._shape = _LayerShape(
+        self._shape = LayerShape(
             config.hidden_size, config.intermediate_size, config.num_attention_heads,
             config.num_key_value_heads, config.head_dim, 0, config.rms_norm_eps,
             config.head_dim**-0.5, self._num_threads, ELEMENT_TYPES[torch.bfloat16],
         )  # fmt: skip
         # The Weight structures live as long as their layers (CpuLinear keeps them).
         self._layers = [
-            _LayerWeights(
-                _ptr(layer.input_layernorm.weight), _ptr(layer.post_attention_layernorm.weight),
-                layer.self_attn.qkv_proj.kernel_weight().struct_address(), _ptr(layer.self_attn.qkv_proj.bias),
-                layer.self_attn.o_proj.kernel_weight().struct_address(), _ptr(layer.self_attn.o_proj.bias),
+            LayerWeights(
+                data_ptr_or_null(layer.input_layernorm.weight),
+                data_ptr_or_null(layer.post_attention_layernorm.weight),
+                layer.self_attn.qkv_proj.kernel_weight().struct_address(),
+                data_ptr_or_null(layer.self_attn.qkv_proj.bias),
+                layer.self_attn.o_proj.kernel_weight().struct_address(),
+                data_ptr_or_null(layer.self_attn.o_proj.bias),
                 layer.mlp.gate_up_proj.kernel_weight().struct_address(),
                 layer.mlp.down_proj.kernel_weight().struct_address(),
-            )  # fmt: skip
+            )
             for layer in model.layers
         ]
         q_size = config.num_attention_heads * config.head_dim
@@ -155,7 +123,7 @@ class FusedDecode:
             and self._impls[num_tokens] is not None
             and (metadata.num_reqs == num_tokens or _longest_query(metadata) <= MAX_ROWS_PER_REQUEST)
             and hidden.dtype is torch.bfloat16
-            and kv_caches[0].dtype in _CACHE_DTYPES
+            and kv_caches[0].dtype in CACHE_DTYPES
             and kv_caches[0].is_contiguous()
             and metadata.block_tables.dtype is torch.int64
             and metadata.block_tables.is_contiguous()
@@ -189,12 +157,12 @@ class FusedDecode:
         shape.block_size = kv_caches[0].shape[2]
         shape.cache_type = ELEMENT_TYPES[kv_caches[0].dtype]
         tables = metadata.block_tables
-        inputs = _StepInputs(
+        inputs = StepInputs(
             m, positions.data_ptr(), metadata.slot_mapping.data_ptr(), tables.data_ptr(), tables.stride(0),
             rows.data_ptr(), reqs.data_ptr(), seq_lens.data_ptr(), max_seq_len,
             self._rotary.cos_cache.data_ptr(), self._rotary.sin_cache.data_ptr(),
         )  # fmt: skip
-        scratch = _Scratch(*(b.data_ptr() for b in self._buffers), self._attention_workspace.data_ptr())
+        scratch = Scratch(*(b.data_ptr() for b in self._buffers), self._attention_workspace.data_ptr())
         hidden = hidden.to(torch.float32).contiguous()
         hidden_ptr = hidden.data_ptr()
         shape_ref, inputs_ref, scratch_ref = ctypes.byref(shape), ctypes.byref(inputs), ctypes.byref(scratch)
