@@ -21,8 +21,7 @@ import torch
 from pagellm.attention.cpu_backend import CpuAttentionBackend, _plan_step
 from pagellm.attention.torch_backend import _sdpa, gather_context
 from pagellm.bench.machine import cpu_info
-from pagellm.kernels import cpu_features
-from pagellm.kernels.build import load_kernels
+from pagellm.kernels.build import describe_isa, load_kernels
 
 SHAPES = [(128, 128), (512, 512), (1024, 512), (2048, 512), (2048, 2048), (4096, 512)]  # (context, chunk)
 
@@ -78,7 +77,7 @@ def main() -> None:
             paged_s, sdpa_s = best_seconds(paged), best_seconds(gathered)
         record = {
             "benchmark": "prefill_attention", "time": time.strftime("%Y-%m-%d %H:%M"), "cpu": cpu_info(),
-            "isa": cpu_features.describe_isa(), "threads": torch.get_num_threads(), "dtype": args.dtype,
+            "isa": describe_isa(), "threads": torch.get_num_threads(), "dtype": args.dtype,
             "context": context, "chunk": chunk, "paged_ms": round(paged_s * 1e3, 3), "sdpa_ms": round(sdpa_s * 1e3, 3),
             "paged_over_sdpa": round(paged_s / sdpa_s, 3), "max_abs_difference": error,
         }  # fmt: skip

@@ -1,9 +1,11 @@
-"""The package's layering (DESIGN.md "Package layout"), read from the source with `ast`.
+"""The package's layering (docs/architecture.md, "Packages"), read from the source with `ast`.
 
 Every import statement of every module under pagellm/ counts: module level, inside
 functions, under TYPE_CHECKING. A rule is one row of LAYER_RULES (who may not import
 what) or of ACYCLIC_PAIRS (two top-level subpackages that must not reach each other both
-ways); adding a rule is adding a row. core/'s torch-free import is also checked by
+ways); adding a rule is adding a row. Below the subpackages, no two modules import each
+other, no module imports another's private (_underscored) names, and no two C sources of
+kernels/csrc call each other's functions. core/'s torch-free import is also checked by
 running it (tests/core/test_no_torch.py).
 """
 
@@ -11,12 +13,14 @@ from __future__ import annotations
 
 import ast
 import functools
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[1] / "pagellm"
+KERNEL_SOURCES = PACKAGE_ROOT / "kernels" / "csrc"
 
 
 @dataclass(frozen=True)
@@ -24,14 +28,8 @@ class LayerRule:
     why: str
     importers: str  # modules under this dotted prefix...
     forbidden: tuple[str, ...]  # ...import nothing under these prefixes...
-    exempt: tuple[str, ...] = ()  # ...except these importers: a module, or "package.*"
-
-
-def _stages_except(*allowed: str) -> tuple[str, ...]:
-    """Every top-level module and subpackage of pagellm but `allowed` (the stages)."""
-    names = {p.stem for p in PACKAGE_ROOT.glob("*.py") if p.stem != "__init__"}
-    names |= {p.name for p in PACKAGE_ROOT.iterdir() if (p / "__init__.py").exists()}
-    return tuple(f"pagellm.{name}" for name in sorted(names - set(allowed)))
+    exempt: tuple[str, ...] = ()  # ...except these importers: a module, or "package.*"...
+    allowed: tuple[str, ...] = ()  # ...and except these targets (prefixes) under the forbidden ones
 
 
 LAYER_RULES = [
@@ -47,7 +45,11 @@ LAYER_RULES = [
                "pagellm.attention.selector", "pagellm.kernels")),
     LayerRule("core/ is pure Python", "pagellm.core", ("torch", "triton", "numpy")),
     LayerRule("config/ decides settings from numbers: no torch and no other stage", "pagellm.config",
-              ("torch", "triton", "numpy", *_stages_except("config", "errors"))),
+              ("torch", "triton", "numpy", "pagellm"), allowed=("pagellm.config", "pagellm.errors")),
+    # The forward paths that call the native layers read the model and the attention
+    # metadata: they live in model/ (fused_decode.py, native_layers.py), above kernels/.
+    LayerRule("kernels/ is a leaf: it imports nothing of pagellm but kernels/ and errors.py", "pagellm.kernels",
+              ("pagellm",), allowed=("pagellm.kernels", "pagellm.errors")),
 ]  # fmt: skip
 
 # Top-level subpackages that may depend on each other one way at most.
@@ -63,23 +65,32 @@ def module_name(path: Path) -> str:
     return ".".join(parts)
 
 
-def imports_in(source: str, module: str, is_package: bool = False) -> set[str]:
-    """Every module that `source` (the text of `module`) imports. For `from a import b`
-    both a and a.b count, since b may be a submodule (rules match prefixes, so a name that
-    is not a module matches nothing)."""
+def import_statements(source: str, module: str, is_package: bool = False) -> list[tuple[str, tuple[str, ...]]]:
+    """Each import of `source` (the text of `module`) as (the module named, the names taken
+    from it): `import a.b` is ("a.b", ()), `from .c import d, e` in package a is ("a.c", ("d", "e"))."""
     package = module if is_package else module.rpartition(".")[0]
-    found: set[str] = set()
+    found: list[tuple[str, tuple[str, ...]]] = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
+            found.extend((alias.name, ()) for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
                 parts = package.split(".")
                 parts = parts[: len(parts) - (node.level - 1)]
                 base = ".".join(parts + ([node.module] if node.module else []))
-            found.add(base)
-            found.update(f"{base}.{alias.name}" for alias in node.names if alias.name != "*")
+            found.append((base, tuple(alias.name for alias in node.names if alias.name != "*")))
+    return found
+
+
+def imports_in(source: str, module: str, is_package: bool = False) -> set[str]:
+    """Every module that `source` (the text of `module`) imports. For `from a import b`
+    both a and a.b count, since b may be a submodule (rules match prefixes, so a name that
+    is not a module matches nothing)."""
+    found: set[str] = set()
+    for base, names in import_statements(source, module, is_package):
+        found.add(base)
+        found.update(f"{base}.{name}" for name in names)
     return found
 
 
@@ -91,6 +102,53 @@ def import_graph() -> dict[str, frozenset[str]]:
         )
         for path in sorted(PACKAGE_ROOT.rglob("*.py"))
     }
+
+
+@functools.cache
+def module_graph() -> dict[str, frozenset[str]]:
+    """Module -> the other modules of pagellm it imports (modules_imported)."""
+    paths = {module_name(path): path for path in sorted(PACKAGE_ROOT.rglob("*.py"))}
+    graph = {}
+    for module, path in paths.items():
+        statements = import_statements(path.read_text(encoding="utf-8"), module, path.name == "__init__.py")
+        graph[module] = frozenset(modules_imported(statements, set(paths)) - {module})
+    return graph
+
+
+def modules_imported(statements: list[tuple[str, tuple[str, ...]]], modules: set[str]) -> set[str]:
+    """The modules (of `modules`) that these imports load, exactly: `from a import b` is a.b
+    where b is a submodule, else a. A package whose submodules alone are taken is not
+    counted for its own sake: Python runs its __init__ first whichever way it is named."""
+    found: set[str] = set()
+    for base, names in statements:
+        submodules = {f"{base}.{name}" for name in names} & modules
+        found |= submodules
+        if len(submodules) < len(names) or not names:
+            found.add(base)
+    return found & modules
+
+
+def mutual_imports(graph: dict[str, frozenset[str]]) -> list[str]:
+    """Every pair of modules that import each other, as "a <-> b"."""
+    return sorted(f"{a} <-> {b}" for a, targets in graph.items() for b in targets if a < b and a in graph.get(b, ()))
+
+
+# A C function defined at the start of a line (not static), with its parameter list and body.
+C_DEFINITION = re.compile(r"^(?!static\b|typedef\b)[A-Za-z_][\w \t*]*?\b(\w+)\s*\([^;{)]*\)\s*\{", re.MULTILINE)
+C_COMMENT = re.compile(r"/\*.*?\*/|//[^\n]*", re.DOTALL)
+
+
+def c_call_graph(sources: dict[str, str]) -> dict[str, set[str]]:
+    """C file -> the other files whose functions it calls (its text names them followed by
+    "("). A function a file defines itself is its own, even where another build's source
+    defines it too (linear_f32.c and quant_linear.c: one or the other is compiled in)."""
+    texts = {name: C_COMMENT.sub(" ", text) for name, text in sources.items()}
+    defined = {name: set(C_DEFINITION.findall(text)) for name, text in texts.items()}
+    calls: dict[str, set[str]] = {name: set() for name in texts}
+    for name, text in texts.items():
+        called = set(re.findall(r"\b(\w+)\s*\(", text)) - defined[name]
+        calls[name] = {other for other, functions in defined.items() if other != name and called & functions}
+    return calls
 
 
 def under(name: str, prefix: str) -> bool:
@@ -105,7 +163,7 @@ def violations(rule: LayerRule, graph: dict[str, frozenset[str]]) -> list[str]:
         if any(under(importer, e[:-2]) if e.endswith(".*") else importer == e for e in rule.exempt):
             continue
         for target in sorted(targets):
-            if any(under(target, f) for f in rule.forbidden):
+            if any(under(target, f) for f in rule.forbidden) and not any(under(target, a) for a in rule.allowed):
                 found.append(f"{importer} imports {target}")
     return found
 
@@ -169,6 +227,40 @@ def test_no_cycle_between(pair: tuple[str, str]):
     assert there is None or back is None, f"cycle: {' -> '.join(there)} and {' -> '.join(back)}"
 
 
+def test_no_two_modules_import_each_other():
+    graph = module_graph()
+    assert "pagellm.kernels.cpu_features" in graph["pagellm.kernels.build"]  # `from pagellm.kernels import cpu_features`
+    assert "pagellm.model.fused_decode" in graph["pagellm.model.llama"]  # under TYPE_CHECKING
+    assert mutual_imports(graph) == [], "two modules import each other: move what both need below them"
+
+
+def private_imports(module: str, statements: list[tuple[str, tuple[str, ...]]]) -> list[str]:
+    """`from x import _name` of another module's private names, as "module imports x._name"."""
+    return [
+        f"{module} imports {base}.{name}"
+        for base, names in statements
+        for name in names
+        if name.startswith("_") and not name.startswith("__") and base != module
+    ]
+
+
+def test_no_module_imports_private_names_of_another():
+    found = []
+    for path in sorted(PACKAGE_ROOT.rglob("*.py")):
+        module = module_name(path)
+        found += private_imports(module, import_statements(path.read_text(encoding="utf-8"), module, path.name == "__init__.py"))
+    assert found == [], "a name another module needs is public: drop its underscore"
+
+
+def test_no_two_kernel_sources_call_each_other():
+    """csrc/kernels.h declares what one source calls in another; the calls go one way
+    (linear.c's entry points above quant_linear.c above linear_bf16.c, for instance)."""
+    calls = c_call_graph({path.name: path.read_text(encoding="utf-8") for path in sorted(KERNEL_SOURCES.glob("*.c"))})
+    assert {"quant_linear.c", "linear_f32.c"} <= calls["linear.c"]  # the checks see real calls
+    cycles = sorted(f"{a} <-> {b}" for a, targets in calls.items() for b in targets if a < b and a in calls[b])
+    assert cycles == [], "two C sources call each other: put the entry point above both"
+
+
 def test_rules_catch_a_violation():
     """The checks themselves: crafted sources and graphs break each kind of rule."""
     source = "import os\nfrom . import sibling\ndef f():\n    from ..sim import real_run\n"
@@ -184,6 +276,24 @@ def test_rules_catch_a_violation():
     }
     assert violations(LAYER_RULES[0], graph) == ["pagellm.metrics.x imports pagellm.engine.llm_engine"]
     assert violations(LAYER_RULES[1], graph) == ["pagellm.sim.y imports pagellm.entrypoints.cli_args"]
+    kernels_leaf = next(rule for rule in LAYER_RULES if rule.importers == "pagellm.kernels")
+    kernel_imports = {"pagellm.kernels.x": frozenset({"pagellm.kernels.build", "pagellm.errors", "pagellm.attention.backend"})}
+    assert violations(kernels_leaf, kernel_imports) == ["pagellm.kernels.x imports pagellm.attention.backend"]
     edges = {"pagellm.bench": {"pagellm.sim"}, "pagellm.sim": {"pagellm.engine"}, "pagellm.engine": {"pagellm.bench"}}
     assert reaches(edges, "pagellm.sim", "pagellm.bench") == ["pagellm.sim", "pagellm.engine", "pagellm.bench"]
     assert reaches({"pagellm.bench": {"pagellm.sim"}}, "pagellm.sim", "pagellm.bench") is None
+    # Module pairs: a submodule taken from a package imports that submodule, not the package.
+    modules = {"pagellm.k", "pagellm.k.a", "pagellm.k.b"}
+    statements = import_statements("from pagellm.k import b\nif TYPE_CHECKING:\n    from .b import X\n", "pagellm.k.a")
+    assert modules_imported(statements, modules) == {"pagellm.k.b"}
+    assert modules_imported([("pagellm.k", ("b", "NAME"))], modules) == {"pagellm.k", "pagellm.k.b"}
+    pairs = {"pagellm.k.a": frozenset({"pagellm.k.b"}), "pagellm.k.b": frozenset({"pagellm.k.a"}), "pagellm.k": frozenset()}
+    assert mutual_imports(pairs) == ["pagellm.k.a <-> pagellm.k.b"]
+    assert private_imports("pagellm.k.a", [("pagellm.k.b", ("_ptr", "PUBLIC", "__version__"))]) == [
+        "pagellm.k.a imports pagellm.k.b._ptr"
+    ]
+    c_sources = {
+        "top.c": "/* calls part() */\nvoid entry(int n)\n{\n    part(n);\n}\n",
+        "part.c": "static int helper(int n) { return n; }\nvoid part(int n) { helper(n); entry(n); }\n",
+    }
+    assert c_call_graph(c_sources) == {"top.c": {"part.c"}, "part.c": {"top.c"}}

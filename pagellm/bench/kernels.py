@@ -32,7 +32,7 @@ def run_bench_kernels(args: argparse.Namespace) -> None:
     from pagellm import LLM
     from pagellm.bench.machine import cpu_info
     from pagellm.errors import ConfigError
-    from pagellm.kernels import cpu_features
+    from pagellm.kernels.build import describe_isa
     from pagellm.kernels.linear_choice import TIMED_ROWS, bucket_label
     from pagellm.metrics.ceilings import device_ceilings
     from pagellm.model.linear_plans import candidate_timer
@@ -74,7 +74,7 @@ def run_bench_kernels(args: argparse.Namespace) -> None:
         "benchmark": "kernels",
         "time": time.strftime("%Y-%m-%d %H:%M:%S"),
         "cpu": cpu_info(),
-        "isa": cpu_features.describe_isa(),
+        "isa": describe_isa(),
         "threads": kernel.num_threads,
         "choice_source": model.linear_choice.source,
         "ceilings": {"bf16_matmul_gflops": ceilings.flops_per_s / 1e9, "copy_gbps": ceilings.bytes_per_s / 1e9},

@@ -522,4 +522,11 @@ class Scheduler:
 
     def check_integrity(self) -> None:
         """Raise AssertionError if queues, request states and blocks disagree."""
-        check_scheduler_integrity(self)
+        check_scheduler_integrity(
+            kv=self.kv_cache_manager,
+            requests=self.requests,
+            running=self.running,
+            waiting=self.waiting,
+            swapped=self.swapped,
+            max_num_seqs=self.scheduler_config.max_num_seqs,
+        )

@@ -1,3 +1,7 @@
-"""Native CPU kernels: C sources (csrc/), their build and cache (build.py) and the Python
-bindings the model and the attention backend call (linear.py, decode_layer.py,
-native_layers.py)."""
+"""Native CPU kernels: C sources (csrc/), their build and cache (build.py), the Python
+bindings the model and the attention backend call (linear.py, weights.py, decode_layer.py)
+and the measured choice of kernel (linear_choice.py, step_paths.py).
+
+A leaf: nothing here imports pagellm beyond kernels/ and errors.py (tests/test_import_graph.py).
+The forward paths that drive the native decoder layers read the model and the attention
+metadata, so they live in model/ (fused_decode.py, native_layers.py)."""

@@ -34,7 +34,7 @@ from pagellm.kernels import cpu_features
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = ("linear_f32.c", "paged_decode.c", "paged_decode_bf16.c", "small_linear.c", "gemm_bf16.c", "gemm_amx.c", "linear_bf16.c", "quant_linear.c", "decode_layer.c", "layer_ops.c", "token_masks.c")
+_SOURCES = ("linear_f32.c", "paged_decode.c", "paged_decode_bf16.c", "small_linear.c", "gemm_bf16.c", "gemm_amx.c", "linear.c", "linear_bf16.c", "quant_linear.c", "decode_layer.c", "layer_ops.c", "token_masks.c")
 _HEADERS = ("bf16.h", "float_mode.h", "fp8.h", "kernels.h", "layer_rows.h", "quant_groups.h", "weights.h")  # included by the sources: part of what the cached library is keyed by
 _COMPILE_FLAGS = ("-O3", "-mtune=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11", "-Wall")
 # Linked without -ffast-math: with it, GCC adds crtfastmath.o, whose constructor turns on
@@ -173,6 +173,17 @@ def load_kernels() -> ctypes.CDLL | None:
     return library
 
 
+def native_isa() -> str:
+    """The build of the native kernels that runs here (ISA_LEVELS), or "none"."""
+    library = load_kernels()
+    return library.isa_level.name if library is not None else "none"
+
+
+def describe_isa() -> str:
+    """The CPU, the native kernels' build and what oneDNN runs on, in one line."""
+    return f"{cpu_features.cpu_model()}; native kernels {native_isa()}; oneDNN {cpu_features.onednn_isa()}"
+
+
 @functools.cache
 def _load_level(level: IsaLevel) -> ctypes.CDLL | None:
     try:
@@ -182,7 +193,7 @@ def _load_level(level: IsaLevel) -> ctypes.CDLL | None:
         logger.warning("CPU kernels (%s) unavailable (%s): using the PyTorch path", level.name, _detail(error))
         return None
     _declare(library)
-    library.isa_level = level  # which build this is (cpu_features.native_isa)
+    library.isa_level = level  # which build this is (native_isa)
     return library
 
 
@@ -211,7 +222,7 @@ def _declare(library: ctypes.CDLL) -> None:
         c_void_p, c_int64, c_int,  # out, out row stride, out is float32
         c_int64, c_int64, c_int64, c_int, c_int,  # m, n, k, kernel (csrc/kernels.h LINEAR_*), num threads
     ]
-    # quant_linear.c: Weight* arguments are kernels/weights.py's structures.
+    # linear.c: Weight* arguments are kernels/weights.py's structures.
     library.linear_weight.restype = None
     library.linear_weight.argtypes = [
         c_void_p, c_int64, c_void_p, c_void_p,  # x, x row stride, Weight*, bias (or None)
@@ -230,7 +241,7 @@ def _declare(library: ctypes.CDLL) -> None:
     # StepInputs*, Scratch*): the structs are declared in kernels/decode_layer.py.
     library.decode_layer_bf16.restype = None
     library.decode_layer_bf16.argtypes = [c_void_p] * 7
-    # layer_ops.c: the elementwise stages of a layer (kernels/native_layers.py), float32
+    # layer_ops.c: the elementwise stages of a layer (model/native_layers.py), float32
     # residual stream, bf16 matmul inputs.
     library.rms_norm_residual.restype = None
     library.rms_norm_residual.argtypes = [

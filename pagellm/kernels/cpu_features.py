@@ -1,9 +1,11 @@
-"""Kernels, CPU: what this processor is and which instruction sets the kernels use on it.
+"""Kernels, CPU: what this processor is and which instruction sets oneDNN uses on it.
 
 The native kernels are compiled once per instruction-set level and the level is chosen at
-run time by CPUID (kernels/build.py); oneDNN, under torch's F.linear, dispatches at run
-time too and uses AMX tiles for bf16 where the CPU has them. Both are named in the startup
-log, the kernel benchmark and /metrics.
+run time by CPUID (kernels/build.py, which also names the build that loaded:
+`native_isa`, `describe_isa`); oneDNN, under torch's F.linear, dispatches at run time too
+and uses AMX tiles for bf16 where the CPU has them. Both are named in the startup log, the
+kernel benchmark and /metrics. This module reads the CPU only: build.py keys its cache by
+`cpu_signature`, so nothing here imports the build.
 """
 
 from __future__ import annotations
@@ -49,14 +51,6 @@ def cpu_signature() -> str:
     return f"{model}|{platform.machine()}|{' '.join(sorted(flags))}"
 
 
-def native_isa() -> str:
-    """The build of the native kernels that runs here (kernels/build.py ISA_LEVELS), or "none"."""
-    from pagellm.kernels.build import load_kernels
-
-    library = load_kernels()
-    return library.isa_level.name if library is not None else "none"
-
-
 def onednn_isa() -> str:
     """What torch's matmuls run on: its CPU capability, with AMX where the CPU has it."""
     import torch
@@ -65,7 +59,3 @@ def onednn_isa() -> str:
     limit = os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper()  # oneDNN's own cap, as users set it
     amx = "amx_bf16" in _cpuinfo()[1] and (limit == "ALL" or "AMX" in limit)
     return f"{capability} + AMX-BF16" if amx else capability
-
-
-def describe_isa() -> str:
-    return f"{cpu_model()}; native kernels {native_isa()}; oneDNN {onednn_isa()}"

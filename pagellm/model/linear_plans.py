@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from pagellm.kernels import cpu_features
-from pagellm.kernels.build import kernel_cache_dir, load_kernels
+from pagellm.kernels.build import describe_isa, kernel_cache_dir, load_kernels, native_isa
 from pagellm.kernels.linear import CpuLinearKernels, LinearImpl
 from pagellm.kernels.linear_choice import NUM_BUCKETS, RULES_VERSION, LinearChoice, LinearPlan, LinearShape, resolve_choice
 from pagellm.kernels.weights import WeightType
@@ -148,7 +148,7 @@ def attach_linear_plans(model: torch.nn.Module, kernel: CpuLinearKernels) -> Lin
 def describe_choice(choice: LinearChoice, groups: list[LinearGroup]) -> str:
     """The startup log's table: where the choice came from, the ISA in use, a line per group."""
     how = {"measured": f"measured in {choice.seconds:.1f}s", "cache": "cached measurement", "forced": "forced by PAGELLM_LINEAR_KERNEL"}[choice.source]
-    lines = [f"linear kernels ({how}; {cpu_features.describe_isa()}):"]
+    lines = [f"linear kernels ({how}; {describe_isa()}):"]
     for group in groups:
         line = f"  {group.label}: rows {choice.plans[group.shape.key].describe()}"
         unmeasured = choice.unmeasured_buckets.get(group.shape.key)
@@ -166,7 +166,7 @@ def kernel_info(model: torch.nn.Module) -> dict[str, str] | None:
     choice = model.linear_choice
     return {
         "cpu": cpu_features.cpu_model(),
-        "native_isa": cpu_features.native_isa(),
+        "native_isa": native_isa(),
         "onednn_isa": cpu_features.onednn_isa(),
         "choice": choice.source,
         "linear": "; ".join(f"{g.label}: {choice.plans[g.shape.key].describe()}" for g in model.linear_groups),

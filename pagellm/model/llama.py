@@ -33,9 +33,9 @@ from pagellm.model.tensor_parallel import TPGroup, vocab_parallel_embed
 if TYPE_CHECKING:
     from pagellm.kernels.linear_choice import LinearChoice
     from pagellm.model.linear_plans import LinearGroup
-    from pagellm.kernels.decode_layer import FusedDecode
-    from pagellm.kernels.native_layers import NativeLayers
     from pagellm.kernels.step_paths import StepPathChoice
+    from pagellm.model.fused_decode import FusedDecode
+    from pagellm.model.native_layers import NativeLayers
 
 
 class LlamaAttention(nn.Module):

@@ -35,6 +35,15 @@ class SamplingBatch:
     prompt_mask: torch.Tensor | None = None
 
 
+def held_back_ids(params: SamplingParams, eos_token_ids: frozenset[int]) -> list[int]:
+    """Tokens that may not be sampled before min_tokens: stop ids, and EOS unless ignored
+    (a row's banned_token_ids while its request has fewer than min_tokens outputs)."""
+    held_back = set(params.stop_token_ids)
+    if not params.ignore_eos:
+        held_back |= eos_token_ids
+    return sorted(held_back)
+
+
 @dataclass
 class SamplerOutput:
     token_ids: list[int]

@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -26,8 +25,7 @@ from pagellm.core.scheduler_output import (
 from pagellm.model.llama import LlamaForCausalLM
 from pagellm.request import child_request_id
 from pagellm.sample.penalties import PenaltyState
-from pagellm.sample.sampler import Sampler, SamplingBatch
-from pagellm.sampling_params import SamplingParams
+from pagellm.sample.sampler import Sampler, SamplingBatch, held_back_ids
 from pagellm.spec_decode.draft_model import DraftModelProposer, Drafts
 from pagellm.structured.grammar_compiler import GrammarCompiler
 from pagellm.structured.token_masks import MaskTimer, apply_masks, fill_masks
@@ -35,27 +33,10 @@ from pagellm.worker.cuda_graphs import Capture, DecodeGraphs, cuda_graph_capture
 from pagellm.worker.fault_injection import FaultInjector
 from pagellm.worker.kv_cache import allocate_kv_caches
 from pagellm.worker.model_inputs import ScheduledSequence, prepare_model_inputs
-from pagellm.worker.spec_verification import SpeculativeVerifier, held_back_ids
+from pagellm.worker.request_state import RunnerRequestState
+from pagellm.worker.spec_verification import SpeculativeVerifier
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class RunnerRequestState:
-    """What the runner remembers of a request between steps."""
-
-    token_ids: list[int]  # prompt + outputs so far
-    num_prompt_tokens: int
-    block_ids: list[int]
-    num_computed_tokens: int
-    sampling_params: SamplingParams
-    eos_token_ids: frozenset[int]
-    num_pending_forks: int = 0
-    matcher: Any = None  # the output constraint's llguidance matcher (driver only)
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
 
 
 @dataclass
@@ -113,7 +94,15 @@ class ModelRunner:
         self.draft: DraftModelProposer | None = None
         # Tests only: steps made to fail on purpose (worker/fault_injection.py).
         self.faults = FaultInjector.from_env()
-        self.verifier = SpeculativeVerifier(self)
+        self.verifier = SpeculativeVerifier(
+            compute_logits=model.compute_logits,
+            requests=self.requests,
+            sampler=self.sampler,
+            penalties=self.penalties,
+            generators=self.generators,
+            device=device,
+            is_driver=is_driver,
+        )
 
     def capture_decode_graphs(
         self, sizes: list[int], max_model_len: int, capture: Capture | None = None
@@ -160,7 +149,7 @@ class ModelRunner:
         proposals = scheduler_output.scheduled_spec_decode_tokens
         drafted: dict[str, Drafts] = {}
         if proposals and self.draft is not None:
-            drafted = self.verifier.draft(proposals)
+            drafted = self.verifier.draft(proposals, self.draft)
             proposals = {req_id: result.token_ids for req_id, result in drafted.items()}
         sequences: list[ScheduledSequence] = []
         for req_id in req_ids:
@@ -189,7 +178,7 @@ class ModelRunner:
         )
         self._prompt_logprobs(req_ids, sequences, starts, hidden, output)
         if proposals:
-            self.verifier.verify(req_ids, proposals, starts, hidden, output, drafted)
+            self.verifier.verify(req_ids, proposals, starts, hidden, output, drafted, self.draft)
         rows = self._sample_rows(req_ids, sequences, starts, proposals)
         if rows:
             self._sample(rows, hidden, output)
@@ -277,7 +266,7 @@ class ModelRunner:
             if row.req_id != row.owner_id and sp.seed is not None:
                 self._ensure_generator(row.req_id, sp.seed + int(row.req_id.rsplit("#", 1)[1]))
             generators.append(self.generators.get(row.req_id))
-            banned.append(held_back_ids(state) if state.num_output_tokens < sp.min_tokens else [])
+            banned.append(held_back_ids(sp, state.eos_token_ids) if state.num_output_tokens < sp.min_tokens else [])
             if self.penalties.has(row.owner_id):
                 penalty_rows.append(position)
                 penalty_owners.append(row.owner_id)

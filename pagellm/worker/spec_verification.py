@@ -6,18 +6,17 @@ sampling against each position's sampling distribution for the others).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping
 
 import torch
 
 from pagellm.core.scheduler_output import ModelRunnerOutput
-from pagellm.sample.sampler import SamplingBatch, gather_logprobs
+from pagellm.sample.penalties import PenaltyState
+from pagellm.sample.sampler import Sampler, SamplingBatch, gather_logprobs, held_back_ids
 from pagellm.sampling_params import SamplingParams
-from pagellm.spec_decode.draft_model import Drafts, DraftWork
+from pagellm.spec_decode.draft_model import DraftModelProposer, Drafts, DraftWork
 from pagellm.spec_decode.rejection_sampler import greedy_verify, rejection_sample
-
-if TYPE_CHECKING:
-    from pagellm.worker.model_runner import ModelRunner, RunnerRequestState
+from pagellm.worker.request_state import RunnerRequestState
 
 
 def plain_greedy(params: SamplingParams) -> bool:
@@ -25,21 +24,34 @@ def plain_greedy(params: SamplingParams) -> bool:
     return params.is_greedy and not (params.has_penalties or params.logit_bias or params.min_tokens)
 
 
-def held_back_ids(state: RunnerRequestState) -> list[int]:
-    """Tokens that may not be sampled before min_tokens: stop ids, and EOS unless ignored."""
-    params = state.sampling_params
-    held_back = set(params.stop_token_ids)
-    if not params.ignore_eos:
-        held_back |= state.eos_token_ids
-    return sorted(held_back)
-
-
 class SpeculativeVerifier:
-    """Drafts and verifies for one ModelRunner, reading its request states, sampler,
-    penalties, generators and draft model."""
+    """Drafts and verifies for one ModelRunner.
 
-    def __init__(self, runner: ModelRunner) -> None:
-        self.runner = runner
+    It is handed the runner's parts it reads (its request states, which it extends with
+    the emitted tokens, the sampler, penalties and seeded generators) rather than the
+    runner, and the draft model with each call, since the worker attaches that after
+    the runner is built."""
+
+    def __init__(
+        self,
+        *,
+        compute_logits: Callable[[torch.Tensor], torch.Tensor],  # hidden rows -> their logits
+        requests: Mapping[str, RunnerRequestState],
+        sampler: Sampler,
+        penalties: PenaltyState,
+        generators: Mapping[str, torch.Generator],
+        device: torch.device,
+        is_driver: bool,
+    ) -> None:
+        self.compute_logits = compute_logits
+        self.requests = requests
+        self.sampler = sampler
+        self.penalties = penalties
+        self.generators = generators
+        self.device = device
+        # Only the driver samples; the other tensor-parallel ranks make the logits call
+        # (a collective) and stop there.
+        self.is_driver = is_driver
 
     def verify(
         self,
@@ -49,6 +61,7 @@ class SpeculativeVerifier:
         hidden: torch.Tensor,
         output: ModelRunnerOutput,
         drafts: dict[str, Drafts],
+        draft_model: DraftModelProposer | None,
     ) -> None:
         """Verify each speculating request's proposal from its k + 1 rows' logits.
 
@@ -59,18 +72,17 @@ class SpeculativeVerifier:
         output), so the emitted tokens follow exactly that distribution; a seeded request
         draws from its own generator. A draft model's tokens drawn from its own
         distribution q are accepted with min(1, p/q); greedy ones are point masses."""
-        runner = self.runner
         spans = [(req_id, starts[i], starts[i + 1]) for i, req_id in enumerate(req_ids) if req_id in proposals]
-        index = torch.tensor([row for _, first, end in spans for row in range(first, end)], device=runner.device)
-        logits = runner.model.compute_logits(hidden[index])  # every rank: a collective under TP
-        if not runner.is_driver:
+        index = torch.tensor([row for _, first, end in spans for row in range(first, end)], device=self.device)
+        logits = self.compute_logits(hidden[index])  # every rank: a collective under TP
+        if not self.is_driver:
             return
         offset = 0
         for req_id, first, end in spans:
             proposal = proposals[req_id]
             rows = logits[offset : offset + end - first]
             offset += end - first
-            state = runner.requests[req_id]
+            state = self.requests[req_id]
             params = state.sampling_params
             draft_ids = torch.tensor([proposal], device=rows.device)
             num_drafts = torch.tensor([len(proposal)], device=rows.device)
@@ -82,14 +94,14 @@ class SpeculativeVerifier:
             if plain_greedy(params):
                 verified = greedy_verify(rows.unsqueeze(0), draft_ids, num_drafts)
             else:
-                probs = runner.sampler.target_probs(rows, self._batch(req_id, proposal))
+                probs = self.sampler.target_probs(rows, self._batch(req_id, proposal))
                 verified = rejection_sample(
-                    probs.unsqueeze(0), draft_ids, num_drafts, draft_probs, generator=runner.generators.get(req_id)
+                    probs.unsqueeze(0), draft_ids, num_drafts, draft_probs, generator=self.generators.get(req_id)
                 )
             emitted = verified.token_ids[0]
             if drafted is not None:
-                assert runner.draft is not None
-                runner.draft.verified(req_id, len(state.token_ids), len(proposal), verified.num_accepted[0])
+                assert draft_model is not None
+                draft_model.verified(req_id, len(state.token_ids), len(proposal), verified.num_accepted[0])
                 output.drafted_token_ids[req_id] = proposal
             if raw_logprobs is not None:
                 if output.logprobs is None:
@@ -97,18 +109,18 @@ class SpeculativeVerifier:
                 chosen = torch.tensor(emitted, device=rows.device)
                 output.logprobs[req_id] = gather_logprobs(raw_logprobs[: len(emitted)], chosen, [params] * len(emitted))
             state.token_ids.extend(emitted)
-            runner.penalties.record([req_id] * len(emitted), emitted)
+            self.penalties.record([req_id] * len(emitted), emitted)
             output.sampled_token_ids[req_id] = emitted
 
     def _batch(self, req_id: str, drafts: list[int], first: int = 0) -> SamplingBatch:
         """Sampling settings of positions first..len(drafts) of a proposal: position j
         comes after the request's tokens and drafts[:j] (for min_tokens and the
         penalties' counts)."""
-        state = self.runner.requests[req_id]
+        state = self.requests[req_id]
         params = state.sampling_params
-        penalties = self.runner.penalties
+        penalties = self.penalties
         positions = range(first, len(drafts) + 1)
-        held_back = held_back_ids(state)
+        held_back = held_back_ids(params, state.eos_token_ids)
         banned = [held_back if state.num_output_tokens + j < params.min_tokens else [] for j in positions]
         batch = SamplingBatch(params=[params] * len(positions), generators=[None] * len(positions), banned_token_ids=banned)
         if penalties.has(req_id):
@@ -124,25 +136,22 @@ class SpeculativeVerifier:
 
     # ---------------------------------------------------------- draft model
 
-    def draft(self, proposals: dict[str, list[int]]) -> dict[str, Drafts]:
+    def draft(self, proposals: dict[str, list[int]], draft_model: DraftModelProposer) -> dict[str, Drafts]:
         """The draft model's tokens for the scheduled placeholders."""
-        runner = self.runner
-        assert runner.draft is not None
         work = []
         for req_id, placeholders in proposals.items():
-            state = runner.requests[req_id]
+            state = self.requests[req_id]
             work.append(DraftWork(req_id, state.token_ids, state.block_ids, len(state.token_ids), len(placeholders)))
-        return runner.draft.propose(work, self._choose_draft)
+        return draft_model.propose(work, self._choose_draft)
 
     def _choose_draft(self, req_id: str, drafts: list[int], logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
         """The draft's next token: its argmax for greedy requests, else a draw from its
         distribution after the request's processing (returned: rejection sampling needs it)."""
-        runner = self.runner
-        params = runner.requests[req_id].sampling_params
+        params = self.requests[req_id].sampling_params
         if plain_greedy(params):
             return int(logits.float().argmax()), None
-        probs = runner.sampler.target_probs(logits.unsqueeze(0), self._batch(req_id, drafts, len(drafts)))[0]
+        probs = self.sampler.target_probs(logits.unsqueeze(0), self._batch(req_id, drafts, len(drafts)))[0]
         if params.is_greedy:
             return int(probs.argmax()), None
-        token = torch.multinomial(probs, 1, generator=runner.generators.get(req_id))
+        token = torch.multinomial(probs, 1, generator=self.generators.get(req_id))
         return int(token), probs

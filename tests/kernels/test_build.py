@@ -7,14 +7,14 @@ from __future__ import annotations
 import pytest
 
 from pagellm.errors import ConfigError
-from pagellm.kernels import build, cpu_features
+from pagellm.kernels import build
 
 
 def test_each_level_the_host_runs_loads_and_names_itself(kernel_isa):
     library = build.load_kernels()
     assert library is not None and library.isa_level.name == kernel_isa
-    assert cpu_features.native_isa() == kernel_isa
-    assert kernel_isa in cpu_features.describe_isa()
+    assert build.native_isa() == kernel_isa
+    assert kernel_isa in build.describe_isa()
     assert bool(library.amx_supported()) <= (kernel_isa == "amx")  # only the AMX build has tiles
 
 

@@ -37,11 +37,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from pagellm.config.engine_args import EngineArgs
 from pagellm.config.cli_args import engine_args_from_namespace, engine_args_to_cli
 from pagellm.entrypoints.dashboard import STATIC_DIR
+from pagellm.entrypoints.openai.api_key import API_KEY_ENV
 from pagellm.entrypoints.openai.api_server import bind_socket, keep_signals_from_killing
 from pagellm.entrypoints.openai.auth import ApiKeyMiddleware
 from pagellm.entrypoints.openai.limits_config import RequestLimits
 from pagellm.entrypoints.openai.errors import APIError
-from pagellm.entrypoints.openai.serve_command import API_KEY_ENV
 from pagellm.entrypoints.openai.replicas import Replica, start_process_replicas, start_ray_replicas
 from pagellm.executor.dp_routing import PrefixAffinityRouter
 from pagellm.model.loader import load_model_config, load_tokenizer, resolve_model_source

@@ -10,10 +10,9 @@ import argparse
 import os
 
 from pagellm.config.cli_args import add_engine_args
+from pagellm.entrypoints.openai.api_key import API_KEY_ENV
 from pagellm.entrypoints.openai.limits_config import RequestLimits, add_limit_args
 from pagellm.errors import ConfigError
-
-API_KEY_ENV = "PAGELLM_API_KEY"
 
 
 def add_serve_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:

@@ -19,11 +19,11 @@ from pagellm.model.layers import RotaryEmbedding
 from pagellm.model.llama import LlamaForCausalLM
 from pagellm.model.tensor_parallel import TPGroup, TPLayout, shard_float
 from pagellm.kernels.build import load_kernels
-from pagellm.kernels.decode_layer import FusedDecode
 from pagellm.kernels.step_paths import StepPathChoice, forced_path
-from pagellm.kernels.native_layers import NativeLayers
 from pagellm.kernels.linear import cpu_linear_kernels
+from pagellm.model.fused_decode import FusedDecode
 from pagellm.model.linear_plans import attach_linear_plans
+from pagellm.model.native_layers import NativeLayers
 from pagellm.model.loader import gguf_loader, hf_loader
 from pagellm.model.loader.default_model import DEFAULT_MODEL_NAME, default_model_path
 

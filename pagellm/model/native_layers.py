@@ -1,4 +1,4 @@
-"""Kernels, CPU bf16: steps the one-call decode layer does not take (more rows than it is
+"""Model stage, CPU bf16: steps the one-call decode layer does not take (more rows than it is
 chosen for, prefill chunks) run each decoder layer as its four linear layers (each the
 implementation measured fastest for the step's rows, kernels/linear_choice.py) plus three
 native calls (csrc/layer_ops.c) for everything between them.
@@ -29,7 +29,7 @@ import torch
 from pagellm.attention.backend import AttentionMetadata
 from pagellm.attention.cpu_backend import CpuAttentionBackend
 from pagellm.attention.kv_cache_dtype import ELEMENT_TYPES
-from pagellm.kernels.decode_layer import _CACHE_DTYPES, _ptr
+from pagellm.kernels.decode_layer import CACHE_DTYPES, data_ptr_or_null
 
 
 class NativeLayers:
@@ -53,7 +53,7 @@ class NativeLayers:
 
     @staticmethod
     def applies(hidden: torch.Tensor, kv_caches: list[torch.Tensor]) -> bool:
-        return hidden.dtype is torch.bfloat16 and kv_caches[0].dtype in _CACHE_DTYPES and kv_caches[0].is_contiguous()
+        return hidden.dtype is torch.bfloat16 and kv_caches[0].dtype in CACHE_DTYPES and kv_caches[0].is_contiguous()
 
     def run(
         self,
@@ -79,7 +79,7 @@ class NativeLayers:
         for layer, cache in zip(model.layers, kv_caches, strict=True):
             attention, mlp = layer.self_attn, layer.mlp
             library.rms_norm_residual(
-                hidden.data_ptr(), _ptr(delta), layer.input_layernorm.weight.data_ptr(),
+                hidden.data_ptr(), data_ptr_or_null(delta), layer.input_layernorm.weight.data_ptr(),
                 layer.input_layernorm.eps, normed.data_ptr(), m, size, threads,
             )  # fmt: skip
             qkv = attention.qkv_proj.compute(normed, f32)

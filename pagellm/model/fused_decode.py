@@ -1,0 +1,175 @@
+"""Model stage, CPU: steps of up to 20 tokens (up to 8 per request) run each decoder layer as one native call
+(kernels/csrc/decode_layer.c) instead of ~50 PyTorch operations.
+
+The native layer treats every token as a decode of its own: row i attends to its
+request's context up to and including its own position (positions[i] + 1 tokens), read
+through its request's block table. A request with several tokens in the step (the k + 1
+positions that verify a speculative proposal, a prefill chunk of <= 8) is thus causal
+without a mask, since every row's K/V is stored before any row attends.
+
+At a few tokens per step the layer's arithmetic is tiny and PyTorch's per-operation
+dispatch (norms, rotary, splits, activations, residual adds) costs as much as streaming
+the weights; the native layer does the same computation with the native linear kernels
+and the paged decode attention kernel, keeping the residual stream and the linear
+outputs in float32 (only matmul inputs and the KV cache are bf16, csrc/layer_rows.h). Each linear takes
+its measured native kernel for the step's rows (kernels/linear_choice.py); a step whose
+rows some linear layer is measured faster on oneDNN for goes to native_layers.py, which
+can call it. Used for bf16 models on x86-64 CPUs (AVX2 and up); other steps, dtypes and
+devices take the PyTorch path.
+
+A forward path of the model (it reads the model's layers and the attention metadata);
+the C structures it fills and its row limits are the kernel's binding,
+kernels/decode_layer.py.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from pagellm.attention.backend import AttentionMetadata
+from pagellm.attention.kv_cache_dtype import ELEMENT_TYPES
+from pagellm.kernels.decode_layer import (
+    CACHE_DTYPES,
+    MAX_ROWS,
+    MAX_ROWS_PER_REQUEST,
+    LayerShape,
+    LayerWeights,
+    Scratch,
+    StepInputs,
+    data_ptr_or_null,
+)
+from pagellm.kernels.linear import LinearImpl
+
+
+def _longest_query(metadata: AttentionMetadata) -> int:
+    starts = metadata.query_start_loc
+    return max(starts[r + 1] - starts[r] for r in range(metadata.num_reqs))
+
+
+def _layer_impls(layer: torch.nn.Module, rows: int) -> tuple[int, int, int, int] | None:
+    """The native kernels of a layer's four linears at `rows` rows (None: one is oneDNN)."""
+    linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+    impls = [LinearImpl.BY_ROWS if linear.plan is None else linear.plan.choose(rows) for linear in linears]
+    return tuple(int(impl) for impl in impls) if all(impl.native for impl in impls) else None
+
+
+class FusedDecode:
+    """Runs a step of <= MAX_ROWS tokens through the native layer, for one model."""
+
+    def __init__(self, library: ctypes.CDLL, model: torch.nn.Module) -> None:
+        config = model.config
+        self._run_layer = library.decode_layer_bf16
+        self._segment_rows = library.attention_segment_rows()  # attention workspace per thread
+        self._model = model
+        self._num_threads = torch.get_num_threads()
+        self._shape = LayerShape(
+            config.hidden_size, config.intermediate_size, config.num_attention_heads,
+            config.num_key_value_heads, config.head_dim, 0, config.rms_norm_eps,
+            config.head_dim**-0.5, self._num_threads, ELEMENT_TYPES[torch.bfloat16],
+        )  # fmt: skip
+        # The Weight structures live as long as their layers (CpuLinear keeps them).
+        self._layers = [
+            LayerWeights(
+                data_ptr_or_null(layer.input_layernorm.weight),
+                data_ptr_or_null(layer.post_attention_layernorm.weight),
+                layer.self_attn.qkv_proj.kernel_weight().struct_address(),
+                data_ptr_or_null(layer.self_attn.qkv_proj.bias),
+                layer.self_attn.o_proj.kernel_weight().struct_address(),
+                data_ptr_or_null(layer.self_attn.o_proj.bias),
+                layer.mlp.gate_up_proj.kernel_weight().struct_address(),
+                layer.mlp.down_proj.kernel_weight().struct_address(),
+            )
+            for layer in model.layers
+        ]
+        q_size = config.num_attention_heads * config.head_dim
+        kv_size = config.num_key_value_heads * config.head_dim
+
+        def scratch(width: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+            return torch.empty(MAX_ROWS, width, dtype=dtype)
+
+        f32 = torch.float32
+        self._buffers = [
+            scratch(config.hidden_size), scratch(q_size + 2 * kv_size, f32), scratch(q_size), scratch(q_size),
+            scratch(config.hidden_size, f32), scratch(2 * config.intermediate_size, f32),
+            scratch(config.intermediate_size), scratch(2 * kv_size),
+        ]  # fmt: skip
+        # Each layer's measured choice per row count (layers of a GGUF may store different
+        # types); a row count where some linear of some layer is planned on oneDNN is not
+        # taken (None).
+        self._impls: list[list[tuple[int, int, int, int]] | None] = [None]
+        for rows in range(1, MAX_ROWS + 1):
+            per_layer = [_layer_impls(layer, rows) for layer in model.layers]
+            self._impls.append(None if any(impls is None for impls in per_layer) else per_layer)
+        self._attention_workspace = torch.empty(0, dtype=torch.float32)
+        self._rotary = model.rotary
+
+    @staticmethod
+    def supports(model: torch.nn.Module) -> bool:
+        """Whether the model's shape and weights are what the native layer computes."""
+        params = list(model.parameters())
+        config = model.config
+        return (
+            all(p.dtype is torch.bfloat16 and p.device.type == "cpu" and p.is_contiguous() for p in params)
+            and config.sliding_window is None
+            and config.head_dim % 2 == 0
+        )
+
+    def applies(self, hidden: torch.Tensor, kv_caches: list[torch.Tensor], metadata: AttentionMetadata) -> bool:
+        num_tokens = hidden.shape[0]
+        return (
+            0 < num_tokens <= MAX_ROWS
+            and self._impls[num_tokens] is not None
+            and (metadata.num_reqs == num_tokens or _longest_query(metadata) <= MAX_ROWS_PER_REQUEST)
+            and hidden.dtype is torch.bfloat16
+            and kv_caches[0].dtype in CACHE_DTYPES
+            and kv_caches[0].is_contiguous()
+            and metadata.block_tables.dtype is torch.int64
+            and metadata.block_tables.is_contiguous()
+        )
+
+    def run(
+        self,
+        hidden: torch.Tensor,  # [num_tokens, hidden_size] bf16 embeddings
+        positions: torch.Tensor,  # [num_tokens] int64
+        kv_caches: list[torch.Tensor],
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, hidden_size] float32, before the final norm
+        m = hidden.shape[0]
+        rows = torch.arange(m, dtype=torch.int64)
+        positions = positions.contiguous()
+        if metadata.num_reqs == m:  # decodes: one row per request
+            reqs = rows
+            seq_lens = torch.tensor(metadata.seq_lens, dtype=torch.int64)
+        else:  # each row reads its request's table up to its own position
+            starts = metadata.query_start_loc
+            reqs = torch.repeat_interleave(
+                torch.arange(metadata.num_reqs, dtype=torch.int64),
+                torch.tensor([starts[r + 1] - starts[r] for r in range(metadata.num_reqs)]),
+            )
+            seq_lens = positions.to(torch.int64) + 1
+        max_seq_len = max(metadata.seq_lens)
+        shape = self._shape
+        needed = self._num_threads * max_seq_len * shape.num_heads * self._segment_rows
+        if self._attention_workspace.numel() < needed:
+            self._attention_workspace = torch.empty(2 * needed, dtype=torch.float32)
+        shape.block_size = kv_caches[0].shape[2]
+        shape.cache_type = ELEMENT_TYPES[kv_caches[0].dtype]
+        tables = metadata.block_tables
+        inputs = StepInputs(
+            m, positions.data_ptr(), metadata.slot_mapping.data_ptr(), tables.data_ptr(), tables.stride(0),
+            rows.data_ptr(), reqs.data_ptr(), seq_lens.data_ptr(), max_seq_len,
+            self._rotary.cos_cache.data_ptr(), self._rotary.sin_cache.data_ptr(),
+        )  # fmt: skip
+        scratch = Scratch(*(b.data_ptr() for b in self._buffers), self._attention_workspace.data_ptr())
+        hidden = hidden.to(torch.float32).contiguous()
+        hidden_ptr = hidden.data_ptr()
+        shape_ref, inputs_ref, scratch_ref = ctypes.byref(shape), ctypes.byref(inputs), ctypes.byref(scratch)
+        for weights, cache, impls in zip(self._layers, kv_caches, self._impls[m], strict=True):
+            shape.linear_impl = impls
+            self._run_layer(
+                hidden_ptr, ctypes.byref(weights), cache[0].data_ptr(), cache[1].data_ptr(),
+                shape_ref, inputs_ref, scratch_ref,
+            )  # fmt: skip
+        return hidden
