@@ -1,29 +1,40 @@
 """Executor stage: the other tensor-parallel ranks as processes on this machine (`mp`).
 
-Processes are spawned (not forked: forking a process that holds CUDA or OpenMP threads
-is unsafe), one per rank, with GPU `rank` each on CUDA. Each loads its share of the
-model and reports over a pipe (ready, or the error that stopped it) before any rank
-joins the process group, so a rank that fails to load is reported at once, with its
-error, instead of leaving the others in a rendezvous. A monitor thread then watches
-the processes: a rank that exits is reported within moments even while the engine idles.
+Each rank is a fresh interpreter running pagellm's own entry point
+(`python -P -m pagellm.executor.rank_process`, see that module), never the user's
+script: multiprocessing's spawn would re-import the script's `__main__` in every rank,
+which fails (or starts engines within engines) without an `if __name__ == "__main__":`
+guard. Nothing is forked either (forking a process that holds CUDA or OpenMP threads is
+unsafe). On CUDA rank `rank` takes GPU `rank`. Each rank gets its setup over a socket pair,
+loads its share of the model and reports on it (ready, or the error that stopped it)
+before any rank joins the process group, so a rank that fails to load is reported at
+once, with its error, instead of leaving the others in a rendezvous. A monitor thread
+then watches the connections, which stay open for each rank's life: a rank that exits is
+reported within moments even while the engine idles.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import multiprocessing
 import multiprocessing.connection
 import os
+import site
+import subprocess
+import sys
 import threading
 import time
-from multiprocessing.process import BaseProcess
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from pagellm.errors import ConfigError
 from pagellm.executor.base import WorkerDiedError
 from pagellm.executor.distributed_executor import DistributedExecutor
-from pagellm.executor.worker_loop import local_init_method, serve_driver
+from pagellm.executor.worker_loop import local_init_method
 from pagellm.config.engine_config import EngineConfig
 from pagellm.worker.worker import Worker
 
@@ -31,6 +42,32 @@ logger = logging.getLogger(__name__)
 
 # How long a dead rank's exit may take to show on its process after its sockets closed.
 _DEATH_NOTICE_S = 2.0
+_RANK_ENTRY_POINT = "pagellm.executor.rank_process"
+
+
+@dataclass(frozen=True)
+class RankSetup:
+    """What a rank's process receives from the driver before it loads anything."""
+
+    config: EngineConfig
+    rank: int
+    device: torch.device
+    init_method: str  # the process group's rendezvous address
+
+
+@dataclass(frozen=True)
+class RankLoaded:
+    """A rank's word once it has tried to load its share: error is None when it is ready."""
+
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class RankProcess:
+    """A started rank: its process and the driver's end of its connection."""
+
+    process: subprocess.Popen[bytes]
+    connection: multiprocessing.connection.Connection
 
 
 def rank_device(device: torch.device, rank: int) -> torch.device:
@@ -47,30 +84,25 @@ class MultiprocExecutor(DistributedExecutor):
                 "--distributed-executor-backend ray)"
             )
         init_method = local_init_method()
-        context = multiprocessing.get_context("spawn")
-        self._processes: list[BaseProcess] = []
-        pipes = []
-        for rank in range(1, size):
-            parent, child = context.Pipe(duplex=False)
-            process = context.Process(
-                target=_worker_main,
-                args=(config, rank, rank_device(device, rank), init_method, child),
-                name=f"pagellm-tp{rank}",
-                daemon=True,
-            )
-            process.start()
-            child.close()
-            self._processes.append(process)
-            pipes.append(parent)
+        self._ranks: list[RankProcess] = []  # ranks 1..N-1
+        environment = rank_environment()
         try:
+            for _ in range(1, size):
+                self._ranks.append(start_rank_process(environment))
+            for rank, started in enumerate(self._ranks, start=1):
+                try:
+                    started.connection.send(RankSetup(config, rank, rank_device(device, rank), init_method))
+                except OSError:
+                    pass  # it has exited already: _wait_until_loaded says how
             # The driver loads its own share while the others load theirs.
             driver = Worker(config, 0, rank_device(device, 0))
             super().__init__(driver, init_method)
-            self._wait_until_loaded(pipes)
+            _running.add(self)
+            self._wait_until_loaded()
             self._connect_driver()
         except BaseException:
-            for process in self._processes:
-                process.kill()
+            for started in self._ranks:
+                started.process.kill()
             self._stop_workers()
             raise
         self._monitor = threading.Thread(target=self._watch, name="pagellm-tp-monitor", daemon=True)
@@ -83,27 +115,29 @@ class MultiprocExecutor(DistributedExecutor):
     @property
     def worker_pids(self) -> list[int]:
         """Process ids of ranks 1..N-1 (rank 0 is this process)."""
-        return [process.pid for process in self._processes if process.pid is not None]
+        return [started.process.pid for started in self._ranks]
 
-    def _wait_until_loaded(self, pipes: list[multiprocessing.connection.Connection]) -> None:
-        """Each rank's word (ready, or why not); a rank that dies first closes its pipe."""
-        pending = dict(zip(pipes, range(1, len(pipes) + 1), strict=True))
+    def _wait_until_loaded(self) -> None:
+        """Each rank's word (ready, or why not); a rank that dies first closes its connection."""
+        pending = {started.connection: rank for rank, started in enumerate(self._ranks, start=1)}
         while pending:
-            for pipe in multiprocessing.connection.wait(list(pending)):
-                rank = pending.pop(pipe)  # type: ignore[call-overload]
+            for connection in multiprocessing.connection.wait(list(pending)):
+                rank = pending.pop(connection)  # type: ignore[call-overload]
                 try:
-                    status, detail = pipe.recv()  # type: ignore[union-attr]
-                except EOFError:
-                    process = self._processes[rank - 1]
-                    process.join(timeout=5.0)
+                    loaded = connection.recv()  # type: ignore[union-attr]
+                except (EOFError, OSError):
+                    process = self._ranks[rank - 1].process
+                    _wait(process, 5.0)
                     raise WorkerDiedError(
-                        f"tensor-parallel rank {rank} exited with code {process.exitcode} while loading"
+                        f"tensor-parallel rank {rank} exited with code {process.returncode} while loading"
                     ) from None
-                if status != "ready":
-                    raise WorkerDiedError(f"tensor-parallel rank {rank} failed to start: {detail}")
+                if loaded.error is not None:
+                    raise WorkerDiedError(f"tensor-parallel rank {rank} failed to start: {loaded.error}")
 
     def _watch(self) -> None:
-        multiprocessing.connection.wait([p.sentinel for p in self._processes])
+        # A rank sends nothing after it loaded: its connection turns readable only when
+        # it ends, with its process.
+        multiprocessing.connection.wait([started.connection for started in self._ranks])
         if not self._closing.is_set():
             report = self._death_report()
             if report is not None:
@@ -112,37 +146,73 @@ class MultiprocExecutor(DistributedExecutor):
     def _death_report(self) -> WorkerDiedError | None:
         deadline = time.monotonic() + _DEATH_NOTICE_S
         while True:
-            dead = [(rank, p) for rank, p in enumerate(self._processes, start=1) if not p.is_alive()]
+            dead = [(rank, r.process) for rank, r in enumerate(self._ranks, start=1) if r.process.poll() is not None]
             if dead or time.monotonic() >= deadline:
                 break
             time.sleep(0.05)
         if not dead:
             return None
         rank, process = dead[0]
-        how = f"signal {-process.exitcode}" if (process.exitcode or 0) < 0 else f"code {process.exitcode}"
+        code = process.returncode
+        how = f"signal {-code}" if code < 0 else f"code {code}"
         return WorkerDiedError(f"tensor-parallel worker rank {rank} (pid {process.pid}) died ({how})")
 
     def _stop_workers(self) -> None:
-        for process in self._processes:
-            process.join(timeout=5.0)
-            if process.is_alive():
-                process.kill()
-                process.join(timeout=5.0)
+        for started in self._ranks:
+            if not _wait(started.process, 5.0):
+                started.process.kill()
+                _wait(started.process, 5.0)
+        _running.discard(self)
+
+    def _terminate(self) -> None:
+        """End the ranks now (SIGTERM), without a word to them: for the interpreter's exit."""
+        self._closing.set()
+        for started in self._ranks:
+            started.process.terminate()
+        self._stop_workers()
 
 
-def _worker_main(
-    config: EngineConfig,
-    rank: int,
-    device: torch.device,
-    init_method: str,
-    pipe: multiprocessing.connection.Connection,
-) -> None:
-    logging.basicConfig(level=os.environ.get("PAGELLM_WORKER_LOG_LEVEL", "WARNING"))
+def rank_environment() -> dict[str, str]:
+    """This process's environment for a rank, with the folder this pagellm was imported
+    from first on PYTHONPATH unless it is an installed site's folder: a script run from a
+    source checkout (or after a sys.path edit) then gets ranks that run this very code,
+    not another installed copy, or none."""
+    environment = dict(os.environ)
+    root = Path(__file__).resolve().parents[2]  # the folder holding pagellm/
+    site_folders = {Path(folder).resolve() for folder in [*site.getsitepackages(), site.getusersitepackages()]}
+    if root not in site_folders:
+        environment["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), environment.get("PYTHONPATH")]))
+    return environment
+
+
+def start_rank_process(environment: dict[str, str]) -> RankProcess:
+    """One rank's process, running pagellm's entry point; its setup is still to be sent."""
+    driver_end, rank_end = multiprocessing.Pipe(duplex=True)
+    # -P: the working directory stays off the rank's sys.path, so a file there named like
+    # a module (random.py, queue.py) cannot shadow it.
+    command = [sys.executable, "-P", "-m", _RANK_ENTRY_POINT, "--fd", str(rank_end.fileno())]
     try:
-        worker = Worker(config, rank, device)
-    except BaseException as e:  # noqa: BLE001 - reported to the driver, then this rank ends
-        pipe.send(("error", f"{type(e).__name__}: {e}"))
-        raise SystemExit(1) from None
-    pipe.send(("ready", None))
-    pipe.close()
-    serve_driver(worker, init_method)
+        process = subprocess.Popen(command, stdin=subprocess.DEVNULL, env=environment, pass_fds=[rank_end.fileno()])
+    finally:
+        rank_end.close()  # the rank holds its own copy: its exit alone must end the connection
+    return RankProcess(process, driver_end)
+
+
+def _wait(process: subprocess.Popen[bytes], timeout_s: float) -> bool:
+    """Whether the process ended within timeout_s."""
+    try:
+        process.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        return False
+    return True
+
+
+# Engines never shut down: their ranks end with the interpreter, as multiprocessing ends
+# its daemon processes, instead of outliving it.
+_running: weakref.WeakSet[MultiprocExecutor] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_at_exit() -> None:
+    for executor in list(_running):
+        executor._terminate()
