@@ -1,4 +1,4 @@
-"""Attention stage, CPU: every query row through the C kernel that reads the paged
+"""Attention stage: CPU: every query row through the C kernel that reads the paged
 cache in place.
 
 Decode attention is memory-bound: the reference path gathers every context into a

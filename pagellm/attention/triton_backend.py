@@ -1,4 +1,4 @@
-"""Attention stage, GPU: the backend that runs the Triton paged-attention kernels.
+"""Attention stage: GPU: the backend that runs the Triton paged-attention kernels.
 
 Once per step (every layer reuses it) the backend turns the step's layout into a plan:
 the decode requests (one query token) go to one launch whose tiles hold one token and

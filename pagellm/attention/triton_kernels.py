@@ -1,4 +1,4 @@
-"""Attention stage, GPU: Triton kernels over the paged KV cache.
+"""Attention stage: GPU: Triton kernels over the paged KV cache.
 
 Three kernels:
 

@@ -1,4 +1,4 @@
-"""Benchmarks: did the timed backend compute the right thing? The leading greedy tokens
+"""Bench stage: did the timed backend compute the right thing? The leading greedy tokens
 of a few requests against a reference, reported beside the throughput, so that a fast
 but wrong engine cannot win a table.
 

@@ -1,4 +1,4 @@
-"""Benchmarks: run one request list on pagellm, HF transformers or llama.cpp, timed.
+"""Bench stage: run one request list on pagellm, HF transformers or llama.cpp, timed.
 
 Each backend returns the wall time of the measured run (after a warm-up), the useful
 output tokens it produced (the requested lengths; work a backend wastes, such as HF's

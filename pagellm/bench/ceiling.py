@@ -1,4 +1,4 @@
-"""Benchmarks: the machine's measured matmul ceiling and the model's FLOPs per workload.
+"""Bench stage: the machine's measured matmul ceiling and the model's FLOPs per workload.
 
 The per-token and per-pair FLOP counts are the engine's own (model/costs.py),
 so benchmark GFLOP/s and the engine's live MFU count the same work.

@@ -1,4 +1,4 @@
-"""Benchmarks: rewrite a GGUF with every tensor dequantized to one float type.
+"""Bench stage: rewrite a GGUF with every tensor dequantized to one float type.
 
 llama.cpp runs a GGUF as stored; to compare it with pagellm at equal work (the same
 weights in bf16 or f32, the same bytes read per token), the quantized file is rewritten

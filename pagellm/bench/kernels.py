@@ -1,4 +1,4 @@
-"""Benchmarks: `pagellm bench kernels`, every linear kernel candidate of the loaded model timed
+"""Bench stage: `pagellm bench kernels`, every linear kernel candidate of the loaded model timed
 again, beside the choice the engine made at load (kernels/linear_choice.py).
 
 For each linear group (shape x weight types) and row bucket: each candidate's time per call,

@@ -1,4 +1,4 @@
-"""Benchmarks: the prefill/decode balance knobs on one workload near capacity.
+"""Bench stage: the prefill/decode balance knobs on one workload near capacity.
 
 Each setting (a profile, a knob, a policy) runs the same request list, arriving at a
 fixed rate, on a fresh real engine (in-process, so the measurement is the engine's own,

@@ -1,4 +1,4 @@
-"""Benchmarks: llama.cpp (llama-cpp-python) on the same GGUF, several sequences per batch.
+"""Bench stage: llama.cpp (llama-cpp-python) on the same GGUF, several sequences per batch.
 
 Uses the low-level `llama_cpp` API the way llama.cpp's own server batches: up to
 `parallel` sequences live in one context; every llama_decode call carries one new token

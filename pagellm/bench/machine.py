@@ -1,4 +1,4 @@
-"""Benchmarks: which CPU a result was measured on (model name and the ISA extensions that
+"""Bench stage: which CPU a result was measured on (model name and the ISA extensions that
 decide which kernels run), recorded beside every figure so results from different
 machines are never compared unknowingly.
 

@@ -1,4 +1,4 @@
-"""Benchmarks: the offline engine's token timeline for a set of requests, as serve records.
+"""Bench stage: the offline engine's token timeline for a set of requests, as serve records.
 
 `measure_offline` adds every request to an LLMEngine at once and steps it to the end,
 noting when each request's tokens come out of a step. The result is the same

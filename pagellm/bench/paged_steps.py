@@ -1,4 +1,4 @@
-"""Benchmarks: random paged-attention steps, for the GPU check's kernel section and the
+"""Bench stage: random paged-attention steps, for the GPU check's kernel section and the
 attention backends' tests."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Benchmarks: random GGUF quantization blocks of every type the kernels know, for the
+"""Bench stage: random GGUF quantization blocks of every type the kernels know, for the
 quantized benchmarks (benchmarks/quant_1b.py, quant_linear.py) and the kernel tests.
 
 Quantized bytes are uniformly random (every bit pattern of the integers is a valid

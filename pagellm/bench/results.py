@@ -1,4 +1,4 @@
-"""Benchmarks: how a benchmark script leaves its result: one JSON line printed and written
+"""Bench stage: how a benchmark script leaves its result: one JSON line printed and written
 to its result file, and the readable tables beside it (.md)."""
 
 from __future__ import annotations

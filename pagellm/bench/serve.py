@@ -1,4 +1,4 @@
-"""Benchmarks: `pagellm bench serve`, an online load generator for OpenAI-compatible servers.
+"""Bench stage: `pagellm bench serve`, an online load generator for OpenAI-compatible servers.
 
 Sends a synthetic workload (pagellm/workload/synthetic.py) to one server as streaming
 requests, at Poisson or gamma-distributed arrival times and/or a fixed concurrency, and

@@ -1,4 +1,4 @@
-"""Benchmarks: the load generator of `pagellm bench serve`: one streaming request
+"""Bench stage: the load generator of `pagellm bench serve`: one streaming request
 (the arrival schedule is pagellm/workload/arrivals.py), and the runner that sends a whole workload to one server.
 
 One asyncio task per request, sent at its arrival time (Poisson or gamma gaps), with at

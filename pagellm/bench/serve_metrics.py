@@ -1,4 +1,4 @@
-"""Benchmarks: what one `pagellm bench serve` request measured, and the run's summary.
+"""Bench stage: what one `pagellm bench serve` request measured, and the run's summary.
 
 Pure functions over plain records, so that the aggregation (percentiles, goodput under
 SLOs, throughput) is tested on crafted records without a server.

@@ -1,4 +1,4 @@
-"""Benchmarks: `pagellm bench serve` output: the readable table and the optional PNG charts.
+"""Bench stage: `pagellm bench serve` output: the readable table and the optional PNG charts.
 
 Charts (matplotlib is optional: `pip install 'pagellm[report]'`):
 - latency_cdf.png: cumulative distributions of TTFT, TPOT, ITL and end-to-end latency;

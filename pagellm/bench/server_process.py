@@ -1,4 +1,4 @@
-"""Benchmarks: a `pagellm serve` child process on a free port, for the benchmarks that load one.
+"""Bench stage: a `pagellm serve` child process on a free port, for the benchmarks that load one.
 
 The server picks its port (`--port 0`) and names its address in its ready line; its output
 is collected (so that a failure to start can be shown), and `stop()` ends it gracefully.

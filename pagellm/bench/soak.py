@@ -1,4 +1,4 @@
-"""Benchmarks: the soak test, hours (or minutes) of mixed, hostile traffic against a real
+"""Bench stage: the soak test, hours (or minutes) of mixed, hostile traffic against a real
 `pagellm serve`.
 
     python benchmarks/soak.py [--duration 600] [--model PATH] [--seed 0] [--out-dir DIR]

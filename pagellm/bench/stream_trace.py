@@ -1,4 +1,4 @@
-"""Benchmarks: a streamed token's hand-offs inside a server, from the timestamps that
+"""Bench stage: a streamed token's hand-offs inside a server, from the timestamps that
 benchmarks/stream_trace.py records, as per-token stage times.
 
 The events are (stage, seconds) pairs in time order, one per hand-off (STAGES); the

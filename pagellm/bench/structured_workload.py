@@ -1,4 +1,4 @@
-"""Benchmarks: the structured-output workload of `pagellm bench throughput --structured-output json-schema`.
+"""Bench stage: the structured-output workload of `pagellm bench throughput --structured-output json-schema`.
 
 Every request of the synthetic list asks for JSON that follows one of a few schemas
 (bounded, so every output ends by itself). The constrained run produces each request's

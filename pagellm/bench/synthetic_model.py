@@ -1,4 +1,4 @@
-"""Benchmarks: synthetic HF Llama checkpoints of real shapes, built offline.
+"""Bench stage: synthetic HF Llama checkpoints of real shapes, built offline.
 
 A checkpoint folder holds config.json, a byte-level tokenizer and (optionally) random
 weights in model.safetensors. Without weights the folder is meant for

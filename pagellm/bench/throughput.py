@@ -1,4 +1,4 @@
-"""Benchmarks: `pagellm bench throughput`, offline throughput on one request list.
+"""Bench stage: `pagellm bench throughput`, offline throughput on one request list.
 
 Prints its configuration and results as a table (or, with --json, as one JSON document)
 and appends the record as a JSON line to --result-file. Achieved GFLOP/s (matmul FLOPs of the work actually asked

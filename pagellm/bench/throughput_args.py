@@ -1,4 +1,4 @@
-"""Benchmarks: the command line of `pagellm bench throughput` (kept free of torch so that
+"""Bench stage: the command line of `pagellm bench throughput` (kept free of torch so that
 building the CLI parser stays cheap)."""
 
 from __future__ import annotations

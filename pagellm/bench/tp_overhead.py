@@ -1,4 +1,4 @@
-"""Benchmarks: tensor parallelism on the CPU: what TP=2 adds to a decode step against
+"""Bench stage: tensor parallelism on the CPU: what TP=2 adds to a decode step against
 TP=1, and where it goes (benchmarks/tp_overhead.py is its command line).
 
 The embedded SmolLM2-135M (9 heads, 3 KV heads) is not split by TP=2, so the default model

@@ -1,4 +1,4 @@
-"""Benchmarks: gloo collectives alone, for benchmarks/tp_overhead.py: two spawned processes
+"""Bench stage: gloo collectives alone, for benchmarks/tp_overhead.py: two spawned processes
 time all_reduce, all_gather and broadcast_object_list at the sizes the engine's steps used,
 and the bus bandwidth that each figure amounts to."""
 

@@ -1,4 +1,4 @@
-"""Benchmarks: the report of benchmarks/tp_overhead.py: TP=2 against TP=1 per batch size, the
+"""Bench stage: the report of benchmarks/tp_overhead.py: TP=2 against TP=1 per batch size, the
 markdown tables and the notes that say how to read them."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Benchmarks: the decode steps of benchmarks/tp_overhead.py: TP=1 and TP=2 engines stepped
+"""Bench stage: the decode steps of benchmarks/tp_overhead.py: TP=1 and TP=2 engines stepped
 in alternating blocks, timers on the driver's hot path and collectives, and one row of
 figures per TP degree and batch size (pagellm/bench/tp_overhead.py says how)."""
 

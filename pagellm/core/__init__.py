@@ -1,4 +1,4 @@
-"""Scheduling stage: the continuous-batching scheduler and the paged KV cache bookkeeping.
+"""Core stage: the continuous-batching scheduler and the paged KV cache bookkeeping.
 
 Pure Python, no torch import, so that the policy is unit-testable in milliseconds.
 """

@@ -1,4 +1,4 @@
-"""KV block pool (scheduling stage): blocks, ref counts, LRU free queue, prefix-cache map.
+"""Core stage: KV block pool: blocks, ref counts, LRU free queue, prefix-cache map.
 
 A pool owns `num_blocks` fixed-size blocks identified by their index. The device pool
 reserves block 0 as a null block that is never handed out (a runner may point padding

@@ -1,4 +1,4 @@
-"""KV cache manager (scheduling stage): per-request block tables over the block pools.
+"""Core stage: KV cache manager: per-request block tables over the block pools.
 
 The manager answers "can this request get room for N more tokens?" and keeps the
 block tables; it never decides what to preempt (it returns None when there is no room

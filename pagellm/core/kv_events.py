@@ -1,4 +1,4 @@
-"""KV cache stage: an optional log of every block event, one JSON line each.
+"""Core stage: an optional log of every block event, one JSON line each.
 
 Events (all with "step", "time" and "event"):
   allocate       request_id, block_ids          new blocks for a request

@@ -1,4 +1,4 @@
-"""KV cache stage: rebuild the block map from a KV event log (see kv_events.py)."""
+"""Core stage: rebuild the block map from a KV event log (see kv_events.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Scheduling stage: parallel sampling (n > 1) as completions forked from one request.
+"""Core stage: parallel sampling (n > 1) as completions forked from one request.
 
 The request is completion 0. When its prompt is computed, the runner samples n first
 tokens from the prompt's last logits; the scheduler then forks completions 1..n-1,

@@ -1,4 +1,4 @@
-"""Prefill/decode balance (scheduling stage): how many tokens a prefill may take.
+"""Core stage: prefill/decode balance: how many tokens a prefill may take.
 
 A prefill is any request more than one token behind (a prompt, or a preempted request
 recomputing its context); a decode is one token behind. The knobs live in

@@ -1,4 +1,4 @@
-"""Request queues (scheduling stage): the waiting and swapped queues of the scheduler."""
+"""Core stage: request queues: the waiting and swapped queues of the scheduler."""
 
 from __future__ import annotations
 

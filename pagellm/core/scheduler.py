@@ -1,4 +1,4 @@
-"""Continuous-batching scheduler (scheduling stage): what runs each step, how many tokens.
+"""Core stage: continuous-batching scheduler: what runs each step, how many tokens.
 
 Every request has num_computed_tokens; each step tops requests up toward their token
 count within a token budget (max_num_batched_tokens) and a cap on running requests

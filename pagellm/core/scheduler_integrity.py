@@ -1,4 +1,4 @@
-"""Scheduling stage: the invariants that tie the scheduler's queues to its KV blocks.
+"""Core stage: the invariants that tie the scheduler's queues to its KV blocks.
 
 Tests call them after every step (through Scheduler.check_integrity); a violation is a
 bug, never a user error. The check is handed the scheduler's queues and its KV cache

@@ -1,4 +1,4 @@
-"""Scheduler <-> runner contract (between scheduling and execution stages).
+"""Core stage: scheduler <-> runner contract (between scheduling and execution stages).
 
 Plain dataclasses of ints and lists, never tensors, so that a runner could live in
 another process. How a runner reads a SchedulerOutput, in this order:

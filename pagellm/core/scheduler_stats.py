@@ -1,4 +1,4 @@
-"""Scheduling stage: the snapshot of scheduler counters and gauges the engine exports."""
+"""Core stage: the snapshot of scheduler counters and gauges the engine exports."""
 
 from __future__ import annotations
 

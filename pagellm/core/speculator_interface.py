@@ -1,4 +1,4 @@
-"""Core: what the scheduler asks of a speculative-decoding proposer (spec_decode/ has one)."""
+"""Core stage: what the scheduler asks of a speculative-decoding proposer (spec_decode/ has one)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Core: one schedule() call's plan so far: the budgets left and what is scheduled."""
+"""Core stage: one schedule() call's plan so far: the budgets left and what is scheduled."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Engine stage (async): one engine thread steps the LLMEngine; asyncio callers stream outputs.
+"""Engine stage: async: one engine thread steps the LLMEngine; asyncio callers stream outputs.
 
 The LLMEngine is not thread-safe, so every call into it (add_request, abort_request, step,
 get_stats) happens on one dedicated engine thread, the one that built it

@@ -1,4 +1,4 @@
-"""Output stage: incremental detokenization and stop strings for one completion.
+"""Engine stage: incremental detokenization and stop strings for one completion.
 
 Text grows token by token through `tokenizers`' DecodeStream, which holds back bytes of
 a multi-byte character split across tokens (and byte-fallback pieces) until the

@@ -1,4 +1,4 @@
-"""Engine stage (async): the one thread that builds an engine and then steps it.
+"""Engine stage: async: the one thread that builds an engine and then steps it.
 
 The CPU kernels and torch parallelize with OpenMP, and GNU OpenMP keeps a team of worker
 threads for every thread that has ever started a parallel region. Once the process holds

@@ -1,4 +1,4 @@
-"""Output stage: turn each step's progress into RequestOutputs with text and deltas.
+"""Engine stage: turn each step's progress into RequestOutputs with text and deltas.
 
 A request with n completions is tracked here as one RequestState with n
 CompletionStates; the scheduler sees n requests (the request's own id for completion 0,

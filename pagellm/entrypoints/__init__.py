@@ -1,1 +1,1 @@
-"""Entrypoints: offline API, command line, HTTP server."""
+"""Entrypoints stage: offline API, command line, HTTP server."""

@@ -1,4 +1,4 @@
-"""Entrypoints: the `pagellm` command line."""
+"""Entrypoints stage: the `pagellm` command line."""
 
 from __future__ import annotations
 

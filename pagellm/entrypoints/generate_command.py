@@ -1,4 +1,4 @@
-"""Entrypoints: `pagellm generate`, one prompt in, text out, through the engine."""
+"""Entrypoints stage: `pagellm generate`, one prompt in, text out, through the engine."""
 
 from __future__ import annotations
 

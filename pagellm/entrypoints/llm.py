@@ -1,4 +1,4 @@
-"""Entrypoints: the offline API, `LLM(model=...).generate(prompts, sampling_params)`."""
+"""Entrypoints stage: the offline API, `LLM(model=...).generate(prompts, sampling_params)`."""
 
 from __future__ import annotations
 

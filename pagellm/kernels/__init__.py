@@ -1,4 +1,4 @@
-"""Native CPU kernels: C sources (csrc/), their build and cache (build.py), the Python
+"""Kernels stage: C sources (csrc/), their build and cache (build.py), the Python
 bindings the model and the attention backend call (linear.py, weights.py, decode_layer.py)
 and the measured choice of kernel (linear_choice.py, step_paths.py).
 

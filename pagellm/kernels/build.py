@@ -1,4 +1,4 @@
-"""Kernels, CPU: build and load the C kernels in csrc/ (attention, linear layers, decoder layers) with the machine's compiler.
+"""Kernels stage: CPU: build and load the C kernels in csrc/ (attention, linear layers, decoder layers) with the machine's compiler.
 
 The kernels are compiled from the same sources once per instruction-set level (ISA_LEVELS:
 AVX2+FMA, AVX-512, AVX-512 BF16/VNNI, AMX), each on first use (a few seconds) into a cache

@@ -1,4 +1,4 @@
-"""Kernels, CPU: what this processor is and which instruction sets oneDNN uses on it.
+"""Kernels stage: CPU: what this processor is and which instruction sets oneDNN uses on it.
 
 The native kernels are compiled once per instruction-set level and the level is chosen at
 run time by CPUID (kernels/build.py, which also names the build that loaded:

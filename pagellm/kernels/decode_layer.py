@@ -1,4 +1,4 @@
-"""Kernels, CPU: the binding of the one-call decoder layer (csrc/decode_layer.c): the
+"""Kernels stage: CPU: the binding of the one-call decoder layer (csrc/decode_layer.c): the
 structures it takes, the steps it is chosen for and the caches the native layers read.
 
 The forward paths that call the native layers read the model's layers and the attention

@@ -1,4 +1,4 @@
-"""Kernels, CPU bf16: bindings of the linear layers' native kernels (x86-64 CPUs with AVX2 and up).
+"""Kernels stage: CPU bf16: bindings of the linear layers' native kernels (x86-64 CPUs with AVX2 and up).
 
 Three implementations can compute a bf16 linear layer here, and which is fastest depends
 on the CPU and the number of rows, so kernels/linear_choice.py measures them on the

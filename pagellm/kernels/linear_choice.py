@@ -1,4 +1,4 @@
-"""Kernels, CPU: which implementation each linear layer takes, measured on the machine at hand.
+"""Kernels stage: CPU: which implementation each linear layer takes, measured on the machine at hand.
 
 What is fastest differs by CPU and by row count (on an AMD Zen 4 pagellm's own GEMM beat
 oneDNN at 32-64 rows; on an Intel Xeon with AMX oneDNN is 2-11x faster from 16 rows on,

@@ -1,4 +1,4 @@
-"""Kernels, CPU: which native path runs a decode step of few rows, measured on the engine's own steps.
+"""Kernels stage: CPU: which native path runs a decode step of few rows, measured on the engine's own steps.
 
 A bf16 CPU model has two native paths for a step of up to decode_layer.MAX_ROWS tokens:
 the one-call decoder layer (model/fused_decode.py: the whole layer in C) and the layer ops

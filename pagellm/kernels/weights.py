@@ -1,4 +1,4 @@
-"""Kernels, CPU: a linear layer's weight as the native kernels see it (csrc/weights.h).
+"""Kernels stage: CPU: a linear layer's weight as the native kernels see it (csrc/weights.h).
 
 A `PackedWeight` is one to three parts stacked along the output dimension, each either
 bf16 rows or rows of quantization blocks exactly as a GGUF file stores them (Q4_0, Q4_1,

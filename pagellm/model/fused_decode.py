@@ -1,4 +1,4 @@
-"""Model stage, CPU: steps of up to 20 tokens (up to 8 per request) run each decoder layer as one native call
+"""Model stage: CPU: steps of up to 20 tokens (up to 8 per request) run each decoder layer as one native call
 (kernels/csrc/decode_layer.c) instead of ~50 PyTorch operations.
 
 The native layer treats every token as a decode of its own: row i attends to its

@@ -1,4 +1,4 @@
-"""Model stage, CPU bf16: steps the one-call decode layer does not take (more rows than it is
+"""Model stage: CPU bf16: steps the one-call decode layer does not take (more rows than it is
 chosen for, prefill chunks) run each decoder layer as its four linear layers (each the
 implementation measured fastest for the step's rows, kernels/linear_choice.py) plus three
 native calls (csrc/layer_ops.c) for everything between them.

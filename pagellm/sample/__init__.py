@@ -1,1 +1,1 @@
-"""Sampling stage: logits -> next tokens, batched over the step."""
+"""Sample stage: logits -> next tokens, batched over the step."""

@@ -1,4 +1,4 @@
-"""Sampling stage: per-request token counts for repetition/presence/frequency penalties.
+"""Sample stage: per-request token counts for repetition/presence/frequency penalties.
 
 Counts are kept incrementally in one [rows, vocab] tensor: a request with penalties gets
 a row when it is added (filled once from its prompt and any outputs it already has) and

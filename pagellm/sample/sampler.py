@@ -1,4 +1,4 @@
-"""Sampling stage: turn one step's logits into next tokens for every request at once.
+"""Sample stage: turn one step's logits into next tokens for every request at once.
 
 Order, per row: logit_bias, then tokens held back before min_tokens, then penalties,
 then greedy argmax or temperature / top-k / top-p / min-p sampling. Each step is a

@@ -1,4 +1,4 @@
-"""Simulation stage: step cost models and a simulated clock driving the real core/.
+"""Sim stage: step cost models and a simulated clock driving the real core/.
 
 `pagellm simulate` runs the engine's own Scheduler and KVCacheManager (pagellm/core/)
 against a workload, with a cost model predicting each step's duration in place of the

@@ -1,4 +1,4 @@
-"""Simulation stage: `pagellm calibrate`, a short sweep on the real engine fitted into a
+"""Sim stage: `pagellm calibrate`, a short sweep on the real engine fitted into a
 step cost model for `pagellm simulate --calibration FILE`.
 
 Timing-sensitive: run it on a quiet machine (nothing else busy on its cores).

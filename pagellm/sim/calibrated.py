@@ -1,4 +1,4 @@
-"""Simulation stage: a step cost model fitted to steps measured on the real engine.
+"""Sim stage: a step cost model fitted to steps measured on the real engine.
 
 A step of M tokens (all requests' new tokens together) with D decodes is modelled as
 

@@ -1,4 +1,4 @@
-"""Simulation stage: `pagellm calibrate`'s measurement: a short sweep on the real engine.
+"""Sim stage: `pagellm calibrate`'s measurement: a short sweep on the real engine.
 
 The sweep runs small scripted workloads that cover the batches an engine meets: decode
 batches of 1 to max_num_seqs requests at short and long contexts, single and grouped

@@ -1,4 +1,4 @@
-"""Simulation stage: command-line flags shared by `pagellm simulate` and `pagellm tune`.
+"""Sim stage: command-line flags shared by `pagellm simulate` and `pagellm tune`.
 
 Four groups: the target (a model preset or checkpoint on a GPU preset with the
 roofline cost model, or a calibration file from `pagellm calibrate`), parallelism

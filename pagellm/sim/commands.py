@@ -1,4 +1,4 @@
-"""Simulation stage: the `pagellm simulate`, `tune` and `calibrate` subcommands' parsers
+"""Sim stage: the `pagellm simulate`, `tune` and `calibrate` subcommands' parsers
 (each sets `run_command`, which pagellm/entrypoints/cli.py calls)."""
 
 from pagellm.sim.calibrate_command import add_calibrate_parser

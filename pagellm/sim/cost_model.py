@@ -1,4 +1,4 @@
-"""Simulation stage: the interface every step cost model implements.
+"""Sim stage: the interface every step cost model implements.
 
 A cost model maps one step's batch (StepBatch) to the seconds the engine would spend
 on it: the forward pass plus everything around it that the step loop waits for

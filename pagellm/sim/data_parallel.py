@@ -1,4 +1,4 @@
-"""Simulation stage: data parallelism: M replicas of the engine, each with its own
+"""Sim stage: data parallelism: M replicas of the engine, each with its own
 scheduler and KV cache (and, with tensor parallelism, its own group of GPUs), serving
 one workload together.
 

@@ -1,4 +1,4 @@
-"""Simulation stage: timing the real engine step by step, with the batch of each step.
+"""Sim stage: timing the real engine step by step, with the batch of each step.
 
 Used by `pagellm calibrate` (to fit a cost model) and benchmarks/validate_sim.py (to run
 the same workload for real). The probe wraps the scheduler's schedule() on this one

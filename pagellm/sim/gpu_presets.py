@@ -1,4 +1,4 @@
-"""Simulation stage: GPU presets for the roofline cost model, each figure with its source.
+"""Sim stage: GPU presets for the roofline cost model, each figure with its source.
 
 Peak FLOP/s are the dense (no 2:4 sparsity) BF16/FP16 tensor-core figures; vendor
 datasheets usually print the sparse figure, twice the dense one. Bandwidths are in

@@ -1,4 +1,4 @@
-"""Simulation stage: GPU-to-GPU interconnect presets for tensor parallelism, each figure
+"""Sim stage: GPU-to-GPU interconnect presets for tensor parallelism, each figure
 with its source.
 
 Datasheets print NVLink as the total of both directions over all of a GPU's links

@@ -1,4 +1,4 @@
-"""Simulation stage: the memory facts a simulated GPU would measure, estimated from its
+"""Sim stage: the memory facts a simulated GPU would measure, estimated from its
 preset, and so the KV cache an engine would size there without a device.
 
 The sizing itself is the engine's (config/cache.py: the same precedence of

@@ -1,4 +1,4 @@
-"""Simulation stage: model shapes for the roofline cost model, from each checkpoint's
+"""Sim stage: model shapes for the roofline cost model, from each checkpoint's
 own config.json (the Hugging Face repository named in its `source`).
 
 Only the shape matters to a cost model (layers, widths, heads, vocabulary); presets are

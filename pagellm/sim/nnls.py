@@ -1,4 +1,4 @@
-"""Simulation stage: non-negative least squares for the calibrated cost model.
+"""Sim stage: non-negative least squares for the calibrated cost model.
 
 A step cost is a sum of non-negative costs (a constant, per token, per request, ...);
 letting a coefficient go negative fits noise and predicts nonsense (even negative

@@ -1,4 +1,4 @@
-"""Simulation stage: the same workload on the real engine, measured like the simulator.
+"""Sim stage: the same workload on the real engine, measured like the simulator.
 
 For validating the simulator: requests are added to an LLMEngine at their arrival times
 (wall clock from the start), every step is timed, and a token counts as received when

@@ -1,4 +1,4 @@
-"""Simulation stage: a simulation's results, as `pagellm bench serve` reports a real run.
+"""Sim stage: a simulation's results, as `pagellm bench serve` reports a real run.
 
 Latency names and definitions follow pagellm/bench/serve_metrics.py (names and statistics
 from pagellm/workload/latency.py), measured from each

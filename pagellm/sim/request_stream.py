@@ -1,4 +1,4 @@
-"""Simulation stage: the requests a simulation serves, and when they arrive.
+"""Sim stage: the requests a simulation serves, and when they arrive.
 
 Synthetic workloads reuse the benchmarks' generators: prompt and output lengths from
 pagellm/workload/synthetic.py (fixed, uniform ranges, a ShareGPT-like long-tailed mix, a

@@ -1,4 +1,4 @@
-"""Simulation stage: the roofline step cost model (model shape x GPU datasheet).
+"""Sim stage: the roofline step cost model (model shape x GPU datasheet).
 
 Each kind of work in a step takes the longer of its compute time (FLOPs over the
 achievable FLOP/s) and its memory time (bytes over the achievable bandwidth); the kinds

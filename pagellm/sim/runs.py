@@ -1,4 +1,4 @@
-"""Simulation stage: one simulation from parsed flags to a JSON record.
+"""Sim stage: one simulation from parsed flags to a JSON record.
 
 Shared by `pagellm simulate` (one configuration) and `pagellm tune` (a grid of them):
 resolve the target and the workload once, then simulate engine configurations on them.

@@ -1,4 +1,4 @@
-"""Simulation stage: `pagellm simulate`, one engine configuration against a workload.
+"""Sim stage: `pagellm simulate`, one engine configuration against a workload.
 
 Prints a readable table (or, with --json, the full record as one JSON document) and
 appends the record as a JSON line to --result-file.

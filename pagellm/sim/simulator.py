@@ -1,4 +1,4 @@
-"""Simulation stage: the real scheduler and KV cache manager on a simulated clock.
+"""Sim stage: the real scheduler and KV cache manager on a simulated clock.
 
 The loop is the engine's: schedule() -> execute -> update_from_output(), on the very
 Scheduler (and through it the KVCacheManager and BlockPool) that LLMEngine uses. Only

@@ -1,4 +1,4 @@
-"""Simulation stage: speculative decoding from an assumed acceptance rate.
+"""Sim stage: speculative decoding from an assumed acceptance rate.
 
 The real Scheduler takes a Speculator (core/speculator_interface.py) and budgets, allocates and
 updates verifications itself; the simulator hands it this one. It proposes k placeholder

@@ -1,4 +1,4 @@
-"""Simulation stage: one step's batch as a cost model sees it.
+"""Sim stage: one step's batch as a cost model sees it.
 
 A step computes, for every scheduled request, `num_tokens` new tokens on top of the
 `context` tokens whose KV is already cached. A request computing exactly one token is

@@ -1,4 +1,4 @@
-"""Simulation stage: what is simulated (a model on a device, with its step cost model)
+"""Sim stage: what is simulated (a model on a device, with its step cost model)
 and the engine configuration that device would give a set of engine arguments.
 
 Engine arguments are pagellm's own EngineArgs (vLLM's names and defaults); they resolve

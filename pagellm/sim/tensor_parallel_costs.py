@@ -1,4 +1,4 @@
-"""Simulation stage: tensor parallelism in the cost model: one GPU's share of the model,
+"""Sim stage: tensor parallelism in the cost model: one GPU's share of the model,
 and the time its all-reduces take.
 
 The split is the engine's (config/parallel.py), Megatron-LM's as vLLM lays it out:

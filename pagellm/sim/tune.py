@@ -1,4 +1,4 @@
-"""Simulation stage: `pagellm tune`'s search: a grid of engine arguments, simulated and ranked.
+"""Sim stage: `pagellm tune`'s search: a grid of engine arguments, simulated and ranked.
 
 Two goals:
 - throughput: the highest output tok/s among configurations that meet the latency

@@ -1,4 +1,4 @@
-"""Simulation stage: `pagellm tune`'s chart: output throughput against latency per
+"""Sim stage: `pagellm tune`'s chart: output throughput against latency per
 configuration, the ones meeting the goal highlighted, the Pareto front drawn, the
 recommendation marked. matplotlib is optional and imported only here."""
 

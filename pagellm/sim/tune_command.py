@@ -1,4 +1,4 @@
-"""Simulation stage: `pagellm tune`, a grid of engine arguments simulated and ranked.
+"""Sim stage: `pagellm tune`, a grid of engine arguments simulated and ranked.
 
 Prints the ranked table and the recommended engine arguments as a ready command line (or,
 with --json, the full record as one JSON document), appends the record as a JSON line to

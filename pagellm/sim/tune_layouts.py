@@ -1,4 +1,4 @@
-"""Simulation stage: `pagellm tune --num-gpus N`'s layouts: every way to deploy one model
+"""Sim stage: `pagellm tune --num-gpus N`'s layouts: every way to deploy one model
 on N GPUs as DP replicas of a TP-GPU group (TP x DP = N).
 
 A layout is refused before any simulation when the model's heads cannot split over TP

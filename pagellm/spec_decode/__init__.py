@@ -1,1 +1,1 @@
-"""Speculative decoding: proposers (n-gram prompt lookup, draft models) and the rejection sampler."""
+"""Spec decode stage: proposers (n-gram prompt lookup, draft models) and the rejection sampler."""

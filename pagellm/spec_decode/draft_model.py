@@ -1,4 +1,4 @@
-"""Speculative decoding: a draft model proposes the tokens the target then verifies.
+"""Spec decode stage: a draft model proposes the tokens the target then verifies.
 
 Each step, before the target's forward, the draft runs for the requests that speculate:
 one batched forward over the tokens it has not seen yet (its catch-up: at first the

@@ -1,4 +1,4 @@
-"""Speculative decoding: n-gram prompt lookup (vLLM's "ngram" method).
+"""Spec decode stage: n-gram prompt lookup (vLLM's "ngram" method).
 
 The proposal for a request is what followed the latest earlier occurrence of its last n
 tokens in its own prompt and output, trying the longest n first (prompt_lookup_max down

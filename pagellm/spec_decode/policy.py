@@ -1,4 +1,4 @@
-"""Speculative decoding: how many tokens a request should propose this step.
+"""Spec decode stage: how many tokens a request should propose this step.
 
 Verifying k proposed tokens makes a step compute k more positions. Where a step's cost
 is reading the weights (a GPU, a small batch) the extra positions are nearly free; where

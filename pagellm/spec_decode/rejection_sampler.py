@@ -1,4 +1,4 @@
-"""Speculative decoding: verify proposed tokens against the target model, exactly in
+"""Spec decode stage: verify proposed tokens against the target model, exactly in
 distribution (the rejection sampling of Leviathan et al. and Chen et al., 2023).
 
 For each request, draft token x_j (proposed with probability q_j(x_j); 1 for n-gram

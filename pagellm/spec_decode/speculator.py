@@ -1,4 +1,4 @@
-"""Speculative decoding: which decodes speculate this step, and what they propose.
+"""Spec decode stage: which decodes speculate this step, and what they propose.
 
 The scheduler (pure Python) asks this object for each running decode's proposal. A step
 speculates only while at most `disable_by_batch_size` requests run: a larger decode batch

@@ -1,1 +1,1 @@
-"""Structured outputs: constraints compiled to grammars (llguidance) and applied as token masks."""
+"""Structured stage: constraints compiled to grammars (llguidance) and applied as token masks."""

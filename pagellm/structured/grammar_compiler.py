@@ -1,4 +1,4 @@
-"""Structured outputs: compile a request's constraint into a grammar matcher, once per
+"""Structured stage: compile a request's constraint into a grammar matcher, once per
 distinct constraint.
 
 The grammar engine is llguidance (the Rust library llama.cpp also uses), chosen by

@@ -1,4 +1,4 @@
-"""Structured outputs: one step's allowed-token masks, applied to the logits in one batched
+"""Structured stage: one step's allowed-token masks, applied to the logits in one batched
 operation before sampling.
 
 Each constrained row's matcher writes its allowed tokens as a bitmask row (32 tokens per

@@ -1,4 +1,4 @@
-"""Input/output stage: tokenizers (GGUF metadata or HF folder) and chat templates."""
+"""Tokenizer stage: tokenizers (GGUF metadata or HF folder) and chat templates."""
 
 from pagellm.tokenizer.chat_template import render_chat_template, validate_messages
 from pagellm.tokenizer.gguf_tokenizer import (

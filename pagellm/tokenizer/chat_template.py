@@ -1,4 +1,4 @@
-"""Input stage: render a model's Jinja chat template into the prompt text.
+"""Tokenizer stage: render a model's Jinja chat template into the prompt text.
 
 Chat templates are written for Hugging Face's renderer, so this follows its rules: a sandboxed
 environment with `trim_blocks` and `lstrip_blocks`, the `loopcontrols` extension, the helpers

@@ -1,4 +1,4 @@
-"""Model-loading stage: build the tokenizer a GGUF file describes in its metadata.
+"""Tokenizer stage: build the tokenizer a GGUF file describes in its metadata.
 
 A GGUF carries no tokenizer.json, only llama.cpp's description of the vocabulary under
 `tokenizer.ggml.*`. Two kinds are supported:

@@ -1,4 +1,4 @@
-"""Model-loading stage: load the tokenizer of a Hugging Face checkpoint folder.
+"""Tokenizer stage: load the tokenizer of a Hugging Face checkpoint folder.
 
 The folder's tokenizer.json is the whole tokenizer (the `tokenizers` library reads it);
 tokenizer_config.json adds what it lacks: which tokens are BOS/EOS/PAD and the chat

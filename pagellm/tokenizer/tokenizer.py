@@ -1,4 +1,4 @@
-"""Input/output stage: the tokenizer every other stage sees (text <-> token ids, chat prompts).
+"""Tokenizer stage: the tokenizer every other stage sees (text <-> token ids, chat prompts).
 
 `Tokenizer` wraps a `tokenizers.Tokenizer` (the Rust backend that does the real work) and
 adds what the backend does not know: which ids are BOS/EOS/PAD, whether the model wants a

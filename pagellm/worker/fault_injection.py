@@ -1,4 +1,4 @@
-"""Worker stage, for tests only: make chosen steps raise, to test what a failing step costs.
+"""Worker stage: for tests only: make chosen steps raise, to test what a failing step costs.
 
 Off unless the environment variable PAGELLM_FAULT_INJECTION is set; never set it in
 production. Its value is a comma-separated list of:

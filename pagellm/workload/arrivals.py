@@ -1,4 +1,4 @@
-"""Workloads (shared by bench/ and sim/): when requests arrive."""
+"""Workload stage: when requests arrive."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Workloads (shared by bench/ and sim/): how the benchmark and simulation commands hand
+"""Workload stage: how the benchmark and simulation commands hand
 back a result record.
 
 People read a table on the terminal; scripts get the record as JSON, either on stdout

@@ -1,4 +1,4 @@
-"""Workloads (shared by bench/ and sim/): the latency names and the statistics both
+"""Workload stage: the latency names and the statistics both
 report them with (definitions in pagellm/bench/serve_metrics.py)."""
 
 from __future__ import annotations

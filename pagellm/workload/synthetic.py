@@ -1,4 +1,4 @@
-"""Workloads (shared by bench/ and sim/): synthetic request lists (prompt token ids +
+"""Workload stage: synthetic request lists (prompt token ids +
 exact output lengths).
 
 Every backend gets the same list: prompts are random token ids (no tokenizer round

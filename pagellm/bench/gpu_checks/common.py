@@ -1,4 +1,4 @@
-"""Benchmarks: the GPU check's configuration (GPU and smoke sizes), section results, and
+"""Bench stage: the GPU check's configuration (GPU and smoke sizes), section results, and
 timing helpers."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Benchmarks: the GPU check's sections on the whole engine: greedy equality with HF
+"""Bench stage: the GPU check's sections on the whole engine: greedy equality with HF
 transformers, offline throughput against HF generate over the same request list, and a
 large decode step against its roofline."""
 

@@ -1,4 +1,4 @@
-"""Benchmarks: the GPU check's baseline, HF transformers: float32 greedy references for the
+"""Bench stage: the GPU check's baseline, HF transformers: float32 greedy references for the
 equality section, and static-batch `generate` timed on the throughput section's request
 list (random-weight models built on the device)."""
 

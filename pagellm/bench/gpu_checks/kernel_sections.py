@@ -1,4 +1,4 @@
-"""Benchmarks: the GPU check's sections on the kernels: the gpu-marked tests, the Triton
+"""Bench stage: the GPU check's sections on the kernels: the gpu-marked tests, the Triton
 kernels against a float32 reference, and the decode kernel's bandwidth against a device copy."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Benchmarks: the GPU check's section on tensor parallelism: greedy tokens at TP > 1
+"""Bench stage: the GPU check's section on tensor parallelism: greedy tokens at TP > 1
 against TP = 1, and decode steps timed at each TP size the machine's GPUs allow."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Benchmarks: the GPU check's driver: runs the sections in order under a deadline, each
+"""Bench stage: the GPU check's driver: runs the sections in order under a deadline, each
 guarded and timed, then prints one table and writes the JSON results."""
 
 from __future__ import annotations

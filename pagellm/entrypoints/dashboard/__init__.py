@@ -1,4 +1,4 @@
-"""Entrypoints: the live dashboard page (static files shipped in the package)."""
+"""Entrypoints stage: the live dashboard page (static files shipped in the package)."""
 
 from pathlib import Path
 

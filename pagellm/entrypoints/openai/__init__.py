@@ -1,1 +1,1 @@
-"""Entrypoints (HTTP): the OpenAI-compatible server (`pagellm serve`)."""
+"""Entrypoints stage: HTTP: the OpenAI-compatible server (`pagellm serve`)."""

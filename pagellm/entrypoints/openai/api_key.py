@@ -1,4 +1,4 @@
-"""Entrypoints (CLI): where `pagellm serve` finds its API key when --api-key is not given.
+"""Entrypoints stage: CLI: where `pagellm serve` finds its API key when --api-key is not given.
 
 `pagellm serve` reads this environment variable, and the data-parallel router sets it for
 the replicas it starts (each a `pagellm serve` of its own), so that the key never shows

@@ -1,4 +1,4 @@
-"""Entrypoints (HTTP): the OpenAI-compatible server: routes, app factory and `run_server`.
+"""Entrypoints stage: HTTP: the OpenAI-compatible server: routes, app factory and `run_server`.
 
 `build_app` wires the endpoints to one AsyncLLM; the engine loop starts with the app
 (lifespan startup) and stops with it. `run_server` binds the port first (so a busy port

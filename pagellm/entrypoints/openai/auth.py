@@ -1,4 +1,4 @@
-"""Entrypoints (HTTP): the API key check, before any body is read.
+"""Entrypoints stage: HTTP: the API key check, before any body is read.
 
 A plain ASGI middleware (not Starlette's BaseHTTPMiddleware, which gets in the way of
 streaming and of noticing disconnects). Health and metrics stay open so that probes and

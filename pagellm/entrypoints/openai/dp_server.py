@@ -1,4 +1,4 @@
-"""Entrypoints (HTTP): `pagellm serve --data-parallel-size M`: M engine replicas behind one
+"""Entrypoints stage: HTTP: `pagellm serve --data-parallel-size M`: M engine replicas behind one
 OpenAI-compatible endpoint.
 
 The router tokenizes each prompt (the replicas' own tokenizer and chat template) and

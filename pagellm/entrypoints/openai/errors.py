@@ -1,4 +1,4 @@
-"""Entrypoints (HTTP): every failure as an OpenAI-shaped error body with the right status.
+"""Entrypoints stage: HTTP: every failure as an OpenAI-shaped error body with the right status.
 
 `{"error": {"message", "type", "param", "code"}}`: 400 for bad input (including malformed
 JSON and wrong types, where FastAPI would say 422), 401 for a missing or wrong API key,

@@ -1,4 +1,4 @@
-"""Entrypoints (CLI): the limits `pagellm serve` puts on client-controlled input, and
+"""Entrypoints stage: CLI: the limits `pagellm serve` puts on client-controlled input, and
 their flags (argparse only: `pagellm --help` imports no web framework).
 
 Each limit has a default and a flag; request_limits.py applies them.

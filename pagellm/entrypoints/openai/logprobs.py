@@ -1,4 +1,4 @@
-"""Entrypoints (HTTP): the engine's per-position logprobs in OpenAI's two formats.
+"""Entrypoints stage: HTTP: the engine's per-position logprobs in OpenAI's two formats.
 
 Completions use parallel lists (tokens, token_logprobs, top_logprobs, text_offset); chat
 uses one entry per token with its `top_logprobs` list. JSON has no -inf, so impossible

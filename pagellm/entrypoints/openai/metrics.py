@@ -1,4 +1,4 @@
-"""Entrypoints (HTTP): GET /metrics, the engine's state in Prometheus text format.
+"""Entrypoints stage: HTTP: GET /metrics, the engine's state in Prometheus text format.
 
 The metric set is the engine's own (pagellm/metrics: counters, gauges, latency
 histograms, all with a `model_name` label); this module only exports it, with two

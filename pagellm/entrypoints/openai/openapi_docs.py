@@ -1,4 +1,4 @@
-"""Entrypoints (HTTP): what /openapi.json says: error statuses, response media types, and
+"""Entrypoints stage: HTTP: what /openapi.json says: error statuses, response media types, and
 the bounds this server adds to the request models.
 
 Every route documents the statuses the server can answer with, each with the

@@ -1,4 +1,4 @@
-"""Entrypoints (HTTP): the OpenAI-compatible request and response bodies, as pydantic models.
+"""Entrypoints stage: HTTP: the OpenAI-compatible request and response bodies, as pydantic models.
 
 The request models are the contract /openapi.json publishes, and the one place a body's
 types and value ranges are checked: strictly (no "1" for 1 or "true" for true), with the

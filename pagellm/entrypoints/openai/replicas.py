@@ -1,4 +1,4 @@
-"""Entrypoints (data parallelism): the engine replicas behind one API server.
+"""Entrypoints stage: data parallelism: the engine replicas behind one API server.
 
 Each replica is a whole `pagellm serve` (its own engine, KV cache and, with
 --tensor-parallel-size, its own worker processes) listening on a private port; the

@@ -1,4 +1,4 @@
-"""Entrypoints (HTTP): limits on what a client controls (limits_config.py: defaults and
+"""Entrypoints stage: HTTP: limits on what a client controls (limits_config.py: defaults and
 flags), checked before a request costs anything, each refusal a 4xx naming the field:
 the body's size (413, checked as the bytes arrive, before any parsing), the number of
 prompts in one completions request, n, stop strings (how many, how long), logit_bias

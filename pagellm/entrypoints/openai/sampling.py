@@ -1,4 +1,4 @@
-"""Entrypoints (HTTP): request fields -> SamplingParams, under vLLM's parameter names.
+"""Entrypoints stage: HTTP: request fields -> SamplingParams, under vLLM's parameter names.
 
 Every field is passed through by name, so SamplingParams stays the one place that checks
 value ranges. A field the engine's SamplingParams does not have (yet) is refused with a

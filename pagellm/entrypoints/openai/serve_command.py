@@ -1,4 +1,4 @@
-"""Entrypoints (CLI): `pagellm serve`, its flags, and the hand-off to the HTTP server.
+"""Entrypoints stage: CLI: `pagellm serve`, its flags, and the hand-off to the HTTP server.
 
 Only argparse is imported here, so that `pagellm --help` and the other commands never pay
 for importing FastAPI, uvicorn or the model stack.

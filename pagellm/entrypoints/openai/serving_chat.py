@@ -1,4 +1,4 @@
-"""Entrypoints (HTTP): POST /v1/chat/completions, streamed or not.
+"""Entrypoints stage: HTTP: POST /v1/chat/completions, streamed or not.
 
 The messages become a prompt through the model's own chat template (with the assistant's
 turn opened); the prompt text is then encoded without adding special tokens, since the

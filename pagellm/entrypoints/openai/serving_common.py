@@ -1,4 +1,4 @@
-"""Entrypoints (HTTP): what every endpoint handler shares: the engine, the model, ids, usage."""
+"""Entrypoints stage: HTTP: what every endpoint handler shares: the engine, the model, ids, usage."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Entrypoints (HTTP): POST /v1/completions, streamed or not.
+"""Entrypoints stage: HTTP: POST /v1/completions, streamed or not.
 
 Each prompt of the request becomes one engine request with all n completions; choice
 index = prompt index * n + completion index, as in the OpenAI API. The prompts are added

@@ -1,4 +1,4 @@
-"""Entrypoints (HTTP): POST /tokenize and /detokenize with the served model's tokenizer."""
+"""Entrypoints stage: HTTP: POST /tokenize and /detokenize with the served model's tokenizer."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Entrypoints (HTTP): server-sent events, and noticing a client that went away.
+"""Entrypoints stage: HTTP: server-sent events, and noticing a client that went away.
 
 A request whose client disconnects must be aborted at once so that its KV blocks are
 freed, streaming or not. Both helpers here listen on the ASGI `receive` channel for

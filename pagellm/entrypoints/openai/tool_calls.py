@@ -1,4 +1,4 @@
-"""Entrypoints (HTTP): OpenAI tool calling on /v1/chat/completions.
+"""Entrypoints stage: HTTP: OpenAI tool calling on /v1/chat/completions.
 
 - `tool_choice` "required" and a named function are enforced by a constraint: the
   output is a JSON array of `{"name", "arguments"}` calls of offered functions (one call
