@@ -121,6 +121,8 @@ class ModelRunnerOutput:
     # Speculative decoding with a draft model: the tokens the draft proposed (and the
     # runner verified) in place of the scheduled placeholders.
     drafted_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Seconds this step spent filling and applying structured-output masks.
+    mask_seconds: float = 0.0
 
 
 # A proposed position whose token the runner's draft model decides.

@@ -72,6 +72,7 @@ class LLMEngine:
         config: EngineConfig,
         tokenizer: Tokenizer,
         executor: Executor,
+        grammars: GrammarCompiler,
         metrics: EngineMetrics | None = None,
     ) -> None:
         self.config = config
@@ -91,8 +92,7 @@ class LLMEngine:
         self.output_processor = OutputProcessor(tokenizer)
         # Output constraints compile here (any thread may call compile) and the driver's
         # runner builds each request's matcher from the same cache.
-        self.grammars = GrammarCompiler(tokenizer, config.model_config.vocab_size)
-        executor.runner.grammars = self.grammars
+        self.grammars = grammars
         # Its view of the vocabulary takes ~0.2 s to build: in the background now, rather
         # than in the way of the first constrained request.
         threading.Thread(target=self.grammars.ll_tokenizer, name="pagellm-grammar-setup", daemon=True).start()
@@ -120,7 +120,8 @@ class LLMEngine:
             draft = DraftModel(draft_source, load_model_config(draft_source))
         config = resolve_engine_config(args, source, model_config, probe_device_facts(args), draft)
         torch.manual_seed(config.seed)
-        executor = create_executor(config)
+        grammars = GrammarCompiler(tokenizer, model_config.vocab_size)
+        executor = create_executor(config, grammars)
         try:
             size = executor.cache_size()
             cache_config = sized_cache_config(config.cache_budget, size, config.max_model_len)
@@ -143,7 +144,7 @@ class LLMEngine:
         info = kernel_info(getattr(getattr(executor, "runner", None), "model", None))
         if info is not None:  # in-process bf16 CPU models
             metrics.set_cpu_kernels(info)
-        return cls(config, tokenizer, executor, metrics)
+        return cls(config, tokenizer, executor, grammars, metrics)
 
     # ------------------------------------------------------------------ requests
 
@@ -227,7 +228,7 @@ class LLMEngine:
         if result.stopped_req_ids:
             # A stop string ended these completions: free their blocks now.
             self.scheduler.finish_requests(result.stopped_req_ids, RequestStatus.FINISHED_STOPPED)
-        self.metrics.record_structured_outputs(*self.grammars.take_stats(), self.runner.mask_timer.take())
+        self.metrics.record_structured_outputs(*self.grammars.take_stats(), runner_output.mask_seconds)
         if self.speculator is not None:
             self.speculator.observe_step(scheduler_output.total_num_scheduled_tokens, time.perf_counter() - started)
             self.metrics.record_speculation(*self.speculator.take_new())

@@ -36,6 +36,7 @@ from pagellm.executor.base import WorkerDiedError
 from pagellm.executor.distributed_executor import DistributedExecutor
 from pagellm.executor.worker_loop import local_init_method
 from pagellm.config.engine_config import EngineConfig
+from pagellm.structured.grammar_compiler import GrammarCompiler
 from pagellm.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -75,7 +76,7 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
 
 
 class MultiprocExecutor(DistributedExecutor):
-    def __init__(self, config: EngineConfig, device: torch.device) -> None:
+    def __init__(self, config: EngineConfig, device: torch.device, grammars: GrammarCompiler | None = None) -> None:
         size = config.parallel_config.tensor_parallel_size
         if device.type == "cuda" and torch.cuda.device_count() < size:
             raise ConfigError(
@@ -95,7 +96,7 @@ class MultiprocExecutor(DistributedExecutor):
                 except OSError:
                     pass  # it has exited already: _wait_until_loaded says how
             # The driver loads its own share while the others load theirs.
-            driver = Worker(config, 0, rank_device(device, 0))
+            driver = Worker(config, 0, rank_device(device, 0), grammars)
             super().__init__(driver, init_method)
             _running.add(self)
             self._wait_until_loaded()

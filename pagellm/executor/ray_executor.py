@@ -22,6 +22,7 @@ from pagellm.executor.base import WorkerDiedError
 from pagellm.executor.distributed_executor import DistributedExecutor
 from pagellm.executor.worker_loop import local_init_method, serve_driver
 from pagellm.config.engine_config import EngineConfig
+from pagellm.structured.grammar_compiler import GrammarCompiler
 from pagellm.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -73,7 +74,7 @@ class _GpuHolder:
 
 
 class RayExecutor(DistributedExecutor):
-    def __init__(self, config: EngineConfig, device: torch.device) -> None:
+    def __init__(self, config: EngineConfig, device: torch.device, grammars: GrammarCompiler | None = None) -> None:
         ray = require_ray()
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -116,7 +117,7 @@ class RayExecutor(DistributedExecutor):
                 self._actors.append(holder)
                 device = torch.device("cuda", int(ray.get(holder.gpu_id.remote())))
             loads = [actor.load.remote(config, rank, device.type) for rank, actor in enumerate(self._actors[: size - 1], start=1)]
-            driver = Worker(config, 0, device)
+            driver = Worker(config, 0, device, grammars)
             init_method = local_init_method().replace("127.0.0.1", ray.util.get_node_ip_address())
             super().__init__(driver, init_method)
             self._wait(loads, "failed to start")

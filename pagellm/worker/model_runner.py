@@ -58,6 +58,8 @@ class ModelRunner:
         kv_cache_dtype: torch.dtype,
         device: torch.device,
         is_driver: bool = True,
+        grammars: GrammarCompiler | None = None,
+        draft: DraftModelProposer | None = None,
     ) -> None:
         self.model = model
         # With tensor parallelism only the driver (rank 0) samples; the other ranks make
@@ -87,11 +89,11 @@ class ModelRunner:
         # Seeded generators outlive preemption so a request's draws stay reproducible.
         self.generators: dict[str, torch.Generator] = {}
         self.decode_graphs: DecodeGraphs | None = None
-        # Structured outputs: set by the engine on the driver (the rank that samples).
-        self.grammars: GrammarCompiler | None = None
+        # Structured outputs: the engine's compiler, on the driver (the rank that samples).
+        self.grammars = grammars
         self.mask_timer = MaskTimer()  # time spent filling and applying masks
-        # Speculative decoding with a draft model: set by the worker.
-        self.draft: DraftModelProposer | None = None
+        # Speculative decoding with a draft model (its own weights and KV cache).
+        self.draft = draft
         # Tests only: steps made to fail on purpose (worker/fault_injection.py).
         self.faults = FaultInjector.from_env()
         self.verifier = SpeculativeVerifier(
@@ -182,6 +184,7 @@ class ModelRunner:
         rows = self._sample_rows(req_ids, sequences, starts, proposals)
         if rows:
             self._sample(rows, hidden, output)
+        output.mask_seconds = self.mask_timer.take()
         return output
 
     # ------------------------------------------------------------- sampling

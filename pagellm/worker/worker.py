@@ -26,6 +26,7 @@ from pagellm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagellm.model.loader import load_model
 from pagellm.model.tensor_parallel import TPLayout
 from pagellm.spec_decode.draft_model import DraftModelProposer
+from pagellm.structured.grammar_compiler import GrammarCompiler
 from pagellm.worker.memory import available_ram_bytes
 from pagellm.worker.cuda_graphs import DEFAULT_MAX_CAPTURE_BATCH_SIZE, capture_sizes
 from pagellm.worker.distributed import DistributedTPGroup
@@ -62,8 +63,13 @@ def decode_graph_sizes(
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, rank: int, device: torch.device) -> None:
+    def __init__(
+        self, config: EngineConfig, rank: int, device: torch.device, grammars: GrammarCompiler | None = None
+    ) -> None:
         self.config = config
+        # Structured outputs' compiler (the engine's, shared with its input checks): only
+        # the driver, which samples, holds one.
+        self.grammars = grammars
         self.rank = rank
         self.device = device
         self.dtype = torch_dtype(config.dtype)
@@ -147,6 +153,9 @@ class Worker:
 
     def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         block_size = self.config.cache_budget.block_size
+        draft = None
+        if self.draft_model is not None:
+            draft = DraftModelProposer(self.draft_model, num_gpu_blocks, block_size, self.kv_cache_dtype, self.device)
         self.runner = ModelRunner(
             self.model,
             block_size,
@@ -155,11 +164,9 @@ class Worker:
             self.kv_cache_dtype,
             self.device,
             is_driver=self.is_driver,
+            grammars=self.grammars,
+            draft=draft,
         )
-        if self.draft_model is not None:
-            self.runner.draft = DraftModelProposer(
-                self.draft_model, num_gpu_blocks, block_size, self.kv_cache_dtype, self.device
-            )
         sizes = self.graph_sizes()
         if sizes:
             reserved = torch.cuda.memory_reserved(self.device)
