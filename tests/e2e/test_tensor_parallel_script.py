@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from hf_models import make_tiny_hf_checkpoint
-from reference import pagellm_greedy
+from reference import hf_greedy, pagellm_greedy
 
 from pagellm import LLM
 
@@ -54,3 +54,16 @@ def test_tp2_from_a_script_without_a_main_guard_equals_tp1(tmp_path):
         expected = pagellm_greedy(llm, prompts, 12)
     assert run_plain_script(tmp_path, folder, 2, prompts, 12) == expected
 
+
+
+def test_smollm2_tp3_from_a_script_equals_hf(tmp_path, smollm2_path, smollm2_hf):
+    """The real model, 9 heads and 3 KV heads over 3 ranks in float32, from a guard-less
+    script: HF transformers' greedy tokens on the same GGUF (which TP=1 equals too)."""
+    from pagellm.model.loader import load_model_config, load_tokenizer, resolve_model_source
+
+    source = resolve_model_source(str(smollm2_path))
+    tokenizer = load_tokenizer(source, load_model_config(source))
+    prompts = [tokenizer.encode(text) for text in ("The capital of France is", "def fibonacci(n):")]
+    outputs = run_plain_script(tmp_path, str(smollm2_path), 3, prompts, 20)
+    for prompt, tokens in zip(prompts, outputs, strict=True):
+        assert tokens == hf_greedy(smollm2_hf, prompt, 20)
