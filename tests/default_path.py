@@ -63,7 +63,7 @@ MIN_TOP1_AGREEMENT = 0.97
 
 def native_bf16_kernels_available() -> bool:
     """Whether this machine runs the default CPU path (x86-64 with AVX2, and a C compiler)."""
-    from pagellm.kernels.linear import cpu_linear_kernels
+    from pagellm.kernels.linear_bindings import cpu_linear_kernels
 
     return cpu_linear_kernels() is not None
 

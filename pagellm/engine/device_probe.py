@@ -20,7 +20,7 @@ def probe_device_facts(args: EngineArgs) -> DeviceFacts:
     cpu_dtype_override = os.environ.get("PAGELLM_CPU_DTYPE") or None
     runs_native = False
     if on_cpu and args.dtype == "auto" and cpu_dtype_override is None:
-        from pagellm.kernels.linear import cpu_linear_kernels
+        from pagellm.kernels.linear_bindings import cpu_linear_kernels
 
         runs_native = cpu_linear_kernels() is not None
     return DeviceFacts(

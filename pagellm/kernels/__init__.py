@@ -1,5 +1,5 @@
 """Kernels stage: C sources (csrc/), their build and cache (build.py), the Python
-bindings the model and the attention backend call (linear.py, weights.py, decode_layer.py)
+bindings the model and the attention backend call (linear_bindings.py, weights.py, decode_layer.py)
 and the measured choice of kernel (linear_choice.py, step_paths.py).
 
 A leaf: nothing here imports pagellm beyond kernels/ and errors.py (tests/test_import_graph.py).

@@ -41,7 +41,7 @@ class LayerShape(ctypes.Structure):
         ("hidden", c_int64), ("intermediate", c_int64),
         ("num_heads", c_int), ("num_kv_heads", c_int), ("head_dim", c_int), ("block_size", c_int),
         ("eps", c_float), ("scale", c_float), ("num_threads", c_int), ("cache_type", c_int),
-        ("linear_impl", c_int * 4),  # qkv, o, gate_up, down: kernels/linear.py LinearImpl (native)
+        ("linear_impl", c_int * 4),  # qkv, o, gate_up, down: kernels/linear_bindings.py LinearImpl (native)
     ]  # fmt: skip
 
 

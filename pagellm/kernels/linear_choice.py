@@ -4,7 +4,7 @@ What is fastest differs by CPU and by row count (on an AMD Zen 4 pagellm's own G
 oneDNN at 32-64 rows; on an Intel Xeon with AMX oneDNN is 2-11x faster from 16 rows on,
 and the streaming kernel wins at 1-4 rows on both), so no constant decides it. At load,
 for every distinct linear shape of the model (out x in features, weight types) and every
-row bucket below, each candidate (kernels/linear.py LinearImpl) is timed at one row count
+row bucket below, each candidate (kernels/linear_bindings.py LinearImpl) is timed at one row count
 of the bucket and the fastest kept. The measurement is bounded (`DEFAULT_BUDGET_SECONDS`;
 buckets not reached take the last measured bucket's choice and are marked so), and the
 result is cached on disk, keyed by everything it depends on: the CPU, the thread count,
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pagellm.errors import ConfigError
-from pagellm.kernels.linear import LinearImpl
+from pagellm.kernels.linear_bindings import LinearImpl
 
 logger = logging.getLogger(__name__)
 

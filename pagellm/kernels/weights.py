@@ -181,7 +181,7 @@ class PackedWeight:
         out_dtype: torch.dtype = torch.bfloat16,
     ) -> torch.Tensor:
         """x [m, in_features] bf16 (unit column stride) -> [m, out_features] bf16 or float32;
-        impl: the native kernel (kernels/linear.py LinearImpl, 0 = by row count)."""
+        impl: the native kernel (kernels/linear_bindings.py LinearImpl, 0 = by row count)."""
         m = x.shape[0]
         out = torch.empty(m, self.out_features, dtype=out_dtype)
         if m:

@@ -40,7 +40,7 @@ from pagellm.kernels.decode_layer import (
     StepInputs,
     data_ptr_or_null,
 )
-from pagellm.kernels.linear import LinearImpl
+from pagellm.kernels.linear_bindings import LinearImpl
 
 
 def _longest_query(metadata: AttentionMetadata) -> int:
@@ -69,7 +69,7 @@ class FusedDecode:
             config.num_key_value_heads, config.head_dim, 0, config.rms_norm_eps,
             config.head_dim**-0.5, self._num_threads, ELEMENT_TYPES[torch.bfloat16],
         )  # fmt: skip
-        # The Weight structures live as long as their layers (CpuLinear keeps them).
+        # The Weight structures live as long as their layers (PackableLinear keeps them).
         self._layers = [
             LayerWeights(
                 data_ptr_or_null(layer.input_layernorm.weight),

@@ -18,10 +18,10 @@ import torch
 
 from pagellm.kernels import cpu_features
 from pagellm.kernels.build import describe_isa, kernel_cache_dir, load_kernels, native_isa
-from pagellm.kernels.linear import CpuLinearKernels, LinearImpl
+from pagellm.kernels.linear_bindings import CpuLinearKernels, LinearImpl
 from pagellm.kernels.linear_choice import NUM_BUCKETS, RULES_VERSION, LinearChoice, LinearPlan, LinearShape, resolve_choice
 from pagellm.kernels.weights import WeightType
-from pagellm.model.linear import CpuEmbedding, CpuLinear, apply_linear
+from pagellm.model.packable_layers import PackableEmbedding, PackableLinear, apply_linear
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ class LinearGroup:
 
     shape: LinearShape
     names: tuple[str, ...]  # module names, e.g. layers.0.mlp.gate_up_proj
-    module: CpuLinear | CpuEmbedding  # the one that is timed
+    module: PackableLinear | PackableEmbedding  # the one that is timed
 
     @property
     def label(self) -> str:
@@ -44,7 +44,7 @@ class LinearGroup:
         return f"{'/'.join(kinds)} {self.shape.n}x{self.shape.k} {'+'.join(self.shape.weight_types)}"
 
 
-def _weight_types(module: CpuLinear | CpuEmbedding) -> tuple[str, ...]:
+def _weight_types(module: PackableLinear | PackableEmbedding) -> tuple[str, ...]:
     if module.packed is not None:
         return tuple(t.label for t in module.packed.types)
     return (WeightType.BF16.label,)
@@ -54,11 +54,11 @@ def linear_groups(model: torch.nn.Module, native: tuple[LinearImpl, ...]) -> lis
     """The model's linear layers (and LM head) grouped by what their choice depends on;
     `native`: the native implementations this machine runs (the head's candidates)."""
     members: dict[str, list[str]] = {}
-    firsts: dict[str, tuple[LinearShape, CpuLinear | CpuEmbedding]] = {}
+    firsts: dict[str, tuple[LinearShape, PackableLinear | PackableEmbedding]] = {}
     head = model.lm_head_module()
-    for name, module in [*((n, m) for n, m in model.named_modules() if isinstance(m, CpuLinear) and m is not head),
+    for name, module in [*((n, m) for n, m in model.named_modules() if isinstance(m, PackableLinear) and m is not head),
                          ("lm_head", head)]:  # fmt: skip
-        n, k = (module.out_features, module.in_features) if isinstance(module, CpuLinear) else (
+        n, k = (module.out_features, module.in_features) if isinstance(module, PackableLinear) else (
             module.num_embeddings, module.embedding_dim)  # fmt: skip
         candidates = native if module is head else (*native, LinearImpl.ONEDNN, LinearImpl.ONEDNN_F32)
         shape = LinearShape(n, k, _weight_types(module), candidates)
@@ -94,7 +94,7 @@ def candidate_timer(
 
     def run(shape: LinearShape, x: torch.Tensor, impl: LinearImpl) -> Callable[[], torch.Tensor]:
         module = by_key[shape.key]
-        bias = module.bias if isinstance(module, CpuLinear) else None
+        bias = module.bias if isinstance(module, PackableLinear) else None
         plan = LinearPlan((impl,) * NUM_BUCKETS)
         return lambda: apply_linear(x, module.weight, module.packed, bias, kernel, plan, torch.float32)
 

@@ -24,10 +24,10 @@ from pagellm.errors import ModelLoadError
 from pagellm.config.model import ModelConfig
 from pagellm.model.layers import RMSNorm, RotaryEmbedding, apply_rotary
 from pagellm.kernels import step_paths
-from pagellm.kernels.linear import CpuLinearKernels
+from pagellm.kernels.linear_bindings import CpuLinearKernels
 from pagellm.kernels.weights import PackedWeight, WeightPart, WeightType, check_part
 from pagellm.kernels.linear_choice import LinearPlan
-from pagellm.model.linear import CpuEmbedding, CpuLinear, apply_linear
+from pagellm.model.packable_layers import PackableEmbedding, PackableLinear, apply_linear
 from pagellm.model.tensor_parallel import TPGroup, vocab_parallel_embed
 
 if TYPE_CHECKING:
@@ -49,10 +49,10 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
         # q, k and v projections fused into one matmul.
-        self.qkv_proj = CpuLinear(
+        self.qkv_proj = PackableLinear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
         )
-        self.o_proj = CpuLinear(self.q_size, config.hidden_size, bias=config.attention_out_bias)
+        self.o_proj = PackableLinear(self.q_size, config.hidden_size, bias=config.attention_out_bias)
 
     def forward(
         self,
@@ -80,8 +80,8 @@ class LlamaMLP(nn.Module):
         self.tp = tp  # down_proj is row-parallel: its partial sums are all-reduced
         self.intermediate_size = config.intermediate_size
         # gate and up projections fused into one matmul.
-        self.gate_up_proj = CpuLinear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = CpuLinear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = PackableLinear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = PackableLinear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -144,7 +144,7 @@ class LlamaForCausalLM(nn.Module):
             config.rope_scaling,
             rope_freq_divisors,
         )
-        self.embed_tokens = CpuEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = PackableEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, tp) for _ in range(config.num_hidden_layers)
         )
@@ -152,7 +152,7 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = CpuLinear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = PackableLinear(config.hidden_size, config.vocab_size, bias=False)
 
     def forward(
         self,
@@ -198,10 +198,10 @@ class LlamaForCausalLM(nn.Module):
         """Route linear layers (and the LM head) with few rows through `kernel` (None: torch)."""
         self.cpu_linear_kernels = kernel
         for module in self.modules():
-            if isinstance(module, CpuLinear):
+            if isinstance(module, PackableLinear):
                 module.kernel = kernel
 
-    def lm_head_module(self) -> CpuLinear | CpuEmbedding:
+    def lm_head_module(self) -> PackableLinear | PackableEmbedding:
         return self.embed_tokens if self.lm_head is None else self.lm_head
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, vocab_size]
@@ -267,9 +267,9 @@ class LlamaForCausalLM(nn.Module):
     def _use_packed(self, name: str, parts: list[WeightPart]) -> None:
         module_name, _, attr = name.rpartition(".")
         module = self.get_submodule(module_name) if module_name else None
-        if attr != "weight" or not isinstance(module, (CpuLinear, CpuEmbedding)):
+        if attr != "weight" or not isinstance(module, (PackableLinear, PackableEmbedding)):
             raise ModelLoadError(f"tensor {name!r} cannot stay quantized (not a linear layer's weight)")
-        if isinstance(module, CpuLinear):
+        if isinstance(module, PackableLinear):
             rows, k = module.out_features, module.in_features
         else:
             rows, k = module.num_embeddings, module.embedding_dim

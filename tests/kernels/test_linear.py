@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 
 from pagellm.kernels.decode_layer import MAX_ROWS
-from pagellm.kernels.linear import cpu_linear_kernels
+from pagellm.kernels.linear_bindings import cpu_linear_kernels
 from pagellm.kernels.linear_choice import NUM_BUCKETS, LinearPlan
-from pagellm.model.linear import CpuLinear, apply_linear
+from pagellm.model.packable_layers import PackableLinear, apply_linear
 
 kernel = cpu_linear_kernels()
 
@@ -54,7 +54,7 @@ BUCKET_EDGE_ROWS = [1, 2, 4, 5, 8, 9, 16, 17, 32, 33, 64, 65, 256, 257]
 def test_every_isa_build_matches_float64_reference(kernel_isa, impl):
     # Each build (AVX2 float32 arithmetic, AVX-512 BF16 dot products, AMX tiles) and each of
     # its kernels, at every bucket edge, over shapes with ragged panels and odd K.
-    from pagellm.kernels.linear import LinearImpl
+    from pagellm.kernels.linear_bindings import LinearImpl
 
     build_kernel = cpu_linear_kernels()
     gen = torch.Generator().manual_seed(5)
@@ -109,7 +109,7 @@ def test_strided_rows_and_fallbacks(monkeypatch):
 
 @needs_kernel
 def test_model_layers_route_through_the_kernel(monkeypatch):
-    layer = CpuLinear(32, 16, bias=True).bfloat16()
+    layer = PackableLinear(32, 16, bias=True).bfloat16()
     layer.kernel = kernel
     seen = []
     original = type(kernel).__call__

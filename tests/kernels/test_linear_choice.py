@@ -10,7 +10,7 @@ import pytest
 
 from pagellm.errors import ConfigError
 from pagellm.kernels import linear_choice as lc
-from pagellm.kernels.linear import LinearImpl
+from pagellm.kernels.linear_bindings import LinearImpl
 
 S, G, O = LinearImpl.STREAMING, LinearImpl.GEMM, LinearImpl.ONEDNN
 SHAPE = lc.LinearShape(3072, 576, ("Q4_1",), (S, G, O))

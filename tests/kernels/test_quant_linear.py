@@ -127,9 +127,9 @@ def test_every_implementation_at_every_bucket_edge(weight_type, impl, kernel_isa
     # Every path the measured choice may take on some CPU, for every stored type, at every
     # row count where the choice may switch, with bf16 and float32 outputs (amx: AMX tiles
     # where the CPU has them, else the GEMM it falls back to).
-    from pagellm.kernels.linear import LinearImpl, cpu_linear_kernels
+    from pagellm.kernels.linear_bindings import LinearImpl, cpu_linear_kernels
     from pagellm.kernels.linear_choice import NUM_BUCKETS, LinearPlan
-    from pagellm.model.linear import apply_linear
+    from pagellm.model.packable_layers import apply_linear
 
     if impl == "amx" and kernel_isa != "amx":
         pytest.skip("without AMX tiles the amx kernel is the GEMM, tested as gemm in this build")

@@ -72,7 +72,7 @@ def test_a_later_calibration_fits_the_earlier_sweeps_steps_too(tiny_model):
 
 
 def test_calibrating_a_bf16_engine_fits_its_native_decode_path(tiny_model):
-    from pagellm.kernels.linear import cpu_linear_kernels
+    from pagellm.kernels.linear_bindings import cpu_linear_kernels
 
     if cpu_linear_kernels() is None:
         pytest.skip("no native decode path on this CPU (needs x86-64 with AVX2 and a C compiler)")

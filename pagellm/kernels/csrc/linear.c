@@ -1,5 +1,5 @@
 /* Model stage, CPU: the linear layers' entry points, y = x W^T (+ b), each opening the
- * parallel region (kernels/linear.py, kernels/weights.py).
+ * parallel region (kernels/linear_bindings.py, kernels/weights.py).
  *
  * linear_weight takes any Weight through linear_weight_part: quant_linear.c's runs bf16
  * parts through linear_bf16.c and quantized ones through its own kernels (linear_f32.c's,
@@ -25,7 +25,7 @@ int linear_bf16_supported(void) { return 0; }
 #endif
 
 /* out = x W^T (+ bias) for any Weight (bf16 or quantized parts, quant_linear.c), opening the
- * parallel region (model/linear.py, kernels/weights.py); out is bf16 or float32 (out_f32),
+ * parallel region (model/packable_layers.py, kernels/weights.py); out is bf16 or float32 (out_f32),
  * impl one of LINEAR_* (kernels.h). */
 void linear_weight(const uint16_t *x, int64_t x_stride, const Weight *w, const uint16_t *bias, void *out,
                    int64_t out_stride, int out_f32, int64_t m, int64_t k, int impl, int num_threads) {

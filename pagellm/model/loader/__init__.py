@@ -20,7 +20,7 @@ from pagellm.model.llama import LlamaForCausalLM
 from pagellm.model.tensor_parallel import TPGroup, TPLayout, shard_float
 from pagellm.kernels.build import load_kernels
 from pagellm.kernels.step_paths import StepPathChoice, forced_path
-from pagellm.kernels.linear import cpu_linear_kernels
+from pagellm.kernels.linear_bindings import cpu_linear_kernels
 from pagellm.model.fused_decode import FusedDecode
 from pagellm.model.linear_plans import attach_linear_plans
 from pagellm.model.native_layers import NativeLayers

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagellm.kernels.linear import CpuLinearKernels, LinearImpl
+from pagellm.kernels.linear_bindings import CpuLinearKernels, LinearImpl
 from pagellm.kernels.linear_choice import LinearPlan
 from pagellm.kernels.weights import PackedWeight, bf16_weight
 
@@ -76,7 +76,7 @@ def apply_linear(
     return kernel(x, weight, bias, impl, out_dtype)
 
 
-class CpuLinear(nn.Linear):
+class PackableLinear(nn.Linear):
     """nn.Linear (same parameters and names) that uses the kernels once they are attached."""
 
     kernel: CpuLinearKernels | None = None
@@ -106,7 +106,7 @@ class CpuLinear(nn.Linear):
         return self._kernel_weight
 
 
-class CpuEmbedding(nn.Embedding):
+class PackableEmbedding(nn.Embedding):
     """nn.Embedding whose table may stay as stored (rows dequantized as they are looked up)."""
 
     packed: PackedWeight | None = None
