@@ -83,7 +83,7 @@ def run_serve(args: argparse.Namespace) -> None:
     if args.data_parallel_size < 1:
         raise ConfigError(f"--data-parallel-size must be at least 1, got {args.data_parallel_size}")
     if args.data_parallel_size > 1:
-        from pagellm.entrypoints.openai.dp_server import run_dp_server
+        from pagellm.entrypoints.openai.data_parallel.server import run_dp_server
 
         run_dp_server(args)
         return

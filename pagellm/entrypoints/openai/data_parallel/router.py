@@ -1,4 +1,4 @@
-"""Executor stage: data parallelism: which replica serves a request.
+"""Entrypoints stage: data parallelism: which replica serves a request.
 
 Prefix-cache affinity first: every replica's prefix cache holds the blocks of the prompts
 it served recently, so a prompt whose leading blocks another prompt had is sent where

@@ -3,7 +3,7 @@ a bound against hot prefixes, dead replicas skipped."""
 
 import pytest
 
-from pagellm.executor.dp_routing import PrefixAffinityRouter, block_chain_hashes
+from pagellm.entrypoints.openai.data_parallel.router import PrefixAffinityRouter, block_chain_hashes
 
 BLOCK = 4
 

@@ -2,7 +2,7 @@
 OpenAI-compatible endpoint.
 
 The router tokenizes each prompt (the replicas' own tokenizer and chat template) and
-picks a replica by prefix-cache affinity, then load (executor/dp_routing.py); the request
+picks a replica by prefix-cache affinity, then load (router.py); the request
 is passed through unchanged, its answer (streamed or not) passed back byte for byte, so
 every replica keeps its own validation, errors and streaming. A replica that dies is
 noticed within a second: the router stops sending to it, a request whose replica could
@@ -42,8 +42,8 @@ from pagellm.entrypoints.openai.api_server import bind_socket, keep_signals_from
 from pagellm.entrypoints.openai.auth import ApiKeyMiddleware
 from pagellm.entrypoints.openai.limits_config import RequestLimits
 from pagellm.entrypoints.openai.errors import APIError
-from pagellm.entrypoints.openai.replicas import Replica, start_process_replicas, start_ray_replicas
-from pagellm.executor.dp_routing import PrefixAffinityRouter
+from pagellm.entrypoints.openai.data_parallel.replicas import Replica, start_process_replicas, start_ray_replicas
+from pagellm.entrypoints.openai.data_parallel.router import PrefixAffinityRouter
 from pagellm.model.loader import load_model_config, load_tokenizer, resolve_model_source
 from pagellm.tokenizer import Tokenizer
 
