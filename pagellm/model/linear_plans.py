@@ -125,24 +125,25 @@ def choice_signature(num_threads: int) -> dict[str, object]:
     }
 
 
-def attach_linear_plans(model: torch.nn.Module, kernel: CpuLinearKernels) -> LinearChoice:
-    """Measure (or read the cached choice) and give every linear layer its plan."""
+@dataclass(frozen=True)
+class LinearPlans:
+    """The model's linear layers grouped by shape, and the plan chosen for each group."""
+
+    choice: LinearChoice
+    groups: list[LinearGroup]
+
+    def plan_of(self, group: LinearGroup) -> LinearPlan:
+        return self.choice.plans[group.shape.key]
+
+
+def measure_linear_plans(model: torch.nn.Module, kernel: CpuLinearKernels) -> LinearPlans:
+    """Measure (or read the cached choice of) every linear group's kernel per row bucket."""
     groups = linear_groups(model, kernel.native_impls())
     signature = choice_signature(kernel.num_threads)
     with torch.inference_mode():
         choice = resolve_choice([g.shape for g in groups], candidate_timer(groups, kernel), signature, kernel_cache_dir())
-    head = model.lm_head_module()
-    for group in groups:
-        plan = choice.plans[group.shape.key]
-        if group.module is head:
-            model.lm_head_plan = plan
-        else:
-            for name in group.names:
-                model.get_submodule(name).plan = plan
-    model.linear_choice = choice
-    model.linear_groups = groups
     logger.info("%s", describe_choice(choice, groups))
-    return choice
+    return LinearPlans(choice, groups)
 
 
 def describe_choice(choice: LinearChoice, groups: list[LinearGroup]) -> str:

@@ -24,18 +24,20 @@ from pagellm.errors import ModelLoadError
 from pagellm.config.model import ModelConfig
 from pagellm.model.layers import RMSNorm, RotaryEmbedding, apply_rotary
 from pagellm.kernels import step_paths
+from pagellm.kernels.build import load_kernels
+from pagellm.kernels.step_paths import StepPathChoice, forced_path
 from pagellm.kernels.linear_bindings import CpuLinearKernels
 from pagellm.kernels.weights import PackedWeight, WeightPart, WeightType, check_part
 from pagellm.kernels.linear_choice import LinearPlan
+from pagellm.model.fused_decode import FusedDecode
+from pagellm.model.linear_plans import measure_linear_plans
+from pagellm.model.native_layers import NativeLayers
 from pagellm.model.packable_layers import PackableEmbedding, PackableLinear, apply_linear
 from pagellm.model.tensor_parallel import TPGroup, vocab_parallel_embed
 
 if TYPE_CHECKING:
     from pagellm.kernels.linear_choice import LinearChoice
     from pagellm.model.linear_plans import LinearGroup
-    from pagellm.kernels.step_paths import StepPathChoice
-    from pagellm.model.fused_decode import FusedDecode
-    from pagellm.model.native_layers import NativeLayers
 
 
 class LlamaAttention(nn.Module):
@@ -193,6 +195,31 @@ class LlamaForCausalLM(nn.Module):
     fused_decode: FusedDecode | None = None  # CPU bf16: decode steps of <= 20 requests in C
     native_layers: NativeLayers | None = None  # CPU bf16: other steps' elementwise stages in C
     step_paths: StepPathChoice | None = None  # CPU bf16: which of the two runs a step both can (measured)
+
+    def use_cpu_kernels(self, kernel: CpuLinearKernels) -> None:
+        """bf16 on an x86-64 CPU with AVX2 or more, once the weights are loaded: each linear
+        layer takes the kernel measured fastest for a step's rows (model/linear_plans.py),
+        decode steps of few requests run layer by layer in C or through the layer ops
+        (whichever the first steps measure faster, kernels/step_paths.py), and other steps
+        run the layers' elementwise stages in C around the linears."""
+        self.use_cpu_linear_kernels(kernel)
+        plans = measure_linear_plans(self, kernel)
+        head = self.lm_head_module()
+        for group in plans.groups:
+            if group.module is head:
+                self.lm_head_plan = plans.plan_of(group)
+            else:
+                for name in group.names:
+                    self.get_submodule(name).plan = plans.plan_of(group)
+        self.linear_choice, self.linear_groups = plans.choice, plans.groups
+        # The one-call layer reads the plans. It has no point to all-reduce at:
+        # tensor-parallel ranks run the layer ops (all-reduces between them) instead.
+        if FusedDecode.supports(self) and self.tp is None:
+            self.fused_decode = FusedDecode(load_kernels(), self)
+        if NativeLayers.supports(self):
+            self.native_layers = NativeLayers(load_kernels(), self)
+        if self.fused_decode is not None and self.native_layers is not None:
+            self.step_paths = StepPathChoice(forced_path())  # the faster of the two per row bucket, measured
 
     def use_cpu_linear_kernels(self, kernel: CpuLinearKernels | None) -> None:
         """Route linear layers (and the LM head) with few rows through `kernel` (None: torch)."""

@@ -18,12 +18,7 @@ from pagellm.kernels.weights import WeightPart, WeightType, kernels_support, qua
 from pagellm.model.layers import RotaryEmbedding
 from pagellm.model.llama import LlamaForCausalLM
 from pagellm.model.tensor_parallel import TPGroup, TPLayout, shard_float
-from pagellm.kernels.build import load_kernels
-from pagellm.kernels.step_paths import StepPathChoice, forced_path
 from pagellm.kernels.linear_bindings import cpu_linear_kernels
-from pagellm.model.fused_decode import FusedDecode
-from pagellm.model.linear_plans import attach_linear_plans
-from pagellm.model.native_layers import NativeLayers
 from pagellm.model.loader import gguf_loader, hf_loader
 from pagellm.model.loader.default_model import DEFAULT_MODEL_NAME, default_model_path
 
@@ -135,7 +130,9 @@ def load_model(
         model.load_weights(weights, device=device)
     model.eval()
     if torch.device(device).type == "cpu" and dtype == torch.bfloat16:
-        _use_cpu_decode_kernels(model)
+        kernel = cpu_linear_kernels()
+        if kernel is not None:
+            model.use_cpu_kernels(kernel)
     logger.info(
         "loaded %s (%s%s, %.1fM parameters, %s) in %.1fs; weights: %s",
         source.name,
@@ -224,27 +221,6 @@ def _int8_rows(weights: Weights) -> Weights:
             yield name, quantize_int8_rows(tensor)
         else:
             yield name, tensor
-
-
-def _use_cpu_decode_kernels(model: LlamaForCausalLM) -> None:
-    """bf16 on an x86-64 CPU with AVX2 or more: each linear layer takes the kernel measured fastest
-    for a step's rows (model/linear_plans.py), decode steps of few requests run layer by
-    layer in C or through the layer ops (whichever the first steps measure faster,
-    kernels/step_paths.py), and other steps run the layers' elementwise stages in C around
-    the linears."""
-    kernel = cpu_linear_kernels()
-    if kernel is None:
-        return
-    model.use_cpu_linear_kernels(kernel)
-    attach_linear_plans(model, kernel)  # before the decode layer, which reads the plans
-    # The one-call layer has no point to all-reduce at: tensor-parallel ranks run the
-    # layer ops (all-reduces between them) instead.
-    if FusedDecode.supports(model) and model.tp is None:
-        model.fused_decode = FusedDecode(load_kernels(), model)
-    if NativeLayers.supports(model):
-        model.native_layers = NativeLayers(load_kernels(), model)
-    if model.fused_decode is not None and model.native_layers is not None:
-        model.step_paths = StepPathChoice(forced_path())  # the faster of the two per row bucket, measured
 
 
 @torch.no_grad()
