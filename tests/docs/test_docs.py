@@ -455,7 +455,7 @@ def metric_names() -> set[str]:
         for family in PrometheusMetrics("docs").registry.collect()
     }
     # The server's and the data-parallel router's own metrics are named in their source.
-    for source in (ROOT / "pagellm" / "entrypoints" / "openai").glob("*.py"):
+    for source in (ROOT / "pagellm" / "entrypoints" / "openai").rglob("*.py"):
         names |= set(re.findall(r"\"(pagellm:[a-z_]+)\"", source.read_text(encoding="utf-8")))
     return names
 
