@@ -8,7 +8,9 @@ row bucket below, each candidate (kernels/linear_bindings.py LinearImpl) is time
 of the bucket and the fastest kept. The measurement is bounded (`DEFAULT_BUDGET_SECONDS`;
 buckets not reached take the last measured bucket's choice and are marked so), and the
 result is cached on disk, keyed by everything it depends on: the CPU, the thread count,
-the torch version, the compiled kernels, the shapes. PAGELLM_LINEAR_KERNEL=streaming|gemm|
+the torch version, the compiled kernels, the shapes; unless other processes took a good
+share of the CPUs while it ran (kernels/cpu_load.py), so that a busy minute's timings are
+not kept for the machine. PAGELLM_LINEAR_KERNEL=streaming|gemm|
 amx|onednn|onednn-f32 forces one implementation everywhere (tests, and repeatable runs; amx where the
 CPU has it, else the GEMM).
 """
@@ -27,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pagellm.errors import ConfigError
+from pagellm.kernels.cpu_load import LoadReading, others_share, read_load
 from pagellm.kernels.linear_bindings import LinearImpl
 
 logger = logging.getLogger(__name__)
@@ -36,7 +39,7 @@ ROW_BUCKET_EDGES = (1, 4, 8, 16, 32, 64, 256)
 # The row count each bucket is timed at.
 TIMED_ROWS = (1, 3, 6, 12, 24, 48, 128, 512)
 NUM_BUCKETS = len(ROW_BUCKET_EDGES) + 1
-DEFAULT_BUDGET_SECONDS = 2.0
+DEFAULT_BUDGET_SECONDS = 3.0
 # A candidate within this fraction of the fastest, and earlier in the candidate order,
 # wins: the choice does not flip between runs on timing noise.
 TIE_TOLERANCE = 0.03
@@ -47,8 +50,21 @@ PRECISION_TOLERANCE = 0.10
 # A candidate this many times slower than the fastest in two buckets in a row is not timed
 # in larger buckets (the streaming kernel at prefill sizes).
 PRUNE_RATIO = 4.0
+# ... judged only from this many rows on: below it the fastest kernel's time is flat in the
+# rows and another's fixed cost says nothing of its rate (oneDNN in float32 on a Zen 3: 7-8x
+# behind the streaming kernel at 1-3 rows, 1.6x ahead of pagellm's GEMM at 512).
+PRUNE_MIN_ROWS = 24
+# The two fastest candidates of a bucket within this fraction of each other are timed again,
+# in turn, CONFIRM_ROUNDS more times: one disturbed timing of either (the largest buckets get
+# one or two calls each) must not decide. On a 2-core Zen 3 a single timing put pagellm's
+# GEMM ahead of oneDNN at 512 rows; re-timed, it ran at 0.66 of oneDNN's speed.
+CONFIRM_MARGIN = 0.5
+CONFIRM_ROUNDS = 2
+# A measurement during which other processes used more than this share of all CPUs is
+# used for this run but not cached: the next start measures again.
+DISTURBED_SHARE = 0.25
 # Bumped when the measuring rules change, so that cached choices made under the old ones are redone.
-RULES_VERSION = 2
+RULES_VERSION = 3
 FORCE_VARIABLE = "PAGELLM_LINEAR_KERNEL"
 BUDGET_VARIABLE = "PAGELLM_KERNEL_CHOICE_SECONDS"
 _CACHE_FORMAT = 1
@@ -124,6 +140,7 @@ class LinearChoice:
     source: str = "measured"  # "measured", "cache" or "forced"
     unmeasured_buckets: dict[str, list[int]] = field(default_factory=dict)  # ran out of budget
     seconds: float = 0.0
+    others_share: float | None = None  # share of the CPUs other processes used while measuring
 
 
 def pick_fastest(times: Mapping[LinearImpl, float | None], order: Sequence[LinearImpl]) -> LinearImpl | None:
@@ -185,15 +202,33 @@ def measure_choice(shapes: Sequence[LinearShape], timer: Timer, budget_seconds: 
                 except Exception as error:  # a candidate that fails is not chosen, and said
                     logger.warning("linear kernel %s failed on %s at %d rows: %s", impl.label, shape.key, rows, error)
                     times[impl] = None
+            _confirm_close_calls(times, shape, rows, timer)
             chosen = pick_fastest(times, shape.candidates)
             if chosen is None:
                 raise RuntimeError(f"no linear kernel ran for {shape.key} at {rows} rows")
-            previous = timings[shape.key][-1] if timings[shape.key] else {}
-            _prune_falling_behind(times, previous, pruned[shape.key])
+            if bucket > 0 and TIMED_ROWS[bucket - 1] >= PRUNE_MIN_ROWS:
+                _prune_falling_behind(times, timings[shape.key][-1], pruned[shape.key])
             timings[shape.key].append(times)
             choices[shape.key].append(chosen)
     plans = {key: LinearPlan(tuple(c)) for key, c in choices.items()}
     return LinearChoice(plans, timings, "measured", unmeasured, time.perf_counter() - start)
+
+
+def _confirm_close_calls(times: BucketTimes, shape: LinearShape, rows: int, timer: Timer) -> None:
+    """Time the two fastest candidates again, alternately, when they are within
+    CONFIRM_MARGIN of each other; each keeps its best time."""
+    ranked = sorted((t, index) for index, t in enumerate(times.values()) if t is not None)
+    if len(ranked) < 2 or ranked[1][0] > ranked[0][0] * (1 + CONFIRM_MARGIN):
+        return
+    impls = list(times)
+    contenders = [impls[ranked[0][1]], impls[ranked[1][1]]]
+    for _ in range(CONFIRM_ROUNDS):
+        for impl in contenders:
+            try:
+                seconds = timer(shape, rows, impl)
+            except Exception:  # it ran once already: keep that time
+                continue
+            times[impl] = min(seconds, times[impl] or math.inf)
 
 
 def _too_long_to_time(
@@ -291,8 +326,10 @@ def resolve_choice(
     signature: Mapping[str, object],
     cache_dir: Path | None,
     budget_seconds: float | None = None,
+    load_meter: Callable[[], LoadReading] = read_load,
 ) -> LinearChoice:
-    """Forced, cached, or measured now (and cached) — in that order."""
+    """Forced, cached, or measured now (and cached unless other processes took more than
+    DISTURBED_SHARE of the CPUs meanwhile) — in that order."""
     impl = forced_impl()
     if impl is not None:
         return forced_choice(shapes, impl)
@@ -303,8 +340,14 @@ def resolve_choice(
             return cached
     if budget_seconds is None:
         budget_seconds = float(os.environ.get(BUDGET_VARIABLE, DEFAULT_BUDGET_SECONDS))
+    before = load_meter()
     choice = measure_choice(shapes, timer, budget_seconds)
-    if path is not None:
+    choice.others_share = others_share(before, load_meter())
+    if choice.others_share is not None and choice.others_share > DISTURBED_SHARE:
+        logger.warning(
+            "other processes used %.0f%% of the CPUs while the linear kernels were measured: "
+            "this run uses the choice, the next start measures again", 100 * choice.others_share)
+    elif path is not None:
         try:
             save_choice(path, choice)
         except OSError as error:

@@ -19,8 +19,8 @@ import torch
 from pagellm.kernels import cpu_features
 from pagellm.kernels.build import describe_isa, kernel_cache_dir, load_kernels, native_isa
 from pagellm.kernels.linear_bindings import CpuLinearKernels, LinearImpl
-from pagellm.kernels.linear_choice import NUM_BUCKETS, RULES_VERSION, LinearChoice, LinearPlan, LinearShape, resolve_choice
-from pagellm.kernels.weights import WeightType
+from pagellm.kernels.linear_choice import DISTURBED_SHARE, NUM_BUCKETS, RULES_VERSION, LinearChoice, LinearPlan, LinearShape, resolve_choice
+from pagellm.kernels.weights import PackedWeight, WeightPart, WeightType
 from pagellm.model.packable_layers import PackableEmbedding, PackableLinear, apply_linear
 
 logger = logging.getLogger(__name__)
@@ -28,6 +28,8 @@ logger = logging.getLogger(__name__)
 # A timed candidate runs for at least this long (several calls at small shapes).
 MIN_TIMED_SECONDS = 0.002
 MAX_TIMED_CALLS = 50
+TIMED_OUT_FEATURES = 4096
+LONG_CALL_SECONDS = 0.02
 
 
 @dataclass(frozen=True)
@@ -69,11 +71,16 @@ def linear_groups(model: torch.nn.Module, native: tuple[LinearImpl, ...]) -> lis
 
 def seconds_per_call(run: Callable[[], object]) -> float:
     """Best mean time of `run()` over two rounds of calls lasting MIN_TIMED_SECONDS (a call
-    longer than that is timed twice)."""
+    longer than that is timed twice; one longer than LONG_CALL_SECONDS counts its warm-up
+    as one of the two, where the warm-up's one-time costs are small beside the call)."""
+    start = time.perf_counter()
     run()  # warm-up: caches, page faults, the kernels' per-thread buffers
+    warm_up = time.perf_counter() - start
     start = time.perf_counter()
     run()
     single = time.perf_counter() - start
+    if warm_up >= LONG_CALL_SECONDS:
+        return min(warm_up, single)
     calls = max(1, min(MAX_TIMED_CALLS, int(MIN_TIMED_SECONDS / max(single, 1e-9))))
     best = single
     for _ in range(2 if calls > 1 else 1):  # one more call when a call alone is long enough
@@ -84,19 +91,51 @@ def seconds_per_call(run: Callable[[], object]) -> float:
     return best
 
 
+def timed_out_features(shape: LinearShape) -> int:
+    """How many of a layer's output features the measurement runs: at most
+    TIMED_OUT_FEATURES. The kernels split the output features among the threads, so a
+    slice of a few thousand times like the whole at a fraction of the cost (SmolLM2's LM
+    head has 49152 rows: 0.8 s a call at 512 rows on a 2-core Zen 3)."""
+    return min(shape.n, TIMED_OUT_FEATURES)
+
+
+def _timed_slice(module: PackableLinear | PackableEmbedding, out_features: int) -> tuple[
+        torch.Tensor | None, PackedWeight | None, torch.Tensor | None]:  # fmt: skip
+    """The first rows of the layer's weight (of every stored part, in proportion, so the
+    weight types keep their mix) and bias: (weight, packed, bias)."""
+    bias = module.bias if isinstance(module, PackableLinear) else None
+    total = module.packed.out_features if module.packed is not None else module.weight.shape[0]
+    if out_features >= total:
+        return module.weight, module.packed, bias
+    if module.packed is None:
+        return module.weight[:out_features], None, None if bias is None else bias[:out_features]
+    parts, bias_pieces, offset = [], [], 0
+    for part in module.packed.parts:
+        rows = max(1, part.rows * out_features // total)
+        scales = None if part.row_scales is None else part.row_scales[:rows]
+        parts.append(WeightPart(part.type, part.data[:rows], scales))
+        if bias is not None:
+            bias_pieces.append(bias[offset : offset + rows])
+        offset += part.rows
+    sliced_bias = torch.cat(bias_pieces) if bias_pieces else None
+    return None, PackedWeight(parts, module.packed.in_features), sliced_bias
+
+
 def candidate_timer(
-    groups: list[LinearGroup], kernel: CpuLinearKernels
+    groups: list[LinearGroup], kernel: CpuLinearKernels, whole_layers: bool = False
 ) -> Callable[[LinearShape, int, LinearImpl], float]:
     """Seconds per call of one candidate on a group's timed layer at `rows` random rows
-    (float32 output, as the native layers ask for)."""
-    by_key = {g.shape.key: g.module for g in groups}
+    (float32 output, as the native layers ask for), on its first `timed_out_features` rows
+    (`whole_layers`: on all of them, as the kernel benchmark checks the choice)."""
+    slices = {
+        g.shape.key: _timed_slice(g.module, g.shape.n if whole_layers else timed_out_features(g.shape)) for g in groups
+    }
     generator = torch.Generator().manual_seed(0)
 
     def run(shape: LinearShape, x: torch.Tensor, impl: LinearImpl) -> Callable[[], torch.Tensor]:
-        module = by_key[shape.key]
-        bias = module.bias if isinstance(module, PackableLinear) else None
+        weight, packed, bias = slices[shape.key]
         plan = LinearPlan((impl,) * NUM_BUCKETS)
-        return lambda: apply_linear(x, module.weight, module.packed, bias, kernel, plan, torch.float32)
+        return lambda: apply_linear(x, weight, packed, bias, kernel, plan, torch.float32)
 
     def time_candidate(shape: LinearShape, rows: int, impl: LinearImpl) -> float:
         return seconds_per_call(run(shape, torch.randn(rows, shape.k, generator=generator).to(torch.bfloat16), impl))
@@ -149,6 +188,8 @@ def measure_linear_plans(model: torch.nn.Module, kernel: CpuLinearKernels) -> Li
 def describe_choice(choice: LinearChoice, groups: list[LinearGroup]) -> str:
     """The startup log's table: where the choice came from, the ISA in use, a line per group."""
     how = {"measured": f"measured in {choice.seconds:.1f}s", "cache": "cached measurement", "forced": "forced by PAGELLM_LINEAR_KERNEL"}[choice.source]
+    if choice.source == "measured" and choice.others_share is not None and choice.others_share > DISTURBED_SHARE:
+        how += f", not cached: other processes used {100 * choice.others_share:.0f}% of the CPUs"
     lines = [f"linear kernels ({how}; {describe_isa()}):"]
     for group in groups:
         line = f"  {group.label}: rows {choice.plans[group.shape.key].describe()}"
