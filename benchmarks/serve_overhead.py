@@ -123,6 +123,22 @@ def difference(a: float | None, b: float | None) -> float | None:
     return round(a - b, 1) if a is not None and b is not None else None
 
 
+def paired(offline_rounds: list[dict[str, Any]], online_rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians over the rounds of each round's online/offline ITL ratio, TTFT difference
+    and tok/s ratio."""
+
+    def median_of(values: list[float | None]) -> float | None:
+        known = sorted(v for v in values if v is not None)
+        return known[len(known) // 2] if known else None
+
+    pairs = list(zip(offline_rounds, online_rounds, strict=True))
+    return {
+        "itl_ratio": median_of([ratio(on["itl_ms_median"], off["itl_ms_median"]) for off, on in pairs]),
+        "ttft_added_ms": median_of([difference(on["ttft_ms_median"], off["ttft_ms_median"]) for off, on in pairs]),
+        "output_tok_s_ratio": median_of([ratio(on["output_tok_s"], off["output_tok_s"]) for off, on in pairs]),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32])
@@ -139,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\n| streams | offline ITL ms | online ITL ms | ITL ratio | offline TTFT ms | online TTFT ms | "
           "TTFT added ms | offline tok/s | online tok/s | tok/s ratio |")  # fmt: skip
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    pairs: list[tuple[int, dict[str, Any]]] = []
     with open(args.out, "a") as f:
         for n in args.streams:
             off, on = offline[n], online[n]
@@ -150,12 +167,21 @@ def main(argv: list[str] | None = None) -> int:
                 "itl_ratio": ratio(on["itl_ms_median"], off["itl_ms_median"]),
                 "output_tok_s_ratio": ratio(on["output_tok_s"], off["output_tok_s"]),
                 "ttft_added_ms": difference(on["ttft_ms_median"], off["ttft_ms_median"]),
+                # Each round's online figure against the offline round just before it, then
+                # the median: a machine whose speed drifts between rounds (this one's
+                # offline prefill varied 716-889 ms) moves both sides of a pair alike.
+                "paired": paired(off["rounds"], on["rounds"]),
             }  # fmt: skip
             f.write(json.dumps(row) + "\n")
             cells = [off["itl_ms_median"], on["itl_ms_median"], row["itl_ratio"], off["ttft_ms_median"],
                      on["ttft_ms_median"], row["ttft_added_ms"], off["output_tok_s"], on["output_tok_s"],
                      row["output_tok_s_ratio"]]  # fmt: skip
             print(f"| {n} | " + " | ".join("-" if v is None else f"{v:.2f}" for v in cells) + " |")
+            pairs.append((n, row["paired"]))
+    print("\nPaired by round (each online round against the offline round before it), medians:")
+    for n, pair in pairs:
+        print(f"  {n} streams: ITL ratio {pair['itl_ratio']}, TTFT added {pair['ttft_added_ms']} ms, "
+              f"tok/s ratio {pair['output_tok_s_ratio']}")
     failed = sum(offline[n]["failed"] + online[n]["failed"] for n in args.streams)
     return 1 if failed else 0
 

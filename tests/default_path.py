@@ -139,10 +139,10 @@ DEFAULT_PATH_SHAPE = dict(
 WEIGHT_SCALE = 0.4
 
 
-def make_default_path_checkpoint(folder: Path, seed: int = 3, **overrides: object) -> Path:
-    """A tiny random Llama HF folder (hf_models.make_tiny_hf_checkpoint) with its matrices
-    scaled by WEIGHT_SCALE (norms and embedding as they are)."""
-    make_tiny_hf_checkpoint(folder, "llama", seed=seed, **{**DEFAULT_PATH_SHAPE, **overrides})
+def make_default_path_checkpoint(folder: Path, seed: int = 3, arch: str = "llama", **overrides: object) -> Path:
+    """A tiny random HF folder (hf_models.make_tiny_hf_checkpoint, Llama unless `arch`
+    says) with its matrices scaled by WEIGHT_SCALE (norms and embedding as they are)."""
+    make_tiny_hf_checkpoint(folder, arch, seed=seed, **{**DEFAULT_PATH_SHAPE, **overrides})
     path = folder / "model.safetensors"
     tensors = load_file(str(path))
     for name, tensor in tensors.items():

@@ -27,6 +27,8 @@ _LAYER = {
     "self_attn.k_proj": "attn_k",
     "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
     "post_attention_layernorm": "ffn_norm",
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
@@ -51,15 +53,17 @@ _RANDOM_BLOCK_SCALE = {
 
 def write_gguf_from_hf(
     folder: Path, out: Path, cfg: dict, vocab: list[str] | None = None,
-    quant_by_kind: dict[str, gguf.GGMLQuantizationType] | None = None, seed: int = 0,
+    quant_by_kind: dict[str, gguf.GGMLQuantizationType] | None = None, seed: int = 0, arch: str = "llama",
 ) -> Path:
-    """Convert a tiny HF Llama checkpoint to a GGUF file with mixed tensor types.
+    """Convert a tiny HF Llama (or Qwen2/Qwen3: `arch` as llama.cpp names it) checkpoint to a
+    GGUF file with mixed tensor types. As llama.cpp's converter does, only Llama's q/k rows
+    are permuted into the interleaved rotary layout (the Qwen families rotate halves).
 
     Tensors given a K-quant type (which the gguf package cannot quantize to) are written
     as random valid blocks instead: the file is then its own model, and a reference must
     load the GGUF itself (transformers does)."""
     tensors = load_file(str(folder / "model.safetensors"))
-    writer = gguf.GGUFWriter(str(out), "llama")
+    writer = gguf.GGUFWriter(str(out), arch)
     writer.add_block_count(cfg["num_hidden_layers"])
     writer.add_context_length(cfg["max_position_embeddings"])
     writer.add_embedding_length(cfg["hidden_size"])
@@ -68,7 +72,11 @@ def write_gguf_from_hf(
     writer.add_head_count_kv(cfg["num_key_value_heads"])
     writer.add_rope_freq_base(cfg.get("rope_theta", 10000.0))
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    writer.add_rope_dimension_count(cfg["hidden_size"] // cfg["num_attention_heads"])
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    _add_rope_scaling(writer, cfg)
     writer.add_vocab_size(cfg["vocab_size"])
     # A byte-level vocabulary: one token per byte value (spelled as GPT-2 does).
     tokens = vocab or [_byte_char(b) for b in range(cfg["vocab_size"])]
@@ -84,9 +92,9 @@ def write_gguf_from_hf(
     for name, value in tensors.items():
         gguf_name, kind = _gguf_name(name)
         value = value.astype(np.float32)
-        if kind == "attn_q":
+        if kind == "attn_q" and arch == "llama":
             value = llama_cpp_permute(value, cfg["num_attention_heads"])
-        elif kind == "attn_k":
+        elif kind == "attn_k" and arch == "llama":
             value = llama_cpp_permute(value, cfg["num_key_value_heads"])
         qtype = types.get(kind, gguf.GGMLQuantizationType.F32)
         if value.ndim == 1:
@@ -106,6 +114,15 @@ def write_gguf_from_hf(
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+def _add_rope_scaling(writer: gguf.GGUFWriter, cfg: dict) -> None:
+    """YaRN as llama.cpp's converter writes it: the type, the factor and the original context."""
+    rope = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
+    if rope.get("rope_type", rope.get("type")) == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
 
 
 def _gguf_name(hf_name: str) -> tuple[str, str]:

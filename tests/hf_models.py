@@ -22,13 +22,14 @@ TINY_SHAPE = dict(
 def make_tiny_hf_checkpoint(
     folder: Path, arch: str = "llama", seed: int = 0, **overrides: object
 ) -> Path:
-    """Save a random tiny Llama/Qwen2/Mistral model as an HF folder; return its path."""
+    """Save a random tiny Llama/Qwen2/Mistral/Qwen3 model as an HF folder; return its path."""
     import transformers
 
     classes = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
     }
     config_cls, model_cls = classes[arch]
     shape = {**TINY_SHAPE, "rope_theta": 10000.0, "tie_word_embeddings": False}

@@ -18,22 +18,33 @@ class ModelSource:
     name: str  # what the user calls it (served model name by default)
 
 
+ROPE_SCALING_TYPES = ("linear", "llama3", "yarn")
+
+
 @dataclass(frozen=True)
 class RopeScaling:
-    """Rotary embedding frequency scaling: "linear" or Llama 3's "llama3"."""
+    """Rotary embedding frequency scaling: "linear", Llama 3's "llama3" or "yarn"."""
 
     rope_type: str
     factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    original_max_position_embeddings: int = 8192  # llama3, yarn
+    beta_fast: float = 32.0  # yarn: the ramp between extrapolated and interpolated frequencies
+    beta_slow: float = 1.0
+    mscale: float | None = None  # yarn: with mscale_all_dim, the attention factor (DeepSeek style)
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None  # yarn: cos/sin multiplier; None: from factor (0.1 ln(factor) + 1)
+    truncate: bool = True  # yarn: round the ramp's ends to whole dimensions
 
     def __post_init__(self) -> None:
-        if self.rope_type not in ("linear", "llama3"):
+        if self.rope_type not in ROPE_SCALING_TYPES:
             raise UnsupportedModelError(
                 f"rope scaling type {self.rope_type!r} is not supported "
-                "(supported: none/default, 'linear', 'llama3')."
+                f"(supported: none/default, {', '.join(repr(t) for t in ROPE_SCALING_TYPES)})."
             )
+        if self.factor <= 0:
+            raise UnsupportedModelError(f"rope scaling factor must be positive, got {self.factor}")
 
 
 @dataclass(frozen=True)
@@ -56,6 +67,7 @@ class ModelConfig:
     attention_bias: bool = False  # biases on q/k/v (Qwen2; Llama with attention_bias)
     attention_out_bias: bool = False  # bias on o_proj (Llama with attention_bias)
     sliding_window: int | None = None  # exact only while contexts stay within it
+    qk_norm: bool = False  # RMSNorm over each head of q and k before rotary (Qwen3)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
@@ -71,6 +83,6 @@ class ModelConfig:
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
         q = self.num_attention_heads * self.head_dim
         kv = self.num_key_value_heads * self.head_dim
-        per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
+        per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h + (2 * self.head_dim if self.qk_norm else 0)
         embed = v * h * (1 if self.tie_word_embeddings else 2)
         return self.num_hidden_layers * per_layer + embed + h

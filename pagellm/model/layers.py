@@ -35,6 +35,8 @@ def rope_inv_freq(
         return inv_freq
     if scaling.rope_type == "linear":
         return inv_freq / scaling.factor
+    if scaling.rope_type == "yarn":
+        return _yarn_inv_freq(inv_freq, head_dim, theta, scaling)
     # llama3: long wavelengths are slowed by `factor`, short ones kept, and the band in
     # between interpolated smoothly.
     low_freq_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
@@ -47,6 +49,40 @@ def rope_inv_freq(
     smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
     is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
     return torch.where(is_medium, smoothed, scaled)
+
+
+def _yarn_inv_freq(inv_freq: torch.Tensor, head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
+    """YaRN (arXiv 2309.00071): dimensions that turn fewer than `beta_slow` times over the
+    original context are interpolated (divided by `factor`), those turning more than
+    `beta_fast` times kept, with a linear ramp between."""
+
+    def dimension_of(rotations: float) -> float:  # the dimension that turns `rotations` times
+        return head_dim * math.log(scaling.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dimension_of(scaling.beta_fast), dimension_of(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # a ramp of no width
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (the original frequency), 0: interpolate
+    return inv_freq / scaling.factor * (1 - keep) + inv_freq * keep
+
+
+def rope_attention_factor(scaling: RopeScaling | None) -> float:
+    """What cos and sin are multiplied by: YaRN's attention temperature, else 1."""
+    if scaling is None or scaling.rope_type != "yarn":
+        return 1.0
+    if scaling.attention_factor is not None:
+        return scaling.attention_factor
+
+    def mscale(factor: float, scale: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * scale * math.log(factor) + 1.0
+
+    if scaling.mscale and scaling.mscale_all_dim:
+        return mscale(scaling.factor, scaling.mscale) / mscale(scaling.factor, scaling.mscale_all_dim)
+    return mscale(scaling.factor)
 
 
 class RotaryEmbedding(nn.Module):
@@ -71,8 +107,9 @@ class RotaryEmbedding(nn.Module):
             inv_freq = inv_freq / freq_divisors.to(torch.float32)
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)  # [max_positions, head_dim // 2]
-        self.register_buffer("cos_cache", freqs.cos(), persistent=False)
-        self.register_buffer("sin_cache", freqs.sin(), persistent=False)
+        attention_factor = rope_attention_factor(scaling)
+        self.register_buffer("cos_cache", freqs.cos() * attention_factor, persistent=False)
+        self.register_buffer("sin_cache", freqs.sin() * attention_factor, persistent=False)
 
     def lookup(
         self, positions: torch.Tensor, dtype: torch.dtype  # positions: [num_tokens]

@@ -6,7 +6,8 @@ through the attention backend. Logits are computed only for the rows that need a
 token (`compute_logits` on selected hidden states).
 
 Covers LlamaForCausalLM, MistralForCausalLM and Qwen2ForCausalLM: they differ only in
-q/k/v biases, tied embeddings and rope settings, all carried by ModelConfig.
+q/k/v biases, tied embeddings and rope settings, all carried by ModelConfig; other
+families subclass it (model/registry.py maps architecture names to classes).
 """
 
 from __future__ import annotations
@@ -70,10 +71,17 @@ class LlamaAttention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, k, cos_sin)
+        q, k = self.position_qk(q, k, cos_sin)
         out = backend.forward(q, k, v, kv_cache, metadata, self.scale)
         projected = self.o_proj(out.reshape(num_tokens, self.q_size))
         return projected if self.tp is None else self.tp.all_reduce(projected)
+
+    def position_qk(
+        self, q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # [num_tokens, heads, head_dim] each
+        """q and k as attention reads them: rotated by their positions (a family may
+        normalize them first)."""
+        return apply_rotary(q, k, cos_sin)
 
 
 class LlamaMLP(nn.Module):
@@ -92,10 +100,12 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, tp: TPGroup | None = None) -> None:
+    def __init__(
+        self, config: ModelConfig, tp: TPGroup | None = None, attention_class: type[LlamaAttention] = LlamaAttention
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, tp)
+        self.self_attn = attention_class(config, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config, tp)
 
@@ -125,7 +135,15 @@ _STACKED = {
 
 class LlamaForCausalLM(nn.Module):
     """The whole model, or with `tp` one tensor-parallel rank's share of it: then `config`
-    holds this rank's shapes (see TPLayout.local_config) and `vocab_size` the full one."""
+    holds this rank's shapes (see TPLayout.local_config) and `vocab_size` the full one.
+
+    A family that differs only inside attention (model/qwen3.py) subclasses this with its
+    own `attention_class`; `native_cpu_layers` says whether the C layer paths (the one-call
+    decode layer, the native layer ops) compute that family's layer: where they do not,
+    its bf16 CPU steps run the layers in torch over the measured linear kernels."""
+
+    attention_class: type[LlamaAttention] = LlamaAttention
+    native_cpu_layers: bool = True
 
     def __init__(
         self,
@@ -148,7 +166,7 @@ class LlamaForCausalLM(nn.Module):
         )
         self.embed_tokens = PackableEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, tp) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, tp, self.attention_class) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if config.tie_word_embeddings:
@@ -214,6 +232,8 @@ class LlamaForCausalLM(nn.Module):
         self.linear_choice, self.linear_groups = plans.choice, plans.groups
         # The one-call layer reads the plans. It has no point to all-reduce at:
         # tensor-parallel ranks run the layer ops (all-reduces between them) instead.
+        if not self.native_cpu_layers:
+            return
         if FusedDecode.supports(self) and self.tp is None:
             self.fused_decode = FusedDecode(load_kernels(), self)
         if NativeLayers.supports(self):

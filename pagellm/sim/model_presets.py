@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pagellm.errors import ConfigError
-from pagellm.config.model import ModelConfig
+from pagellm.config.model import ModelConfig, RopeScaling
 
 
 @dataclass(frozen=True)
@@ -24,9 +24,16 @@ class ModelPreset:
 
 def _preset(name: str, repo: str, architecture: str, **shape: object) -> ModelPreset:
     config = ModelConfig(architecture=architecture, **shape)  # type: ignore[arg-type]
-    fields = ", ".join(f"{key}={value}" for key, value in shape.items() if key != "rms_norm_eps")
+    fields = ", ".join(
+        f"{key}={value}" for key, value in shape.items() if key not in ("rms_norm_eps", "rope_scaling", "qk_norm")
+    )
     return ModelPreset(name, config, 2, f"huggingface.co/{repo} config.json: {fields}, bfloat16")
 
+
+# Llama 3.1's long-context rotary scaling, as its config.json has it.
+_LLAMA31_ROPE = RopeScaling(
+    "llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
+)
 
 MODEL_PRESETS: dict[str, ModelPreset] = {
     preset.name: preset
@@ -44,6 +51,34 @@ MODEL_PRESETS: dict[str, ModelPreset] = {
             num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
             head_dim=128, max_position_embeddings=8192, tie_word_embeddings=False,
             rms_norm_eps=1e-5,
+        ),
+        _preset(
+            "Llama-3.1-8B", "meta-llama/Llama-3.1-8B", "LlamaForCausalLM",
+            vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+            num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+            head_dim=128, max_position_embeddings=131072, tie_word_embeddings=False,
+            rope_theta=500000.0, rope_scaling=_LLAMA31_ROPE, rms_norm_eps=1e-5,
+        ),
+        _preset(
+            "Llama-3.1-70B", "meta-llama/Llama-3.1-70B", "LlamaForCausalLM",
+            vocab_size=128256, hidden_size=8192, intermediate_size=28672,
+            num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+            head_dim=128, max_position_embeddings=131072, tie_word_embeddings=False,
+            rope_theta=500000.0, rope_scaling=_LLAMA31_ROPE, rms_norm_eps=1e-5,
+        ),
+        _preset(
+            "Qwen3-8B", "Qwen/Qwen3-8B", "Qwen3ForCausalLM",
+            vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+            num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+            head_dim=128, max_position_embeddings=40960, tie_word_embeddings=False,
+            rope_theta=1000000.0, qk_norm=True, rms_norm_eps=1e-6,
+        ),
+        _preset(
+            "Qwen3-32B", "Qwen/Qwen3-32B", "Qwen3ForCausalLM",
+            vocab_size=151936, hidden_size=5120, intermediate_size=25600,
+            num_hidden_layers=64, num_attention_heads=64, num_key_value_heads=8,
+            head_dim=128, max_position_embeddings=40960, tie_word_embeddings=False,
+            rope_theta=1000000.0, qk_norm=True, rms_norm_eps=1e-6,
         ),
         _preset(
             "Qwen2.5-7B", "Qwen/Qwen2.5-7B-Instruct", "Qwen2ForCausalLM",

@@ -87,4 +87,5 @@ def test_the_serve_overhead_benchmark_runs_both_sides(tmp_path):
         for side in ("offline", "online"):
             assert row[side]["failed"] == 0 and row[side]["itl_ms_median"] > 0
         assert row["itl_ratio"] > 0 and row["output_tok_s_ratio"] > 0
-    assert "| 2 |" in result.stdout
+        assert row["paired"]["itl_ratio"] > 0 and row["paired"]["ttft_added_ms"] is not None
+    assert "| 2 |" in result.stdout and "2 streams: ITL ratio" in result.stdout

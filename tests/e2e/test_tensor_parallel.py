@@ -3,7 +3,7 @@
 Every run splits a tiny random model over worker processes and must reproduce HF's greedy
 tokens exactly (float32) under chunked prefill, preemption and prefix caching, with KV
 heads split or replicated, a vocabulary that does not divide evenly, Qwen2's q/k/v biases
-and tied embeddings; log-probabilities must equal TP=1's within 1e-5.
+and tied embeddings, Qwen3's q/k norms; log-probabilities must equal TP=1's within 1e-5.
 """
 
 import random
@@ -102,6 +102,13 @@ def test_fewer_kv_heads_than_ranks_replicates_them(tmp_path_factory):
 def test_qwen2_biases_and_tied_embeddings(tmp_path_factory):
     folder, expected = checkpoint(tmp_path_factory, "qwen2", "qwen2", tie_word_embeddings=True)
     outputs, _ = run(folder, 2)
+    assert outputs == expected
+
+
+def test_qwen3_q_k_norms_with_chunking(tmp_path_factory):
+    # The per-head q/k norms are one head_dim weight each: every rank keeps it whole.
+    folder, expected = checkpoint(tmp_path_factory, "qwen3", "qwen3", head_dim=32)
+    outputs, _ = run(folder, 2, max_num_batched_tokens=7)
     assert outputs == expected
 
 

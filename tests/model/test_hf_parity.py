@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 from hf_models import load_hf_reference, make_tiny_hf_checkpoint
-from reference import pagellm_greedy
+from reference import hf_greedy, pagellm_greedy  # hf_greedy: plain argmax, EOS not masked
 
 from pagellm.attention.selector import get_attention_backend
 from pagellm import LLM
@@ -27,17 +27,6 @@ def load_pagellm(folder):
     source = ModelSource("hf", folder, "tiny")
     config = load_model_config(source)
     return load_model(source, config, get_attention_backend())
-
-
-def hf_greedy(ref, prompt, n):
-    out = ref.generate(
-        torch.tensor([prompt]),
-        max_new_tokens=n,
-        min_new_tokens=n,
-        do_sample=False,
-        pad_token_id=0,
-    )
-    return out[0, len(prompt) :].tolist()
 
 
 @torch.inference_mode()
@@ -70,8 +59,16 @@ def pagellm_prefill_logits(model, prompt):
         ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
         ("qwen2", {}),
         ("mistral", {}),
+        ("qwen3", {"head_dim": 32}),
+        ("qwen3", {"tie_word_embeddings": True, "attention_bias": True}),
+        # YaRN with a short original context, so that the ramp cuts through the head's
+        # dimensions and the attention factor (0.1 ln 4 + 1) scales cos/sin.
+        ("qwen3", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}}),
+        ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 16,
+                                    "beta_fast": 16.0, "beta_slow": 2.0, "truncate": False}}),  # fmt: skip
     ],
-    ids=["llama", "llama-tied", "llama3-rope", "linear-rope", "qwen2-bias", "mistral"],
+    ids=["llama", "llama-tied", "llama3-rope", "linear-rope", "qwen2-bias", "mistral", "qwen3", "qwen3-tied-bias",
+         "qwen3-yarn", "llama-yarn-untruncated"],  # fmt: skip
 )
 def test_logits_and_greedy_tokens_match_transformers(tmp_path, arch, overrides):
     folder = make_tiny_hf_checkpoint(tmp_path, arch, **overrides)

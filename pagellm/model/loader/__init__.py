@@ -17,6 +17,7 @@ from pagellm.errors import ConfigError, ModelLoadError
 from pagellm.kernels.weights import WeightPart, WeightType, kernels_support, quantize_int8_rows
 from pagellm.model.layers import RotaryEmbedding
 from pagellm.model.llama import LlamaForCausalLM
+from pagellm.model.registry import model_class
 from pagellm.model.tensor_parallel import TPGroup, TPLayout, shard_float
 from pagellm.kernels.linear_bindings import cpu_linear_kernels
 from pagellm.model.loader import gguf_loader, hf_loader
@@ -115,7 +116,7 @@ def load_model(
         # exist in float, not even for a moment.
         with torch.device("meta" if weights is not None else device):
             local_config = config if tp is None else tp.layout.local_config(config)
-            model = LlamaForCausalLM(local_config, backend, rope_freq_divisors=divisors, tp=tp)
+            model = model_class(config.architecture)(local_config, backend, rope_freq_divisors=divisors, tp=tp)
         with torch.device(device):
             model.rotary = RotaryEmbedding(
                 config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling, divisors

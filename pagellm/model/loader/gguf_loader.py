@@ -23,7 +23,7 @@ from pagellm.kernels.weights import (
     pack_rows,
 )
 from pagellm.config.model import ModelConfig, RopeScaling
-from pagellm.model.architectures import SUPPORTED_GGUF_ARCHITECTURES
+from pagellm.model.registry import SUPPORTED_GGUF_ARCHITECTURES
 from pagellm.model.tensor_parallel import TPLayout, shard_blocks, shard_float
 
 logger = logging.getLogger(__name__)
@@ -40,6 +40,8 @@ _LAYER_NAMES = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
@@ -150,8 +152,19 @@ def gguf_model_config(reader: GGUFReader, path: Path) -> ModelConfig:
         vocab_size = int(embd.shape[1])
     scaling = None
     scaling_type = meta.raw(f"{arch}.rope.scaling.type")
+    context_length = integer("context_length")
     if scaling_type == "linear":
         scaling = RopeScaling("linear", factor=real("rope.scaling.factor", minimum=1.0))
+    elif scaling_type == "yarn":
+        # llama.cpp's converter writes the factor and the original context; the ramp's ends
+        # only where the checkpoint set them (its runtime defaults are YaRN's, 32 and 1).
+        scaling = RopeScaling(
+            "yarn",
+            factor=real("rope.scaling.factor", minimum=1.0),
+            original_max_position_embeddings=integer("rope.scaling.original_context_length", context_length),
+            beta_fast=real("rope.scaling.yarn_beta_fast", 32.0),
+            beta_slow=real("rope.scaling.yarn_beta_slow", 1.0),
+        )
     elif scaling_type not in (None, "none"):
         raise UnsupportedModelError(f"GGUF rope scaling {scaling_type!r} is not supported")
     eos = meta.raw("tokenizer.ggml.eos_token_id")
@@ -169,10 +182,11 @@ def gguf_model_config(reader: GGUFReader, path: Path) -> ModelConfig:
         # Optional in the format; llama.cpp's default.
         rope_theta=real("rope.freq_base", 10000.0, minimum=1e-6),
         rope_scaling=scaling,
-        max_position_embeddings=integer("context_length"),
+        max_position_embeddings=context_length,
         tie_word_embeddings="output.weight" not in names,
         attention_bias="blk.0.attn_q.bias" in names,
         attention_out_bias="blk.0.attn_output.bias" in names,
+        qk_norm="blk.0.attn_q_norm.weight" in names,
         bos_token_id=meta.number("tokenizer.ggml.bos_token_id", int, minimum=0) if bos is not None else None,
         eos_token_ids=(meta.number("tokenizer.ggml.eos_token_id", int, minimum=0),) if eos is not None else (),
     )

@@ -13,7 +13,7 @@ from safetensors import SafetensorError, safe_open
 
 from pagellm.errors import ModelLoadError, UnsupportedModelError
 from pagellm.config.model import ModelConfig, RopeScaling
-from pagellm.model.architectures import SUPPORTED_HF_ARCHITECTURES
+from pagellm.model.registry import ARCHITECTURE_BY_MODEL_TYPE, SUPPORTED_HF_ARCHITECTURES
 
 logger = logging.getLogger(__name__)
 
@@ -31,20 +31,13 @@ def read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-_ARCHITECTURE_BY_MODEL_TYPE = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-}
-
-
 def hf_model_config(folder: Path) -> ModelConfig:
     """ModelConfig from config.json (and generation_config.json for EOS ids)."""
     cfg = read_json(folder / "config.json")
     architectures = cfg.get("architectures") or []
     # A config saved without a model (XConfig.save_pretrained) names no architecture;
     # its model_type still says which one.
-    arch = architectures[0] if architectures else _ARCHITECTURE_BY_MODEL_TYPE.get(cfg.get("model_type", ""))
+    arch = architectures[0] if architectures else ARCHITECTURE_BY_MODEL_TYPE.get(cfg.get("model_type", ""))
     if arch not in SUPPORTED_HF_ARCHITECTURES:
         raise UnsupportedModelError(
             f"architecture {arch!r} in {folder / 'config.json'} is not supported; "
@@ -55,12 +48,12 @@ def hf_model_config(folder: Path) -> ModelConfig:
     try:
         hidden = int(cfg["hidden_size"])
         num_heads = int(cfg["num_attention_heads"])
-        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        rope_theta = float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0)
+        rope = rope_settings(cfg)
+        rope_theta = float(rope.get("rope_theta") or 10000.0)
         is_qwen2 = arch == "Qwen2ForCausalLM"
         attention_bias = bool(cfg.get("attention_bias", False))
         sliding_window = cfg.get("sliding_window")
-        if is_qwen2 and not cfg.get("use_sliding_window", False):
+        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not cfg.get("use_sliding_window", False):
             sliding_window = None
         return ModelConfig(
             architecture=arch,
@@ -73,12 +66,13 @@ def hf_model_config(folder: Path) -> ModelConfig:
             head_dim=int(cfg.get("head_dim") or hidden // num_heads),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
-            rope_scaling=_rope_scaling(rope),
+            rope_scaling=_rope_scaling(rope, int(cfg.get("max_position_embeddings", 2048))),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=is_qwen2 or attention_bias,
             attention_out_bias=(not is_qwen2) and attention_bias,
             sliding_window=int(sliding_window) if sliding_window else None,
+            qk_norm=arch == "Qwen3ForCausalLM",
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=_eos_ids(cfg, folder),
         )
@@ -88,16 +82,52 @@ def hf_model_config(folder: Path) -> ModelConfig:
         raise ModelLoadError(f"{folder / 'config.json'} is incomplete or invalid: {e!r}") from None
 
 
-def _rope_scaling(rope: dict[str, Any]) -> RopeScaling | None:
-    rope_type = rope.get("rope_type") or rope.get("type") or "default"
+def rope_settings(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The rotary settings of either config dialect as one flat dict (rope_theta, rope_type,
+    and the scaling's own keys). transformers 5.x writes `rope_parameters` with rope_theta
+    inside; the checkpoints people download carry a top-level `rope_theta` and
+    `rope_scaling` (whose type key is `type` in older files). A top-level
+    `original_max_position_embeddings` (Phi-3) counts for the scaling."""
+    settings: dict[str, Any] = {}
+    for key in ("rope_scaling", "rope_parameters"):
+        value = cfg.get(key)
+        if isinstance(value, dict):
+            settings.update(value)
+    if cfg.get("rope_theta") is not None and settings.get("rope_theta") is None:
+        settings["rope_theta"] = cfg["rope_theta"]
+    if "rope_type" not in settings and "type" in settings:
+        settings["rope_type"] = settings["type"]
+    if cfg.get("original_max_position_embeddings") is not None:
+        settings["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]
+    return settings
+
+
+def _rope_scaling(rope: dict[str, Any], max_position_embeddings: int) -> RopeScaling | None:
+    rope_type = rope.get("rope_type") or "default"
     if rope_type == "default":
         return None
+    original = rope.get("original_max_position_embeddings")
+    if original is None:  # as transformers fills it in
+        original = max_position_embeddings
+    factor = rope.get("factor")
+    if factor is None and rope_type == "yarn":
+        factor = max_position_embeddings / int(original)  # as DeepSeek's configs leave it implied
+
+    def optional(key: str) -> float | None:
+        return None if rope.get(key) is None else float(rope[key])
+
     return RopeScaling(
         rope_type=rope_type,
-        factor=float(rope.get("factor", 1.0)),
+        factor=float(1.0 if factor is None else factor),
         low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
         high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(rope.get("original_max_position_embeddings", 8192)),
+        original_max_position_embeddings=int(original),
+        beta_fast=float(rope.get("beta_fast") or 32.0),
+        beta_slow=float(rope.get("beta_slow") or 1.0),
+        mscale=optional("mscale"),
+        mscale_all_dim=optional("mscale_all_dim"),
+        attention_factor=optional("attention_factor"),
+        truncate=bool(rope.get("truncate", True)),
     )
 
 

@@ -1,0 +1,45 @@
+"""Model stage: which model class runs each architecture, by its HF and its GGUF name.
+
+A new family is one module (a subclass of LlamaForCausalLM where the family differs only
+inside a layer) plus a line here; an architecture not listed is refused at start with the
+list of those that are.
+"""
+
+from __future__ import annotations
+
+from pagellm.errors import UnsupportedModelError
+from pagellm.model.llama import LlamaForCausalLM
+from pagellm.model.qwen3 import Qwen3ForCausalLM
+
+# HF `architectures[0]` -> the class that runs it.
+MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+# A config saved without a model names no architecture; its model_type still says which.
+ARCHITECTURE_BY_MODEL_TYPE = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+# llama.cpp's `general.architecture` -> the HF architecture it was converted from.
+ARCHITECTURE_BY_GGUF_NAME = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+SUPPORTED_HF_ARCHITECTURES = tuple(MODEL_CLASSES)
+SUPPORTED_GGUF_ARCHITECTURES = tuple(ARCHITECTURE_BY_GGUF_NAME)
+
+
+def model_class(architecture: str) -> type[LlamaForCausalLM]:
+    """The class for an HF or GGUF architecture name."""
+    name = ARCHITECTURE_BY_GGUF_NAME.get(architecture, architecture)
+    if name not in MODEL_CLASSES:
+        raise UnsupportedModelError(
+            f"architecture {architecture!r} is not supported; supported: {', '.join(SUPPORTED_HF_ARCHITECTURES)}"
+        )
+    return MODEL_CLASSES[name]

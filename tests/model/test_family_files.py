@@ -1,0 +1,107 @@
+"""The new families from both kinds of file: GGUF files written by the test with
+llama.cpp's architecture and tensor names, and HF folders in both config dialects (the
+`rope_parameters` transformers 5.x writes, the `rope_theta`/`rope_scaling` most downloaded
+checkpoints carry)."""
+
+from __future__ import annotations
+
+import json
+
+import gguf
+import pytest
+import torch
+from gguf_models import write_gguf_from_hf
+from hf_models import load_hf_reference, make_tiny_hf_checkpoint
+from reference import hf_greedy, pagellm_greedy
+
+from pagellm import LLM
+from pagellm.kernels.weights import WeightType, kernels_support
+from pagellm.model.loader import ModelSource, load_model_config
+from pagellm.model.qwen3 import Qwen3ForCausalLM
+
+T = gguf.GGMLQuantizationType
+PROMPTS = [list(range(5, 40)), [3, 4], [99, 100, 101, 7, 8, 250, 17]]
+NEW_TOKENS = 24
+# One quantized type and one float type across the layers (the norms stay float32).
+QWEN3_TYPES = {"token_embd": T.Q8_0, "attn_q": T.Q8_0, "attn_k": T.F16, "attn_v": T.Q8_0, "attn_output": T.F16,
+               "ffn_gate": T.Q8_0, "ffn_up": T.F16, "ffn_down": T.Q8_0, "output": T.F16}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def qwen3_gguf(tmp_path_factory):
+    root = tmp_path_factory.mktemp("qwen3")
+    # head_dim 128: what transformers assumes for a qwen3 GGUF (it does not read key_length).
+    folder = make_tiny_hf_checkpoint(root / "hf", "qwen3", head_dim=128)
+    cfg = json.loads((folder / "config.json").read_text())
+    return write_gguf_from_hf(folder, root / "qwen3.gguf", cfg, quant_by_kind=QWEN3_TYPES, arch="qwen3")
+
+
+def test_qwen3_gguf_config_and_tokens_equal_hf_on_the_same_file(qwen3_gguf):
+    """transformers dequantizes the file to float32; so does pagellm in float32."""
+    import transformers
+
+    config = load_model_config(ModelSource("gguf", qwen3_gguf, "q"))
+    assert config.architecture == "qwen3" and config.qk_norm and config.head_dim == 128
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        qwen3_gguf.parent, gguf_file=qwen3_gguf.name, dtype=torch.float32
+    ).eval()
+    llm = LLM(str(qwen3_gguf), dtype="float32", max_num_batched_tokens=16)
+    assert isinstance(llm.engine.runner.model, Qwen3ForCausalLM)
+    outputs = pagellm_greedy(llm, PROMPTS, NEW_TOKENS)
+    assert outputs == [hf_greedy(ref, p, NEW_TOKENS) for p in PROMPTS]
+    assert len({t for out in outputs for t in out}) > 8
+
+
+@pytest.mark.skipif(not kernels_support(WeightType.Q8_0), reason="quantized kernels need x86-64 with AVX2")
+def test_qwen3_gguf_stays_as_stored_and_agrees_with_its_float32_run(qwen3_gguf):
+    default = LLM(str(qwen3_gguf), dtype="bfloat16")
+    attention = default.engine.runner.model.layers[0].self_attn
+    assert attention.qkv_proj.weight is None
+    assert {t.label for t in attention.qkv_proj.packed.types} == {"Q8_0", "BF16"}  # F16 k rows widen to bf16
+    bf16 = pagellm_greedy(default, PROMPTS, 8)
+    float32 = pagellm_greedy(LLM(str(qwen3_gguf), dtype="float32"), PROMPTS, 8)
+    # bf16 rounding may flip a near-tie late in a sequence; the first tokens agree.
+    assert [out[:3] for out in bf16] == [out[:3] for out in float32]
+
+
+def _rewrite_in_the_old_dialect(folder) -> dict:
+    """config.json as most downloaded checkpoints have it: rope_theta at the top, the
+    scaling under rope_scaling with `type`, no rope_parameters."""
+    cfg = json.loads((folder / "config.json").read_text())
+    rope = cfg.pop("rope_parameters")
+    cfg["rope_theta"] = rope.pop("rope_theta")
+    kind = rope.pop("rope_type", "default")
+    if kind != "default":
+        cfg["rope_scaling"] = {"type": kind, **rope}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return cfg
+
+
+@pytest.mark.parametrize(
+    "arch,overrides",
+    [
+        ("qwen3", {"rope_theta": 5000.0}),
+        ("qwen3", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}}),
+        ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 16}}),  # fmt: skip
+    ],
+    ids=["qwen3-theta", "qwen3-yarn", "llama3"],
+)
+def test_both_config_dialects_load_the_same_model(tmp_path, arch, overrides):
+    new = make_tiny_hf_checkpoint(tmp_path / "new", arch, seed=2, **overrides)
+    old = make_tiny_hf_checkpoint(tmp_path / "old", arch, seed=2, **overrides)
+    assert "rope_parameters" in json.loads((new / "config.json").read_text())
+    old_cfg = _rewrite_in_the_old_dialect(old)
+    assert "rope_parameters" not in old_cfg and "rope_theta" in old_cfg
+    config_new = load_model_config(ModelSource("hf", new, "m"))
+    assert load_model_config(ModelSource("hf", old, "m")) == config_new
+    assert config_new.rope_theta == overrides.get("rope_theta", 10000.0)
+    scaling = overrides.get("rope_scaling")
+    assert (config_new.rope_scaling is None) == (scaling is None)
+    if scaling:
+        assert config_new.rope_scaling.rope_type == scaling["rope_type"]
+        assert config_new.rope_scaling.factor == scaling["factor"]
+        assert config_new.rope_scaling.original_max_position_embeddings == scaling["original_max_position_embeddings"]
+    # transformers reads the old dialect too: the reference for the old folder's tokens.
+    ref = load_hf_reference(old)
+    assert pagellm_greedy(LLM(str(old)), PROMPTS, 16) == [hf_greedy(ref, p, 16) for p in PROMPTS]
