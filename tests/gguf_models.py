@@ -27,6 +27,8 @@ _LAYER = {
     "self_attn.k_proj": "attn_k",
     "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output",
+    "self_attn.qkv_proj": "attn_qkv",  # Phi-3: fused in the checkpoint and in the file
+    "mlp.gate_up_proj": "ffn_up",  # Phi-3: gate and up in one tensor, as llama.cpp writes it
     "self_attn.q_norm": "attn_q_norm",
     "self_attn.k_norm": "attn_k_norm",
     "post_attention_layernorm": "ffn_norm",
@@ -55,7 +57,7 @@ def write_gguf_from_hf(
     folder: Path, out: Path, cfg: dict, vocab: list[str] | None = None,
     quant_by_kind: dict[str, gguf.GGMLQuantizationType] | None = None, seed: int = 0, arch: str = "llama",
 ) -> Path:
-    """Convert a tiny HF Llama (or Qwen2/Qwen3: `arch` as llama.cpp names it) checkpoint to a
+    """Convert a tiny HF Llama (or Qwen2/Qwen3/Phi-3: `arch` as llama.cpp names it) checkpoint to a
     GGUF file with mixed tensor types. As llama.cpp's converter does, only Llama's q/k rows
     are permuted into the interleaved rotary layout (the Qwen families rotate halves).
 
@@ -73,7 +75,8 @@ def write_gguf_from_hf(
     writer.add_rope_freq_base(cfg.get("rope_theta", 10000.0))
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    writer.add_rope_dimension_count(head_dim)
+    partial = (cfg.get("rope_parameters") or {}).get("partial_rotary_factor") or cfg.get("partial_rotary_factor") or 1.0
+    writer.add_rope_dimension_count(int(head_dim * partial))
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     _add_rope_scaling(writer, cfg)
@@ -87,6 +90,7 @@ def write_gguf_from_hf(
     writer.add_token_merges([])
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
+    writer.add_pad_token_id(0)  # inside the tiny vocabulary (transformers defaults Phi-3 to 32000)
     types = QUANT_BY_KIND if quant_by_kind is None else quant_by_kind
     rng = np.random.default_rng(seed)
     for name, value in tensors.items():
@@ -117,12 +121,17 @@ def write_gguf_from_hf(
 
 
 def _add_rope_scaling(writer: gguf.GGUFWriter, cfg: dict) -> None:
-    """YaRN as llama.cpp's converter writes it: the type, the factor and the original context."""
+    """YaRN and LongRoPE as llama.cpp's converter writes them."""
     rope = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
-    if rope.get("rope_type", rope.get("type")) == "yarn":
+    kind = rope.get("rope_type", rope.get("type"))
+    if kind == "yarn":
         writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         writer.add_rope_scaling_factor(rope["factor"])
         writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    elif kind == "longrope":  # Phi-3: the factors as two tensors, the original context as metadata
+        writer.add_rope_scaling_orig_ctx_len(rope.get("original_max_position_embeddings") or cfg["original_max_position_embeddings"])
+        writer.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], dtype=np.float32))
+        writer.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], dtype=np.float32))
 
 
 def _gguf_name(hf_name: str) -> tuple[str, str]:

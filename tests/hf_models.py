@@ -22,7 +22,7 @@ TINY_SHAPE = dict(
 def make_tiny_hf_checkpoint(
     folder: Path, arch: str = "llama", seed: int = 0, **overrides: object
 ) -> Path:
-    """Save a random tiny Llama/Qwen2/Mistral/Qwen3 model as an HF folder; return its path."""
+    """Save a random tiny Llama/Qwen2/Mistral/Qwen3/Phi-3 model as an HF folder; return its path."""
     import transformers
 
     classes = {
@@ -30,12 +30,15 @@ def make_tiny_hf_checkpoint(
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
     }
     config_cls, model_cls = classes[arch]
     shape = {**TINY_SHAPE, "rope_theta": 10000.0, "tie_word_embeddings": False}
     shape.update(overrides)
-    if arch == "mistral":
+    if arch in ("mistral", "phi3"):
         shape.setdefault("sliding_window", None)
+    if arch == "phi3":
+        shape.setdefault("pad_token_id", 0)  # its default, 32000, lies outside the tiny vocabulary
     config = config_cls(bos_token_id=1, eos_token_id=2, **shape)
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32)

@@ -18,12 +18,12 @@ class ModelSource:
     name: str  # what the user calls it (served model name by default)
 
 
-ROPE_SCALING_TYPES = ("linear", "llama3", "yarn")
+ROPE_SCALING_TYPES = ("linear", "llama3", "yarn", "longrope")
 
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """Rotary embedding frequency scaling: "linear", Llama 3's "llama3" or "yarn"."""
+    """Rotary embedding frequency scaling: "linear", Llama 3's "llama3", "yarn" or Phi-3's "longrope"."""
 
     rope_type: str
     factor: float = 1.0
@@ -36,6 +36,8 @@ class RopeScaling:
     mscale_all_dim: float | None = None
     attention_factor: float | None = None  # yarn: cos/sin multiplier; None: from factor (0.1 ln(factor) + 1)
     truncate: bool = True  # yarn: round the ramp's ends to whole dimensions
+    short_factor: tuple[float, ...] | None = None  # longrope: per-frequency divisors inside the original context
+    long_factor: tuple[float, ...] | None = None  # longrope: ... beyond it
 
     def __post_init__(self) -> None:
         if self.rope_type not in ROPE_SCALING_TYPES:
@@ -45,6 +47,8 @@ class RopeScaling:
             )
         if self.factor <= 0:
             raise UnsupportedModelError(f"rope scaling factor must be positive, got {self.factor}")
+        if self.rope_type == "longrope" and (not self.short_factor or not self.long_factor):
+            raise UnsupportedModelError("longrope rope scaling needs short_factor and long_factor lists")
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,7 @@ class ModelConfig:
     attention_out_bias: bool = False  # bias on o_proj (Llama with attention_bias)
     sliding_window: int | None = None  # exact only while contexts stay within it
     qk_norm: bool = False  # RMSNorm over each head of q and k before rotary (Qwen3)
+    partial_rotary_factor: float = 1.0  # the share of each head's dimensions that rotary turns (Phi-4-mini)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
@@ -77,6 +82,10 @@ class ModelConfig:
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})."
             )
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
 
     def num_parameters(self) -> int:
         """Parameter count, used for FLOP estimates and logging."""

@@ -113,6 +113,7 @@ class FusedDecode:
         return (
             all(p.dtype is torch.bfloat16 and p.device.type == "cpu" and p.is_contiguous() for p in params)
             and config.sliding_window is None
+            and config.rotary_dim == config.head_dim  # the C paths rotate whole heads
             and config.head_dim % 2 == 0
         )
 

@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from pagellm.config.model import RopeScaling
+from pagellm.config.model import ModelConfig, RopeScaling
 
 
 class RMSNorm(nn.Module):
@@ -37,6 +37,9 @@ def rope_inv_freq(
         return inv_freq / scaling.factor
     if scaling.rope_type == "yarn":
         return _yarn_inv_freq(inv_freq, head_dim, theta, scaling)
+    if scaling.rope_type == "longrope":  # the short factors; RotaryEmbedding adds the long ones
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
+        return 1.0 / (torch.tensor(scaling.short_factor, dtype=torch.float32) * theta**exponents)
     # llama3: long wavelengths are slowed by `factor`, short ones kept, and the band in
     # between interpolated smoothly.
     low_freq_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
@@ -71,11 +74,15 @@ def _yarn_inv_freq(inv_freq: torch.Tensor, head_dim: int, theta: float, scaling:
 
 
 def rope_attention_factor(scaling: RopeScaling | None) -> float:
-    """What cos and sin are multiplied by: YaRN's attention temperature, else 1."""
-    if scaling is None or scaling.rope_type != "yarn":
+    """What cos and sin are multiplied by: YaRN's and LongRoPE's attention temperature, else 1."""
+    if scaling is None or scaling.rope_type not in ("yarn", "longrope"):
         return 1.0
     if scaling.attention_factor is not None:
         return scaling.attention_factor
+    if scaling.rope_type == "longrope":
+        if scaling.factor <= 1.0:
+            return 1.0
+        return math.sqrt(1 + math.log(scaling.factor) / math.log(scaling.original_max_position_embeddings))
 
     def mscale(factor: float, scale: float = 1.0) -> float:
         return 1.0 if factor <= 1 else 0.1 * scale * math.log(factor) + 1.0
@@ -99,17 +106,36 @@ class RotaryEmbedding(nn.Module):
         theta: float,
         scaling: RopeScaling | None = None,
         freq_divisors: torch.Tensor | None = None,
+        rotary_dim: int | None = None,
     ) -> None:
         super().__init__()
-        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        # Partial rotary (Phi-4-mini): only the first rotary_dim dimensions of a head turn.
+        self.rotary_dim = rotary_dim or head_dim
+        inv_freq = rope_inv_freq(self.rotary_dim, theta, scaling)
         if freq_divisors is not None:
             # GGUF files of Llama 3 models store the scaling as per-frequency divisors.
             inv_freq = inv_freq / freq_divisors.to(torch.float32)
         positions = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(positions, inv_freq)  # [max_positions, head_dim // 2]
+        freqs = torch.outer(positions, inv_freq)  # [max_positions, rotary_dim // 2]
+        if scaling is not None and scaling.rope_type == "longrope":
+            # Positions from the original context on turn by the long factors. transformers
+            # picks one set per forward by the longest position in it, which for a decode
+            # step is this same rule; a prompt longer than the original context is the one
+            # difference (there it rotates every prompt position by the long set).
+            original = min(scaling.original_max_position_embeddings, max_positions)
+            long_inv_freq = 1.0 / (torch.tensor(scaling.long_factor, dtype=torch.float32) * theta ** (
+                torch.arange(0, self.rotary_dim, 2, dtype=torch.int64).to(torch.float32) / self.rotary_dim))  # fmt: skip
+            freqs[original:] = torch.outer(positions[original:], long_inv_freq)
         attention_factor = rope_attention_factor(scaling)
         self.register_buffer("cos_cache", freqs.cos() * attention_factor, persistent=False)
         self.register_buffer("sin_cache", freqs.sin() * attention_factor, persistent=False)
+
+    @classmethod
+    def for_model(cls, config: ModelConfig, freq_divisors: torch.Tensor | None = None) -> RotaryEmbedding:
+        return cls(
+            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling, freq_divisors,
+            config.rotary_dim,
+        )  # fmt: skip
 
     def lookup(
         self, positions: torch.Tensor, dtype: torch.dtype  # positions: [num_tokens]
@@ -130,6 +156,9 @@ def apply_rotary(
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    half = cos.shape[-1]  # rotary_dim // 2: the dimensions past rotary_dim pass unchanged
+    x1, x2 = x[..., :half], x[..., half : 2 * half]
+    rotated = (x1 * cos - x2 * sin, x2 * cos + x1 * sin)
+    if 2 * half == x.shape[-1]:
+        return torch.cat(rotated, dim=-1)
+    return torch.cat((*rotated, x[..., 2 * half :]), dim=-1)

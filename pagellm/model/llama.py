@@ -157,13 +157,7 @@ class LlamaForCausalLM(nn.Module):
         self.tp = tp
         self.vocab_size = config.vocab_size if tp is None else tp.layout.vocab_size
         self.backend = backend
-        self.rotary = RotaryEmbedding(
-            config.head_dim,
-            config.max_position_embeddings,
-            config.rope_theta,
-            config.rope_scaling,
-            rope_freq_divisors,
-        )
+        self.rotary = RotaryEmbedding.for_model(config, rope_freq_divisors)
         self.embed_tokens = PackableEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, tp, self.attention_class) for _ in range(config.num_hidden_layers)

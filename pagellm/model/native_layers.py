@@ -48,6 +48,7 @@ class NativeLayers:
             isinstance(model.backend, CpuAttentionBackend)
             and all(p.dtype is torch.bfloat16 and p.device.type == "cpu" and p.is_contiguous() for p in model.parameters())
             and config.sliding_window is None
+            and config.rotary_dim == config.head_dim  # the C paths rotate whole heads
             and config.head_dim % 2 == 0
         )
 

@@ -17,6 +17,9 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    # Phi-3/3.5/4 (dense): Llama's layer; its fused qkv_proj and gate_up_proj are cut apart
+    # at load (loader/fused_tensors.py), its LongRoPE and partial rotary live in the rotary tables.
+    "Phi3ForCausalLM": LlamaForCausalLM,
 }
 # A config saved without a model names no architecture; its model_type still says which.
 ARCHITECTURE_BY_MODEL_TYPE = {
@@ -24,12 +27,14 @@ ARCHITECTURE_BY_MODEL_TYPE = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 # llama.cpp's `general.architecture` -> the HF architecture it was converted from.
 ARCHITECTURE_BY_GGUF_NAME = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 SUPPORTED_HF_ARCHITECTURES = tuple(MODEL_CLASSES)
 SUPPORTED_GGUF_ARCHITECTURES = tuple(ARCHITECTURE_BY_GGUF_NAME)

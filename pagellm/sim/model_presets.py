@@ -81,6 +81,13 @@ MODEL_PRESETS: dict[str, ModelPreset] = {
             rope_theta=1000000.0, qk_norm=True, rms_norm_eps=1e-6,
         ),
         _preset(
+            "Phi-4", "microsoft/phi-4", "Phi3ForCausalLM",
+            vocab_size=100352, hidden_size=5120, intermediate_size=17920,
+            num_hidden_layers=40, num_attention_heads=40, num_key_value_heads=10,
+            head_dim=128, max_position_embeddings=16384, tie_word_embeddings=False,
+            rope_theta=250000.0, rms_norm_eps=1e-5,
+        ),
+        _preset(
             "Qwen2.5-7B", "Qwen/Qwen2.5-7B-Instruct", "Qwen2ForCausalLM",
             vocab_size=152064, hidden_size=3584, intermediate_size=18944,
             num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,

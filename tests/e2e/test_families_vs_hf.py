@@ -26,6 +26,11 @@ FAMILIES = {
     # Qwen3: per-head q/k RMSNorm; a YaRN context so that the rotary scaling is on too.
     "qwen3": ("qwen3", {"head_dim": 32, "rope_scaling": {"rope_type": "yarn", "factor": 2.0,
                                                          "original_max_position_embeddings": 64}}),  # fmt: skip
+    # Phi-3: fused qkv/gate_up in the checkpoint, LongRoPE whose long factors start at
+    # position 72 (every prompt stays inside, generation crosses it), partial rotary.
+    "phi3": ("phi3", {"partial_rotary_factor": 0.5, "original_max_position_embeddings": 72,
+                      "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0, 1.2, 1.5, 2.0],
+                                       "long_factor": [1.0, 3.0, 7.0, 15.0]}}),  # fmt: skip
 }
 
 

@@ -64,6 +64,53 @@ def test_qwen3_gguf_stays_as_stored_and_agrees_with_its_float32_run(qwen3_gguf):
     assert [out[:3] for out in bf16] == [out[:3] for out in float32]
 
 
+@pytest.fixture(scope="module")
+def phi3_gguf(tmp_path_factory):
+    """Fused attn_qkv and ffn_up (gate and up) as llama.cpp writes Phi-3, in Q8_0 and F16."""
+    root = tmp_path_factory.mktemp("phi3")
+    folder = make_tiny_hf_checkpoint(root / "hf", "phi3")
+    cfg = json.loads((folder / "config.json").read_text())
+    types = {"token_embd": T.Q8_0, "attn_qkv": T.Q8_0, "attn_output": T.F16, "ffn_up": T.Q8_0, "ffn_down": T.F16,
+             "output": T.Q8_0}  # fmt: skip
+    return write_gguf_from_hf(folder, root / "phi3.gguf", cfg, quant_by_kind=types, arch="phi3")
+
+
+def test_phi3_gguf_tokens_equal_hf_on_the_same_file(phi3_gguf):
+    import transformers
+
+    config = load_model_config(ModelSource("gguf", phi3_gguf, "p"))
+    assert config.architecture == "phi3" and config.partial_rotary_factor == 1.0
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        phi3_gguf.parent, gguf_file=phi3_gguf.name, dtype=torch.float32
+    ).eval()
+    outputs = pagellm_greedy(LLM(str(phi3_gguf), dtype="float32", max_num_batched_tokens=16), PROMPTS, NEW_TOKENS)
+    assert outputs == [hf_greedy(ref, p, NEW_TOKENS) for p in PROMPTS]
+    assert len({t for out in outputs for t in out}) > 8
+
+
+@pytest.mark.skipif(not kernels_support(WeightType.Q8_0), reason="quantized kernels need x86-64 with AVX2")
+def test_phi3_gguf_fused_tensors_stay_as_stored_in_their_projections(phi3_gguf):
+    model = LLM(str(phi3_gguf), dtype="bfloat16").engine.runner.model
+    qkv, gate_up = model.layers[0].self_attn.qkv_proj, model.layers[0].mlp.gate_up_proj
+    assert qkv.weight is None and [t.label for t in qkv.packed.types] == ["Q8_0"] * 3
+    assert [p.rows for p in qkv.packed.parts] == [64, 32, 32]  # q (4 heads), k and v (2 heads) of one attn_qkv
+    assert gate_up.weight is None and [p.rows for p in gate_up.packed.parts] == [128, 128]
+
+
+def test_phi3_longrope_and_partial_rotary_from_gguf_equal_the_hf_folder(tmp_path):
+    """The rope factors travel as tensors, the original context and rotary dimensions as
+    metadata: the float32 GGUF gives the HF folder's tokens (which equal transformers')."""
+    rope = {"rope_type": "longrope", "short_factor": [1.0, 1.5, 2.0, 3.0], "long_factor": [1.0, 4.0, 9.0, 20.0]}
+    folder = make_tiny_hf_checkpoint(tmp_path / "hf", "phi3", partial_rotary_factor=0.5,
+                                     original_max_position_embeddings=40, rope_scaling=rope)  # fmt: skip
+    cfg = json.loads((folder / "config.json").read_text())
+    path = write_gguf_from_hf(folder, tmp_path / "phi3.gguf", cfg, quant_by_kind={}, arch="phi3")
+    from_gguf, from_hf = (load_model_config(ModelSource(kind, p, "p")) for kind, p in (("gguf", path), ("hf", folder)))
+    assert from_gguf.rope_scaling == from_hf.rope_scaling and from_gguf.rotary_dim == from_hf.rotary_dim == 8
+    assert from_gguf.rope_scaling.original_max_position_embeddings == 40
+    assert pagellm_greedy(LLM(str(path)), PROMPTS, 32) == pagellm_greedy(LLM(str(folder)), PROMPTS, 32)
+
+
 def _rewrite_in_the_old_dialect(folder) -> dict:
     """config.json as most downloaded checkpoints have it: rope_theta at the top, the
     scaling under rope_scaling with `type`, no rope_parameters."""

@@ -66,9 +66,15 @@ def pagellm_prefill_logits(model, prompt):
         ("qwen3", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}}),
         ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 16,
                                     "beta_fast": 16.0, "beta_slow": 2.0, "truncate": False}}),  # fmt: skip
+        ("phi3", {}),
+        # Phi-4-mini's partial rotary (a quarter of each head turns here) with LongRoPE; the
+        # prompt stays inside the original context (transformers' rule and pagellm's agree there).
+        ("phi3", {"partial_rotary_factor": 0.5, "original_max_position_embeddings": 40,
+                  "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0, 1.5, 2.0, 3.0],
+                                   "long_factor": [1.0, 4.0, 9.0, 20.0]}}),  # fmt: skip
     ],
     ids=["llama", "llama-tied", "llama3-rope", "linear-rope", "qwen2-bias", "mistral", "qwen3", "qwen3-tied-bias",
-         "qwen3-yarn", "llama-yarn-untruncated"],  # fmt: skip
+         "qwen3-yarn", "llama-yarn-untruncated", "phi3", "phi3-partial-longrope"],  # fmt: skip
 )
 def test_logits_and_greedy_tokens_match_transformers(tmp_path, arch, overrides):
     folder = make_tiny_hf_checkpoint(tmp_path, arch, **overrides)

@@ -12,7 +12,7 @@ from pagellm.sim.model_presets import MODEL_PRESETS, get_model_preset
 def test_the_issue_asks_for_these_presets():
     assert set(GPU_PRESETS) == {"A100-40GB", "A100-80GB", "H100-SXM", "H200", "L4", "A10G"}
     assert set(MODEL_PRESETS) >= {"Llama-3-8B", "Llama-3-70B", "Qwen2.5-7B", "SmolLM2-135M", "Llama-3.1-8B",
-                                  "Llama-3.1-70B", "Qwen3-8B", "Qwen3-32B"}  # fmt: skip
+                                  "Llama-3.1-70B", "Qwen3-8B", "Qwen3-32B", "Phi-4"}  # fmt: skip
 
 
 @pytest.mark.parametrize("name", sorted(GPU_PRESETS))
@@ -43,6 +43,7 @@ def test_parameter_counts_match_the_model_names():
     assert get_model_preset("Llama-3.1-8B").config.num_parameters() == pytest.approx(8.03e9, rel=0.01)
     assert get_model_preset("Qwen3-8B").config.num_parameters() == pytest.approx(8.19e9, rel=0.01)
     assert get_model_preset("Qwen3-32B").config.num_parameters() == pytest.approx(32.8e9, rel=0.01)
+    assert get_model_preset("Phi-4").config.num_parameters() == pytest.approx(14.7e9, rel=0.01)
 
 
 def test_smollm2_preset_is_the_embedded_model(smollm2_path):

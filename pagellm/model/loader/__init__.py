@@ -21,6 +21,7 @@ from pagellm.model.registry import model_class
 from pagellm.model.tensor_parallel import TPGroup, TPLayout, shard_float
 from pagellm.kernels.linear_bindings import cpu_linear_kernels
 from pagellm.model.loader import gguf_loader, hf_loader
+from pagellm.model.loader.fused_tensors import split_fused
 from pagellm.model.loader.default_model import DEFAULT_MODEL_NAME, default_model_path
 
 if TYPE_CHECKING:
@@ -103,7 +104,7 @@ def load_model(
             weights = gguf_loader.iter_gguf_weights(reader, config, keep_types, None if tp is None else tp.layout)
         divisors = gguf_loader.rope_freq_divisors(reader)
     elif load_format != "dummy":
-        weights = hf_loader.iter_hf_weights(source.path)
+        weights = _unfused(hf_loader.iter_hf_weights(source.path), config)
         if tp is not None:
             weights = _sharded(weights, tp.layout)
     if weights is not None and quantization == "int8":
@@ -118,9 +119,7 @@ def load_model(
             local_config = config if tp is None else tp.layout.local_config(config)
             model = model_class(config.architecture)(local_config, backend, rope_freq_divisors=divisors, tp=tp)
         with torch.device(device):
-            model.rotary = RotaryEmbedding(
-                config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling, divisors
-            )
+            model.rotary = RotaryEmbedding.for_model(config, divisors)
     finally:
         torch.set_default_dtype(previous_dtype)
     # The rotary tables stay float32 whatever the model dtype.
@@ -207,6 +206,11 @@ def _plan_quantization(
 
 
 Weights = Iterator[tuple[str, torch.Tensor | WeightPart]]
+
+
+def _unfused(weights: Iterator[tuple[str, torch.Tensor]], config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, tensor in weights:
+        yield from split_fused(name, tensor, config)
 
 
 def _sharded(weights: Weights, layout: TPLayout) -> Weights:

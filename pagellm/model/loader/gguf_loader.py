@@ -24,6 +24,7 @@ from pagellm.kernels.weights import (
 )
 from pagellm.config.model import ModelConfig, RopeScaling
 from pagellm.model.registry import SUPPORTED_GGUF_ARCHITECTURES
+from pagellm.model.loader.fused_tensors import fused_pieces, split_fused
 from pagellm.model.tensor_parallel import TPLayout, shard_blocks, shard_float
 
 logger = logging.getLogger(__name__)
@@ -40,6 +41,7 @@ _LAYER_NAMES = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_qkv": "self_attn.qkv_proj",
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
     "ffn_norm": "post_attention_layernorm",
@@ -48,8 +50,12 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 _LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
-# rope frequency divisors (Llama 3 GGUFs) are not a parameter but shape the rotary cache.
+# rope frequency divisors (Llama 3 GGUFs) and LongRoPE's factors (Phi-3 GGUFs) are not
+# parameters but shape the rotary cache.
 ROPE_FREQS_TENSOR = "rope_freqs.weight"
+ROPE_FACTORS_LONG = "rope_factors_long.weight"
+ROPE_FACTORS_SHORT = "rope_factors_short.weight"
+NOT_PARAMETERS = frozenset({ROPE_FREQS_TENSOR, ROPE_FACTORS_LONG, ROPE_FACTORS_SHORT})
 
 
 class _CheckedReader(GGUFReader):
@@ -167,6 +173,20 @@ def gguf_model_config(reader: GGUFReader, path: Path) -> ModelConfig:
         )
     elif scaling_type not in (None, "none"):
         raise UnsupportedModelError(f"GGUF rope scaling {scaling_type!r} is not supported")
+    factors = {t.name: t for t in reader.tensors if t.name in (ROPE_FACTORS_LONG, ROPE_FACTORS_SHORT)}
+    if len(factors) == 2:  # LongRoPE (Phi-3): per-frequency divisors inside and beyond the original context
+        original = integer("rope.scaling.original_context_length", context_length)
+        attn_factor = meta.raw(f"{arch}.rope.scaling.attn_factor")
+        scaling = RopeScaling(
+            "longrope",
+            factor=context_length / original,
+            original_max_position_embeddings=original,
+            attention_factor=None if attn_factor is None else real("rope.scaling.attn_factor"),
+            short_factor=tuple(float(v) for v in dequantize_tensor(factors[ROPE_FACTORS_SHORT]).reshape(-1)),
+            long_factor=tuple(float(v) for v in dequantize_tensor(factors[ROPE_FACTORS_LONG]).reshape(-1)),
+        )
+    head_dim = integer("attention.key_length", hidden // num_heads)
+    rotary_dims = integer("rope.dimension_count", head_dim)
     eos = meta.raw("tokenizer.ggml.eos_token_id")
     bos = meta.raw("tokenizer.ggml.bos_token_id")
     return ModelConfig(
@@ -177,7 +197,7 @@ def gguf_model_config(reader: GGUFReader, path: Path) -> ModelConfig:
         num_hidden_layers=integer("block_count"),
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
-        head_dim=integer("attention.key_length", hidden // num_heads),
+        head_dim=head_dim,
         rms_norm_eps=real("attention.layer_norm_rms_epsilon", minimum=0.0),
         # Optional in the format; llama.cpp's default.
         rope_theta=real("rope.freq_base", 10000.0, minimum=1e-6),
@@ -187,6 +207,7 @@ def gguf_model_config(reader: GGUFReader, path: Path) -> ModelConfig:
         attention_bias="blk.0.attn_q.bias" in names,
         attention_out_bias="blk.0.attn_output.bias" in names,
         qk_norm="blk.0.attn_q_norm.weight" in names,
+        partial_rotary_factor=rotary_dims / head_dim,
         bos_token_id=meta.number("tokenizer.ggml.bos_token_id", int, minimum=0) if bos is not None else None,
         eos_token_ids=(meta.number("tokenizer.ggml.eos_token_id", int, minimum=0),) if eos is not None else (),
     )
@@ -235,39 +256,75 @@ def iter_gguf_weights(
     With `shard`, each tensor is this tensor-parallel rank's share of it; quantized blocks
     are split as stored, except where a column split would cut a block (dequantized then).
     """
-    permute = config.architecture == "llama"
     for tensor in reader.tensors:
-        if tensor.name == ROPE_FREQS_TENSOR:
+        if tensor.name in NOT_PARAMETERS:
             continue
         hf_name = _hf_name(tensor.name)
+        if config.architecture == "phi3" and ".mlp.up_proj." in hf_name:
+            hf_name = hf_name.replace(".mlp.up_proj.", ".mlp.gate_up_proj.")  # Phi-3's ffn_up holds gate and up
         qtype = GGMLQuantizationType(tensor.tensor_type)
-        heads = None
-        if permute and (".q_proj." in hf_name or ".k_proj." in hf_name):
-            heads = config.num_attention_heads if ".q_proj." in hf_name else config.num_key_value_heads
         stored = _stored_type(qtype)
-        if stored is not None and stored in keep_types and _KEEPABLE.search(hf_name):
-            data: np.ndarray | None = _stored_rows(tensor)
-            if heads is not None:
-                data = undo_rope_permutation(data, heads)
-            if shard is not None:
-                data = shard_blocks(shard, hf_name, data, stored.block_elements, block_bytes(stored))
-            if data is not None:
-                k = data.shape[1] // block_bytes(stored) * stored.block_elements
-                yield hf_name, WeightPart(stored, torch.from_numpy(np.ascontiguousarray(pack_rows(stored, data, k))))
+        if stored is not None and stored in keep_types and _KEEPABLE.search(_piece_name(hf_name, config)):
+            dequantized = []
+            for name, rows in split_fused(hf_name, _stored_rows(tensor), config):
+                part = _stored_part(name, rows, stored, config, shard)
+                if part is None:
+                    dequantized.append(name)
+                    logger.info(
+                        "tensor %s (%s): its tensor-parallel split cuts quantization blocks: dequantized",
+                        tensor.name, qtype.name,
+                    )  # fmt: skip
+                else:
+                    yield name, part
+            if not dequantized:
                 continue
-            logger.info(
-                "tensor %s (%s): its tensor-parallel split cuts quantization blocks: dequantized",
-                tensor.name, qtype.name,
-            )  # fmt: skip
-        elif qtype not in _FLOAT_TYPES and keep_types:
-            logger.info("tensor %s (%s) has no native kernel here: dequantized", tensor.name, qtype.name)
+        else:
+            dequantized = None
+            if qtype not in _FLOAT_TYPES and keep_types:
+                logger.info("tensor %s (%s) has no native kernel here: dequantized", tensor.name, qtype.name)
         values = dequantize_tensor(tensor)
-        if heads is not None:
-            values = undo_rope_permutation(values, heads)
-        if not values.flags.writeable:
-            values = values.copy()  # unquantized tensors are read-only views of the mmap
-        weight = torch.from_numpy(np.ascontiguousarray(values))
-        yield hf_name, weight if shard is None else shard_float(shard, hf_name, weight)
+        for name, piece in split_fused(hf_name, values, config):
+            if dequantized is not None and name not in dequantized:
+                continue
+            heads = _permuted_heads(name, config)
+            if heads is not None:
+                piece = undo_rope_permutation(piece, heads)
+            if not piece.flags.writeable or not piece.flags.c_contiguous:
+                piece = np.array(piece)  # unquantized tensors are read-only views of the mmap
+            weight = torch.from_numpy(piece)
+            yield name, weight if shard is None else shard_float(shard, name, weight)
+
+
+def _piece_name(hf_name: str, config: ModelConfig) -> str:
+    """The first projection's name of a fused tensor (what decides if it may stay as stored)."""
+    pieces = fused_pieces(hf_name, config)
+    return hf_name if pieces is None else pieces[0][0]
+
+
+def _permuted_heads(hf_name: str, config: ModelConfig) -> int | None:
+    """The head count whose rows llama.cpp's converter permuted (Llama's q and k only)."""
+    if config.architecture != "llama":
+        return None
+    if ".q_proj." in hf_name:
+        return config.num_attention_heads
+    if ".k_proj." in hf_name:
+        return config.num_key_value_heads
+    return None
+
+
+def _stored_part(
+    hf_name: str, rows: np.ndarray, stored: WeightType, config: ModelConfig, shard: TPLayout | None
+) -> WeightPart | None:
+    """One projection's stored blocks as a WeightPart (this rank's share with `shard`), or
+    None where a tensor-parallel split would cut a block."""
+    heads = _permuted_heads(hf_name, config)
+    data: np.ndarray | None = rows if heads is None else undo_rope_permutation(rows, heads)
+    if shard is not None:
+        data = shard_blocks(shard, hf_name, data, stored.block_elements, block_bytes(stored))
+    if data is None:
+        return None
+    k = data.shape[1] // block_bytes(stored) * stored.block_elements
+    return WeightPart(stored, torch.from_numpy(np.ascontiguousarray(pack_rows(stored, data, k))))
 
 
 _FLOAT_TYPES = frozenset({GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16})

@@ -73,6 +73,7 @@ def hf_model_config(folder: Path) -> ModelConfig:
             attention_out_bias=(not is_qwen2) and attention_bias,
             sliding_window=int(sliding_window) if sliding_window else None,
             qk_norm=arch == "Qwen3ForCausalLM",
+            partial_rotary_factor=float(cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=_eos_ids(cfg, folder),
         )
@@ -97,6 +98,8 @@ def rope_settings(cfg: dict[str, Any]) -> dict[str, Any]:
         settings["rope_theta"] = cfg["rope_theta"]
     if "rope_type" not in settings and "type" in settings:
         settings["rope_type"] = settings["type"]
+    if settings.get("rope_type") == "su":  # early Phi-3 128k configs' name for LongRoPE
+        settings["rope_type"] = "longrope"
     if cfg.get("original_max_position_embeddings") is not None:
         settings["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]
     return settings
@@ -110,8 +113,11 @@ def _rope_scaling(rope: dict[str, Any], max_position_embeddings: int) -> RopeSca
     if original is None:  # as transformers fills it in
         original = max_position_embeddings
     factor = rope.get("factor")
-    if factor is None and rope_type == "yarn":
-        factor = max_position_embeddings / int(original)  # as DeepSeek's configs leave it implied
+    if factor is None and rope_type in ("yarn", "longrope"):
+        factor = max_position_embeddings / int(original)  # as DeepSeek's and Phi-3's configs leave it implied
+
+    def factors(key: str) -> tuple[float, ...] | None:
+        return None if rope.get(key) is None else tuple(float(v) for v in rope[key])
 
     def optional(key: str) -> float | None:
         return None if rope.get(key) is None else float(rope[key])
@@ -128,6 +134,8 @@ def _rope_scaling(rope: dict[str, Any], max_position_embeddings: int) -> RopeSca
         mscale_all_dim=optional("mscale_all_dim"),
         attention_factor=optional("attention_factor"),
         truncate=bool(rope.get("truncate", True)),
+        short_factor=factors("short_factor"),
+        long_factor=factors("long_factor"),
     )
 
 
