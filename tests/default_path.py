@@ -474,8 +474,14 @@ def prefill_logits(
 # ------------------------------------------------------------------------ checks
 
 
-def check_against_reference(result: TeacherForced, num_layers: int, label: str = "") -> None:
-    """Top-1 agreement, near-ties only where it differs, log-probabilities within bounds."""
+def check_against_reference(
+    result: TeacherForced, num_layers: int, label: str = "", reference_bf16_worst: float | None = None
+) -> None:
+    """Top-1 agreement, near-ties only where it differs, log-probabilities within bounds.
+
+    `reference_bf16_worst`: for a model with discrete choices inside (a mixture of experts'
+    routing, which a bf16 rounding can flip), the worst log-probability error HF's own bf16
+    run shows on the same sequences; the worst-case bound is then at least twice that."""
     scale = result.logit_scale
     assert result.positions > 0 or result.logprob_errors, f"{label}: nothing compared"
     assert result.agreement >= MIN_TOP1_AGREEMENT, (
@@ -487,10 +493,10 @@ def check_against_reference(result: TeacherForced, num_layers: int, label: str =
     assert not wide, f"{label}: bf16 chose against HF float32 where it is no near-tie (> {tie:.4f}): {wide}"
     assert result.logprob_errors, f"{label}: no log-probabilities came back"
     worst, rms = result.max_logprob_error, result.rms_logprob_error
-    assert worst <= logprob_error_bound(num_layers, scale), (
-        f"{label}: emitted token's log-probability off by {worst:.4f} "
-        f"> {logprob_error_bound(num_layers, scale):.4f}"
-    )
+    bound = logprob_error_bound(num_layers, scale)
+    if reference_bf16_worst is not None:
+        bound = max(bound, 2 * reference_bf16_worst)
+    assert worst <= bound, f"{label}: emitted token's log-probability off by {worst:.4f} > {bound:.4f}"
     assert rms <= logprob_rms_bound(num_layers, scale), (
         f"{label}: emitted tokens' log-probabilities off by {rms:.4f} (rms) "
         f"> {logprob_rms_bound(num_layers, scale):.4f}"

@@ -29,6 +29,10 @@ _LAYER = {
     "self_attn.o_proj": "attn_output",
     "self_attn.qkv_proj": "attn_qkv",  # Phi-3: fused in the checkpoint and in the file
     "mlp.gate_up_proj": "ffn_up",  # Phi-3: gate and up in one tensor, as llama.cpp writes it
+    "mlp.gate": "ffn_gate_inp",  # the experts' router
+    "mlp.experts.gate_exps": "ffn_gate_exps",
+    "mlp.experts.up_exps": "ffn_up_exps",
+    "mlp.experts.down_exps": "ffn_down_exps",
     "self_attn.q_norm": "attn_q_norm",
     "self_attn.k_norm": "attn_k_norm",
     "post_attention_layernorm": "ffn_norm",
@@ -93,6 +97,7 @@ def write_gguf_from_hf(
     writer.add_pad_token_id(0)  # inside the tiny vocabulary (transformers defaults Phi-3 to 32000)
     types = QUANT_BY_KIND if quant_by_kind is None else quant_by_kind
     rng = np.random.default_rng(seed)
+    tensors = _stack_experts(tensors, writer, cfg)
     for name, value in tensors.items():
         gguf_name, kind = _gguf_name(name)
         value = value.astype(np.float32)
@@ -118,6 +123,34 @@ def write_gguf_from_hf(
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+def _stack_experts(tensors: dict, writer: gguf.GGUFWriter, cfg: dict) -> dict:
+    """Per-expert tensors (`mlp.experts.N.gate_proj`, Mixtral's `block_sparse_moe.experts.N.w1`)
+    stacked into llama.cpp's [experts, rows, cols] tensors, with the expert metadata."""
+    import re
+
+    num_experts = cfg.get("num_local_experts") or cfg.get("num_experts")
+    if not num_experts:
+        return tensors
+    writer.add_expert_count(num_experts)
+    writer.add_expert_used_count(cfg["num_experts_per_tok"])
+    if cfg.get("moe_intermediate_size"):
+        writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    pattern = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
+    kinds = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+    stacks: dict[tuple[str, str], dict[int, np.ndarray]] = {}
+    rest = {}
+    for name, value in tensors.items():
+        match = pattern.match(name)
+        if match is None:
+            rest[name.replace(".block_sparse_moe.gate.", ".mlp.gate.")] = value
+        else:
+            layer, expert, kind = match.groups()
+            stacks.setdefault((layer, kinds[kind]), {})[int(expert)] = value
+    for (layer, kind), experts in stacks.items():
+        rest[f"model.layers.{layer}.mlp.experts.{kind}_exps.weight"] = np.stack([experts[e] for e in sorted(experts)])
+    return rest
 
 
 def _add_rope_scaling(writer: gguf.GGUFWriter, cfg: dict) -> None:

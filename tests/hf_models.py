@@ -22,7 +22,8 @@ TINY_SHAPE = dict(
 def make_tiny_hf_checkpoint(
     folder: Path, arch: str = "llama", seed: int = 0, **overrides: object
 ) -> Path:
-    """Save a random tiny Llama/Qwen2/Mistral/Qwen3/Phi-3 model as an HF folder; return its path."""
+    """Save a random tiny Llama/Qwen2/Mistral/Qwen3/Phi-3/Mixtral/Qwen3-MoE model as an HF
+    folder; return its path."""
     import transformers
 
     classes = {
@@ -31,11 +32,13 @@ def make_tiny_hf_checkpoint(
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
+        "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
     }
     config_cls, model_cls = classes[arch]
     shape = {**TINY_SHAPE, "rope_theta": 10000.0, "tie_word_embeddings": False}
     shape.update(overrides)
-    if arch in ("mistral", "phi3"):
+    if arch in ("mistral", "phi3", "mixtral"):
         shape.setdefault("sliding_window", None)
     if arch == "phi3":
         shape.setdefault("pad_token_id", 0)  # its default, 32000, lies outside the tiny vocabulary

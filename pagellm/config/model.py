@@ -73,15 +73,56 @@ class ModelConfig:
     sliding_window: int | None = None  # exact only while contexts stay within it
     qk_norm: bool = False  # RMSNorm over each head of q and k before rotary (Qwen3)
     partial_rotary_factor: float = 1.0  # the share of each head's dimensions that rotary turns (Phi-4-mini)
+    # Mixture of experts (Mixtral, Qwen3-MoE); 0 experts: every MLP is dense.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int | None = None  # each expert's; None: intermediate_size (Mixtral)
+    norm_topk_prob: bool = True  # the chosen experts' weights renormalized to sum to 1
+    dense_mlp_layers: tuple[int, ...] = ()  # layers of an MoE model that keep a dense MLP (Qwen3-MoE mlp_only_layers)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise UnsupportedModelError(
+                f"num_experts_per_tok ({self.num_experts_per_tok}) must be between 1 and num_experts ({self.num_experts})."
+            )
         if self.num_attention_heads % self.num_key_value_heads != 0:
             raise UnsupportedModelError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})."
             )
+
+    def describe(self) -> str:
+        """The startup report's architecture line, e.g. `Qwen3MoeForCausalLM: 48 layers;
+        attention: 48 global, 32 query / 4 KV heads of 128, q/k norms; experts: 128, 8 per
+        token, 768 wide, in 48 layers`."""
+        attention = f"{self.num_hidden_layers} global"
+        if self.sliding_window is not None:
+            attention = f"{self.num_hidden_layers} local (window {self.sliding_window})"
+        parts = [
+            f"{self.architecture}: {self.num_hidden_layers} layers",
+            f"attention: {attention}, {self.num_attention_heads} query / {self.num_key_value_heads} KV heads "
+            f"of {self.head_dim}" + (", q/k norms" if self.qk_norm else "")
+            + (f", rotary on {self.rotary_dim} of {self.head_dim} dims" if self.rotary_dim != self.head_dim else ""),
+        ]  # fmt: skip
+        if self.rope_scaling is not None:
+            parts.append(f"rotary scaling: {self.rope_scaling.rope_type} x{self.rope_scaling.factor:g}")
+        if self.num_experts:
+            sparse = sum(self.is_sparse_layer(layer) for layer in range(self.num_hidden_layers))
+            parts.append(
+                f"experts: {self.num_experts}, {self.num_experts_per_tok} per token, "
+                f"{self.expert_intermediate_size} wide, in {sparse} layers"
+            )
+        return "; ".join(parts)
+
+    @property
+    def expert_intermediate_size(self) -> int:
+        return self.moe_intermediate_size or self.intermediate_size
+
+    def is_sparse_layer(self, layer: int) -> bool:
+        """Whether layer `layer`'s MLP is a mixture of experts."""
+        return self.num_experts > 0 and layer not in self.dense_mlp_layers
 
     @property
     def rotary_dim(self) -> int:
@@ -92,6 +133,12 @@ class ModelConfig:
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
         q = self.num_attention_heads * self.head_dim
         kv = self.num_key_value_heads * self.head_dim
-        per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h + (2 * self.head_dim if self.qk_norm else 0)
+        attention = h * (q + 2 * kv) + q * h + 2 * h + (2 * self.head_dim if self.qk_norm else 0)
+        total = 0
+        for layer in range(self.num_hidden_layers):
+            if self.is_sparse_layer(layer):  # every expert and the router
+                total += attention + self.num_experts * 3 * h * self.expert_intermediate_size + self.num_experts * h
+            else:
+                total += attention + 3 * h * i
         embed = v * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_hidden_layers * per_layer + embed + h
+        return total + embed + h

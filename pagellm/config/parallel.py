@@ -38,6 +38,8 @@ def tp_split_error(config: ModelConfig, size: int) -> str | None:
         return f"num_key_value_heads={kv_heads} neither splits over nor replicates across TP={size}"
     if config.intermediate_size % size:
         return f"intermediate_size={config.intermediate_size} does not split over TP={size}"
+    if config.num_experts and config.expert_intermediate_size % size:
+        return f"each expert's intermediate size {config.expert_intermediate_size} does not split over TP={size}"
     return None
 
 
@@ -75,5 +77,6 @@ def rank_model_config(config: ModelConfig, size: int) -> ModelConfig:
         num_attention_heads=config.num_attention_heads // size,
         num_key_value_heads=kv_heads_per_rank(config.num_key_value_heads, size),
         intermediate_size=config.intermediate_size // size,
+        moe_intermediate_size=None if config.moe_intermediate_size is None else config.moe_intermediate_size // size,
         vocab_size=cdiv(config.vocab_size, size),
     )

@@ -13,7 +13,7 @@ import time
 import torch
 
 from pagellm.attention.kv_cache_dtype import torch_dtype
-from pagellm.config.cache import DTYPE_BYTES, CacheConfig, CacheSize, sized_cache_config
+from pagellm.config.cache import DTYPE_BYTES, CacheConfig, CacheSize, kv_bytes_per_block, sized_cache_config
 from pagellm.config.engine_args import EngineArgs
 from pagellm.config.engine_config import DraftModel, EngineConfig, resolve_engine_config
 from pagellm.config.speculative import resolve_speculative_config
@@ -47,6 +47,12 @@ logger = logging.getLogger(__name__)
 def _log_cache(config: EngineConfig, cache_config: CacheConfig, size: CacheSize) -> None:
     max_model_len = config.max_model_len
     capacity = cache_config.max_num_cached_tokens
+    logger.info(
+        "model: %s; KV cache %d bytes per token (%s, all layers)",
+        config.model_config.describe(),
+        kv_bytes_per_block(config.model_config, 1, config.kv_cache_dtype),
+        config.kv_cache_dtype,
+    )
     logger.info(
         "KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB %s per rank, %s); max concurrency at "
         "max_model_len=%d: %.2fx; swap space: %d host blocks",

@@ -45,7 +45,7 @@ def step_cost(model: ModelCosts, work: StepWork) -> StepCost:
         + model.attention_flops_per_pair * work.num_attended_pairs
         + model.lm_head_flops_per_row * work.num_logit_rows
     )
-    moved = model.step_weight_bytes + model.kv_bytes_per_token * (work.num_context_tokens + work.num_tokens)
+    moved = model.step_weight_bytes_for(work.num_tokens) + model.kv_bytes_per_token * (work.num_context_tokens + work.num_tokens)
     return StepCost(flops, moved)
 
 

@@ -1,4 +1,4 @@
-"""Model stage: the FLOPs and bytes of one step of a Llama-family model.
+"""Model stage: the FLOPs and bytes of one step of a Llama-family model (with or without experts).
 
 Counted as the roofline cost model (sim/roofline.py) and the engine's live MFU / MBU
 (metrics/utilization.py) both need them: weight matmuls per computed token, attention
@@ -22,6 +22,10 @@ class ModelCosts:
     attention_flops_per_pair: float  # QK^T and PV for one (query, key) pair, all layers
     kv_bytes_per_token: float  # K and V of one token, all layers
     weight_bytes: float  # every parameter (what the device must hold)
+    # Mixture of experts: every expert's bytes (part of linear_weight_bytes), and the share
+    # of a layer's experts one token uses (top_k / num_experts); 0 for a dense model.
+    expert_weight_bytes: float = 0.0
+    expert_share_per_token: float = 0.0
 
     @classmethod
     def from_config(
@@ -31,12 +35,19 @@ class ModelCosts:
         q = config.num_attention_heads * config.head_dim
         kv = config.num_key_value_heads * config.head_dim
         layers = config.num_hidden_layers
-        # 2 FLOPs (multiply + add) per weight per token.
-        linear_params = layers * (h * (q + 2 * kv) + q * h + 3 * h * config.intermediate_size)
+        # 2 FLOPs (multiply + add) per weight per token: a mixture of experts computes with
+        # its router and the top_k experts a token is sent to, and holds all of them.
+        sparse = sum(config.is_sparse_layer(layer) for layer in range(layers))
+        attention_params = layers * (h * (q + 2 * kv) + q * h)
+        dense_mlp_params = (layers - sparse) * 3 * h * config.intermediate_size
+        expert_params = sparse * config.num_experts * 3 * h * config.expert_intermediate_size
+        active_expert_params = sparse * (config.num_experts_per_tok * 3 * h * config.expert_intermediate_size
+                                         + config.num_experts * h)  # fmt: skip
+        linear_params = attention_params + dense_mlp_params + expert_params + sparse * config.num_experts * h
         head_params = config.vocab_size * h
         kv_bytes = dtype_bytes if kv_dtype_bytes is None else kv_dtype_bytes
         return cls(
-            linear_flops_per_token=2.0 * linear_params,
+            linear_flops_per_token=2.0 * (attention_params + dense_mlp_params + active_expert_params),
             linear_weight_bytes=float(linear_params * dtype_bytes),
             lm_head_flops_per_row=2.0 * head_params,
             lm_head_weight_bytes=float(head_params * dtype_bytes),
@@ -44,13 +55,28 @@ class ModelCosts:
             attention_flops_per_pair=4.0 * layers * config.num_attention_heads * config.head_dim,
             kv_bytes_per_token=2.0 * layers * kv * kv_bytes,
             weight_bytes=float(config.num_parameters() * dtype_bytes),
+            expert_weight_bytes=float(expert_params * dtype_bytes),
+            expert_share_per_token=config.num_experts_per_tok / config.num_experts if config.num_experts else 0.0,
         )
+
+    def linear_bytes_read(self, num_tokens: int) -> float:
+        """The projections' bytes a step of `num_tokens` reads: every dense matrix, and of
+        the experts the expected share that at least one token is routed to (uniform
+        routing: 1 - (1 - top_k/experts)^tokens; one token reads only its top_k)."""
+        if not self.expert_weight_bytes:
+            return self.linear_weight_bytes
+        untouched = (1.0 - self.expert_share_per_token) ** max(num_tokens, 1)
+        return self.linear_weight_bytes - self.expert_weight_bytes * untouched
 
     @property
     def step_weight_bytes(self) -> float:
-        """Weights a forward pass reads (the projections and the LM head; embedding rows
-        are looked up, not streamed)."""
+        """Weights a forward pass of many tokens reads (the projections, every expert, and
+        the LM head; embedding rows are looked up, not streamed)."""
         return self.linear_weight_bytes + self.lm_head_weight_bytes
+
+    def step_weight_bytes_for(self, num_tokens: int) -> float:
+        """Weights a forward pass of `num_tokens` tokens reads."""
+        return self.linear_bytes_read(num_tokens) + self.lm_head_weight_bytes
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         return int(self.kv_bytes_per_token * block_size)

@@ -101,13 +101,17 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(
-        self, config: ModelConfig, tp: TPGroup | None = None, attention_class: type[LlamaAttention] = LlamaAttention
+        self,
+        config: ModelConfig,
+        tp: TPGroup | None = None,
+        attention_class: type[LlamaAttention] = LlamaAttention,
+        mlp: nn.Module | None = None,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = attention_class(config, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config, tp)
+        self.mlp = LlamaMLP(config, tp) if mlp is None else mlp
 
     def forward(
         self,
@@ -160,7 +164,8 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding.for_model(config, rope_freq_divisors)
         self.embed_tokens = PackableEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, tp, self.attention_class) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, tp, self.attention_class, self.make_mlp(config, tp, i))
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if config.tie_word_embeddings:
@@ -207,6 +212,10 @@ class LlamaForCausalLM(nn.Module):
     fused_decode: FusedDecode | None = None  # CPU bf16: decode steps of <= 20 requests in C
     native_layers: NativeLayers | None = None  # CPU bf16: other steps' elementwise stages in C
     step_paths: StepPathChoice | None = None  # CPU bf16: which of the two runs a step both can (measured)
+
+    def make_mlp(self, config: ModelConfig, tp: TPGroup | None, layer: int) -> nn.Module:
+        """Layer `layer`'s MLP (a family with experts returns its sparse block)."""
+        return LlamaMLP(config, tp)
 
     def use_cpu_kernels(self, kernel: CpuLinearKernels) -> None:
         """bf16 on an x86-64 CPU with AVX2 or more, once the weights are loaded: each linear

@@ -7,8 +7,10 @@ list of those that are.
 
 from __future__ import annotations
 
+from pagellm.config.model import ModelConfig
 from pagellm.errors import UnsupportedModelError
 from pagellm.model.llama import LlamaForCausalLM
+from pagellm.model.mixture_of_experts import MixtralForCausalLM, Qwen3MoeForCausalLM
 from pagellm.model.qwen3 import Qwen3ForCausalLM
 
 # HF `architectures[0]` -> the class that runs it.
@@ -18,8 +20,10 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     # Phi-3/3.5/4 (dense): Llama's layer; its fused qkv_proj and gate_up_proj are cut apart
-    # at load (loader/fused_tensors.py), its LongRoPE and partial rotary live in the rotary tables.
+    # at load (loader/checkpoint_layouts.py), its LongRoPE and partial rotary live in the rotary tables.
     "Phi3ForCausalLM": LlamaForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 # A config saved without a model names no architecture; its model_type still says which.
 ARCHITECTURE_BY_MODEL_TYPE = {
@@ -28,23 +32,30 @@ ARCHITECTURE_BY_MODEL_TYPE = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 # llama.cpp's `general.architecture` -> the HF architecture it was converted from.
 ARCHITECTURE_BY_GGUF_NAME = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
     "phi3": "Phi3ForCausalLM",
 }
 SUPPORTED_HF_ARCHITECTURES = tuple(MODEL_CLASSES)
 SUPPORTED_GGUF_ARCHITECTURES = tuple(ARCHITECTURE_BY_GGUF_NAME)
 
 
-def model_class(architecture: str) -> type[LlamaForCausalLM]:
-    """The class for an HF or GGUF architecture name."""
-    name = ARCHITECTURE_BY_GGUF_NAME.get(architecture, architecture)
+def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:
+    """The class for a config's HF or GGUF architecture name (a `llama` GGUF with experts
+    is Mixtral: llama.cpp files it under `llama`)."""
+    name = ARCHITECTURE_BY_GGUF_NAME.get(config.architecture, config.architecture)
+    if name == "LlamaForCausalLM" and config.num_experts:
+        name = "MixtralForCausalLM"
     if name not in MODEL_CLASSES:
         raise UnsupportedModelError(
-            f"architecture {architecture!r} is not supported; supported: {', '.join(SUPPORTED_HF_ARCHITECTURES)}"
+            f"architecture {config.architecture!r} is not supported; "
+            f"supported: {', '.join(SUPPORTED_HF_ARCHITECTURES)}"
         )
     return MODEL_CLASSES[name]

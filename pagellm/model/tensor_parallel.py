@@ -43,6 +43,7 @@ class TPLayout:
     num_kv_heads: int  # KV heads on this rank (1 when replicated)
     first_kv_head: int
     intermediate_size: int  # on this rank
+    expert_intermediate_size: int  # each expert's, on this rank (experts are split like dense MLPs)
     vocab_size: int  # the full vocabulary (logits are trimmed to it)
     vocab_per_rank: int  # rows of the padded vocabulary on each rank
     head_dim: int
@@ -61,6 +62,7 @@ class TPLayout:
             num_kv_heads=share.num_key_value_heads,
             first_kv_head=first_kv,
             intermediate_size=share.intermediate_size,
+            expert_intermediate_size=share.expert_intermediate_size,
             vocab_size=config.vocab_size,
             vocab_per_rank=share.vocab_size,
             head_dim=config.head_dim,
@@ -85,7 +87,8 @@ class TPLayout:
         if kind in ("k_proj", "v_proj"):
             return range(self.first_kv_head * hd, (self.first_kv_head + self.num_kv_heads) * hd)
         if kind in ("gate_proj", "up_proj"):
-            return range(self.rank * self.intermediate_size, (self.rank + 1) * self.intermediate_size)
+            size = self._mlp_width(hf_name)
+            return range(self.rank * size, (self.rank + 1) * size)
         if kind in ("embed_tokens", "lm_head"):
             return range(self.vocab_start, self.vocab_start + self.vocab_per_rank)
         return None
@@ -97,8 +100,12 @@ class TPLayout:
             width = self.num_heads * self.head_dim
             return range(self.rank * width, (self.rank + 1) * width)
         if kind == "down_proj" and hf_name.endswith(".weight"):
-            return range(self.rank * self.intermediate_size, (self.rank + 1) * self.intermediate_size)
+            size = self._mlp_width(hf_name)
+            return range(self.rank * size, (self.rank + 1) * size)
         return None
+
+    def _mlp_width(self, hf_name: str) -> int:
+        return self.expert_intermediate_size if ".experts." in hf_name else self.intermediate_size
 
     def drops_bias(self, hf_name: str) -> bool:
         """A row-parallel layer's bias is added once: by rank 0, after the all-reduce sums."""

@@ -25,7 +25,8 @@ class ModelPreset:
 def _preset(name: str, repo: str, architecture: str, **shape: object) -> ModelPreset:
     config = ModelConfig(architecture=architecture, **shape)  # type: ignore[arg-type]
     fields = ", ".join(
-        f"{key}={value}" for key, value in shape.items() if key not in ("rms_norm_eps", "rope_scaling", "qk_norm")
+        f"{key}={value}" for key, value in shape.items()
+        if key not in ("rms_norm_eps", "rope_scaling", "qk_norm", "norm_topk_prob")
     )
     return ModelPreset(name, config, 2, f"huggingface.co/{repo} config.json: {fields}, bfloat16")
 
@@ -86,6 +87,21 @@ MODEL_PRESETS: dict[str, ModelPreset] = {
             num_hidden_layers=40, num_attention_heads=40, num_key_value_heads=10,
             head_dim=128, max_position_embeddings=16384, tie_word_embeddings=False,
             rope_theta=250000.0, rms_norm_eps=1e-5,
+        ),
+        _preset(
+            "Mixtral-8x7B", "mistralai/Mixtral-8x7B-v0.1", "MixtralForCausalLM",
+            vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+            num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+            head_dim=128, max_position_embeddings=32768, tie_word_embeddings=False,
+            num_experts=8, num_experts_per_tok=2, rope_theta=1000000.0, rms_norm_eps=1e-5,
+        ),
+        _preset(
+            "Qwen3-30B-A3B", "Qwen/Qwen3-30B-A3B", "Qwen3MoeForCausalLM",
+            vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+            num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+            head_dim=128, max_position_embeddings=40960, tie_word_embeddings=False,
+            num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+            rope_theta=1000000.0, qk_norm=True, norm_topk_prob=True, rms_norm_eps=1e-6,
         ),
         _preset(
             "Qwen2.5-7B", "Qwen/Qwen2.5-7B-Instruct", "Qwen2ForCausalLM",

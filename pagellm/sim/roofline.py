@@ -110,7 +110,10 @@ class RooflineCostModel:
     def breakdown(self, batch: StepBatch) -> StepTime:
         num_tokens = batch.num_tokens
         linear_compute_s = num_tokens * self._linear_s_per_token
-        linear_s = max(linear_compute_s, self._linear_memory_s) if num_tokens else 0.0
+        linear_memory_s = self._linear_memory_s
+        if self.costs.expert_weight_bytes:  # a mixture of experts reads only the experts its tokens use
+            linear_memory_s = self.costs.linear_bytes_read(num_tokens) / self._bandwidth
+        linear_s = max(linear_compute_s, linear_memory_s) if num_tokens else 0.0
         pairs = batch.prefill_attention_pairs + batch.decode_attention_pairs
         # Reads of the cached context (prefix hits and earlier chunks too) and writes of
         # the new tokens' K and V.
@@ -124,7 +127,7 @@ class RooflineCostModel:
             head_s,
             batch.num_swapped_tokens * self._swap_s_per_token,
             self.params.step_overhead_s,
-            linear_compute_s < self._linear_memory_s,
+            linear_compute_s < linear_memory_s,
             self.comm.seconds(num_tokens, rows) if self.comm is not None else 0.0,
         )
 

@@ -3,11 +3,14 @@ kernels) against HF transformers in float32, judged as tests/default_path.py jud
 teacher-forced top-1 agreement and log-probability bounds from bf16 rounding, under every
 scheduling regime of the standard scenarios.
 
-A family whose layer the C layer paths do not compute (Qwen3's q/k norms) runs its layers
-in torch around the native linear kernels: this checks that route, where the Llama tests
-check the one-call decode layer and the native layer ops."""
+A family whose layer the C layer paths do not compute (Qwen3's q/k norms, experts) runs its
+layers in torch around the native linear kernels: this checks that route, where the Llama
+tests check the one-call decode layer and the native layer ops."""
+
+import copy
 
 import pytest
+import torch
 from hf_models import load_hf_reference
 
 import default_path as dp
@@ -22,24 +25,54 @@ def _needs_native_bf16():
         pytest.skip("the default bf16 path needs the native CPU kernels (x86-64 with AVX2, and a C compiler)")
 
 
-@pytest.fixture(scope="module")
-def qwen3(tmp_path_factory):
-    folder = dp.make_default_path_checkpoint(tmp_path_factory.mktemp("qwen3"), arch="qwen3", head_dim=64)
+FAMILIES = {
+    "qwen3": ("qwen3", {"head_dim": 64}),
+    # Experts run as linear layers on the measured kernels, each over the rows routed to it.
+    "qwen3_moe": ("qwen3_moe", {"head_dim": 64, "num_experts": 4, "num_experts_per_tok": 2,
+                                "moe_intermediate_size": 128, "norm_topk_prob": True}),  # fmt: skip
+}
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request, tmp_path_factory):
+    arch, overrides = FAMILIES[request.param]
+    folder = dp.make_default_path_checkpoint(tmp_path_factory.mktemp(request.param), arch=arch, **overrides)
     return str(folder), load_hf_reference(folder)
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
-def test_qwen3_bf16_agrees_with_hf_float32(qwen3, name):
-    folder, reference = qwen3
+def test_bf16_agrees_with_hf_float32(family, name):
+    folder, reference = family
     run = dp.run_scenario(folder, SCENARIOS[name], "bfloat16")
     assert run.paths is None or not (run.paths.fused_decode or run.paths.native_layers_prefill)
     result = dp.teacher_forced(reference, run.completions)
-    dp.check_against_reference(result, NUM_LAYERS, name)
+    calibrated = hf_bf16_worst_logprob_error(reference, run.completions) if "moe" in folder else None
+    dp.check_against_reference(result, NUM_LAYERS, name, reference_bf16_worst=calibrated)
 
 
-def test_qwen3_linear_layers_take_the_measured_kernels(qwen3):
+@torch.inference_mode()
+def hf_bf16_worst_logprob_error(reference: torch.nn.Module, completions) -> float:
+    """The largest |log p(HF bf16) - log p(HF float32)| of an emitted token over the same
+    sequences: how far bf16 alone moves this model, routing flips included."""
+    bf16 = copy.deepcopy(reference).to(torch.bfloat16)
+    worst = 0.0
+    for completion in completions:
+        ids = completion.prompt + completion.token_ids
+        sequence = torch.tensor([ids[:-1]])
+        f32 = torch.log_softmax(reference(sequence).logits[0].double(), -1)
+        b16 = torch.log_softmax(bf16(sequence).logits[0].double(), -1)
+        for i, token in enumerate(completion.token_ids):
+            position = len(completion.prompt) - 1 + i
+            worst = max(worst, abs(float(f32[position, token] - b16[position, token])))
+    return worst
+
+
+def test_linear_layers_take_the_measured_kernels(family):
     from pagellm import LLM
 
-    model = LLM(qwen3[0], dtype="bfloat16").engine.runner.model
+    model = LLM(family[0], dtype="bfloat16").engine.runner.model
     assert model.linear_choice is not None and model.layers[0].self_attn.qkv_proj.plan is not None
+    linears = [m for m in model.modules() if type(m).__name__ == "PackableLinear" and m is not model.lm_head]
+    assert all(m.plan is not None for m in linears)  # experts and routers too (the head has lm_head_plan)
+    assert model.lm_head_plan is not None
     assert model.fused_decode is None and model.native_layers is None

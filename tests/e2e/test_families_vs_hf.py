@@ -31,6 +31,10 @@ FAMILIES = {
     "phi3": ("phi3", {"partial_rotary_factor": 0.5, "original_max_position_embeddings": 72,
                       "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0, 1.2, 1.5, 2.0],
                                        "long_factor": [1.0, 3.0, 7.0, 15.0]}}),  # fmt: skip
+    "mixtral": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    # Qwen3-MoE: q/k norms, 8 narrow experts, top-2 unnormalized, one dense layer.
+    "qwen3_moe": ("qwen3_moe", {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+                                "mlp_only_layers": [0]}),  # fmt: skip
 }
 
 

@@ -3,7 +3,7 @@
 Every run splits a tiny random model over worker processes and must reproduce HF's greedy
 tokens exactly (float32) under chunked prefill, preemption and prefix caching, with KV
 heads split or replicated, a vocabulary that does not divide evenly, Qwen2's q/k/v biases
-and tied embeddings, Qwen3's q/k norms, Phi-3's fused checkpoint tensors; log-probabilities must equal TP=1's within 1e-5.
+and tied embeddings, Qwen3's q/k norms, Phi-3's fused checkpoint tensors, Qwen3-MoE's experts; log-probabilities must equal TP=1's within 1e-5.
 """
 
 import random
@@ -115,6 +115,14 @@ def test_qwen3_q_k_norms_with_chunking(tmp_path_factory):
 def test_phi3_fused_checkpoint_tensors_split_per_rank(tmp_path_factory):
     # qkv_proj and gate_up_proj come fused: cut into projections before each rank takes its share.
     folder, expected = checkpoint(tmp_path_factory, "phi3", "phi3")
+    outputs, _ = run(folder, 2, max_num_batched_tokens=7)
+    assert outputs == expected
+
+
+def test_qwen3_moe_experts_split_per_rank(tmp_path_factory):
+    # Every expert's gate/up rows and down columns split like a dense MLP's; the router is whole.
+    folder, expected = checkpoint(tmp_path_factory, "qwen3_moe", "qwen3_moe", num_experts=4, num_experts_per_tok=2,
+                                  moe_intermediate_size=32)  # fmt: skip
     outputs, _ = run(folder, 2, max_num_batched_tokens=7)
     assert outputs == expected
 

@@ -111,6 +111,41 @@ def test_phi3_longrope_and_partial_rotary_from_gguf_equal_the_hf_folder(tmp_path
     assert pagellm_greedy(LLM(str(path)), PROMPTS, 32) == pagellm_greedy(LLM(str(folder)), PROMPTS, 32)
 
 
+@pytest.mark.parametrize("arch,gguf_arch", [("qwen3_moe", "qwen3moe"), ("mixtral", "llama")])
+def test_moe_gguf_with_stacked_experts_equals_the_hf_folder(tmp_path, arch, gguf_arch):
+    """llama.cpp's [experts, rows, cols] tensors (F32 here, so the weights are the folder's
+    exactly): the same tokens as the HF folder, whose tokens equal transformers'."""
+    experts = {"num_experts": 4, "num_experts_per_tok": 2}
+    if arch == "qwen3_moe":
+        experts |= {"moe_intermediate_size": 32, "norm_topk_prob": True}
+    else:
+        experts = {"num_local_experts": 4, "num_experts_per_tok": 2}
+    folder = make_tiny_hf_checkpoint(tmp_path / "hf", arch, **experts)
+    cfg = json.loads((folder / "config.json").read_text())
+    path = write_gguf_from_hf(folder, tmp_path / "moe.gguf", cfg, quant_by_kind={}, arch=gguf_arch)
+    from_gguf, from_hf = (load_model_config(ModelSource(kind, p, "m")) for kind, p in (("gguf", path), ("hf", folder)))
+    for field in ("num_experts", "num_experts_per_tok", "expert_intermediate_size", "norm_topk_prob", "qk_norm"):
+        assert getattr(from_gguf, field) == getattr(from_hf, field), field
+    gguf_llm = LLM(str(path), max_num_batched_tokens=16)
+    assert type(gguf_llm.engine.runner.model).__name__ == {"qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}[arch]
+    assert pagellm_greedy(gguf_llm, PROMPTS, NEW_TOKENS) == pagellm_greedy(LLM(str(folder)), PROMPTS, NEW_TOKENS)
+
+
+@pytest.mark.skipif(not kernels_support(WeightType.Q8_0), reason="quantized kernels need x86-64 with AVX2")
+def test_quantized_experts_stay_as_stored(tmp_path):
+    folder = make_tiny_hf_checkpoint(tmp_path / "hf", "qwen3_moe", num_experts=4, num_experts_per_tok=2,
+                                     moe_intermediate_size=32)  # fmt: skip
+    cfg = json.loads((folder / "config.json").read_text())
+    types = {"ffn_gate_exps": T.Q8_0, "ffn_up_exps": T.Q8_0, "ffn_down_exps": T.Q8_0}
+    path = write_gguf_from_hf(folder, tmp_path / "moe.gguf", cfg, quant_by_kind=types, arch="qwen3moe")
+    llm = LLM(str(path), dtype="bfloat16")
+    expert = llm.engine.runner.model.layers[0].mlp.experts[3]
+    assert expert.gate_up_proj.weight is None and [p.rows for p in expert.gate_up_proj.packed.parts] == [32, 32]
+    assert expert.down_proj.weight is None and expert.down_proj.packed.types[0].label == "Q8_0"
+    float32 = pagellm_greedy(LLM(str(path), dtype="float32"), PROMPTS, 6)
+    assert [out[:2] for out in pagellm_greedy(llm, PROMPTS, 6)] == [out[:2] for out in float32]
+
+
 def _rewrite_in_the_old_dialect(folder) -> dict:
     """config.json as most downloaded checkpoints have it: rope_theta at the top, the
     scaling under rope_scaling with `type`, no rope_parameters."""

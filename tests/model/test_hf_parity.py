@@ -72,9 +72,16 @@ def pagellm_prefill_logits(model, prompt):
         ("phi3", {"partial_rotary_factor": 0.5, "original_max_position_embeddings": 40,
                   "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0, 1.5, 2.0, 3.0],
                                    "long_factor": [1.0, 4.0, 9.0, 20.0]}}),  # fmt: skip
+        ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+        # Qwen3-MoE: 8 experts of their own width, top-2 without renormalization, layer 1 dense.
+        ("qwen3_moe", {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+                       "norm_topk_prob": False, "mlp_only_layers": [1]}),  # fmt: skip
+        ("qwen3_moe", {"num_experts": 4, "num_experts_per_tok": 3, "moe_intermediate_size": 32,
+                       "norm_topk_prob": True, "decoder_sparse_step": 2}),  # fmt: skip
     ],
     ids=["llama", "llama-tied", "llama3-rope", "linear-rope", "qwen2-bias", "mistral", "qwen3", "qwen3-tied-bias",
-         "qwen3-yarn", "llama-yarn-untruncated", "phi3", "phi3-partial-longrope"],  # fmt: skip
+         "qwen3-yarn", "llama-yarn-untruncated", "phi3", "phi3-partial-longrope", "mixtral",
+         "qwen3-moe", "qwen3-moe-renormalized-sparse-step"],  # fmt: skip
 )
 def test_logits_and_greedy_tokens_match_transformers(tmp_path, arch, overrides):
     folder = make_tiny_hf_checkpoint(tmp_path, arch, **overrides)

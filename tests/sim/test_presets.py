@@ -12,7 +12,7 @@ from pagellm.sim.model_presets import MODEL_PRESETS, get_model_preset
 def test_the_issue_asks_for_these_presets():
     assert set(GPU_PRESETS) == {"A100-40GB", "A100-80GB", "H100-SXM", "H200", "L4", "A10G"}
     assert set(MODEL_PRESETS) >= {"Llama-3-8B", "Llama-3-70B", "Qwen2.5-7B", "SmolLM2-135M", "Llama-3.1-8B",
-                                  "Llama-3.1-70B", "Qwen3-8B", "Qwen3-32B", "Phi-4"}  # fmt: skip
+                                  "Llama-3.1-70B", "Qwen3-8B", "Qwen3-32B", "Phi-4", "Mixtral-8x7B", "Qwen3-30B-A3B"}  # fmt: skip
 
 
 @pytest.mark.parametrize("name", sorted(GPU_PRESETS))
@@ -44,6 +44,26 @@ def test_parameter_counts_match_the_model_names():
     assert get_model_preset("Qwen3-8B").config.num_parameters() == pytest.approx(8.19e9, rel=0.01)
     assert get_model_preset("Qwen3-32B").config.num_parameters() == pytest.approx(32.8e9, rel=0.01)
     assert get_model_preset("Phi-4").config.num_parameters() == pytest.approx(14.7e9, rel=0.01)
+    assert get_model_preset("Mixtral-8x7B").config.num_parameters() == pytest.approx(46.7e9, rel=0.01)
+    assert get_model_preset("Qwen3-30B-A3B").config.num_parameters() == pytest.approx(30.5e9, rel=0.01)
+
+
+def test_mixtures_of_experts_compute_with_their_active_parameters_and_hold_all():
+    """Qwen3-30B-A3B: ~3.3B parameters work per token (the name's A3B), all 30.5B are held;
+    one decode token reads its 8 of 128 experts, a large batch reads nearly all."""
+    from pagellm.model.costs import ModelCosts
+
+    config = get_model_preset("Qwen3-30B-A3B").config
+    costs = ModelCosts.from_config(config, 2)
+    # Counted as Qwen counts activated parameters: the projections a token uses, the LM
+    # head and the embedding.
+    active = costs.linear_flops_per_token / 2 + 2 * config.vocab_size * config.hidden_size
+    assert active == pytest.approx(3.3e9, rel=0.03)
+    assert costs.weight_bytes == pytest.approx(30.5e9 * 2, rel=0.01)
+    one, many = costs.linear_bytes_read(1), costs.linear_bytes_read(4096)
+    assert one < 0.15 * costs.linear_weight_bytes and many == pytest.approx(costs.linear_weight_bytes, rel=1e-3)
+    dense = ModelCosts.from_config(get_model_preset("Qwen3-8B").config, 2)
+    assert dense.linear_bytes_read(1) == dense.linear_weight_bytes
 
 
 def test_smollm2_preset_is_the_embedded_model(smollm2_path):

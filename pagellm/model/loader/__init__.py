@@ -21,7 +21,7 @@ from pagellm.model.registry import model_class
 from pagellm.model.tensor_parallel import TPGroup, TPLayout, shard_float
 from pagellm.kernels.linear_bindings import cpu_linear_kernels
 from pagellm.model.loader import gguf_loader, hf_loader
-from pagellm.model.loader.fused_tensors import split_fused
+from pagellm.model.loader.checkpoint_layouts import split_fused
 from pagellm.model.loader.default_model import DEFAULT_MODEL_NAME, default_model_path
 
 if TYPE_CHECKING:
@@ -117,7 +117,7 @@ def load_model(
         # exist in float, not even for a moment.
         with torch.device("meta" if weights is not None else device):
             local_config = config if tp is None else tp.layout.local_config(config)
-            model = model_class(config.architecture)(local_config, backend, rope_freq_divisors=divisors, tp=tp)
+            model = model_class(config)(local_config, backend, rope_freq_divisors=divisors, tp=tp)
         with torch.device(device):
             model.rotary = RotaryEmbedding.for_model(config, divisors)
     finally:

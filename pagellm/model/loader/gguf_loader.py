@@ -24,7 +24,7 @@ from pagellm.kernels.weights import (
 )
 from pagellm.config.model import ModelConfig, RopeScaling
 from pagellm.model.registry import SUPPORTED_GGUF_ARCHITECTURES
-from pagellm.model.loader.fused_tensors import fused_pieces, split_fused
+from pagellm.model.loader.checkpoint_layouts import fused_pieces, split_fused
 from pagellm.model.tensor_parallel import TPLayout, shard_blocks, shard_float
 
 logger = logging.getLogger(__name__)
@@ -48,6 +48,10 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",  # the experts' router
+    "ffn_gate_exps": "mlp.experts.gate_proj",  # [experts, rows, cols], cut per expert at load
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
 }
 _LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 # rope frequency divisors (Llama 3 GGUFs) and LongRoPE's factors (Phi-3 GGUFs) are not
@@ -187,6 +191,16 @@ def gguf_model_config(reader: GGUFReader, path: Path) -> ModelConfig:
         )
     head_dim = integer("attention.key_length", hidden // num_heads)
     rotary_dims = integer("rope.dimension_count", head_dim)
+    experts: dict[str, Any] = {}
+    if meta.raw(f"{arch}.expert_count"):  # Mixtral (filed as llama), Qwen3-MoE
+        norm = meta.raw(f"{arch}.expert_weights_norm")
+        experts = {
+            "num_experts": integer("expert_count"),
+            "num_experts_per_tok": integer("expert_used_count"),
+            "moe_intermediate_size": integer("expert_feed_forward_length", 0) or None,
+            # llama.cpp renormalizes the chosen experts' weights for both families unless told.
+            "norm_topk_prob": True if norm is None else bool(norm),
+        }
     eos = meta.raw("tokenizer.ggml.eos_token_id")
     bos = meta.raw("tokenizer.ggml.bos_token_id")
     return ModelConfig(
@@ -208,6 +222,7 @@ def gguf_model_config(reader: GGUFReader, path: Path) -> ModelConfig:
         attention_out_bias="blk.0.attn_output.bias" in names,
         qk_norm="blk.0.attn_q_norm.weight" in names,
         partial_rotary_factor=rotary_dims / head_dim,
+        **experts,
         bos_token_id=meta.number("tokenizer.ggml.bos_token_id", int, minimum=0) if bos is not None else None,
         eos_token_ids=(meta.number("tokenizer.ggml.eos_token_id", int, minimum=0),) if eos is not None else (),
     )
@@ -266,7 +281,10 @@ def iter_gguf_weights(
         stored = _stored_type(qtype)
         if stored is not None and stored in keep_types and _KEEPABLE.search(_piece_name(hf_name, config)):
             dequantized = []
-            for name, rows in split_fused(hf_name, _stored_rows(tensor), config):
+            stored_rows = _stored_rows(tensor)
+            if len(tensor.shape) == 3:  # stacked experts: [experts, rows per expert, row bytes]
+                stored_rows = stored_rows.reshape(int(tensor.shape[2]), -1, stored_rows.shape[1])
+            for name, rows in split_fused(hf_name, stored_rows, config):
                 part = _stored_part(name, rows, stored, config, shard)
                 if part is None:
                     dequantized.append(name)

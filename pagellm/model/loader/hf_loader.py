@@ -53,7 +53,7 @@ def hf_model_config(folder: Path) -> ModelConfig:
         is_qwen2 = arch == "Qwen2ForCausalLM"
         attention_bias = bool(cfg.get("attention_bias", False))
         sliding_window = cfg.get("sliding_window")
-        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not cfg.get("use_sliding_window", False):
+        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM") and not cfg.get("use_sliding_window", False):
             sliding_window = None
         return ModelConfig(
             architecture=arch,
@@ -72,8 +72,9 @@ def hf_model_config(folder: Path) -> ModelConfig:
             attention_bias=is_qwen2 or attention_bias,
             attention_out_bias=(not is_qwen2) and attention_bias,
             sliding_window=int(sliding_window) if sliding_window else None,
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             partial_rotary_factor=float(cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0),
+            **_experts(arch, cfg),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=_eos_ids(cfg, folder),
         )
@@ -81,6 +82,25 @@ def hf_model_config(folder: Path) -> ModelConfig:
         if isinstance(e, UnsupportedModelError):
             raise
         raise ModelLoadError(f"{folder / 'config.json'} is incomplete or invalid: {e!r}") from None
+
+
+def _experts(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """The mixture-of-experts fields: Mixtral's `num_local_experts`; Qwen3-MoE's
+    `num_experts` (`num_local_experts` as transformers 5.x writes it), its own expert
+    width, `norm_topk_prob`, and the layers that keep a dense MLP."""
+    if arch not in ("MixtralForCausalLM", "Qwen3MoeForCausalLM"):
+        return {}
+    num_experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+    fields: dict[str, Any] = {"num_experts": num_experts, "num_experts_per_tok": int(cfg["num_experts_per_tok"])}
+    if arch == "Qwen3MoeForCausalLM":
+        step = int(cfg.get("decoder_sparse_step") or 1)
+        only_dense = set(cfg.get("mlp_only_layers") or [])
+        fields["moe_intermediate_size"] = int(cfg["moe_intermediate_size"])
+        fields["norm_topk_prob"] = bool(cfg.get("norm_topk_prob", False))
+        fields["dense_mlp_layers"] = tuple(
+            i for i in range(int(cfg["num_hidden_layers"])) if i in only_dense or (i + 1) % step
+        )
+    return fields
 
 
 def rope_settings(cfg: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,81 @@
+"""Model stage: every checkpoint's tensors in one layout, the one Llama checkpoints have:
+separate q/k/v and gate/up projections, one tensor per expert, Llama's names.
+
+- Fused projections (Phi-3's `qkv_proj` and `gate_up_proj`; llama.cpp's `attn_qkv`, and
+  Phi-3's `ffn_up` holding gate and up) are cut into the separate projections.
+- Stacked experts (llama.cpp's `ffn_gate_exps` [experts, rows, cols], transformers 5's
+  in-memory `experts.gate_up_proj`) are cut into one tensor per expert.
+- Mixtral's names (`block_sparse_moe.experts.N.w1/w2/w3`) become `mlp.experts.N.gate_proj/
+  down_proj/up_proj`, Qwen3-MoE's.
+
+So one path (the model's stacking, tensor-parallel sharding, quantized parts) serves all,
+and it runs before sharding: a rank's share is cut from projections, never from a fused block.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from typing import TypeVar
+
+from pagellm.config.model import ModelConfig
+
+Rows = TypeVar("Rows")  # a torch tensor or a numpy array, cut along its first axis
+
+
+def fused_pieces(hf_name: str, config: ModelConfig) -> list[tuple[str, int, int]] | None:
+    """(name, first row, end row) of each projection inside a fused tensor, or None when
+    `hf_name` is not a fused one."""
+    for fused, parts in (("self_attn.qkv_proj", ("q_proj", "k_proj", "v_proj")), ("mlp.gate_up_proj", ("gate_proj", "up_proj"))):  # fmt: skip
+        marker = f".{fused}."
+        if marker not in hf_name:
+            continue
+        prefix, suffix = hf_name.split(marker)
+        module = fused.split(".")[0]
+        if parts[0] == "q_proj":
+            q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+            sizes = (q, kv, kv)
+        else:
+            width = config.expert_intermediate_size if ".experts." in hf_name else config.intermediate_size
+            sizes = (width, width)
+        pieces, start = [], 0
+        for part, size in zip(parts, sizes, strict=True):
+            pieces.append((f"{prefix}.{module}.{part}.{suffix}", start, start + size))
+            start += size
+        return pieces
+    return None
+
+
+_MIXTRAL_EXPERT = re.compile(r"\.block_sparse_moe\.(gate|experts\.\d+\.(w[123]))\.")
+_MIXTRAL_PROJECTION = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
+# Experts stacked in one tensor: [experts, rows, cols] (transformers' names end without .weight).
+_STACKED_EXPERTS = re.compile(r"\.mlp\.experts\.(gate_up_proj|gate_proj|up_proj|down_proj)(\.weight)?$")
+
+
+def renamed(hf_name: str) -> str:
+    """Mixtral's expert and router names as Qwen3-MoE's (`mlp.experts.N.gate_proj`, `mlp.gate`)."""
+    match = _MIXTRAL_EXPERT.search(hf_name)
+    if match is None:
+        return hf_name
+    inner = match.group(1)
+    if match.group(2) is not None:
+        inner = inner[: -len(match.group(2))] + _MIXTRAL_PROJECTION[match.group(2)]
+    return hf_name[: match.start()] + f".mlp.{inner}." + hf_name[match.end() :]
+
+
+def split_fused(name: str, rows: Rows, config: ModelConfig) -> Iterator[tuple[str, Rows]]:
+    """The tensor (renamed), or its projections when it is a fused or stacked one. A fused
+    tensor whose rows do not add up to the config's sizes is left whole (the model names it)."""
+    name = renamed(name)
+    stacked = _STACKED_EXPERTS.search(name)
+    if stacked is not None and rows.ndim == 3:  # type: ignore[attr-defined]
+        prefix = name[: stacked.start()]
+        for expert in range(rows.shape[0]):  # type: ignore[attr-defined]
+            yield from split_fused(f"{prefix}.mlp.experts.{expert}.{stacked.group(1)}.weight", rows[expert], config)  # type: ignore[index]
+        return
+    pieces = fused_pieces(name, config)
+    if pieces is None or pieces[-1][2] != rows.shape[0]:  # type: ignore[attr-defined]
+        yield name, rows
+        return
+    for piece, start, end in pieces:
+        yield piece, rows[start:end]  # type: ignore[index]

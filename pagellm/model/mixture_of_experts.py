@@ -1,0 +1,108 @@
+"""Model stage: a mixture-of-experts MLP (Mixtral, Qwen3-MoE) and the model classes that use it.
+
+The router scores every expert for every row (in float32), each row keeps its
+top-k experts (their weights renormalized to sum to 1 where the family asks), and the
+step's rows are then grouped by expert: each expert runs once, as ordinary linear layers
+(so the measured CPU kernels, and quantized weights kept as stored, serve experts as they
+serve dense layers) over all the rows routed to it, and its outputs, scaled by the
+routing weights, are added back to their rows. The loop is over the experts that
+received rows, never over tokens. Experts are added in ascending order, as transformers
+adds them, so float32 sums round alike.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagellm.config.model import ModelConfig
+from pagellm.model.llama import LlamaForCausalLM, LlamaMLP
+from pagellm.model.packable_layers import PackableLinear
+from pagellm.model.qwen3 import Qwen3ForCausalLM
+from pagellm.model.tensor_parallel import TPGroup
+
+
+class Expert(nn.Module):
+    """One expert: gate and up fused, SiLU-gated, then down (no all-reduce of its own)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = PackableLinear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = PackableLinear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+def route(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:  # weights [rows, top_k] float32, experts [rows, top_k] int64
+    """Each row's top-k experts and their weights (softmax over all experts, in float32)."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, experts
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, config: ModelConfig, tp: TPGroup | None = None) -> None:
+        super().__init__()
+        self.tp = tp  # every expert's down_proj is row-parallel: the summed output is all-reduced once
+        self.top_k = config.num_experts_per_tok
+        self.renormalize = config.norm_topk_prob
+        self.gate = PackableLinear(config.hidden_size, config.num_experts, bias=False)  # the router
+        self.experts = nn.ModuleList(
+            Expert(config.hidden_size, config.expert_intermediate_size) for _ in range(config.num_experts)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [rows, hidden] -> [rows, hidden]
+        weights, experts = route(self.router_logits(x), self.top_k, self.renormalize)
+        out = self.run_experts(x, weights, experts)
+        return out if self.tp is None else self.tp.all_reduce(out)
+
+    def router_logits(self, x: torch.Tensor) -> torch.Tensor:  # [rows, num_experts] float32
+        """The router in float32 whatever the model's dtype: it is small (experts x hidden),
+        and the choice it makes is discrete, so a bf16 rounding that reorders two experts
+        would send a row to another expert altogether."""
+        if x.dtype == torch.float32 or self.gate.weight is None:
+            return self.gate(x).float()
+        return F.linear(x.float(), self.gate.weight.float())
+
+    def run_experts(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """The experts' weighted outputs summed per row, one call per expert over its rows."""
+        flat = experts.reshape(-1)  # [rows * top_k]: choice j of row r at r * top_k + j
+        order = torch.argsort(flat, stable=True)  # choices grouped by expert
+        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        rows_of = order // self.top_k
+        scales = weights.reshape(-1)[order]
+        out = torch.zeros_like(x)
+        start = 0
+        for expert, count in zip(self.experts, counts, strict=True):
+            if count:
+                chosen = rows_of[start : start + count]
+                y = expert(x[chosen]) * scales[start : start + count, None].to(x.dtype)
+                out.index_add_(0, chosen, y.to(out.dtype))
+                start += count
+        return out
+
+
+class _MixtureOfExperts:
+    """What a family with sparse layers changes: its MLPs, and no C layer paths (they
+    compute dense MLPs only)."""
+
+    native_cpu_layers = False
+
+    def make_mlp(self, config: ModelConfig, tp: TPGroup | None, layer: int) -> nn.Module:
+        return SparseMoeBlock(config, tp) if config.is_sparse_layer(layer) else LlamaMLP(config, tp)
+
+
+class MixtralForCausalLM(_MixtureOfExperts, LlamaForCausalLM):
+    pass
+
+
+class Qwen3MoeForCausalLM(_MixtureOfExperts, Qwen3ForCausalLM):
+    pass

@@ -1,0 +1,93 @@
+"""The mixture-of-experts block (model/mixture_of_experts.py): routing and expert-grouped
+execution against a per-token reference written plainly here, at the edges (router ties,
+an expert that gets no rows, every row to one expert)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagellm.config.model import ModelConfig
+from pagellm.model.mixture_of_experts import SparseMoeBlock, route
+
+
+def config(num_experts: int = 4, top_k: int = 2, renormalize: bool = True) -> ModelConfig:
+    return ModelConfig(
+        architecture="Qwen3MoeForCausalLM", vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, rms_norm_eps=1e-6, num_experts=num_experts,
+        num_experts_per_tok=top_k, moe_intermediate_size=24, norm_topk_prob=renormalize,
+    )  # fmt: skip
+
+
+def block(cfg: ModelConfig, seed: int = 0) -> SparseMoeBlock:
+    torch.manual_seed(seed)
+    moe = SparseMoeBlock(cfg)
+    for param in moe.parameters():
+        torch.nn.init.normal_(param, std=0.3)
+    return moe
+
+
+def per_token_reference(moe: SparseMoeBlock, x: torch.Tensor) -> torch.Tensor:
+    """Each token on its own: softmax over the router, top-k, each chosen expert's output
+    weighted and summed in ascending expert order."""
+    out = torch.zeros_like(x)
+    for row in range(x.shape[0]):
+        probs = torch.softmax((x[row] @ moe.gate.weight.T).double(), dim=-1)
+        weights, chosen = torch.topk(probs, moe.top_k)
+        if moe.renormalize:
+            weights = weights / weights.sum()
+        for weight, expert_id in sorted(zip(weights.tolist(), chosen.tolist()), key=lambda pair: pair[1]):
+            expert = moe.experts[expert_id]
+            gate, up = (x[row] @ expert.gate_up_proj.weight.T).split(expert.intermediate_size)
+            out[row] += weight * ((F.silu(gate) * up) @ expert.down_proj.weight.T)
+    return out
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_grouped_execution_equals_the_per_token_reference(rows, renormalize):
+    moe = block(config(num_experts=8, top_k=3, renormalize=renormalize))
+    x = torch.randn(rows, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(moe(x), per_token_reference(moe, x), rtol=1e-5, atol=1e-5)
+
+
+def test_an_expert_with_no_rows_and_all_rows_to_one_expert():
+    moe = block(config(num_experts=4, top_k=1))
+    with torch.no_grad():
+        moe.gate.weight.zero_()
+        moe.gate.weight[2, 0] = 10.0  # expert 2 wins every row whose first feature is positive
+    x = torch.randn(9, 32)
+    x[:, 0] = x[:, 0].abs() + 0.5
+    weights, experts = route(moe.gate(x), 1, True)
+    assert experts.unique().tolist() == [2] and torch.all(weights == 1.0)
+    calls = {i: 0 for i in range(4)}
+    for i, expert in enumerate(moe.experts):
+        expert.register_forward_hook(lambda module, args, out, i=i: calls.__setitem__(i, calls[i] + 1))
+    with torch.no_grad():
+        torch.testing.assert_close(moe(x), per_token_reference(moe, x), rtol=1e-5, atol=1e-5)
+    assert calls == {0: 0, 1: 0, 2: 1, 3: 0}  # one call for all nine rows; the idle experts never run
+
+
+def test_router_ties_pick_as_torch_topk_does_and_weights_split_evenly():
+    logits = torch.zeros(3, 4)  # every expert scored alike
+    weights, experts = route(logits, 2, renormalize=True)
+    assert torch.equal(experts, torch.topk(torch.softmax(logits, -1), 2).indices)
+    torch.testing.assert_close(weights, torch.full((3, 2), 0.5))
+    unnormalized, _ = route(logits, 2, renormalize=False)
+    torch.testing.assert_close(unnormalized, torch.full((3, 2), 0.25))
+
+
+def test_a_config_with_more_chosen_than_experts_is_refused():
+    from pagellm.errors import UnsupportedModelError
+
+    with pytest.raises(UnsupportedModelError, match="num_experts_per_tok"):
+        config(num_experts=2, top_k=3)
+
+
+def test_the_startup_report_names_the_layout_and_the_experts():
+    cfg = config(num_experts=8, top_k=2)
+    line = cfg.describe()
+    assert line.startswith("Qwen3MoeForCausalLM: 1 layers")
+    assert "2 query / 1 KV heads of 16" in line and "experts: 8, 2 per token, 24 wide, in 1 layers" in line
