@@ -85,13 +85,13 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig, tp: TPGroup | None = None) -> None:
+    def __init__(self, config: ModelConfig, tp: TPGroup | None = None, intermediate_size: int | None = None) -> None:
         super().__init__()
         self.tp = tp  # down_proj is row-parallel: its partial sums are all-reduced
-        self.intermediate_size = config.intermediate_size
+        self.intermediate_size = intermediate_size or config.intermediate_size
         # gate and up projections fused into one matmul.
-        self.gate_up_proj = PackableLinear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = PackableLinear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = PackableLinear(config.hidden_size, 2 * self.intermediate_size, bias=False)
+        self.down_proj = PackableLinear(self.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)

@@ -23,20 +23,6 @@ from pagellm.model.qwen3 import Qwen3ForCausalLM
 from pagellm.model.tensor_parallel import TPGroup
 
 
-class Expert(nn.Module):
-    """One expert: gate and up fused, SiLU-gated, then down (no all-reduce of its own)."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
-        super().__init__()
-        self.intermediate_size = intermediate_size
-        self.gate_up_proj = PackableLinear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = PackableLinear(intermediate_size, hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
-
-
 def route(
     router_logits: torch.Tensor, top_k: int, renormalize: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:  # weights [rows, top_k] float32, experts [rows, top_k] int64
@@ -55,8 +41,10 @@ class SparseMoeBlock(nn.Module):
         self.top_k = config.num_experts_per_tok
         self.renormalize = config.norm_topk_prob
         self.gate = PackableLinear(config.hidden_size, config.num_experts, bias=False)  # the router
+        # Each expert is a gated MLP of its own width; no all-reduce of its own (tp=None):
+        # the block sums the experts first and all-reduces once.
         self.experts = nn.ModuleList(
-            Expert(config.hidden_size, config.expert_intermediate_size) for _ in range(config.num_experts)
+            LlamaMLP(config, None, config.expert_intermediate_size) for _ in range(config.num_experts)
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [rows, hidden] -> [rows, hidden]

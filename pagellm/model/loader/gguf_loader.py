@@ -280,29 +280,29 @@ def iter_gguf_weights(
         qtype = GGMLQuantizationType(tensor.tensor_type)
         stored = _stored_type(qtype)
         if stored is not None and stored in keep_types and _KEEPABLE.search(_piece_name(hf_name, config)):
-            dequantized = []
+            to_dequantize: list[str] | None = []  # the pieces whose stored blocks a TP split would cut
             stored_rows = _stored_rows(tensor)
             if len(tensor.shape) == 3:  # stacked experts: [experts, rows per expert, row bytes]
                 stored_rows = stored_rows.reshape(int(tensor.shape[2]), -1, stored_rows.shape[1])
             for name, rows in split_fused(hf_name, stored_rows, config):
                 part = _stored_part(name, rows, stored, config, shard)
                 if part is None:
-                    dequantized.append(name)
+                    to_dequantize.append(name)
                     logger.info(
                         "tensor %s (%s): its tensor-parallel split cuts quantization blocks: dequantized",
                         tensor.name, qtype.name,
                     )  # fmt: skip
                 else:
                     yield name, part
-            if not dequantized:
+            if not to_dequantize:
                 continue
         else:
-            dequantized = None
+            to_dequantize = None  # every piece
             if qtype not in _FLOAT_TYPES and keep_types:
                 logger.info("tensor %s (%s) has no native kernel here: dequantized", tensor.name, qtype.name)
         values = dequantize_tensor(tensor)
         for name, piece in split_fused(hf_name, values, config):
-            if dequantized is not None and name not in dequantized:
+            if to_dequantize is not None and name not in to_dequantize:
                 continue
             heads = _permuted_heads(name, config)
             if heads is not None:
