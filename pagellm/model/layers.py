@@ -38,8 +38,7 @@ def rope_inv_freq(
     if scaling.rope_type == "yarn":
         return _yarn_inv_freq(inv_freq, head_dim, theta, scaling)
     if scaling.rope_type == "longrope":  # the short factors; RotaryEmbedding adds the long ones
-        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
-        return 1.0 / (torch.tensor(scaling.short_factor, dtype=torch.float32) * theta**exponents)
+        return longrope_inv_freq(scaling.short_factor, head_dim, theta)
     # llama3: long wavelengths are slowed by `factor`, short ones kept, and the band in
     # between interpolated smoothly.
     low_freq_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
@@ -52,6 +51,12 @@ def rope_inv_freq(
     smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
     is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
     return torch.where(is_medium, smoothed, scaled)
+
+
+def longrope_inv_freq(factors: tuple[float, ...] | None, head_dim: int, theta: float) -> torch.Tensor:
+    """LongRoPE's frequencies: each one divided by its own factor, as transformers computes them."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
+    return 1.0 / (torch.tensor(factors, dtype=torch.float32) * theta**exponents)
 
 
 def _yarn_inv_freq(inv_freq: torch.Tensor, head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
@@ -123,8 +128,7 @@ class RotaryEmbedding(nn.Module):
             # step is this same rule; a prompt longer than the original context is the one
             # difference (there it rotates every prompt position by the long set).
             original = min(scaling.original_max_position_embeddings, max_positions)
-            long_inv_freq = 1.0 / (torch.tensor(scaling.long_factor, dtype=torch.float32) * theta ** (
-                torch.arange(0, self.rotary_dim, 2, dtype=torch.int64).to(torch.float32) / self.rotary_dim))  # fmt: skip
+            long_inv_freq = longrope_inv_freq(scaling.long_factor, self.rotary_dim, theta)
             freqs[original:] = torch.outer(positions[original:], long_inv_freq)
         attention_factor = rope_attention_factor(scaling)
         self.register_buffer("cos_cache", freqs.cos() * attention_factor, persistent=False)
