@@ -1,10 +1,14 @@
 """A ~1B Llama as Q4_0 (or Q4_K) GGUF, far bigger than the caches: pagellm against llama.cpp.
+With --experts, a mixture of experts of that shape (Mixtral's layout: a `llama` GGUF with
+stacked `ffn_*_exps` experts and an F32 router `ffn_gate_inp`).
 
     python benchmarks/quant_1b.py                  # Q4_0, the 1B shape (writes the file once)
     python benchmarks/quant_1b.py --type Q4_K      # Q4_K blocks instead
     python benchmarks/quant_1b.py --output-type Q6_K --skip llamacpp
     python benchmarks/quant_1b.py --layers 2 --hidden 256 --intermediate 512 --heads 4 \
         --kv-heads 2 --vocab 1000 --out /tmp/quant_1b_smoke.json   # a tiny shape (smoke test)
+    python benchmarks/quant_1b.py --layers 8 --hidden 1024 --intermediate 512 --heads 16 \
+        --kv-heads 4 --experts 32 --experts-used 4 --out benchmarks/results/moe_decode.json  # experts
 
 The quantized-decode target (pagellm against llama.cpp on the same file). Steps:
 1. The model: a random-weight GGUF of the Llama shape (default 22 layers, hidden 2048,
@@ -59,7 +63,7 @@ TYPES = ("Q4_0", "Q4_K", "Q6_K", "Q8_0")
 WEIGHT_RMS = 0.02
 LINEAR = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 SPEC_KEY = "pagellm.bench.spec"  # the spec a file was written from (reuse check)
-FORMAT_VERSION = 2  # of what write_gguf writes: a file of another version is written again
+FORMAT_VERSION = 3  # of what write_gguf writes: a file of another version is written again
 FILE_TYPES = {"Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0, "Q4_K": gguf.LlamaFileType.MOSTLY_Q4_K_S,
               "Q6_K": gguf.LlamaFileType.MOSTLY_Q6_K, "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}  # fmt: skip
 
@@ -71,6 +75,8 @@ def model_spec(args: argparse.Namespace) -> dict[str, Any]:
     spec = {key: getattr(args, key) for key in DEFAULT_SHAPE}
     spec.update(type=args.type, output_type=args.output_type or args.type, seed=args.seed, context=args.context,
                 format=FORMAT_VERSION)
+    if args.experts:  # a mixture of experts: each layer's MLP becomes experts of --intermediate rows
+        spec.update(experts=args.experts, experts_used=args.experts_used)
     return spec
 
 
@@ -79,6 +85,8 @@ def default_path(spec: dict[str, Any]) -> Path:
         f"llama-{spec['layers']}l-{spec['hidden']}h-{spec['intermediate']}i-{spec['heads']}x{spec['kv_heads']}-"
         f"{spec['vocab']}v"
     )  # fmt: skip
+    if spec.get("experts"):
+        name += f"-{spec['experts']}e{spec['experts_used']}"
     name += f"-{spec['type'].lower()}"
     if spec["output_type"] != spec["type"]:
         name += f"-out-{spec['output_type'].lower()}"
@@ -93,11 +101,18 @@ def tensor_plan(spec: dict[str, Any]) -> list[tuple[str, str, int, int]]:
     shapes = {"attn_q": (h, h), "attn_k": (kv, h), "attn_v": (kv, h), "attn_output": (h, h),
               "ffn_gate": (inter, h), "ffn_up": (inter, h), "ffn_down": (h, inter)}  # fmt: skip
     plan = [("token_embd.weight", t, spec["vocab"], h)]
+    experts = spec.get("experts", 0)
     for layer in range(spec["layers"]):
         plan.append((f"blk.{layer}.attn_norm.weight", "F32", 0, h))
         for kind in LINEAR[:4]:
             plan.append((f"blk.{layer}.{kind}.weight", t, *shapes[kind]))
         plan.append((f"blk.{layer}.ffn_norm.weight", "F32", 0, h))
+        if experts:  # the router (float32), then llama.cpp's stacked experts: rows = experts x per expert
+            plan.append((f"blk.{layer}.ffn_gate_inp.weight", "F32", experts, h))
+            for kind in LINEAR[4:]:
+                rows, k = shapes[kind]
+                plan.append((f"blk.{layer}.{kind}_exps.weight", t, experts * rows, k))
+            continue
         for kind in LINEAR[4:]:
             plan.append((f"blk.{layer}.{kind}.weight", t, *shapes[kind]))
     plan.append(("output_norm.weight", "F32", 0, h))
@@ -152,6 +167,9 @@ def write_gguf(path: Path, spec: dict[str, Any]) -> None:
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_rope_dimension_count(spec["hidden"] // spec["heads"])
     writer.add_vocab_size(spec["vocab"])
+    if spec.get("experts"):
+        writer.add_expert_count(spec["experts"])
+        writer.add_expert_used_count(spec["experts_used"])
     writer.add_string(SPEC_KEY, json.dumps(spec, sort_keys=True))
     tokens, merges = vocabulary(spec["vocab"])
     writer.add_tokenizer_model("gpt2")
@@ -164,18 +182,24 @@ def write_gguf(path: Path, spec: dict[str, Any]) -> None:
     # Tensor infos first, then each tensor's bytes generated and written one at a time.
     for name, type_name, rows, k in plan:
         if type_name == "F32":
-            writer.add_tensor_info(name, [k], np.dtype(np.float32), 4 * k)
+            shape = [k] if rows == 0 else [rows, k]  # a norm, or a router
+            writer.add_tensor_info(name, shape, np.dtype(np.float32), 4 * k * max(rows, 1))
         else:
             wtype = WeightType[type_name]
             nbytes = rows * file_row_bytes(wtype, k)
-            writer.add_tensor_info(name, [rows, file_row_bytes(wtype, k)], np.dtype(np.uint8), nbytes,
+            shape = [rows, file_row_bytes(wtype, k)]
+            if name.endswith("_exps.weight"):
+                shape = [spec["experts"], rows // spec["experts"], file_row_bytes(wtype, k)]
+            writer.add_tensor_info(name, shape, np.dtype(np.uint8), nbytes,
                                    raw_dtype=gguf.GGMLQuantizationType(int(wtype)))  # fmt: skip
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     start = time.perf_counter()
     for name, type_name, rows, k in plan:
-        if type_name == "F32":
+        if type_name == "F32" and rows:  # a router: random, so that tokens spread over the experts
+            writer.write_tensor_data(rng.normal(0.0, 1.0, (rows, k)).astype(np.float32))
+        elif type_name == "F32":
             writer.write_tensor_data(np.ones(k, dtype=np.float32))
         else:
             writer.write_tensor_data(random_blocks(WeightType[type_name], rows, k, rng, scales[type_name]))
@@ -214,11 +238,12 @@ def check_llamacpp_loads(path: Path) -> str:
 
 
 def file_bytes(path: Path) -> dict[str, Any]:
-    """Tensor bytes of the file: all, and those one decode step reads (linear layers + LM head)."""
+    """Tensor bytes of the file: all, those one decode step reads (linear layers, routers
+    and the LM head; with experts, every expert), and the experts' share of them."""
     reader = gguf.GGUFReader(str(path))
     names = {t.name for t in reader.tensors}
     head = "output.weight" if "output.weight" in names else "token_embd.weight"
-    linear = re.compile(r"^blk\.\d+\.(" + "|".join(LINEAR) + r")\.weight$")
+    linear = re.compile(r"^blk\.\d+\.(" + "|".join(LINEAR) + r")(_exps|_inp)?\.weight$")
     types: dict[str, int] = {}
     for t in reader.tensors:
         kind = gguf.GGMLQuantizationType(t.tensor_type).name
@@ -227,6 +252,7 @@ def file_bytes(path: Path) -> dict[str, Any]:
         "file_bytes": path.stat().st_size,
         "tensor_bytes": sum(int(t.n_bytes) for t in reader.tensors),
         "step_bytes": sum(int(t.n_bytes) for t in reader.tensors if linear.match(t.name) or t.name == head),
+        "expert_bytes": sum(int(t.n_bytes) for t in reader.tensors if t.name.endswith("_exps.weight")),
         "tensor_bytes_by_type": types,
     }
 
@@ -303,6 +329,16 @@ def run_throughput(path: Path, backend: str, workload: list[str], result_file: P
 # -- 4./5. report ------------------------------------------------------------------------------
 
 
+def step_bytes_read(sizes: dict[str, Any], spec: dict[str, Any], streams: int) -> float:
+    """Bytes of weights a decode step of `streams` tokens reads: everything but the experts,
+    and of the experts the share some token is routed to (expected for uniform routing,
+    1 - (1 - used/experts)^streams; the random routers spread tokens about uniformly)."""
+    if not spec.get("experts"):
+        return sizes["step_bytes"]
+    untouched = (1 - spec["experts_used"] / spec["experts"]) ** streams
+    return sizes["step_bytes"] - sizes["expert_bytes"] * untouched
+
+
 def gib(n: float) -> str:
     return f"{n / 2**30:.3f} GiB" if n >= 2**28 else f"{n / 2**20:.1f} MiB"
 
@@ -319,6 +355,9 @@ def main() -> int:
     parser.add_argument("--type", choices=TYPES[:2], default="Q4_0", help="type of the linear weights and embedding")
     parser.add_argument("--output-type", choices=TYPES, default=None, help="type of the LM head (default: --type)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    parser.add_argument("--experts", type=int, default=0,
+                        help="a mixture of experts: this many experts of --intermediate rows per layer (0: dense)")
+    parser.add_argument("--experts-used", type=int, default=2, help="experts per token (with --experts)")
     parser.add_argument("--model-path", type=Path, default=None, help="the GGUF (default: /tmp/pagellm-bench/...)")
     parser.add_argument("--rewrite", action="store_true", help="write the GGUF even if a matching one exists")
     parser.add_argument("--prompt-len", type=int, default=16)
@@ -360,7 +399,8 @@ def main() -> int:
             print(llamacpp_check, flush=True)
     sizes = file_bytes(path)
     print(f"file: {gib(sizes['file_bytes'])}; tensors {gib(sizes['tensor_bytes'])}; "
-          f"read per decode step (linear + LM head) {gib(sizes['step_bytes'])}", flush=True)  # fmt: skip
+          f"read per decode step (linear + LM head{', every expert' if spec.get('experts') else ''}) "
+          f"{gib(sizes['step_bytes'])}", flush=True)  # fmt: skip
 
     import torch  # after the file is written (the writer needs none of it)
 
@@ -406,10 +446,11 @@ def main() -> int:
                     run["error"] = record["error"]
                 else:
                     steps = record["output_tok_s"] / streams
+                    read = step_bytes_read(sizes, spec, streams)
                     run.update(output_tok_s=record["output_tok_s"], elapsed_s=record["elapsed_s"],
-                               decode_steps_per_s=round(steps, 2),
-                               achieved_gb_s=round(sizes["step_bytes"] * steps / 1e9, 2),
-                               fraction_of_copy_bw=round(sizes["step_bytes"] * steps / copy_bw, 3),
+                               decode_steps_per_s=round(steps, 2), bytes_read_per_step=read,
+                               achieved_gb_s=round(read * steps / 1e9, 2),
+                               fraction_of_copy_bw=round(read * steps / copy_bw, 3),
                                settings=record["settings"])  # fmt: skip
                 runs.append(run)
 
