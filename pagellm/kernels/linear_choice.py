@@ -217,11 +217,10 @@ def measure_choice(shapes: Sequence[LinearShape], timer: Timer, budget_seconds: 
 def _confirm_close_calls(times: BucketTimes, shape: LinearShape, rows: int, timer: Timer) -> None:
     """Time the two fastest candidates again, alternately, when they are within
     CONFIRM_MARGIN of each other; each keeps its best time."""
-    ranked = sorted((t, index) for index, t in enumerate(times.values()) if t is not None)
+    ranked = sorted((t, impl) for impl, t in times.items() if t is not None)
     if len(ranked) < 2 or ranked[1][0] > ranked[0][0] * (1 + CONFIRM_MARGIN):
         return
-    impls = list(times)
-    contenders = [impls[ranked[0][1]], impls[ranked[1][1]]]
+    contenders = [ranked[0][1], ranked[1][1]]
     for _ in range(CONFIRM_ROUNDS):
         for impl in contenders:
             try:

@@ -91,7 +91,6 @@ class RooflineCostModel:
         self._flops = gpu.peak_flops * params.compute_efficiency
         self._bandwidth = gpu.memory_bandwidth * params.bandwidth_efficiency
         # Per-step constants, so that predict() is a handful of multiplications.
-        self._linear_memory_s = costs.linear_weight_bytes / self._bandwidth
         self._head_memory_s = costs.lm_head_weight_bytes / self._bandwidth
         self._linear_s_per_token = costs.linear_flops_per_token / self._flops
         self._head_s_per_row = costs.lm_head_flops_per_row / self._flops
@@ -110,9 +109,8 @@ class RooflineCostModel:
     def breakdown(self, batch: StepBatch) -> StepTime:
         num_tokens = batch.num_tokens
         linear_compute_s = num_tokens * self._linear_s_per_token
-        linear_memory_s = self._linear_memory_s
-        if self.costs.expert_weight_bytes:  # a mixture of experts reads only the experts its tokens use
-            linear_memory_s = self.costs.linear_bytes_read(num_tokens) / self._bandwidth
+        # Every dense matrix once; of a mixture of experts, the experts its tokens use.
+        linear_memory_s = self.costs.linear_bytes_read(num_tokens) / self._bandwidth
         linear_s = max(linear_compute_s, linear_memory_s) if num_tokens else 0.0
         pairs = batch.prefill_attention_pairs + batch.decode_attention_pairs
         # Reads of the cached context (prefix hits and earlier chunks too) and writes of
