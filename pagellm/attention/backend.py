@@ -29,7 +29,8 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [num_reqs, max_num_blocks_per_req] int64
     query_start_loc: list[int]  # [num_reqs + 1]
     seq_lens: list[int]  # [num_reqs] context length including this step's tokens
-    # What a backend derives from the rest once per step (every layer reuses it).
+    # What a backend derives from the rest once per step (every layer reuses it; keyed by
+    # sliding window where the plan depends on it).
     backend_plan: Any = None
 
     @property
@@ -51,5 +52,8 @@ class AttentionBackend(ABC):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        """Store key/value in the cache, then attend over each request's context."""
+        """Store key/value in the cache, then attend over each request's context: with a
+        sliding window, a query at position p over positions p - sliding_window + 1 .. p
+        only (blocks wholly before that may already hold other requests' tokens)."""

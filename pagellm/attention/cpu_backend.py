@@ -33,6 +33,7 @@ class _NativePlan:
     rows: torch.Tensor  # [num_tokens] int64 row of the flat batch
     reqs: torch.Tensor  # [num_tokens] int64 index into block_tables
     seq_lens: torch.Tensor  # [num_tokens] int64 context the row attends to (causal)
+    key_starts: torch.Tensor | None  # [num_tokens] int64 first position it attends to (sliding window)
     max_seq_len: int
     num_threads: int
 
@@ -52,20 +53,28 @@ class CpuAttentionBackend(TorchAttentionBackend):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         if not _kernel_can_run(query, kv_cache):
-            return super().forward(query, key, value, kv_cache, metadata, scale)
+            return super().forward(query, key, value, kv_cache, metadata, scale, sliding_window)
         write_kv_to_cache(key, value, kv_cache, metadata.slot_mapping)
-        return self.attend_cached(query, kv_cache, metadata, scale)
+        return self.attend_cached(query, kv_cache, metadata, scale, sliding_window)
 
     def attend_cached(
-        self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Attention of every query row over its context, the step's new K/V already in the
         cache (the caller wrote them)."""
         if metadata.backend_plan is None:
-            metadata.backend_plan = _plan_step(metadata)
-        plan: _NativePlan = metadata.backend_plan
+            metadata.backend_plan = {}
+        plan: _NativePlan | None = metadata.backend_plan.get(("native", sliding_window))
+        if plan is None:
+            plan = metadata.backend_plan["native", sliding_window] = _plan_step(metadata, sliding_window)
         output = torch.empty(query.shape, dtype=query.dtype)
         if plan.rows.numel():
             self._attend(query, kv_cache, metadata, plan, scale, output)
@@ -90,7 +99,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
             query.data_ptr(), query.stride(0),
             kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
             tables.data_ptr(), tables.stride(0),
-            plan.rows.data_ptr(), plan.reqs.data_ptr(), plan.seq_lens.data_ptr(), plan.rows.numel(),
+            plan.rows.data_ptr(), plan.reqs.data_ptr(), plan.seq_lens.data_ptr(),
+            None if plan.key_starts is None else plan.key_starts.data_ptr(), plan.rows.numel(),
             num_heads, num_kv_heads, head_dim, block_size,
             scale, ELEMENT_TYPES[query.dtype], ELEMENT_TYPES[kv_cache.dtype], plan.num_threads, plan.max_seq_len,
             output.data_ptr(), output.stride(0), self._workspace.data_ptr(),
@@ -109,7 +119,7 @@ def _kernel_can_run(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     )
 
 
-def _plan_step(metadata: AttentionMetadata) -> _NativePlan:
+def _plan_step(metadata: AttentionMetadata, sliding_window: int | None) -> _NativePlan:
     starts, seq_lens = metadata.query_start_loc, metadata.seq_lens
     assert metadata.block_tables.dtype == torch.int64 and metadata.block_tables.is_contiguous()
     rows: list[int] = []
@@ -122,10 +132,14 @@ def _plan_step(metadata: AttentionMetadata) -> _NativePlan:
         rows.extend(range(starts[r], starts[r + 1]))
         reqs.extend([r] * query_len)
         lengths.extend(range(seq_lens[r] - query_len + 1, seq_lens[r] + 1))
+    key_starts = None
+    if sliding_window is not None:
+        key_starts = torch.tensor([max(0, length - sliding_window) for length in lengths], dtype=torch.int64)
     return _NativePlan(
         rows=torch.tensor(rows, dtype=torch.int64),
         reqs=torch.tensor(reqs, dtype=torch.int64),
         seq_lens=torch.tensor(lengths, dtype=torch.int64),
+        key_starts=key_starts,
         max_seq_len=max(lengths, default=0),
         num_threads=torch.get_num_threads(),
     )

@@ -35,11 +35,15 @@ def gather_context(
     cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     block_table: torch.Tensor,  # [max_num_blocks_per_req]
     seq_len: int,
-) -> torch.Tensor:  # [seq_len, num_kv_heads, head_dim]
+    start: int = 0,
+) -> torch.Tensor:  # [seq_len - start, num_kv_heads, head_dim]
+    """Positions start .. seq_len - 1 of a request's context (blocks before start's unread)."""
     block_size = cache.shape[1]
+    first_block = start // block_size
     num_blocks = -(-seq_len // block_size)
-    blocks = cache.index_select(0, block_table[:num_blocks])
-    return blocks.flatten(0, 1)[:seq_len]
+    blocks = cache.index_select(0, block_table[first_block:num_blocks])
+    offset = first_block * block_size
+    return blocks.flatten(0, 1)[start - offset : seq_len - offset]
 
 
 @dataclass(frozen=True)
@@ -48,7 +52,7 @@ class _DecodeGroup:
 
     rows: torch.Tensor  # [num] rows of the flat batch (one query token each)
     tables: torch.Tensor  # [num, num_blocks] the blocks to gather
-    padding: torch.Tensor  # [num, num_blocks * block_size] True past a request's context
+    padding: torch.Tensor  # [num, num_blocks * block_size] True outside a request's keys
 
 
 @dataclass(frozen=True)
@@ -71,16 +75,20 @@ class TorchAttentionBackend(AttentionBackend):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         write_kv_to_cache(key, value, kv_cache, metadata.slot_mapping)
         if metadata.backend_plan is None:
-            metadata.backend_plan = _plan_step(metadata, kv_cache.shape[2], query.device)
-        plan: _StepPlan = metadata.backend_plan
+            metadata.backend_plan = {}
+        plan: _StepPlan | None = metadata.backend_plan.get(("torch", sliding_window))
+        if plan is None:
+            plan = _plan_step(metadata, kv_cache.shape[2], query.device, sliding_window)
+            metadata.backend_plan["torch", sliding_window] = plan
         output = torch.empty_like(query)
         for group in plan.decode_groups:
             self._batched_decode(query, kv_cache, group, scale, output)
         for r in plan.others:
-            self._one_request(query, key, value, kv_cache, metadata, r, scale, output)
+            self._one_request(query, key, value, kv_cache, metadata, r, scale, output, sliding_window)
         return output
 
     @staticmethod
@@ -93,12 +101,23 @@ class TorchAttentionBackend(AttentionBackend):
         r: int,
         scale: float,
         output: torch.Tensor,
+        sliding_window: int | None = None,
     ) -> None:
         start, end = metadata.query_start_loc[r], metadata.query_start_loc[r + 1]
         seq_len = metadata.seq_lens[r]
         query_len = end - start
         q = query[start:end].transpose(0, 1)  # [heads, tokens, head_dim]
-        if query_len == seq_len:
+        if sliding_window is not None and seq_len > sliding_window:
+            # Keys from the first query's window start on; each query masks its own.
+            first_key = max(0, seq_len - query_len - sliding_window + 1)
+            k = gather_context(kv_cache[0], metadata.block_tables[r], seq_len, first_key).transpose(0, 1)
+            v = gather_context(kv_cache[1], metadata.block_tables[r], seq_len, first_key).transpose(0, 1)
+            device = query.device
+            q_pos = torch.arange(seq_len - query_len, seq_len, device=device).unsqueeze(1)
+            k_pos = torch.arange(first_key, seq_len, device=device).unsqueeze(0)
+            mask = (k_pos <= q_pos) & (k_pos > q_pos - sliding_window)
+            out = _sdpa(q, k.to(q.dtype), v.to(q.dtype), mask, scale)
+        elif query_len == seq_len:
             # Nothing cached before this chunk: attend over its own new K/V directly,
             # rounded as the cache holds them (what every later read sees).
             k = as_stored(key[start:end], kv_cache.dtype).transpose(0, 1)
@@ -141,21 +160,35 @@ class TorchAttentionBackend(AttentionBackend):
         output[group.rows] = out.view(num, num_kv_heads * group_size, head_dim)
 
 
-def _plan_step(metadata: AttentionMetadata, block_size: int, device: torch.device) -> _StepPlan:
-    """Split the step's requests into decode groups and prefill chunks (once per step)."""
+def _plan_step(
+    metadata: AttentionMetadata, block_size: int, device: torch.device, sliding_window: int | None = None
+) -> _StepPlan:
+    """Split the step's requests into decode groups and prefill chunks (once per step).
+
+    A decode row reads keys first_key .. seq_len - 1: all of them, or its sliding window.
+    Its gathered blocks start at first_key's, so blocks before the window are not read.
+    """
     starts, seq_lens = metadata.query_start_loc, metadata.seq_lens
     decodes = [r for r in range(metadata.num_reqs) if starts[r + 1] - starts[r] == 1]
     others = [r for r in range(metadata.num_reqs) if starts[r + 1] - starts[r] != 1]
+    first_keys = [0 if sliding_window is None else max(0, length - sliding_window) for length in seq_lens]
+    first_blocks = [first_key // block_size for first_key in first_keys]
+    spans = [seq_lens[r] - first_blocks[r] * block_size for r in range(metadata.num_reqs)]
     groups = []
-    for members in _length_groups(decodes, seq_lens):
-        lengths = [seq_lens[r] for r in members]
-        num_blocks = -(-max(lengths) // block_size)
-        positions = torch.arange(num_blocks * block_size, device=device).unsqueeze(0)
+    for members in _length_groups(decodes, spans):
+        num_blocks = -(-max(spans[r] for r in members) // block_size)
+        index = torch.tensor(members, device=device)
+        first_block = torch.tensor([first_blocks[r] for r in members], device=device).unsqueeze(1)
+        columns = (first_block + torch.arange(num_blocks, device=device)).clamp(max=metadata.block_tables.shape[1] - 1)
+        # Position of each gathered key, and the request's own key range.
+        positions = first_block * block_size + torch.arange(num_blocks * block_size, device=device)
+        lengths = torch.tensor([seq_lens[r] for r in members], device=device).unsqueeze(1)
+        lowest = torch.tensor([first_keys[r] for r in members], device=device).unsqueeze(1)
         groups.append(
             _DecodeGroup(
                 rows=torch.tensor([starts[r] for r in members], device=device),
-                tables=metadata.block_tables[torch.tensor(members, device=device), :num_blocks],
-                padding=positions >= torch.tensor(lengths, device=device).unsqueeze(1),
+                tables=metadata.block_tables[index.unsqueeze(1), columns],
+                padding=(positions >= lengths) | (positions < lowest),
             )
         )
     return _StepPlan(groups, others)

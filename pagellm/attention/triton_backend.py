@@ -85,6 +85,7 @@ class TritonAttentionBackend(AttentionBackend):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         assert kv_cache.is_contiguous(), "the kernels index the cache as contiguous"
         store_kv(key, value, kv_cache, metadata.slot_mapping)
@@ -94,7 +95,7 @@ class TritonAttentionBackend(AttentionBackend):
         plan: TritonPlan = metadata.backend_plan
         output = torch.empty_like(query)
         for launch in plan.launches:
-            _run_launch(query, kv_cache, metadata.block_tables, plan, launch, scale, output, self.tuning)
+            _run_launch(query, kv_cache, metadata.block_tables, plan, launch, scale, output, self.tuning, sliding_window)
         return output
 
     # ---------------------------------------------------------------- planning
@@ -225,6 +226,7 @@ def _run_launch(
     scale: float,
     output: torch.Tensor,
     tuning: TritonTuning,
+    sliding_window: int | None = None,
 ) -> None:
     num_heads, head_dim = query.shape[1:]
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
@@ -239,7 +241,7 @@ def _run_launch(
         query, kv_cache[0], kv_cache[1], block_tables, plan.seq_lens, plan.query_start_loc,
         launch.tile_req, launch.tile_start, output, partial_out, partial_max, partial_sum,
         query.stride(0), query.stride(1), output.stride(0), output.stride(1),
-        block_tables.stride(0), scale * LOG2E,
+        block_tables.stride(0), scale * LOG2E, sliding_window or 0,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, GROUP=num_heads // num_kv_heads, BLOCK_Q=launch.block_q,
         BLOCK_M=launch.block_m, BLOCK_N=max(_MIN_DOT, tuning.block_n), BLOCK_D=block_d,

@@ -112,6 +112,7 @@ def paged_attention_kernel(
     output_stride_head,
     block_table_stride,
     scale_log2,  # softmax scale * log2(e): the kernel works in base 2
+    window,  # sliding window (a query at p sees keys p - window + 1 .. p); 0: none
     NUM_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -152,13 +153,17 @@ def paged_attention_kernel(
     if DOT_IN_FP32:
         q = q.to(tl.float32)
 
-    # Keys this tile can see: up to the causal limit of its last token.
+    # Keys this tile can see: up to the causal limit of its last token, from the window
+    # start of its first (blocks before it are never read: they may be reused).
     last_token = tl.minimum(tile_start + BLOCK_Q, query_len) - 1
     kv_end = tl.minimum(context_before + last_token + 1, seq_len)
-    kv_begin = 0
+    kv_first = 0
+    if window > 0:
+        kv_first = tl.maximum(context_before + tile_start - window + 1, 0)
+    kv_begin = kv_first
     if NUM_SPLITS > 1:
-        split_len = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
-        kv_begin = split * split_len
+        split_len = tl.cdiv(tl.cdiv(kv_end - kv_first, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        kv_begin = kv_first + split * split_len
         kv_end = tl.minimum(kv_end, kv_begin + split_len)
 
     running_max = tl.full([BLOCK_M], _NEG_BIG, dtype=tl.float32)
@@ -190,6 +195,8 @@ def paged_attention_kernel(
             scores = tl.dot(q, tl.trans(k))
         scores = scores * scale_log2
         visible = key_valid[None, :] & (keys[None, :] <= row_position[:, None])
+        if window > 0:
+            visible = visible & (keys[None, :] > row_position[:, None] - window)
         scores = tl.where(visible, scores, float("-inf"))
         new_max = tl.maximum(running_max, tl.max(scores, axis=1))
         probs = tl.exp2(scores - new_max[:, None])

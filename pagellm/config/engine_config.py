@@ -117,9 +117,6 @@ def resolve_dtype(name: str, device_type: str, facts: DeviceFacts) -> str:
 def resolve_max_model_len(requested: int | None, model_config: ModelConfig, model_name: str = "the model") -> int:
     """The model's context length, or the user's shorter one."""
     model_max = model_config.max_position_embeddings
-    if model_config.sliding_window is not None:
-        # Without sliding-window attention, results are exact only within the window.
-        model_max = min(model_max, model_config.sliding_window)
     if requested is None:
         return model_max
     if requested > model_max:

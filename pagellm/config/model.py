@@ -70,7 +70,10 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # biases on q/k/v (Qwen2; Llama with attention_bias)
     attention_out_bias: bool = False  # bias on o_proj (Llama with attention_bias)
-    sliding_window: int | None = None  # exact only while contexts stay within it
+    # Sliding-window attention: a query at position p sees keys p - sliding_window + 1 ..
+    # p, in the layers named by sliding_window_layers (None: every layer, as Mistral).
+    sliding_window: int | None = None
+    sliding_window_layers: tuple[int, ...] | None = None
     qk_norm: bool = False  # RMSNorm over each head of q and k before rotary (Qwen3)
     partial_rotary_factor: float = 1.0  # the share of each head's dimensions that rotary turns (Phi-4-mini)
     # Mixture of experts (Mixtral, Qwen3-MoE); 0 experts: every MLP is dense.
@@ -83,6 +86,8 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise UnsupportedModelError(f"sliding_window must be at least 1, got {self.sliding_window}")
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise UnsupportedModelError(
                 f"num_experts_per_tok ({self.num_experts_per_tok}) must be between 1 and num_experts ({self.num_experts})."
@@ -97,9 +102,11 @@ class ModelConfig:
         """The startup report's architecture line, e.g. `Qwen3MoeForCausalLM: 48 layers;
         attention: 48 global, 32 query / 4 KV heads of 128, q/k norms; experts: 128, 8 per
         token, 768 wide, in 48 layers`."""
-        attention = f"{self.num_hidden_layers} global"
-        if self.sliding_window is not None:
-            attention = f"{self.num_hidden_layers} local (window {self.sliding_window})"
+        num_local = sum(self.layer_window(layer) is not None for layer in range(self.num_hidden_layers))
+        num_global = self.num_hidden_layers - num_local
+        attention = f"{num_global} global"
+        if num_local:
+            attention = f"{num_local} local (window {self.sliding_window})" + (f" : {num_global} global" if num_global else "")
         parts = [
             f"{self.architecture}: {self.num_hidden_layers} layers",
             f"attention: {attention}, {self.num_attention_heads} query / {self.num_key_value_heads} KV heads "
@@ -115,6 +122,14 @@ class ModelConfig:
                 f"{self.expert_intermediate_size} wide, in {sparse} layers"
             )
         return "; ".join(parts)
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of layer `layer`'s attention (None: it sees the whole context)."""
+        if self.sliding_window is None:
+            return None
+        if self.sliding_window_layers is None or layer in self.sliding_window_layers:
+            return self.sliding_window
+        return None
 
     @property
     def expert_intermediate_size(self) -> int:

@@ -204,7 +204,7 @@ def _declare(library: ctypes.CDLL) -> None:
         c_void_p, c_int64,  # query, query row stride
         c_void_p, c_void_p,  # key cache, value cache
         c_void_p, c_int64,  # block tables, table row stride
-        c_void_p, c_void_p, c_void_p, c_int64,  # rows, request indices, seq lens, num decodes
+        c_void_p, c_void_p, c_void_p, c_void_p, c_int64,  # rows, request indices, seq lens, key starts (or NULL), num decodes
         c_int, c_int, c_int, c_int,  # num heads, num kv heads, head dim, block size
         c_float, c_int, c_int,  # scale, query/output element type, cache element type (ELEMENT_TYPES)
         c_int, c_int64,  # num threads, max seq len

@@ -42,9 +42,10 @@ if TYPE_CHECKING:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, tp: TPGroup | None = None) -> None:
+    def __init__(self, config: ModelConfig, tp: TPGroup | None = None, layer: int = 0) -> None:
         super().__init__()
         self.tp = tp  # o_proj is row-parallel: its partial sums are all-reduced
+        self.sliding_window = config.layer_window(layer)
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -72,7 +73,7 @@ class LlamaAttention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = self.position_qk(q, k, cos_sin)
-        out = backend.forward(q, k, v, kv_cache, metadata, self.scale)
+        out = backend.forward(q, k, v, kv_cache, metadata, self.scale, self.sliding_window)
         projected = self.o_proj(out.reshape(num_tokens, self.q_size))
         return projected if self.tp is None else self.tp.all_reduce(projected)
 
@@ -106,10 +107,11 @@ class LlamaDecoderLayer(nn.Module):
         tp: TPGroup | None = None,
         attention_class: type[LlamaAttention] = LlamaAttention,
         mlp: nn.Module | None = None,
+        layer: int = 0,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = attention_class(config, tp)
+        self.self_attn = attention_class(config, tp, layer)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config, tp) if mlp is None else mlp
 
@@ -164,7 +166,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding.for_model(config, rope_freq_divisors)
         self.embed_tokens = PackableEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, tp, self.attention_class, self.make_mlp(config, tp, i))
+            LlamaDecoderLayer(config, tp, self.attention_class, self.make_mlp(config, tp, i), i)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)

@@ -12,8 +12,8 @@ from pagellm.model.tensor_parallel import TPGroup
 
 
 class Qwen3Attention(LlamaAttention):
-    def __init__(self, config: ModelConfig, tp: TPGroup | None = None) -> None:
-        super().__init__(config, tp)
+    def __init__(self, config: ModelConfig, tp: TPGroup | None = None, layer: int = 0) -> None:
+        super().__init__(config, tp, layer)
         # One weight of head_dim, shared by every head (so a tensor-parallel rank keeps it whole).
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)

@@ -57,7 +57,7 @@ def main() -> None:
                 tile_req_ptr="*i32", tile_start_ptr="*i32", output_ptr=f"*{dtype}",
                 partial_out_ptr="*fp32", partial_max_ptr="*fp32", partial_sum_ptr="*fp32",
                 query_stride_token="i32", query_stride_head="i32", output_stride_token="i32",
-                output_stride_head="i32", block_table_stride="i32", scale_log2="fp32",
+                output_stride_head="i32", block_table_stride="i32", scale_log2="fp32", window="i32",
             )  # fmt: skip
             for name, block_q, block_m, splits in (
                 ("decode", 1, decode_m, 1),

@@ -82,11 +82,11 @@ def test_max_model_len_and_the_token_budget():
         resolve(max_model_len=2000)
 
 
-def test_a_sliding_window_model_is_capped_at_its_window():
+def test_a_sliding_window_model_keeps_its_whole_context():
+    # The window limits what a layer attends to, not how long a request may be.
     windowed = dataclasses.replace(MODEL, sliding_window=64)
-    assert resolve(model=windowed).max_model_len == 64
-    with pytest.raises(ConfigError, match="exceeds what tiny supports \\(64\\)"):
-        resolve(model=windowed, max_model_len=100)
+    assert resolve(model=windowed).max_model_len == MODEL.max_position_embeddings
+    assert resolve(model=windowed, max_model_len=100).max_model_len == 100
 
 
 @pytest.mark.parametrize("profile", sorted(PROFILES))

@@ -32,6 +32,11 @@ FAMILIES = {
                       "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0, 1.2, 1.5, 2.0],
                                        "long_factor": [1.0, 3.0, 7.0, 15.0]}}),  # fmt: skip
     "mixtral": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    # Sliding windows far shorter than most prompts: every layer (Mistral), or a hybrid of
+    # full and sliding layers (Qwen2 with max_window_layers, the layout Gemma uses).
+    "mistral_sliding": ("mistral", {"sliding_window": 12}),
+    "qwen2_hybrid": ("qwen2", {"use_sliding_window": True, "sliding_window": 10, "max_window_layers": 1,
+                               "num_hidden_layers": 3}),  # fmt: skip
     # Qwen3-MoE: q/k norms, 8 narrow experts, top-2 unnormalized, one dense layer.
     "qwen3_moe": ("qwen3_moe", {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
                                 "mlp_only_layers": [0]}),  # fmt: skip

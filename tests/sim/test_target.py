@@ -54,11 +54,12 @@ def test_same_engine_config_as_the_engine(tiny_model, fields):
 
 def test_a_sliding_window_model_gets_one_answer(tmp_path):
     """A Mistral-style checkpoint with 4096 positions and a 64-token window: the engine
-    and `pagellm simulate --model` on the same folder plan the same max_model_len."""
+    and `pagellm simulate --model` on the same folder plan the same max_model_len (the
+    model's context: the window limits attention, not the length)."""
     folder = make_tiny_hf_checkpoint(tmp_path, "mistral", seed=1, max_position_embeddings=4096, sliding_window=64)
     engine = LLMEngine.from_engine_args(EngineArgs(model=str(folder), dtype="float32", disable_log_stats=True))
     engine_len = engine.config.max_model_len
     engine.close()
     args = build_parser().parse_args(["simulate", "--model", str(folder), "--gpu", "H100-SXM"])
     target = target_from_args(args)
-    assert resolve_engine_config(target, EngineArgs()).scheduler_config.max_model_len == engine_len == 64
+    assert resolve_engine_config(target, EngineArgs()).scheduler_config.max_model_len == engine_len == 4096

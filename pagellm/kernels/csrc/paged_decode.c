@@ -49,7 +49,8 @@ static inline void load_row(const void *base, int64_t offset, int head_dim, int 
 
 /*
  * One item: the query heads of kv heads [kv_head, kv_head + span) of one request attend
- * over its seq_len context positions, read block by block through `table`. With span =
+ * over its context positions [start, seq_len) (start > 0: a sliding window), read block
+ * by block through `table`; blocks before start's are never read (they may be reused). With span =
  * all kv heads, each position's K (and V) row is one contiguous read.
  * HEAD_DIM is a compile-time constant in the specialised copies below, so the inner
  * loops unroll fully.
@@ -57,7 +58,7 @@ static inline void load_row(const void *base, int64_t offset, int head_dim, int 
  */
 #define DEFINE_ATTEND(NAME, HEAD_DIM_EXPR)                                                    \
 static void NAME(const float *q, const void *key_cache, const void *value_cache,            \
-                 const int64_t *table, int64_t seq_len, int kv_head, int span,               \
+                 const int64_t *table, int64_t start, int64_t seq_len, int kv_head, int span, \
                  int num_kv_heads, int group, int head_dim_arg, int block_size, float scale, \
                  int cache_type, float *scores, float *acc)                                  \
 {                                                                                            \
@@ -68,11 +69,12 @@ static void NAME(const float *q, const void *key_cache, const void *value_cache,
     float row[span * head_dim];                                                              \
     float best[heads], total[heads];                                                         \
     for (int h = 0; h < heads; h++) best[h] = -FLT_MAX;                                      \
+    const int64_t first_block = start - start % block_size;                                   \
     /* Pass 1: scaled scores q . k, block by block. */                                       \
-    for (int64_t first = 0; first < seq_len; first += block_size) {                          \
+    for (int64_t first = first_block; first < seq_len; first += block_size) {                \
         const int64_t count = seq_len - first < block_size ? seq_len - first : block_size;   \
         const int64_t base = (table[first / block_size] * block_size * num_kv_heads + kv_head) * head_dim; \
-        for (int64_t i = 0; i < count; i++) {                                                \
+        for (int64_t i = first < start ? start - first : 0; i < count; i++) {                \
             load_row(key_cache, base + i * row_stride, span * head_dim, cache_type, row);    \
             for (int h = 0; h < heads; h++) {                                                \
                 const float *qh = q + h * head_dim, *kh = row + (h / group) * head_dim;      \
@@ -88,7 +90,7 @@ static void NAME(const float *q, const void *key_cache, const void *value_cache,
     for (int h = 0; h < heads; h++) {                                                        \
         float *s = scores + h * seq_len, sum = 0.0f;                                         \
         const float top = best[h];                                                           \
-        for (int64_t pos = 0; pos < seq_len; pos++) {                                        \
+        for (int64_t pos = start; pos < seq_len; pos++) {                                    \
             s[pos] = expf(fmaxf(s[pos] - top, SOFTMAX_EXP_FLOOR));                          \
             sum += s[pos];                                                                   \
         }                                                                                    \
@@ -96,10 +98,10 @@ static void NAME(const float *q, const void *key_cache, const void *value_cache,
     }                                                                                        \
     /* Pass 2: weighted sum of the value rows. */                                            \
     for (int i = 0; i < heads * head_dim; i++) acc[i] = 0.0f;                                \
-    for (int64_t first = 0; first < seq_len; first += block_size) {                          \
+    for (int64_t first = first_block; first < seq_len; first += block_size) {                \
         const int64_t count = seq_len - first < block_size ? seq_len - first : block_size;   \
         const int64_t base = (table[first / block_size] * block_size * num_kv_heads + kv_head) * head_dim; \
-        for (int64_t i = 0; i < count; i++) {                                                \
+        for (int64_t i = first < start ? start - first : 0; i < count; i++) {                \
             load_row(value_cache, base + i * row_stride, span * head_dim, cache_type, row);  \
             for (int h = 0; h < heads; h++) {                                                \
                 const float weight = scores[h * seq_len + first + i];                        \
@@ -119,7 +121,7 @@ DEFINE_ATTEND(attend_64, 64)
 DEFINE_ATTEND(attend_128, 128)
 DEFINE_ATTEND(attend_any, head_dim_arg)
 
-typedef void (*attend_fn)(const float *, const void *, const void *, const int64_t *, int64_t, int, int, int, int,
+typedef void (*attend_fn)(const float *, const void *, const void *, const int64_t *, int64_t, int64_t, int, int, int, int,
                           int, int, float, int, float *, float *);
 
 /*
@@ -129,6 +131,8 @@ typedef void (*attend_fn)(const float *, const void *, const void *, const int64
  * value_cache:  same shape
  * block_tables: [num_reqs, table_stride]
  * rows, reqs, seq_lens: [num_decodes] row of the flat batch, request index, context length
+ * key_starts:   NULL, or [num_decodes] the first context position each row attends to
+ *               (a sliding window; such rows take the float32 path, one row per item)
  * out:          [*, num_heads, head_dim], row r starts at r * out_row_stride elements
  * workspace:    num_threads * max_seq_len * num_heads * MAX_SEGMENT_ROWS floats
  */
@@ -140,13 +144,15 @@ void paged_decode_attention_in_region(
     const void *query, int64_t query_row_stride,
     const void *key_cache, const void *value_cache,
     const int64_t *block_tables, int64_t table_stride,
-    const int64_t *rows, const int64_t *reqs, const int64_t *seq_lens, int64_t num_decodes,
-    int num_heads, int num_kv_heads, int head_dim, int block_size,
+    const int64_t *rows, const int64_t *reqs, const int64_t *seq_lens, const int64_t *key_starts,
+    int64_t num_decodes, int num_heads, int num_kv_heads, int head_dim, int block_size,
     float scale, int dtype, int cache_type, int num_threads, int64_t max_seq_len,
     void *out, int64_t out_row_stride, float *workspace)
 {
     const int group = num_heads / num_kv_heads;
-    const int fast_bf16 = dtype == ELEM_BF16 && cache_type != ELEM_F32 && attend_bf16_supported(head_dim);
+    /* The AVX-512 BF16 item attends from position 0 only. */
+    const int fast_bf16 = dtype == ELEM_BF16 && cache_type != ELEM_F32 && attend_bf16_supported(head_dim) &&
+                          key_starts == NULL;
     /* Consecutive rows of one request at consecutive positions (a speculative
      * verification's k + 1) form one segment: with the bf16 kernel they are one item per
      * kv head, all their query heads reading each K/V block once, each row only up to
@@ -210,7 +216,8 @@ void paged_decode_attention_in_region(
         } else {
             load_row(query, query_offset, heads * head_dim, dtype, q);
             const attend_fn attend = head_dim == 64 ? attend_64 : head_dim == 128 ? attend_128 : attend_any;
-            attend(q, key_cache, value_cache, table, seq_lens[decode], kv_head, span, num_kv_heads, group,
+            attend(q, key_cache, value_cache, table, key_starts ? key_starts[decode] : 0, seq_lens[decode], kv_head,
+                   span, num_kv_heads, group,
                    head_dim, block_size, scale, cache_type, scores, acc);
         }
         for (int j = 0; j < count; j++) {
@@ -258,8 +265,8 @@ void paged_decode_attention(
     const void *query, int64_t query_row_stride,
     const void *key_cache, const void *value_cache,
     const int64_t *block_tables, int64_t table_stride,
-    const int64_t *rows, const int64_t *reqs, const int64_t *seq_lens, int64_t num_decodes,
-    int num_heads, int num_kv_heads, int head_dim, int block_size,
+    const int64_t *rows, const int64_t *reqs, const int64_t *seq_lens, const int64_t *key_starts,
+    int64_t num_decodes, int num_heads, int num_kv_heads, int head_dim, int block_size,
     float scale, int dtype, int cache_type, int num_threads, int64_t max_seq_len,
     void *out, int64_t out_row_stride, float *workspace)
 {
@@ -267,7 +274,7 @@ void paged_decode_attention(
     {
         const unsigned float_mode = subnormals_flushed();
         paged_decode_attention_in_region(query, query_row_stride, key_cache, value_cache, block_tables,
-                                         table_stride, rows, reqs, seq_lens, num_decodes, num_heads,
+                                         table_stride, rows, reqs, seq_lens, key_starts, num_decodes, num_heads,
                                          num_kv_heads, head_dim, block_size, scale, dtype, cache_type, num_threads,
                                          max_seq_len, out, out_row_stride, workspace);
         float_mode_restore(float_mode);

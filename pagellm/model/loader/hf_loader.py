@@ -52,9 +52,7 @@ def hf_model_config(folder: Path) -> ModelConfig:
         rope_theta = float(rope.get("rope_theta") or 10000.0)
         is_qwen2 = arch == "Qwen2ForCausalLM"
         attention_bias = bool(cfg.get("attention_bias", False))
-        sliding_window = cfg.get("sliding_window")
-        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM") and not cfg.get("use_sliding_window", False):
-            sliding_window = None
+        sliding_window, sliding_layers = _sliding_window(arch, cfg)
         return ModelConfig(
             architecture=arch,
             vocab_size=int(cfg["vocab_size"]),
@@ -71,7 +69,8 @@ def hf_model_config(folder: Path) -> ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=is_qwen2 or attention_bias,
             attention_out_bias=(not is_qwen2) and attention_bias,
-            sliding_window=int(sliding_window) if sliding_window else None,
+            sliding_window=sliding_window,
+            sliding_window_layers=sliding_layers,
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             partial_rotary_factor=float(cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0),
             **_experts(arch, cfg),
@@ -82,6 +81,33 @@ def hf_model_config(folder: Path) -> ModelConfig:
         if isinstance(e, UnsupportedModelError):
             raise
         raise ModelLoadError(f"{folder / 'config.json'} is incomplete or invalid: {e!r}") from None
+
+
+def _sliding_window(arch: str, cfg: dict[str, Any]) -> tuple[int | None, tuple[int, ...] | None]:
+    """The window and the layers that use it (None: every layer), from either dialect:
+    transformers 5.x writes `layer_types` ("sliding_attention" / "full_attention"); older
+    Qwen2-style configs say `use_sliding_window` with `max_window_layers` (the layers from
+    there on slide), Mistral's a bare `sliding_window` (every layer slides)."""
+    window = cfg.get("sliding_window")
+    num_layers = int(cfg["num_hidden_layers"])
+    qwen = arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+    if not window or (qwen and not cfg.get("use_sliding_window", False)):
+        return None, None
+    layer_types = cfg.get("layer_types")
+    if layer_types:
+        if len(layer_types) != num_layers:
+            raise ModelLoadError(f"layer_types lists {len(layer_types)} layers, the model has {num_layers}")
+        unknown = sorted(set(layer_types) - {"sliding_attention", "full_attention"})
+        if unknown:
+            raise UnsupportedModelError(f"layer types {unknown} are not supported (only sliding and full attention)")
+        layers = tuple(i for i, kind in enumerate(layer_types) if kind == "sliding_attention")
+    elif qwen:
+        layers = tuple(range(int(cfg.get("max_window_layers") or 0), num_layers))
+    else:
+        return int(window), None
+    if not layers:
+        return None, None
+    return int(window), (None if len(layers) == num_layers else layers)
 
 
 def _experts(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
