@@ -32,10 +32,17 @@ class AttentionMetadata:
     # What a backend derives from the rest once per step (every layer reuses it; keyed by
     # sliding window where the plan depends on it).
     backend_plan: Any = None
+    # A model with several KV cache groups (config/kv_layout.py): this is group 0's
+    # metadata, and group_metadata[g - 1] group g's (its own slots and block tables).
+    group_metadata: tuple[AttentionMetadata, ...] = ()
 
     @property
     def num_reqs(self) -> int:
         return len(self.seq_lens)
+
+    def for_group(self, group: int) -> AttentionMetadata:
+        """The metadata of KV cache group `group`'s layers."""
+        return self if group == 0 else self.group_metadata[group - 1]
 
 
 class AttentionBackend(ABC):

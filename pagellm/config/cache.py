@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pagellm.config.kv_layout import kv_cache_layout
 from pagellm.config.model import ModelConfig
 from pagellm.config.units import GiB, cdiv
 from pagellm.config.validation import check_int
@@ -32,20 +33,25 @@ class CacheConfig:
 
     num_gpu_blocks counts every device block including block 0, which the block pool
     reserves as a null block; the usable capacity is (num_gpu_blocks - 1) * block_size
-    tokens. num_cpu_blocks is the host pool used when requests are swapped out
-    (0 = swapping impossible; swap preemption then falls back to recompute).
+    tokens of each KV cache group. num_cpu_blocks is the host pool used when requests are
+    swapped out (0 = swapping impossible; swap preemption then falls back to recompute).
+    group_windows: the sliding window of each KV cache group (config/kv_layout.py); one
+    global group for most models.
     """
 
     block_size: int = 16
     num_gpu_blocks: int
     num_cpu_blocks: int = 0
     enable_prefix_caching: bool = True
+    group_windows: tuple[int | None, ...] = (None,)
 
     def __post_init__(self) -> None:
         check_int("CacheConfig", "block_size", self.block_size, 1)
         # Block 0 is the null block, so one more is needed to hold any token at all.
         check_int("CacheConfig", "num_gpu_blocks", self.num_gpu_blocks, 2)
         check_int("CacheConfig", "num_cpu_blocks", self.num_cpu_blocks, 0)
+        if not self.group_windows or any(w is not None and w < 1 for w in self.group_windows):
+            raise ConfigError(f"CacheConfig.group_windows must list a window (or None) per group, got {self.group_windows!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ConfigError(
                 "CacheConfig.enable_prefix_caching must be a bool, "
@@ -59,8 +65,23 @@ class CacheConfig:
 
     @property
     def max_num_cached_tokens(self) -> int:
-        """Most tokens the device cache can hold at once."""
-        return self.num_usable_gpu_blocks * self.block_size
+        """Most tokens the device cache can hold at once in every group (sliding groups
+        hold only their windows, so a sliding-window model holds more)."""
+        return self.num_usable_gpu_blocks * self.block_size // len(self.group_windows)
+
+    def max_blocks_per_request(self, num_tokens: int, max_step_tokens: int) -> int:
+        """Most device blocks a request of `num_tokens` holds at once when a step computes
+        at most `max_step_tokens` of it: a global group one per block_size tokens, a
+        sliding group those of one window plus one step's tokens (the KV cache manager
+        frees the older ones before each step's allocation)."""
+        num_blocks = cdiv(num_tokens, self.block_size)
+        total = 0
+        for window in self.group_windows:
+            if window is None:
+                total += num_blocks
+            else:
+                total += min(num_blocks, cdiv(window - 1 + max_step_tokens, self.block_size) + 1)
+        return total
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,10 +118,11 @@ class CacheSize:
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, kv_cache_dtype: str) -> int:
-    """Bytes one block takes across all layers (K and V) of `config` (one rank's heads
-    under tensor parallelism) in the cache's dtype (fp8: one byte per element)."""
+    """Bytes one block takes (K and V) across the layers of one KV cache group of `config`
+    (config/kv_layout.py: all layers for most models), with one rank's heads under tensor
+    parallelism, in the cache's dtype (fp8: one byte per element)."""
     per_token = 2 * config.num_key_value_heads * config.head_dim * DTYPE_BYTES[kv_cache_dtype]
-    return config.num_hidden_layers * block_size * per_token
+    return kv_cache_layout(config).layers_per_block * block_size * per_token
 
 
 def decide_cache_size(budget: CacheBudget, bytes_per_block: int, memory: MemoryFacts) -> CacheSize:
@@ -135,20 +157,45 @@ def decide_cache_size(budget: CacheBudget, bytes_per_block: int, memory: MemoryF
     return CacheSize(num, num_cpu_blocks, (num - 1) * bytes_per_block, how)
 
 
-def sized_cache_config(budget: CacheBudget, size: CacheSize, max_model_len: int) -> CacheConfig:
-    """The cache the scheduler gets; one too small for a request of max_model_len is an
-    error that names the largest max_model_len it holds."""
+def sized_cache_config(
+    budget: CacheBudget,
+    size: CacheSize,
+    max_model_len: int,
+    group_windows: tuple[int | None, ...] = (None,),
+    max_step_tokens: int | None = None,
+) -> CacheConfig:
+    """The cache the scheduler gets (KV cache groups with `group_windows`); one too small
+    for a request of max_model_len (steps of at most max_step_tokens; None: one step) is
+    an error that names the largest max_model_len it holds."""
     cache_config = CacheConfig(
         block_size=budget.block_size,
         num_gpu_blocks=size.num_gpu_blocks,
         num_cpu_blocks=size.num_cpu_blocks,
         enable_prefix_caching=budget.enable_prefix_caching,
+        group_windows=group_windows,
     )
-    if cdiv(max_model_len, budget.block_size) > cache_config.num_usable_gpu_blocks:
-        capacity = cache_config.max_num_cached_tokens
+    step = max_model_len if max_step_tokens is None else max_step_tokens
+    if cache_config.max_blocks_per_request(max_model_len, step) > cache_config.num_usable_gpu_blocks:
+        capacity = longest_request_tokens(cache_config, step, max_model_len)
         raise ConfigError(
             f"the KV cache ({size.how}) holds {capacity} tokens, too few for one request "
             f"of max_model_len={max_model_len}; the largest max_model_len that fits is "
             f"{capacity}. Lower max_model_len or give the cache more memory."
         )
     return cache_config
+
+
+def longest_request_tokens(cache_config: CacheConfig, max_step_tokens: int, limit: int) -> int:
+    """The most tokens (up to `limit`) one request's KV can reach in the cache, steps of
+    at most max_step_tokens (binary search: the blocks a request holds grow with its
+    length; in sliding groups they stop growing at the window)."""
+
+    def fits(num_tokens: int) -> bool:
+        blocks = cache_config.max_blocks_per_request(num_tokens, min(num_tokens, max_step_tokens))
+        return blocks <= cache_config.num_usable_gpu_blocks
+
+    low, high = 0, limit
+    while low < high:
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle - 1)
+    return low

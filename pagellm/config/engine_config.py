@@ -15,7 +15,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from pagellm.config.cache import CacheBudget, CacheConfig
+from pagellm.config.cache import CacheBudget, CacheConfig, CacheSize, sized_cache_config
+from pagellm.config.kv_layout import kv_cache_layout
 from pagellm.config.engine_args import EngineArgs
 from pagellm.config.model import ModelConfig, ModelSource
 from pagellm.config.parallel import ParallelConfig, check_tp_size
@@ -81,8 +82,16 @@ class EngineConfig:
         return self.scheduler_config.max_model_len
 
     def with_cache(self, cache_config: CacheConfig) -> EngineConfig:
-        """This config with the cache sized (config/cache.py's sized_cache_config)."""
+        """This config with the cache sized (sized_cache below)."""
         return dataclasses.replace(self, cache_config=cache_config)
+
+    def sized_cache(self, size: CacheSize) -> CacheConfig:
+        """The cache of `size` blocks for this engine: the model's KV cache groups, and a
+        request of max_model_len checked to fit (steps of max_num_batched_tokens)."""
+        return sized_cache_config(
+            self.cache_budget, size, self.max_model_len, kv_cache_layout(self.model_config).windows,
+            self.scheduler_config.max_num_batched_tokens,
+        )  # fmt: skip
 
 
 def resolve_device_type(name: str, facts: DeviceFacts) -> str:
@@ -125,10 +134,18 @@ def resolve_max_model_len(requested: int | None, model_config: ModelConfig, mode
 
 
 def check_draft_model(draft: DraftModel, target: ModelConfig, max_model_len: int, tensor_parallel_size: int) -> None:
-    """A draft proposes tokens as the target's: same vocabulary, reaching max_model_len."""
+    """A draft proposes tokens as the target's: same vocabulary, reaching max_model_len,
+    and full attention in both (the draft's K/V follows the target's one block table,
+    whose early blocks a sliding window would free)."""
     if tensor_parallel_size > 1:
         raise ConfigError("speculative_config: a draft model runs with tensor_parallel_size 1 only")
     name, config = draft.source.name, draft.model_config
+    if target.sliding_window is not None or config.sliding_window is not None:
+        raise ConfigError(
+            "speculative_config: a draft model is not supported with sliding-window attention "
+            f"(the {'target' if target.sliding_window is not None else 'draft'} model has a window); "
+            "use method 'ngram'"
+        )
     if config.vocab_size != target.vocab_size:
         raise ConfigError(
             f"speculative_config: the draft model {name!r} has a vocabulary of {config.vocab_size} tokens, "

@@ -4,7 +4,7 @@ Pure Python, no torch import, so that the policy is unit-testable in millisecond
 """
 
 from pagellm.core.block_pool import BlockPool, KVBlock
-from pagellm.core.kv_cache_manager import ComputedBlocks, KVCacheManager, KVCacheStats
+from pagellm.core.kv_cache_manager import NO_HIT, ComputedBlocks, KVCacheManager, KVCacheStats
 from pagellm.core.scheduler import Scheduler, SchedulerStats
 from pagellm.core.scheduler_output import (
     CachedRequestData,
@@ -18,6 +18,7 @@ __all__ = [
     "BlockPool",
     "CachedRequestData",
     "ComputedBlocks",
+    "NO_HIT",
     "KVBlock",
     "KVCacheManager",
     "KVCacheStats",

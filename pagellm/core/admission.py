@@ -2,22 +2,30 @@
 
 from __future__ import annotations
 
-from pagellm.config.units import cdiv
+from pagellm.config import CacheConfig
+from pagellm.config.cache import longest_request_tokens
 from pagellm.errors import InvalidRequestError
 from pagellm.request import Request
 
 
 def check_request_fits(
-    request: Request, max_model_len: int, block_size: int, num_usable_blocks: int, max_num_seqs: int
+    request: Request, max_model_len: int, cache_config: CacheConfig, max_step_tokens: int, max_num_seqs: int
 ) -> None:
     """Refuse a request that could never finish; resolve max_tokens when it is None.
 
     A refused request would wait forever (or be preempted forever), so refusing it at
     add time is what guarantees that an idle engine can always admit its next request.
     The KV of the last sampled token is never stored (it is never fed back), so a
-    request needs at most cdiv(prompt + max_tokens - 1, block_size) blocks.
-    Raises InvalidRequestError naming the parameter to change.
+    request holds at most the blocks of prompt + max_tokens - 1 tokens
+    (CacheConfig.max_blocks_per_request: a sliding group only its window's, steps of at
+    most max_step_tokens). Raises InvalidRequestError naming the parameter to change.
     """
+    block_size = cache_config.block_size
+    num_usable_blocks = cache_config.num_usable_gpu_blocks
+
+    def blocks_for(num_tokens: int) -> int:
+        return cache_config.max_blocks_per_request(num_tokens, min(num_tokens, max_step_tokens))
+
     n = request.sampling_params.n
     if n > max_num_seqs:  # its completions run side by side: it could never be admitted
         raise InvalidRequestError(
@@ -35,8 +43,8 @@ def check_request_fits(
             "prompt.",
             "prompt",
         )
-    cache_tokens = num_usable_blocks * block_size
-    num_prompt_blocks = cdiv(num_prompt, block_size)
+    cache_tokens = longest_request_tokens(cache_config, max_step_tokens, max(max_model_len, num_usable_blocks * block_size))
+    num_prompt_blocks = blocks_for(num_prompt)
     if num_prompt_blocks > num_usable_blocks:
         raise InvalidRequestError(
             f"The prompt has {num_prompt} tokens and needs {num_prompt_blocks} KV cache "
@@ -58,12 +66,13 @@ def check_request_fits(
             f"{max_model_len - num_prompt} or shorten the prompt.",
             "max_tokens",
         )
-    num_max_blocks = cdiv(num_prompt + max_tokens - 1, block_size)
+    num_max_blocks = blocks_for(num_prompt + max_tokens - 1)
     if num_max_blocks > num_usable_blocks:
         raise InvalidRequestError(
             f"The request may need {num_max_blocks} KV cache blocks ({num_prompt} prompt "
             f"tokens + max_tokens={max_tokens}), but the whole cache holds "
-            f"{num_usable_blocks} blocks of {block_size} tokens ({cache_tokens} tokens). "
-            f"Reduce max_tokens to at most {cache_tokens - num_prompt + 1}.",
+            f"{num_usable_blocks} blocks of {block_size} tokens ("
+            f"{cache_tokens} tokens). Reduce max_tokens to at most {cache_tokens - num_prompt + 1}.",
             "max_tokens",
         )
+

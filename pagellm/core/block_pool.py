@@ -25,13 +25,16 @@ NULL_BLOCK_ID = 0
 class KVBlock:
     """One block's bookkeeping; the KV tensors themselves live in the runner."""
 
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "cache_group", "prev_free", "next_free")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
-        # Set while the block is registered in the prefix-cache map (full and computed).
+        # Set while the block is registered in the prefix-cache map (full and computed),
+        # with the KV cache group whose layers' K/V it holds (the same tokens' blocks of
+        # two groups hold different layers).
         self.block_hash: BlockHash | None = None
+        self.cache_group = 0
         # Links of the free queue; both None while the block is not in it.
         self.prev_free: KVBlock | None = None
         self.next_free: KVBlock | None = None
@@ -125,7 +128,7 @@ class BlockPool:
         self.free_queue = FreeBlockQueue()
         for block in self._usable_blocks:
             self.free_queue.append(block)
-        self.cached_blocks: dict[BlockHash, KVBlock] = {}
+        self.cached_blocks: dict[tuple[int, BlockHash], KVBlock] = {}
         self.num_evictions = 0
         # Called with the ids of blocks whose cached content is dropped (event log).
         self.on_evict: Callable[[list[int]], None] | None = None
@@ -145,10 +148,10 @@ class BlockPool:
             return 0.0
         return 1.0 - self.num_free_blocks / self.num_usable_blocks
 
-    def get_cached_block(self, block_hash: BlockHash) -> KVBlock | None:
+    def get_cached_block(self, block_hash: BlockHash, group: int = 0) -> KVBlock | None:
         if not self.enable_caching:
             return None
-        return self.cached_blocks.get(block_hash)
+        return self.cached_blocks.get((group, block_hash))
 
     def allocate(self, num_blocks: int) -> list[KVBlock]:
         """Take `num_blocks` blocks from the head of the free queue, ref count 1 each.
@@ -172,7 +175,7 @@ class BlockPool:
         """Forget a reused block's cached content (the lazy half of eviction)."""
         if block.block_hash is None:
             return
-        removed = self.cached_blocks.pop(block.block_hash, None)
+        removed = self.cached_blocks.pop((block.cache_group, block.block_hash), None)
         assert removed is block, "a hashed block must be the one its hash maps to"
         block.block_hash = None
         self.num_evictions += 1
@@ -203,8 +206,8 @@ class BlockPool:
                 else:
                     self.free_queue.appendleft(block)
 
-    def cache_block(self, block: KVBlock, block_hash: BlockHash) -> bool:
-        """Register a full, computed block under its hash.
+    def cache_block(self, block: KVBlock, block_hash: BlockHash, group: int = 0) -> bool:
+        """Register a full, computed block of KV cache group `group` under its hash.
 
         Returns False (and leaves the block uncached) when caching is off or another
         block already holds the same content: two requests with the same prefix that
@@ -214,12 +217,13 @@ class BlockPool:
             return False
         assert block.ref_cnt > 0, "only a block in use can be registered"
         if block.block_hash is not None:
-            assert block.block_hash == block_hash, "block re-registered with other content"
+            assert block.block_hash == block_hash and block.cache_group == group, "block re-registered with other content"
             return False
-        if block_hash in self.cached_blocks:
+        if (group, block_hash) in self.cached_blocks:
             return False
         block.block_hash = block_hash
-        self.cached_blocks[block_hash] = block
+        block.cache_group = group
+        self.cached_blocks[group, block_hash] = block
         return True
 
     def reset_prefix_cache(self) -> int:
@@ -231,7 +235,7 @@ class BlockPool:
         dropped = 0
         for block in self.free_queue:
             if block.block_hash is not None:
-                del self.cached_blocks[block.block_hash]
+                del self.cached_blocks[block.cache_group, block.block_hash]
                 block.block_hash = None
                 dropped += 1
                 if self.on_evict is not None:
@@ -257,8 +261,8 @@ class BlockPool:
             assert is_free == self.free_queue.is_queued(block), f"{block} has stale links"
             if block.block_hash is not None:
                 assert self.enable_caching, f"{block} hashed with caching off"
-                assert self.cached_blocks.get(block.block_hash) is block, (
+                assert self.cached_blocks.get((block.cache_group, block.block_hash)) is block, (
                     f"{block} has a hash missing from the cache map"
                 )
-        for block_hash, block in self.cached_blocks.items():
-            assert block.block_hash is block_hash, f"map entry of {block} is stale"
+        for (group, block_hash), block in self.cached_blocks.items():
+            assert block.block_hash is block_hash and block.cache_group == group, f"map entry of {block} is stale"

@@ -4,6 +4,14 @@ The manager answers "can this request get room for N more tokens?" and keeps the
 block tables; it never decides what to preempt (it returns None when there is no room
 and leaves that choice to the scheduler). It also owns the prefix cache policy (which
 full blocks are registered, and when) and the host pool used for swapping.
+
+A request has one block table per KV cache group (config/kv_layout.py: most models have
+one group; a model that mixes global and sliding-window layers has several), all of the
+same length: entry i of every table covers tokens i * block_size .. (i + 1) * block_size - 1
+for that group's layers. All tables draw on the one device pool. A sliding group no longer
+needs the blocks its window has passed: after each step they are freed and their entries
+become NULL_BLOCK_ID (always a run at the table's start), so a long request holds a window
+of blocks in its sliding groups and all of them in its global ones.
 """
 
 from __future__ import annotations
@@ -17,7 +25,7 @@ from typing import NamedTuple
 from pagellm.config import CacheConfig
 from pagellm.config.units import cdiv
 from pagellm.core.kv_events import KVEventLog
-from pagellm.core.block_pool import BlockPool
+from pagellm.core.block_pool import NULL_BLOCK_ID, BlockPool, KVBlock
 from pagellm.request import Request
 
 logger = logging.getLogger(__name__)
@@ -26,8 +34,11 @@ logger = logging.getLogger(__name__)
 class ComputedBlocks(NamedTuple):
     """Prefix-cache hit of a request about to be admitted."""
 
-    blocks: list[int]  # ids of the cached device blocks, in table order
+    blocks: list[list[int]]  # per KV cache group, the cached device blocks in table order ([]: no hit)
     num_computed_tokens: int  # tokens whose KV those blocks already hold
+
+
+NO_HIT = ComputedBlocks([], 0)
 
 
 @dataclasses.dataclass
@@ -40,6 +51,15 @@ class KVCacheStats:
     num_allocation_failures: int = 0
     num_swapped_out_blocks: int = 0
     num_swapped_in_blocks: int = 0
+    num_window_freed_blocks: int = 0  # blocks sliding groups let go of while their requests ran
+
+
+class _HostCopy(NamedTuple):
+    """A swapped-out request's KV: per group, the host blocks of its live entries and how
+    many NULL entries (passed by the window) precede them."""
+
+    block_ids: list[list[int]]
+    num_skipped: list[int]
 
 
 class KVCacheManager:
@@ -49,6 +69,8 @@ class KVCacheManager:
         self.block_size = cache_config.block_size
         self.max_model_len = max_model_len
         self.enable_caching = cache_config.enable_prefix_caching
+        self.group_windows = cache_config.group_windows
+        self.num_groups = len(self.group_windows)
         self.device_pool = BlockPool(
             cache_config.num_gpu_blocks, enable_caching=self.enable_caching
         )
@@ -56,12 +78,12 @@ class KVCacheManager:
         self.host_pool = BlockPool(
             cache_config.num_cpu_blocks, enable_caching=False, reserve_null_block=False
         )
-        self._block_tables: dict[str, list[int]] = {}
-        self._host_block_tables: dict[str, list[int]] = {}
+        self._block_tables: dict[str, list[list[int]]] = {}
+        self._host_copies: dict[str, _HostCopy] = {}
         # Leading blocks of each device table already registered or found in the cache.
         self._num_cached_blocks: dict[str, int] = {}
-        # Forked requests whose last (partial) block is still shared with the parent:
-        # it is copied the first time they are given slots (copy-on-write).
+        # Forked requests whose last (partial) blocks are still shared with the parent:
+        # they are copied the first time they are given slots (copy-on-write).
         self._copy_on_write: set[str] = set()
         self._pending_copies: list[tuple[int, int]] = []
         self.stats = KVCacheStats()
@@ -90,18 +112,41 @@ class KVCacheManager:
     def get_host_usage(self) -> float:
         return self.host_pool.get_usage()
 
-    def get_block_ids(self, request_id: str) -> list[int]:
-        """A copy of the request's device block table (empty if it holds none)."""
-        return list(self._block_tables.get(request_id, ()))
+    def get_block_ids(self, request_id: str, group: int = 0) -> list[int]:
+        """A copy of the request's device block table of one KV cache group (empty if it
+        holds none); NULL_BLOCK_ID where a sliding window freed the block."""
+        tables = self._block_tables.get(request_id)
+        return list(tables[group]) if tables else []
+
+    def get_block_tables(self, request_id: str) -> list[list[int]]:
+        """Copies of the request's device block tables, one per KV cache group."""
+        return [list(table) for table in self._block_tables.get(request_id, ())]
 
     def num_device_blocks(self, request_id: str) -> int:
-        return len(self._block_tables.get(request_id, ()))
+        """Length of each of the request's device tables (NULL entries included)."""
+        tables = self._block_tables.get(request_id)
+        return len(tables[0]) if tables else 0
+
+    def num_blocks_held(self, request_id: str) -> int:
+        """Device blocks the request references, over every group."""
+        tables = self._block_tables.get(request_id, ())
+        return sum(1 for table in tables for block_id in table if block_id != NULL_BLOCK_ID)
 
     def get_host_block_ids(self, request_id: str) -> list[int]:
-        return list(self._host_block_tables.get(request_id, ()))
+        copy = self._host_copies.get(request_id)
+        return [block_id for table in copy.block_ids for block_id in table] if copy else []
 
     def num_blocks_for_tokens(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
+
+    def num_passed_blocks(self, group: int, num_computed_tokens: int) -> int:
+        """Leading blocks of a group's table that no layer of it reads again once
+        `num_computed_tokens` are computed: the next query, at that position, sees keys
+        from position num_computed_tokens - window + 1 on. 0 for a global group."""
+        window = self.group_windows[group]
+        if window is None:
+            return 0
+        return max(0, num_computed_tokens - window + 1) // self.block_size
 
     def make_stats(self) -> KVCacheStats:
         return dataclasses.replace(self.stats)
@@ -113,24 +158,60 @@ class KVCacheManager:
 
         At least the last token is always left to compute, because its logits are what
         the next token is sampled from: a fully cached prompt whose length is a multiple
-        of block_size loses its last block from the hit. Nothing is reserved here; pass
-        the result to allocate_slots.
+        of block_size loses its last block from the hit. A global group needs every block
+        of the hit cached; a sliding group only those its window still reads after it
+        (the others enter the table as NULL_BLOCK_ID). Nothing is reserved here; pass the
+        result to allocate_slots.
         """
         assert request.request_id not in self._block_tables, "request already holds blocks"
         if not self.enable_caching:
-            return ComputedBlocks([], 0)
+            return NO_HIT
         hashes = request.get_block_hashes(self.block_size)
         max_hit_blocks = min(len(hashes), (request.num_tokens - 1) // self.block_size)
-        hit_ids: list[int] = []
-        for index in range(max_hit_blocks):
-            block = self.device_pool.get_cached_block(hashes[index])
-            if block is None:
-                break
-            assert block.block_hash is not None
-            if block.block_hash is not hashes[index]:
-                request.adopt_cached_block_hash(index, block.block_hash)
-            hit_ids.append(block.block_id)
-        return ComputedBlocks(hit_ids, len(hit_ids) * self.block_size)
+        pool = self.device_pool
+        found: list[list[KVBlock | None]] = []
+        for group in range(self.num_groups):
+            blocks: list[KVBlock | None] = []
+            for index in range(max_hit_blocks):
+                block = pool.get_cached_block(hashes[index], group)
+                if block is None and self.group_windows[group] is None:
+                    break  # a global group's hit ends at its first miss
+                blocks.append(block)
+            max_hit_blocks = min(max_hit_blocks, len(blocks)) if self.group_windows[group] is None else max_hit_blocks
+            found.append(blocks)
+        num_hit = self._longest_hit(found, max_hit_blocks)
+        if num_hit == 0:
+            return NO_HIT
+        tables: list[list[int]] = []
+        for group, blocks in enumerate(found):
+            skipped = self.num_passed_blocks(group, num_hit * self.block_size)
+            table = [NULL_BLOCK_ID] * skipped
+            for index in range(skipped, num_hit):
+                block = blocks[index]
+                assert block is not None and block.block_hash is not None
+                if block.block_hash is not hashes[index]:
+                    request.adopt_cached_block_hash(index, block.block_hash)
+                table.append(block.block_id)
+            tables.append(table)
+        return ComputedBlocks(tables, num_hit * self.block_size)
+
+    def _longest_hit(self, found: list[list[KVBlock | None]], max_hit_blocks: int) -> int:
+        """The most blocks h <= max_hit_blocks such that every sliding group has the
+        blocks its window reads after position h * block_size cached."""
+        misses: list[list[int]] = []  # per sliding group, misses among its first i blocks
+        sliding = [g for g in range(self.num_groups) if self.group_windows[g] is not None]
+        for group in sliding:
+            counts = [0]
+            for block in found[group][:max_hit_blocks]:
+                counts.append(counts[-1] + (block is None))
+            misses.append(counts)
+        for num_hit in range(max_hit_blocks, 0, -1):
+            if all(
+                counts[num_hit] == counts[self.num_passed_blocks(group, num_hit * self.block_size)]
+                for group, counts in zip(sliding, misses)
+            ):
+                return num_hit
+        return 0
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Register the request's full blocks whose KV is now written (computed).
@@ -141,17 +222,19 @@ class KVCacheManager:
         if not self.enable_caching:
             return
         request_id = request.request_id
-        table = self._block_tables[request_id]
-        num_full = min(num_computed_tokens // self.block_size, len(table))
+        tables = self._block_tables[request_id]
+        num_full = min(num_computed_tokens // self.block_size, len(tables[0]))
         start = self._num_cached_blocks.get(request_id, 0)
         if num_full <= start:
             return
         hashes = request.get_block_hashes(self.block_size)
         blocks = self.device_pool.blocks
         newly_cached = []
-        for index in range(start, num_full):
-            if self.device_pool.cache_block(blocks[table[index]], hashes[index]):
-                newly_cached.append(table[index])
+        for group, table in enumerate(tables):
+            for index in range(start, num_full):
+                block_id = table[index]
+                if block_id != NULL_BLOCK_ID and self.device_pool.cache_block(blocks[block_id], hashes[index], group):
+                    newly_cached.append(block_id)
         self._num_cached_blocks[request_id] = num_full
         if self.events is not None and newly_cached:
             self.events.record("cache", request_id, newly_cached)
@@ -161,58 +244,85 @@ class KVCacheManager:
 
     # ------------------------------------------------------------- allocation
 
+    def free_passed_blocks(self, request: Request) -> int:
+        """Free the blocks of the request's sliding groups that their windows have passed
+        (num_computed_tokens tells where the next query sits). Returns how many."""
+        tables = self._block_tables.get(request.request_id)
+        if not tables or self.num_groups == 1 and self.group_windows[0] is None:
+            return 0
+        freed: list[int] = []
+        for group, table in enumerate(tables):
+            # Backwards from the last passed block to the NULL run already at the start.
+            index = min(self.num_passed_blocks(group, request.num_computed_tokens), len(table)) - 1
+            while index >= 0 and table[index] != NULL_BLOCK_ID:
+                freed.append(table[index])
+                table[index] = NULL_BLOCK_ID
+                index -= 1
+        if freed:
+            blocks = self.device_pool.blocks
+            self.device_pool.free(blocks[block_id] for block_id in freed)
+            self.stats.num_window_freed_blocks += len(freed)
+            if self.events is not None:
+                self.events.record("free", request.request_id, freed)
+        return len(freed)
+
     def allocate_slots(
         self,
         request: Request,
         num_new_tokens: int,
         new_computed_blocks: ComputedBlocks | None = None,
-    ) -> list[int] | None:
-        """Grow the request's table to hold its computed tokens plus `num_new_tokens`.
+    ) -> list[list[int]] | None:
+        """Grow the request's tables to hold its computed tokens plus `num_new_tokens`.
 
         `new_computed_blocks` (from get_computed_blocks, at admission only) become the
-        head of the table and count as computed. Returns the ids of the newly allocated
-        blocks, or None when the pool lacks room, in which case nothing at all changed
-        (the hit blocks are not touched either).
+        head of the tables and count as computed. Returns the ids of the newly allocated
+        blocks per group, or None when the pool lacks room, in which case nothing changed
+        but that blocks the windows had passed were freed (they are never read again).
         """
         assert num_new_tokens >= 0
         request_id = request.request_id
-        table = self._block_tables.get(request_id, [])
-        hit_ids = new_computed_blocks.blocks if new_computed_blocks is not None else []
+        self.free_passed_blocks(request)
+        tables = self._block_tables.get(request_id)
+        hit_tables = new_computed_blocks.blocks if new_computed_blocks is not None else []
         num_hit_tokens = (
             new_computed_blocks.num_computed_tokens if new_computed_blocks is not None else 0
         )
-        assert not hit_ids or not table, "prefix hits only at admission"
+        assert not hit_tables or not tables, "prefix hits only at admission"
 
         num_tokens = request.num_computed_tokens + num_hit_tokens + num_new_tokens
         assert num_tokens <= self.max_model_len, f"{request} would exceed max_model_len"
-        num_new_blocks = max(0, cdiv(num_tokens, self.block_size) - len(table) - len(hit_ids))
+        current = len(tables[0]) if tables else (len(hit_tables[0]) if hit_tables else 0)
+        num_new_per_group = max(0, cdiv(num_tokens, self.block_size) - current)
         pool = self.device_pool
-        hit_blocks = [pool.blocks[block_id] for block_id in hit_ids]
+        hit_blocks = [pool.blocks[i] for table in hit_tables for i in table if i != NULL_BLOCK_ID]
         # Hit blocks sitting in the free queue stop being free once touched.
         num_free_hits = sum(1 for block in hit_blocks if block.ref_cnt == 0)
-        copy_last = self._needs_copy_on_write(request_id, table)
+        copy_groups = self._groups_to_copy(request_id, tables)
 
         self.stats.num_allocation_attempts += 1
-        if num_new_blocks + num_free_hits + int(copy_last) > pool.num_free_blocks:
+        if num_new_per_group * self.num_groups + num_free_hits + len(copy_groups) > pool.num_free_blocks:
             self.stats.num_allocation_failures += 1
             return None
 
-        if copy_last:
-            self._copy_last_block(request_id, table)
+        if tables is not None:
+            self._copy_last_blocks(request_id, tables, copy_groups)
+        else:
+            tables = self._block_tables[request_id] = [list(table) for table in hit_tables] or [
+                [] for _ in range(self.num_groups)
+            ]
+            self._num_cached_blocks[request_id] = len(tables[0])
         # Touch before allocating so the allocation cannot evict a block being hit.
         pool.touch(hit_blocks)
-        new_blocks = pool.allocate(num_new_blocks)
-        new_ids = [block.block_id for block in new_blocks]
-        if request_id not in self._block_tables:
-            self._block_tables[request_id] = table
-            self._num_cached_blocks[request_id] = len(hit_ids)
-        table.extend(hit_ids)
-        table.extend(new_ids)
+        new_ids: list[list[int]] = []
+        for table in tables:
+            ids = [block.block_id for block in pool.allocate(num_new_per_group)]
+            table.extend(ids)
+            new_ids.append(ids)
         if self.events is not None:
-            if hit_ids:
-                self.events.record("cache_hit", request_id, hit_ids)
-            if new_ids:
-                self.events.record("allocate", request_id, new_ids)
+            if hit_blocks:
+                self.events.record("cache_hit", request_id, [block.block_id for block in hit_blocks])
+            if num_new_per_group:
+                self.events.record("allocate", request_id, [i for ids in new_ids for i in ids])
         if new_computed_blocks is not None and self.enable_caching:
             self.stats.num_prefix_query_tokens += request.num_tokens
             self.stats.num_prefix_hit_tokens += num_hit_tokens
@@ -221,16 +331,19 @@ class KVCacheManager:
     def trim(self, request: Request, num_tokens: int) -> int:
         """Free the blocks past the first `num_tokens` positions (slots allocated for
         positions that were not kept: a rejected speculative proposal). Returns how many."""
-        table = self._block_tables.get(request.request_id)
+        tables = self._block_tables.get(request.request_id)
         keep = cdiv(num_tokens, self.block_size)
-        if not table or len(table) <= keep:
+        if not tables or len(tables[0]) <= keep:
             return 0
-        dropped = table[keep:]
-        del table[keep:]
+        dropped: list[int] = []
+        for table in tables:
+            dropped.extend(reversed(table[keep:]))
+            del table[keep:]
+        assert NULL_BLOCK_ID not in dropped, "a window passed a block past the kept positions"
         blocks = self.device_pool.blocks
-        self.device_pool.free(blocks[block_id] for block_id in reversed(dropped))
+        self.device_pool.free(blocks[block_id] for block_id in dropped)
         if self.events is not None:
-            self.events.record("free", request.request_id, reversed(dropped))
+            self.events.record("free", request.request_id, dropped)
         return len(dropped)
 
     # ------------------------------------------------------ parallel sampling
@@ -244,12 +357,13 @@ class KVCacheManager:
         Forking needs no free block, so it cannot fail.
         """
         num_blocks = cdiv(child.num_computed_tokens, self.block_size)
-        table = self._block_tables[parent.request_id][:num_blocks]
-        assert len(table) == num_blocks, f"{parent} lacks blocks for its prompt"
-        self.device_pool.touch(self.device_pool.blocks[block_id] for block_id in table)
-        self._block_tables[child.request_id] = list(table)
+        tables = [table[:num_blocks] for table in self._block_tables[parent.request_id]]
+        assert len(tables[0]) == num_blocks, f"{parent} lacks blocks for its prompt"
+        shared = [block_id for table in tables for block_id in table if block_id != NULL_BLOCK_ID]
+        self.device_pool.touch(self.device_pool.blocks[block_id] for block_id in shared)
+        self._block_tables[child.request_id] = tables
         if self.events is not None:
-            self.events.record("fork", child.request_id, table, parent_id=parent.request_id)
+            self.events.record("fork", child.request_id, shared, parent_id=parent.request_id)
         self._num_cached_blocks[child.request_id] = min(
             self._num_cached_blocks.get(parent.request_id, 0), child.num_computed_tokens // self.block_size
         )
@@ -261,49 +375,57 @@ class KVCacheManager:
         copies, self._pending_copies = self._pending_copies, []
         return copies
 
-    def _needs_copy_on_write(self, request_id: str, table: list[int]) -> bool:
-        if request_id not in self._copy_on_write:
-            return False
-        block = self.device_pool.blocks[table[-1]]
-        # A hash means the block was filled (by the parent) and is in the prefix cache
-        # under that content: writing this request's tokens into it would corrupt the
-        # cache, even when no one else holds it any more.
-        if block.ref_cnt > 1 or block.block_hash is not None:
-            return True
-        # Everyone else let go of the block: it is this request's own now.
-        self._copy_on_write.discard(request_id)
-        return False
+    def _groups_to_copy(self, request_id: str, tables: list[list[int]] | None) -> list[int]:
+        """The groups whose shared last block a forked request must copy before writing."""
+        if tables is None or request_id not in self._copy_on_write:
+            return []
+        copy = []
+        for group, table in enumerate(tables):
+            block = self.device_pool.blocks[table[-1]]
+            # A hash means the block was filled (by the parent) and is in the prefix cache
+            # under that content: writing this request's tokens into it would corrupt the
+            # cache, even when no one else holds it any more.
+            if block.ref_cnt > 1 or block.block_hash is not None:
+                copy.append(group)
+        if not copy:  # everyone else let go of the blocks: they are this request's own now
+            self._copy_on_write.discard(request_id)
+        return copy
 
-    def _copy_last_block(self, request_id: str, table: list[int]) -> None:
+    def _copy_last_blocks(self, request_id: str, tables: list[list[int]], groups: list[int]) -> None:
         pool = self.device_pool
-        shared = pool.blocks[table[-1]]
-        [private] = pool.allocate(1)
-        table[-1] = private.block_id
-        pool.free([shared])
-        self._pending_copies.append((shared.block_id, private.block_id))
-        if self.events is not None:
-            self.events.record("copy_on_write", request_id, [shared.block_id, private.block_id])
-        self._copy_on_write.discard(request_id)
+        for group in groups:
+            table = tables[group]
+            shared = pool.blocks[table[-1]]
+            [private] = pool.allocate(1)
+            table[-1] = private.block_id
+            pool.free([shared])
+            self._pending_copies.append((shared.block_id, private.block_id))
+            if self.events is not None:
+                self.events.record("copy_on_write", request_id, [shared.block_id, private.block_id])
+        if groups:
+            self._copy_on_write.discard(request_id)
 
     def free(self, request: Request) -> None:
         """Release every block the request holds, on device and on host."""
         self._free_device(request.request_id)
-        host_ids = self._host_block_tables.pop(request.request_id, None)
-        if host_ids:
+        copy = self._host_copies.pop(request.request_id, None)
+        if copy is not None:
             blocks = self.host_pool.blocks
-            self.host_pool.free(blocks[block_id] for block_id in reversed(host_ids))
+            for table in copy.block_ids:
+                self.host_pool.free(blocks[block_id] for block_id in reversed(table))
 
     def _free_device(self, request_id: str) -> None:
         self._num_cached_blocks.pop(request_id, None)
         self._copy_on_write.discard(request_id)
-        table = self._block_tables.pop(request_id, None)
-        if table:
+        tables = self._block_tables.pop(request_id, None)
+        if tables:
             # Tail first: the free queue evicts from its head, so the end of a chain
             # (the least likely to be shared) goes before its beginning.
+            freed = [block_id for table in tables for block_id in reversed(table) if block_id != NULL_BLOCK_ID]
             blocks = self.device_pool.blocks
-            self.device_pool.free(blocks[block_id] for block_id in reversed(table))
+            self.device_pool.free(blocks[block_id] for block_id in freed)
             if self.events is not None:
-                self.events.record("free", request_id, reversed(table))
+                self.events.record("free", request_id, freed)
 
     # ------------------------------------------------------------------- swap
 
@@ -313,30 +435,36 @@ class KVCacheManager:
         Returns (device_block_id, host_block_id) copy pairs, or None (nothing changed)
         when the host pool lacks room. Every block holding computed tokens is copied,
         shared prefix-cache blocks included (the request only drops its reference on
-        those); blocks allocated for tokens not computed yet are freed without a copy.
+        those); blocks allocated for tokens not computed yet, and the NULL entries of
+        blocks a window freed, are not.
         """
         request_id = request.request_id
-        table = self._block_tables.get(request_id, [])
-        num_to_copy = min(len(table), cdiv(request.num_computed_tokens, self.block_size))
-        if num_to_copy > self.host_pool.num_free_blocks:
+        tables = self._block_tables.get(request_id, [])
+        num_to_copy = min(len(tables[0]) if tables else 0, cdiv(request.num_computed_tokens, self.block_size))
+        live = [[b for b in table[:num_to_copy] if b != NULL_BLOCK_ID] for table in tables]
+        num_live = sum(map(len, live))
+        if num_live > self.host_pool.num_free_blocks:
             return None
-        host_blocks = self.host_pool.allocate(num_to_copy)
-        host_ids = [block.block_id for block in host_blocks]
-        pairs = list(zip(table[:num_to_copy], host_ids))
+        host_tables = [[block.block_id for block in self.host_pool.allocate(len(ids))] for ids in live]
+        device_ids = [b for ids in live for b in ids]
+        host_ids = [b for ids in host_tables for b in ids]
         if self.events is not None:
-            self.events.record("swap_out", request_id, table[:num_to_copy], host_block_ids=host_ids)
+            self.events.record("swap_out", request_id, device_ids, host_block_ids=host_ids)
+        num_skipped = [len(table[:num_to_copy]) - len(ids) for table, ids in zip(tables, live)]
         self._free_device(request_id)
-        self._host_block_tables[request_id] = host_ids
-        self.stats.num_swapped_out_blocks += num_to_copy
-        return pairs
+        self._host_copies[request_id] = _HostCopy(host_tables, num_skipped)
+        self.stats.num_swapped_out_blocks += num_live
+        return list(zip(device_ids, host_ids))
 
     def can_swap_in(self, request: Request, num_new_tokens: int = 0) -> bool:
         """Whether swap_in and then allocate_slots(request, num_new_tokens) will succeed."""
-        num_host_blocks = len(self._host_block_tables.get(request.request_id, ()))
-        num_needed = max(
-            num_host_blocks,
-            cdiv(request.num_computed_tokens + num_new_tokens, self.block_size),
-        )
+        copy = self._host_copies.get(request.request_id)
+        num_blocks = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size)
+        num_needed = 0
+        for group in range(self.num_groups):
+            num_host = len(copy.block_ids[group]) if copy else 0
+            num_skipped = copy.num_skipped[group] if copy else 0
+            num_needed += max(num_host, num_blocks - num_skipped)
         return num_needed <= self.device_pool.num_free_blocks
 
     def swap_in(self, request: Request) -> list[tuple[int, int]] | None:
@@ -348,24 +476,31 @@ class KVCacheManager:
         swap-outs before swap-ins and would overwrite them).
         """
         request_id = request.request_id
-        host_ids = self._host_block_tables.get(request_id)
-        assert host_ids is not None, f"{request} is not swapped out"
+        copy = self._host_copies.get(request_id)
+        assert copy is not None, f"{request} is not swapped out"
         assert request_id not in self._block_tables, f"{request} holds device blocks"
-        if len(host_ids) > self.device_pool.num_free_blocks:
+        num_blocks = sum(map(len, copy.block_ids))
+        if num_blocks > self.device_pool.num_free_blocks:
             return None
-        device_blocks = self.device_pool.allocate(len(host_ids))
-        device_ids = [block.block_id for block in device_blocks]
-        del self._host_block_tables[request_id]
+        del self._host_copies[request_id]
+        tables: list[list[int]] = []
+        pairs: list[tuple[int, int]] = []
         host_blocks = self.host_pool.blocks
-        self.host_pool.free(host_blocks[block_id] for block_id in reversed(host_ids))
-        self._block_tables[request_id] = device_ids
+        for host_ids, num_skipped in zip(copy.block_ids, copy.num_skipped):
+            device_ids = [block.block_id for block in self.device_pool.allocate(len(host_ids))]
+            self.host_pool.free(host_blocks[block_id] for block_id in reversed(host_ids))
+            tables.append([NULL_BLOCK_ID] * num_skipped + device_ids)
+            pairs.extend(zip(host_ids, device_ids))
+        self._block_tables[request_id] = tables
         if self.events is not None:
-            self.events.record("swap_in", request_id, device_ids, host_block_ids=host_ids)
+            self.events.record(
+                "swap_in", request_id, [d for _, d in pairs], host_block_ids=[h for h, _ in pairs]
+            )
         # The copies hold the same content, but are registered again only once the
         # runner has done the copy (cache_blocks after the step).
         self._num_cached_blocks[request_id] = 0
-        self.stats.num_swapped_in_blocks += len(host_ids)
-        return list(zip(host_ids, device_ids))
+        self.stats.num_swapped_in_blocks += num_blocks
+        return pairs
 
     # -------------------------------------------------------------- integrity
 
@@ -373,46 +508,68 @@ class KVCacheManager:
         """Raise AssertionError unless pools and tables agree on every reference.
 
         For the given requests (those on device), also check that every cached block in
-        their tables holds exactly the content of that position of the request.
+        their tables holds exactly the content of that position of the request, and that
+        each sliding group holds exactly the blocks its window still reads: none freed
+        too early, none kept too long.
         """
-        for pool, tables in (
+        host_tables = {rid: copy.block_ids for rid, copy in self._host_copies.items()}
+        for pool, tables_by_request in (
             (self.device_pool, self._block_tables),
-            (self.host_pool, self._host_block_tables),
+            (self.host_pool, host_tables),
         ):
             pool.check_integrity()
             refs: Counter[int] = Counter()
-            for request_id, table in tables.items():
-                assert len(set(table)) == len(table), f"{request_id} holds a block twice"
-                refs.update(table)
+            for request_id, tables in tables_by_request.items():
+                assert len(tables) == self.num_groups, f"{request_id} has {len(tables)} tables"
+                assert len({len(table) for table in tables}) <= 1 or pool is self.host_pool, (
+                    f"{request_id}'s tables differ in length"
+                )
+                # Host tables hold live blocks only (host block 0 is an ordinary block).
+                null = NULL_BLOCK_ID if pool is self.device_pool else -1
+                held = [block_id for table in tables for block_id in table if block_id != null]
+                assert len(set(held)) == len(held), f"{request_id} holds a block twice"
+                refs.update(held)
             for block in pool.blocks:
                 assert block.ref_cnt == refs.get(block.block_id, 0), (
                     f"{block} has ref count {block.ref_cnt} but "
                     f"{refs.get(block.block_id, 0)} tables hold it"
                 )
-        both = self._block_tables.keys() & self._host_block_tables.keys()
+        both = self._block_tables.keys() & self._host_copies.keys()
         assert not both, f"requests on device and host at once: {sorted(both)}"
-        if self.enable_caching:
-            for request in requests:
-                table = self._block_tables.get(request.request_id, [])
-                hashes = request.get_block_hashes(self.block_size)
+        for request in requests:
+            tables = self._block_tables.get(request.request_id, [])
+            for group, table in enumerate(tables):
+                num_null = next((i for i, block_id in enumerate(table) if block_id != NULL_BLOCK_ID), len(table))
+                assert NULL_BLOCK_ID not in table[num_null:], f"{request} has a NULL entry after live blocks"
+                expected = min(self.num_passed_blocks(group, request.num_computed_tokens), len(table))
+                assert num_null == expected, (
+                    f"{request} group {group} has {num_null} blocks freed, its window has passed {expected}"
+                )
+            if not self.enable_caching:
+                continue
+            hashes = request.get_block_hashes(self.block_size)
+            for group, table in enumerate(tables):
                 for index, block_id in enumerate(table):
-                    block_hash = self.device_pool.blocks[block_id].block_hash
+                    if block_id == NULL_BLOCK_ID:
+                        continue
+                    block = self.device_pool.blocks[block_id]
                     # A forked request's shared last block, not copied yet, holds the
                     # parent's tokens after the prompt: the copy comes before any write.
                     pending_copy = request.request_id in self._copy_on_write and index == len(table) - 1
-                    if block_hash is not None and not pending_copy:
-                        assert index < len(hashes) and block_hash == hashes[index], (
+                    if block.block_hash is not None and not pending_copy:
+                        assert index < len(hashes) and block.block_hash == hashes[index], (
                             f"{request} shares block {block_id} holding other tokens"
                         )
+                        assert block.cache_group == group, f"{request} holds group {block.cache_group}'s block {block_id}"
 
     def holds_blocks(self, request_id: str) -> bool:
-        return request_id in self._block_tables or request_id in self._host_block_tables
+        return request_id in self._block_tables or request_id in self._host_copies
 
     def is_swapped_out(self, request_id: str) -> bool:
-        return request_id in self._host_block_tables
+        return request_id in self._host_copies
 
     def request_ids_holding_blocks(self) -> set[str]:
-        return self._block_tables.keys() | self._host_block_tables.keys()
+        return self._block_tables.keys() | self._host_copies.keys()
 
 
-__all__ = ["ComputedBlocks", "KVCacheManager", "KVCacheStats"]
+__all__ = ["NO_HIT", "ComputedBlocks", "KVCacheManager", "KVCacheStats"]

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pagellm.core.block_pool import NULL_BLOCK_ID
+
 
 @dataclass
 class BlockMap:
@@ -80,11 +82,12 @@ def replay(events: Iterable[dict[str, Any]], until_step: int | None = None) -> B
 def block_map_of(manager: Any) -> BlockMap:
     """The live block map of a KVCacheManager, in the shape `replay` rebuilds."""
     state = BlockMap()
-    for request_id, table in manager._block_tables.items():
-        for block in table:
-            state.device.setdefault(block, []).append(request_id)
-    state.cached = {block.block_id for block in manager.device_pool.cached_blocks.values()}
-    for request_id, table in manager._host_block_tables.items():
-        for block in table:
+    for request_id in manager.request_ids_holding_blocks():
+        for block in manager.get_host_block_ids(request_id):
             state.host[block] = request_id
+        for table in manager.get_block_tables(request_id):
+            for block in table:
+                if block != NULL_BLOCK_ID:  # a block a sliding window already freed
+                    state.device.setdefault(block, []).append(request_id)
+    state.cached = {block.block_id for block in manager.device_pool.cached_blocks.values()}
     return state

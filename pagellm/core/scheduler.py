@@ -19,7 +19,7 @@ import logging
 from collections.abc import Iterable
 
 from pagellm.config import CacheConfig, SchedulerConfig
-from pagellm.core.kv_cache_manager import ComputedBlocks, KVCacheManager
+from pagellm.core.kv_cache_manager import NO_HIT, KVCacheManager
 from pagellm.core.parallel_sampling import make_child_request
 from pagellm.core.prefill_balance import prefill_chunk_size, prefill_token_cap, remaining_work
 from pagellm.core.scheduler_integrity import check_scheduler_integrity
@@ -130,8 +130,8 @@ class Scheduler:
         check_request_fits(
             request,
             self.max_model_len,
-            self.cache_config.block_size,
-            self.kv_cache_manager.num_usable_blocks,
+            self.cache_config,
+            self.scheduler_config.max_num_batched_tokens,
             self.scheduler_config.max_num_seqs,
         )
         self.requests[request.request_id] = request
@@ -314,7 +314,7 @@ class Scheduler:
                 computed = kv.get_computed_blocks(request)
             else:
                 # Prompt logprobs need the logits of every prompt position.
-                computed = ComputedBlocks([], 0)
+                computed = NO_HIT
             gap = request.num_tokens - computed.num_computed_tokens
             num_tokens = self._num_tokens_to_schedule(gap, plan)
             if num_tokens == 0:
@@ -345,7 +345,7 @@ class Scheduler:
                         prompt_token_ids=list(request.prompt_token_ids),
                         output_token_ids=list(request.output_token_ids),
                         sampling_params=request.sampling_params,
-                        block_ids=self.kv_cache_manager.get_block_ids(request_id),
+                        block_ids=self.kv_cache_manager.get_block_tables(request_id),
                         num_computed_tokens=request.num_computed_tokens,
                         eos_token_ids=request.eos_token_ids,
                         num_pending_forks=request.num_pending_forks,
@@ -358,7 +358,7 @@ class Scheduler:
                         new_block_ids=plan.new_block_ids[request_id],
                         num_computed_tokens=request.num_computed_tokens,
                         num_kept_block_ids=self.kv_cache_manager.num_device_blocks(request_id)
-                        - len(plan.new_block_ids[request_id]),
+                        - len(plan.new_block_ids[request_id][0]),
                     )
                 )
         finished, self._finished_req_ids = self._finished_req_ids, set()
@@ -405,6 +405,7 @@ class Scheduler:
             if computed < request.num_tokens:  # a partial prefill chunk: nothing sampled
                 request.num_computed_tokens = computed
                 kv.cache_blocks(request, computed)
+                kv.free_passed_blocks(request)
                 continue
             sampled = runner_output.sampled_token_ids.get(request_id)
             if not sampled:
@@ -418,6 +419,7 @@ class Scheduler:
             kv.cache_blocks(request, request.num_computed_tokens)
             if proposal:  # blocks holding only rejected positions go back to the pool
                 kv.trim(request, request.num_tokens)
+            kv.free_passed_blocks(request)
             progress.append(
                 RequestProgress(
                     req_id=request_id,

@@ -37,7 +37,7 @@ def check_scheduler_integrity(
         assert 0 <= request.num_computed_tokens < request.num_tokens, (
             f"{request} computed count out of range"
         )
-        num_device_blocks = len(kv.get_block_ids(request_id))
+        num_device_blocks = kv.num_device_blocks(request_id)
         is_swapped_out = kv.is_swapped_out(request_id)
         if status is RequestStatus.WAITING:
             assert request.num_computed_tokens == 0 and not kv.holds_blocks(request_id)

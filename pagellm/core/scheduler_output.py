@@ -10,7 +10,10 @@ another process. How a runner reads a SchedulerOutput, in this order:
    same step, so swap-outs go first.)
 3. Add `scheduled_new_reqs` (first scheduling, or resumption after any preemption; the
    runner's token list is prompt_token_ids + output_token_ids and the block table is
-   complete). For `scheduled_cached_reqs`, append `new_block_ids` to the table it kept.
+   complete). For `scheduled_cached_reqs`, append `new_block_ids` to the tables it kept.
+   Block ids come as one table per KV cache group (config/kv_layout.py). A table entry
+   that a sliding window freed later is not announced: the runner's copy keeps the old
+   id, which that group's attention never reads again.
 4. Run `num_scheduled_tokens[req_id]` tokens of each request, starting at position
    `num_computed_tokens`.
 5. A request needs a sampled token iff num_computed_tokens + num_scheduled_tokens
@@ -36,7 +39,7 @@ class NewRequestData:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     sampling_params: SamplingParams
-    block_ids: list[int]  # the full device block table
+    block_ids: list[list[int]]  # the full device block tables, one per KV cache group
     num_computed_tokens: int  # KV already in the cache (prefix hit or swapped back in)
     # The sampler needs EOS ids to hold them back before min_tokens outputs.
     eos_token_ids: frozenset[int] = frozenset()
@@ -50,9 +53,9 @@ class CachedRequestData:
     """A request the runner already holds, scheduled again: only what changed."""
 
     req_id: str
-    new_block_ids: list[int]  # appended to the block table this step (often empty)
+    new_block_ids: list[list[int]]  # per KV cache group, appended to its table this step (often empty)
     num_computed_tokens: int
-    # The table's length before new_block_ids: shorter than the runner's copy when blocks
+    # The tables' length before new_block_ids: shorter than the runner's copy when blocks
     # were freed since (the rejected positions of a speculative verification).
     num_kept_block_ids: int | None = None
 

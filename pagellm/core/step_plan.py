@@ -15,7 +15,7 @@ class StepPlan:
     prefill_budget: int  # tokens prefill chunks may still take (see prefill_token_cap)
     num_scheduled_tokens: dict[str, int] = dataclasses.field(default_factory=dict)
     prefill_req_ids: set[str] = dataclasses.field(default_factory=set)
-    new_block_ids: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    new_block_ids: dict[str, list[list[int]]] = dataclasses.field(default_factory=dict)  # per KV cache group
     # Requests the runner holds no state for: admitted or swapped in this step.
     resumed_req_ids: set[str] = dataclasses.field(default_factory=set)
     preempted_req_ids: set[str] = dataclasses.field(default_factory=set)
@@ -25,7 +25,7 @@ class StepPlan:
     spec_tokens: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     speculate: bool = False  # proposals are asked for in this step
 
-    def schedule(self, request: Request, num_tokens: int, block_ids: list[int], is_prefill: bool) -> None:
+    def schedule(self, request: Request, num_tokens: int, block_ids: list[list[int]], is_prefill: bool) -> None:
         self.num_scheduled_tokens[request.request_id] = num_tokens
         self.new_block_ids[request.request_id] = block_ids
         self.token_budget -= num_tokens

@@ -13,7 +13,8 @@ import time
 import torch
 
 from pagellm.attention.kv_cache_dtype import torch_dtype
-from pagellm.config.cache import DTYPE_BYTES, CacheConfig, CacheSize, kv_bytes_per_block, sized_cache_config
+from pagellm.config.cache import DTYPE_BYTES, CacheConfig, CacheSize, kv_bytes_per_block
+from pagellm.config.kv_layout import kv_cache_layout
 from pagellm.config.engine_args import EngineArgs
 from pagellm.config.engine_config import DraftModel, EngineConfig, resolve_engine_config
 from pagellm.config.speculative import resolve_speculative_config
@@ -47,12 +48,20 @@ logger = logging.getLogger(__name__)
 def _log_cache(config: EngineConfig, cache_config: CacheConfig, size: CacheSize) -> None:
     max_model_len = config.max_model_len
     capacity = cache_config.max_num_cached_tokens
+    model_config = config.model_config
+    layout = kv_cache_layout(model_config)
+    per_layer = kv_bytes_per_block(model_config, 1, config.kv_cache_dtype) // layout.layers_per_block
+    num_global = sum(model_config.layer_window(layer) is None for layer in range(model_config.num_hidden_layers))
+    held = f"{per_layer * num_global} bytes per token of context in global layers"
+    if num_global < model_config.num_hidden_layers:
+        held += (
+            f", {per_layer * (model_config.num_hidden_layers - num_global)} per token of the last window "
+            "in sliding-window layers"
+        )
     logger.info(
-        "model: %s; KV cache %d bytes per token (%s, all layers)",
-        config.model_config.describe(),
-        kv_bytes_per_block(config.model_config, 1, config.kv_cache_dtype),
-        config.kv_cache_dtype,
-    )
+        "model: %s; KV cache (%s): %s; %s",
+        model_config.describe(), config.kv_cache_dtype, held, layout.describe(),
+    )  # fmt: skip
     logger.info(
         "KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB %s per rank, %s); max concurrency at "
         "max_model_len=%d: %.2fx; swap space: %d host blocks",
@@ -63,7 +72,9 @@ def _log_cache(config: EngineConfig, cache_config: CacheConfig, size: CacheSize)
         str(torch_dtype(config.kv_cache_dtype)).removeprefix("torch."),
         size.how,
         max_model_len,
-        capacity / max_model_len,
+        # Sliding groups hold only their window's blocks, so count blocks, not tokens.
+        cache_config.num_usable_gpu_blocks
+        / cache_config.max_blocks_per_request(max_model_len, config.scheduler_config.max_num_batched_tokens),
         size.num_cpu_blocks,
     )
 
@@ -130,7 +141,7 @@ class LLMEngine:
         executor = create_executor(config, grammars)
         try:
             size = executor.cache_size()
-            cache_config = sized_cache_config(config.cache_budget, size, config.max_model_len)
+            cache_config = config.sized_cache(size)
             _log_cache(config, cache_config, size)
             executor.init_cache(cache_config.num_gpu_blocks, cache_config.num_cpu_blocks)
         except BaseException:

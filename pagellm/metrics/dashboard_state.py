@@ -51,7 +51,7 @@ def dashboard_state(engine: DashboardSource, max_series_points: int = 300) -> di
                     "prompt_tokens": request.num_prompt_tokens,
                     "output_tokens": request.num_output_tokens,
                     "computed_tokens": request.num_computed_tokens,
-                    "device_blocks": len(manager.get_block_ids(request.request_id)),
+                    "device_blocks": manager.num_blocks_held(request.request_id),
                     "host_blocks": len(manager.get_host_block_ids(request.request_id)),
                 }
             )

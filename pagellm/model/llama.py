@@ -22,6 +22,7 @@ from torch import nn
 
 from pagellm.attention.backend import AttentionBackend, AttentionMetadata
 from pagellm.errors import ModelLoadError
+from pagellm.config.kv_layout import kv_cache_layout
 from pagellm.config.model import ModelConfig
 from pagellm.model.layers import RMSNorm, RotaryEmbedding, apply_rotary
 from pagellm.kernels import step_paths
@@ -46,6 +47,7 @@ class LlamaAttention(nn.Module):
         super().__init__()
         self.tp = tp  # o_proj is row-parallel: its partial sums are all-reduced
         self.sliding_window = config.layer_window(layer)
+        self.kv_group = kv_cache_layout(config).group_of_layer(layer)
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -73,7 +75,7 @@ class LlamaAttention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = self.position_qk(q, k, cos_sin)
-        out = backend.forward(q, k, v, kv_cache, metadata, self.scale, self.sliding_window)
+        out = backend.forward(q, k, v, kv_cache, metadata.for_group(self.kv_group), self.scale, self.sliding_window)
         projected = self.o_proj(out.reshape(num_tokens, self.q_size))
         return projected if self.tp is None else self.tp.all_reduce(projected)
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pagellm.config import CacheConfig, SchedulerConfig
-from pagellm.config.cache import CacheSize, MemoryFacts, sized_cache_config
+from pagellm.config.cache import CacheSize, MemoryFacts
 from pagellm.config.engine_args import EngineArgs
 from pagellm.config.engine_config import DeviceFacts, EngineConfig, resolve_engine_config as resolve_config
 from pagellm.config.model import ModelConfig, ModelSource
@@ -158,7 +158,7 @@ def resolve_engine_config(target: SimTarget, args: EngineArgs) -> SimEngineConfi
             target.model_config, config.kv_cache_dtype, config.cache_budget, memory_facts(target, config),
             target.tensor_parallel_size,
         )  # fmt: skip
-        cache_config = sized_cache_config(config.cache_budget, kv, config.max_model_len)
+        cache_config = config.sized_cache(kv)
     except ConfigError as e:
         raise ConfigError(str(e) + _fit_hint(target, config)) from None
     return SimEngineConfig(config.with_cache(cache_config), kv)
@@ -180,7 +180,7 @@ def tp_sizes_that_fit(target: SimTarget, config: EngineConfig) -> list[int]:
         )  # fmt: skip
         try:
             kv = simulated_cache_size(target.model_config, config.kv_cache_dtype, config.cache_budget, memory, tp)
-            sized_cache_config(config.cache_budget, kv, config.max_model_len)
+            config.sized_cache(kv)
         except ConfigError:
             continue
         sizes.append(tp)

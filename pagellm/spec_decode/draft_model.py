@@ -39,7 +39,7 @@ class DraftWork:
 
     req_id: str
     token_ids: list[int]  # prompt + output so far (the runner's copy)
-    block_ids: list[int]  # covers the verification's positions
+    block_ids: list[int]  # covers the verification's positions (the target's one KV cache group)
     num_tokens: int  # len(token_ids): the first draft token goes at this position
     num_drafts: int  # k
 
@@ -73,7 +73,7 @@ class DraftModelProposer:
         sequences = []
         for item in work:
             start = self.computed.get(item.req_id, 0)
-            sequences.append(ScheduledSequence(item.token_ids[start : item.num_tokens], start, item.block_ids, True))
+            sequences.append(ScheduledSequence(item.token_ids[start : item.num_tokens], start, [item.block_ids], True))
         logits = self._forward(sequences)
         drafts = {item.req_id: Drafts([], None) for item in work}
         self._choose(work, logits, drafts, choose)
@@ -83,7 +83,7 @@ class DraftModelProposer:
             active = [item for item in work if item.num_drafts > step]
             sequences = [
                 ScheduledSequence(
-                    [drafts[item.req_id].token_ids[-1]], item.num_tokens + step - 1, item.block_ids, True
+                    [drafts[item.req_id].token_ids[-1]], item.num_tokens + step - 1, [item.block_ids], True
                 )
                 for item in active
             ]

@@ -123,7 +123,7 @@ class DecodeGraphs:
         return (
             0 < len(sequences) <= self.sizes[-1]
             and all(len(s.token_ids) == 1 and s.needs_logits for s in sequences)
-            and all(len(s.block_ids) <= self.max_blocks for s in sequences)
+            and all(len(s.block_ids) == 1 and len(s.block_ids[0]) <= self.max_blocks for s in sequences)
         )
 
     def run(self, sequences: list[ScheduledSequence]) -> torch.Tensor:  # [n, hidden_size]
@@ -131,7 +131,7 @@ class DecodeGraphs:
         n = len(sequences)
         size = next(s for s in self.sizes if s >= n)
         block_size = self.block_size
-        width = max(len(seq.block_ids) for seq in sequences)
+        width = max(len(seq.block_ids[0]) for seq in sequences)
         input_ids = [0] * size
         positions = [0] * size
         slots = [-1] * size
@@ -141,9 +141,9 @@ class DecodeGraphs:
             position = seq.start_position
             input_ids[i] = seq.token_ids[0]
             positions[i] = position
-            slots[i] = seq.block_ids[position // block_size] * block_size + position % block_size
+            slots[i] = seq.block_ids[0][position // block_size] * block_size + position % block_size
             seq_lens[i] = position + 1
-            tables.append(seq.block_ids + [0] * (width - len(seq.block_ids)))
+            tables.append(seq.block_ids[0] + [0] * (width - len(seq.block_ids[0])))
         # Padding rows are rewritten too (a previous, larger step may have left real ones
         # there): one token of context in the null block 0, and a slot of -1 so their K/V
         # is never stored. Table entries past a row's context are never read.

@@ -15,7 +15,7 @@ class ScheduledSequence:
 
     token_ids: list[int]  # tokens whose K/V is computed this step
     start_position: int  # tokens of this request already in the cache
-    block_ids: list[int]  # the request's block table (covers start_position + len(token_ids))
+    block_ids: list[list[int]]  # the request's block tables, one per KV cache group (each covers the step)
     needs_logits: bool  # whether the step's last token must produce a next token
 
 
@@ -23,7 +23,7 @@ class ScheduledSequence:
 class ModelInputs:
     input_ids: torch.Tensor  # [num_tokens] int64
     positions: torch.Tensor  # [num_tokens] int64
-    metadata: AttentionMetadata
+    metadata: AttentionMetadata  # of KV cache group 0; the others' in metadata.group_metadata
     logits_indices: torch.Tensor  # [num_sampled] rows of the flat batch that need logits
 
 
@@ -32,38 +32,53 @@ def prepare_model_inputs(
 ) -> ModelInputs:
     input_ids: list[int] = []
     positions: list[int] = []
-    slots: list[int] = []
     query_start_loc = [0]
     seq_lens: list[int] = []
     logits_indices: list[int] = []
-    max_blocks = max(len(s.block_ids) for s in sequences)
-    block_rows: list[list[int]] = []
     for seq in sequences:
         end = seq.start_position + len(seq.token_ids)
-        assert len(seq.block_ids) * block_size >= end, "block table too short for the step"
         input_ids.extend(seq.token_ids)
-        for pos in range(seq.start_position, end):
-            positions.append(pos)
-            slots.append(seq.block_ids[pos // block_size] * block_size + pos % block_size)
+        positions.extend(range(seq.start_position, end))
         query_start_loc.append(len(input_ids))
         seq_lens.append(end)
         if seq.needs_logits:
             logits_indices.append(len(input_ids) - 1)
-        # Padding entries are never read: each request reads only ceil(seq_len/block) blocks.
-        block_rows.append(seq.block_ids + [0] * (max_blocks - len(seq.block_ids)))
 
     def as_tensor(values: list[int] | list[list[int]]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=device)
 
-    metadata = AttentionMetadata(
-        slot_mapping=as_tensor(slots),
-        block_tables=as_tensor(block_rows),
-        query_start_loc=query_start_loc,
-        seq_lens=seq_lens,
-    )
+    num_groups = len(sequences[0].block_ids)
+    metadata = [
+        AttentionMetadata(
+            slot_mapping=as_tensor(_slots(sequences, group, block_size)),
+            block_tables=as_tensor(_padded_tables(sequences, group, block_size)),
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+        )
+        for group in range(num_groups)
+    ]
+    metadata[0].group_metadata = tuple(metadata[1:])
     return ModelInputs(
         input_ids=as_tensor(input_ids),
         positions=as_tensor(positions),
-        metadata=metadata,
+        metadata=metadata[0],
         logits_indices=as_tensor(logits_indices),
     )
+
+
+def _slots(sequences: list[ScheduledSequence], group: int, block_size: int) -> list[int]:
+    """Where each token of the step writes its K/V in the group's blocks."""
+    slots: list[int] = []
+    for seq in sequences:
+        table = seq.block_ids[group]
+        end = seq.start_position + len(seq.token_ids)
+        assert len(table) * block_size >= end, "block table too short for the step"
+        for pos in range(seq.start_position, end):
+            slots.append(table[pos // block_size] * block_size + pos % block_size)
+    return slots
+
+
+def _padded_tables(sequences: list[ScheduledSequence], group: int, block_size: int) -> list[list[int]]:
+    # Padding entries are never read: each request reads only ceil(seq_len/block) blocks.
+    max_blocks = max(len(seq.block_ids[group]) for seq in sequences)
+    return [seq.block_ids[group] + [0] * (max_blocks - len(seq.block_ids[group])) for seq in sequences]

@@ -31,7 +31,8 @@ from pagellm.structured.grammar_compiler import GrammarCompiler
 from pagellm.structured.token_masks import MaskTimer, apply_masks, fill_masks
 from pagellm.worker.cuda_graphs import Capture, DecodeGraphs, cuda_graph_capture
 from pagellm.worker.fault_injection import FaultInjector
-from pagellm.worker.kv_cache import allocate_kv_caches
+from pagellm.config.kv_layout import kv_cache_layout
+from pagellm.worker.kv_cache import allocate_kv_caches, distinct_tensors
 from pagellm.worker.model_inputs import ScheduledSequence, prepare_model_inputs
 from pagellm.worker.request_state import RunnerRequestState
 from pagellm.worker.spec_verification import SpeculativeVerifier
@@ -110,7 +111,11 @@ class ModelRunner:
         self, sizes: list[int], max_model_len: int, capture: Capture | None = None
     ) -> None:
         """Capture the decode forward at these batch sizes (CUDA graphs unless `capture`
-        says otherwise); later decode-only steps that fit replay them."""
+        says otherwise); later decode-only steps that fit replay them. A model with several
+        KV cache groups runs eagerly (the captured step has one group's tables)."""
+        if len(kv_cache_layout(self.model.config).groups) > 1:
+            logger.info("no decode graphs: the model has several KV cache groups (sliding-window layers)")
+            return
         start = time.perf_counter()
         self.decode_graphs = DecodeGraphs(
             self.model, self.kv_caches, sizes, max_model_len, self.block_size, self.device,
@@ -140,9 +145,10 @@ class ModelRunner:
             self._add_request(new)
         for cached in scheduler_output.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
-            if cached.num_kept_block_ids is not None:
-                del state.block_ids[cached.num_kept_block_ids :]
-            state.block_ids.extend(cached.new_block_ids)
+            for table, new_ids in zip(state.block_ids, cached.new_block_ids, strict=True):
+                if cached.num_kept_block_ids is not None:
+                    del table[cached.num_kept_block_ids :]
+                table.extend(new_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
         req_ids = list(scheduler_output.num_scheduled_tokens)
@@ -328,7 +334,7 @@ class ModelRunner:
         state = RunnerRequestState(
             token_ids=list(new.prompt_token_ids) + list(new.output_token_ids),
             num_prompt_tokens=len(new.prompt_token_ids),
-            block_ids=list(new.block_ids),
+            block_ids=[list(table) for table in new.block_ids],
             num_computed_tokens=new.num_computed_tokens,
             sampling_params=new.sampling_params,
             eos_token_ids=new.eos_token_ids,
@@ -383,10 +389,10 @@ def _copy_blocks(
     source_ids: tuple[int, ...],
     target_ids: tuple[int, ...],
 ) -> None:
-    """Copy whole blocks (every layer, K and V) from one cache to another."""
+    """Copy whole blocks (every cache tensor, K and V) from one cache to another."""
     src_index = torch.tensor(source_ids, device=source[0].device)
     dst_index = torch.tensor(target_ids, device=target[0].device)
-    for src_layer, dst_layer in zip(source, target, strict=True):
+    for src_layer, dst_layer in zip(distinct_tensors(source), distinct_tensors(target), strict=True):
         # [2, n, block_size, kv_heads, head_dim]; fp8 caches as their bytes.
         blocks = copyable(src_layer).index_select(1, src_index).to(dst_layer.device, non_blocking=True)
         copyable(dst_layer).index_copy_(1, dst_index, blocks)

@@ -10,7 +10,8 @@ import torch
 from pagellm.config import SchedulerConfig
 from pagellm.config.units import GiB
 from pagellm.model.llama import LlamaForCausalLM
-from pagellm.worker.kv_cache import allocate_kv_caches
+from pagellm.config.kv_layout import kv_cache_layout
+from pagellm.worker.kv_cache import allocate_kv_caches, distinct_tensors
 from pagellm.worker.model_inputs import ScheduledSequence, prepare_model_inputs
 
 logger = logging.getLogger(__name__)
@@ -83,9 +84,12 @@ def _step_peak(
     blocks_needed = sum(-(-n // block_size) for n in query_lens)
     kv = allocate_kv_caches(model.config, blocks_needed + 1, block_size, kv_cache_dtype, device)
     sequences, next_block = [], 1
+    num_groups = len(kv_cache_layout(model.config).groups)
     for n in query_lens:
         count = -(-n // block_size)
-        sequences.append(ScheduledSequence([0] * n, 0, list(range(next_block, next_block + count)), True))
+        # Every KV cache group writes the same blocks: only the memory is measured.
+        table = list(range(next_block, next_block + count))
+        sequences.append(ScheduledSequence([0] * n, 0, [table] * num_groups, True))
         next_block += count
     torch.cuda.reset_peak_memory_stats(device)
     inputs = prepare_model_inputs(sequences, block_size, device)
@@ -93,7 +97,7 @@ def _step_peak(
     model.compute_logits(hidden[inputs.logits_indices])
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device)
-    kv_bytes = sum(t.numel() * t.element_size() for t in kv)
+    kv_bytes = sum(t.numel() * t.element_size() for t in distinct_tensors(kv))
     del kv, hidden, inputs
     torch.cuda.empty_cache()
     return peak - kv_bytes

@@ -18,7 +18,7 @@ class RunnerRequestState:
 
     token_ids: list[int]  # prompt + outputs so far
     num_prompt_tokens: int
-    block_ids: list[int]
+    block_ids: list[list[int]]  # one table per KV cache group
     num_computed_tokens: int
     sampling_params: SamplingParams
     eos_token_ids: frozenset[int]

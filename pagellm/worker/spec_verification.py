@@ -141,7 +141,7 @@ class SpeculativeVerifier:
         work = []
         for req_id, placeholders in proposals.items():
             state = self.requests[req_id]
-            work.append(DraftWork(req_id, state.token_ids, state.block_ids, len(state.token_ids), len(placeholders)))
+            work.append(DraftWork(req_id, state.token_ids, state.block_ids[0], len(state.token_ids), len(placeholders)))
         return draft_model.propose(work, self._choose_draft)
 
     def _choose_draft(self, req_id: str, drafts: list[int], logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:

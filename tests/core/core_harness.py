@@ -1,10 +1,11 @@
 """Test harness of the scheduler: configs, requests, a fake runner that checks KV content.
 
 The fake runner plays the runner's side of the SchedulerOutput contract. Instead of
-tensors it keeps, per cache slot, the (token id, position) whose KV it holds; every step
-it checks that each scheduled request's earlier positions read back, through its block
-table, exactly its own tokens. So a block shared, evicted, swapped or reused wrongly
-shows up as a failed assertion, not only as a wrong count.
+tensors it keeps, per cache slot, the (KV cache group, token id, position) whose KV it
+holds; every step it checks that each scheduled request's earlier positions that its
+layers read (all of them, or a sliding group's window) read back, through that group's
+block table, exactly its own tokens. So a block shared, evicted, swapped, reused or freed
+by a window too early shows up as a failed assertion, not only as a wrong count.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pagellm.core.parallel_sampling import child_request_id
 from pagellm.request import Request
 from pagellm.sampling_params import SamplingParams
 
-Slot = tuple[int, int]  # (token id, position) whose KV a cache slot holds
+Slot = tuple[int, int, int]  # (group, token id, position) whose KV a cache slot holds
 SampleFn = Callable[[str, list[int]], int]  # (request id, its tokens so far) -> token
 
 
@@ -35,6 +36,7 @@ def make_scheduler(
     enable_chunked_prefill: bool = True,
     scheduling_policy: str = "fcfs",
     preemption_mode: str = "recompute",
+    group_windows: tuple[int | None, ...] = (None,),
     **balance: object,
 ) -> Scheduler:
     cache_config = CacheConfig(
@@ -42,6 +44,7 @@ def make_scheduler(
         num_gpu_blocks=num_gpu_blocks,
         num_cpu_blocks=num_cpu_blocks,
         enable_prefix_caching=enable_prefix_caching,
+        group_windows=group_windows,
     )
     scheduler_config = SchedulerConfig(
         max_num_seqs=max_num_seqs,
@@ -87,7 +90,7 @@ def sample_seven(request_id: str, tokens: list[int]) -> int:
 @dataclasses.dataclass
 class _RunnerRequest:
     token_ids: list[int]
-    block_ids: list[int]
+    block_ids: list[list[int]]  # per KV cache group
     num_computed_tokens: int
     num_pending_forks: int = 0
 
@@ -95,18 +98,21 @@ class _RunnerRequest:
 class FakeRunner:
     """Executes SchedulerOutputs on a simulated KV cache (see module docstring)."""
 
-    def __init__(self, block_size: int, sample: SampleFn = sample_seven) -> None:
+    def __init__(
+        self, block_size: int, sample: SampleFn = sample_seven, group_windows: tuple[int | None, ...] = (None,)
+    ) -> None:
         self.block_size = block_size
+        self.group_windows = group_windows
         self.sample = sample
         self.device: dict[int, list[Slot | None]] = {}
         self.host: dict[int, list[Slot | None]] = {}
         self.requests: dict[str, _RunnerRequest] = {}
         self.num_steps = 0
 
-    def _slot(self, state: _RunnerRequest, position: int) -> tuple[int, int]:
+    def _slot(self, state: _RunnerRequest, group: int, position: int) -> tuple[int, int]:
         index = position // self.block_size
-        assert index < len(state.block_ids), "position beyond the block table"
-        return state.block_ids[index], position % self.block_size
+        assert index < len(state.block_ids[group]), "position beyond the block table"
+        return state.block_ids[group][index], position % self.block_size
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         self.num_steps += 1
@@ -120,18 +126,21 @@ class FakeRunner:
             self.device[device_id] = list(self.host[host_id])
         for new in out.scheduled_new_reqs:
             assert new.req_id not in self.requests, "new request the runner already holds"
-            assert 0 not in new.block_ids, "the null block was handed out"
+            assert len(new.block_ids) == len(self.group_windows)
             self.requests[new.req_id] = _RunnerRequest(
                 new.prompt_token_ids + new.output_token_ids,
-                list(new.block_ids),
+                [list(table) for table in new.block_ids],
                 new.num_computed_tokens,
                 new.num_pending_forks,
             )
         for cached in out.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
             assert cached.num_computed_tokens == state.num_computed_tokens
-            assert 0 not in cached.new_block_ids
-            state.block_ids.extend(cached.new_block_ids)
+            for table, new_ids in zip(state.block_ids, cached.new_block_ids, strict=True):
+                assert 0 not in new_ids, "the null block was handed out"
+                if cached.num_kept_block_ids is not None:
+                    del table[cached.num_kept_block_ids :]
+                table.extend(new_ids)
         assert set(out.num_scheduled_tokens) == {
             r.req_id for r in out.scheduled_new_reqs
         } | {r.req_id for r in out.scheduled_cached_reqs}
@@ -144,17 +153,22 @@ class FakeRunner:
             start = state.num_computed_tokens
             end = start + num_tokens
             assert num_tokens > 0 and end <= len(state.token_ids)
-            # Attention reads every earlier position through the block table.
-            for position in range(start):
-                block_id, offset = self._slot(state, position)
-                held = self.device.get(block_id, [None] * self.block_size)[offset]
-                assert held == (state.token_ids[position], position), (
-                    f"{request_id} position {position} reads {held} from block {block_id}"
-                )
-            for position in range(start, end):
-                block_id, offset = self._slot(state, position)
-                block = self.device.setdefault(block_id, [None] * self.block_size)
-                block[offset] = (state.token_ids[position], position)
+            for group, window in enumerate(self.group_windows):
+                # Attention reads every earlier position its layers see through the
+                # group's block table: all of them, or the first query's window on.
+                first_read = 0 if window is None else max(0, start - window + 1)
+                for position in range(first_read, start):
+                    block_id, offset = self._slot(state, group, position)
+                    assert block_id != 0, f"{request_id} reads position {position} from the null block"
+                    held = self.device.get(block_id, [None] * self.block_size)[offset]
+                    assert held == (group, state.token_ids[position], position), (
+                        f"{request_id} group {group} position {position} reads {held} from block {block_id}"
+                    )
+                for position in range(start, end):
+                    block_id, offset = self._slot(state, group, position)
+                    assert block_id != 0, "the null block was written"
+                    block = self.device.setdefault(block_id, [None] * self.block_size)
+                    block[offset] = (group, state.token_ids[position], position)
             state.num_computed_tokens = end
             if end == len(state.token_ids):
                 history = list(state.token_ids)

@@ -27,14 +27,17 @@ def assert_manager_drained(kv: KVCacheManager) -> None:
 
 
 def compute(kv: KVCacheManager, request, num_tokens: int, computed=None) -> list[int]:
-    """Allocate for and 'compute' num_tokens more tokens, as a scheduler step would."""
+    """Allocate for and 'compute' num_tokens more tokens, as a scheduler step would;
+    returns the first group's new block ids."""
     new_ids = kv.allocate_slots(request, num_tokens, computed)
-    assert new_ids is not None
+    assert new_ids is not None and len(new_ids) == kv.num_groups
+    return_group0 = new_ids[0]
     if computed is not None:
         request.num_computed_tokens = computed.num_computed_tokens
     request.num_computed_tokens += num_tokens
     kv.cache_blocks(request, request.num_computed_tokens)
-    return new_ids
+    kv.free_passed_blocks(request)
+    return return_group0
 
 
 def refs(kv: KVCacheManager, block_ids: list[int]) -> list[int]:
@@ -59,7 +62,7 @@ def test_prefix_hit_shares_blocks_and_counts_tokens() -> None:
     compute(kv, a, 10)  # blocks 1 2 3; 1 and 2 are full, so cached
     b = make_request("b", list(range(8)) + [50, 51, 52])
     hit = kv.get_computed_blocks(b)
-    assert hit == ComputedBlocks([1, 2], 8)
+    assert hit == ComputedBlocks([[1, 2]], 8)
     assert compute(kv, b, 3, hit) == [4]
     assert kv.get_block_ids("b") == [1, 2, 4]
     assert refs(kv, [1, 2, 3, 4]) == [2, 2, 1, 1]
@@ -78,10 +81,10 @@ def test_the_last_token_is_always_left_to_compute() -> None:
     kv.free(a)
     # Same 8-token prompt: its last block would leave nothing to compute, so it is dropped.
     same = make_request("same", list(range(8)))
-    assert kv.get_computed_blocks(same) == ComputedBlocks([1], 4)
+    assert kv.get_computed_blocks(same) == ComputedBlocks([[1]], 4)
     # With one more token both blocks are hits.
     longer = make_request("longer", list(range(9)))
-    assert kv.get_computed_blocks(longer) == ComputedBlocks([1, 2], 8)
+    assert kv.get_computed_blocks(longer) == ComputedBlocks([[1, 2]], 8)
     assert_manager_drained(kv)  # lookups reserve nothing
 
 
@@ -94,7 +97,7 @@ def test_failed_allocation_changes_nothing_not_even_the_hit_blocks() -> None:
     compute(kv, filler, 2)  # takes block 2
     b = make_request("b", list(range(4)) + list(range(100, 109)))  # needs 4 blocks
     hit = kv.get_computed_blocks(b)
-    assert hit == ComputedBlocks([1], 4)
+    assert hit == ComputedBlocks([[1]], 4)
     free_before = list(kv.device_pool.free_queue)
     attempts, failures = kv.stats.num_allocation_attempts, kv.stats.num_allocation_failures
     assert kv.allocate_slots(b, 9, hit) is None
@@ -119,7 +122,7 @@ def test_free_releases_the_tail_first_so_it_is_evicted_first() -> None:
     taker = make_request("taker", 8)
     assert compute(kv, taker, 8) == [4, 3]  # block 3, the chain's tail, is evicted
     again = make_request("again", list(range(13)))
-    assert kv.get_computed_blocks(again) == ComputedBlocks([1, 2], 8)
+    assert kv.get_computed_blocks(again) == ComputedBlocks([[1, 2]], 8)
     kv.free(taker)
     assert_manager_drained(kv)
 
@@ -133,7 +136,7 @@ def test_swap_out_and_in_copy_every_computed_block() -> None:
     compute(kv, b, 3, hit)  # shares 1, new 3
     assert kv.get_block_ids("b") == [1, 3]
     # Allocated but not yet computed slots are not copied.
-    assert kv.allocate_slots(b, 2) == [4]
+    assert kv.allocate_slots(b, 2) == [[4]]
     pairs = kv.swap_out(b)
     assert pairs == [(1, 0), (3, 1)]  # the shared block's content is copied too
     assert kv.is_swapped_out("b") and kv.get_block_ids("b") == []

@@ -65,9 +65,9 @@ def test_chunked_prefill_splits_a_prompt_by_the_token_budget(new_scheduler) -> N
     scheduler.add_request(request)
     results = run_to_completion(scheduler, runner)
     assert [scheduled(r) for r in results] == [{"a": 7}, {"a": 7}, {"a": 6}, {"a": 1}, {"a": 1}]
-    assert results[0].output.scheduled_new_reqs[0].block_ids == [1, 2]
+    assert results[0].output.scheduled_new_reqs[0].block_ids == [[1, 2]]
     new_blocks = [
-        [c.new_block_ids for c in r.output.scheduled_cached_reqs] for r in results[1:]
+        [c.new_block_ids[0] for c in r.output.scheduled_cached_reqs] for r in results[1:]
     ]
     assert new_blocks == [[[3, 4]], [[5]], [[6]], [[]]]
     # Nothing is sampled for a partial chunk.
@@ -91,10 +91,10 @@ def test_chunked_prefill_shares_the_budget_with_decodes(new_scheduler) -> None:
         {"b": 1},
     ]
     assert [r.output.total_num_scheduled_tokens for r in results] == [7, 7, 7, 5, 2, 1]
-    first = {new.req_id: new.block_ids for new in results[0].output.scheduled_new_reqs}
+    first = {new.req_id: new.block_ids[0] for new in results[0].output.scheduled_new_reqs}
     assert first == {"b": [1], "a": [2]}
     blocks = [
-        {c.req_id: c.new_block_ids for c in r.output.scheduled_cached_reqs} for r in results[1:]
+        {c.req_id: c.new_block_ids[0] for c in r.output.scheduled_cached_reqs} for r in results[1:]
     ]
     assert blocks == [
         {"b": [], "a": [3, 4]},

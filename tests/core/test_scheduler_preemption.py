@@ -24,7 +24,7 @@ def start_two(new_scheduler, **kwargs):
     scheduler.add_request(a)
     scheduler.add_request(b)
     r1 = step(scheduler, runner)
-    assert {n.req_id: n.block_ids for n in r1.output.scheduled_new_reqs} == {
+    assert {n.req_id: n.block_ids[0] for n in r1.output.scheduled_new_reqs} == {
         "a": [1, 2],
         "b": [3, 4],
     }
@@ -48,7 +48,7 @@ def test_recompute_preemption_frees_the_latest_request_and_resumes_it(new_schedu
     assert r3.output.preempted_req_ids == {"b"}
     assert scheduled(r3) == {"a": 1}
     # b freed tail first to the head of the queue (3 then 4); a took block 3.
-    assert r3.output.scheduled_cached_reqs[0].new_block_ids == [3]
+    assert r3.output.scheduled_cached_reqs[0].new_block_ids == [[3]]
     assert free_queue(scheduler) == [4]
     assert b.status is RequestStatus.WAITING and b.num_computed_tokens == 0
     assert b.num_preemptions == 1 and b.output_token_ids == [7, 7]
@@ -65,7 +65,7 @@ def test_recompute_preemption_frees_the_latest_request_and_resumes_it(new_schedu
     resumed = rest[2].output.scheduled_new_reqs[0]
     assert resumed.req_id == "b" and resumed.num_computed_tokens == 0
     assert resumed.output_token_ids == [7, 7]  # recomputes prompt and outputs
-    assert resumed.block_ids == [1, 2, 3]
+    assert resumed.block_ids == [[1, 2, 3]]
     assert rest[2].output.finished_req_ids == {"a"}
     assert a.output_token_ids == b.output_token_ids == [7] * 6
     stats = scheduler.make_stats()
@@ -80,7 +80,7 @@ def test_recompute_resumption_hits_its_own_cached_blocks(new_scheduler) -> None:
     assert r3.output.preempted_req_ids == {"b"}
     # b's two full blocks are cached: queued tail first at the LRU end, so block 4 (the
     # chain's tail) is evicted by a's allocation and block 3 stays hit-able.
-    assert r3.output.scheduled_cached_reqs[0].new_block_ids == [4]
+    assert r3.output.scheduled_cached_reqs[0].new_block_ids == [[4]]
     assert free_queue(scheduler) == [3]
 
     rest = run_until_done(scheduler, runner)
@@ -89,7 +89,7 @@ def test_recompute_resumption_hits_its_own_cached_blocks(new_scheduler) -> None:
     ]
     resumed = rest[3].output.scheduled_new_reqs[0]
     # Hit block 3; then a's freed cached blocks are evicted tail first: 4, then 2.
-    assert resumed.block_ids == [3, 4, 2]
+    assert resumed.block_ids == [[3, 4, 2]]
     assert resumed.num_computed_tokens == 4
     assert b.num_cached_tokens == 0  # counted at first admission only
     assert scheduler.make_stats().num_prefix_hit_tokens == 4
@@ -103,7 +103,7 @@ def test_swap_preemption_copies_blocks_out_and_back_in(new_scheduler) -> None:
     r3 = step(scheduler, runner)
     assert r3.output.preempted_req_ids == {"b"}
     assert r3.output.blocks_to_swap_out == [(3, 0), (4, 1)]
-    assert r3.output.scheduled_cached_reqs[0].new_block_ids == [3]
+    assert r3.output.scheduled_cached_reqs[0].new_block_ids == [[3]]
     assert b.status is RequestStatus.SWAPPED and b.num_computed_tokens == 8
     assert scheduler.kv_cache_manager.get_host_block_ids("b") == [0, 1]
     assert scheduler.num_swapped == 1
@@ -117,7 +117,7 @@ def test_swap_preemption_copies_blocks_out_and_back_in(new_scheduler) -> None:
     assert swap_step.blocks_to_swap_out == []
     resumed = swap_step.scheduled_new_reqs[0]
     assert (resumed.req_id, resumed.num_computed_tokens) == ("b", 8)
-    assert resumed.block_ids == [1, 2, 3]
+    assert resumed.block_ids == [[1, 2, 3]]
     assert resumed.output_token_ids == [7, 7]
     assert b.output_token_ids == [7] * 6
     stats = scheduler.make_stats()
@@ -178,7 +178,7 @@ def test_priority_preempts_the_lowest_priority_even_if_already_scheduled(
         # low had been scheduled this step: its tokens are given back to the budget.
         assert scheduled(r4) == {"high": 1}
         assert r4.output.total_num_scheduled_tokens == 1
-        assert [c.new_block_ids for c in r4.output.scheduled_cached_reqs] == [[2]]
+        assert [c.new_block_ids[0] for c in r4.output.scheduled_cached_reqs] == [[2]]
         assert low.num_computed_tokens == 0 and low.status is RequestStatus.WAITING
     else:
         assert scheduled(r4) == {"low": 1}

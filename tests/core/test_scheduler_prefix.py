@@ -21,14 +21,14 @@ def test_a_later_request_shares_the_cached_prefix_blocks(new_scheduler) -> None:
     a = make_request("a", list(range(10)), max_tokens=3)
     scheduler.add_request(a)
     r1 = step(scheduler, runner)
-    assert r1.output.scheduled_new_reqs[0].block_ids == [1, 2, 3]
+    assert r1.output.scheduled_new_reqs[0].block_ids == [[1, 2, 3]]
 
     b = make_request("b", list(range(8)) + [50, 51, 52], max_tokens=3)
     scheduler.add_request(b)
     r2 = step(scheduler, runner)
     assert scheduled(r2) == {"a": 1, "b": 3}
     new = r2.output.scheduled_new_reqs[0]
-    assert (new.req_id, new.block_ids, new.num_computed_tokens) == ("b", [1, 2, 4], 8)
+    assert (new.req_id, new.block_ids, new.num_computed_tokens) == ("b", [[1, 2, 4]], 8)
     assert b.num_cached_tokens == 8 and a.num_cached_tokens == 0
     assert refs(scheduler, [1, 2, 3, 4]) == [2, 2, 1, 1]
     stats = scheduler.make_stats()
@@ -60,7 +60,7 @@ def test_identical_prompts_admitted_together_cache_one_copy(new_scheduler) -> No
     scheduler.add_request(make_request("a", list(range(10)), max_tokens=2))
     scheduler.add_request(make_request("b", list(range(10)), max_tokens=2))
     r1 = step(scheduler, runner)
-    assert {n.req_id: n.block_ids for n in r1.output.scheduled_new_reqs} == {
+    assert {n.req_id: n.block_ids[0] for n in r1.output.scheduled_new_reqs} == {
         "a": [1, 2, 3],
         "b": [4, 5, 6],
     }
@@ -70,7 +70,7 @@ def test_identical_prompts_admitted_together_cache_one_copy(new_scheduler) -> No
     ]
     scheduler.add_request(make_request("c", list(range(10)), max_tokens=1))
     r2 = step(scheduler, runner)
-    assert r2.output.scheduled_new_reqs[0].block_ids == [1, 2, 7]
+    assert r2.output.scheduled_new_reqs[0].block_ids == [[1, 2, 7]]
     finish_all(scheduler, runner)
     assert_drained(scheduler)
 

@@ -2,7 +2,8 @@
 with parallel sampling (n > 1: forks sharing the prompt's blocks, copy-on-write).
 
 Every configuration axis is drawn (block size, pool sizes, chunked prefill, budget,
-max_num_seqs, prefix caching, policy, preemption mode). After every operation the
+max_num_seqs, prefix caching, policy, preemption mode, KV cache groups: one global
+group, or global and sliding-window groups whose passed blocks are freed as requests run). After every operation the
 scheduler's integrity holds; the fake runner checks every KV read; at the end every
 request finishes, each output token is the one the sampler gave for its history (none
 lost, repeated or reordered by preemption), and the scheduler is drained.
@@ -47,6 +48,7 @@ class Setup:
     enable_chunked_prefill: bool
     scheduling_policy: str
     preemption_mode: str
+    group_windows: tuple[int | None, ...]
 
 
 @st.composite
@@ -67,13 +69,32 @@ def setups(draw) -> Setup:
         enable_chunked_prefill=chunked,
         scheduling_policy=draw(st.sampled_from(["fcfs", "priority"])),
         preemption_mode=draw(st.sampled_from(["recompute", "swap"])),
+        group_windows=draw(
+            st.sampled_from([(None,), (None,), (None,), "sliding", "hybrid"]).flatmap(
+                lambda kind: st.just(kind) if kind != "sliding" and kind != "hybrid"
+                else st.integers(1, 9).map(lambda w: (w,) if kind == "sliding" else (None, w, w))
+            )
+        ),
+    )
+
+
+def blocks_held_at_most(setup: Setup, num_tokens: int) -> int:
+    """Blocks a request of num_tokens may hold at once: a global group all of its blocks,
+    a sliding group those of its window and one step's tokens (the step's first query
+    reads window - 1 earlier positions; the window's first block may be partial)."""
+    bs = setup.block_size
+    step_tokens = min(num_tokens, setup.max_num_batched_tokens)
+    return sum(
+        -(-num_tokens // bs) if w is None else min(-(-num_tokens // bs), -(-(w - 1 + step_tokens) // bs) + 1)
+        for w in setup.group_windows
     )
 
 
 def request_limit(setup: Setup) -> int:
     """Largest prompt + max_tokens that add_request accepts under this setup."""
-    cache_tokens = (setup.num_gpu_blocks - 1) * setup.block_size
-    return min(setup.max_model_len, cache_tokens + 1)
+    usable = setup.num_gpu_blocks - 1
+    fitting = [t for t in range(2, setup.max_model_len + 1) if blocks_held_at_most(setup, t - 1) <= usable]
+    return max(fitting, default=2)
 
 
 def operations(setup: Setup) -> st.SearchStrategy[list[tuple]]:
@@ -119,7 +140,7 @@ def make_prompt(num_tokens: int, which: int, first_own_token: int) -> list[int]:
 
 def would_fit(setup: Setup, num_prompt: int, max_tokens: int, n: int) -> bool:
     usable = setup.num_gpu_blocks - 1
-    blocks = -(-(num_prompt + max_tokens - 1) // setup.block_size)
+    blocks = max(blocks_held_at_most(setup, num_prompt), blocks_held_at_most(setup, num_prompt + max_tokens - 1))
     fits = 0 < num_prompt and num_prompt + max_tokens <= setup.max_model_len and blocks <= usable
     return fits and n <= setup.max_num_seqs
 
@@ -170,7 +191,7 @@ def record_forks(scheduler, requests: list[Request]) -> None:  # noqa: ANN001 - 
 def test_random_workloads_finish_and_keep_invariants(setup: Setup, data) -> None:
     scheduler = make_scheduler(**setup.__dict__)
     record_forks(scheduler, requests := [])
-    runner = FakeRunner(setup.block_size, sample=sample)
+    runner = FakeRunner(setup.block_size, sample=sample, group_windows=setup.group_windows)
     aborted: set[str] = set()
     for op in data.draw(operations(setup)):
         kind = op[0]

@@ -18,6 +18,8 @@ from hf_models import load_hf_reference, make_tiny_hf_checkpoint
 from reference import hf_greedy, pagellm_greedy
 
 from pagellm import LLM, SamplingParams
+from pagellm.config.kv_layout import kv_cache_layout
+from pagellm.model.loader import load_model_config, resolve_model_source
 
 NEW_TOKENS = 24
 MAX_MODEL_LEN = 160
@@ -85,13 +87,18 @@ def test_greedy_tokens_equal_hf(family, engine_args):
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption(family, mode):
     folder, _, expected = family
+    # Ten blocks per KV cache group (a hybrid model's request holds blocks in each).
+    num_groups = len(kv_cache_layout(load_model_config(resolve_model_source(folder))).groups)
     llm, outputs = run(
-        folder, max_model_len=96, num_gpu_blocks_override=10, preemption_mode=mode, swap_space=0.01,
+        folder, max_model_len=96, num_gpu_blocks_override=10 * num_groups, preemption_mode=mode, swap_space=0.01,
         enable_prefix_caching=False,
     )  # fmt: skip
     assert outputs == expected
     stats = llm.engine.get_stats()
     assert (stats.num_preemptions_recompute if mode == "recompute" else stats.num_preemptions_swap) > 0
+    if num_groups > 1 or "sliding" in folder:
+        # The windows' passed blocks went back to the pool while the requests ran.
+        assert llm.engine.scheduler.kv_cache_manager.stats.num_window_freed_blocks > 0
 
 
 def test_prefix_caching(family):

@@ -142,9 +142,9 @@ def test_logits_within_tolerance_of_the_bf16_cache(tmp_path, fp8):
     def prefill_and_decode_logits(cache_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         kv = allocate_kv_caches(model.config, 4 * num_requests + 1, 16, cache_dtype, "cpu")
         with torch.inference_mode():
-            inputs = prepare_model_inputs([ScheduledSequence(p, 0, t, True) for p, t in zip(prompts, tables)], 16, "cpu")
+            inputs = prepare_model_inputs([ScheduledSequence(p, 0, [t], True) for p, t in zip(prompts, tables)], 16, "cpu")
             prefill = model.compute_logits(model(inputs.input_ids, inputs.positions, kv, inputs.metadata))
-            decode = [ScheduledSequence([40 + i], len(p), t, True) for i, (p, t) in enumerate(zip(prompts, tables))]
+            decode = [ScheduledSequence([40 + i], len(p), [t], True) for i, (p, t) in enumerate(zip(prompts, tables))]
             inputs = prepare_model_inputs(decode, 16, "cpu")
             if model.fused_decode is not None:  # 12 decodes: the one-call native layer takes them
                 assert model.fused_decode.applies(torch.empty(12, 1, dtype=torch.bfloat16), kv, inputs.metadata)

@@ -160,14 +160,14 @@ def test_bf16_model_logits_native_and_torch(tmp_path, arch, num_requests, monkey
         prompts = [[t + i for t in shapes[i % 3]] for i in range(num_requests)]
         tables = [[i + 1, num_requests + i + 1] for i in range(num_requests)]
         with torch.inference_mode():
-            prefill = [ScheduledSequence(p, 0, t, True) for p, t in zip(prompts, tables)]
+            prefill = [ScheduledSequence(p, 0, [t], True) for p, t in zip(prompts, tables)]
             inputs = prepare_model_inputs(prefill, 16, "cpu")
             prefill_logits = model.compute_logits(model(inputs.input_ids, inputs.positions, kv, inputs.metadata))
-            decode = [ScheduledSequence([40 + i], len(p), t, True) for i, (p, t) in enumerate(zip(prompts, tables))]
+            decode = [ScheduledSequence([40 + i], len(p), [t], True) for i, (p, t) in enumerate(zip(prompts, tables))]
             inputs = prepare_model_inputs(decode, 16, "cpu")
             decode_logits = model.compute_logits(model(inputs.input_ids, inputs.positions, kv, inputs.metadata))
             verify = [
-                ScheduledSequence([50 + i, 7, 9, 11], len(p) + 1, t, True) for i, (p, t) in enumerate(zip(prompts, tables))
+                ScheduledSequence([50 + i, 7, 9, 11], len(p) + 1, [t], True) for i, (p, t) in enumerate(zip(prompts, tables))
             ]
             inputs = prepare_model_inputs(verify, 16, "cpu")
             hidden = model(inputs.input_ids, inputs.positions, kv, inputs.metadata)

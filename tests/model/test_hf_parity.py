@@ -33,7 +33,7 @@ def load_pagellm(folder):
 def pagellm_prefill_logits(model, prompt):
     kv = allocate_kv_caches(model.config, 8, 16, torch.float32, "cpu")
     blocks = [6, 2, 5, 7][: -(-len(prompt) // 16)]
-    inputs = prepare_model_inputs([ScheduledSequence(prompt, 0, blocks, True)], 16, "cpu")
+    inputs = prepare_model_inputs([ScheduledSequence(prompt, 0, [blocks], True)], 16, "cpu")
     hidden = model(inputs.input_ids, inputs.positions, kv, inputs.metadata)
     return model.compute_logits(hidden)  # every position's logits
 

@@ -75,7 +75,7 @@ def test_weights_stay_as_stored(quantized_gguf):
 def prefill_logits(model, ids, dtype):  # every position's logits, float64
     kv = allocate_kv_caches(model.config, 8, 16, dtype, "cpu")
     blocks = [6, 2, 5, 7][: -(-len(ids) // 16)]
-    inputs = prepare_model_inputs([ScheduledSequence(ids, 0, blocks, True)], 16, "cpu")
+    inputs = prepare_model_inputs([ScheduledSequence(ids, 0, [blocks], True)], 16, "cpu")
     hidden = model(inputs.input_ids, inputs.positions, kv, inputs.metadata)
     return model.compute_logits(hidden).double()
 

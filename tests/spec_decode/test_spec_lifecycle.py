@@ -62,7 +62,7 @@ def test_rejected_positions_give_back_the_block_they_opened(tiny, proposals):
     engine.step()
     assert engine.scheduler.requests["r"].num_tokens == 20 and kv.num_device_blocks("r") == 2
     # The runner's copy of the table dropped the freed block too.
-    assert engine.runner.requests["r"].block_ids == kv.get_block_ids("r")
+    assert engine.runner.requests["r"].block_ids == kv.get_block_tables("r")
     outputs = []
     while engine.has_unfinished_requests():
         outputs += engine.step()
