@@ -67,10 +67,11 @@ def dashboard_state(engine: DashboardSource, max_series_points: int = 300) -> di
             state[block.block_id] = SHARED
         elif block.ref_cnt == 1:
             state[block.block_id] = OWNED
-    for request_id, table in manager._block_tables.items():
-        for block_id in table:
-            if owner[block_id] == -1:
-                owner[block_id] = index_of.get(request_id, -1)
+    for request_id in manager.request_ids_holding_blocks():
+        for table in manager.get_block_tables(request_id):  # every KV cache group's
+            for block_id in table:
+                if block_id != pool.null_block.block_id and owner[block_id] == -1:
+                    owner[block_id] = index_of.get(request_id, -1)
     stats = scheduler.make_stats()
     metrics = engine.metrics
     series = list(metrics.series)[-max_series_points:]
