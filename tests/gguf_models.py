@@ -33,6 +33,10 @@ _LAYER = {
     "mlp.experts.gate_exps": "ffn_gate_exps",
     "mlp.experts.up_exps": "ffn_up_exps",
     "mlp.experts.down_exps": "ffn_down_exps",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",  # Qwen2-MoE
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
     "self_attn.q_norm": "attn_q_norm",
     "self_attn.k_norm": "attn_k_norm",
     "post_attention_layernorm": "ffn_norm",
@@ -40,6 +44,16 @@ _LAYER = {
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
 }
+
+
+# Gemma's layers have four norms; `ffn_norm` is the one before the MLP there.
+_GEMMA_LAYER = {
+    **_LAYER,
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_attention_layernorm": "post_attention_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
+GEMMA_ARCHES = ("gemma2", "gemma3")
 
 
 def llama_cpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -76,7 +90,8 @@ def write_gguf_from_hf(
     writer.add_feed_forward_length(cfg["intermediate_size"])
     writer.add_head_count(cfg["num_attention_heads"])
     writer.add_head_count_kv(cfg["num_key_value_heads"])
-    writer.add_rope_freq_base(cfg.get("rope_theta", 10000.0))
+    if arch not in GEMMA_ARCHES:  # Gemma's: its global layers' (_add_gemma)
+        writer.add_rope_freq_base(cfg.get("rope_theta", 10000.0))
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     partial = (cfg.get("rope_parameters") or {}).get("partial_rotary_factor") or cfg.get("partial_rotary_factor") or 1.0
@@ -84,6 +99,8 @@ def write_gguf_from_hf(
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     _add_rope_scaling(writer, cfg)
+    if arch in GEMMA_ARCHES:
+        _add_gemma(writer, cfg, arch)
     writer.add_vocab_size(cfg["vocab_size"])
     # A byte-level vocabulary: one token per byte value (spelled as GPT-2 does).
     tokens = vocab or [_byte_char(b) for b in range(cfg["vocab_size"])]
@@ -99,8 +116,10 @@ def write_gguf_from_hf(
     rng = np.random.default_rng(seed)
     tensors = _stack_experts(tensors, writer, cfg)
     for name, value in tensors.items():
-        gguf_name, kind = _gguf_name(name)
+        gguf_name, kind = _gguf_name(name, arch)
         value = value.astype(np.float32)
+        if arch in GEMMA_ARCHES and name.endswith("norm.weight"):
+            value = value + 1.0  # llama.cpp's converter stores Gemma's norms as 1 + w
         if kind == "attn_q" and arch == "llama":
             value = llama_cpp_permute(value, cfg["num_attention_heads"])
         elif kind == "attn_k" and arch == "llama":
@@ -137,6 +156,8 @@ def _stack_experts(tensors: dict, writer: gguf.GGUFWriter, cfg: dict) -> dict:
     writer.add_expert_used_count(cfg["num_experts_per_tok"])
     if cfg.get("moe_intermediate_size"):
         writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    if cfg.get("shared_expert_intermediate_size"):
+        writer.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
     pattern = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
     kinds = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
     stacks: dict[tuple[str, str], dict[int, np.ndarray]] = {}
@@ -167,7 +188,23 @@ def _add_rope_scaling(writer: gguf.GGUFWriter, cfg: dict) -> None:
         writer.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], dtype=np.float32))
 
 
-def _gguf_name(hf_name: str) -> tuple[str, str]:
+def _add_gemma(writer: gguf.GGUFWriter, cfg: dict, arch: str) -> None:
+    """What llama.cpp's converter writes for Gemma 2/3: the window, Gemma 2's caps; the
+    sliding pattern, attention scale and Gemma 3's local rotary base stay implied."""
+    writer.add_sliding_window(cfg["sliding_window"])
+    if arch == "gemma2":
+        writer.add_float32("gemma2.attn_logit_softcapping", cfg["attn_logit_softcapping"])
+        writer.add_float32("gemma2.final_logit_softcapping", cfg["final_logit_softcapping"])
+    rope = cfg.get("rope_parameters") or {}
+    global_rope = rope.get("full_attention", rope)
+    if global_rope.get("rope_type") == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(global_rope["factor"])
+    if "rope_theta" in global_rope:
+        writer.add_rope_freq_base(global_rope["rope_theta"])
+
+
+def _gguf_name(hf_name: str, arch: str = "llama") -> tuple[str, str]:
     if hf_name == "model.embed_tokens.weight":
         return "token_embd.weight", "token_embd"
     if hf_name == "model.norm.weight":
@@ -176,7 +213,7 @@ def _gguf_name(hf_name: str) -> tuple[str, str]:
         return "output.weight", "output"
     _, _, layer, rest = hf_name.split(".", 3)
     module, suffix = rest.rsplit(".", 1)
-    kind = _LAYER[module]
+    kind = (_GEMMA_LAYER if arch in GEMMA_ARCHES else _LAYER)[module]
     return f"blk.{layer}.{kind}.{suffix}", kind
 
 

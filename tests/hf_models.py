@@ -22,8 +22,8 @@ TINY_SHAPE = dict(
 def make_tiny_hf_checkpoint(
     folder: Path, arch: str = "llama", seed: int = 0, **overrides: object
 ) -> Path:
-    """Save a random tiny Llama/Qwen2/Mistral/Qwen3/Phi-3/Mixtral/Qwen3-MoE model as an HF
-    folder; return its path."""
+    """Save a random tiny Llama/Qwen2/Mistral/Qwen3/Phi-3/Mixtral/Qwen3-MoE/Gemma 2/Gemma 3
+    model as an HF folder; return its path."""
     import transformers
 
     classes = {
@@ -34,12 +34,21 @@ def make_tiny_hf_checkpoint(
         "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
         "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+        "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
+        "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
+        "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
     }
     config_cls, model_cls = classes[arch]
     shape = {**TINY_SHAPE, "rope_theta": 10000.0, "tie_word_embeddings": False}
     shape.update(overrides)
     if arch in ("mistral", "phi3", "mixtral"):
         shape.setdefault("sliding_window", None)
+    if arch.startswith("gemma"):
+        # Gemma's own head size (256 by default) and window (4096) are too large here.
+        shape.setdefault("head_dim", 16)
+        shape.setdefault("query_pre_attn_scalar", 16)
+        shape.setdefault("sliding_window", 8)
+        shape.setdefault("pad_token_id", 0)
     if arch == "phi3":
         shape.setdefault("pad_token_id", 0)  # its default, 32000, lies outside the tiny vocabulary
     config = config_cls(bos_token_id=1, eos_token_id=2, **shape)
@@ -50,7 +59,8 @@ def make_tiny_hf_checkpoint(
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:
-                param.uniform_(0.8, 1.2)
+                # Gemma's norms scale by (1 + w): the same spread around 1.
+                param.uniform_(-0.2, 0.2) if arch.startswith("gemma") else param.uniform_(0.8, 1.2)
             elif "embed" in name:
                 # A tied head reads the embedding too: keep it moderate there.
                 param.normal_(0.0, 0.3 if config.tie_word_embeddings else 1.0)

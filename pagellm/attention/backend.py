@@ -60,7 +60,10 @@ class AttentionBackend(ABC):
         metadata: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Store key/value in the cache, then attend over each request's context: with a
         sliding window, a query at position p over positions p - sliding_window + 1 .. p
-        only (blocks wholly before that may already hold other requests' tokens)."""
+        only (blocks wholly before that may already hold other requests' tokens). With
+        `softcap` (Gemma 2), each scaled score s becomes softcap * tanh(s / softcap) before
+        the softmax."""

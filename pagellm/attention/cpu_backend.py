@@ -54,11 +54,12 @@ class CpuAttentionBackend(TorchAttentionBackend):
         metadata: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         if not _kernel_can_run(query, kv_cache):
-            return super().forward(query, key, value, kv_cache, metadata, scale, sliding_window)
+            return super().forward(query, key, value, kv_cache, metadata, scale, sliding_window, softcap)
         write_kv_to_cache(key, value, kv_cache, metadata.slot_mapping)
-        return self.attend_cached(query, kv_cache, metadata, scale, sliding_window)
+        return self.attend_cached(query, kv_cache, metadata, scale, sliding_window, softcap)
 
     def attend_cached(
         self,
@@ -67,6 +68,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         metadata: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Attention of every query row over its context, the step's new K/V already in the
         cache (the caller wrote them)."""
@@ -77,7 +79,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
             plan = metadata.backend_plan["native", sliding_window] = _plan_step(metadata, sliding_window)
         output = torch.empty(query.shape, dtype=query.dtype)
         if plan.rows.numel():
-            self._attend(query, kv_cache, metadata, plan, scale, output)
+            self._attend(query, kv_cache, metadata, plan, scale, output, softcap)
         return output
 
     def _attend(
@@ -88,6 +90,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         plan: _NativePlan,
         scale: float,
         output: torch.Tensor,
+        softcap: float | None = None,
     ) -> None:
         num_heads, head_dim = query.shape[1:]
         _, _, block_size, num_kv_heads, _ = kv_cache.shape
@@ -102,7 +105,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
             plan.rows.data_ptr(), plan.reqs.data_ptr(), plan.seq_lens.data_ptr(),
             None if plan.key_starts is None else plan.key_starts.data_ptr(), plan.rows.numel(),
             num_heads, num_kv_heads, head_dim, block_size,
-            scale, ELEMENT_TYPES[query.dtype], ELEMENT_TYPES[kv_cache.dtype], plan.num_threads, plan.max_seq_len,
+            scale, softcap or 0.0, ELEMENT_TYPES[query.dtype], ELEMENT_TYPES[kv_cache.dtype], plan.num_threads, plan.max_seq_len,
             output.data_ptr(), output.stride(0), self._workspace.data_ptr(),
         )  # fmt: skip
 

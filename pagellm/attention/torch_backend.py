@@ -76,6 +76,7 @@ class TorchAttentionBackend(AttentionBackend):
         metadata: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         write_kv_to_cache(key, value, kv_cache, metadata.slot_mapping)
         if metadata.backend_plan is None:
@@ -86,9 +87,9 @@ class TorchAttentionBackend(AttentionBackend):
             metadata.backend_plan["torch", sliding_window] = plan
         output = torch.empty_like(query)
         for group in plan.decode_groups:
-            self._batched_decode(query, kv_cache, group, scale, output)
+            self._batched_decode(query, kv_cache, group, scale, output, softcap)
         for r in plan.others:
-            self._one_request(query, key, value, kv_cache, metadata, r, scale, output, sliding_window)
+            self._one_request(query, key, value, kv_cache, metadata, r, scale, output, sliding_window, softcap)
         return output
 
     @staticmethod
@@ -102,6 +103,7 @@ class TorchAttentionBackend(AttentionBackend):
         scale: float,
         output: torch.Tensor,
         sliding_window: int | None = None,
+        softcap: float | None = None,
     ) -> None:
         start, end = metadata.query_start_loc[r], metadata.query_start_loc[r + 1]
         seq_len = metadata.seq_lens[r]
@@ -116,13 +118,13 @@ class TorchAttentionBackend(AttentionBackend):
             q_pos = torch.arange(seq_len - query_len, seq_len, device=device).unsqueeze(1)
             k_pos = torch.arange(first_key, seq_len, device=device).unsqueeze(0)
             mask = (k_pos <= q_pos) & (k_pos > q_pos - sliding_window)
-            out = _sdpa(q, k.to(q.dtype), v.to(q.dtype), mask, scale)
+            out = _sdpa(q, k.to(q.dtype), v.to(q.dtype), mask, scale, softcap=softcap)
         elif query_len == seq_len:
             # Nothing cached before this chunk: attend over its own new K/V directly,
             # rounded as the cache holds them (what every later read sees).
             k = as_stored(key[start:end], kv_cache.dtype).transpose(0, 1)
             v = as_stored(value[start:end], kv_cache.dtype).transpose(0, 1)
-            out = _sdpa(q, k.to(q.dtype), v.to(q.dtype), None, scale, causal=query_len > 1)
+            out = _sdpa(q, k.to(q.dtype), v.to(q.dtype), None, scale, causal=query_len > 1, softcap=softcap)
         else:
             k = gather_context(kv_cache[0], metadata.block_tables[r], seq_len).transpose(0, 1)
             v = gather_context(kv_cache[1], metadata.block_tables[r], seq_len).transpose(0, 1)
@@ -132,7 +134,7 @@ class TorchAttentionBackend(AttentionBackend):
                 device = query.device
                 q_pos = torch.arange(seq_len - query_len, seq_len, device=device).unsqueeze(1)
                 mask = torch.arange(seq_len, device=device).unsqueeze(0) <= q_pos
-            out = _sdpa(q, k.to(q.dtype), v.to(q.dtype), mask, scale)
+            out = _sdpa(q, k.to(q.dtype), v.to(q.dtype), mask, scale, softcap=softcap)
         output[start:end] = out.transpose(0, 1)
 
     @staticmethod
@@ -142,6 +144,7 @@ class TorchAttentionBackend(AttentionBackend):
         group: _DecodeGroup,
         scale: float,
         output: torch.Tensor,
+        softcap: float | None = None,
     ) -> None:
         num, num_blocks = group.tables.shape
         num_kv_heads, head_dim = kv_cache.shape[-2:]
@@ -154,6 +157,8 @@ class TorchAttentionBackend(AttentionBackend):
         # query token this is several times faster on CPU than the fused SDPA kernels.
         q = query[group.rows].view(num, num_kv_heads, group_size, head_dim)
         scores = torch.matmul(q, k.to(q.dtype).transpose(-1, -2)).float() * scale
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         scores.masked_fill_(group.padding[:, None, None, :], float("-inf"))
         probs = scores.softmax(dim=-1).to(q.dtype)  # [num, kv_heads, group_size, width]
         out = torch.matmul(probs, v.to(q.dtype))  # [num, kv_heads, group_size, head_dim]
@@ -224,9 +229,13 @@ def _sdpa(
     mask: torch.Tensor | None,
     scale: float,
     causal: bool = False,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Scaled dot-product attention with grouped K/V heads shared by several query heads."""
+    """Scaled dot-product attention with grouped K/V heads shared by several query heads
+    (mask: True where a key is visible)."""
     group = q.shape[-3] // k.shape[-3]
+    if softcap is not None:  # SDPA has no soft-capping: the scores in the open
+        return _capped_attention(q, k, v, mask, scale, causal, softcap)
     if group > 1 and _HAS_GQA:
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, scale=scale, is_causal=causal, enable_gqa=True
@@ -235,6 +244,22 @@ def _sdpa(
         k = k.repeat_interleave(group, dim=-3)
         v = v.repeat_interleave(group, dim=-3)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, is_causal=causal)
+
+
+def _capped_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float, causal: bool, softcap: float
+) -> torch.Tensor:
+    group = q.shape[-3] // k.shape[-3]
+    k = k.repeat_interleave(group, dim=-3)
+    v = v.repeat_interleave(group, dim=-3)
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if causal:
+        q_len, k_len = scores.shape[-2:]
+        mask = torch.ones(q_len, k_len, dtype=torch.bool, device=q.device).tril(k_len - q_len)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(dim=-1).to(q.dtype), v)
 
 
 # enable_gqa arrived in torch 2.5; older builds repeat the K/V heads instead.

@@ -86,6 +86,7 @@ class TritonAttentionBackend(AttentionBackend):
         metadata: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         assert kv_cache.is_contiguous(), "the kernels index the cache as contiguous"
         store_kv(key, value, kv_cache, metadata.slot_mapping)
@@ -95,7 +96,9 @@ class TritonAttentionBackend(AttentionBackend):
         plan: TritonPlan = metadata.backend_plan
         output = torch.empty_like(query)
         for launch in plan.launches:
-            _run_launch(query, kv_cache, metadata.block_tables, plan, launch, scale, output, self.tuning, sliding_window)
+            _run_launch(
+                query, kv_cache, metadata.block_tables, plan, launch, scale, output, self.tuning, sliding_window, softcap
+            )
         return output
 
     # ---------------------------------------------------------------- planning
@@ -227,6 +230,7 @@ def _run_launch(
     output: torch.Tensor,
     tuning: TritonTuning,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> None:
     num_heads, head_dim = query.shape[1:]
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
@@ -242,6 +246,7 @@ def _run_launch(
         launch.tile_req, launch.tile_start, output, partial_out, partial_max, partial_sum,
         query.stride(0), query.stride(1), output.stride(0), output.stride(1),
         block_tables.stride(0), scale * LOG2E, sliding_window or 0,
+        scale / softcap if softcap else 0.0, softcap * LOG2E if softcap else 0.0,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, GROUP=num_heads // num_kv_heads, BLOCK_Q=launch.block_q,
         BLOCK_M=launch.block_m, BLOCK_N=max(_MIN_DOT, tuning.block_n), BLOCK_D=block_d,

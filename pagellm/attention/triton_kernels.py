@@ -113,6 +113,8 @@ def paged_attention_kernel(
     block_table_stride,
     scale_log2,  # softmax scale * log2(e): the kernel works in base 2
     window,  # sliding window (a query at p sees keys p - window + 1 .. p); 0: none
+    softcap_in,  # soft-capping (Gemma 2): scores become cap * tanh(s / cap); 0: none.
+    softcap_out,  # with it, scale / cap and cap * log2(e) (scale_log2 unused)
     NUM_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -193,7 +195,11 @@ def paged_attention_kernel(
             scores = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             scores = tl.dot(q, tl.trans(k))
-        scores = scores * scale_log2
+        if softcap_in > 0:
+            # tanh(x) = 2 sigmoid(2x) - 1 (the interpreter and every GPU have sigmoid).
+            scores = (2.0 * tl.sigmoid(2.0 * scores * softcap_in) - 1.0) * softcap_out
+        else:
+            scores = scores * scale_log2
         visible = key_valid[None, :] & (keys[None, :] <= row_position[:, None])
         if window > 0:
             visible = visible & (keys[None, :] > row_position[:, None] - window)

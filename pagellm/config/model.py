@@ -19,6 +19,7 @@ class ModelSource:
 
 
 ROPE_SCALING_TYPES = ("linear", "llama3", "yarn", "longrope")
+HIDDEN_ACTIVATIONS = ("silu", "gelu_tanh")
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,16 @@ class ModelConfig:
     # p, in the layers named by sliding_window_layers (None: every layer, as Mistral).
     sliding_window: int | None = None
     sliding_window_layers: tuple[int, ...] | None = None
-    qk_norm: bool = False  # RMSNorm over each head of q and k before rotary (Qwen3)
+    qk_norm: bool = False  # RMSNorm over each head of q and k before rotary (Qwen3, Gemma 3)
+    # The sliding layers' rotary base, unscaled (Gemma 3: 10000 where the global layers
+    # turn at 1e6 with linear scaling); None: every layer turns as rope_theta/rope_scaling say.
+    local_rope_theta: float | None = None
+    hidden_activation: str = "silu"  # the MLP gate's: "silu" or "gelu_tanh" (GeGLU, Gemma)
+    embedding_multiplier: float = 1.0  # token embeddings are scaled by this (Gemma: sqrt(hidden_size))
+    attention_scale: float | None = None  # None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
+    # Soft-capping, x -> cap * tanh(x / cap) (Gemma 2): of the attention scores, of the logits.
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
     partial_rotary_factor: float = 1.0  # the share of each head's dimensions that rotary turns (Phi-4-mini)
     # Mixture of experts (Mixtral, Qwen3-MoE); 0 experts: every MLP is dense.
     num_experts: int = 0
@@ -82,10 +92,20 @@ class ModelConfig:
     moe_intermediate_size: int | None = None  # each expert's; None: intermediate_size (Mixtral)
     norm_topk_prob: bool = True  # the chosen experts' weights renormalized to sum to 1
     dense_mlp_layers: tuple[int, ...] = ()  # layers of an MoE model that keep a dense MLP (Qwen3-MoE mlp_only_layers)
+    # Qwen2-MoE: a dense expert every row also takes, scaled by sigmoid(a gate); 0: none.
+    shared_expert_intermediate_size: int = 0
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
+        if self.hidden_activation not in HIDDEN_ACTIVATIONS:
+            raise UnsupportedModelError(
+                f"MLP activation {self.hidden_activation!r} is not supported (supported: {', '.join(HIDDEN_ACTIVATIONS)})"
+            )
+        for name in ("attn_logit_softcapping", "final_logit_softcapping", "attention_scale", "local_rope_theta"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise UnsupportedModelError(f"{name} must be positive, got {value}")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise UnsupportedModelError(f"sliding_window must be at least 1, got {self.sliding_window}")
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
@@ -115,11 +135,18 @@ class ModelConfig:
         ]  # fmt: skip
         if self.rope_scaling is not None:
             parts.append(f"rotary scaling: {self.rope_scaling.rope_type} x{self.rope_scaling.factor:g}")
+        if self.local_rope_theta is not None:
+            parts.append(f"rotary base {self.rope_theta:g} global, {self.local_rope_theta:g} local")
+        caps = [f"{kind} {cap:g}" for kind, cap in (("attention", self.attn_logit_softcapping),
+                                                    ("logits", self.final_logit_softcapping)) if cap]  # fmt: skip
+        if caps:
+            parts.append("soft caps: " + ", ".join(caps))
         if self.num_experts:
             sparse = sum(self.is_sparse_layer(layer) for layer in range(self.num_hidden_layers))
             parts.append(
                 f"experts: {self.num_experts}, {self.num_experts_per_tok} per token, "
                 f"{self.expert_intermediate_size} wide, in {sparse} layers"
+                + (f", a shared one {self.shared_expert_intermediate_size} wide" if self.shared_expert_intermediate_size else "")
             )
         return "; ".join(parts)
 
@@ -151,8 +178,9 @@ class ModelConfig:
         attention = h * (q + 2 * kv) + q * h + 2 * h + (2 * self.head_dim if self.qk_norm else 0)
         total = 0
         for layer in range(self.num_hidden_layers):
-            if self.is_sparse_layer(layer):  # every expert and the router
+            if self.is_sparse_layer(layer):  # every expert and the router (and a shared expert with its gate)
                 total += attention + self.num_experts * 3 * h * self.expert_intermediate_size + self.num_experts * h
+                total += (3 * h * self.shared_expert_intermediate_size + h) if self.shared_expert_intermediate_size else 0
             else:
                 total += attention + 3 * h * i
         embed = v * h * (1 if self.tie_word_embeddings else 2)

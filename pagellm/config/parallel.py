@@ -40,6 +40,8 @@ def tp_split_error(config: ModelConfig, size: int) -> str | None:
         return f"intermediate_size={config.intermediate_size} does not split over TP={size}"
     if config.num_experts and config.expert_intermediate_size % size:
         return f"each expert's intermediate size {config.expert_intermediate_size} does not split over TP={size}"
+    if config.shared_expert_intermediate_size % size:
+        return f"the shared expert's intermediate size {config.shared_expert_intermediate_size} does not split over TP={size}"
     return None
 
 
@@ -78,5 +80,6 @@ def rank_model_config(config: ModelConfig, size: int) -> ModelConfig:
         num_key_value_heads=kv_heads_per_rank(config.num_key_value_heads, size),
         intermediate_size=config.intermediate_size // size,
         moe_intermediate_size=None if config.moe_intermediate_size is None else config.moe_intermediate_size // size,
+        shared_expert_intermediate_size=config.shared_expert_intermediate_size // size,
         vocab_size=cdiv(config.vocab_size, size),
     )

@@ -26,6 +26,9 @@ class ModelCosts:
     # of a layer's experts one token uses (top_k / num_experts); 0 for a dense model.
     expert_weight_bytes: float = 0.0
     expert_share_per_token: float = 0.0
+    # The layers' attention spans: (window, share of the layers); None is the whole context.
+    # Attention pairs and KV reads of a sliding layer stop at its window.
+    layer_windows: tuple[tuple[int | None, float], ...] = ((None, 1.0),)
 
     @classmethod
     def from_config(
@@ -39,13 +42,18 @@ class ModelCosts:
         # its router and the top_k experts a token is sent to, and holds all of them.
         sparse = sum(config.is_sparse_layer(layer) for layer in range(layers))
         attention_params = layers * (h * (q + 2 * kv) + q * h)
-        dense_mlp_params = (layers - sparse) * 3 * h * config.intermediate_size
+        # A shared expert (Qwen2-MoE) and its gate run for every token: dense weights.
+        shared_params = sparse * (3 * h * config.shared_expert_intermediate_size + h) if config.shared_expert_intermediate_size else 0
+        dense_mlp_params = (layers - sparse) * 3 * h * config.intermediate_size + shared_params
         expert_params = sparse * config.num_experts * 3 * h * config.expert_intermediate_size
         active_expert_params = sparse * (config.num_experts_per_tok * 3 * h * config.expert_intermediate_size
                                          + config.num_experts * h)  # fmt: skip
         linear_params = attention_params + dense_mlp_params + expert_params + sparse * config.num_experts * h
         head_params = config.vocab_size * h
         kv_bytes = dtype_bytes if kv_dtype_bytes is None else kv_dtype_bytes
+        windows: dict[int | None, int] = {}
+        for layer in range(layers):
+            windows[config.layer_window(layer)] = windows.get(config.layer_window(layer), 0) + 1
         return cls(
             linear_flops_per_token=2.0 * (attention_params + dense_mlp_params + active_expert_params),
             linear_weight_bytes=float(linear_params * dtype_bytes),
@@ -57,6 +65,7 @@ class ModelCosts:
             weight_bytes=float(config.num_parameters() * dtype_bytes),
             expert_weight_bytes=float(expert_params * dtype_bytes),
             expert_share_per_token=config.num_experts_per_tok / config.num_experts if config.num_experts else 0.0,
+            layer_windows=tuple((window, count / layers) for window, count in windows.items()),
         )
 
     def linear_bytes_read(self, num_tokens: int) -> float:

@@ -53,7 +53,8 @@ class LlamaAttention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = self.head_dim**-0.5
+        self.scale = config.attention_scale or self.head_dim**-0.5
+        self.softcap = config.attn_logit_softcapping
         # q, k and v projections fused into one matmul.
         self.qkv_proj = PackableLinear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
@@ -75,7 +76,8 @@ class LlamaAttention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = self.position_qk(q, k, cos_sin)
-        out = backend.forward(q, k, v, kv_cache, metadata.for_group(self.kv_group), self.scale, self.sliding_window)
+        group_metadata = metadata.for_group(self.kv_group)
+        out = backend.forward(q, k, v, kv_cache, group_metadata, self.scale, self.sliding_window, self.softcap)
         projected = self.o_proj(out.reshape(num_tokens, self.q_size))
         return projected if self.tp is None else self.tp.all_reduce(projected)
 
@@ -95,10 +97,12 @@ class LlamaMLP(nn.Module):
         # gate and up projections fused into one matmul.
         self.gate_up_proj = PackableLinear(config.hidden_size, 2 * self.intermediate_size, bias=False)
         self.down_proj = PackableLinear(self.intermediate_size, config.hidden_size, bias=False)
+        self.gelu = config.hidden_activation == "gelu_tanh"  # GeGLU (Gemma); else SwiGLU
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        out = self.down_proj(F.silu(gate) * up)
+        activated = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        out = self.down_proj(activated * up)
         return out if self.tp is None else self.tp.all_reduce(out)
 
 
@@ -151,6 +155,8 @@ class LlamaForCausalLM(nn.Module):
     its bf16 CPU steps run the layers in torch over the measured linear kernels."""
 
     attention_class: type[LlamaAttention] = LlamaAttention
+    layer_class: type[LlamaDecoderLayer] = LlamaDecoderLayer
+    norm_class: type[RMSNorm] = RMSNorm
     native_cpu_layers: bool = True
 
     def __init__(
@@ -165,13 +171,13 @@ class LlamaForCausalLM(nn.Module):
         self.tp = tp
         self.vocab_size = config.vocab_size if tp is None else tp.layout.vocab_size
         self.backend = backend
-        self.rotary = RotaryEmbedding.for_model(config, rope_freq_divisors)
+        self.rotary, self.local_rotary = rotary_tables(config, rope_freq_divisors)
         self.embed_tokens = PackableEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, tp, self.attention_class, self.make_mlp(config, tp, i), i)
+            self.layer_class(config, tp, self.attention_class, self.make_mlp(config, tp, i), i)
             for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = self.norm_class(config.hidden_size, config.rms_norm_eps)
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
@@ -188,6 +194,9 @@ class LlamaForCausalLM(nn.Module):
             hidden = self.embed_tokens(input_ids)
         else:
             hidden = self.tp.all_reduce(vocab_parallel_embed(self.tp.layout, self.embed_tokens, input_ids))
+        if self.config.embedding_multiplier != 1.0:
+            # In the model's dtype, as the reference rounds it (sqrt(3072) is 55.5 in bf16).
+            hidden = hidden * torch.tensor(self.config.embedding_multiplier, dtype=hidden.dtype)
         # The native paths keep the residual stream in float32; the final norm's output is
         # rounded to bf16 once, as the LM head's input.
         fused = self.fused_decode is not None and self.fused_decode.applies(hidden, kv_caches, metadata)
@@ -205,8 +214,10 @@ class LlamaForCausalLM(nn.Module):
         if layers:
             return self.norm(self.native_layers.run(hidden, positions, kv_caches, metadata)).to(hidden.dtype)
         cos_sin = self.rotary.lookup(positions, hidden.dtype)
+        local_cos_sin = cos_sin if self.local_rotary is None else self.local_rotary.lookup(positions, hidden.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(cos_sin, hidden, kv_cache, metadata, self.backend)
+            layer_cos_sin = cos_sin if layer.self_attn.sliding_window is None else local_cos_sin
+            hidden = layer(layer_cos_sin, hidden, kv_cache, metadata, self.backend)
         return self.norm(hidden)
 
     cpu_linear_kernels: CpuLinearKernels | None = None
@@ -268,7 +279,10 @@ class LlamaForCausalLM(nn.Module):
         logits = apply_linear(
             hidden, head.weight, head.packed, None, self.cpu_linear_kernels, self.lm_head_plan, out_dtype
         )
-        return logits if self.tp is None else self.tp.gather_vocab(logits)
+        if self.tp is not None:
+            logits = self.tp.gather_vocab(logits)
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     @torch.no_grad()
     def load_weights(
@@ -364,6 +378,20 @@ class LlamaForCausalLM(nn.Module):
                 key = str(param.dtype).removeprefix("torch.")
                 totals[key] = totals.get(key, 0) + param.numel() * param.element_size()
         return totals
+
+
+def rotary_tables(
+    config: ModelConfig, freq_divisors: torch.Tensor | None = None
+) -> tuple[RotaryEmbedding, RotaryEmbedding | None]:
+    """The rotary table of the layers, and the sliding layers' own where their base differs
+    (Gemma 3), float32 whatever the model dtype."""
+    rotary = RotaryEmbedding.for_model(config, freq_divisors).float()
+    if config.local_rope_theta is None:
+        return rotary, None
+    local = RotaryEmbedding(
+        config.head_dim, config.max_position_embeddings, config.local_rope_theta, None, None, config.rotary_dim
+    )
+    return rotary, local.float()
 
 
 def _as_part(shard: torch.Tensor | WeightPart) -> WeightPart:

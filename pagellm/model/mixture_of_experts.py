@@ -1,4 +1,4 @@
-"""Model stage: a mixture-of-experts MLP (Mixtral, Qwen3-MoE) and the model classes that use it.
+"""Model stage: a mixture-of-experts MLP (Mixtral, Qwen3-MoE, Qwen2-MoE) and the model classes that use it.
 
 The router scores every expert for every row (in float32), each row keeps its
 top-k experts (their weights renormalized to sum to 1 where the family asks), and the
@@ -7,7 +7,8 @@ step's rows are then grouped by expert: each expert runs once, as ordinary linea
 serve dense layers) over all the rows routed to it, and its outputs, scaled by the
 routing weights, are added back to their rows. The loop is over the experts that
 received rows, never over tokens. Experts are added in ascending order, as transformers
-adds them, so float32 sums round alike.
+adds them, so float32 sums round alike. Qwen2-MoE adds a shared expert that every row
+takes, scaled by sigmoid of its own one-output gate, after the routed ones.
 """
 
 from __future__ import annotations
@@ -46,10 +47,18 @@ class SparseMoeBlock(nn.Module):
         self.experts = nn.ModuleList(
             LlamaMLP(config, None, config.expert_intermediate_size) for _ in range(config.num_experts)
         )
+        self.shared_expert: LlamaMLP | None = None
+        if config.shared_expert_intermediate_size:
+            self.shared_expert = LlamaMLP(config, None, config.shared_expert_intermediate_size)
+            self.shared_expert_gate = PackableLinear(config.hidden_size, 1, bias=False)  # whole on every rank
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [rows, hidden] -> [rows, hidden]
         weights, experts = route(self.router_logits(x), self.top_k, self.renormalize)
         out = self.run_experts(x, weights, experts)
+        if self.shared_expert is not None:
+            # The gate is the same on every rank, the expert's output a partial sum: the
+            # one all-reduce below sums both.
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out if self.tp is None else self.tp.all_reduce(out)
 
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:  # [rows, num_experts] float32
@@ -94,3 +103,7 @@ class MixtralForCausalLM(_MixtureOfExperts, LlamaForCausalLM):
 
 class Qwen3MoeForCausalLM(_MixtureOfExperts, Qwen3ForCausalLM):
     pass
+
+
+class Qwen2MoeForCausalLM(_MixtureOfExperts, LlamaForCausalLM):
+    """Qwen2's attention (q/k/v biases) with routed experts and a shared one."""

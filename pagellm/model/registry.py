@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from pagellm.config.model import ModelConfig
 from pagellm.errors import UnsupportedModelError
+from pagellm.model.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from pagellm.model.llama import LlamaForCausalLM
-from pagellm.model.mixture_of_experts import MixtralForCausalLM, Qwen3MoeForCausalLM
+from pagellm.model.mixture_of_experts import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from pagellm.model.qwen3 import Qwen3ForCausalLM
 
 # HF `architectures[0]` -> the class that runs it.
@@ -24,6 +25,9 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "Phi3ForCausalLM": LlamaForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,  # Gemma 3 text models (gemma-3-1b; the text part of 4B+ as GGUF)
 }
 # A config saved without a model names no architecture; its model_type still says which.
 ARCHITECTURE_BY_MODEL_TYPE = {
@@ -34,6 +38,9 @@ ARCHITECTURE_BY_MODEL_TYPE = {
     "phi3": "Phi3ForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
 # llama.cpp's `general.architecture` -> the HF architecture it was converted from.
 ARCHITECTURE_BY_GGUF_NAME = {
@@ -41,7 +48,10 @@ ARCHITECTURE_BY_GGUF_NAME = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
 SUPPORTED_HF_ARCHITECTURES = tuple(MODEL_CLASSES)
 SUPPORTED_GGUF_ARCHITECTURES = tuple(ARCHITECTURE_BY_GGUF_NAME)

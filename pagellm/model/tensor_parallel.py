@@ -44,6 +44,7 @@ class TPLayout:
     first_kv_head: int
     intermediate_size: int  # on this rank
     expert_intermediate_size: int  # each expert's, on this rank (experts are split like dense MLPs)
+    shared_expert_intermediate_size: int  # the shared expert's (Qwen2-MoE), on this rank
     vocab_size: int  # the full vocabulary (logits are trimmed to it)
     vocab_per_rank: int  # rows of the padded vocabulary on each rank
     head_dim: int
@@ -63,6 +64,7 @@ class TPLayout:
             first_kv_head=first_kv,
             intermediate_size=share.intermediate_size,
             expert_intermediate_size=share.expert_intermediate_size,
+            shared_expert_intermediate_size=share.shared_expert_intermediate_size,
             vocab_size=config.vocab_size,
             vocab_per_rank=share.vocab_size,
             head_dim=config.head_dim,
@@ -105,6 +107,8 @@ class TPLayout:
         return None
 
     def _mlp_width(self, hf_name: str) -> int:
+        if ".shared_expert." in hf_name:
+            return self.shared_expert_intermediate_size
         return self.expert_intermediate_size if ".experts." in hf_name else self.intermediate_size
 
     def drops_bias(self, hf_name: str) -> bool:

@@ -26,7 +26,7 @@ def _preset(name: str, repo: str, architecture: str, **shape: object) -> ModelPr
     config = ModelConfig(architecture=architecture, **shape)  # type: ignore[arg-type]
     fields = ", ".join(
         f"{key}={value}" for key, value in shape.items()
-        if key not in ("rms_norm_eps", "rope_scaling", "qk_norm", "norm_topk_prob")
+        if key not in ("rms_norm_eps", "rope_scaling", "qk_norm", "norm_topk_prob", "sliding_window_layers")
     )
     return ModelPreset(name, config, 2, f"huggingface.co/{repo} config.json: {fields}, bfloat16")
 
@@ -102,6 +102,23 @@ MODEL_PRESETS: dict[str, ModelPreset] = {
             head_dim=128, max_position_embeddings=40960, tie_word_embeddings=False,
             num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
             rope_theta=1000000.0, qk_norm=True, norm_topk_prob=True, rms_norm_eps=1e-6,
+        ),
+        # Gemma: every other layer (Gemma 2) or five of every six (Gemma 3) slide.
+        _preset(
+            "Gemma-2-9B", "google/gemma-2-9b", "Gemma2ForCausalLM",
+            vocab_size=256000, hidden_size=3584, intermediate_size=14336,
+            num_hidden_layers=42, num_attention_heads=16, num_key_value_heads=8,
+            head_dim=256, max_position_embeddings=8192, tie_word_embeddings=True,
+            sliding_window=4096, sliding_window_layers=tuple(range(0, 42, 2)), rms_norm_eps=1e-6,
+        ),
+        _preset(
+            "Gemma-3-27B", "google/gemma-3-27b-pt", "Gemma3ForCausalLM",
+            vocab_size=262208, hidden_size=5376, intermediate_size=21504,
+            num_hidden_layers=62, num_attention_heads=32, num_key_value_heads=16,
+            head_dim=128, max_position_embeddings=131072, tie_word_embeddings=True,
+            sliding_window=1024, sliding_window_layers=tuple(i for i in range(62) if (i + 1) % 6),
+            rope_theta=1000000.0, local_rope_theta=10000.0, rope_scaling=RopeScaling("linear", factor=8.0),
+            qk_norm=True, rms_norm_eps=1e-6,
         ),
         _preset(
             "Qwen2.5-7B", "Qwen/Qwen2.5-7B-Instruct", "Qwen2ForCausalLM",

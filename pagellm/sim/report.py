@@ -139,7 +139,8 @@ def _kv_summary(result: SimResult) -> dict[str, Any]:
             "paged_waste_frac": round(max(0.0, 1 - logical / paged), 4) if paged else None,
             "contiguous_waste_frac": round(1 - logical / contiguous, 4) if contiguous else None,
             # The same memory in max_model_len slabs holds this many requests at once.
-            "contiguous_max_concurrency": capacity_tokens // max_model_len,
+            "contiguous_max_concurrency": cache.num_usable_gpu_blocks
+            // cache.max_blocks_per_request(max_model_len, result.scheduler_config.max_num_batched_tokens),
             "paged_max_concurrency_seen": max(running),
         },
     }

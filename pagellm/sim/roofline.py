@@ -112,10 +112,12 @@ class RooflineCostModel:
         # Every dense matrix once; of a mixture of experts, the experts its tokens use.
         linear_memory_s = self.costs.linear_bytes_read(num_tokens) / self._bandwidth
         linear_s = max(linear_compute_s, linear_memory_s) if num_tokens else 0.0
-        pairs = batch.prefill_attention_pairs + batch.decode_attention_pairs
+        # Per kind of layer (global, or a sliding window's), weighted by its share of them.
+        windows = self.costs.layer_windows
+        pairs = sum(share * batch.attention_pairs_within(window) for window, share in windows)
         # Reads of the cached context (prefix hits and earlier chunks too) and writes of
         # the new tokens' K and V.
-        kv_tokens = batch.prefill_context_sum + batch.decode_context_sum + num_tokens
+        kv_tokens = sum(share * batch.context_read_within(window) for window, share in windows) + num_tokens
         attention_s = max(pairs * self._attention_s_per_pair, kv_tokens * self._kv_s_per_token)
         rows = batch.num_sampled_tokens
         head_s = max(rows * self._head_s_per_row, self._head_memory_s) if rows else 0.0

@@ -57,9 +57,9 @@ class KVSample:
     usage: float  # fraction of usable blocks in use
     num_running: int
     num_waiting: int
-    logical_tokens: int  # KV tokens the running requests have computed
-    paged_tokens: int  # blocks in use x block size (what paging reserves)
-    contiguous_tokens: int  # running x max_model_len (what per-request slabs reserve)
+    logical_tokens: float  # KV tokens the running requests have computed and still need
+    paged_tokens: float  # blocks in use x block size / KV cache groups (what paging reserves)
+    contiguous_tokens: float  # running x a max_model_len request's blocks (what per-request slabs reserve)
 
 
 @dataclass(frozen=True)
@@ -250,7 +250,24 @@ class KVSampler:
         self.block_size = block_size
         self.interval = FIRST_KV_SAMPLE_INTERVAL_S
         self.next_time = 0.0
+        # Tokens are counted as whole-model tokens: a block of one KV cache group holds
+        # 1 / num_groups of a token's KV, and a slab sized for max_model_len holds each
+        # group's blocks for that length (a sliding group's window only).
+        cache = scheduler.cache_config
+        self.num_groups = len(cache.group_windows)
+        self.slab_tokens = (
+            cache.max_blocks_per_request(max_model_len, scheduler.scheduler_config.max_num_batched_tokens)
+            * block_size / self.num_groups
+        )
         self.samples: list[KVSample] = []
+
+    def _needed_tokens(self, num_computed: int) -> float:
+        """The KV a request's computed tokens still need, in whole-model tokens (a sliding
+        group keeps only the last window - 1 positions)."""
+        windows = self.scheduler.cache_config.group_windows
+        if windows == (None,):
+            return num_computed
+        return sum(num_computed if w is None else min(num_computed, w - 1) for w in windows) / self.num_groups
 
     def sample_until(self, now: float) -> None:
         if now < self.next_time:
@@ -263,9 +280,9 @@ class KVSampler:
             kv.get_usage(),
             len(running),
             scheduler.num_waiting,
-            sum(request.num_computed_tokens for request in running),
-            num_used_blocks * self.block_size,
-            len(running) * self.max_model_len,
+            sum(self._needed_tokens(request.num_computed_tokens) for request in running),
+            num_used_blocks * self.block_size / self.num_groups,
+            len(running) * self.slab_tokens,
         )
         # One sample per interval boundary passed: a long step (or an idle gap) holds
         # the same state for several instants, and time averages must see that.

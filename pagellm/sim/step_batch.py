@@ -84,6 +84,33 @@ class StepBatch:
         """(query, key) pairs of the decodes: each reads its context plus itself."""
         return sum(self.decode_context_lens) + len(self.decode_context_lens)
 
+    def attention_pairs_within(self, window: int | None) -> int:
+        """(query, key) pairs of the whole step in a layer that attends over `window`
+        positions at most (None: the whole context)."""
+        if window is None:
+            return self.prefill_attention_pairs + self.decode_attention_pairs
+        chunks = zip(self.prefill_num_tokens, self.prefill_context_lens)
+        return sum(_keys_within(c + 1, c + q, window) for q, c in chunks) + sum(
+            min(c + 1, window) for c in self.decode_context_lens
+        )
+
+    def context_read_within(self, window: int | None) -> int:
+        """Cached KV tokens the step reads in a layer of that window (each request's
+        first query sees at most window - 1 cached positions)."""
+        if window is None:
+            return self.prefill_context_sum + self.decode_context_sum
+        return sum(min(c, window - 1) for c in self.prefill_context_lens + self.decode_context_lens)
+
+
+def _keys_within(first: int, last: int, window: int) -> int:
+    """sum of min(k, window) for k = first .. last: the keys of a chunk's queries, the
+    i-th of which sees first + i positions."""
+    if last <= window:
+        return (first + last) * (last - first + 1) // 2
+    if first >= window:
+        return (last - first + 1) * window
+    return (first + window) * (window - first + 1) // 2 + (last - window) * window
+
 
 def batch_from_schedule(
     scheduler_output: SchedulerOutput,

@@ -58,6 +58,7 @@ def main() -> None:
                 partial_out_ptr="*fp32", partial_max_ptr="*fp32", partial_sum_ptr="*fp32",
                 query_stride_token="i32", query_stride_head="i32", output_stride_token="i32",
                 output_stride_head="i32", block_table_stride="i32", scale_log2="fp32", window="i32",
+                softcap_in="fp32", softcap_out="fp32",
             )  # fmt: skip
             for name, block_q, block_m, splits in (
                 ("decode", 1, decode_m, 1),

@@ -39,6 +39,20 @@ FAMILIES = {
     "mistral_sliding": ("mistral", {"sliding_window": 12}),
     "qwen2_hybrid": ("qwen2", {"use_sliding_window": True, "sliding_window": 10, "max_window_layers": 1,
                                "num_hidden_layers": 3}),  # fmt: skip
+    # Gemma 2: sandwich norms of (1 + w), GeGLU, scaled embeddings, query_pre_attn_scalar,
+    # caps low enough to bite on these weights, every other layer sliding (tied embeddings
+    # make these tiny random models repeat a few tokens: the GGUF tests tie them).
+    "gemma2": ("gemma2", {"num_hidden_layers": 3, "sliding_window": 12, "query_pre_attn_scalar": 24,
+                          "attn_logit_softcapping": 2.0, "final_logit_softcapping": 6.0}),  # fmt: skip
+    # Gemma 3: q/k norms, five sliding layers to one global (six KV cache groups), the
+    # sliding layers on their own rotary base, the global one with linear scaling.
+    "gemma3": ("gemma3", {"num_hidden_layers": 6, "sliding_window": 10, "rope_theta": 100000.0,
+                          "rope_local_base_freq": 1000.0, "rope_scaling": {"rope_type": "linear", "factor": 2.0}}),  # fmt: skip
+    # Qwen2-MoE: q/k/v biases, 4 experts top-2 unnormalized, a shared expert of its own width
+    # behind a sigmoid gate, the second of three layers dense.
+    "qwen2_moe": ("qwen2_moe", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                "shared_expert_intermediate_size": 48, "num_hidden_layers": 3,
+                                "mlp_only_layers": [1]}),  # fmt: skip
     # Qwen3-MoE: q/k norms, 8 narrow experts, top-2 unnormalized, one dense layer.
     "qwen3_moe": ("qwen3_moe", {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
                                 "mlp_only_layers": [0]}),  # fmt: skip

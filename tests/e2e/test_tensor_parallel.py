@@ -127,6 +127,28 @@ def test_qwen3_moe_experts_split_per_rank(tmp_path_factory):
     assert outputs == expected
 
 
+def test_qwen2_moe_shared_expert_split_per_rank(tmp_path_factory):
+    # The shared expert splits like a dense MLP of its own width; its one-output gate is whole.
+    folder, expected = checkpoint(tmp_path_factory, "qwen2_moe", "qwen2_moe", num_experts=4, num_experts_per_tok=2,
+                                  moe_intermediate_size=32, shared_expert_intermediate_size=48)  # fmt: skip
+    outputs, _ = run(folder, 2, max_num_batched_tokens=7)
+    assert outputs == expected
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_gemma_sliding_groups_and_soft_caps_per_rank(tmp_path_factory, arch):
+    # Gemma's four norms and q/k norms are whole on every rank, each rank's KV cache keeps
+    # the sliding and global groups, and the logit cap applies to the gathered logits.
+    overrides = {"num_hidden_layers": 4, "sliding_window": 12}
+    if arch == "gemma2":
+        overrides |= {"attn_logit_softcapping": 2.0, "final_logit_softcapping": 6.0}
+    else:
+        overrides |= {"sliding_window_pattern": 2, "rope_local_base_freq": 1000.0}
+    folder, expected = checkpoint(tmp_path_factory, arch, arch, **overrides)
+    outputs, _ = run(folder, 2, max_num_batched_tokens=7)
+    assert outputs == expected
+
+
 def test_three_ranks_with_a_vocabulary_that_does_not_divide(tmp_path_factory):
     # 256 tokens over 3 ranks: 86 rows each, the last two padded.
     folder, expected = checkpoint(

@@ -111,23 +111,27 @@ def test_phi3_longrope_and_partial_rotary_from_gguf_equal_the_hf_folder(tmp_path
     assert pagellm_greedy(LLM(str(path)), PROMPTS, 32) == pagellm_greedy(LLM(str(folder)), PROMPTS, 32)
 
 
-@pytest.mark.parametrize("arch,gguf_arch", [("qwen3_moe", "qwen3moe"), ("mixtral", "llama")])
+@pytest.mark.parametrize("arch,gguf_arch", [("qwen3_moe", "qwen3moe"), ("mixtral", "llama"), ("qwen2_moe", "qwen2moe")])
 def test_moe_gguf_with_stacked_experts_equals_the_hf_folder(tmp_path, arch, gguf_arch):
     """llama.cpp's [experts, rows, cols] tensors (F32 here, so the weights are the folder's
     exactly): the same tokens as the HF folder, whose tokens equal transformers'."""
     experts = {"num_experts": 4, "num_experts_per_tok": 2}
     if arch == "qwen3_moe":
         experts |= {"moe_intermediate_size": 32, "norm_topk_prob": True}
+    elif arch == "qwen2_moe":  # a shared expert (F32 like the rest), top-k weights not renormalized
+        experts |= {"moe_intermediate_size": 32, "shared_expert_intermediate_size": 48}
     else:
         experts = {"num_local_experts": 4, "num_experts_per_tok": 2}
     folder = make_tiny_hf_checkpoint(tmp_path / "hf", arch, **experts)
     cfg = json.loads((folder / "config.json").read_text())
     path = write_gguf_from_hf(folder, tmp_path / "moe.gguf", cfg, quant_by_kind={}, arch=gguf_arch)
     from_gguf, from_hf = (load_model_config(ModelSource(kind, p, "m")) for kind, p in (("gguf", path), ("hf", folder)))
-    for field in ("num_experts", "num_experts_per_tok", "expert_intermediate_size", "norm_topk_prob", "qk_norm"):
+    for field in ("num_experts", "num_experts_per_tok", "expert_intermediate_size", "norm_topk_prob", "qk_norm",
+                  "shared_expert_intermediate_size", "attention_bias"):  # fmt: skip
         assert getattr(from_gguf, field) == getattr(from_hf, field), field
     gguf_llm = LLM(str(path), max_num_batched_tokens=16)
-    assert type(gguf_llm.engine.runner.model).__name__ == {"qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}[arch]
+    classes = {"qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
+    assert type(gguf_llm.engine.runner.model).__name__ == classes[arch]
     assert pagellm_greedy(gguf_llm, PROMPTS, NEW_TOKENS) == pagellm_greedy(LLM(str(folder)), PROMPTS, NEW_TOKENS)
 
 
@@ -187,3 +191,86 @@ def test_both_config_dialects_load_the_same_model(tmp_path, arch, overrides):
     # transformers reads the old dialect too: the reference for the old folder's tokens.
     ref = load_hf_reference(old)
     assert pagellm_greedy(LLM(str(old)), PROMPTS, 16) == [hf_greedy(ref, p, 16) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_gemma_gguf_equals_the_hf_folder(tmp_path, arch):
+    """llama.cpp's Gemma files: norms stored as 1 + w, `ffn_norm` before the MLP and post-norms
+    of their own, tied embeddings, the window and Gemma 2's caps as metadata, the sliding
+    pattern and Gemma 3's local rotary base implied. In F32 the file gives the HF folder's
+    tokens (which equal transformers', tests/e2e/test_families_vs_hf.py); quantized, its
+    linear layers stay as stored."""
+    overrides = {"num_hidden_layers": 6, "sliding_window": 10, "tie_word_embeddings": True}
+    if arch == "gemma2":
+        overrides |= {"attn_logit_softcapping": 2.0, "final_logit_softcapping": 6.0}
+    else:
+        overrides |= {"rope_theta": 100000.0, "rope_scaling": {"rope_type": "linear", "factor": 2.0}}
+    folder = make_tiny_hf_checkpoint(tmp_path / "hf", arch, seed=3, **overrides)
+    cfg = json.loads((folder / "config.json").read_text())
+    path = write_gguf_from_hf(folder, tmp_path / f"{arch}.gguf", cfg, quant_by_kind={}, arch=arch)
+    from_gguf, from_hf = (load_model_config(ModelSource(kind, p, "g")) for kind, p in (("gguf", path), ("hf", folder)))
+    for field in ("sliding_window", "sliding_window_layers", "attention_scale", "embedding_multiplier",
+                  "attn_logit_softcapping", "final_logit_softcapping", "local_rope_theta", "rope_theta",
+                  "hidden_activation", "qk_norm", "tie_word_embeddings"):  # fmt: skip
+        assert getattr(from_gguf, field) == getattr(from_hf, field), field
+    scalings = [(c.rope_scaling.rope_type, c.rope_scaling.factor) if c.rope_scaling else None for c in (from_gguf, from_hf)]
+    assert scalings[0] == scalings[1]
+    assert from_gguf.sliding_window_layers == ((0, 2, 4) if arch == "gemma2" else (0, 1, 2, 3, 4))
+    prompts = PROMPTS + [list(range(60, 90))]  # past the window
+    assert pagellm_greedy(LLM(str(path), max_num_batched_tokens=16), prompts, 12) == pagellm_greedy(
+        LLM(str(folder)), prompts, 12
+    )
+    if kernels_support(WeightType.Q8_0):
+        quantized = write_gguf_from_hf(folder, tmp_path / "q8.gguf", cfg, quant_by_kind=QWEN3_TYPES, arch=arch)
+        layer = LLM(str(quantized), dtype="bfloat16").engine.runner.model.layers[0]
+        assert {t.label for t in layer.self_attn.qkv_proj.packed.types} == {"Q8_0", "BF16"}
+        assert layer.mlp.down_proj.packed.types[0].label == "Q8_0"
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_gemma_config_dialects_load_the_same_model(tmp_path, arch):
+    """transformers 5.x's layer_types and (Gemma 3) per-layer-type rope_parameters, against
+    what downloaded Gemma checkpoints carry: no layer_types (Gemma 2 slides every other
+    layer; Gemma 3 says sliding_window_pattern), rope_theta / rope_scaling for the global
+    layers and rope_local_base_freq for the sliding ones."""
+    overrides = {"num_hidden_layers": 6, "sliding_window": 10}
+    if arch == "gemma3":
+        overrides |= {"rope_theta": 100000.0, "rope_local_base_freq": 1000.0,
+                      "rope_scaling": {"rope_type": "linear", "factor": 2.0}}  # fmt: skip
+    new = make_tiny_hf_checkpoint(tmp_path / "new", arch, seed=4, **overrides)
+    old = make_tiny_hf_checkpoint(tmp_path / "old", arch, seed=4, **overrides)
+    cfg = json.loads((old / "config.json").read_text())
+    assert "layer_types" in cfg
+    del cfg["layer_types"]
+    rope = cfg.pop("rope_parameters")
+    if arch == "gemma3":
+        cfg.pop("_sliding_window_pattern", None)
+        cfg |= {"sliding_window_pattern": 6, "rope_theta": rope["full_attention"]["rope_theta"],
+                "rope_local_base_freq": rope["sliding_attention"]["rope_theta"],
+                "rope_scaling": {"rope_type": "linear", "factor": rope["full_attention"]["factor"]}}  # fmt: skip
+    else:
+        cfg["rope_theta"] = rope["rope_theta"]
+    (old / "config.json").write_text(json.dumps(cfg))
+    config_new = load_model_config(ModelSource("hf", new, "g"))
+    assert load_model_config(ModelSource("hf", old, "g")) == config_new
+    if arch == "gemma3":
+        assert (config_new.rope_theta, config_new.local_rope_theta) == (100000.0, 1000.0)
+        assert config_new.sliding_window_layers == (0, 1, 2, 3, 4)
+    else:
+        assert config_new.sliding_window_layers == (0, 2, 4)
+    # transformers reads the old dialect too.
+    ref = load_hf_reference(old)
+    assert pagellm_greedy(LLM(str(old)), PROMPTS, 16) == [hf_greedy(ref, p, 16) for p in PROMPTS]
+
+
+def test_an_unknown_activation_or_a_bad_cap_is_refused_by_name(tmp_path):
+    from pagellm.errors import UnsupportedModelError
+
+    folder = make_tiny_hf_checkpoint(tmp_path / "g", "gemma2", num_hidden_layers=2)
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(cfg | {"hidden_activation": "relu"}))
+    with pytest.raises(UnsupportedModelError, match="activation 'relu'"):
+        load_model_config(ModelSource("hf", folder, "g"))
+    (folder / "config.json").write_text(json.dumps(cfg | {"attn_logit_softcapping": -1.0}))
+    with pytest.raises(UnsupportedModelError, match="attn_logit_softcapping must be positive"):
+        load_model_config(ModelSource("hf", folder, "g"))

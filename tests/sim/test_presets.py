@@ -12,7 +12,8 @@ from pagellm.sim.model_presets import MODEL_PRESETS, get_model_preset
 def test_the_issue_asks_for_these_presets():
     assert set(GPU_PRESETS) == {"A100-40GB", "A100-80GB", "H100-SXM", "H200", "L4", "A10G"}
     assert set(MODEL_PRESETS) >= {"Llama-3-8B", "Llama-3-70B", "Qwen2.5-7B", "SmolLM2-135M", "Llama-3.1-8B",
-                                  "Llama-3.1-70B", "Qwen3-8B", "Qwen3-32B", "Phi-4", "Mixtral-8x7B", "Qwen3-30B-A3B"}  # fmt: skip
+                                  "Llama-3.1-70B", "Qwen3-8B", "Qwen3-32B", "Phi-4", "Mixtral-8x7B", "Qwen3-30B-A3B",
+                                  "Gemma-2-9B", "Gemma-3-27B"}  # fmt: skip
 
 
 @pytest.mark.parametrize("name", sorted(GPU_PRESETS))
@@ -46,6 +47,8 @@ def test_parameter_counts_match_the_model_names():
     assert get_model_preset("Phi-4").config.num_parameters() == pytest.approx(14.7e9, rel=0.01)
     assert get_model_preset("Mixtral-8x7B").config.num_parameters() == pytest.approx(46.7e9, rel=0.01)
     assert get_model_preset("Qwen3-30B-A3B").config.num_parameters() == pytest.approx(30.5e9, rel=0.01)
+    assert get_model_preset("Gemma-2-9B").config.num_parameters() == pytest.approx(9.24e9, rel=0.01)
+    assert get_model_preset("Gemma-3-27B").config.num_parameters() == pytest.approx(27.0e9, rel=0.01)  # text only
 
 
 def test_mixtures_of_experts_compute_with_their_active_parameters_and_hold_all():

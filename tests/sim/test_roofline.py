@@ -95,3 +95,20 @@ def test_llama3_8b_decode_on_h100_by_hand():
 def test_bad_params_are_refused(field, value):
     with pytest.raises(ConfigError, match=field):
         RooflineParams(**{field: value})
+
+
+def test_sliding_layers_read_only_their_window():
+    """Gemma-3-27B decoding at 32k context: its 52 sliding layers read 1023 cached tokens,
+    the 10 global ones all 32000; the KV bytes read are that mix, not 62 layers of 32000."""
+    config = get_model_preset("Gemma-3-27B").config
+    costs = ModelCosts.from_config(config, dtype_bytes=2)
+    assert dict(costs.layer_windows) == pytest.approx({None: 10 / 62, 1024: 52 / 62})
+    gpu = GpuSpec("toy", peak_tflops=1e6, memory_bandwidth_gbs=1.0, memory_gib=1, host_link_gbs=1.0, source="test")
+    model = RooflineCostModel("gemma", costs, gpu, EXACT)
+    step = model.breakdown(StepBatch((), (), (32000,), num_sampled_tokens=1))
+    read = (10 / 62 * 32000 + 52 / 62 * 1023 + 1) * costs.kv_bytes_per_token
+    assert step.attention_s == pytest.approx(read / 1e9)
+    full = RooflineCostModel("full", ModelCosts.from_config(TOY, 2), gpu, EXACT)  # a model with no windows: all of it
+    assert full.breakdown(StepBatch((), (), (32000,), num_sampled_tokens=1)).attention_s == pytest.approx(
+        32001 * ModelCosts.from_config(TOY, 2).kv_bytes_per_token / 1e9
+    )

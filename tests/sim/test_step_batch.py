@@ -53,3 +53,20 @@ def test_chunks_decodes_and_samples_from_a_real_schedule():
     assert batch == StepBatch((5,), (4,), (6,), num_sampled_tokens=2)
     assert sorted(sampled) == ["a", "b"]
     scheduler.finish_requests(["a", "b"], RequestStatus.FINISHED_ABORTED)
+
+
+def test_attention_within_a_window_counts_each_query_s_visible_keys():
+    """Against a brute-force count: token i of a q-token chunk over c cached tokens sees
+    min(c + i + 1, window) keys and reads min(c, window - 1) cached ones."""
+    from pagellm.sim.step_batch import StepBatch
+
+    batch = StepBatch((5, 40, 3), (0, 7, 100), (0, 5, 63, 64, 500), num_sampled_tokens=6)
+    for window in (None, 1, 4, 8, 64, 1000):
+        cap = (lambda n: n) if window is None else (lambda n: min(n, window))
+        chunks = zip(batch.prefill_num_tokens, batch.prefill_context_lens)
+        pairs = sum(cap(c + i + 1) for q, c in chunks for i in range(q)) + sum(cap(c + 1) for c in batch.decode_context_lens)
+        assert batch.attention_pairs_within(window) == pairs
+        contexts = batch.prefill_context_lens + batch.decode_context_lens
+        read = sum(c if window is None else min(c, window - 1) for c in contexts)
+        assert batch.context_read_within(window) == read
+    assert batch.attention_pairs_within(None) == batch.prefill_attention_pairs + batch.decode_attention_pairs

@@ -97,7 +97,7 @@ void paged_decode_attention_in_region(
     const int64_t *block_tables, int64_t table_stride,
     const int64_t *rows, const int64_t *reqs, const int64_t *seq_lens, const int64_t *key_starts,
     int64_t num_decodes, int num_heads, int num_kv_heads, int head_dim, int block_size,
-    float scale, int dtype, int cache_type, int num_threads, int64_t max_seq_len,
+    float scale, float softcap, int dtype, int cache_type, int num_threads, int64_t max_seq_len,
     void *out, int64_t out_row_stride, float *workspace);
 
 /* paged_decode.c: thread t of nt's share of the step's K/V blocks, prefetched into L2. */

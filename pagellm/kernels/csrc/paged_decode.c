@@ -60,7 +60,7 @@ static inline void load_row(const void *base, int64_t offset, int head_dim, int 
 static void NAME(const float *q, const void *key_cache, const void *value_cache,            \
                  const int64_t *table, int64_t start, int64_t seq_len, int kv_head, int span, \
                  int num_kv_heads, int group, int head_dim_arg, int block_size, float scale, \
-                 int cache_type, float *scores, float *acc)                                  \
+                 float softcap, int cache_type, float *scores, float *acc)                   \
 {                                                                                            \
     (void)head_dim_arg;                                                                      \
     const int head_dim = HEAD_DIM_EXPR;                                                      \
@@ -81,6 +81,7 @@ static void NAME(const float *q, const void *key_cache, const void *value_cache,
                 float dot = 0.0f;                                                            \
                 for (int d = 0; d < head_dim; d++) dot += qh[d] * kh[d];                     \
                 dot *= scale;                                                                \
+                if (softcap > 0.0f) dot = softcap * tanhf(dot / softcap);                    \
                 scores[h * seq_len + first + i] = dot;                                       \
                 best[h] = dot > best[h] ? dot : best[h];                                     \
             }                                                                                \
@@ -122,7 +123,7 @@ DEFINE_ATTEND(attend_128, 128)
 DEFINE_ATTEND(attend_any, head_dim_arg)
 
 typedef void (*attend_fn)(const float *, const void *, const void *, const int64_t *, int64_t, int64_t, int, int, int, int,
-                          int, int, float, int, float *, float *);
+                          int, int, float, float, int, float *, float *);
 
 /*
  * query:        [*, num_heads, head_dim], row r starts at r * query_row_stride elements
@@ -133,6 +134,8 @@ typedef void (*attend_fn)(const float *, const void *, const void *, const int64
  * rows, reqs, seq_lens: [num_decodes] row of the flat batch, request index, context length
  * key_starts:   NULL, or [num_decodes] the first context position each row attends to
  *               (a sliding window; such rows take the float32 path, one row per item)
+ * softcap:      > 0: each scaled score s becomes softcap * tanh(s / softcap) (Gemma 2;
+ *               the float32 path); 0: none
  * out:          [*, num_heads, head_dim], row r starts at r * out_row_stride elements
  * workspace:    num_threads * max_seq_len * num_heads * MAX_SEGMENT_ROWS floats
  */
@@ -146,13 +149,13 @@ void paged_decode_attention_in_region(
     const int64_t *block_tables, int64_t table_stride,
     const int64_t *rows, const int64_t *reqs, const int64_t *seq_lens, const int64_t *key_starts,
     int64_t num_decodes, int num_heads, int num_kv_heads, int head_dim, int block_size,
-    float scale, int dtype, int cache_type, int num_threads, int64_t max_seq_len,
+    float scale, float softcap, int dtype, int cache_type, int num_threads, int64_t max_seq_len,
     void *out, int64_t out_row_stride, float *workspace)
 {
     const int group = num_heads / num_kv_heads;
-    /* The AVX-512 BF16 item attends from position 0 only. */
+    /* The AVX-512 BF16 item attends from position 0 only, without soft-capping. */
     const int fast_bf16 = dtype == ELEM_BF16 && cache_type != ELEM_F32 && attend_bf16_supported(head_dim) &&
-                          key_starts == NULL;
+                          key_starts == NULL && softcap == 0.0f;
     /* Consecutive rows of one request at consecutive positions (a speculative
      * verification's k + 1) form one segment: with the bf16 kernel they are one item per
      * kv head, all their query heads reading each K/V block once, each row only up to
@@ -218,7 +221,7 @@ void paged_decode_attention_in_region(
             const attend_fn attend = head_dim == 64 ? attend_64 : head_dim == 128 ? attend_128 : attend_any;
             attend(q, key_cache, value_cache, table, key_starts ? key_starts[decode] : 0, seq_lens[decode], kv_head,
                    span, num_kv_heads, group,
-                   head_dim, block_size, scale, cache_type, scores, acc);
+                   head_dim, block_size, scale, softcap, cache_type, scores, acc);
         }
         for (int j = 0; j < count; j++) {
             const int64_t offset = rows[decode + j] * out_row_stride + first_head;
@@ -267,7 +270,7 @@ void paged_decode_attention(
     const int64_t *block_tables, int64_t table_stride,
     const int64_t *rows, const int64_t *reqs, const int64_t *seq_lens, const int64_t *key_starts,
     int64_t num_decodes, int num_heads, int num_kv_heads, int head_dim, int block_size,
-    float scale, int dtype, int cache_type, int num_threads, int64_t max_seq_len,
+    float scale, float softcap, int dtype, int cache_type, int num_threads, int64_t max_seq_len,
     void *out, int64_t out_row_stride, float *workspace)
 {
 #pragma omp parallel num_threads(num_threads)
@@ -275,7 +278,7 @@ void paged_decode_attention(
         const unsigned float_mode = subnormals_flushed();
         paged_decode_attention_in_region(query, query_row_stride, key_cache, value_cache, block_tables,
                                          table_stride, rows, reqs, seq_lens, key_starts, num_decodes, num_heads,
-                                         num_kv_heads, head_dim, block_size, scale, dtype, cache_type, num_threads,
+                                         num_kv_heads, head_dim, block_size, scale, softcap, dtype, cache_type, num_threads,
                                          max_seq_len, out, out_row_stride, workspace);
         float_mode_restore(float_mode);
     }

@@ -37,6 +37,8 @@ def fused_pieces(hf_name: str, config: ModelConfig) -> list[tuple[str, int, int]
             sizes = (q, kv, kv)
         else:
             width = config.expert_intermediate_size if ".experts." in hf_name else config.intermediate_size
+            if ".shared_expert." in hf_name:
+                width = config.shared_expert_intermediate_size
             sizes = (width, width)
         pieces, start = [], 0
         for part, size in zip(parts, sizes, strict=True):

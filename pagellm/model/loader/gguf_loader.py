@@ -52,7 +52,27 @@ _LAYER_NAMES = {
     "ffn_gate_exps": "mlp.experts.gate_proj",  # [experts, rows, cols], cut per expert at load
     "ffn_up_exps": "mlp.experts.up_proj",
     "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",  # Qwen2-MoE's shared expert and its gate
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
+# Gemma's four norms per layer: llama.cpp's `ffn_norm` is the norm before the MLP there,
+# with post-norms of their own after attention and after the MLP.
+_GEMMA_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
+# llama.cpp's defaults where a Gemma file leaves a key out: the sliding pattern (all but
+# every n-th layer slide), Gemma 2's soft caps, Gemma 3's sliding layers' rotary base.
+_GEMMA_SLIDING_PATTERN = {"gemma2": 2, "gemma3": 6}
+_GEMMA2_SOFTCAPS = (50.0, 30.0)
+_GEMMA3_LOCAL_ROPE_BASE = 10000.0
+# The 27B models (by layer count) scale attention by hidden / heads, not the head size.
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 _LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 # rope frequency divisors (Llama 3 GGUFs) and LongRoPE's factors (Phi-3 GGUFs) are not
 # parameters but shape the rotary cache.
@@ -192,23 +212,30 @@ def gguf_model_config(reader: GGUFReader, path: Path) -> ModelConfig:
     head_dim = integer("attention.key_length", hidden // num_heads)
     rotary_dims = integer("rope.dimension_count", head_dim)
     experts: dict[str, Any] = {}
-    if meta.raw(f"{arch}.expert_count"):  # Mixtral (filed as llama), Qwen3-MoE
+    if meta.raw(f"{arch}.expert_count"):  # Mixtral (filed as llama), Qwen3-MoE, Qwen2-MoE
         norm = meta.raw(f"{arch}.expert_weights_norm")
         experts = {
             "num_experts": integer("expert_count"),
             "num_experts_per_tok": integer("expert_used_count"),
             "moe_intermediate_size": integer("expert_feed_forward_length", 0) or None,
-            # llama.cpp renormalizes the chosen experts' weights for both families unless told.
-            "norm_topk_prob": True if norm is None else bool(norm),
+            # llama.cpp renormalizes the chosen experts' weights (Mixtral, Qwen3-MoE) unless
+            # told; Qwen2-MoE's it never does.
+            "norm_topk_prob": arch != "qwen2moe" if norm is None else bool(norm),
+            "shared_expert_intermediate_size": (
+                integer("expert_shared_feed_forward_length")
+                if meta.raw(f"{arch}.expert_shared_feed_forward_length") is not None else 0
+            ),
         }
     eos = meta.raw("tokenizer.ggml.eos_token_id")
     bos = meta.raw("tokenizer.ggml.bos_token_id")
+    num_layers = integer("block_count")
+    gemma = _gemma_fields(meta, arch, hidden, num_heads, head_dim, num_layers) if arch in GEMMA_ARCHITECTURES else {}
     return ModelConfig(
         architecture=arch,
         vocab_size=vocab_size,
         hidden_size=hidden,
         intermediate_size=integer("feed_forward_length"),
-        num_hidden_layers=integer("block_count"),
+        num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
         head_dim=head_dim,
@@ -223,9 +250,51 @@ def gguf_model_config(reader: GGUFReader, path: Path) -> ModelConfig:
         qk_norm="blk.0.attn_q_norm.weight" in names,
         partial_rotary_factor=rotary_dims / head_dim,
         **experts,
+        **gemma,
         bos_token_id=meta.number("tokenizer.ggml.bos_token_id", int, minimum=0) if bos is not None else None,
         eos_token_ids=(meta.number("tokenizer.ggml.eos_token_id", int, minimum=0),) if eos is not None else (),
     )
+
+
+def _gemma_fields(meta: _Metadata, arch: str, hidden: int, num_heads: int, head_dim: int, num_layers: int) -> dict[str, Any]:
+    """Gemma 2/3's numerics from a GGUF file, with llama.cpp's defaults and rules where the
+    file is silent (its converter writes the window and Gemma 2's caps; the sliding pattern,
+    the attention scale and Gemma 3's local rotary base are implied by the architecture)."""
+
+    def optional(key: str, default: float | None, kind: type = float) -> Any:
+        value = meta.raw(f"{arch}.{key}")
+        return default if value is None else meta.number(f"{arch}.{key}", kind, minimum=1e-9)
+
+    window = optional("attention.sliding_window", None, int)
+    pattern = meta.raw(f"{arch}.attention.sliding_window_pattern")
+    if isinstance(pattern, list):  # newer converters: one flag per layer (true: sliding)
+        if len(pattern) != num_layers:
+            raise ModelLoadError(f"GGUF metadata {arch}.attention.sliding_window_pattern lists {len(pattern)} layers, not {num_layers}")
+        sliding = tuple(i for i, flag in enumerate(pattern) if flag)
+    else:
+        every = optional("attention.sliding_window_pattern", _GEMMA_SLIDING_PATTERN[arch], int)
+        sliding = tuple(i for i in range(num_layers) if (i + 1) % every)
+    scale_key = meta.raw(f"{arch}.attention.scale")
+    if scale_key is not None:
+        attention_scale = optional("attention.scale", None)
+    elif num_layers == _GEMMA_27B_LAYERS[arch]:
+        attention_scale = (hidden / num_heads) ** -0.5
+    else:
+        attention_scale = head_dim**-0.5
+    fields: dict[str, Any] = {
+        "hidden_activation": "gelu_tanh",
+        "embedding_multiplier": hidden**0.5,
+        "attention_scale": attention_scale,
+        "sliding_window": window if window and sliding else None,
+        "sliding_window_layers": sliding if window and sliding and len(sliding) < num_layers else None,
+    }
+    if arch == "gemma2":
+        fields["attn_logit_softcapping"] = optional("attn_logit_softcapping", _GEMMA2_SOFTCAPS[0])
+        fields["final_logit_softcapping"] = optional("final_logit_softcapping", _GEMMA2_SOFTCAPS[1])
+    else:
+        fields["local_rope_theta"] = optional("rope.freq_base_swa", _GEMMA3_LOCAL_ROPE_BASE)
+        fields["final_logit_softcapping"] = optional("final_logit_softcapping", None)
+    return fields
 
 
 def dequantize_tensor(tensor: Any) -> np.ndarray:
@@ -274,7 +343,7 @@ def iter_gguf_weights(
     for tensor in reader.tensors:
         if tensor.name in NOT_PARAMETERS:
             continue
-        hf_name = _hf_name(tensor.name)
+        hf_name = _hf_name(tensor.name, config.architecture)
         if config.architecture == "phi3" and ".mlp.up_proj." in hf_name:
             hf_name = hf_name.replace(".mlp.up_proj.", ".mlp.gate_up_proj.")  # Phi-3's ffn_up holds gate and up
         qtype = GGMLQuantizationType(tensor.tensor_type)
@@ -309,6 +378,8 @@ def iter_gguf_weights(
                 piece = undo_rope_permutation(piece, heads)
             if not piece.flags.writeable or not piece.flags.c_contiguous:
                 piece = np.array(piece)  # unquantized tensors are read-only views of the mmap
+            if config.architecture in GEMMA_ARCHITECTURES and name.endswith("norm.weight"):
+                piece -= 1.0  # llama.cpp stores Gemma's norm weights as 1 + w
             weight = torch.from_numpy(piece)
             yield name, weight if shard is None else shard_float(shard, name, weight)
 
@@ -393,11 +464,12 @@ def rope_freq_divisors(reader: GGUFReader) -> torch.Tensor | None:
     return None
 
 
-def _hf_name(gguf_name: str) -> str:
+def _hf_name(gguf_name: str, architecture: str) -> str:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    names = _GEMMA_LAYER_NAMES if architecture in GEMMA_ARCHITECTURES else _LAYER_NAMES
     match = _LAYER_TENSOR.match(gguf_name)
-    if match is None or match.group(2) not in _LAYER_NAMES:
+    if match is None or match.group(2) not in names:
         raise UnsupportedModelError(f"unexpected tensor {gguf_name!r} in GGUF file")
     layer, kind, suffix = match.groups()
-    return f"model.layers.{layer}.{_LAYER_NAMES[kind]}.{suffix}"
+    return f"model.layers.{layer}.{names[kind]}.{suffix}"

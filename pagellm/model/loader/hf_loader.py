@@ -48,9 +48,10 @@ def hf_model_config(folder: Path) -> ModelConfig:
     try:
         hidden = int(cfg["hidden_size"])
         num_heads = int(cfg["num_attention_heads"])
-        rope = rope_settings(cfg)
+        rope, local_rope_theta = _rope_by_layer_kind(arch, cfg)
         rope_theta = float(rope.get("rope_theta") or 10000.0)
-        is_qwen2 = arch == "Qwen2ForCausalLM"
+        # Qwen2 (and Qwen2-MoE, `qkv_bias` in transformers 5.x) bias q/k/v only.
+        is_qwen2 = arch == "Qwen2ForCausalLM" or (arch == "Qwen2MoeForCausalLM" and bool(cfg.get("qkv_bias", True)))
         attention_bias = bool(cfg.get("attention_bias", False))
         sliding_window, sliding_layers = _sliding_window(arch, cfg)
         return ModelConfig(
@@ -66,13 +67,16 @@ def hf_model_config(folder: Path) -> ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=_rope_scaling(rope, int(cfg.get("max_position_embeddings", 2048))),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", arch in GEMMA_ARCHITECTURES)),
             attention_bias=is_qwen2 or attention_bias,
             attention_out_bias=(not is_qwen2) and attention_bias,
             sliding_window=sliding_window,
             sliding_window_layers=sliding_layers,
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
             partial_rotary_factor=float(cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0),
+            local_rope_theta=local_rope_theta,
+            hidden_activation=_activation(cfg),
+            **_gemma(arch, cfg, hidden),
             **_experts(arch, cfg),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=_eos_ids(cfg, folder),
@@ -83,14 +87,69 @@ def hf_model_config(folder: Path) -> ModelConfig:
         raise ModelLoadError(f"{folder / 'config.json'} is incomplete or invalid: {e!r}") from None
 
 
+GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+# Gemma's sliding layers when a config has no layer_types: all but every n-th (n = the
+# pattern: fixed 2 in Gemma 2, `sliding_window_pattern` in Gemma 3, 6 by default).
+_GEMMA_DEFAULT_PATTERN = {"Gemma2ForCausalLM": 2, "Gemma3ForCausalLM": 6}
+# HF activation names -> ModelConfig.hidden_activation.
+_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+
+
+def _activation(cfg: dict[str, Any]) -> str:
+    name = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
+    return _ACTIVATIONS.get(name, name)  # an unknown one is refused by ModelConfig, named
+
+
+def _gemma(arch: str, cfg: dict[str, Any], hidden: int) -> dict[str, Any]:
+    """Gemma's numerics (transformers' defaults where a config leaves a key out: Gemma 2
+    soft-caps scores at 50 and logits at 30, Gemma 3 neither)."""
+    if arch not in GEMMA_ARCHITECTURES:
+        return {}
+    default_caps = (50.0, 30.0) if arch == "Gemma2ForCausalLM" else (None, None)
+
+    def cap(key: str, default: float | None) -> float | None:
+        value = cfg.get(key, default)
+        return None if value is None else float(value)
+
+    return {
+        "embedding_multiplier": hidden**0.5,
+        "attention_scale": float(cfg.get("query_pre_attn_scalar") or 256) ** -0.5,
+        "attn_logit_softcapping": cap("attn_logit_softcapping", default_caps[0]),
+        "final_logit_softcapping": cap("final_logit_softcapping", default_caps[1]),
+    }
+
+
+def _rope_by_layer_kind(arch: str, cfg: dict[str, Any]) -> tuple[dict[str, Any], float | None]:
+    """The global layers' rotary settings (rope_settings' flat dict) and, for Gemma 3, the
+    sliding layers' own base. transformers 5.x nests Gemma 3's rope_parameters by layer
+    type ({"full_attention": {...}, "sliding_attention": {...}}); downloaded checkpoints
+    carry rope_theta/rope_scaling for the global layers and `rope_local_base_freq`."""
+    nested = cfg.get("rope_parameters")
+    if isinstance(nested, dict) and isinstance(nested.get("full_attention"), dict):
+        flat = {key: value for key, value in cfg.items() if key not in ("rope_parameters", "rope_scaling", "rope_theta")}
+        rope = rope_settings({**flat, "rope_parameters": nested["full_attention"]})
+        local = nested.get("sliding_attention") or {}
+        if (local.get("rope_type") or "default") != "default":
+            raise UnsupportedModelError(f"rope scaling {local['rope_type']!r} on sliding layers is not supported")
+        local_theta = local.get("rope_theta")
+    else:
+        rope = rope_settings(cfg)
+        local_theta = cfg.get("rope_local_base_freq")
+    if arch == "Gemma3ForCausalLM":
+        rope.setdefault("rope_theta", 1_000_000.0)
+        return rope, float(local_theta or 10_000.0)
+    return rope, None if local_theta is None else float(local_theta)
+
+
 def _sliding_window(arch: str, cfg: dict[str, Any]) -> tuple[int | None, tuple[int, ...] | None]:
     """The window and the layers that use it (None: every layer), from either dialect:
     transformers 5.x writes `layer_types` ("sliding_attention" / "full_attention"); older
     Qwen2-style configs say `use_sliding_window` with `max_window_layers` (the layers from
-    there on slide), Mistral's a bare `sliding_window` (every layer slides)."""
+    there on slide), Gemma's a pattern (all but every n-th layer), Mistral's a bare
+    `sliding_window` (every layer slides)."""
     window = cfg.get("sliding_window")
     num_layers = int(cfg["num_hidden_layers"])
-    qwen = arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+    qwen = arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM")
     if not window or (qwen and not cfg.get("use_sliding_window", False)):
         return None, None
     layer_types = cfg.get("layer_types")
@@ -103,6 +162,9 @@ def _sliding_window(arch: str, cfg: dict[str, Any]) -> tuple[int | None, tuple[i
         layers = tuple(i for i, kind in enumerate(layer_types) if kind == "sliding_attention")
     elif qwen:
         layers = tuple(range(int(cfg.get("max_window_layers") or 0), num_layers))
+    elif arch in _GEMMA_DEFAULT_PATTERN:
+        pattern = int(cfg.get("sliding_window_pattern") or _GEMMA_DEFAULT_PATTERN[arch])
+        layers = tuple(i for i in range(num_layers) if (i + 1) % pattern)
     else:
         return int(window), None
     if not layers:
@@ -111,14 +173,16 @@ def _sliding_window(arch: str, cfg: dict[str, Any]) -> tuple[int | None, tuple[i
 
 
 def _experts(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
-    """The mixture-of-experts fields: Mixtral's `num_local_experts`; Qwen3-MoE's
-    `num_experts` (`num_local_experts` as transformers 5.x writes it), its own expert
-    width, `norm_topk_prob`, and the layers that keep a dense MLP."""
-    if arch not in ("MixtralForCausalLM", "Qwen3MoeForCausalLM"):
+    """The mixture-of-experts fields: Mixtral's `num_local_experts`; Qwen3-MoE's and
+    Qwen2-MoE's `num_experts` (`num_local_experts` as transformers 5.x writes it), their own
+    expert width, `norm_topk_prob`, the layers that keep a dense MLP, Qwen2-MoE's shared expert."""
+    if arch not in ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"):
         return {}
     num_experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
     fields: dict[str, Any] = {"num_experts": num_experts, "num_experts_per_tok": int(cfg["num_experts_per_tok"])}
-    if arch == "Qwen3MoeForCausalLM":
+    if arch == "Qwen2MoeForCausalLM":
+        fields["shared_expert_intermediate_size"] = int(cfg.get("shared_expert_intermediate_size") or 0)
+    if arch in ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"):
         step = int(cfg.get("decoder_sparse_step") or 1)
         only_dense = set(cfg.get("mlp_only_layers") or [])
         fields["moe_intermediate_size"] = int(cfg["moe_intermediate_size"])

@@ -1,0 +1,93 @@
+"""Model stage: Gemma 2 and Gemma 3 (text): the Llama layer with Gemma's numerics.
+
+What differs from Llama, and where it lives:
+- RMSNorm scales by (1 + w), in float32 before rounding (GemmaRMSNorm, below), and each
+  layer normalizes both before and after attention and the MLP (GemmaDecoderLayer).
+- GeGLU MLP (gelu-tanh), embeddings times sqrt(hidden), the attention scale from
+  query_pre_attn_scalar, soft-capping of attention scores and logits (Gemma 2), the
+  sliding layers' own rotary base (Gemma 3): ModelConfig fields that the shared Llama
+  code reads (hf_loader / gguf_loader fill them).
+- Gemma 3 normalizes each head of q and k with GemmaRMSNorm before rotary.
+Local sliding-window layers interleave with global ones; the KV cache keeps them in
+separate groups (config/kv_layout.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagellm.attention.backend import AttentionBackend, AttentionMetadata
+from pagellm.config.model import ModelConfig
+from pagellm.model.layers import RMSNorm, apply_rotary
+from pagellm.model.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+from pagellm.model.tensor_parallel import TPGroup
+
+
+class GemmaRMSNorm(RMSNorm):
+    """x / rms(x) * (1 + w), all in float32, rounded once at the end (the stored weight is
+    the offset from 1; llama.cpp's files store 1 + w, the GGUF loader takes 1 off)."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__(hidden_size, eps)
+        nn.init.zeros_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.to(torch.float32)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class GemmaDecoderLayer(LlamaDecoderLayer):
+    """Pre- and post-norms around attention and around the MLP ("sandwich" norms)."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        tp: TPGroup | None = None,
+        attention_class: type[LlamaAttention] = LlamaAttention,
+        mlp: nn.Module | None = None,
+        layer: int = 0,
+    ) -> None:
+        nn.Module.__init__(self)
+        self.input_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = attention_class(config, tp, layer)
+        self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config, tp) if mlp is None else mlp
+        self.post_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        hidden: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        attended = self.self_attn(cos_sin, self.input_layernorm(hidden), kv_cache, metadata, backend)
+        hidden = hidden + self.post_attention_layernorm(attended)
+        return hidden + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden)))
+
+
+class Gemma3Attention(LlamaAttention):
+    def __init__(self, config: ModelConfig, tp: TPGroup | None = None, layer: int = 0) -> None:
+        super().__init__(config, tp, layer)
+        # One weight of head_dim shared by every head (a tensor-parallel rank keeps it whole).
+        self.q_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps)
+        self.k_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps)
+
+    def position_qk(
+        self, q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return apply_rotary(self.q_norm(q), self.k_norm(k), cos_sin)
+
+
+class Gemma2ForCausalLM(LlamaForCausalLM):
+    layer_class = GemmaDecoderLayer
+    norm_class = GemmaRMSNorm
+    native_cpu_layers = False  # the C layer paths have neither (1 + w) nor post-norms nor GeGLU
+
+
+class Gemma3ForCausalLM(Gemma2ForCausalLM):
+    attention_class = Gemma3Attention
