@@ -274,3 +274,44 @@ def test_an_unknown_activation_or_a_bad_cap_is_refused_by_name(tmp_path):
     (folder / "config.json").write_text(json.dumps(cfg | {"attn_logit_softcapping": -1.0}))
     with pytest.raises(UnsupportedModelError, match="attn_logit_softcapping must be positive"):
         load_model_config(ModelSource("hf", folder, "g"))
+
+
+def test_multimodal_gemma3_checkpoint_serves_its_language_model(tmp_path):
+    """Gemma 3 4B-27B ship as Gemma3ForConditionalGeneration: pagellm reads the text_config
+    (over transformers' defaults, which downloaded configs leave out) and the language
+    model's tensors, skips the vision tower, and on text equals transformers' multimodal
+    model token for token."""
+    import transformers
+
+    from pagellm.bench.synthetic_model import write_byte_tokenizer
+
+    text = transformers.Gemma3TextConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=10, max_position_embeddings=512,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=2, image_size=32, patch_size=8)  # fmt: skip
+    config = transformers.Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=299, boi_token_index=297,
+        eoi_token_index=298, eos_token_id=2, bos_token_id=1, pad_token_id=0, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForConditionalGeneration(config).float().eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.uniform_(-0.2, 0.2) if "norm" in name else param.normal_(0.0, 1.0 if "embed" in name else 0.15)
+    folder = tmp_path / "gemma3-mm"
+    model.save_pretrained(folder)
+    write_byte_tokenizer(folder)
+    expected = [hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS]
+    assert len({t for out in expected for t in out}) > 8
+    llm = LLM(str(folder), dtype="float32", max_num_batched_tokens=16)
+    assert llm.engine.model_config.sliding_window_layers == (0, 1, 2, 3, 4)
+    assert pagellm_greedy(llm, PROMPTS, NEW_TOKENS) == expected
+    # A config as the downloads have it: text_config without the keys at their defaults.
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["text_config"] = {k: v for k, v in cfg["text_config"].items()
+                          if k not in ("rms_norm_eps", "hidden_activation", "layer_types", "rope_parameters")}  # fmt: skip
+    (folder / "config.json").write_text(json.dumps(cfg))
+    assert load_model_config(ModelSource("hf", folder, "g")) == llm.engine.model_config

@@ -20,7 +20,7 @@ from pagellm.model.registry import model_class
 from pagellm.model.tensor_parallel import TPGroup, TPLayout, shard_float
 from pagellm.kernels.linear_bindings import cpu_linear_kernels
 from pagellm.model.loader import gguf_loader, hf_loader
-from pagellm.model.loader.checkpoint_layouts import split_fused
+from pagellm.model.loader.checkpoint_layouts import language_model_name, split_fused
 from pagellm.model.loader.default_model import DEFAULT_MODEL_NAME, default_model_path
 
 if TYPE_CHECKING:
@@ -207,7 +207,9 @@ Weights = Iterator[tuple[str, torch.Tensor | WeightPart]]
 
 def _unfused(weights: Iterator[tuple[str, torch.Tensor]], config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     for name, tensor in weights:
-        yield from split_fused(name, tensor, config)
+        language_name = language_model_name(name)
+        if language_name is not None:
+            yield from split_fused(language_name, tensor, config)
 
 
 def _sharded(weights: Weights, layout: TPLayout) -> Weights:

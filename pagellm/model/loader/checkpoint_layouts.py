@@ -7,6 +7,9 @@ separate q/k/v and gate/up projections, one tensor per expert, Llama's names.
   in-memory `experts.gate_up_proj`) are cut into one tensor per expert.
 - Mixtral's names (`block_sparse_moe.experts.N.w1/w2/w3`) become `mlp.experts.N.gate_proj/
   down_proj/up_proj`, Qwen3-MoE's.
+- A multimodal checkpoint's language model (Gemma 3's `language_model.model.*`, or
+  `model.language_model.*` as transformers 5.x saves it) is read under a text model's
+  names; its vision tower and projector are skipped.
 
 So one path (the model's stacking, tensor-parallel sharding, quantized parts) serves all,
 and it runs before sharding: a rank's share is cut from projections, never from a fused block.
@@ -52,6 +55,25 @@ _MIXTRAL_EXPERT = re.compile(r"\.block_sparse_moe\.(gate|experts\.\d+\.(w[123]))
 _MIXTRAL_PROJECTION = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
 # Experts stacked in one tensor: [experts, rows, cols] (transformers' names end without .weight).
 _STACKED_EXPERTS = re.compile(r"\.mlp\.experts\.(gate_up_proj|gate_proj|up_proj|down_proj)(\.weight)?$")
+
+
+_LANGUAGE_MODEL_PREFIXES = (
+    ("language_model.model.", "model."),  # checkpoints saved by transformers 4.x
+    ("model.language_model.", "model."),  # ... by transformers 5.x
+    ("language_model.lm_head.", "lm_head."),
+)
+_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+def language_model_name(hf_name: str) -> str | None:
+    """A tensor's name in a text-only model: a multimodal checkpoint's language model
+    renamed, its vision parts None (not loaded); every other name as it is."""
+    if hf_name.startswith(_VISION_PREFIXES):
+        return None
+    for prefix, text_prefix in _LANGUAGE_MODEL_PREFIXES:
+        if hf_name.startswith(prefix):
+            return text_prefix + hf_name[len(prefix) :]
+    return hf_name
 
 
 def renamed(hf_name: str) -> str:

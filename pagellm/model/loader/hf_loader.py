@@ -38,6 +38,8 @@ def hf_model_config(folder: Path) -> ModelConfig:
     # A config saved without a model (XConfig.save_pretrained) names no architecture;
     # its model_type still says which one.
     arch = architectures[0] if architectures else ARCHITECTURE_BY_MODEL_TYPE.get(cfg.get("model_type", ""))
+    if arch == "Gemma3ForConditionalGeneration" or (arch is None and cfg.get("model_type") == "gemma3"):
+        cfg, arch = gemma3_text_config(cfg), "Gemma3ForCausalLM"
     if arch not in SUPPORTED_HF_ARCHITECTURES:
         raise UnsupportedModelError(
             f"architecture {arch!r} in {folder / 'config.json'} is not supported; "
@@ -93,6 +95,33 @@ GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 _GEMMA_DEFAULT_PATTERN = {"Gemma2ForCausalLM": 2, "Gemma3ForCausalLM": 6}
 # HF activation names -> ModelConfig.hidden_activation.
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+
+
+# transformers' Gemma3TextConfig defaults: the multimodal Gemma 3 checkpoints (4B, 12B,
+# 27B) write only what differs from them into their text_config.
+_GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 131_072, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+    "query_pre_attn_scalar": 256, "sliding_window": 4096, "bos_token_id": 2, "eos_token_id": 1,
+}  # fmt: skip
+
+
+def gemma3_text_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The language model of a multimodal Gemma 3 checkpoint (Gemma3ForConditionalGeneration):
+    its text_config over transformers' defaults; the vision tower is not loaded. The
+    top-level eos ids (the chat models end turns with <end_of_turn>) and the top-level
+    tie_word_embeddings (it decides for the whole model) win."""
+    text = cfg.get("text_config")
+    if not isinstance(text, dict):
+        raise ModelLoadError("a Gemma3ForConditionalGeneration config.json must hold a text_config object")
+    if text.get("use_bidirectional_attention"):
+        raise UnsupportedModelError("Gemma 3 with bidirectional attention (an embedding model) is not supported")
+    merged = {**_GEMMA3_TEXT_DEFAULTS, **text}
+    for key in ("eos_token_id", "bos_token_id", "tie_word_embeddings"):  # the whole model's say
+        if cfg.get(key) is not None:
+            merged[key] = cfg[key]
+    return merged
 
 
 def _activation(cfg: dict[str, Any]) -> str:
