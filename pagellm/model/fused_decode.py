@@ -30,6 +30,7 @@ import torch
 
 from pagellm.attention.backend import AttentionMetadata
 from pagellm.attention.kv_cache_dtype import ELEMENT_TYPES
+from pagellm.config.kv_layout import kv_cache_layout
 from pagellm.kernels.decode_layer import (
     CACHE_DTYPES,
     MAX_ROWS,
@@ -104,6 +105,7 @@ class FusedDecode:
             self._impls.append(None if any(impls is None for impls in per_layer) else per_layer)
         self._attention_workspace = torch.empty(0, dtype=torch.float32)
         self._rotary = model.rotary
+        self._window = model.config.sliding_window
 
     @staticmethod
     def supports(model: torch.nn.Module) -> bool:
@@ -112,15 +114,20 @@ class FusedDecode:
         config = model.config
         return (
             all(p.dtype is torch.bfloat16 and p.device.type == "cpu" and p.is_contiguous() for p in params)
-            and config.sliding_window is None
+            # One KV cache group; a window only while every context fits in it (applies()).
+            and len(kv_cache_layout(config).groups) == 1
             and config.rotary_dim == config.head_dim  # the C paths rotate whole heads
             and config.head_dim % 2 == 0
         )
 
     def applies(self, hidden: torch.Tensor, kv_caches: list[torch.Tensor], metadata: AttentionMetadata) -> bool:
         num_tokens = hidden.shape[0]
+        window = self._window
         return (
             0 < num_tokens <= MAX_ROWS
+            # The C layer attends from position 0: exact for a sliding window only while
+            # every context is within it (then the window hides nothing).
+            and (window is None or max(metadata.seq_lens) <= window)
             and self._impls[num_tokens] is not None
             and (metadata.num_reqs == num_tokens or _longest_query(metadata) <= MAX_ROWS_PER_REQUEST)
             and hidden.dtype is torch.bfloat16

@@ -29,6 +29,7 @@ import torch
 from pagellm.attention.backend import AttentionMetadata
 from pagellm.attention.cpu_backend import CpuAttentionBackend
 from pagellm.attention.kv_cache_dtype import ELEMENT_TYPES
+from pagellm.config.kv_layout import kv_cache_layout
 from pagellm.kernels.decode_layer import CACHE_DTYPES, data_ptr_or_null
 
 
@@ -42,12 +43,13 @@ class NativeLayers:
 
     @staticmethod
     def supports(model: torch.nn.Module) -> bool:
-        """bf16 weights on the CPU, the native attention kernel, no sliding window."""
+        """bf16 weights on the CPU, the native attention kernel, one KV cache group (no
+        window, or the same window in every layer: Mistral, Phi-3)."""
         config = model.config
         return (
             isinstance(model.backend, CpuAttentionBackend)
             and all(p.dtype is torch.bfloat16 and p.device.type == "cpu" and p.is_contiguous() for p in model.parameters())
-            and config.sliding_window is None
+            and len(kv_cache_layout(config).groups) == 1
             and config.rotary_dim == config.head_dim  # the C paths rotate whole heads
             and config.head_dim % 2 == 0
         )
@@ -89,7 +91,9 @@ class NativeLayers:
                 heads, kv_heads, head_dim, slots.data_ptr(), query.data_ptr(), cache[0].data_ptr(),
                 cache[1].data_ptr(), ELEMENT_TYPES[cache.dtype], threads,
             )  # fmt: skip
-            attended = model.backend.attend_cached(query.view(m, heads, head_dim), cache, metadata, attention.scale)
+            attended = model.backend.attend_cached(
+                query.view(m, heads, head_dim), cache, metadata, attention.scale, attention.sliding_window
+            )
             projected = attention.o_proj.compute(attended.view(m, q_size), f32)
             if model.tp is not None:
                 projected = model.tp.all_reduce(projected)

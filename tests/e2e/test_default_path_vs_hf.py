@@ -144,3 +144,31 @@ def test_prefill_logits_against_hf_float32(model):
         f"(bound {dp.logit_rms_bound(NUM_LAYERS, 1.0):.4f})"
     )
     dp.check_prefill_logits(result, NUM_LAYERS)
+
+
+def test_a_sliding_window_model_takes_the_native_paths(tmp_path_factory):
+    """Mistral-style: every layer slides over 24 positions (one KV cache group). The native
+    layer ops attend within the window; the one-call decode layer runs while every context
+    fits in it (then the window hides nothing) and hands the steps past it to the layer
+    ops. Short prompts generating 40 tokens cross the window; long ones, chunked, start
+    past it. Judged against HF float32."""
+    import random
+
+    from pagellm import SamplingParams
+
+    folder = dp.make_default_path_checkpoint(tmp_path_factory.mktemp("sliding"), arch="mistral", sliding_window=24)
+    reference = load_hf_reference(folder)
+    rng = random.Random(5)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=0)
+    for prompt_lengths, engine_args in (([2, 3, 5, 8], {}), ([30, 45, 60], {"max_num_batched_tokens": 16})):
+        prompts = [[rng.randrange(3, VOCAB_SIZE) for _ in range(n)] for n in prompt_lengths]
+        scenario = dp.Scenario("sliding", prompts, [params] * len(prompts), {"max_model_len": 128, **engine_args})
+        run = dp.run_scenario(str(folder), scenario, "bfloat16")
+        assert run.paths is not None, "the sliding-window model has no native bf16 routes"
+        if prompt_lengths[0] < 24:  # short prompts: the one-call layer may take their prefill too
+            assert run.paths.fused_decode, "no decode step took the one-call layer (contexts within the window)"
+        else:
+            dp.check_native_paths(run)
+        assert run.paths.native_layers_decode, "no decode past the window took the layer ops"
+        result = dp.teacher_forced(reference, run.completions)
+        dp.check_against_reference(result, NUM_LAYERS, f"window 24, prompts {prompt_lengths}")
