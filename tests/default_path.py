@@ -59,6 +59,22 @@ ROUNDINGS_OUTSIDE_LAYERS = 3
 # 1% in the linear layers, a stale swapped-in or copy-on-write block) drops agreement
 # below it.
 MIN_TOP1_AGREEMENT = 0.97
+# Near-ties are chance events: at a rate of 1.5% a scenario of 192 positions sees 2.9 on
+# average but 6 about once in 14 runs, which is 96.9%. So the floor is also never below the
+# count of near-ties that such a rate exceeds once in a thousand runs (Poisson); every
+# mismatch must still be a near-tie, which is where a real fault shows.
+NEAR_TIE_RATE = 0.015
+
+
+def allowed_mismatches(positions: int) -> int:
+    """Mismatches a scenario of `positions` greedy positions may show."""
+    mean = NEAR_TIE_RATE * positions
+    count, term, below = 0, math.exp(-mean), 0.0
+    while below + term < 0.999:  # the 99.9th percentile of Poisson(mean)
+        below += term
+        count += 1
+        term *= mean / count
+    return max(int((1 - MIN_TOP1_AGREEMENT) * positions), count)
 
 
 def native_bf16_kernels_available() -> bool:
@@ -484,9 +500,10 @@ def check_against_reference(
     run shows on the same sequences; the worst-case bound is then at least twice that."""
     scale = result.logit_scale
     assert result.positions > 0 or result.logprob_errors, f"{label}: nothing compared"
-    assert result.agreement >= MIN_TOP1_AGREEMENT, (
+    allowed = allowed_mismatches(result.positions)
+    assert result.positions - result.agreed <= allowed, (
         f"{label}: HF float32's argmax is the emitted token at {result.agreed} of "
-        f"{result.positions} positions ({result.agreement:.2%} < {MIN_TOP1_AGREEMENT:.0%})"
+        f"{result.positions} positions ({result.agreement:.2%}; at most {allowed} may differ)"
     )
     tie = near_tie_bound(num_layers, scale)
     wide = [m for m in result.mismatches if m.gap > tie]

@@ -86,7 +86,9 @@ class Gemma3Attention(LlamaAttention):
 class Gemma2ForCausalLM(LlamaForCausalLM):
     layer_class = GemmaDecoderLayer
     norm_class = GemmaRMSNorm
-    native_cpu_layers = False  # the C layer paths have neither (1 + w) nor post-norms nor GeGLU
+    # The C layer paths have neither (1 + w) norms nor post-norms nor GeGLU.
+    native_cpu_layers = False
+    native_layer_ops = False
 
 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):

@@ -150,14 +150,16 @@ class LlamaForCausalLM(nn.Module):
     holds this rank's shapes (see TPLayout.local_config) and `vocab_size` the full one.
 
     A family that differs only inside attention (model/qwen3.py) subclasses this with its
-    own `attention_class`; `native_cpu_layers` says whether the C layer paths (the one-call
-    decode layer, the native layer ops) compute that family's layer: where they do not,
-    its bf16 CPU steps run the layers in torch over the measured linear kernels."""
+    own `attention_class`; `native_cpu_layers` says whether the one-call decode layer
+    computes that family's layer, `native_layer_ops` whether the layer ops do (they also
+    take Qwen3's q/k norms and experts' MLPs): where neither does, its bf16 CPU steps run
+    the layers in torch over the measured linear kernels."""
 
     attention_class: type[LlamaAttention] = LlamaAttention
     layer_class: type[LlamaDecoderLayer] = LlamaDecoderLayer
     norm_class: type[RMSNorm] = RMSNorm
     native_cpu_layers: bool = True
+    native_layer_ops: bool = True
 
     def __init__(
         self,
@@ -250,11 +252,9 @@ class LlamaForCausalLM(nn.Module):
         self.linear_choice, self.linear_groups = plans.choice, plans.groups
         # The one-call layer reads the plans. It has no point to all-reduce at:
         # tensor-parallel ranks run the layer ops (all-reduces between them) instead.
-        if not self.native_cpu_layers:
-            return
-        if FusedDecode.supports(self) and self.tp is None:
+        if self.native_cpu_layers and FusedDecode.supports(self) and self.tp is None:
             self.fused_decode = FusedDecode(load_kernels(), self)
-        if NativeLayers.supports(self):
+        if self.native_layer_ops and NativeLayers.supports(self):
             self.native_layers = NativeLayers(load_kernels(), self)
         if self.fused_decode is not None and self.native_layers is not None:
             self.step_paths = StepPathChoice(forced_path())  # the faster of the two per row bucket, measured

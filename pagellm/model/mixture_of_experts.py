@@ -88,8 +88,8 @@ class SparseMoeBlock(nn.Module):
 
 
 class _MixtureOfExperts:
-    """What a family with sparse layers changes: its MLPs, and no C layer paths (they
-    compute dense MLPs only)."""
+    """What a family with sparse layers changes: its MLPs, and no one-call decode layer (it
+    computes dense MLPs only); the layer ops call the experts' block as a module."""
 
     native_cpu_layers = False
 

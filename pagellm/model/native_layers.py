@@ -15,6 +15,11 @@ several milliseconds per step. Per layer here:
     act = silu(gate) * up of normed Wgu^T       linear, native, act to bf16
     delta = act Wd^T                            linear
 
+A family whose layer differs only inside attention's q and k (Qwen3's per-head q/k
+norms: applied to the float32 q and k between the qkv projection and rotary) or only in
+its MLP (a mixture of experts: the MLP module runs on the bf16 normed rows, its output
+widened to float32 as `delta`) runs here too; the one-call decode layer computes neither.
+
 The residual stream (`hidden`) and every linear output are float32; only the matmuls'
 inputs and the KV cache are bf16 (csrc/layer_rows.h), as in the one-call layer. oneDNN
 returns bf16, which is widened for the float32 stages.
@@ -31,6 +36,16 @@ from pagellm.attention.cpu_backend import CpuAttentionBackend
 from pagellm.attention.kv_cache_dtype import ELEMENT_TYPES
 from pagellm.config.kv_layout import kv_cache_layout
 from pagellm.kernels.decode_layer import CACHE_DTYPES, data_ptr_or_null
+from pagellm.model.layers import RMSNorm
+
+
+def _normalize_heads(qkv: torch.Tensor, attention: torch.nn.Module, rows: int) -> None:
+    """Qwen3's per-head RMSNorm of q and k, in place in the float32 qkv rows."""
+    heads, kv_heads, head_dim = attention.num_heads, attention.num_kv_heads, attention.head_dim
+    q = qkv[:, : heads * head_dim].view(rows, heads, head_dim)
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(rows, kv_heads, head_dim)
+    q.copy_(attention.q_norm(q))
+    k.copy_(attention.k_norm(k))
 
 
 class NativeLayers:
@@ -52,6 +67,10 @@ class NativeLayers:
             and len(kv_cache_layout(config).groups) == 1
             and config.rotary_dim == config.head_dim  # the C paths rotate whole heads
             and config.head_dim % 2 == 0
+            and config.hidden_activation == "silu"
+            # Llama's layer (Gemma's sandwich norms are another layer); plain RMSNorms.
+            and all(type(layer.input_layernorm) is RMSNorm and not hasattr(layer, "pre_feedforward_layernorm")
+                    for layer in model.layers)  # fmt: skip
         )
 
     @staticmethod
@@ -86,6 +105,8 @@ class NativeLayers:
                 layer.input_layernorm.eps, normed.data_ptr(), m, size, threads,
             )  # fmt: skip
             qkv = attention.qkv_proj.compute(normed, f32)
+            if config.qk_norm:
+                _normalize_heads(qkv, attention, m)
             library.rotary_store(
                 qkv.data_ptr(), m, qkv.stride(0), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                 heads, kv_heads, head_dim, slots.data_ptr(), query.data_ptr(), cache[0].data_ptr(),
@@ -101,6 +122,9 @@ class NativeLayers:
                 hidden.data_ptr(), projected.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
                 layer.post_attention_layernorm.eps, normed.data_ptr(), m, size, threads,
             )  # fmt: skip
+            if not hasattr(mlp, "gate_up_proj"):  # experts (the block all-reduces its own output)
+                delta = mlp(normed).to(f32)
+                continue
             gate_up = mlp.gate_up_proj.compute(normed, f32)
             library.silu_mul_rows(gate_up.data_ptr(), act.data_ptr(), m, config.intermediate_size, threads)
             delta = mlp.down_proj.compute(act, f32)

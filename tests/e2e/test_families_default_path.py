@@ -3,9 +3,9 @@ kernels) against HF transformers in float32, judged as tests/default_path.py jud
 teacher-forced top-1 agreement and log-probability bounds from bf16 rounding, under every
 scheduling regime of the standard scenarios.
 
-A family whose layer the C layer paths do not compute (Qwen3's q/k norms, experts) runs its
-layers in torch around the native linear kernels: this checks that route, where the Llama
-tests check the one-call decode layer and the native layer ops."""
+The one-call decode layer does not compute these layers (Qwen3's q/k norms, experts): every
+step takes the native layer ops, which normalize q and k between the qkv projection and
+rotary and call the experts' block as a module. The Llama tests check the one-call layer."""
 
 import copy
 
@@ -44,7 +44,7 @@ def family(request, tmp_path_factory):
 def test_bf16_agrees_with_hf_float32(family, name):
     folder, reference = family
     run = dp.run_scenario(folder, SCENARIOS[name], "bfloat16")
-    assert run.paths is None or not (run.paths.fused_decode or run.paths.native_layers_prefill)
+    assert run.paths is not None and run.paths.native_layers_prefill and not run.paths.fused_decode
     result = dp.teacher_forced(reference, run.completions)
     calibrated = hf_bf16_worst_logprob_error(reference, run.completions) if "moe" in folder else None
     dp.check_against_reference(result, NUM_LAYERS, name, reference_bf16_worst=calibrated)
@@ -75,4 +75,4 @@ def test_linear_layers_take_the_measured_kernels(family):
     linears = [m for m in model.modules() if type(m).__name__ == "PackableLinear" and m is not model.lm_head]
     assert all(m.plan is not None for m in linears)  # experts and routers too (the head has lm_head_plan)
     assert model.lm_head_plan is not None
-    assert model.fused_decode is None and model.native_layers is None
+    assert model.fused_decode is None and model.native_layers is not None
