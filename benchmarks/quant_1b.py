@@ -1,6 +1,7 @@
 """A ~1B Llama as Q4_0 (or Q4_K) GGUF, far bigger than the caches: pagellm against llama.cpp.
 With --experts, a mixture of experts of that shape (Mixtral's layout: a `llama` GGUF with
-stacked `ffn_*_exps` experts and an F32 router `ffn_gate_inp`).
+stacked `ffn_*_exps` experts and an F32 router `ffn_gate_inp`; with --arch qwen3moe,
+Qwen3-MoE's: a `qwen3moe` GGUF with per-head q/k norms and its expert width).
 
     python benchmarks/quant_1b.py                  # Q4_0, the 1B shape (writes the file once)
     python benchmarks/quant_1b.py --type Q4_K      # Q4_K blocks instead
@@ -77,12 +78,16 @@ def model_spec(args: argparse.Namespace) -> dict[str, Any]:
                 format=FORMAT_VERSION)
     if args.experts:  # a mixture of experts: each layer's MLP becomes experts of --intermediate rows
         spec.update(experts=args.experts, experts_used=args.experts_used)
+    if args.arch != "llama":  # (kept out of llama specs, so their files are reused)
+        if not args.experts:
+            raise SystemExit("--arch qwen3moe needs --experts")
+        spec["arch"] = args.arch
     return spec
 
 
 def default_path(spec: dict[str, Any]) -> Path:
     name = "llama-1b" if all(spec[k] == v for k, v in DEFAULT_SHAPE.items()) else (
-        f"llama-{spec['layers']}l-{spec['hidden']}h-{spec['intermediate']}i-{spec['heads']}x{spec['kv_heads']}-"
+        f"{spec.get('arch', 'llama')}-{spec['layers']}l-{spec['hidden']}h-{spec['intermediate']}i-{spec['heads']}x{spec['kv_heads']}-"
         f"{spec['vocab']}v"
     )  # fmt: skip
     if spec.get("experts"):
@@ -106,6 +111,9 @@ def tensor_plan(spec: dict[str, Any]) -> list[tuple[str, str, int, int]]:
         plan.append((f"blk.{layer}.attn_norm.weight", "F32", 0, h))
         for kind in LINEAR[:4]:
             plan.append((f"blk.{layer}.{kind}.weight", t, *shapes[kind]))
+        if spec.get("arch") == "qwen3moe":  # Qwen3's per-head q and k norms
+            plan.append((f"blk.{layer}.attn_q_norm.weight", "F32", 0, head_dim))
+            plan.append((f"blk.{layer}.attn_k_norm.weight", "F32", 0, head_dim))
         plan.append((f"blk.{layer}.ffn_norm.weight", "F32", 0, h))
         if experts:  # the router (float32), then llama.cpp's stacked experts: rows = experts x per expert
             plan.append((f"blk.{layer}.ffn_gate_inp.weight", "F32", experts, h))
@@ -154,7 +162,7 @@ def write_gguf(path: Path, spec: dict[str, Any]) -> None:
     partial = path.with_name(path.name + ".partial")
     rng = np.random.default_rng(spec["seed"])
     scales = {t: block_scale(WeightType[t], rng) for t in {spec["type"], spec["output_type"]}}
-    writer = gguf.GGUFWriter(str(partial), "llama")
+    writer = gguf.GGUFWriter(str(partial), spec.get("arch", "llama"))
     writer.add_name("pagellm random-weight benchmark model")
     writer.add_file_type(FILE_TYPES[spec["type"]])
     writer.add_block_count(spec["layers"])
@@ -170,6 +178,8 @@ def write_gguf(path: Path, spec: dict[str, Any]) -> None:
     if spec.get("experts"):
         writer.add_expert_count(spec["experts"])
         writer.add_expert_used_count(spec["experts_used"])
+        if spec.get("arch") == "qwen3moe":
+            writer.add_expert_feed_forward_length(spec["intermediate"])
     writer.add_string(SPEC_KEY, json.dumps(spec, sort_keys=True))
     tokens, merges = vocabulary(spec["vocab"])
     writer.add_tokenizer_model("gpt2")
@@ -358,6 +368,8 @@ def main() -> int:
     parser.add_argument("--experts", type=int, default=0,
                         help="a mixture of experts: this many experts of --intermediate rows per layer (0: dense)")
     parser.add_argument("--experts-used", type=int, default=2, help="experts per token (with --experts)")
+    parser.add_argument("--arch", choices=("llama", "qwen3moe"), default="llama",
+                        help="the GGUF architecture with --experts: Mixtral's layout (llama) or Qwen3-MoE's (q/k norms)")
     parser.add_argument("--model-path", type=Path, default=None, help="the GGUF (default: /tmp/pagellm-bench/...)")
     parser.add_argument("--rewrite", action="store_true", help="write the GGUF even if a matching one exists")
     parser.add_argument("--prompt-len", type=int, default=16)
