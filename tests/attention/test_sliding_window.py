@@ -13,6 +13,8 @@ import math
 import pytest
 import torch
 
+from paged_reference import dense_attention
+
 from pagellm.attention.cpu_backend import CpuAttentionBackend
 from pagellm.attention.torch_backend import TorchAttentionBackend
 from pagellm.bench.paged_steps import random_step
@@ -22,25 +24,6 @@ from pagellm.kernels import build as native
 # cached context across the window, a whole prompt longer than the window.
 QUERY_LENS = [1, 1, 1, 9, 30, 1]
 CONTEXT_LENS = [5, 13, 200, 70, 30, 64]
-
-
-def _reference(q, cache, metadata, scale, window):
-    """Dense float64 attention over each request's positions, masked by hand."""
-    block_size = cache.shape[2]
-    out = torch.empty(q.shape, dtype=torch.float64)
-    group = q.shape[1] // cache.shape[3]
-    for r, seq_len in enumerate(metadata.seq_lens):
-        start, end = metadata.query_start_loc[r], metadata.query_start_loc[r + 1]
-        table = metadata.block_tables[r].tolist()
-        slots = [table[p // block_size] * block_size + p % block_size for p in range(seq_len)]
-        keys = cache[0].flatten(0, 1)[slots].double().repeat_interleave(group, dim=1)  # [seq, heads, dim]
-        values = cache[1].flatten(0, 1)[slots].double().repeat_interleave(group, dim=1)
-        for row in range(start, end):
-            position = seq_len - (end - row)
-            first = 0 if window is None else max(0, position - window + 1)
-            scores = torch.einsum("hd,khd->hk", q[row].double(), keys[first : position + 1]) * scale
-            out[row] = torch.einsum("hk,khd->hd", scores.softmax(-1), values[first : position + 1])
-    return out
 
 
 def _poison_unread_blocks(cache, metadata, window):
@@ -67,14 +50,14 @@ def _step(dtype, window, block_size=8, heads=(6, 2, 32), seed=0):
 def _check(backend, dtype, window, tolerance):
     q, k, v, cache, metadata = _step(dtype, window)
     scale = 1 / math.sqrt(q.shape[-1])
-    expected = _reference(q, cache, metadata, scale, window)
+    expected = dense_attention(q, cache, metadata, scale, window)
     actual = backend.forward(q, k, v, cache, metadata, scale, window)
     assert torch.isfinite(actual).all(), "a block before the window was read"
     torch.testing.assert_close(actual.double(), expected, rtol=tolerance, atol=tolerance)
     # Another window in the same step (another layer's) gets its own plan; narrower, so
     # that it reads only blocks the poison spared.
     narrower = max(1, window // 3)
-    expected_narrower = _reference(q, cache, metadata, scale, narrower)
+    expected_narrower = dense_attention(q, cache, metadata, scale, narrower)
     actual_narrower = backend.forward(q, k, v, cache, metadata, scale, narrower)
     torch.testing.assert_close(actual_narrower.double(), expected_narrower, rtol=tolerance, atol=tolerance)
 

@@ -13,6 +13,8 @@ import math
 import pytest
 import torch
 
+from paged_reference import dense_attention
+
 from pagellm.attention.cpu_backend import CpuAttentionBackend
 from pagellm.attention.torch_backend import TorchAttentionBackend
 from pagellm.bench.paged_steps import random_step
@@ -23,34 +25,14 @@ CONTEXT_LENS = [5, 40, 30, 70, 64, 3]
 CAP = 1.5
 
 
-def _reference(q, cache, metadata, scale, softcap, window=None):
-    block_size = cache.shape[2]
-    out = torch.empty(q.shape, dtype=torch.float64)
-    group = q.shape[1] // cache.shape[3]
-    for r, seq_len in enumerate(metadata.seq_lens):
-        start, end = metadata.query_start_loc[r], metadata.query_start_loc[r + 1]
-        table = metadata.block_tables[r].tolist()
-        slots = [table[p // block_size] * block_size + p % block_size for p in range(seq_len)]
-        keys = cache[0].flatten(0, 1)[slots].double().repeat_interleave(group, dim=1)
-        values = cache[1].flatten(0, 1)[slots].double().repeat_interleave(group, dim=1)
-        for row in range(start, end):
-            position = seq_len - (end - row)
-            first = 0 if window is None else max(0, position - window + 1)
-            scores = torch.einsum("hd,khd->hk", q[row].double(), keys[first : position + 1]) * scale
-            if softcap is not None:
-                scores = torch.tanh(scores / softcap) * softcap
-            out[row] = torch.einsum("hk,khd->hd", scores.softmax(-1), values[first : position + 1])
-    return out
-
-
 def _check(backend, dtype, tolerance, window=None):
     gen = torch.Generator().manual_seed(3)
     q, k, v, cache, metadata = random_step(gen, 4, 2, 64, 8, QUERY_LENS, CONTEXT_LENS, dtype)  # head_dim 64: the bf16 item exists for it
     TorchAttentionBackend().forward(q, k, v, cache, metadata, 1.0)  # the step's K/V into the cache
     metadata.backend_plan = None
     scale = 2 / math.sqrt(q.shape[-1])  # scores of about +-2 and beyond: the cap bites
-    expected = _reference(q, cache, metadata, scale, CAP, window)
-    uncapped = _reference(q, cache, metadata, scale, None, window)
+    expected = dense_attention(q, cache, metadata, scale, window, softcap=CAP)
+    uncapped = dense_attention(q, cache, metadata, scale, window)
     assert (expected - uncapped).abs().max() > 20 * tolerance, "the cap must change the result"
     actual = backend.forward(q, k, v, cache, metadata, scale, window, CAP)
     torch.testing.assert_close(actual.double(), expected, rtol=tolerance, atol=tolerance)
