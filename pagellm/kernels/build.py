@@ -34,7 +34,7 @@ from pagellm.kernels import cpu_features
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = ("linear_f32.c", "paged_decode.c", "paged_decode_bf16.c", "small_linear.c", "gemm_bf16.c", "gemm_amx.c", "linear.c", "linear_bf16.c", "quant_linear.c", "decode_layer.c", "layer_ops.c", "token_masks.c")
+_SOURCES = ("linear_f32.c", "paged_decode.c", "paged_decode_bf16.c", "small_linear.c", "gemm_bf16.c", "gemm_amx.c", "linear.c", "linear_bf16.c", "quant_linear.c", "decode_layer.c", "layer_ops.c", "moe_experts.c", "token_masks.c")
 _HEADERS = ("bf16.h", "float_mode.h", "fp8.h", "kernels.h", "layer_rows.h", "quant_groups.h", "weights.h")  # included by the sources: part of what the cached library is keyed by
 _COMPILE_FLAGS = ("-O3", "-mtune=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11", "-Wall")
 # Linked without -ffast-math: with it, GCC adds crtfastmath.o, whose constructor turns on
@@ -255,6 +255,14 @@ def _declare(library: ctypes.CDLL) -> None:
         c_int, c_int, c_int,  # num heads, num kv heads, head dim
         c_void_p, c_void_p, c_void_p, c_void_p,  # slots, query out (bf16), key cache, value cache
         c_int, c_int,  # cache element type (ELEMENT_TYPES), num threads
+    ]
+    # moe_experts.c: one mixture-of-experts layer's experts (model/mixture_of_experts.py).
+    library.moe_experts_bf16.restype = None
+    library.moe_experts_bf16.argtypes = [
+        c_void_p, c_int64, c_int64, c_int64, c_int64,  # x bf16 [m, hidden], m, hidden, expert width, experts
+        c_void_p, c_void_p,  # per expert: gate_up Weight*, down Weight* (arrays of pointers)
+        c_void_p, c_void_p, c_void_p, c_void_p,  # offsets [experts + 1], rows, scales float32, impls int32 [experts, 2]
+        c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_int,  # out float32, 4 scratch buffers, num threads
     ]
     library.bf16_to_fp8_rows.restype = None
     library.bf16_to_fp8_rows.argtypes = [c_void_p, c_void_p, c_int64, c_int]  # src, dst, n, fp8 element type

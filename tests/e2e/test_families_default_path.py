@@ -5,7 +5,8 @@ scheduling regime of the standard scenarios.
 
 The one-call decode layer does not compute these layers (Qwen3's q/k norms, experts): every
 step takes the native layer ops, which normalize q and k between the qkv projection and
-rotary and call the experts' block as a module. The Llama tests check the one-call layer."""
+rotary and call the experts' block as a module, whose experts run in one C call
+(csrc/moe_experts.c). The Llama tests check the one-call layer."""
 
 import copy
 
@@ -76,3 +77,5 @@ def test_linear_layers_take_the_measured_kernels(family):
     assert all(m.plan is not None for m in linears)  # experts and routers too (the head has lm_head_plan)
     assert model.lm_head_plan is not None
     assert model.fused_decode is None and model.native_layers is not None
+    blocks = [m for m in model.modules() if type(m).__name__ == "SparseMoeBlock"]
+    assert all(block.native is not None for block in blocks)  # each layer's experts in one C call

@@ -91,3 +91,68 @@ def test_the_startup_report_names_the_layout_and_the_experts():
     line = cfg.describe()
     assert line.startswith("Qwen3MoeForCausalLM: 1 layers")
     assert "2 query / 1 KV heads of 16" in line and "experts: 8, 2 per token, 24 wide, in 1 layers" in line
+
+
+def native_block(cfg: ModelConfig, impl: str | None = None):  # noqa: ANN201
+    """A bf16 block on the CPU kernels, every linear on `impl` (None: by row count)."""
+    from pagellm.kernels.build import load_kernels
+    from pagellm.kernels.linear_bindings import LinearImpl, cpu_linear_kernels
+    from pagellm.kernels.linear_choice import LinearPlan
+    from pagellm.model.mixture_of_experts import NativeExperts
+
+    library, kernel = load_kernels(), cpu_linear_kernels()
+    if library is None or kernel is None:
+        pytest.skip("the native bf16 kernels need x86-64 with AVX2 and a C compiler")
+    moe = block(cfg).to(torch.bfloat16)
+    plans = {}
+    for expert in moe.experts:
+        for name in ("gate_up_proj", "down_proj"):
+            linear = getattr(expert, name)
+            linear.kernel = kernel
+            if impl is not None:  # one plan object per projection, as the measured plans are
+                linear.plan = plans.setdefault(name, LinearPlan((LinearImpl[impl],) * 16))
+    assert NativeExperts.supports(moe)
+    moe.native = NativeExperts(library, moe)
+    return moe
+
+
+@pytest.mark.parametrize("impl", [None, "STREAMING", "GEMM"])
+@pytest.mark.parametrize("rows", [1, 5, 40])
+def test_native_experts_equal_the_per_token_reference(kernel_isa, rows, impl):
+    """csrc/moe_experts.c on every kernel build the host runs: against the float reference
+    on the same bf16 weights, within bf16 rounding (inputs, the activation, the routing
+    weights' product)."""
+    moe = native_block(config(num_experts=8, top_k=3), impl)
+    x = torch.randn(rows, 32).to(torch.bfloat16)
+    with torch.no_grad():
+        weights, experts = route(moe.router_logits(x), moe.top_k, moe.renormalize)
+        native = moe.native.run(x, weights, experts)
+        assert native is not None and native.dtype is torch.float32
+        reference = per_token_reference(moe.float(), x.float())
+    torch.testing.assert_close(native, reference, rtol=3e-2, atol=3e-2 * float(reference.abs().mean()))
+
+
+def test_native_experts_skip_idle_experts_and_fall_back_where_onednn_is_planned():
+    moe = native_block(config(num_experts=4, top_k=1))
+    with torch.no_grad():
+        moe.gate.weight.zero_()
+        moe.gate.weight[2, 0] = 10.0
+    x = torch.randn(9, 32)
+    x[:, 0] = x[:, 0].abs() + 0.5
+    x = x.to(torch.bfloat16)
+    with torch.no_grad():
+        out = moe(x)  # every row to expert 2, the others idle
+        torch.testing.assert_close(out.float(), per_token_reference(moe.float(), x.float()), rtol=3e-2, atol=3e-2)
+    from pagellm.kernels.linear_bindings import LinearImpl
+    from pagellm.kernels.linear_choice import LinearPlan
+
+    moe = native_block(config(num_experts=4, top_k=2))
+    onednn = LinearPlan((LinearImpl.ONEDNN,) * 16)
+    for expert in moe.experts:
+        expert.gate_up_proj.plan = onednn
+    moe.native._plans = (onednn, moe.native._plans[1])
+    x = torch.randn(3, 32).to(torch.bfloat16)
+    with torch.no_grad():
+        weights, experts = route(moe.router_logits(x), moe.top_k, moe.renormalize)
+        assert moe.native.run(x, weights, experts) is None  # the Python loop runs that step
+        torch.testing.assert_close(moe(x).float(), per_token_reference(moe.float(), x.float()), rtol=3e-2, atol=3e-2)
