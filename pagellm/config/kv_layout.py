@@ -66,7 +66,8 @@ class KVCacheLayout:
         for group in self.groups:
             kinds[group.window] = kinds.get(group.window, 0) + 1
         parts = [f"{count} {'global' if window is None else f'window {window}'}" for window, count in kinds.items()]
-        text = f"{len(self.groups)} group{'s' if len(self.groups) > 1 else ''} of {self.layers_per_block} layers: "
+        layers = f"{self.layers_per_block} layer{'s' if self.layers_per_block > 1 else ''}"
+        text = f"{len(self.groups)} group{'s' if len(self.groups) > 1 else ''} of {layers}: "
         waste = f" ({self.wasted_share:.0%} padding)" if self.wasted_share else ""
         return text + ", ".join(parts) + waste
 

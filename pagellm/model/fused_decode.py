@@ -68,7 +68,7 @@ class FusedDecode:
         self._shape = LayerShape(
             config.hidden_size, config.intermediate_size, config.num_attention_heads,
             config.num_key_value_heads, config.head_dim, 0, config.rms_norm_eps,
-            config.head_dim**-0.5, self._num_threads, ELEMENT_TYPES[torch.bfloat16],
+            model.layers[0].self_attn.scale, self._num_threads, ELEMENT_TYPES[torch.bfloat16],
         )  # fmt: skip
         # The Weight structures live as long as their layers (PackableLinear keeps them).
         self._layers = [

@@ -55,6 +55,8 @@ class NativeLayers:
         self._library = library
         self._model = model
         self._num_threads = torch.get_num_threads()
+        # Layers whose MLP is an experts' block (called as a module), not a gated MLP.
+        self._sparse = [not hasattr(layer.mlp, "gate_up_proj") for layer in model.layers]
 
     @staticmethod
     def supports(model: torch.nn.Module) -> bool:
@@ -98,7 +100,7 @@ class NativeLayers:
         act = torch.empty(m, config.intermediate_size, dtype=torch.bfloat16)
         f32 = torch.float32
         delta: torch.Tensor | None = None
-        for layer, cache in zip(model.layers, kv_caches, strict=True):
+        for layer, cache, sparse in zip(model.layers, kv_caches, self._sparse, strict=True):
             attention, mlp = layer.self_attn, layer.mlp
             library.rms_norm_residual(
                 hidden.data_ptr(), data_ptr_or_null(delta), layer.input_layernorm.weight.data_ptr(),
@@ -122,7 +124,7 @@ class NativeLayers:
                 hidden.data_ptr(), projected.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
                 layer.post_attention_layernorm.eps, normed.data_ptr(), m, size, threads,
             )  # fmt: skip
-            if not hasattr(mlp, "gate_up_proj"):  # experts (the block all-reduces its own output)
+            if sparse:  # experts (the block all-reduces its own output)
                 delta = mlp(normed).to(f32)
                 continue
             gate_up = mlp.gate_up_proj.compute(normed, f32)
