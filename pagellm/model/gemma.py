@@ -19,8 +19,9 @@ from torch import nn
 
 from pagellm.attention.backend import AttentionBackend, AttentionMetadata
 from pagellm.config.model import ModelConfig
-from pagellm.model.layers import RMSNorm, apply_rotary
+from pagellm.model.layers import RMSNorm
 from pagellm.model.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+from pagellm.model.qwen3 import Qwen3Attention
 from pagellm.model.tensor_parallel import TPGroup
 
 
@@ -70,17 +71,10 @@ class GemmaDecoderLayer(LlamaDecoderLayer):
         return hidden + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden)))
 
 
-class Gemma3Attention(LlamaAttention):
-    def __init__(self, config: ModelConfig, tp: TPGroup | None = None, layer: int = 0) -> None:
-        super().__init__(config, tp, layer)
-        # One weight of head_dim shared by every head (a tensor-parallel rank keeps it whole).
-        self.q_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps)
-        self.k_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps)
+class Gemma3Attention(Qwen3Attention):
+    """Qwen3's per-head q/k norms, with Gemma's (1 + w)."""
 
-    def position_qk(
-        self, q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return apply_rotary(self.q_norm(q), self.k_norm(k), cos_sin)
+    qk_norm_class = GemmaRMSNorm
 
 
 class Gemma2ForCausalLM(LlamaForCausalLM):

@@ -21,6 +21,7 @@ from torch import nn
 
 from pagellm.config.model import ModelConfig
 from pagellm.kernels.build import load_kernels
+from pagellm.kernels.linear_bindings import LinearImpl
 from pagellm.model.llama import LlamaForCausalLM, LlamaMLP
 from pagellm.model.packable_layers import PackableLinear
 from pagellm.model.qwen3 import Qwen3ForCausalLM
@@ -131,11 +132,10 @@ class NativeExperts:
             and all(p.dtype is torch.bfloat16 for e in experts for p in e.parameters())
         )
 
-    def _impl(self, plan: object, rows: int) -> int | None:
-        from pagellm.kernels.linear_bindings import LinearImpl
-
-        impl = LinearImpl.BY_ROWS if plan is None else plan.choose(rows)  # type: ignore[attr-defined]
-        return int(impl) if impl.native else None
+    def _impls(self, rows: int) -> list[int] | None:
+        """The native kernels of gate_up and down at `rows` rows (None: one is oneDNN)."""
+        impls = [LinearImpl.BY_ROWS if plan is None else plan.choose(rows) for plan in self._plans]
+        return [int(impl) for impl in impls] if all(impl.native for impl in impls) else None
 
     def run(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor | None:
         """[rows, hidden] float32, or None where a chosen expert's row count is planned on
@@ -146,18 +146,18 @@ class NativeExperts:
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self._num_experts)
-        impls = torch.zeros(self._num_experts, 2, dtype=torch.int32)
-        for expert, count in enumerate(counts.tolist()):
-            if count:
-                gate_up, down = self._impl(self._plans[0], count), self._impl(self._plans[1], count)
-                if gate_up is None or down is None:
-                    return None
-                impls[expert, 0], impls[expert, 1] = gate_up, down
+        count_list = counts.tolist()
+        impls: list[int] = []
+        for count in count_list:
+            pair = self._impls(count) if count else [0, 0]
+            if pair is None:
+                return None
+            impls += pair
         offsets = torch.zeros(self._num_experts + 1, dtype=torch.int64)
         torch.cumsum(counts, 0, out=offsets[1:])
         rows = (order // top_k).contiguous()
         scales = weights.reshape(-1)[order].to(torch.float32).contiguous()
-        most = int(counts.max())
+        most = max(count_list)
         if most > self._scratch_rows:
             self._scratch_rows = most
             self._scratch = (
@@ -170,7 +170,7 @@ class NativeExperts:
         self._call(
             x.data_ptr(), m, self._hidden, self._width, self._num_experts,
             ctypes.addressof(self._gate_up), ctypes.addressof(self._down),
-            offsets.data_ptr(), rows.data_ptr(), scales.data_ptr(), impls.data_ptr(),
+            offsets.data_ptr(), rows.data_ptr(), scales.data_ptr(), torch.tensor(impls, dtype=torch.int32).data_ptr(),
             out.data_ptr(), *(buffer.data_ptr() for buffer in self._scratch), self._num_threads,
         )  # fmt: skip
         return out

@@ -36,7 +36,6 @@ from pagellm.attention.cpu_backend import CpuAttentionBackend
 from pagellm.attention.kv_cache_dtype import ELEMENT_TYPES
 from pagellm.config.kv_layout import kv_cache_layout
 from pagellm.kernels.decode_layer import CACHE_DTYPES, data_ptr_or_null
-from pagellm.model.layers import RMSNorm
 
 
 def _normalize_heads(qkv: torch.Tensor, attention: torch.nn.Module, rows: int) -> None:
@@ -70,9 +69,6 @@ class NativeLayers:
             and config.rotary_dim == config.head_dim  # the C paths rotate whole heads
             and config.head_dim % 2 == 0
             and config.hidden_activation == "silu"
-            # Llama's layer (Gemma's sandwich norms are another layer); plain RMSNorms.
-            and all(type(layer.input_layernorm) is RMSNorm and not hasattr(layer, "pre_feedforward_layernorm")
-                    for layer in model.layers)  # fmt: skip
         )
 
     @staticmethod

@@ -12,11 +12,13 @@ from pagellm.model.tensor_parallel import TPGroup
 
 
 class Qwen3Attention(LlamaAttention):
+    qk_norm_class: type[RMSNorm] = RMSNorm
+
     def __init__(self, config: ModelConfig, tp: TPGroup | None = None, layer: int = 0) -> None:
         super().__init__(config, tp, layer)
         # One weight of head_dim, shared by every head (so a tensor-parallel rank keeps it whole).
-        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
-        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        self.q_norm = self.qk_norm_class(config.head_dim, config.rms_norm_eps)
+        self.k_norm = self.qk_norm_class(config.head_dim, config.rms_norm_eps)
 
     def position_qk(
         self, q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
