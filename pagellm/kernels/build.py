@@ -253,6 +253,7 @@ def _declare(library: ctypes.CDLL) -> None:
         c_void_p, c_int64, c_int64, c_void_p,  # qkv float32, m, row stride, positions
         c_void_p, c_void_p,  # cos, sin tables
         c_int, c_int, c_int,  # num heads, num kv heads, head dim
+        c_void_p, c_void_p, c_float,  # q norm, k norm (bf16 [head dim], or None: no q/k norms), their eps
         c_void_p, c_void_p, c_void_p, c_void_p,  # slots, query out (bf16), key cache, value cache
         c_int, c_int,  # cache element type (ELEMENT_TYPES), num threads
     ]
@@ -262,7 +263,8 @@ def _declare(library: ctypes.CDLL) -> None:
         c_void_p, c_int64, c_int64, c_int64, c_int64,  # x bf16 [m, hidden], m, hidden, expert width, experts
         c_void_p, c_void_p,  # per expert: gate_up Weight*, down Weight* (arrays of pointers)
         c_void_p, c_void_p, c_void_p, c_void_p,  # offsets [experts + 1], rows, scales float32, impls int32 [experts, 2]
-        c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_int,  # out float32, 4 scratch buffers, num threads
+        c_void_p, c_void_p, c_void_p, c_void_p, c_void_p,  # out float32, 4 scratch buffers
+        c_void_p, c_int,  # partials float32 [threads, m, hidden] or None (see moe_experts.c), num threads
     ]
     library.bf16_to_fp8_rows.restype = None
     library.bf16_to_fp8_rows.argtypes = [c_void_p, c_void_p, c_int64, c_int]  # src, dst, n, fp8 element type

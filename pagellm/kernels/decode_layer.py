@@ -14,6 +14,8 @@ from ctypes import c_float, c_int, c_int64, c_void_p
 
 import torch
 
+from pagellm.kernels.linear_bindings import LinearImpl
+
 # Caches the native layers write and read: bf16, or fp8 (stored rounded and saturated
 # in C as torch's path does, read by the attention kernel's fp8 path).
 CACHE_DTYPES = (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
@@ -27,18 +29,33 @@ MAX_ROWS = 20
 # the request's whole context, so a longer prefill chunk is left to native_layers.py,
 # whose attention reads the context once for all of a request's rows.
 MAX_ROWS_PER_REQUEST = 8
+# csrc/kernels.h: steps of up to this many rows may give each thread whole experts.
+EXPERTS_PER_THREAD_MAX_ROWS = 32
+
+
+class Experts(ctypes.Structure):
+    """A sparse layer's routed experts (csrc/decode_layer.c): the router as float32, each
+    expert's gate_up and down Weight*, their kernels by row count, and the shared expert's
+    sigmoid gate (float32 [hidden], or NULL)."""
+
+    _fields_ = [
+        ("router", c_void_p), ("gate_up", c_void_p), ("down", c_void_p), ("impls", c_void_p),
+        ("shared_gate", c_void_p), ("num_experts", c_int64), ("width", c_int64),
+        ("top_k", c_int), ("renormalize", c_int),
+    ]  # fmt: skip
 
 
 class LayerWeights(ctypes.Structure):
     # qkv, o, gate_up and down point at Weight structures (kernels/weights.py): bf16 or quantized.
+    # gate_up and down are the MLP, a sparse layer's shared expert, or NULL; experts is NULL in a dense layer.
     _fields_ = [(name, c_void_p) for name in (
-        "input_norm", "post_norm", "qkv", "qkv_bias", "o", "o_bias", "gate_up", "down",
-    )]  # fmt: skip
+        "input_norm", "post_norm", "q_norm", "k_norm", "qkv", "qkv_bias", "o", "o_bias", "gate_up", "down",
+    )] + [("mlp_width", c_int64), ("experts", ctypes.POINTER(Experts))]  # fmt: skip
 
 
 class LayerShape(ctypes.Structure):
     _fields_ = [
-        ("hidden", c_int64), ("intermediate", c_int64),
+        ("hidden", c_int64),
         ("num_heads", c_int), ("num_kv_heads", c_int), ("head_dim", c_int), ("block_size", c_int),
         ("eps", c_float), ("scale", c_float), ("num_threads", c_int), ("cache_type", c_int),
         ("linear_impl", c_int * 4),  # qkv, o, gate_up, down: kernels/linear_bindings.py LinearImpl (native)
@@ -55,10 +72,39 @@ class StepInputs(ctypes.Structure):
 
 class Scratch(ctypes.Structure):
     _fields_ = [
-        (name, c_void_p) for name in ("normed", "qkv", "query", "attn", "proj", "gate_up", "act", "kv_row", "attn_scratch")
-    ]
+        (name, c_void_p) for name in (
+            "normed", "qkv", "query", "attn", "proj", "gate_up", "act", "kv_row", "attn_scratch",
+            # sparse layers
+            "router_logits", "offsets", "choice_rows", "choice_scales", "gathered", "expert_out", "partials",
+        )
+    ]  # fmt: skip
 
 
 def data_ptr_or_null(tensor: torch.Tensor | None) -> int | None:
     """A tensor as a pointer argument of the native layers (None passes NULL)."""
     return None if tensor is None else tensor.data_ptr()
+
+
+def qk_norms(attention: torch.nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """An attention module's per-head q and k norm weights (Qwen3), or (None, None)."""
+    if not hasattr(attention, "q_norm"):
+        return None, None
+    return attention.q_norm.weight, attention.k_norm.weight
+
+
+def native_impl(linear: torch.nn.Module, rows: int) -> int | None:
+    """The native kernel (LinearImpl) a linear layer is planned on at `rows` rows; None
+    where its plan chose oneDNN, which only Python can call."""
+    impl = LinearImpl.BY_ROWS if linear.plan is None else linear.plan.choose(rows)
+    return int(impl) if impl.native else None
+
+
+def expert_kernel_table(gate_up: torch.nn.Module, down: torch.nn.Module, most_rows: int) -> torch.Tensor:
+    """The kernels of a layer's experts at each row count 0..most_rows, as csrc/moe_experts.c
+    reads them: int32 [(most_rows + 1) * 2], gate_up's at [2 * rows] and down's at
+    [2 * rows + 1], -1 where that projection is planned on oneDNN. Every expert of a layer
+    shares one plan per projection (NativeExperts.supports), so one table serves them all."""
+    table = [0, 0]
+    for rows in range(1, most_rows + 1):
+        table += [-1 if impl is None else impl for impl in (native_impl(gate_up, rows), native_impl(down, rows))]
+    return torch.tensor(table, dtype=torch.int32)

@@ -35,13 +35,17 @@ from pagellm.kernels.decode_layer import (
     CACHE_DTYPES,
     MAX_ROWS,
     MAX_ROWS_PER_REQUEST,
+    Experts,
     LayerShape,
     LayerWeights,
     Scratch,
     StepInputs,
     data_ptr_or_null,
+    expert_kernel_table,
+    native_impl,
+    qk_norms,
 )
-from pagellm.kernels.linear_bindings import LinearImpl
+from pagellm.model.layers import RMSNorm
 
 
 def _longest_query(metadata: AttentionMetadata) -> int:
@@ -49,11 +53,66 @@ def _longest_query(metadata: AttentionMetadata) -> int:
     return max(starts[r + 1] - starts[r] for r in range(metadata.num_reqs))
 
 
+def _is_sparse(layer: torch.nn.Module) -> bool:
+    """Whether a layer's MLP is a mixture of experts (model/mixture_of_experts.py SparseMoeBlock)."""
+    return hasattr(layer.mlp, "experts")
+
+
+def _mlp_linears(layer: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module] | None:
+    """The gated MLP the layer runs over all its rows: its own, a sparse layer's shared expert, or None."""
+    mlp = layer.mlp.shared_expert if _is_sparse(layer) else layer.mlp
+    return None if mlp is None else (mlp.gate_up_proj, mlp.down_proj)
+
+
 def _layer_impls(layer: torch.nn.Module, rows: int) -> tuple[int, int, int, int] | None:
-    """The native kernels of a layer's four linears at `rows` rows (None: one is oneDNN)."""
-    linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
-    impls = [LinearImpl.BY_ROWS if linear.plan is None else linear.plan.choose(rows) for linear in linears]
-    return tuple(int(impl) for impl in impls) if all(impl.native for impl in impls) else None
+    """The native kernels of a layer's attention projections and its MLP (a sparse layer's
+    shared expert; 0 where it has none) at `rows` rows (None: one is oneDNN)."""
+    mlp = _mlp_linears(layer)
+    linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, *(mlp or ()))
+    impls = [native_impl(linear, rows) for linear in linears]
+    return None if None in impls else (*impls, 0, 0)[:4]  # type: ignore[return-value]
+
+
+def _native_expert_rows(table: torch.Tensor) -> int:
+    """The most rows up to which every row count an expert may receive has native kernels."""
+    pairs = table.view(-1, 2)[1:].tolist()
+    for count, pair in enumerate(pairs, start=1):
+        if min(pair) < 0:
+            return count - 1
+    return len(pairs)
+
+
+class _SparseLayer:
+    """What the C layer reads of a sparse layer, kept alive as long as the FusedDecode."""
+
+    def __init__(self, block: torch.nn.Module) -> None:
+        experts = list(block.experts)
+        self.router = block.gate.weight.detach().float().contiguous()
+        shared = block.shared_expert is not None
+        self.shared_gate = block.shared_expert_gate.weight.detach().float().reshape(-1).contiguous() if shared else None
+        pointers = ctypes.c_void_p * len(experts)
+        self.gate_up = pointers(*(e.gate_up_proj.kernel_weight().struct_address() for e in experts))
+        self.down = pointers(*(e.down_proj.kernel_weight().struct_address() for e in experts))
+        self.table = expert_kernel_table(experts[0].gate_up_proj, experts[0].down_proj, MAX_ROWS)
+        self.native_rows = _native_expert_rows(self.table)
+        self.width = experts[0].intermediate_size
+        self.struct = Experts(
+            self.router.data_ptr(), ctypes.addressof(self.gate_up), ctypes.addressof(self.down),
+            self.table.data_ptr(), data_ptr_or_null(self.shared_gate), len(experts), self.width,
+            block.top_k, int(block.renormalize),
+        )  # fmt: skip
+
+    @staticmethod
+    def supports(block: torch.nn.Module) -> bool:
+        """A float router and shared-expert gate the C code can read, and experts that share one
+        plan per projection (so one kernel table serves them all)."""
+        from pagellm.model.mixture_of_experts import NativeExperts  # that module imports this one
+
+        return (
+            block.gate.weight is not None
+            and (block.shared_expert is None or block.shared_expert_gate.weight is not None)
+            and NativeExperts.supports(block)
+        )
 
 
 class FusedDecode:
@@ -66,43 +125,56 @@ class FusedDecode:
         self._model = model
         self._num_threads = torch.get_num_threads()
         self._shape = LayerShape(
-            config.hidden_size, config.intermediate_size, config.num_attention_heads,
+            config.hidden_size, config.num_attention_heads,
             config.num_key_value_heads, config.head_dim, 0, config.rms_norm_eps,
             model.layers[0].self_attn.scale, self._num_threads, ELEMENT_TYPES[torch.bfloat16],
         )  # fmt: skip
         # The Weight structures live as long as their layers (PackableLinear keeps them).
-        self._layers = [
-            LayerWeights(
-                data_ptr_or_null(layer.input_layernorm.weight),
-                data_ptr_or_null(layer.post_attention_layernorm.weight),
-                layer.self_attn.qkv_proj.kernel_weight().struct_address(),
-                data_ptr_or_null(layer.self_attn.qkv_proj.bias),
-                layer.self_attn.o_proj.kernel_weight().struct_address(),
-                data_ptr_or_null(layer.self_attn.o_proj.bias),
-                layer.mlp.gate_up_proj.kernel_weight().struct_address(),
-                layer.mlp.down_proj.kernel_weight().struct_address(),
-            )
-            for layer in model.layers
-        ]
+        self._sparse = [_SparseLayer(layer.mlp) if _is_sparse(layer) else None for layer in model.layers]
+        self._layers = []
+        widths = [1]
+        for layer, sparse in zip(model.layers, self._sparse, strict=True):
+            attention, mlp = layer.self_attn, _mlp_linears(layer)
+            q_norm, k_norm = qk_norms(attention)
+            mlp_width = 0 if mlp is None else mlp[1].in_features
+            widths += [mlp_width] + ([] if sparse is None else [sparse.width])
+            self._layers.append(LayerWeights(
+                data_ptr_or_null(layer.input_layernorm.weight), data_ptr_or_null(layer.post_attention_layernorm.weight),
+                data_ptr_or_null(q_norm), data_ptr_or_null(k_norm),
+                attention.qkv_proj.kernel_weight().struct_address(), data_ptr_or_null(attention.qkv_proj.bias),
+                attention.o_proj.kernel_weight().struct_address(), data_ptr_or_null(attention.o_proj.bias),
+                None if mlp is None else mlp[0].kernel_weight().struct_address(),
+                None if mlp is None else mlp[1].kernel_weight().struct_address(),
+                mlp_width, None if sparse is None else ctypes.pointer(sparse.struct),
+            ))  # fmt: skip
         q_size = config.num_attention_heads * config.head_dim
         kv_size = config.num_key_value_heads * config.head_dim
+        width = max(widths)
+        num_experts = max(config.num_experts, 1)
+        top_k = max(config.num_experts_per_tok, 1)
 
-        def scratch(width: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-            return torch.empty(MAX_ROWS, width, dtype=dtype)
+        def scratch(columns: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+            return torch.empty(MAX_ROWS, columns, dtype=dtype)
 
         f32 = torch.float32
         self._buffers = [
             scratch(config.hidden_size), scratch(q_size + 2 * kv_size, f32), scratch(q_size), scratch(q_size),
-            scratch(config.hidden_size, f32), scratch(2 * config.intermediate_size, f32),
-            scratch(config.intermediate_size), scratch(2 * kv_size),
+            scratch(config.hidden_size, f32), scratch(2 * width, f32), scratch(width), scratch(2 * kv_size),
+        ]  # fmt: skip
+        self._moe_buffers = [
+            scratch(num_experts, f32), torch.empty(num_experts + 1, dtype=torch.int64), scratch(top_k, torch.int64),
+            scratch(top_k, f32), scratch(config.hidden_size), scratch(config.hidden_size, f32),
+            scratch(self._num_threads * config.hidden_size, f32),
         ]  # fmt: skip
         # Each layer's measured choice per row count (layers of a GGUF may store different
-        # types); a row count where some linear of some layer is planned on oneDNN is not
-        # taken (None).
+        # types); a row count where some linear of some layer is planned on oneDNN, or where
+        # an expert could receive a row count planned on oneDNN, is not taken (None).
+        expert_rows = min((sparse.native_rows for sparse in self._sparse if sparse is not None), default=MAX_ROWS)
         self._impls: list[list[tuple[int, int, int, int]] | None] = [None]
         for rows in range(1, MAX_ROWS + 1):
             per_layer = [_layer_impls(layer, rows) for layer in model.layers]
-            self._impls.append(None if any(impls is None for impls in per_layer) else per_layer)
+            taken = rows <= expert_rows and all(impls is not None for impls in per_layer)
+            self._impls.append(per_layer if taken else None)
         self._attention_workspace = torch.empty(0, dtype=torch.float32)
         self._rotary = model.rotary
         self._window = model.config.sliding_window
@@ -114,6 +186,10 @@ class FusedDecode:
         config = model.config
         return (
             all(p.dtype is torch.bfloat16 and p.device.type == "cpu" and p.is_contiguous() for p in params)
+            and config.hidden_activation == "silu"
+            and all(_SparseLayer.supports(layer.mlp) for layer in model.layers if _is_sparse(layer))
+            # Qwen3's q/k norms are plain RMSNorms over float32 heads (csrc/layer_rows.h).
+            and all(type(getattr(layer.self_attn, "q_norm", None)) in (type(None), RMSNorm) for layer in model.layers)
             # One KV cache group; a window only while every context fits in it (applies()).
             and len(kv_cache_layout(config).groups) == 1
             and config.rotary_dim == config.head_dim  # the C paths rotate whole heads
@@ -170,7 +246,10 @@ class FusedDecode:
             rows.data_ptr(), reqs.data_ptr(), seq_lens.data_ptr(), max_seq_len,
             self._rotary.cos_cache.data_ptr(), self._rotary.sin_cache.data_ptr(),
         )  # fmt: skip
-        scratch = Scratch(*(b.data_ptr() for b in self._buffers), self._attention_workspace.data_ptr())
+        scratch = Scratch(
+            *(b.data_ptr() for b in self._buffers), self._attention_workspace.data_ptr(),
+            *(b.data_ptr() for b in self._moe_buffers),
+        )  # fmt: skip
         hidden = hidden.to(torch.float32).contiguous()
         hidden_ptr = hidden.data_ptr()
         shape_ref, inputs_ref, scratch_ref = ctypes.byref(shape), ctypes.byref(inputs), ctypes.byref(scratch)

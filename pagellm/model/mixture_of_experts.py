@@ -21,7 +21,7 @@ from torch import nn
 
 from pagellm.config.model import ModelConfig
 from pagellm.kernels.build import load_kernels
-from pagellm.kernels.linear_bindings import LinearImpl
+from pagellm.kernels.decode_layer import EXPERTS_PER_THREAD_MAX_ROWS, data_ptr_or_null, expert_kernel_table
 from pagellm.model.llama import LlamaForCausalLM, LlamaMLP
 from pagellm.model.packable_layers import PackableLinear
 from pagellm.model.qwen3 import Qwen3ForCausalLM
@@ -114,8 +114,9 @@ class NativeExperts:
         self._gate_up = pointers(*(gate_up.struct_address() for gate_up, _ in self._weights))
         self._down = pointers(*(down.struct_address() for _, down in self._weights))
         # Every expert of a layer has the same shape and (from one stacked tensor) type, so
-        # one plan per projection serves them all.
-        self._plans = (experts[0].gate_up_proj.plan, experts[0].down_proj.plan)
+        # one plan per projection serves them all: the kernels by row count, grown as needed.
+        self._projections = (experts[0].gate_up_proj, experts[0].down_proj)
+        self._kernels = torch.zeros(2, dtype=torch.int32)
         self._scratch_rows = 0
 
     @staticmethod
@@ -132,11 +133,6 @@ class NativeExperts:
             and all(p.dtype is torch.bfloat16 for e in experts for p in e.parameters())
         )
 
-    def _impls(self, rows: int) -> list[int] | None:
-        """The native kernels of gate_up and down at `rows` rows (None: one is oneDNN)."""
-        impls = [LinearImpl.BY_ROWS if plan is None else plan.choose(rows) for plan in self._plans]
-        return [int(impl) for impl in impls] if all(impl.native for impl in impls) else None
-
     def run(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor | None:
         """[rows, hidden] float32, or None where a chosen expert's row count is planned on
         oneDNN (the caller's loop runs that step)."""
@@ -146,18 +142,15 @@ class NativeExperts:
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self._num_experts)
-        count_list = counts.tolist()
-        impls: list[int] = []
-        for count in count_list:
-            pair = self._impls(count) if count else [0, 0]
-            if pair is None:
-                return None
-            impls += pair
+        most = int(counts.max())
+        if 2 * (most + 1) > self._kernels.numel():
+            self._kernels = expert_kernel_table(*self._projections, max(most, self._kernels.numel()))
+        if bool((self._kernels.view(-1, 2)[counts].min(dim=1).values < 0).any()):
+            return None
         offsets = torch.zeros(self._num_experts + 1, dtype=torch.int64)
         torch.cumsum(counts, 0, out=offsets[1:])
         rows = (order // top_k).contiguous()
         scales = weights.reshape(-1)[order].to(torch.float32).contiguous()
-        most = max(count_list)
         if most > self._scratch_rows:
             self._scratch_rows = most
             self._scratch = (
@@ -167,20 +160,22 @@ class NativeExperts:
                 torch.empty(most, self._hidden, dtype=torch.float32),
             )
         out = torch.empty(m, self._hidden, dtype=torch.float32)
+        # Few rows: the C code may give each thread whole experts, summing per-thread partials.
+        partials = torch.empty(self._num_threads, m, self._hidden) if m <= EXPERTS_PER_THREAD_MAX_ROWS else None
         self._call(
             x.data_ptr(), m, self._hidden, self._width, self._num_experts,
             ctypes.addressof(self._gate_up), ctypes.addressof(self._down),
-            offsets.data_ptr(), rows.data_ptr(), scales.data_ptr(), torch.tensor(impls, dtype=torch.int32).data_ptr(),
-            out.data_ptr(), *(buffer.data_ptr() for buffer in self._scratch), self._num_threads,
+            offsets.data_ptr(), rows.data_ptr(), scales.data_ptr(), self._kernels.data_ptr(),
+            out.data_ptr(), *(buffer.data_ptr() for buffer in self._scratch), data_ptr_or_null(partials),
+            self._num_threads,
         )  # fmt: skip
         return out
 
 
 class _MixtureOfExperts:
-    """What a family with sparse layers changes: its MLPs, and no one-call decode layer (it
-    computes dense MLPs only); the layer ops call the experts' block as a module."""
-
-    native_cpu_layers = False
+    """What a family with sparse layers changes: its MLPs. On the CPU the one-call decode
+    layer routes and runs the experts in C (model/fused_decode.py); the layer ops call the
+    experts' block as a module, whose experts run in one C call (NativeExperts)."""
 
     def use_cpu_kernels(self, kernel: object) -> None:
         super().use_cpu_kernels(kernel)  # type: ignore[misc]

@@ -35,16 +35,7 @@ from pagellm.attention.backend import AttentionMetadata
 from pagellm.attention.cpu_backend import CpuAttentionBackend
 from pagellm.attention.kv_cache_dtype import ELEMENT_TYPES
 from pagellm.config.kv_layout import kv_cache_layout
-from pagellm.kernels.decode_layer import CACHE_DTYPES, data_ptr_or_null
-
-
-def _normalize_heads(qkv: torch.Tensor, attention: torch.nn.Module, rows: int) -> None:
-    """Qwen3's per-head RMSNorm of q and k, in place in the float32 qkv rows."""
-    heads, kv_heads, head_dim = attention.num_heads, attention.num_kv_heads, attention.head_dim
-    q = qkv[:, : heads * head_dim].view(rows, heads, head_dim)
-    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(rows, kv_heads, head_dim)
-    q.copy_(attention.q_norm(q))
-    k.copy_(attention.k_norm(k))
+from pagellm.kernels.decode_layer import CACHE_DTYPES, data_ptr_or_null, qk_norms
 
 
 class NativeLayers:
@@ -103,12 +94,12 @@ class NativeLayers:
                 layer.input_layernorm.eps, normed.data_ptr(), m, size, threads,
             )  # fmt: skip
             qkv = attention.qkv_proj.compute(normed, f32)
-            if config.qk_norm:
-                _normalize_heads(qkv, attention, m)
+            q_norm, k_norm = qk_norms(attention)
             library.rotary_store(
                 qkv.data_ptr(), m, qkv.stride(0), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-                heads, kv_heads, head_dim, slots.data_ptr(), query.data_ptr(), cache[0].data_ptr(),
-                cache[1].data_ptr(), ELEMENT_TYPES[cache.dtype], threads,
+                heads, kv_heads, head_dim, data_ptr_or_null(q_norm), data_ptr_or_null(k_norm), config.rms_norm_eps,
+                slots.data_ptr(), query.data_ptr(), cache[0].data_ptr(), cache[1].data_ptr(),
+                ELEMENT_TYPES[cache.dtype], threads,
             )  # fmt: skip
             attended = model.backend.attend_cached(
                 query.view(m, heads, head_dim), cache, metadata, attention.scale, attention.sliding_window

@@ -28,4 +28,3 @@ class Qwen3Attention(LlamaAttention):
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     attention_class = Qwen3Attention
-    native_cpu_layers = False  # the one-call decode layer has no per-head q/k norm (the layer ops do)

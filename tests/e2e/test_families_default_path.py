@@ -3,10 +3,11 @@ kernels) against HF transformers in float32, judged as tests/default_path.py jud
 teacher-forced top-1 agreement and log-probability bounds from bf16 rounding, under every
 scheduling regime of the standard scenarios.
 
-The one-call decode layer does not compute these layers (Qwen3's q/k norms, experts): every
-step takes the native layer ops, which normalize q and k between the qkv projection and
-rotary and call the experts' block as a module, whose experts run in one C call
-(csrc/moe_experts.c). The Llama tests check the one-call layer."""
+Both CPU step paths compute these layers, and a measured choice decides which runs a small
+decode step (kernels/step_paths.py), so each is forced in turn: the one-call decode layer
+(Qwen3's q/k norms before rotary, the experts routed and run in C inside the layer) and the
+native layer ops (the same norms in C, the experts' block called as a module, its experts
+in one C call, csrc/moe_experts.c)."""
 
 import copy
 
@@ -15,6 +16,7 @@ import torch
 from hf_models import load_hf_reference
 
 import default_path as dp
+from pagellm.kernels.decode_layer import MAX_ROWS
 
 NUM_LAYERS = dp.DEFAULT_PATH_SHAPE["num_hidden_layers"]
 SCENARIOS = {s.name: s for s in dp.standard_scenarios(256)}
@@ -31,6 +33,10 @@ FAMILIES = {
     # Experts run as linear layers on the measured kernels, each over the rows routed to it.
     "qwen3_moe": ("qwen3_moe", {"head_dim": 64, "num_experts": 4, "num_experts_per_tok": 2,
                                 "moe_intermediate_size": 128, "norm_topk_prob": True}),  # fmt: skip
+    # A shared expert of its own width behind a sigmoid gate, top-2 unnormalized, q/k/v
+    # biases, and a dense layer between sparse ones (the one-call layer runs both kinds).
+    "qwen2_moe": ("qwen2_moe", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 96,
+                                "shared_expert_intermediate_size": 160, "mlp_only_layers": [1]}),  # fmt: skip
 }
 
 
@@ -41,11 +47,18 @@ def family(request, tmp_path_factory):
     return str(folder), load_hf_reference(folder)
 
 
+@pytest.mark.parametrize("decode_path", ["fused", "layers"])
 @pytest.mark.parametrize("name", list(SCENARIOS))
-def test_bf16_agrees_with_hf_float32(family, name):
+def test_bf16_agrees_with_hf_float32(family, name, decode_path, monkeypatch):
     folder, reference = family
+    monkeypatch.setenv("PAGELLM_DECODE_PATH", decode_path)
     run = dp.run_scenario(folder, SCENARIOS[name], "bfloat16")
-    assert run.paths is not None and run.paths.native_layers_prefill and not run.paths.fused_decode
+    dp.check_native_paths(run)
+    if decode_path == "layers":
+        assert not run.paths.fused_decode
+    else:  # every decode step of <= MAX_ROWS requests took the one-call layer
+        assert all(rows > MAX_ROWS for rows in run.paths.native_layers_decode), run.paths
+        assert run.paths.fused_decode or name == "parallel_sampling", run.paths  # that one decodes 24 at a time
     result = dp.teacher_forced(reference, run.completions)
     calibrated = hf_bf16_worst_logprob_error(reference, run.completions) if "moe" in folder else None
     dp.check_against_reference(result, NUM_LAYERS, name, reference_bf16_worst=calibrated)
@@ -76,6 +89,6 @@ def test_linear_layers_take_the_measured_kernels(family):
     linears = [m for m in model.modules() if type(m).__name__ == "PackableLinear" and m is not model.lm_head]
     assert all(m.plan is not None for m in linears)  # experts and routers too (the head has lm_head_plan)
     assert model.lm_head_plan is not None
-    assert model.fused_decode is None and model.native_layers is not None
+    assert model.fused_decode is not None and model.native_layers is not None
     blocks = [m for m in model.modules() if type(m).__name__ == "SparseMoeBlock"]
     assert all(block.native is not None for block in blocks)  # each layer's experts in one C call

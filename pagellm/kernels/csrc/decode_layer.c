@@ -10,6 +10,11 @@
  *   -> paged decode attention -> h += attn Wo^T (+b)
  *   -> x = rms_norm(h) -> g, u = x Wgu^T -> h += (silu(g) * u) Wd^T
  *
+ * Qwen3's per-head q/k norms run before rotary where the layer has them. A sparse layer
+ * (Experts) routes its rows in C (router logits in float32, softmax, top-k, renormalized)
+ * and runs its chosen experts through moe_experts.c's stages in this region; a shared
+ * expert (Qwen2-MoE) is the layer's gate_up/down, scaled per row by the sigmoid of its gate.
+ *
  * Only the matrix multiplications' inputs (norm outputs, query, attention output,
  * activation) and the KV cache are bf16; the residual stream and the projections' outputs
  * are float32 (layer_rows.h). The linear layers go through quant_linear.c's linear_weight_part (bf16 or
@@ -35,16 +40,30 @@
 #define CONTEXT_PREFETCH_BYTES (256 * 1024)
 
 typedef struct {
+    const float *router;          /* [num_experts, hidden] float32 */
+    const Weight *const *gate_up; /* [num_experts] Weight* of [2 width, hidden] */
+    const Weight *const *down;    /* [num_experts] Weight* of [hidden, width] */
+    const int32_t *impls;         /* [(MAX_ROWS + 1) * 2]: gate_up's and down's kernel at each row count */
+    const float *shared_gate;     /* [hidden] float32: the shared expert's gate, or NULL (none, or not gated) */
+    int64_t num_experts, width;
+    int top_k, renormalize;
+} Experts;
+
+typedef struct {
     const uint16_t *input_norm, *post_norm;  /* [hidden] */
+    const uint16_t *q_norm, *k_norm;         /* [head_dim] or NULL (Qwen3's per-head norms) */
     const Weight *qkv;                       /* [q + 2 kv, hidden] (weights.h: bf16 or quantized) */
     const uint16_t *qkv_bias;                /* [q + 2 kv] or NULL */
     const Weight *o;                         /* [hidden, q] */
     const uint16_t *o_bias;                  /* [hidden] or NULL */
-    const Weight *gate_up, *down;            /* [2 inter, hidden], [hidden, inter] */
+    const Weight *gate_up, *down;            /* [2 width, hidden], [hidden, width]: the MLP, a sparse layer's
+                                                shared expert, or NULL (a sparse layer without one) */
+    int64_t mlp_width;
+    const Experts *experts;                  /* a sparse layer's routed experts, or NULL */
 } LayerWeights;
 
 typedef struct {
-    int64_t hidden, intermediate;
+    int64_t hidden;
     int num_heads, num_kv_heads, head_dim, block_size;
     float eps, scale;
     int num_threads;
@@ -70,10 +89,18 @@ typedef struct {
     uint16_t *query;      /* [m, q] rotated */
     uint16_t *attn;       /* [m, q] */
     float *proj;          /* [m, hidden] */
-    float *gate_up;       /* [m, 2 inter] */
-    uint16_t *act;        /* [m, inter] */
+    float *gate_up;       /* [m, 2 width] (the widest MLP or expert) */
+    uint16_t *act;        /* [m, width] */
     uint16_t *kv_row;     /* [m, 2 kv]: one row's k and v as bf16 on their way to the cache */
     float *attn_scratch;  /* paged_decode_attention's workspace */
+    /* Sparse layers: */
+    float *router_logits; /* [m, num_experts] */
+    int64_t *offsets;     /* [num_experts + 1] */
+    int64_t *choice_rows; /* [m * top_k] */
+    float *choice_scales; /* [m * top_k] */
+    uint16_t *gathered;   /* [m, hidden] */
+    float *expert_out;    /* [m, hidden] */
+    float *partials;      /* [threads, m, hidden] */
 } Scratch;
 
 /* act = bf16(silu(gate) * up) per row, gate and up being the halves of each gate_up row,
@@ -93,7 +120,8 @@ static void silu_and_mul(const float *gate_up, uint16_t *act, int64_t m, int64_t
  * between the phases, instead of a fork and join per operation. */
 void decode_layer_bf16(float *hidden, const LayerWeights *w, void *key_cache, void *value_cache,
                        const LayerShape *s, const StepInputs *in, const Scratch *scratch) {
-    const int64_t m = in->m, h = s->hidden, inter = s->intermediate;
+    const int64_t m = in->m, h = s->hidden;
+    const QkNorm qk_norm = {w->q_norm, w->k_norm, s->eps};
     const int64_t q_size = (int64_t)s->num_heads * s->head_dim;
     const int64_t kv_size = (int64_t)s->num_kv_heads * s->head_dim;
     const int64_t qkv_size = q_size + 2 * kv_size;
@@ -121,7 +149,7 @@ void decode_layer_bf16(float *hidden, const LayerWeights *w, void *key_cache, vo
         for (int64_t r = 0; r < m; r++) {
             const float *cos = in->cos_table + in->positions[r] * half;
             const float *sin = in->sin_table + in->positions[r] * half;
-            rotate_and_store_row(scratch->qkv + r * qkv_size, s->num_heads, s->num_kv_heads, s->head_dim, cos, sin,
+            rotate_and_store_row(scratch->qkv + r * qkv_size, s->num_heads, s->num_kv_heads, s->head_dim, qk_norm, cos, sin,
                                  scratch->query + r * q_size, in->slots[r], key_cache, value_cache, s->cache_type,
                                  scratch->kv_row + r * 2 * kv_size);
         }
@@ -136,12 +164,50 @@ void decode_layer_bf16(float *hidden, const LayerWeights *w, void *key_cache, vo
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < m; r++)  /* residual add, then the norm */
             rms_norm_row(hidden + r * h, scratch->proj + r * h, w->post_norm, s->eps, scratch->normed + r * h, h);
-        linear_weight_part(scratch->normed, h, w->gate_up, NULL, scratch->gate_up, 2 * inter, 1, m, h, s->linear_impl[2],
-                           t, nt);
+        const Experts *experts = w->experts;
+        if (experts != NULL) { /* routed experts: their weighted sum into proj */
+            const int64_t num_experts = experts->num_experts;
+#pragma omp for schedule(static)
+            for (int64_t index = 0; index < m * num_experts; index++) {
+                const uint16_t *x = scratch->normed + (index / num_experts) * h;
+                const float *router = experts->router + (index % num_experts) * h;
+                float logit = 0.0f;
+                for (int64_t i = 0; i < h; i++) logit += bf16_to_float(x[i]) * router[i];
+                scratch->router_logits[index] = logit;
+            }
+#pragma omp single
+            route_rows(scratch->router_logits, m, num_experts, experts->top_k, experts->renormalize, scratch->offsets,
+                       scratch->choice_rows, scratch->choice_scales);
+            const MoeScratch moe = {scratch->gathered, scratch->gate_up, scratch->act, scratch->expert_out,
+                                   scratch->partials};
+            moe_experts_in_region(scratch->normed, m, h, experts->width, num_experts, experts->gate_up, experts->down,
+                                  scratch->offsets, scratch->choice_rows, scratch->choice_scales, experts->impls,
+                                  scratch->proj, &moe, t, nt);
+        }
+        if (w->gate_up != NULL) { /* the MLP, or the shared expert */
+            const int64_t width = w->mlp_width;
+            /* A dense MLP's output is the layer's delta; a shared expert's is added to the routed sum. */
+            float *mlp_out = experts != NULL ? scratch->expert_out : scratch->proj;
+            linear_weight_part(scratch->normed, h, w->gate_up, NULL, scratch->gate_up, 2 * width, 1, m, h,
+                               s->linear_impl[2], t, nt);
 #pragma omp barrier
-        silu_and_mul(scratch->gate_up, scratch->act, m, inter);
-        linear_weight_part(scratch->act, inter, w->down, NULL, scratch->proj, h, 1, m, inter, s->linear_impl[3], t, nt);
+            silu_and_mul(scratch->gate_up, scratch->act, m, width);
+            linear_weight_part(scratch->act, width, w->down, NULL, mlp_out, h, 1, m, width, s->linear_impl[3], t, nt);
 #pragma omp barrier
+            if (experts != NULL) {
+#pragma omp for schedule(static)
+                for (int64_t r = 0; r < m; r++) {
+                    float scale = 1.0f;
+                    if (experts->shared_gate != NULL) {
+                        float logit = 0.0f;
+                        for (int64_t i = 0; i < h; i++)
+                            logit += bf16_to_float(scratch->normed[r * h + i]) * experts->shared_gate[i];
+                        scale = 1.0f / (1.0f + expf(-logit));
+                    }
+                    for (int64_t i = 0; i < h; i++) scratch->proj[r * h + i] += scale * mlp_out[r * h + i];
+                }
+            }
+        }
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < m * h; i++) hidden[i] += scratch->proj[i];
         float_mode_restore(float_mode);

@@ -114,4 +114,21 @@ void attend_bf16(const uint16_t *q, const void *key_cache, const void *value_cac
                  int64_t seq_len, int kv_head, int span, int num_kv_heads, int group, int head_dim,
                  int block_size, float scale, float *scores, float *acc, const int64_t *head_lens);
 
+/* moe_experts.c: a mixture-of-experts layer's experts, inside a region (see there). */
+typedef struct {
+    uint16_t *gathered; /* [rows, hidden] bf16: an expert's rows */
+    float *gate_up;     /* [rows, 2 * width] */
+    uint16_t *act;      /* [rows, width] */
+    float *expert_out;  /* [rows, hidden] */
+    float *partials;    /* [threads, m, hidden], or NULL: the experts are never shared out whole */
+} MoeScratch;
+/* Steps of up to this many rows may share out whole experts among the threads. */
+#define EXPERTS_PER_THREAD_MAX_ROWS 32
+void moe_experts_in_region(const uint16_t *x, int64_t m, int64_t hidden, int64_t inter, int64_t num_experts,
+                           const Weight *const *gate_up, const Weight *const *down, const int64_t *offsets,
+                           const int64_t *rows, const float *scales, const int32_t *impls, float *out,
+                           const MoeScratch *scratch, int t, int nt);
+void route_rows(const float *logits, int64_t m, int64_t num_experts, int top_k, int renormalize, int64_t *offsets,
+                int64_t *rows, float *scales);
+
 #endif

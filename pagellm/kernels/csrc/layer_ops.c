@@ -34,13 +34,15 @@ void rms_norm_residual(float *hidden, const float *delta, const uint16_t *weight
     }
 }
 
-/* Rotary on the q and k heads of each float32 qkv row ([q | k | v], row stride `stride`):
- * q into query ([m, num_heads * head_dim] bf16), k and v written to the cache at the row's
+/* Rotary on the q and k heads of each float32 qkv row ([q | k | v], row stride `stride`),
+ * after Qwen3's per-head q/k norms where q_norm and k_norm are not NULL (in place): q into query ([m, num_heads * head_dim] bf16), k and v written to the cache at the row's
  * slot (a slot < 0 is skipped). Caches: [blocks * block_size, num_kv_heads * head_dim] of
  * cache_type (fp8.h: bf16, or fp8 rounded to nearest even and saturated). */
-void rotary_store(const float *qkv, int64_t m, int64_t stride, const int64_t *positions, const float *cos_table,
-                  const float *sin_table, int num_heads, int num_kv_heads, int head_dim, const int64_t *slots,
-                  uint16_t *query, void *key_cache, void *value_cache, int cache_type, int num_threads) {
+void rotary_store(float *qkv, int64_t m, int64_t stride, const int64_t *positions, const float *cos_table,
+                  const float *sin_table, int num_heads, int num_kv_heads, int head_dim, const uint16_t *q_norm,
+                  const uint16_t *k_norm, float eps, const int64_t *slots, uint16_t *query, void *key_cache,
+                  void *value_cache, int cache_type, int num_threads) {
+    const QkNorm qk_norm = {q_norm, k_norm, eps};
     const int64_t q_size = (int64_t)num_heads * head_dim, kv_size = (int64_t)num_kv_heads * head_dim;
     const int half = head_dim / 2;
 #pragma omp parallel num_threads(num_threads)
@@ -50,7 +52,7 @@ void rotary_store(const float *qkv, int64_t m, int64_t stride, const int64_t *po
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < m; r++) {
             const float *cos = cos_table + positions[r] * half, *sin = sin_table + positions[r] * half;
-            rotate_and_store_row(qkv + r * stride, num_heads, num_kv_heads, head_dim, cos, sin, query + r * q_size,
+            rotate_and_store_row(qkv + r * stride, num_heads, num_kv_heads, head_dim, qk_norm, cos, sin, query + r * q_size,
                                  slots[r], key_cache, value_cache, cache_type, kv_row);
         }
         float_mode_restore(float_mode);
