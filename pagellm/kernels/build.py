@@ -266,6 +266,11 @@ def _declare(library: ctypes.CDLL) -> None:
         c_void_p, c_void_p, c_void_p, c_void_p, c_void_p,  # out float32, 4 scratch buffers
         c_void_p, c_int,  # partials float32 [threads, m, hidden] or None (see moe_experts.c), num threads
     ]
+    library.route_rows.restype = None  # the one-call decode layer's routing (moe_experts.c; tests call it)
+    library.route_rows.argtypes = [
+        c_void_p, c_int64, c_int64, c_int, c_int,  # logits float32 [m, experts], m, experts, top k, renormalize
+        c_void_p, c_void_p, c_void_p,  # out: offsets int64 [experts + 1], rows int64 [m * top k], scales float32
+    ]
     library.bf16_to_fp8_rows.restype = None
     library.bf16_to_fp8_rows.argtypes = [c_void_p, c_void_p, c_int64, c_int]  # src, dst, n, fp8 element type
     library.silu_mul_rows.restype = None

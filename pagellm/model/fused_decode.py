@@ -17,6 +17,13 @@ rows some linear layer is measured faster on oneDNN for goes to native_layers.py
 can call it. Used for bf16 models on x86-64 CPUs (AVX2 and up); other steps, dtypes and
 devices take the PyTorch path.
 
+Qwen3's per-head q/k norms run in C before rotary. A mixture-of-experts layer routes its rows in
+C (the router in float32, softmax, top-k, renormalized where the family asks) and runs the
+chosen experts inside the same call (csrc/moe_experts.c's stages; at a few rows each thread
+takes whole experts); Qwen2-MoE's shared expert is the layer's gated MLP, scaled per row by
+the sigmoid of its gate. Measured on a Qwen3-MoE shape as Q4_0 (single stream, Zen 4, 2
+threads, interleaved in one process): 183.5 tok/s against 123.7 through the layer ops.
+
 A forward path of the model (it reads the model's layers and the attention metadata);
 the C structures it fills and its row limits are the kernel's binding,
 kernels/decode_layer.py.

@@ -210,17 +210,24 @@ class LlamaForCausalLM(nn.Module):
             start = time.perf_counter()
             out = runner.run(hidden, positions, kv_caches, metadata)
             self.step_paths.record(rows, path, time.perf_counter() - start)
-            return self.norm(out).to(hidden.dtype)
+            return self._final_norm(out, hidden.dtype)
         if fused:
-            return self.norm(self.fused_decode.run(hidden, positions, kv_caches, metadata)).to(hidden.dtype)
+            return self._final_norm(self.fused_decode.run(hidden, positions, kv_caches, metadata), hidden.dtype)
         if layers:
-            return self.norm(self.native_layers.run(hidden, positions, kv_caches, metadata)).to(hidden.dtype)
+            return self._final_norm(self.native_layers.run(hidden, positions, kv_caches, metadata), hidden.dtype)
         cos_sin = self.rotary.lookup(positions, hidden.dtype)
         local_cos_sin = cos_sin if self.local_rotary is None else self.local_rotary.lookup(positions, hidden.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             layer_cos_sin = cos_sin if layer.self_attn.sliding_window is None else local_cos_sin
             hidden = layer(layer_cos_sin, hidden, kv_cache, metadata, self.backend)
         return self.norm(hidden)
+
+    def _final_norm(self, hidden: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The final norm of a native path's float32 residual stream, rounded to `dtype` once
+        (in C where it is a plain RMSNorm and the output bf16: one call for eight torch ops)."""
+        if type(self.norm) is RMSNorm and dtype is torch.bfloat16 and self.native_layers is not None:
+            return self.native_layers.rms_norm(hidden, self.norm)
+        return self.norm(hidden).to(dtype)
 
     cpu_linear_kernels: CpuLinearKernels | None = None
     lm_head_plan: LinearPlan | None = None  # the measured kernel choice of the LM head (float32 logits)

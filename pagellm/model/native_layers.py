@@ -16,9 +16,9 @@ several milliseconds per step. Per layer here:
     delta = act Wd^T                            linear
 
 A family whose layer differs only inside attention's q and k (Qwen3's per-head q/k
-norms: applied to the float32 q and k between the qkv projection and rotary) or only in
-its MLP (a mixture of experts: the MLP module runs on the bf16 normed rows, its output
-widened to float32 as `delta`) runs here too; the one-call decode layer computes neither.
+norms: applied in C to the float32 q and k between the qkv projection and rotary) or only
+in its MLP (a mixture of experts: the MLP module runs on the bf16 normed rows, its output
+widened to float32 as `delta`) runs here too, as in the one-call decode layer.
 
 The residual stream (`hidden`) and every linear output are float32; only the matmuls'
 inputs and the KV cache are bf16 (csrc/layer_rows.h), as in the one-call layer. oneDNN
@@ -65,6 +65,16 @@ class NativeLayers:
     @staticmethod
     def applies(hidden: torch.Tensor, kv_caches: list[torch.Tensor]) -> bool:
         return hidden.dtype is torch.bfloat16 and kv_caches[0].dtype in CACHE_DTYPES and kv_caches[0].is_contiguous()
+
+    def rms_norm(self, hidden: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
+        """bf16 RMSNorm of float32 rows (the final norm), as layer_rows.h rounds it."""
+        hidden = hidden.contiguous()
+        m, size = hidden.shape
+        out = torch.empty(m, size, dtype=torch.bfloat16)
+        self._library.rms_norm_residual(
+            hidden.data_ptr(), None, norm.weight.data_ptr(), norm.eps, out.data_ptr(), m, size, self._num_threads
+        )
+        return out
 
     def run(
         self,

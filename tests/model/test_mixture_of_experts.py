@@ -155,3 +155,47 @@ def test_native_experts_skip_idle_experts_and_fall_back_where_onednn_is_planned(
         weights, experts = route(moe.router_logits(x), moe.top_k, moe.renormalize)
         assert moe.native.run(x, weights, experts) is None  # the Python loop runs that step
         torch.testing.assert_close(moe(x).float(), per_token_reference(moe.float(), x.float()), rtol=3e-2, atol=3e-2)
+
+
+def c_routing(logits: torch.Tensor, top_k: int, renormalize: bool):  # noqa: ANN201
+    """csrc/moe_experts.c route_rows: offsets, rows and scales of the choices grouped by expert."""
+    from pagellm.kernels.build import load_kernels
+
+    library = load_kernels()
+    if library is None:
+        pytest.skip("the native kernels need x86-64 with AVX2 and a C compiler")
+    m, num_experts = logits.shape
+    logits = logits.float().contiguous()
+    offsets = torch.empty(num_experts + 1, dtype=torch.int64)
+    rows = torch.empty(m * top_k, dtype=torch.int64)
+    scales = torch.empty(m * top_k, dtype=torch.float32)
+    library.route_rows(logits.data_ptr(), m, num_experts, top_k, int(renormalize), offsets.data_ptr(),
+                       rows.data_ptr(), scales.data_ptr())  # fmt: skip
+    return offsets, rows, scales
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_the_decode_layers_routing_in_c_equals_route(renormalize):
+    """The one-call decode layer routes in C: each row's experts and weights as route()
+    gives them, grouped by expert in ascending order with rows ascending within one."""
+    logits = torch.randn(13, 16) * 3
+    weights, experts = route(logits, 4, renormalize)
+    offsets, rows, scales = c_routing(logits, 4, renormalize)
+    expected_rows, expected_scales = [], []
+    for expert in range(16):
+        chosen = (experts == expert).nonzero().tolist()  # (row, slot), rows ascending
+        assert int(offsets[expert + 1] - offsets[expert]) == len(chosen)
+        expected_rows += [row for row, _ in chosen]
+        expected_scales += [float(weights[row, slot]) for row, slot in chosen]
+    assert int(offsets[0]) == 0 and int(offsets[-1]) == 13 * 4
+    assert rows.tolist() == expected_rows
+    torch.testing.assert_close(scales, torch.tensor(expected_scales), rtol=1e-6, atol=1e-7)
+
+
+def test_the_decode_layers_routing_breaks_exact_ties_toward_the_lower_expert():
+    # torch.topk leaves the order among exact ties unspecified; the C routing takes the
+    # lower expert, so a step's choice does not depend on the build.
+    offsets, rows, scales = c_routing(torch.zeros(2, 6), 3, renormalize=False)
+    assert offsets.tolist() == [0, 2, 4, 6, 6, 6, 6]  # experts 0, 1 and 2, each for both rows
+    assert rows.tolist() == [0, 1, 0, 1, 0, 1]
+    torch.testing.assert_close(scales, torch.full((6,), 1 / 6))

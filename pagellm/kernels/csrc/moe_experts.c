@@ -27,10 +27,12 @@
 
 /* Whether the experts that received rows are shared among the threads whole rather than
  * each expert's rows of W split among all of them: one long stream of weights per thread and
- * one barrier for the layer, instead of three barriers per expert between short streams
- * (single-stream decode of a Qwen3-MoE shape, 4 of 32 experts, 2 threads: ...). Worth it
- * when the experts divide nearly evenly: at a few rows an expert costs the reading of its
- * weights, whatever its row count. */
+ * one barrier for the layer, instead of three barriers per expert between short streams.
+ * Measured on a Qwen3-MoE shape as Q4_0 (4 of 32 experts, hidden 1024, 2 threads, Zen 4,
+ * interleaved A/B in one process): the one-call layers of a single-stream decode step 2.50
+ * against 2.72 ms; 32 requests 516 against 481 tok/s. Worth it when the experts divide
+ * nearly evenly: at a few rows an expert costs the reading of its weights, whatever its row
+ * count. */
 static int experts_per_thread(const int64_t *offsets, int64_t num_experts, int64_t m, int nt) {
     if (nt < 2 || m > EXPERTS_PER_THREAD_MAX_ROWS) return 0;
     int64_t active = 0;
@@ -124,7 +126,8 @@ void moe_experts_in_region(const uint16_t *x, int64_t m, int64_t hidden, int64_t
 
 /* One thread: each row's top_k experts from its router logits ([m, num_experts] float32),
  * as model/mixture_of_experts.py route(): softmax over all experts, the top_k largest
- * probabilities (a tie goes to the lower expert), divided by their sum where renormalize;
+ * probabilities (an exact tie goes to the lower expert: torch.topk leaves that order
+ * unspecified), divided by their sum where renormalize;
  * then the choices grouped by expert in ascending order, rows ascending within an expert:
  * offsets [num_experts + 1], rows and scales [m * top_k]. */
 void route_rows(const float *logits, int64_t m, int64_t num_experts, int top_k, int renormalize, int64_t *offsets,
