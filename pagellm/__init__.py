@@ -12,11 +12,15 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from pagellm.config.engine_args import EngineArgs
     from pagellm.entrypoints.llm import LLM
-    from pagellm.outputs import CompletionOutput, RequestOutput
+    from pagellm.outputs import CompletionOutput, EmbeddingRequestOutput, RequestOutput
+    from pagellm.pooling_params import PoolingParams
     from pagellm.sampling_params import SamplingParams
     from pagellm.structured_outputs_params import StructuredOutputsParams
 
-__all__ = ["LLM", "EngineArgs", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput"]
+__all__ = [
+    "LLM", "EngineArgs", "SamplingParams", "StructuredOutputsParams", "PoolingParams", "RequestOutput",
+    "CompletionOutput", "EmbeddingRequestOutput",
+]  # fmt: skip
 
 _LOCATIONS = {
     "LLM": "pagellm.entrypoints.llm",
@@ -25,6 +29,8 @@ _LOCATIONS = {
     "StructuredOutputsParams": "pagellm.structured_outputs_params",
     "RequestOutput": "pagellm.outputs",
     "CompletionOutput": "pagellm.outputs",
+    "PoolingParams": "pagellm.pooling_params",
+    "EmbeddingRequestOutput": "pagellm.outputs",
 }
 
 

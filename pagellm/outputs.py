@@ -58,3 +58,25 @@ class RequestOutput:
     # Set when the request ended because an engine step it was in failed (finish_reason
     # "error"): what failed. The other requests of the engine are not affected.
     error: str | None = None
+    # An embedding request (LLM.embed, /v1/embeddings): its pooled embedding, once
+    # finished (its one completion is empty, finish_reason "stop").
+    embedding: list[float] | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    """One input's embedding: the pooled final hidden state (L2-normalised unless asked not to)."""
+
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """What `LLM.embed` returns per input, as vLLM shapes it (`output.outputs.embedding`)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+    num_cached_tokens: int = 0  # input tokens served from the prefix cache (last-token pooling)
+

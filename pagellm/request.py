@@ -6,6 +6,7 @@ import enum
 import time
 from collections.abc import Iterable, Sequence
 
+from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import SamplingParams
 
 # Parent value of the first block of every chain. Any constant works; Python's hash of
@@ -114,8 +115,12 @@ class Request:
         arrival_time: float | None = None,
         priority: int = 0,
         max_tokens: int | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> None:
         self.request_id = request_id
+        # An embedding request (pooling_params resolved, pooling_type set): its prompt is
+        # computed, then pooled instead of sampled, and it finishes with no output token.
+        self.pooling_params = pooling_params
         self.prompt_token_ids: list[int] = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_ids: frozenset[int] = frozenset(eos_token_ids)
@@ -124,6 +129,8 @@ class Request:
         self.max_tokens: int | None = (
             sampling_params.max_tokens if max_tokens is None else max_tokens
         )
+        if pooling_params is not None:
+            self.max_tokens = 0
 
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
@@ -149,6 +156,10 @@ class Request:
             f"Request({self.request_id!r}, {self.status.name}, "
             f"tokens={self.num_tokens}, computed={self.num_computed_tokens})"
         )
+
+    @property
+    def is_pooling(self) -> bool:
+        return self.pooling_params is not None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -15,4 +15,5 @@ def assert_engine_drained(llm) -> None:  # noqa: ANN001 - pagellm.LLM
     # The runner hears of the last finished requests in the next step's output.
     assert engine.step() == []
     assert not engine.runner.requests
+    assert not engine.runner.pooling_partials  # embedding requests' partial sums
     assert not engine.output_processor.states

@@ -74,6 +74,7 @@ _RANDOM_BLOCK_SCALE = {
 def write_gguf_from_hf(
     folder: Path, out: Path, cfg: dict, vocab: list[str] | None = None,
     quant_by_kind: dict[str, gguf.GGMLQuantizationType] | None = None, seed: int = 0, arch: str = "llama",
+    pooling_type: gguf.PoolingType | None = None,
 ) -> Path:
     """Convert a tiny HF Llama (or Qwen2/Qwen3/Phi-3: `arch` as llama.cpp names it) checkpoint to a
     GGUF file with mixed tensor types. As llama.cpp's converter does, only Llama's q/k rows
@@ -85,6 +86,8 @@ def write_gguf_from_hf(
     tensors = load_file(str(folder / "model.safetensors"))
     writer = gguf.GGUFWriter(str(out), arch)
     writer.add_block_count(cfg["num_hidden_layers"])
+    if pooling_type is not None:  # an embedding model's (llama.cpp's {arch}.pooling_type)
+        writer.add_pooling_type(pooling_type)
     writer.add_context_length(cfg["max_position_embeddings"])
     writer.add_embedding_length(cfg["hidden_size"])
     writer.add_feed_forward_length(cfg["intermediate_size"])

@@ -96,6 +96,12 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    # Embeddings: how a prompt's hidden states pool into one vector ("last", "mean", "cls";
+    # a sentence-transformers folder's 1_Pooling/config.json, a GGUF's pooling_type), and
+    # whether the model was trained to have its embeddings shortened (Matryoshka).
+    pooling_type: str = "last"
+    is_matryoshka: bool = False
+    matryoshka_dimensions: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.hidden_activation not in HIDDEN_ACTIVATIONS:

@@ -36,7 +36,13 @@ def check_request_fits(
     num_prompt = request.num_prompt_tokens
     if num_prompt == 0:
         raise InvalidRequestError("The prompt is empty; it needs at least one token.", "prompt")
-    if num_prompt >= max_model_len:
+    if request.is_pooling and num_prompt > max_model_len:  # an embedding generates nothing
+        raise InvalidRequestError(
+            f"The input has {num_prompt} tokens, but this model's maximum context length is {max_model_len} "
+            "tokens. Shorten the input.",
+            "input",
+        )
+    if num_prompt >= max_model_len and not request.is_pooling:
         raise InvalidRequestError(
             f"The prompt has {num_prompt} tokens, but this model's maximum context length "
             f"is {max_model_len} tokens, which leaves no room to generate. Shorten the "
@@ -53,6 +59,8 @@ def check_request_fits(
             "prompt",
         )
 
+    if request.is_pooling:
+        return
     if request.max_tokens is None:
         request.max_tokens = max_model_len - num_prompt
     max_tokens = request.max_tokens

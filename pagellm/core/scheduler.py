@@ -223,7 +223,7 @@ class Scheduler:
                 index += 1
                 continue
             proposal: list[int] = []
-            if gap == 1 and plan.speculate:
+            if gap == 1 and plan.speculate and not request.is_pooling:
                 assert self.speculator is not None
                 # Verification positions count in the step's token budget.
                 proposal = self.speculator.propose(request)[: plan.token_budget - 1]
@@ -310,10 +310,12 @@ class Scheduler:
             if not self._has_room_for(request, plan):
                 break
             assert request.num_computed_tokens == 0
-            if request.sampling_params.prompt_logprobs is None:
+            pooling = request.pooling_params
+            if request.sampling_params.prompt_logprobs is None and (pooling is None or not pooling.needs_every_position):
                 computed = kv.get_computed_blocks(request)
             else:
-                # Prompt logprobs need the logits of every prompt position.
+                # Prompt logprobs need the logits of every prompt position, mean or CLS
+                # pooling their hidden states.
                 computed = NO_HIT
             gap = request.num_tokens - computed.num_computed_tokens
             num_tokens = self._num_tokens_to_schedule(gap, plan)
@@ -349,6 +351,7 @@ class Scheduler:
                         num_computed_tokens=request.num_computed_tokens,
                         eos_token_ids=request.eos_token_ids,
                         num_pending_forks=request.num_pending_forks,
+                        pooling_params=request.pooling_params,
                     )
                 )
             else:
@@ -407,6 +410,9 @@ class Scheduler:
                 kv.cache_blocks(request, computed)
                 kv.free_passed_blocks(request)
                 continue
+            if request.is_pooling:  # the prompt is computed: pooled, nothing sampled, done
+                progress.append(self._finish_pooling(request, computed, runner_output, finished))
+                continue
             sampled = runner_output.sampled_token_ids.get(request_id)
             if not sampled:
                 raise RuntimeError(
@@ -437,6 +443,21 @@ class Scheduler:
             for request in finished:
                 self._release(request, request.status)
         return progress
+
+    def _finish_pooling(
+        self, request: Request, computed: int, runner_output: ModelRunnerOutput, finished: list[Request]
+    ) -> RequestProgress:
+        """An embedding request whose prompt is now computed: its blocks enter the prefix
+        cache (later prompts with the same start hit them) and it finishes."""
+        if request.request_id not in runner_output.pooled:
+            raise RuntimeError(
+                f"The runner returned no embedding for request {request.request_id!r}, whose prompt it completed."
+            )
+        request.num_computed_tokens = computed
+        self.kv_cache_manager.cache_blocks(request, computed)
+        request.status = RequestStatus.FINISHED_STOPPED
+        finished.append(request)
+        return RequestProgress(request.request_id, [], request.finish_reason, None)
 
     def _append_sampled(self, request: Request, sampled: list[int], finished: list[Request]) -> list[int]:
         """Append sampled tokens up to the first that stops the request."""

@@ -19,7 +19,9 @@ another process. How a runner reads a SchedulerOutput, in this order:
 5. A request needs a sampled token iff num_computed_tokens + num_scheduled_tokens
    reaches the number of tokens the runner knows for it (prompt + outputs, the runner
    appending every token it samples). Otherwise it is in a partial prefill chunk and
-   gets an empty list in ModelRunnerOutput.sampled_token_ids.
+   gets an empty list in ModelRunnerOutput.sampled_token_ids. An embedding request
+   (`pooling_params`) is never sampled: when its prompt is complete the runner reports
+   its embedding in ModelRunnerOutput.pooled instead.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from pagellm.pooling_params import PoolingParams
 from pagellm.request import FinishReason
 from pagellm.sampling_params import SamplingParams
 
@@ -46,6 +49,8 @@ class NewRequestData:
     # n > 1 and not forked yet: the runner samples 1 + num_pending_forks tokens from the
     # prompt's last logits (one per completion) and reports the extra ones as forks.
     num_pending_forks: int = 0
+    # An embedding request: the runner pools its prompt's hidden states (no sampling).
+    pooling_params: PoolingParams | None = None
 
 
 @dataclass
@@ -126,6 +131,9 @@ class ModelRunnerOutput:
     drafted_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # Seconds this step spent filling and applying structured-output masks.
     mask_seconds: float = 0.0
+    # Embedding requests whose prompt this step completed: the pooled (and, as asked,
+    # shortened and normalised) embedding.
+    pooled: dict[str, list[float]] = field(default_factory=dict)
 
 
 # A proposed position whose token the runner's draft model decides.

@@ -33,6 +33,7 @@ from pagellm.engine.llm_engine import LLMEngine
 from pagellm.errors import PagellmError, RequestFailedError
 from pagellm.executor.base import WorkerDiedError
 from pagellm.outputs import RequestOutput
+from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -52,7 +53,7 @@ class NewRequest:
 
     request_id: str
     prompt: PromptInput
-    params: SamplingParams
+    params: SamplingParams | PoolingParams  # PoolingParams: an embedding request
     priority: int = 0
     arrival_time: float | None = None
 

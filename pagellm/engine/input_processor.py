@@ -6,6 +6,7 @@ import time
 from collections.abc import Sequence
 
 from pagellm.errors import InvalidRequestError
+from pagellm.pooling_params import PoolingParams
 from pagellm.request import Request
 from pagellm.sampling_params import SamplingParams
 from pagellm.tokenizer import Tokenizer
@@ -51,8 +52,23 @@ class InputProcessor:
         params: SamplingParams,
         arrival_time: float | None = None,
         priority: int = 0,
+        pooling: PoolingParams | None = None,
     ) -> Request:
         num_prompt = len(prompt_token_ids)
+        if pooling is not None:  # an embedding: the prompt may fill the context
+            if num_prompt > self.max_model_len:
+                raise InvalidRequestError(
+                    f"the input has {num_prompt} tokens, but max_model_len is {self.max_model_len}", "input"
+                )
+            return Request(
+                request_id,
+                prompt_token_ids,
+                params,
+                eos_token_ids=self.tokenizer.eos_token_ids,
+                arrival_time=time.time() if arrival_time is None else arrival_time,
+                priority=priority,
+                pooling_params=pooling,
+            )
         if num_prompt >= self.max_model_len:
             raise InvalidRequestError(
                 f"the prompt has {num_prompt} tokens, but max_model_len is "

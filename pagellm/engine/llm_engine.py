@@ -34,6 +34,7 @@ from pagellm.errors import EngineFailedError, InvalidRequestError
 from pagellm.model.loader import load_model_config, load_tokenizer, resolve_model_source
 from pagellm.outputs import RequestOutput
 from pagellm.request import RequestStatus, child_request_id
+from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import SamplingParams
 from pagellm.spec_decode.speculator import make_speculator
 from pagellm.structured.grammar_compiler import GrammarCompiler
@@ -169,11 +170,19 @@ class LLMEngine:
         self,
         request_id: str | None,
         prompt: PromptInput,
-        params: SamplingParams | None = None,
+        params: SamplingParams | PoolingParams | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
     ) -> str:
-        """Queue a request; returns its id. Raises InvalidRequestError if it can never run."""
+        """Queue a request; returns its id. Raises InvalidRequestError if it can never run.
+        With PoolingParams it is an embedding request: its prompt is pooled, nothing sampled."""
+        pooling = None
+        if isinstance(params, PoolingParams):
+            config = self.model_config
+            pooling = params.resolved(
+                config.pooling_type, config.hidden_size, config.is_matryoshka, config.matryoshka_dimensions
+            )
+            params = SamplingParams(max_tokens=None)
         params = params or SamplingParams()
         if request_id is None:
             request_id = f"req-{next(self._request_counter)}"
@@ -185,7 +194,7 @@ class LLMEngine:
                 self.grammars.compile(params.structured_outputs)  # a cache hit when pre-compiled
             prompt_text, prompt_ids = self.input_processor.tokenize(prompt)
             request = self.input_processor.make_request(
-                request_id, prompt_ids, params, arrival_time, priority
+                request_id, prompt_ids, params, arrival_time, priority, pooling
             )
             self.scheduler.add_request(request)
         except InvalidRequestError as e:
@@ -235,7 +244,7 @@ class LLMEngine:
             runner_output = self.executor.execute_model(scheduler_output)
             progress = self.scheduler.update_from_output(scheduler_output, runner_output)
             result = self.output_processor.process(
-                progress, runner_output.logprobs, runner_output.prompt_logprobs, cached
+                progress, runner_output.logprobs, runner_output.prompt_logprobs, cached, runner_output.pooled
             )
         except WorkerDiedError:
             raise

@@ -38,6 +38,7 @@ class RequestState:
     completions: list[CompletionState]
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0
+    embedding: list[float] | None = None
 
     @property
     def finished(self) -> bool:
@@ -103,6 +104,7 @@ class OutputProcessor:
         logprobs: dict[str, list[TokenLogprobs]] | None,
         prompt_logprobs: dict[str, list[TokenLogprobs]] | None,
         num_cached_tokens: dict[str, int],
+        pooled: dict[str, list[float]] | None = None,
     ) -> StepResult:
         touched: dict[str, RequestState] = {}
         stopped: list[str] = []
@@ -119,6 +121,10 @@ class OutputProcessor:
             if found is not None and found[1] == 0:
                 state = found[0]
                 state.num_cached_tokens = max(state.num_cached_tokens, num_cached)
+        for req_id, embedding in (pooled or {}).items():
+            found = self._completions.get(req_id)
+            if found is not None:
+                found[0].embedding = embedding
         for item in progress:
             found = self._completions.get(item.req_id)
             if found is None:
@@ -228,6 +234,7 @@ class OutputProcessor:
             finished=state.finished,
             num_cached_tokens=state.num_cached_tokens,
             prompt_logprobs=prompt_logprobs,
+            embedding=state.embedding,
         )
 
     def _forget(self, state: RequestState) -> None:

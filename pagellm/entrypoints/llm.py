@@ -10,7 +10,8 @@ from typing import Any
 from pagellm.config.engine_args import EngineArgs
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.errors import InvalidRequestError
-from pagellm.outputs import RequestOutput
+from pagellm.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -91,6 +92,37 @@ class LLM:
             # A bad prompt (or Ctrl-C) must not leave earlier ones queued in the engine.
             self.engine.abort_request(request_ids)
             raise
+
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt, in the order of the prompts: the model's final hidden
+        states pooled (its own pooling: last token unless the checkpoint says mean or CLS)
+        and L2-normalised, unless `pooling_params` says otherwise. The prompts run through
+        the same scheduler as generation (batched, chunked, prefix-cached)."""
+        prompt_list = _as_prompt_list(prompts)
+        params = pooling_params or PoolingParams()
+        request_ids: list[str] = []
+        try:
+            for prompt in prompt_list:
+                request_id = f"offline-{self._counter}"
+                self._counter += 1
+                self.engine.add_request(request_id, _prompt_value(prompt), params)
+                request_ids.append(request_id)
+            outputs = self._run(request_ids, use_tqdm)
+        except BaseException:
+            self.engine.abort_request(request_ids)
+            raise
+        return [
+            EmbeddingRequestOutput(
+                output.request_id, output.prompt_token_ids, EmbeddingOutput(output.embedding or []),
+                num_cached_tokens=output.num_cached_tokens,
+            )  # fmt: skip
+            for output in outputs
+        ]
 
     def chat(
         self,

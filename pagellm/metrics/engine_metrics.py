@@ -70,6 +70,7 @@ class MetricsSnapshot:
     rejected_requests: dict[str, int]
     latencies: dict[str, LatencySummary]  # ttft, itl, e2e, queue_time, prefill_time, decode_time
     spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)  # zeros without speculation
+    embedding_requests: int = 0  # finished with their embedding (LLM.embed, /v1/embeddings)
 
 
 class _Window:
@@ -106,6 +107,7 @@ class EngineMetrics:
         self.num_steps = 0
         self.prompt_tokens = 0
         self.generation_tokens = 0
+        self.embedding_requests = 0
         self.finished: dict[str, int] = {}
         self.rejected: dict[str, int] = {}
         self.spec_decode = SpecDecodeStats()
@@ -164,6 +166,13 @@ class EngineMetrics:
                 self.prompt_tokens += timing.num_prompt_tokens
                 prom.prompt_tokens.inc(timing.num_prompt_tokens)
                 self._observe("ttft", prom.time_to_first_token, now - timing.arrival)
+                if timing.first_scheduled is not None:
+                    self._observe("prefill_time", prom.request_prefill_time, now - timing.first_scheduled)
+            if output.finished and output.embedding is not None:  # a prefill with nothing generated
+                self.embedding_requests += 1
+                prom.embedding_requests.inc()
+                self.prompt_tokens += timing.num_prompt_tokens
+                prom.prompt_tokens.inc(timing.num_prompt_tokens)
                 if timing.first_scheduled is not None:
                     self._observe("prefill_time", prom.request_prefill_time, now - timing.first_scheduled)
             if output.finished:
@@ -382,6 +391,7 @@ class EngineMetrics:
             rejected_requests=dict(self.rejected),
             latencies={name: latency_summary(values) for name, values in self._latencies.items()},
             spec_decode=self.spec_decode,
+            embedding_requests=self.embedding_requests,
         )
 
     def close(self) -> None:

@@ -87,6 +87,10 @@ class ModelRunner:
         self.sampler = Sampler()
         self.penalties = PenaltyState(model.vocab_size, device)
         self.requests: dict[str, RunnerRequestState] = {}
+        # Embedding requests pooling over several positions (mean, CLS): what their chunks
+        # so far contributed (float32 [hidden]). Kept across a swap preemption, whose
+        # positions are not computed again; reset when a recompute starts over.
+        self.pooling_partials: dict[str, torch.Tensor] = {}
         # Seeded generators outlive preemption so a request's draws stay reproducible.
         self.generators: dict[str, torch.Generator] = {}
         self.decode_graphs: DecodeGraphs | None = None
@@ -138,6 +142,7 @@ class ModelRunner:
         for req_id in scheduler_output.finished_req_ids:
             self._drop(req_id)
             self.generators.pop(req_id, None)
+            self.pooling_partials.pop(req_id, None)
         for req_id in scheduler_output.preempted_req_ids:
             self._drop(req_id)
         self._copy_blocks_for(scheduler_output)
@@ -185,6 +190,7 @@ class ModelRunner:
             req_ids=req_ids, sampled_token_ids={req_id: [] for req_id in req_ids}
         )
         self._prompt_logprobs(req_ids, sequences, starts, hidden, output)
+        self._pool(req_ids, sequences, starts, hidden, output)
         if proposals:
             self.verifier.verify(req_ids, proposals, starts, hidden, output, drafted, self.draft)
         rows = self._sample_rows(req_ids, sequences, starts, proposals)
@@ -200,8 +206,8 @@ class ModelRunner:
     ) -> list[_SampleRow]:
         rows: list[_SampleRow] = []
         for index, (req_id, seq) in enumerate(zip(req_ids, sequences, strict=True)):
-            if not seq.needs_logits or req_id in proposals:
-                continue  # speculating requests are verified, not sampled
+            if not seq.needs_logits or req_id in proposals or self.requests[req_id].pooling_params is not None:
+                continue  # speculating requests are verified, embedding requests pooled, not sampled
             last_row = starts[index + 1] - 1
             rows.append(_SampleRow(req_id, req_id, last_row))
             state = self.requests[req_id]
@@ -328,6 +334,45 @@ class ModelRunner:
                 output.prompt_logprobs = {}
             output.prompt_logprobs[req_id] = entries
 
+    def _pool(
+        self,
+        req_ids: list[str],
+        sequences: list[ScheduledSequence],
+        starts: list[int],
+        hidden: torch.Tensor,
+        output: ModelRunnerOutput,
+    ) -> None:
+        """Embedding requests: the final hidden states (after the model's last norm) of
+        this step's positions pooled as each asks; a request whose prompt is now complete
+        gets its embedding, shortened to `dimensions` and L2-normalised where asked."""
+        if not self.is_driver:
+            return
+        for index, (req_id, seq) in enumerate(zip(req_ids, sequences, strict=True)):
+            params = self.requests[req_id].pooling_params
+            if params is None:
+                continue
+            rows = hidden[starts[index] : starts[index + 1]]
+            kind = params.pooling_type
+            if kind == "mean":
+                chunk = rows.float().sum(dim=0)
+                partial = self.pooling_partials.get(req_id)
+                self.pooling_partials[req_id] = chunk if partial is None else partial + chunk
+            elif kind == "cls" and seq.start_position == 0:
+                self.pooling_partials[req_id] = rows[0].float()
+            if not seq.needs_logits:
+                continue
+            if kind == "last":
+                vector = rows[-1].float()
+            elif kind == "mean":
+                vector = self.pooling_partials.pop(req_id) / self.requests[req_id].num_prompt_tokens
+            else:
+                vector = self.pooling_partials.pop(req_id)
+            if params.dimensions is not None:
+                vector = vector[: params.dimensions]
+            if params.normalize:
+                vector = torch.nn.functional.normalize(vector, dim=0)
+            output.pooled[req_id] = vector.cpu().tolist()
+
     # ---------------------------------------------------------------- state
 
     def _add_request(self, new: NewRequestData) -> None:
@@ -339,8 +384,11 @@ class ModelRunner:
             sampling_params=new.sampling_params,
             eos_token_ids=new.eos_token_ids,
             num_pending_forks=new.num_pending_forks,
+            pooling_params=new.pooling_params,
         )
         self.requests[new.req_id] = state
+        if new.num_computed_tokens == 0:  # (re)started from the first position
+            self.pooling_partials.pop(new.req_id, None)
         if self.draft is not None:
             self.draft.drop(new.req_id)  # its draft K/V is computed afresh
         constraint = new.sampling_params.structured_outputs

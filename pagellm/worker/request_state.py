@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import SamplingParams
 
 
@@ -24,6 +25,7 @@ class RunnerRequestState:
     eos_token_ids: frozenset[int]
     num_pending_forks: int = 0
     matcher: Any = None  # the output constraint's llguidance matcher (driver only)
+    pooling_params: PoolingParams | None = None  # an embedding request: pooled, never sampled
 
     @property
     def num_output_tokens(self) -> int:

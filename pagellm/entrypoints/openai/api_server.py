@@ -30,6 +30,7 @@ from pagellm.entrypoints.openai.auth import ApiKeyMiddleware
 from pagellm.entrypoints.openai.openapi_docs import (
     CHAT,
     COMPLETION,
+    EMBEDDING,
     HEALTH,
     METRICS,
     READ,
@@ -45,6 +46,7 @@ from pagellm.entrypoints.openai.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
+    EmbeddingRequest,
     ModelCard,
     ModelList,
     TokenizeRequest,
@@ -53,6 +55,7 @@ from pagellm.entrypoints.openai.protocol import (
 from pagellm.entrypoints.openai.serving_chat import ChatServing
 from pagellm.entrypoints.openai.serving_common import ServingContext
 from pagellm.entrypoints.openai.serving_completion import CompletionServing
+from pagellm.entrypoints.openai.serving_embedding import EmbeddingServing, embedding_dimensions
 from pagellm.entrypoints.openai.serving_tokens import TokenServing
 from pagellm.entrypoints.dashboard import STATIC_DIR
 from pagellm.errors import ConfigError
@@ -75,6 +78,7 @@ def build_app(
     completions = CompletionServing(context)
     chat = ChatServing(context)
     tokens = TokenServing(context)
+    embeddings = EmbeddingServing(context)
     registry = metrics.make_registry(async_llm, name)
 
     @contextlib.asynccontextmanager
@@ -97,6 +101,7 @@ def build_app(
         max_logprobs=engine.max_logprobs,
         max_num_seqs=engine.config.scheduler_config.max_num_seqs,
         api_key=bool(api_key),
+        embedding_dimensions=embedding_dimensions(engine.model_config),
     )
     install_openapi(app, bounds)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=limits.max_request_body_bytes)
@@ -127,6 +132,10 @@ def build_app(
     @app.post("/v1/chat/completions", responses=CHAT)
     async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Response:
         return await chat.create(body, raw)
+
+    @app.post("/v1/embeddings", responses=EMBEDDING)
+    async def create_embedding(body: EmbeddingRequest, raw: Request) -> Response:
+        return await embeddings.create(body, raw)
 
     @app.get("/v1/engine/state", responses=HEALTH)
     async def engine_state() -> Response:

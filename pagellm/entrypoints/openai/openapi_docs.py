@@ -23,6 +23,7 @@ from pagellm.entrypoints.openai.protocol import (
     ChatCompletionResponse,
     MAX_LOGPROBS,
     CompletionResponse,
+    EmbeddingResponse,
     ErrorResponse,
 )
 
@@ -56,6 +57,7 @@ UNKNOWN_MODEL = {404: _error("The body names a model this server does not serve.
 GENERATION = {**BODY, **AUTH, **UNKNOWN_MODEL, **ENGINE}
 COMPLETION = {**_generated(CompletionResponse, "The completions (JSON, or a stream of them)."), **GENERATION}
 CHAT = {**_generated(ChatCompletionResponse, "The chat completion (JSON), or a stream of chunks."), **GENERATION}
+EMBEDDING = {200: {"model": EmbeddingResponse, "description": "One embedding per input, in input order."}, **GENERATION}
 TOKENS = {**BODY, **AUTH, **UNKNOWN_MODEL}
 READ = {**AUTH}
 HEALTH = {503: _error("The engine has stopped.")}
@@ -72,6 +74,8 @@ class ServerBounds:
     max_logprobs: int = MAX_LOGPROBS  # the engine's --max-logprobs
     max_num_seqs: int = MAX_N  # completions of one request run side by side
     api_key: bool = False
+    # The embeddings' `dimensions` this model takes (its size, and its Matryoshka sizes).
+    embedding_dimensions: tuple[int, ...] = ()
 
 
 def install_openapi(app: FastAPI, bounds: ServerBounds) -> None:
@@ -154,6 +158,14 @@ def _add_bounds(schemas: dict[str, Any], bounds: ServerBounds) -> None:
         schemas[name]["properties"]["messages"]["maxItems"] = limits.max_messages
     _bound(schemas["ChatMessage"]["properties"]["content"], "string", maxLength=limits.max_message_chars)
     _token_ids(schemas["DetokenizeRequest"]["properties"]["tokens"], max_id)
+    embedding = schemas["EmbeddingRequest"]["properties"]
+    if bounds.embedding_dimensions:
+        _bound(embedding["dimensions"], "integer", enum=list(bounds.embedding_dimensions))
+    _token_ids(embedding["input"], max_id)
+    for form in _variants(embedding["input"]):
+        if form.get("type") == "array":
+            one_input = form["items"].get("type") == "integer"
+            form["maxItems"] = bounds.max_model_len if one_input else limits.max_prompts_per_request
 
 
 def token_id_key_pattern(max_id: int) -> str:

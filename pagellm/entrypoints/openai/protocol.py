@@ -169,6 +169,29 @@ class CompletionRequest(SamplingFields):
     suffix: None = Field(None, description="Not supported: only null.")
 
 
+# What to embed: one text or several, or token ids (one list, or a list of them); no
+# empty text (it has no tokens to pool) and no empty list.
+EmbeddingInput = (
+    Annotated[str, Field(min_length=1)]
+    | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
+    | Annotated[list[TokenId], Field(min_length=1)]
+    | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
+)
+
+
+class EmbeddingRequest(RequestModel):
+    model: str | None = None
+    input: EmbeddingInput
+    # float: JSON numbers; base64: each embedding's little-endian float32 bytes.
+    encoding_format: Literal["float", "base64"] = "float"
+    # Keep the first `dimensions` values (models trained for Matryoshka embeddings only).
+    dimensions: PositiveInt | None = None
+    user: str | None = None
+    # vLLM's extras: whether to L2-normalise (default true), the scheduling priority.
+    normalize: bool | None = None
+    priority: SafeInt = 0
+
+
 class TextContentPart(RequestModel):
     model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)
     type: Literal["text"]
@@ -287,6 +310,24 @@ class UsageInfo(OpenAIModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+
+
+class EmbeddingData(OpenAIModel):
+    object: Literal["embedding"] = "embedding"
+    embedding: list[float] | str  # str: base64 of little-endian float32
+    index: int
+
+
+class EmbeddingUsage(OpenAIModel):
+    prompt_tokens: int = 0
+    total_tokens: int = 0
+
+
+class EmbeddingResponse(OpenAIModel):
+    object: Literal["list"] = "list"
+    data: list[EmbeddingData]
+    model: str
+    usage: EmbeddingUsage
 
 
 class CompletionLogprobs(OpenAIModel):

@@ -253,7 +253,21 @@ def gguf_model_config(reader: GGUFReader, path: Path) -> ModelConfig:
         **gemma,
         bos_token_id=meta.number("tokenizer.ggml.bos_token_id", int, minimum=0) if bos is not None else None,
         eos_token_ids=(meta.number("tokenizer.ggml.eos_token_id", int, minimum=0),) if eos is not None else (),
+        pooling_type=_gguf_pooling(meta, arch),
     )
+
+
+# llama.cpp's pooling_type values (enum llama_pooling_type) -> ModelConfig.pooling_type.
+_GGUF_POOLING = {0: "last", 1: "mean", 2: "cls", 3: "last"}  # 0: none (a generative model: its last token)
+
+
+def _gguf_pooling(meta: _Metadata, arch: str) -> str:
+    if meta.raw(f"{arch}.pooling_type") is None:
+        return "last"
+    value = meta.number(f"{arch}.pooling_type", int, minimum=0)
+    if value not in _GGUF_POOLING:
+        raise UnsupportedModelError(f"GGUF metadata {arch}.pooling_type = {value} (rank pooling) is not supported")
+    return _GGUF_POOLING[value]
 
 
 def _gemma_fields(meta: _Metadata, arch: str, hidden: int, num_heads: int, head_dim: int, num_layers: int) -> dict[str, Any]:

@@ -82,11 +82,45 @@ def hf_model_config(folder: Path) -> ModelConfig:
             **_experts(arch, cfg),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=_eos_ids(cfg, folder),
+            pooling_type=_sentence_transformers_pooling(folder),
+            is_matryoshka=bool(cfg.get("is_matryoshka") or cfg.get("matryoshka_dimensions")),
+            matryoshka_dimensions=tuple(int(d) for d in cfg["matryoshka_dimensions"]) if cfg.get("matryoshka_dimensions") else None,
         )
     except (KeyError, TypeError, ValueError) as e:
         if isinstance(e, UnsupportedModelError):
             raise
         raise ModelLoadError(f"{folder / 'config.json'} is incomplete or invalid: {e!r}") from None
+
+
+# sentence-transformers' pooling modes (1_Pooling/config.json) -> ModelConfig.pooling_type.
+_SENTENCE_TRANSFORMERS_POOLING = {
+    "pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls",
+}  # fmt: skip
+
+
+def _sentence_transformers_pooling(folder: Path) -> str:
+    """The pooling a sentence-transformers checkpoint declares (modules.json names its
+    Pooling module's folder, whose config.json sets one pooling_mode_* flag); "last", the
+    decoder models' pooling, where the folder has none."""
+    modules_file = folder / "modules.json"
+    if not modules_file.is_file():
+        return "last"
+    try:
+        modules = json.loads(modules_file.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"cannot read {modules_file}: {e}") from None
+    for module in modules if isinstance(modules, list) else []:
+        if isinstance(module, dict) and str(module.get("type", "")).endswith(".Pooling"):
+            settings = read_json(folder / str(module.get("path", "1_Pooling")) / "config.json")
+            chosen = [kind for flag, kind in _SENTENCE_TRANSFORMERS_POOLING.items() if settings.get(flag)]
+            others = [flag for flag, value in settings.items() if flag.startswith("pooling_mode_") and value and flag not in _SENTENCE_TRANSFORMERS_POOLING]
+            if len(chosen) != 1 or others:
+                raise UnsupportedModelError(
+                    f"{folder}: sentence-transformers pooling {sorted(flag for flag, v in settings.items() if flag.startswith('pooling_mode_') and v)} "
+                    "is not supported (one of last-token, mean or CLS pooling is)"
+                )
+            return chosen[0]
+    return "last"
 
 
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")

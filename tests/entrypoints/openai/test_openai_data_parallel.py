@@ -94,6 +94,23 @@ def test_a_shared_prefix_lands_on_the_replica_that_holds_it(server):
     assert metric(after, "pagellm:router_requests_total", reason="affinity") - metric(before, "pagellm:router_requests_total", reason="affinity") == 3
 
 
+def test_embeddings_are_routed_and_equal_one_engines(server, tiny):
+    inputs = ["shared " + PREFIX + f" item {i}" for i in range(3)]
+    with LLM(tiny, max_model_len=512) as llm:
+        expected = [o.outputs.embedding for o in llm.embed(inputs, use_tqdm=False)]
+    with httpx.Client(base_url=server.base_url, timeout=60) as client:
+        before = client.get("/metrics").text
+        for text, reference in zip(inputs, expected, strict=True):  # one by one: later ones hit the prefix
+            response = client.post("/v1/embeddings", json={"model": "tiny", "input": text, "encoding_format": "float"})
+            assert response.status_code == 200, response.text
+            got = response.json()["data"][0]["embedding"]
+            assert max(abs(a - b) for a, b in zip(got, reference, strict=True)) < 1e-5
+        after = client.get("/metrics").text
+    assert metric(after, "pagellm:embedding_requests_total") - metric(before, "pagellm:embedding_requests_total") == 3
+    hits = [metric(after, "pagellm:prefix_cache_hits_total", replica=r) - metric(before, "pagellm:prefix_cache_hits_total", replica=r) for r in ("0", "1")]
+    assert max(hits) >= 2 * 80, hits  # routed by the input's tokens to the replica holding the prefix
+
+
 def test_a_flood_of_one_prefix_is_spread_by_the_load_bound(server):
     with httpx.Client(base_url=server.base_url, timeout=120) as client:
         before = client.get("/metrics").text

@@ -89,7 +89,7 @@ class ReplicaRouter:
                 messages = body.get("messages")
                 text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
                 return await asyncio.to_thread(self.tokenizer.encode, text, False)
-            prompt = body.get("prompt")
+            prompt = body.get("input" if path.endswith("/embeddings") else "prompt")
             if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
                 prompt = prompt[0]  # a batch: route by its first prompt
             if isinstance(prompt, str):
@@ -251,7 +251,7 @@ def build_router_app(router: ReplicaRouter, name: str, api_key: str | None) -> F
     async def get_metrics() -> Response:
         return Response(await router.metrics_text(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/tokenize", "/detokenize"):
         app.add_api_route(path, _forwarder(router, path), methods=["POST"])
     app.add_api_route("/v1/models", _forwarder(router, "/v1/models"), methods=["GET"])
 
