@@ -52,6 +52,13 @@ class RopeScaling:
             raise UnsupportedModelError("longrope rope scaling needs short_factor and long_factor lists")
 
 
+# What a generation request on a model without an LM head is told.
+NO_LM_HEAD = (
+    "this model's checkpoint has no LM head (a base model saved for embeddings): it computes embeddings "
+    "(LLM.embed, POST /v1/embeddings), not text"
+)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Shape and numerics of a Llama-family decoder, independent of the file format."""
@@ -100,6 +107,9 @@ class ModelConfig:
     # a sentence-transformers folder's 1_Pooling/config.json, a GGUF's pooling_type), and
     # whether the model was trained to have its embeddings shortened (Matryoshka).
     pooling_type: str = "last"
+    # False: the checkpoint has no LM head (a base model saved for embeddings, untied): it
+    # computes embeddings, never text.
+    has_lm_head: bool = True
     is_matryoshka: bool = False
     matryoshka_dimensions: tuple[int, ...] | None = None
 
@@ -154,6 +164,8 @@ class ModelConfig:
                 f"{self.expert_intermediate_size} wide, in {sparse} layers"
                 + (f", a shared one {self.shared_expert_intermediate_size} wide" if self.shared_expert_intermediate_size else "")
             )
+        if not self.has_lm_head:
+            parts.append("no LM head (embeddings only)")
         return "; ".join(parts)
 
     def layer_window(self, layer: int) -> int | None:

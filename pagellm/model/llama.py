@@ -21,9 +21,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagellm.attention.backend import AttentionBackend, AttentionMetadata
-from pagellm.errors import ModelLoadError
+from pagellm.errors import InvalidRequestError, ModelLoadError
 from pagellm.config.kv_layout import kv_cache_layout
-from pagellm.config.model import ModelConfig
+from pagellm.config.model import NO_LM_HEAD, ModelConfig
 from pagellm.model.layers import RMSNorm, RotaryEmbedding, apply_rotary
 from pagellm.kernels import step_paths
 from pagellm.kernels.build import load_kernels
@@ -180,7 +180,7 @@ class LlamaForCausalLM(nn.Module):
             for i in range(config.num_hidden_layers)
         )
         self.norm = self.norm_class(config.hidden_size, config.rms_norm_eps)
-        if config.tie_word_embeddings:
+        if config.tie_word_embeddings or not config.has_lm_head:
             self.lm_head = None
         else:
             self.lm_head = PackableLinear(config.hidden_size, config.vocab_size, bias=False)
@@ -281,6 +281,8 @@ class LlamaForCausalLM(nn.Module):
         a collective call that every rank makes with the same rows). A bf16 model on the
         native kernels gets float32 logits: rounding them to bf16 (spacing 0.06-0.125 at
         typical logit sizes) would tie tokens float32 tells apart."""
+        if not self.config.has_lm_head:
+            raise InvalidRequestError(NO_LM_HEAD, "model")
         head = self.lm_head_module()
         out_dtype = torch.float32 if self.cpu_linear_kernels is not None else None
         logits = apply_linear(

@@ -94,7 +94,8 @@ def _step_peak(
     torch.cuda.reset_peak_memory_stats(device)
     inputs = prepare_model_inputs(sequences, block_size, device)
     hidden = model(inputs.input_ids, inputs.positions, kv, inputs.metadata)
-    model.compute_logits(hidden[inputs.logits_indices])
+    if model.config.has_lm_head:
+        model.compute_logits(hidden[inputs.logits_indices])
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device)
     kv_bytes = sum(t.numel() * t.element_size() for t in distinct_tensors(kv))

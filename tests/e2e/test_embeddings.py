@@ -189,3 +189,48 @@ def test_a_gguf_files_pooling_type(checkpoint, tmp_path, kind, expected):
     config = json.loads((folder / "config.json").read_text())
     path = write_gguf_from_hf(folder, tmp_path / "model.gguf", config, pooling_type=kind)
     assert load_model_config(resolve_model_source(str(path))).pooling_type == expected
+
+
+def make_base_checkpoint(folder, causal_name: bool):  # noqa: ANN001, ANN201
+    """A tiny Qwen3 base model (no LM head, untied) as transformers saves one (`layers.*`
+    at the top level); `causal_name` relabels it Qwen3ForCausalLM, as Qwen3-Embedding's
+    config does."""
+    import transformers
+
+    from pagellm.bench.synthetic_model import write_byte_tokenizer
+
+    config = transformers.Qwen3Config(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=512, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    torch.manual_seed(6)
+    model = transformers.Qwen3Model(config).float().eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.uniform_(0.8, 1.2) if "norm" in name else param.normal_(0.0, 0.3 if "embed" in name else 0.15)
+    model.save_pretrained(folder, safe_serialization=True)
+    write_byte_tokenizer(folder)
+    if causal_name:
+        settings = json.loads((folder / "config.json").read_text())
+        settings["architectures"] = ["Qwen3ForCausalLM"]
+        (folder / "config.json").write_text(json.dumps(settings))
+    return folder, model
+
+
+@pytest.mark.parametrize("causal_name", [False, True])
+def test_a_base_model_checkpoint_embeds_and_refuses_to_generate(tmp_path, causal_name):
+    folder, model = make_base_checkpoint(tmp_path / "base", causal_name)
+    llm = LLM(str(folder), dtype="float32", max_model_len=128, max_num_batched_tokens=32)
+    assert not llm.engine.model_config.has_lm_head
+    token_lists = prompts(seed=21)
+    outputs = llm.embed(token_lists)
+    for output, ids in zip(outputs, token_lists, strict=True):
+        with torch.inference_mode():
+            hidden = model(torch.tensor([ids])).last_hidden_state[0, -1].double()
+        expected = torch.nn.functional.normalize(hidden, dim=0)
+        torch.testing.assert_close(torch.tensor(output.outputs.embedding, dtype=torch.float64), expected, rtol=1e-5, atol=1e-5)
+    with pytest.raises(InvalidRequestError, match="no LM head") as error:
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2))
+    assert error.value.parameter == "model"
+    assert_engine_drained(llm)

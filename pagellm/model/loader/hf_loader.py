@@ -38,6 +38,8 @@ def hf_model_config(folder: Path) -> ModelConfig:
     # A config saved without a model (XConfig.save_pretrained) names no architecture;
     # its model_type still says which one.
     arch = architectures[0] if architectures else ARCHITECTURE_BY_MODEL_TYPE.get(cfg.get("model_type", ""))
+    # A base model (e5-mistral's MistralModel, a Qwen3Model): the family's layers, no LM head.
+    arch = BASE_MODEL_ARCHITECTURES.get(arch, arch)
     if arch == "Gemma3ForConditionalGeneration" or (arch is None and cfg.get("model_type") == "gemma3"):
         cfg, arch = gemma3_text_config(cfg), "Gemma3ForCausalLM"
     if arch not in SUPPORTED_HF_ARCHITECTURES:
@@ -83,6 +85,7 @@ def hf_model_config(folder: Path) -> ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=_eos_ids(cfg, folder),
             pooling_type=_sentence_transformers_pooling(folder),
+            has_lm_head=bool(cfg.get("tie_word_embeddings", arch in GEMMA_ARCHITECTURES)) or _stores_lm_head(folder),
             is_matryoshka=bool(cfg.get("is_matryoshka") or cfg.get("matryoshka_dimensions")),
             matryoshka_dimensions=tuple(int(d) for d in cfg["matryoshka_dimensions"]) if cfg.get("matryoshka_dimensions") else None,
         )
@@ -121,6 +124,30 @@ def _sentence_transformers_pooling(folder: Path) -> str:
                 )
             return chosen[0]
     return "last"
+
+
+BASE_MODEL_ARCHITECTURES = {
+    "LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM", "Qwen2Model": "Qwen2ForCausalLM",
+    "Qwen3Model": "Qwen3ForCausalLM",
+}  # fmt: skip
+
+
+def _stores_lm_head(folder: Path) -> bool:
+    """Whether the checkpoint holds an LM head. An embedding model's often does not, even
+    when its config names the causal class (Qwen3-Embedding's lists Qwen3ForCausalLM): then
+    it computes embeddings only. Only the names are read (the index, or each shard's header)."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = read_json(index).get("weight_map")
+        return isinstance(weight_map, dict) and "lm_head.weight" in weight_map
+    for path in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                if "lm_head.weight" in f.keys():
+                    return True
+        except (SafetensorError, OSError) as e:
+            raise ModelLoadError(f"cannot read weights from {path}: {e}") from None
+    return False
 
 
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
