@@ -493,7 +493,7 @@ def test_every_serve_flag_is_documented(cli):
 
 def test_every_route_is_documented():
     source = (ROOT / "pagellm" / "entrypoints" / "openai" / "api_server.py").read_text(encoding="utf-8")
-    routes = set(re.findall(r"@app\.(?:get|post|put|delete)\(\"([^\"]+)\"", source))
+    routes = set(re.findall(r"@app\.(?:get|post|put|delete|api_route)\(\"([^\"]+)\"", source))
     assert routes, "no routes found in api_server.py: is this test's pattern out of date?"
     text = page("serving.md")
     assert not sorted(r for r in routes if r not in text)

@@ -32,6 +32,8 @@ from pagellm.entrypoints.openai.openapi_docs import (
     COMPLETION,
     EMBEDDING,
     HEALTH,
+    RESPONSE_BY_ID,
+    RESPONSES,
     METRICS,
     READ,
     TOKENS,
@@ -56,6 +58,8 @@ from pagellm.entrypoints.openai.serving_chat import ChatServing
 from pagellm.entrypoints.openai.serving_common import ServingContext
 from pagellm.entrypoints.openai.serving_completion import CompletionServing
 from pagellm.entrypoints.openai.serving_embedding import EmbeddingServing, embedding_dimensions
+from pagellm.entrypoints.openai.serving_responses import ResponsesServing
+from pagellm.entrypoints.openai.protocol_responses import ResponsesRequest
 from pagellm.entrypoints.openai.serving_tokens import TokenServing
 from pagellm.entrypoints.dashboard import STATIC_DIR
 from pagellm.errors import ConfigError
@@ -79,6 +83,7 @@ def build_app(
     chat = ChatServing(context)
     tokens = TokenServing(context)
     embeddings = EmbeddingServing(context)
+    responses = ResponsesServing(context, chat)
     registry = metrics.make_registry(async_llm, name)
 
     @contextlib.asynccontextmanager
@@ -132,6 +137,19 @@ def build_app(
     @app.post("/v1/chat/completions", responses=CHAT)
     async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Response:
         return await chat.create(body, raw)
+
+    @app.post("/v1/responses", responses=RESPONSES)
+    async def create_response(body: ResponsesRequest, raw: Request) -> Response:
+        return await responses.create(body, raw)
+
+    # One route for both methods, so that a 405 on the path names both in `Allow`.
+    @app.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"], responses=RESPONSE_BY_ID)
+    async def response_by_id(response_id: str, raw: Request) -> Response:
+        return responses.delete(response_id) if raw.method == "DELETE" else responses.retrieve(response_id)
+
+    @app.post("/v1/responses/{response_id}/cancel", responses=RESPONSE_BY_ID)
+    async def cancel_response(response_id: str) -> Response:
+        return await responses.cancel(response_id)
 
     @app.post("/v1/embeddings", responses=EMBEDDING)
     async def create_embedding(body: EmbeddingRequest, raw: Request) -> Response:

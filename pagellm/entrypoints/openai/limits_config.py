@@ -24,6 +24,7 @@ class RequestLimits:
     max_logit_bias_entries: int = 1024
     max_messages: int = 4096
     max_message_chars: int = 4 * 1024 * 1024
+    max_stored_responses: int = 1024
 
     def __post_init__(self) -> None:
         for field in fields(self):
@@ -48,6 +49,8 @@ def add_limit_args(parser: argparse.ArgumentParser) -> None:
         "max_logit_bias_entries": "most logit_bias entries in a request",
         "max_messages": "most messages in a chat request",
         "max_message_chars": "most characters of content in one chat message",
+        "max_stored_responses": "most responses kept in memory for GET /v1/responses/{id} and previous_response_id "
+        "(the oldest is evicted first)",
     }
     for field in fields(RequestLimits):
         parser.add_argument(

@@ -19,6 +19,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from pagellm.entrypoints.openai.limits_config import MAX_N, RequestLimits
+from pagellm.entrypoints.openai.protocol_responses import ResponseObject
 from pagellm.entrypoints.openai.protocol import (
     ChatCompletionResponse,
     MAX_LOGPROBS,
@@ -58,6 +59,17 @@ GENERATION = {**BODY, **AUTH, **UNKNOWN_MODEL, **ENGINE}
 COMPLETION = {**_generated(CompletionResponse, "The completions (JSON, or a stream of them)."), **GENERATION}
 CHAT = {**_generated(ChatCompletionResponse, "The chat completion (JSON), or a stream of chunks."), **GENERATION}
 EMBEDDING = {200: {"model": EmbeddingResponse, "description": "One embedding per input, in input order."}, **GENERATION}
+RESPONSES = {
+    **_generated(ResponseObject, "The response (JSON), or with stream its events; background: queued at once."),
+    **GENERATION,
+    404: _error("The body names a model this server does not serve, or a previous_response_id it does not hold."),
+}
+RESPONSE_BY_ID = {
+    200: {"model": ResponseObject, "description": "The stored response (deleted: the deletion)."},
+    **AUTH,
+    400: _error("Cancel of a response that is not a background one."),
+    404: _error("No stored response has this id (never stored, deleted, or evicted)."),
+}
 TOKENS = {**BODY, **AUTH, **UNKNOWN_MODEL}
 READ = {**AUTH}
 HEALTH = {503: _error("The engine has stopped.")}

@@ -113,6 +113,16 @@ class _Job:
     tools: ToolMode = ToolMode("none")
 
 
+@dataclass(frozen=True)
+class PreparedChat:
+    """A checked chat request, ready for the engine."""
+
+    job: _Job
+    prompt_ids: list[int]
+    params: SamplingParams
+    constraint_field: str
+
+
 class ChatServing:
     def __init__(self, context: ServingContext) -> None:
         self.context = context
@@ -139,15 +149,15 @@ class ChatServing:
         fields["logprobs"] = (body.top_logprobs or 0) if body.logprobs else None
         return make_sampling_params(fields), constraint_field
 
-    async def create(self, body: ChatCompletionRequest, raw: Request) -> Response:
-        arrival_time = time.time()  # queueing in the server counts toward latency
+    def prepare(self, body: ChatCompletionRequest, response_id: str) -> PreparedChat:
+        """Everything but running it: the checks, the sampling parameters, the prompt.
+        Other APIs that are chat underneath (the Responses API) call this too."""
         context = self.context
         context.check_model(body.model)
         check_chat(context.limits, body)
         tools = tool_mode(body)
         params, constraint_field = self._sampling_params(body, tools)
         prompt_ids = chat_prompt_ids(context.tokenizer, body.messages, body, tools)
-        response_id = new_request_id("chatcmpl")
         job = _Job(
             response_id,
             context.served_model_name,
@@ -155,8 +165,17 @@ class ChatServing:
             (body.top_logprobs or 0) if body.logprobs else None,
             tools,
         )
+        return PreparedChat(job, prompt_ids, params, constraint_field)
+
+    async def create(self, body: ChatCompletionRequest, raw: Request) -> Response:
+        arrival_time = time.time()  # queueing in the server counts toward latency
+        context = self.context
+        response_id = new_request_id("chatcmpl")
+        prepared = self.prepare(body, response_id)
+        job = prepared.job
         stream = await context.add_requests(
-            [NewRequest(response_id, prompt_ids, params, body.priority, arrival_time)], constraint_field
+            [NewRequest(response_id, prepared.prompt_ids, prepared.params, body.priority, arrival_time)],
+            prepared.constraint_field,
         )
         if body.stream:
             return EventStreamResponse(self._stream(job, stream), on_close=stream.cancel)
@@ -176,7 +195,7 @@ class ChatServing:
     def _response(self, job: _Job, output: RequestOutput) -> ChatCompletionResponse:
         choices = []
         for completion in sorted(output.outputs, key=lambda c: c.index):
-            content, calls = self._tool_calls(job, completion)
+            content, calls = self.content_and_calls(job, completion)
             choices.append(
                 ChatChoice(
                     index=completion.index,
@@ -214,7 +233,7 @@ class ChatServing:
             stream.cancel()
         yield SSE_DONE
 
-    def _tool_calls(self, job: _Job, completion: CompletionOutput) -> tuple[str | None, list[ToolCall]]:
+    def content_and_calls(self, job: _Job, completion: CompletionOutput) -> tuple[str | None, list[ToolCall]]:
         """A finished completion's content and tool calls (a call cut short by max_tokens
         is returned as the text it is)."""
         if job.tools.kind == "none" or completion.finish_reason not in ("stop", "length"):
@@ -243,7 +262,7 @@ class ChatServing:
         elif job.tools.kind != "none":
             delta = {}
             if completion.finished:
-                content, calls = self._tool_calls(job, completion)
+                content, calls = self.content_and_calls(job, completion)
                 if calls:
                     delta, finish_reason = {"tool_calls": tool_call_deltas(calls)}, _finish_reason(completion, calls)
                 elif content:

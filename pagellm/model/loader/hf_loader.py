@@ -135,12 +135,16 @@ BASE_MODEL_ARCHITECTURES = {
 def _stores_lm_head(folder: Path) -> bool:
     """Whether the checkpoint holds an LM head. An embedding model's often does not, even
     when its config names the causal class (Qwen3-Embedding's lists Qwen3ForCausalLM): then
-    it computes embeddings only. Only the names are read (the index, or each shard's header)."""
+    it computes embeddings only. Only the names are read (the index, or each shard's header);
+    a folder without weights (load_format dummy) has one."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         weight_map = read_json(index).get("weight_map")
         return isinstance(weight_map, dict) and "lm_head.weight" in weight_map
-    for path in sorted(folder.glob("*.safetensors")):
+    shards = sorted(folder.glob("*.safetensors"))
+    if not shards:  # a config alone (load_format dummy draws the weights): the family's usual head
+        return True
+    for path in shards:
         try:
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 if "lm_head.weight" in f.keys():

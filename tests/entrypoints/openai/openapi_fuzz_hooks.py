@@ -35,6 +35,12 @@ DOCUMENTED_REFUSALS = [
     (r"guided_json|guided_regex|guided_choice|guided_grammar|structured_outputs|response_format",
      r"Give one output constraint|: "),
     (r"tools|tool_choice", r"tool"),
+    # The Responses API: a background response is stored and not streamed; a conversation's
+    # items must make a valid chat (e.g. an assistant turn with content).
+    (r"background", r"must be stored"),
+    (r"stream", r"background and stream together"),
+    (r"input", r"Invalid input"),
+    (r"previous_response_id", r"still running"),
 ]  # fmt: skip
 
 

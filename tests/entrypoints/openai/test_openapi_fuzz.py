@@ -34,7 +34,8 @@ SEED = 20261201
 OPERATIONS = [
     "GET /health", "GET /metrics", "GET /v1/models", "GET /v1/engine/state",
     "POST /v1/completions", "POST /v1/chat/completions", "POST /tokenize", "POST /detokenize",
-    "POST /v1/embeddings",
+    "POST /v1/embeddings", "POST /v1/responses", "GET /v1/responses/{response_id}",
+    "DELETE /v1/responses/{response_id}", "POST /v1/responses/{response_id}/cancel",
 ]  # fmt: skip
 FUZZ_SERVER_FLAGS = [
     "--max-model-len", "96",
