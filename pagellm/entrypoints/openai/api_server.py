@@ -30,8 +30,10 @@ from pagellm.entrypoints.openai.auth import ApiKeyMiddleware
 from pagellm.entrypoints.openai.openapi_docs import (
     CHAT,
     COMPLETION,
+    COUNT_TOKENS,
     EMBEDDING,
     HEALTH,
+    MESSAGES,
     RESPONSE_BY_ID,
     RESPONSES,
     METRICS,
@@ -59,6 +61,8 @@ from pagellm.entrypoints.openai.serving_common import ServingContext
 from pagellm.entrypoints.openai.serving_completion import CompletionServing
 from pagellm.entrypoints.openai.serving_embedding import EmbeddingServing, embedding_dimensions
 from pagellm.entrypoints.openai.serving_responses import ResponsesServing
+from pagellm.entrypoints.anthropic.protocol import CountTokensRequest, MessagesRequest
+from pagellm.entrypoints.anthropic.serving import MessagesServing
 from pagellm.entrypoints.openai.protocol_responses import ResponsesRequest
 from pagellm.entrypoints.openai.serving_tokens import TokenServing
 from pagellm.entrypoints.dashboard import STATIC_DIR
@@ -84,6 +88,7 @@ def build_app(
     tokens = TokenServing(context)
     embeddings = EmbeddingServing(context)
     responses = ResponsesServing(context, chat)
+    messages = MessagesServing(context, chat)
     registry = metrics.make_registry(async_llm, name)
 
     @contextlib.asynccontextmanager
@@ -150,6 +155,14 @@ def build_app(
     @app.post("/v1/responses/{response_id}/cancel", responses=RESPONSE_BY_ID)
     async def cancel_response(response_id: str) -> Response:
         return await responses.cancel(response_id)
+
+    @app.post("/v1/messages", responses=MESSAGES)
+    async def create_message(body: MessagesRequest, raw: Request) -> Response:
+        return await messages.create(body, raw)
+
+    @app.post("/v1/messages/count_tokens", responses=COUNT_TOKENS)
+    async def count_message_tokens(body: CountTokensRequest) -> Response:
+        return messages.count_tokens(body)
 
     @app.post("/v1/embeddings", responses=EMBEDDING)
     async def create_embedding(body: EmbeddingRequest, raw: Request) -> Response:

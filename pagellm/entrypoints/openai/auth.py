@@ -23,6 +23,7 @@ class ApiKeyMiddleware:
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self._expected = f"Bearer {api_key}".encode()
+        self._key = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
@@ -32,13 +33,16 @@ class ApiKeyMiddleware:
             return
         response = APIError(
             401, "Invalid or missing API key.", code="invalid_api_key"
-        ).response()
+        ).response(path)
         response.headers["WWW-Authenticate"] = "Bearer"
         await response(scope, receive, send)
 
     def _authorized(self, scope: Scope) -> bool:
+        """`Authorization: Bearer KEY` (OpenAI's clients) or `x-api-key: KEY` (Anthropic's)."""
         for name, value in scope.get("headers", ()):
-            if name == b"authorization":
-                # Constant-time, so that timing does not reveal the key.
-                return hmac.compare_digest(value, self._expected)
+            # Constant-time, so that timing does not reveal the key.
+            if name == b"authorization" and hmac.compare_digest(value, self._expected):
+                return True
+            if name == b"x-api-key" and hmac.compare_digest(value, self._key):
+                return True
         return False

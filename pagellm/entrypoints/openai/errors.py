@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagellm.engine.async_llm import EngineDeadError, EngineOverloadedError
+from pagellm.entrypoints.anthropic.errors import anthropic_error_response, is_messages_path
 from pagellm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
 from pagellm.errors import ChatTemplateError, InvalidRequestError, PagellmError, RequestFailedError
 
@@ -52,7 +53,10 @@ class APIError(Exception):
             error=ErrorInfo(message=self.message, type=error_type, param=self.param, code=self.code)
         )
 
-    def response(self) -> JSONResponse:
+    def response(self, path: str = "") -> JSONResponse:
+        """The answer; on the Messages API's paths in Anthropic's shape."""
+        if is_messages_path(path):
+            return anthropic_error_response(self.status, self.message)
         return JSONResponse(self.body().model_dump(mode="json"), status_code=self.status)
 
 
@@ -102,16 +106,16 @@ def _path(loc: Sequence[Any]) -> str:
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    async def on_api_error(_: Request, exc: Exception) -> JSONResponse:
-        return to_api_error(exc).response()
+    async def on_api_error(request: Request, exc: Exception) -> JSONResponse:
+        return to_api_error(exc).response(request.url.path)
 
-    async def on_validation_error(_: Request, exc: Exception) -> JSONResponse:
+    async def on_validation_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
-        return validation_error(exc.errors()).response()
+        return validation_error(exc.errors()).response(request.url.path)
 
-    async def on_http_error(_: Request, exc: Exception) -> JSONResponse:
+    async def on_http_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
-        response = APIError(exc.status_code, str(exc.detail)).response()
+        response = APIError(exc.status_code, str(exc.detail)).response(request.url.path)
         # The router's own headers (a 405's Allow: the methods the path takes) stay.
         for name, value in (exc.headers or {}).items():
             response.headers[name] = value

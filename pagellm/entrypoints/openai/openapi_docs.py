@@ -19,6 +19,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from pagellm.entrypoints.openai.limits_config import MAX_N, RequestLimits
+from pagellm.entrypoints.anthropic.protocol import AnthropicError, CountTokensResponse, MessageResponse
 from pagellm.entrypoints.openai.protocol_responses import ResponseObject
 from pagellm.entrypoints.openai.protocol import (
     ChatCompletionResponse,
@@ -70,6 +71,24 @@ RESPONSE_BY_ID = {
     400: _error("Cancel of a response that is not a background one."),
     404: _error("No stored response has this id (never stored, deleted, or evicted)."),
 }
+def _anthropic_error(description: str) -> dict[str, Any]:
+    return {"model": AnthropicError, "description": description}
+
+
+_ANTHROPIC_ERRORS = {
+    400: _anthropic_error("An invalid body or field (invalid_request_error)."),
+    401: _anthropic_error("Missing or wrong API key: Authorization: Bearer, or x-api-key (authentication_error)."),
+    404: _anthropic_error("The body names a model this server does not serve (not_found_error)."),
+    413: _anthropic_error("The request body is larger than --max-request-body-bytes (request_too_large)."),
+}
+MESSAGES = {
+    200: {"model": MessageResponse, "description": "The message (JSON), or with stream Anthropic's events.",
+          "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+    **_ANTHROPIC_ERRORS,
+    500: _anthropic_error("The engine step computing the request failed (api_error)."),
+    529: _anthropic_error("Too many requests waiting, or the engine has stopped (overloaded_error)."),
+}  # fmt: skip
+COUNT_TOKENS = {200: {"model": CountTokensResponse, "description": "The prompt's tokens."}, **_ANTHROPIC_ERRORS}
 TOKENS = {**BODY, **AUTH, **UNKNOWN_MODEL}
 READ = {**AUTH}
 HEALTH = {503: _error("The engine has stopped.")}
@@ -170,6 +189,16 @@ def _add_bounds(schemas: dict[str, Any], bounds: ServerBounds) -> None:
         schemas[name]["properties"]["messages"]["maxItems"] = limits.max_messages
     _bound(schemas["ChatMessage"]["properties"]["content"], "string", maxLength=limits.max_message_chars)
     _token_ids(schemas["DetokenizeRequest"]["properties"]["tokens"], max_id)
+    for name in ("MessagesRequest", "CountTokensRequest"):  # the Messages API's own limits (anthropic/serving.py)
+        props = schemas[name]["properties"]
+        props["messages"]["maxItems"] = limits.max_messages
+        if "stop_sequences" in props:
+            _bound(props["stop_sequences"], "array", maxItems=limits.max_stop_strings)
+            for form in _variants(props["stop_sequences"]):
+                form.get("items", {})["maxLength"] = limits.max_stop_string_length
+        if "max_tokens" in props:
+            _bound(props["max_tokens"], "integer", maximum=bounds.max_model_len)
+    _bound(schemas["TextBlock"]["properties"]["text"], "string", maxLength=limits.max_message_chars)
     embedding = schemas["EmbeddingRequest"]["properties"]
     if bounds.embedding_dimensions:
         _bound(embedding["dimensions"], "integer", enum=list(bounds.embedding_dimensions))

@@ -109,4 +109,4 @@ class BodySizeLimitMiddleware:
         return f"The request body is larger than this server's limit of {self.max_bytes} bytes."
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await APIError(413, self._message()).response()(scope, receive, send)
+        await APIError(413, self._message()).response(scope.get("path", ""))(scope, receive, send)

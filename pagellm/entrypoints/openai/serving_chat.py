@@ -149,12 +149,14 @@ class ChatServing:
         fields["logprobs"] = (body.top_logprobs or 0) if body.logprobs else None
         return make_sampling_params(fields), constraint_field
 
-    def prepare(self, body: ChatCompletionRequest, response_id: str) -> PreparedChat:
+    def prepare(self, body: ChatCompletionRequest, response_id: str, check_limits: bool = True) -> PreparedChat:
         """Everything but running it: the checks, the sampling parameters, the prompt.
-        Other APIs that are chat underneath (the Responses API) call this too."""
+        Other APIs that are chat underneath (Responses, Anthropic's Messages) call this too;
+        one that checks the request limits on its own body passes check_limits=False."""
         context = self.context
         context.check_model(body.model)
-        check_chat(context.limits, body)
+        if check_limits:
+            check_chat(context.limits, body)
         tools = tool_mode(body)
         params, constraint_field = self._sampling_params(body, tools)
         prompt_ids = chat_prompt_ids(context.tokenizer, body.messages, body, tools)

@@ -49,6 +49,9 @@ def documented_refusal(status: int, body: object) -> bool:
         return True
     if status != 400 or not isinstance(body, dict) or not isinstance(body.get("error"), dict):
         return False
+    if body.get("type") == "error":  # Anthropic's shape names no field: any documented rule's message
+        message = body["error"].get("message") or ""
+        return any(re.search(pattern, message) for _, pattern in DOCUMENTED_REFUSALS)
     param = body["error"].get("param") or ""
     message = body["error"].get("message") or ""
     return any(

@@ -36,6 +36,7 @@ OPERATIONS = [
     "POST /v1/completions", "POST /v1/chat/completions", "POST /tokenize", "POST /detokenize",
     "POST /v1/embeddings", "POST /v1/responses", "GET /v1/responses/{response_id}",
     "DELETE /v1/responses/{response_id}", "POST /v1/responses/{response_id}/cancel",
+    "POST /v1/messages", "POST /v1/messages/count_tokens",
 ]  # fmt: skip
 FUZZ_SERVER_FLAGS = [
     "--max-model-len", "96",
