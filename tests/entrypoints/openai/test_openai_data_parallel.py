@@ -106,6 +106,8 @@ def test_embeddings_are_routed_and_equal_one_engines(server, tiny):
             got = response.json()["data"][0]["embedding"]
             assert max(abs(a - b) for a, b in zip(got, reference, strict=True)) < 1e-5
         after = client.get("/metrics").text
+        message = client.post("/v1/messages", json={"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
+        assert message.status_code == 200 and message.json()["type"] == "message"  # Anthropic's route too
     assert metric(after, "pagellm:embedding_requests_total") - metric(before, "pagellm:embedding_requests_total") == 3
     hits = [metric(after, "pagellm:prefix_cache_hits_total", replica=r) - metric(before, "pagellm:prefix_cache_hits_total", replica=r) for r in ("0", "1")]
     assert max(hits) >= 2 * 80, hits  # routed by the input's tokens to the replica holding the prefix

@@ -237,8 +237,8 @@ def build_router_app(router: ReplicaRouter, name: str, api_key: str | None) -> F
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
 
     @app.exception_handler(APIError)
-    async def api_error(_: Request, exc: APIError) -> Response:
-        return exc.response()
+    async def api_error(request: Request, exc: APIError) -> Response:
+        return exc.response(request.url.path)
 
     @app.get("/health")
     async def health() -> Response:
@@ -251,7 +251,9 @@ def build_router_app(router: ReplicaRouter, name: str, api_key: str | None) -> F
     async def get_metrics() -> Response:
         return Response(await router.metrics_text(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    for path in ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/tokenize", "/detokenize"):
+    # The Responses API keeps its responses in one replica's memory: not routed yet.
+    stateless = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/messages", "/v1/messages/count_tokens")
+    for path in (*stateless, "/tokenize", "/detokenize"):
         app.add_api_route(path, _forwarder(router, path), methods=["POST"])
     app.add_api_route("/v1/models", _forwarder(router, "/v1/models"), methods=["GET"])
 
