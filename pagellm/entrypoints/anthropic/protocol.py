@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag
 
-from pagellm.entrypoints.openai.protocol import OpenAIModel, PositiveInt, RequestModel, TopK
+from pagellm.entrypoints.openai.protocol import OpenAIModel, PositiveInt, RequestModel, StructuredOutputsFields, TopK
 
 
 class TextBlock(RequestModel):
@@ -94,6 +94,8 @@ class MessagesRequest(CountTokensRequest):
     top_k: TopK | None = None
     stream: bool = False
     metadata: Metadata | None = None
+    # vLLM's extension (as on the chat endpoint): an output constraint (json, regex, choice, grammar).
+    structured_outputs: StructuredOutputsFields | None = None
 
 
 class Usage(OpenAIModel):

@@ -83,6 +83,8 @@ def chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
         fields.update(
             max_tokens=body.max_tokens, stop=body.stop_sequences or None, temperature=body.temperature, top_p=body.top_p,
             top_k=body.top_k, user=body.metadata.user_id if body.metadata else None,
+            structured_outputs=body.structured_outputs.model_dump(by_alias=True, exclude_none=True)
+            if body.structured_outputs else None,
         )  # fmt: skip
     if body.tools:
         fields["tools"] = [
@@ -175,8 +177,9 @@ class MessagesServing:
         return JSONResponse(self._message(message_id, prepared, finals[message_id]).model_dump(mode="json"))
 
     def _blocks(self, prepared: PreparedChat, completion: CompletionOutput) -> tuple[list[dict[str, Any]], str, str | None]:
-        content, calls = self.chat.content_and_calls(prepared.job, completion)
-        blocks: list[dict[str, Any]] = [{"type": "text", "text": content}] if content else []
+        reasoning, content, calls = self.chat.content_and_calls(prepared.job, completion)
+        blocks: list[dict[str, Any]] = [{"type": "thinking", "thinking": reasoning, "signature": ""}] if reasoning else []
+        blocks += [{"type": "text", "text": content}] if content else []
         blocks += [
             {"type": "tool_use", "id": _tool_use_id(call.id), "name": call.function.name, "input": _input_object(call.function.arguments)}
             for call in calls
@@ -207,7 +210,9 @@ class MessagesServing:
             "usage": {"input_tokens": len(prepared.prompt_ids), "output_tokens": 0},
         }  # fmt: skip
         yield event("message_start", message=start)
-        streams_text = prepared.job.tools.kind == "none"  # with tools the text may turn out to be calls
+        # With tools the text may turn out to be calls, with a reasoning parser thinking:
+        # then the blocks are sent once the output is known.
+        streams_text = prepared.job.tools.kind == "none" and self.context.reasoning is None
         try:
             opened = False
             final: RequestOutput | None = None
@@ -231,6 +236,10 @@ class MessagesServing:
                 if block["type"] == "text":
                     yield event("content_block_start", index=index, content_block={"type": "text", "text": ""})
                     yield event("content_block_delta", index=index, delta={"type": "text_delta", "text": block["text"]})
+                elif block["type"] == "thinking":
+                    yield event("content_block_start", index=index, content_block={"type": "thinking", "thinking": "", "signature": ""})
+                    yield event("content_block_delta", index=index, delta={"type": "thinking_delta", "thinking": block["thinking"]})
+                    yield event("content_block_delta", index=index, delta={"type": "signature_delta", "signature": ""})
                 else:
                     yield event("content_block_start", index=index, content_block={**block, "input": {}})
                     yield event("content_block_delta", index=index, delta={"type": "input_json_delta", "partial_json": json.dumps(block["input"])})

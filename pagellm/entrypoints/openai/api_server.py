@@ -61,6 +61,7 @@ from pagellm.entrypoints.openai.serving_common import ServingContext
 from pagellm.entrypoints.openai.serving_completion import CompletionServing
 from pagellm.entrypoints.openai.serving_embedding import EmbeddingServing, embedding_dimensions
 from pagellm.entrypoints.openai.serving_responses import ResponsesServing
+from pagellm.entrypoints.openai.reasoning import REASONING_FORMATS
 from pagellm.entrypoints.anthropic.protocol import CountTokensRequest, MessagesRequest
 from pagellm.entrypoints.anthropic.serving import MessagesServing
 from pagellm.entrypoints.openai.protocol_responses import ResponsesRequest
@@ -78,11 +79,13 @@ def build_app(
     api_key: str | None = None,
     on_ready: Callable[[], None] | None = None,
     limits: RequestLimits | None = None,
+    reasoning_parser: str | None = None,
 ) -> FastAPI:
     """The FastAPI app serving `async_llm`; its lifespan starts and stops the engine loop."""
     name = served_model_name or async_llm.engine.config.source.name
     limits = limits or RequestLimits()
-    context = ServingContext(async_llm, name, limits)
+    reasoning = REASONING_FORMATS[reasoning_parser] if reasoning_parser else None
+    context = ServingContext(async_llm, name, limits, reasoning)
     completions = CompletionServing(context)
     chat = ChatServing(context)
     tokens = TokenServing(context)
@@ -240,6 +243,7 @@ def run_server(args: argparse.Namespace) -> None:
         args.api_key,
         on_ready=lambda: logger.info("%s", _ready_message(async_llm, name, sock)),
         limits=RequestLimits.from_namespace(args),
+        reasoning_parser=getattr(args, "reasoning_parser", None),
     )
     config = uvicorn.Config(
         app,

@@ -199,6 +199,13 @@ def _add_bounds(schemas: dict[str, Any], bounds: ServerBounds) -> None:
         if "max_tokens" in props:
             _bound(props["max_tokens"], "integer", maximum=bounds.max_model_len)
     _bound(schemas["TextBlock"]["properties"]["text"], "string", maxLength=limits.max_message_chars)
+    responses = schemas["ResponsesRequest"]["properties"]
+    _bound(responses["input"], "array", maxItems=limits.max_messages)
+    _bound(responses["input"], "string", maxLength=limits.max_message_chars)
+    _bound(schemas["InputMessage"]["properties"]["content"], "string", maxLength=limits.max_message_chars)
+    _bound(schemas["InputTextPart"]["properties"]["text"], "string", maxLength=limits.max_message_chars)
+    for name, field in (("FunctionCallItem", "arguments"), ("FunctionCallOutputItem", "output")):
+        _bound(schemas[name]["properties"][field], "string", maxLength=limits.max_message_chars)
     embedding = schemas["EmbeddingRequest"]["properties"]
     if bounds.embedding_dimensions:
         _bound(embedding["dimensions"], "integer", enum=list(bounds.embedding_dimensions))

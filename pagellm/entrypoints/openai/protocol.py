@@ -257,6 +257,8 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool = False
     top_logprobs: NumLogprobs | None = None
+    # Passed to the chat template (e.g. Qwen3's enable_thinking).
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class TokenizeFields(RequestModel):
@@ -383,6 +385,8 @@ class ChatResponseMessage(OpenAIModel):
     role: str = "assistant"
     content: str | None
     tool_calls: list[ToolCall] | None = None
+    # With --reasoning-parser: the text between the think tags (absent otherwise).
+    reasoning_content: str | None = Field(None, exclude_if=lambda value: value is None)
 
 
 class ChatChoice(OpenAIModel):

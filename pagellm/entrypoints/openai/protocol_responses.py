@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag
 
-from pagellm.entrypoints.openai.protocol import OpenAIModel, PositiveInt, RequestModel, SafeInt
+from pagellm.entrypoints.openai.protocol import OpenAIModel, PositiveInt, RequestModel, SafeInt, StructuredOutputsFields
 
 
 class InputTextPart(RequestModel):
@@ -126,6 +126,8 @@ class ResponsesRequest(RequestModel):
     truncation: Literal["disabled"] | None = None
     seed: SafeInt | None = None
     priority: SafeInt = 0
+    # vLLM's extension (as on the chat endpoint): an output constraint (json, regex, choice, grammar).
+    structured_outputs: StructuredOutputsFields | None = None
 
 
 class ResponseUsage(OpenAIModel):

@@ -12,6 +12,7 @@ import os
 from pagellm.config.cli_args import add_engine_args
 from pagellm.entrypoints.openai.api_key import API_KEY_ENV
 from pagellm.entrypoints.openai.limits_config import RequestLimits, add_limit_args
+from pagellm.entrypoints.openai.reasoning import REASONING_FORMATS
 from pagellm.errors import ConfigError
 
 
@@ -61,6 +62,14 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentP
         default="affinity",
         help="how the replicas are chosen: affinity = prefix-cache affinity, then load; "
         "load = the least loaded replica only (default: affinity)",
+    )
+    serve.add_argument(
+        "--reasoning-parser",
+        choices=sorted(REASONING_FORMATS),
+        default=None,
+        help="split a thinking model's output: the text between its think tags goes to "
+        "reasoning_content (chat), reasoning items (Responses) and thinking blocks (Messages) "
+        "(default: none, all text is content)",
     )
     add_limit_args(serve)
     add_engine_args(serve)

@@ -32,6 +32,7 @@ from pagellm.entrypoints.openai.protocol import (
     ToolCall,
     UsageInfo,
 )
+from pagellm.entrypoints.openai.reasoning import StreamingReasoning, split_reasoning
 from pagellm.entrypoints.openai.sampling import (
     common_sampling_fields,
     make_sampling_params,
@@ -85,9 +86,12 @@ def chat_prompt_ids(
     tools: ToolMode = ToolMode("none"),
 ) -> list[int]:
     dicts = message_dicts(messages)
-    extra: dict[str, Any] = {}
+    extra: dict[str, Any] = dict(request.chat_template_kwargs or {}) if request is not None else {}
     if tools.kind != "none" or _has_tool_turns(dicts):
-        dicts, extra = prompt_messages(dicts, request, tools, template_takes_tools(tokenizer))
+        dicts, tool_extra = prompt_messages(dicts, request, tools, template_takes_tools(tokenizer))
+        extra.update(tool_extra)
+    for reserved in ("add_generation_prompt", "messages", "tokenize", "chat_template"):
+        extra.pop(reserved, None)  # the server's own arguments (it opens the assistant's turn itself)
     text = tokenizer.apply_chat_template(dicts, add_generation_prompt=True, **extra)
     assert isinstance(text, str)
     return tokenizer.encode(text, add_special_tokens=False)
@@ -197,11 +201,11 @@ class ChatServing:
     def _response(self, job: _Job, output: RequestOutput) -> ChatCompletionResponse:
         choices = []
         for completion in sorted(output.outputs, key=lambda c: c.index):
-            content, calls = self.content_and_calls(job, completion)
+            reasoning, content, calls = self.content_and_calls(job, completion)
             choices.append(
                 ChatChoice(
                     index=completion.index,
-                    message=ChatResponseMessage(content=content, tool_calls=calls or None),
+                    message=ChatResponseMessage(content=content, tool_calls=calls or None, reasoning_content=reasoning),
                     logprobs=self._logprobs(job, completion.token_ids, completion.logprobs),
                     finish_reason=_finish_reason(completion, calls),
                     stop_reason=completion.stop_reason,
@@ -218,12 +222,14 @@ class ChatServing:
             # The assistant's role opens every choice before any content.
             opening = [ChatChunkChoice(index=i, delta=self._opening_delta(job)) for i in range(body.n)]
             yield self._chunk(job, opening)
+            fmt = self.context.reasoning
+            splitters = {i: StreamingReasoning(fmt) for i in range(body.n)} if fmt is not None else {}
             async for output in stream:
                 latest = output
                 choices = [
                     choice
                     for completion in output.outputs
-                    if (choice := self._delta_choice(job, completion))
+                    if (choice := self._delta_choice(job, completion, splitters.get(completion.index)))
                 ]
                 if choices:
                     yield self._chunk(job, choices, continuous_usage(body, [output]))
@@ -235,22 +241,32 @@ class ChatServing:
             stream.cancel()
         yield SSE_DONE
 
-    def content_and_calls(self, job: _Job, completion: CompletionOutput) -> tuple[str | None, list[ToolCall]]:
-        """A finished completion's content and tool calls (a call cut short by max_tokens
-        is returned as the text it is)."""
+    def content_and_calls(
+        self, job: _Job, completion: CompletionOutput
+    ) -> tuple[str | None, str | None, list[ToolCall]]:
+        """A finished completion's reasoning (with --reasoning-parser), content and tool
+        calls, parsed from the text after the reasoning (a call cut short by max_tokens is
+        returned as the text it is). A named or required tool choice constrains the output
+        to calls from its first token: nothing to split."""
+        reasoning, text = None, completion.text
+        if self.context.reasoning is not None and job.tools.kind not in ("named", "required"):
+            reasoning, text = split_reasoning(completion.text, self.context.reasoning)
         if job.tools.kind == "none" or completion.finish_reason not in ("stop", "length"):
-            return completion.text, []
+            return reasoning, text, []
         if completion.finish_reason == "length" and job.tools.kind != "required":
-            return completion.text, []
+            return reasoning, text, []
         # A "required" array cut by max_tokens still carries its whole calls.
-        return parse_tool_calls(completion.text, job.tools, job.body)
+        return reasoning, *parse_tool_calls(text or "", job.tools, job.body)
 
-    def _delta_choice(self, job: _Job, completion: CompletionOutput) -> ChatChunkChoice | None:
+    def _delta_choice(
+        self, job: _Job, completion: CompletionOutput, splitter: StreamingReasoning | None = None
+    ) -> ChatChunkChoice | None:
         """The chunk choice for what this step added to a completion (None: nothing).
 
         With tools, a named function's arguments stream as they come (the call's id and
         name first); other tool modes hold the text back and send it, or the calls it
-        holds, when the completion finishes."""
+        holds, when the completion finishes. With --reasoning-parser (`splitter`) the text
+        streams as `reasoning_content`, then `content`."""
         text = completion.delta_text
         if not (text or completion.delta_token_ids or completion.finished):
             return None
@@ -264,11 +280,21 @@ class ChatServing:
         elif job.tools.kind != "none":
             delta = {}
             if completion.finished:
-                content, calls = self.content_and_calls(job, completion)
+                reasoning, content, calls = self.content_and_calls(job, completion)
                 if calls:
                     delta, finish_reason = {"tool_calls": tool_call_deltas(calls)}, _finish_reason(completion, calls)
                 elif content:
                     delta = {"content": content}
+                if reasoning:
+                    delta = {"reasoning_content": reasoning, **delta}
+        elif splitter is not None:
+            reasoning, content = splitter.feed(text)
+            if completion.finished:
+                more_reasoning, more_content = splitter.finish()
+                reasoning, content = reasoning + more_reasoning, content + more_content
+            delta = {"reasoning_content": reasoning} if reasoning else {}
+            if content or not (reasoning or completion.finished):
+                delta["content"] = content
         else:
             delta = {"content": text} if text or not completion.finished else {}
         return ChatChunkChoice(

@@ -10,6 +10,7 @@ from pagellm.engine.async_llm import AsyncLLM, NewRequest, OutputStream
 from pagellm.entrypoints.openai.limits_config import RequestLimits
 from pagellm.entrypoints.openai.errors import APIError
 from pagellm.entrypoints.openai.protocol import UsageInfo
+from pagellm.entrypoints.openai.reasoning import ReasoningFormat
 from pagellm.errors import InvalidRequestError
 from pagellm.outputs import RequestOutput
 from pagellm.structured_outputs_params import KINDS as CONSTRAINT_KINDS
@@ -21,6 +22,7 @@ class ServingContext:
     async_llm: AsyncLLM
     served_model_name: str
     limits: RequestLimits = RequestLimits()
+    reasoning: ReasoningFormat | None = None  # --reasoning-parser
 
     @property
     def tokenizer(self) -> Tokenizer:

@@ -89,6 +89,8 @@ def chat_request(body: ResponsesRequest, messages: list[dict[str, Any]]) -> Chat
         "model": body.model, "messages": messages, "max_completion_tokens": body.max_output_tokens,
         "temperature": body.temperature, "top_p": body.top_p, "seed": body.seed, "priority": body.priority,
         "user": body.user, "parallel_tool_calls": body.parallel_tool_calls,
+        "structured_outputs": body.structured_outputs.model_dump(by_alias=True, exclude_none=True)
+        if body.structured_outputs else None,
     }  # fmt: skip
     if body.tools:
         fields["tools"] = [
@@ -153,7 +155,8 @@ class ResponsesServing:
         conversation += input_messages(body)
         system = [{"role": "system", "content": body.instructions}] if body.instructions else []
         response_id = _new_id("resp")
-        prepared = self.chat.prepare(chat_request(body, system + conversation), response_id)
+        self._check_limits(body)
+        prepared = self.chat.prepare(chat_request(body, system + conversation), response_id, check_limits=False)
         if body.max_output_tokens is None:  # no limit but the context (chat's default is 16)
             prepared = dataclasses.replace(prepared, params=dataclasses.replace(prepared.params, max_tokens=None))
         entry = StoredResponse(self._response_object(body, response_id), conversation)
@@ -178,6 +181,26 @@ class ResponsesServing:
         self._finish(entry, prepared, finals[response_id])
         return JSONResponse(self._dump(entry))
 
+    def _check_limits(self, body: ResponsesRequest) -> None:
+        """The server's request limits as this API counts: input items, and the text of each
+        (a stored conversation it continues was checked when it came)."""
+        limits = self.context.limits
+        items = [body.input] if isinstance(body.input, str) else body.input
+        if len(items) > limits.max_messages:
+            raise APIError(400, f"input has {len(items)} items; at most {limits.max_messages}.", param="input")
+        for index, item in enumerate(items):
+            if isinstance(item, str):
+                length = len(item)
+            elif isinstance(item, InputMessage):
+                length = len(item.content) if isinstance(item.content, str) else sum(len(p.text) for p in item.content)
+            else:
+                length = len(getattr(item, "output", "") or getattr(item, "arguments", "") or "")
+            if length > limits.max_message_chars:
+                raise APIError(
+                    400, f"input[{index}] has {length} characters of content; at most {limits.max_message_chars}.",
+                    param="input",
+                )  # fmt: skip
+
     def _response_object(self, body: ResponsesRequest, response_id: str) -> ResponseObject:
         text_format = body.text.format if body.text is not None and body.text.format is not None else None
         choice = body.tool_choice
@@ -200,8 +223,13 @@ class ResponsesServing:
     def _output(self, prepared: PreparedChat, output: RequestOutput) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         """The output items of a finished completion, and the assistant turn it adds to the conversation."""
         completion = output.outputs[0]
-        content, calls = self.chat.content_and_calls(prepared.job, completion)
+        reasoning, content, calls = self.chat.content_and_calls(prepared.job, completion)
         items = []
+        if reasoning is not None:
+            items.append({
+                "type": "reasoning", "id": _new_id("rs"), "status": "completed", "summary": [],
+                "content": [{"type": "reasoning_text", "text": reasoning}],
+            })  # fmt: skip
         if content or not calls:
             items.append(_message_item(content or ""))
         items += [_call_item(call) for call in calls]
@@ -256,7 +284,9 @@ class ResponsesServing:
         response_id = entry.response.id
         yield event("response.created", response=self._dump(entry))
         yield event("response.in_progress", response=self._dump(entry))
-        streams_text = prepared.job.tools.kind == "none"  # with tools the text may turn out to be calls
+        # With tools the text may turn out to be calls, with a reasoning parser reasoning:
+        # then the items are sent once the output is known.
+        streams_text = prepared.job.tools.kind == "none" and self.context.reasoning is None
         item_id = _new_id("msg")
         opened = False
         try:
@@ -287,6 +317,8 @@ class ResponsesServing:
                     part = item["content"][0]
                     yield event("response.output_text.done", item_id=item_id, output_index=index, content_index=0, text=part["text"], logprobs=[])
                     yield event("response.content_part.done", item_id=item_id, output_index=index, content_index=0, part=part)
+                elif item["type"] == "reasoning":
+                    yield event("response.output_item.added", output_index=index, item={**item, "content": [], "status": "in_progress"})
                 else:
                     yield event("response.output_item.added", output_index=index, item={**item, "arguments": "", "status": "in_progress"})
                     yield event("response.function_call_arguments.delta", item_id=item["id"], output_index=index, delta=item["arguments"])

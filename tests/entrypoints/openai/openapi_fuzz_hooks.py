@@ -39,7 +39,7 @@ DOCUMENTED_REFUSALS = [
     # items must make a valid chat (e.g. an assistant turn with content).
     (r"background", r"must be stored"),
     (r"stream", r"background and stream together"),
-    (r"input", r"Invalid input"),
+    (r"input", r"Invalid input|characters of content; at most"),
     (r"previous_response_id", r"still running"),
 ]  # fmt: skip
 

@@ -315,6 +315,8 @@ def replica_serve_args(args: argparse.Namespace, engine_args: EngineArgs, name: 
     flags = ["--served-model-name", name, "--shutdown-timeout", str(args.shutdown_timeout)]
     if args.max_num_queued_requests is not None:
         flags += ["--max-num-queued-requests", str(args.max_num_queued_requests)]
+    if getattr(args, "reasoning_parser", None):
+        flags += ["--reasoning-parser", args.reasoning_parser]
     for field in dataclasses.fields(RequestLimits):  # each replica checks the limits
         value = getattr(args, field.name, None)
         if value is not None:
