@@ -55,29 +55,22 @@ class InputProcessor:
         pooling: PoolingParams | None = None,
     ) -> Request:
         num_prompt = len(prompt_token_ids)
-        if pooling is not None:  # an embedding: the prompt may fill the context
+        if pooling is not None:  # an embedding generates nothing: its input may fill the context
             if num_prompt > self.max_model_len:
                 raise InvalidRequestError(
                     f"the input has {num_prompt} tokens, but max_model_len is {self.max_model_len}", "input"
                 )
-            return Request(
-                request_id,
-                prompt_token_ids,
-                params,
-                eos_token_ids=self.tokenizer.eos_token_ids,
-                arrival_time=time.time() if arrival_time is None else arrival_time,
-                priority=priority,
-                pooling_params=pooling,
-            )
-        if num_prompt >= self.max_model_len:
-            raise InvalidRequestError(
-                f"the prompt has {num_prompt} tokens, but max_model_len is "
-                f"{self.max_model_len}: no room for any new token",
-                "prompt",
-            )
-        max_tokens = params.max_tokens
-        if max_tokens is None:
-            max_tokens = self.max_model_len - num_prompt
+            max_tokens = None
+        else:
+            if num_prompt >= self.max_model_len:
+                raise InvalidRequestError(
+                    f"the prompt has {num_prompt} tokens, but max_model_len is "
+                    f"{self.max_model_len}: no room for any new token",
+                    "prompt",
+                )
+            max_tokens = params.max_tokens
+            if max_tokens is None:
+                max_tokens = self.max_model_len - num_prompt
         return Request(
             request_id,
             prompt_token_ids,
@@ -85,5 +78,6 @@ class InputProcessor:
             eos_token_ids=self.tokenizer.eos_token_ids,
             arrival_time=time.time() if arrival_time is None else arrival_time,
             priority=priority,
+            pooling_params=pooling,
             max_tokens=max_tokens,
         )
