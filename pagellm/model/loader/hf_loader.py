@@ -132,6 +132,11 @@ BASE_MODEL_ARCHITECTURES = {
 }  # fmt: skip
 
 
+def _is_lm_head(name: str) -> bool:
+    # A multimodal checkpoint names its text model's head under a prefix (language_model.lm_head.weight).
+    return name == "lm_head.weight" or name.endswith(".lm_head.weight")
+
+
 def _stores_lm_head(folder: Path) -> bool:
     """Whether the checkpoint holds an LM head. An embedding model's often does not, even
     when its config names the causal class (Qwen3-Embedding's lists Qwen3ForCausalLM): then
@@ -140,14 +145,14 @@ def _stores_lm_head(folder: Path) -> bool:
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         weight_map = read_json(index).get("weight_map")
-        return isinstance(weight_map, dict) and "lm_head.weight" in weight_map
+        return isinstance(weight_map, dict) and any(_is_lm_head(name) for name in weight_map)
     shards = sorted(folder.glob("*.safetensors"))
     if not shards:  # a config alone (load_format dummy draws the weights): the family's usual head
         return True
     for path in shards:
         try:
             with safe_open(str(path), framework="pt", device="cpu") as f:
-                if "lm_head.weight" in f.keys():
+                if any(_is_lm_head(name) for name in f.keys()):
                     return True
         except (SafetensorError, OSError) as e:
             raise ModelLoadError(f"cannot read weights from {path}: {e}") from None
