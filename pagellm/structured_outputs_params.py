@@ -19,6 +19,27 @@ KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
 @dataclass(frozen=True)
+class ThinkBlock:
+    """A think block the output may open with, which the constraint leaves free: the
+    constraint applies to the answer after the block's end tag (and the newlines after it).
+
+    opened: the prompt opened the block, so the output starts inside it.
+    required: the output's text up to the end tag is reasoning whether or not it writes the
+    start tag first (DeepSeek-R1); otherwise the block is optional and, when the output does
+    not open with the start tag, the constraint applies from the first token (Qwen3).
+    """
+
+    start: str = "<think>"
+    end: str = "</think>"
+    opened: bool = False
+    required: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.start or not self.end:
+            raise InvalidRequestError("a think block needs a start and an end tag", "structured_outputs")
+
+
+@dataclass(frozen=True)
 class StructuredOutputsParams:
     """One constraint on a request's output.
 
@@ -32,6 +53,7 @@ class StructuredOutputsParams:
     regex: str | None = None
     choice: Sequence[str] | None = None
     grammar: str | None = None
+    after_think: ThinkBlock | None = None  # the constraint starts after this block
 
     def __post_init__(self) -> None:
         if isinstance(self.json, Mapping):
@@ -72,14 +94,19 @@ class StructuredOutputsParams:
         return self.kinds[0]
 
     @property
-    def key(self) -> tuple[str, str]:
-        """What identifies the compiled grammar (the cache key)."""
+    def text(self) -> str:
+        """The constraint as the grammar engine reads it ("" for any JSON object)."""
         kind = self.kind
         if kind == "json_object":
-            return kind, ""
+            return ""
         if kind == "choice":
-            return kind, json.dumps(list(self.choice or ()))
-        return kind, str(getattr(self, kind))
+            return json.dumps(list(self.choice or ()))
+        return str(getattr(self, kind))
+
+    @property
+    def key(self) -> tuple[str, str, ThinkBlock | None]:
+        """What identifies the compiled grammar (the cache key)."""
+        return self.kind, self.text, self.after_think
 
 
 def _canonical_json(value: Any, parameter: str) -> str:

@@ -16,6 +16,7 @@ new schema never stalls the engine's step loop; the engine thread then finds it 
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagellm.errors import InvalidRequestError
-from pagellm.structured_outputs_params import StructuredOutputsParams
+from pagellm.structured_outputs_params import StructuredOutputsParams, ThinkBlock
 from pagellm.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -64,8 +65,8 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self._tokenizer_lock = threading.Lock()  # building it must not hold up cache hits
         self._ll_tokenizer: Any = None
-        self._cache: OrderedDict[tuple[str, str], CompiledGrammar] = OrderedDict()
-        self._in_progress: dict[tuple[str, str], threading.Event] = {}
+        self._cache: OrderedDict[tuple[str, str, ThinkBlock | None], CompiledGrammar] = OrderedDict()
+        self._in_progress: dict[tuple[str, str, ThinkBlock | None], threading.Event] = {}
         self.stats = GrammarStats()
 
     def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
@@ -121,7 +122,7 @@ class GrammarCompiler:
         import llguidance
 
         tokenizer = self.ll_tokenizer()
-        kind, text = params.key
+        kind, text = params.kind, params.text
         start = time.perf_counter()
         try:
             if kind == "json_object":
@@ -134,9 +135,43 @@ class GrammarCompiler:
                 grammar = llguidance.grammar_from(kind, text)  # regex, choice, grammar (GBNF or Lark)
         except ValueError as e:
             raise InvalidRequestError(f"invalid {kind}: {e}", kind) from None
+        if params.after_think is not None:
+            grammar = after_think_block(grammar, params.after_think)
         matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise InvalidRequestError(f"invalid {kind}: {matcher.get_error()}", kind)
         seconds = time.perf_counter() - start
         logger.debug("compiled a %s constraint in %.1f ms", kind, seconds * 1e3)
         return CompiledGrammar(matcher, seconds)
+
+
+def after_think_block(answer: str, block: ThinkBlock) -> str:
+    """An llguidance grammar that leaves a think block free and holds the text after it
+    (past the newlines that follow the end tag) to `answer`, an llguidance grammar.
+
+    The block's text is one lazy lexeme: it ends at the first end tag. `answer` becomes a
+    named sub-grammar, whatever form the grammar engine wrote it in (a JSON grammar list, or
+    Lark text)."""
+    if answer.lstrip().startswith("{"):
+        grammars = json.loads(answer)["grammars"]
+    else:
+        grammars = [{"lark_grammar": answer}]
+    grammars[0] = {**grammars[0], "name": "answer"}
+    start, end = json.dumps(block.start), json.dumps(block.end)
+    if block.opened:
+        top = "start: reasoning answer"
+    elif block.required:
+        top = "start: think_open? reasoning answer"
+    else:
+        top = "start: (think_open reasoning)? answer"
+    wrapper = "\n".join([
+        "%llguidance {}",
+        top,
+        f"think_open: /[ \\t\\r\\n]*/ {start}",
+        "reasoning: reasoning_text NEWLINES?",
+        f"reasoning_text[lazy]: REASONING_TEXT {end}",
+        "NEWLINES: /\\n+/",
+        "REASONING_TEXT: /(.|\\n)*/",
+        "answer: @answer",
+    ])  # fmt: skip
+    return json.dumps({"grammars": [{"lark_grammar": wrapper}, *grammars]})

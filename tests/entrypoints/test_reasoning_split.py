@@ -8,7 +8,15 @@ import random
 
 import pytest
 
-from pagellm.entrypoints.openai.reasoning import REASONING_FORMATS, StreamingReasoning, split_reasoning
+from pagellm.entrypoints.openai.reasoning import (
+    IN_CONTENT,
+    IN_REASONING,
+    REASONING_FORMATS,
+    ReasoningSplit,
+    StreamingReasoning,
+    split_reasoning,
+)
+from pagellm.structured_outputs_params import ThinkBlock
 
 QWEN3, R1 = REASONING_FORMATS["qwen3"], REASONING_FORMATS["deepseek_r1"]
 
@@ -71,3 +79,47 @@ def test_nothing_is_emitted_while_a_tag_may_still_be_forming():
     assert parser.feed("ink>\n") == ("", "")  # the newlines after the end tag are not content
     assert parser.feed("\nDone") == ("", "Done")
     assert parser.finish() == ("", "")
+
+
+@pytest.mark.parametrize(
+    "prompt,start",
+    [
+        ("<|im_start|>assistant\n", "undecided"),  # the output decides (Qwen3 with thinking on)
+        ("<|im_start|>assistant\n<think>\n", "reasoning"),  # the template opened the block
+        ("<|im_start|>assistant\n<think>\n\n</think>\n\n", "content"),  # an empty block: thinking off
+        # An earlier turn's block says nothing about this one.
+        ("<think>a</think>b<|im_end|>\n<|im_start|>assistant\n", "undecided"),
+        ("user wrote </think>", "undecided"),  # an end tag with no block
+    ],
+)
+def test_where_the_prompt_leaves_the_output(prompt, start):
+    assert ReasoningSplit.for_prompt(QWEN3, prompt).start == start
+
+
+def test_an_output_that_starts_inside_or_after_the_block():
+    inside = ReasoningSplit(QWEN3, IN_REASONING)
+    assert inside.split("so 2 + 2 = 4.</think>\n\n4") == ("so 2 + 2 = 4.", "4")
+    assert inside.split("<think> is text here</think>4") == ("<think> is text here", "4")
+    assert inside.split("cut short") == ("cut short", None)
+    assert inside.split("") == ("", None)  # the block was open: an empty reasoning part
+    after = ReasoningSplit(QWEN3, IN_CONTENT)
+    assert after.split("<think>not a block</think>4") == (None, "<think>not a block</think>4")
+    for cut in range(1, 12):
+        text = "so 4.</think>\n\n4"
+        assert stream_split(inside, [text[:cut], text[cut:]]) == ("so 4.", "4")
+
+
+def stream_split(split, pieces):  # noqa: ANN001, ANN201
+    parser = split.streaming()
+    reasoning, content = "", ""
+    for piece in [*pieces, None]:
+        r, c = parser.feed(piece) if piece is not None else parser.finish()
+        reasoning, content = reasoning + r, content + c
+    return reasoning, content
+
+
+def test_the_think_block_a_constraint_leaves_free():
+    assert ReasoningSplit(QWEN3, IN_CONTENT).think_block() is None  # all answer: constrained from the start
+    assert ReasoningSplit(QWEN3, IN_REASONING).think_block() == ThinkBlock(opened=True)
+    assert ReasoningSplit(QWEN3).think_block() == ThinkBlock()  # optional
+    assert ReasoningSplit(R1).think_block() == ThinkBlock(required=True)

@@ -212,7 +212,7 @@ class MessagesServing:
         yield event("message_start", message=start)
         # With tools the text may turn out to be calls, with a reasoning parser thinking:
         # then the blocks are sent once the output is known.
-        streams_text = prepared.job.tools.kind == "none" and self.context.reasoning is None
+        streams_text = prepared.job.tools.kind == "none" and prepared.job.reasoning is None
         try:
             opened = False
             final: RequestOutput | None = None

@@ -80,12 +80,13 @@ def build_app(
     on_ready: Callable[[], None] | None = None,
     limits: RequestLimits | None = None,
     reasoning_parser: str | None = None,
+    structured_outputs_in_reasoning: bool = False,
 ) -> FastAPI:
     """The FastAPI app serving `async_llm`; its lifespan starts and stops the engine loop."""
     name = served_model_name or async_llm.engine.config.source.name
     limits = limits or RequestLimits()
     reasoning = REASONING_FORMATS[reasoning_parser] if reasoning_parser else None
-    context = ServingContext(async_llm, name, limits, reasoning)
+    context = ServingContext(async_llm, name, limits, reasoning, structured_outputs_in_reasoning)
     completions = CompletionServing(context)
     chat = ChatServing(context)
     tokens = TokenServing(context)
@@ -237,6 +238,7 @@ def run_server(args: argparse.Namespace) -> None:
         engine_args_from_namespace(args), args.max_num_queued_requests
     )
     name = args.served_model_name or async_llm.engine.config.source.name
+    structured = getattr(args, "structured_outputs_config", None) or {}
     app = build_app(
         async_llm,
         name,
@@ -244,6 +246,7 @@ def run_server(args: argparse.Namespace) -> None:
         on_ready=lambda: logger.info("%s", _ready_message(async_llm, name, sock)),
         limits=RequestLimits.from_namespace(args),
         reasoning_parser=getattr(args, "reasoning_parser", None),
+        structured_outputs_in_reasoning=bool(structured.get("enable_in_reasoning")),
     )
     config = uvicorn.Config(
         app,

@@ -7,6 +7,7 @@ for importing FastAPI, uvicorn or the model stack.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 
 from pagellm.config.cli_args import add_engine_args
@@ -71,10 +72,40 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentP
         "reasoning_content (chat), reasoning items (Responses) and thinking blocks (Messages) "
         "(default: none, all text is content)",
     )
+    serve.add_argument(
+        "--structured-outputs-config",
+        type=structured_outputs_config,
+        default=None,
+        metavar="JSON",
+        help="""vLLM's option, as a JSON object; this server reads '{"enable_in_reasoning": true}': """
+        "with --reasoning-parser, output constraints (response formats, tool calls) hold the "
+        "think block too, from the first output token (default: they hold the answer after it)",
+    )
     add_limit_args(serve)
     add_engine_args(serve)
     serve.set_defaults(run_command=run_serve)
     return serve
+
+
+STRUCTURED_OUTPUTS_KEYS = ("enable_in_reasoning",)
+
+
+def structured_outputs_config(text: str) -> dict[str, bool]:
+    """--structured-outputs-config: a JSON object of the keys this server reads."""
+    try:
+        config = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object, e.g. '{\"enable_in_reasoning\": true}'")
+    unknown = sorted(set(config) - set(STRUCTURED_OUTPUTS_KEYS))
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown key(s) {', '.join(unknown)}; this server reads: {', '.join(STRUCTURED_OUTPUTS_KEYS)}"
+        )
+    if not isinstance(config.get("enable_in_reasoning", False), bool):
+        raise argparse.ArgumentTypeError("enable_in_reasoning must be true or false")
+    return config
 
 
 def run_serve(args: argparse.Namespace) -> None:

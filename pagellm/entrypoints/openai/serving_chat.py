@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi import Request
@@ -32,7 +32,7 @@ from pagellm.entrypoints.openai.protocol import (
     ToolCall,
     UsageInfo,
 )
-from pagellm.entrypoints.openai.reasoning import StreamingReasoning, split_reasoning
+from pagellm.entrypoints.openai.reasoning import ReasoningSplit, StreamingReasoning
 from pagellm.entrypoints.openai.sampling import (
     common_sampling_fields,
     make_sampling_params,
@@ -85,6 +85,15 @@ def chat_prompt_ids(
     request: ChatCompletionRequest | None = None,
     tools: ToolMode = ToolMode("none"),
 ) -> list[int]:
+    return tokenizer.encode(chat_prompt_text(tokenizer, messages, request, tools), add_special_tokens=False)
+
+
+def chat_prompt_text(
+    tokenizer: Tokenizer,
+    messages: list[ChatMessage],
+    request: ChatCompletionRequest | None = None,
+    tools: ToolMode = ToolMode("none"),
+) -> str:
     dicts = message_dicts(messages)
     extra: dict[str, Any] = dict(request.chat_template_kwargs or {}) if request is not None else {}
     if tools.kind != "none" or _has_tool_turns(dicts):
@@ -94,7 +103,7 @@ def chat_prompt_ids(
         extra.pop(reserved, None)  # the server's own arguments (it opens the assistant's turn itself)
     text = tokenizer.apply_chat_template(dicts, add_generation_prompt=True, **extra)
     assert isinstance(text, str)
-    return tokenizer.encode(text, add_special_tokens=False)
+    return text
 
 
 def _finish_reason(completion: CompletionOutput, calls: list[ToolCall]) -> str | None:
@@ -115,6 +124,7 @@ class _Job:
     body: ChatCompletionRequest
     num_top_logprobs: int | None  # None: no logprobs asked for
     tools: ToolMode = ToolMode("none")
+    reasoning: ReasoningSplit | None = None  # how the output splits (--reasoning-parser)
 
 
 @dataclass(frozen=True)
@@ -163,14 +173,25 @@ class ChatServing:
             check_chat(context.limits, body)
         tools = tool_mode(body)
         params, constraint_field = self._sampling_params(body, tools)
-        prompt_ids = chat_prompt_ids(context.tokenizer, body.messages, body, tools)
+        prompt = chat_prompt_text(context.tokenizer, body.messages, body, tools)
+        split = ReasoningSplit.for_prompt(context.reasoning, prompt) if context.reasoning is not None else None
+        constraint = params.structured_outputs
+        if split is not None and constraint is not None:
+            if not context.structured_outputs_in_reasoning:
+                # The constraint (a response format, or the tool calls) holds the answer;
+                # the think block before it is the model's own.
+                params = replace(params, structured_outputs=replace(constraint, after_think=split.think_block()))
+            elif tools.kind in ("named", "required"):
+                split = None  # constrained to the calls from the first token: nothing to split
         job = _Job(
             response_id,
             context.served_model_name,
             body,
             (body.top_logprobs or 0) if body.logprobs else None,
             tools,
+            split,
         )
+        prompt_ids = context.tokenizer.encode(prompt, add_special_tokens=False)
         return PreparedChat(job, prompt_ids, params, constraint_field)
 
     async def create(self, body: ChatCompletionRequest, raw: Request) -> Response:
@@ -222,8 +243,8 @@ class ChatServing:
             # The assistant's role opens every choice before any content.
             opening = [ChatChunkChoice(index=i, delta=self._opening_delta(job)) for i in range(body.n)]
             yield self._chunk(job, opening)
-            fmt = self.context.reasoning
-            splitters = {i: StreamingReasoning(fmt) for i in range(body.n)} if fmt is not None else {}
+            split = job.reasoning
+            splitters = {i: split.streaming() for i in range(body.n)} if split is not None else {}
             async for output in stream:
                 latest = output
                 choices = [
@@ -246,11 +267,10 @@ class ChatServing:
     ) -> tuple[str | None, str | None, list[ToolCall]]:
         """A finished completion's reasoning (with --reasoning-parser), content and tool
         calls, parsed from the text after the reasoning (a call cut short by max_tokens is
-        returned as the text it is). A named or required tool choice constrains the output
-        to calls from its first token: nothing to split."""
+        returned as the text it is)."""
         reasoning, text = None, completion.text
-        if self.context.reasoning is not None and job.tools.kind not in ("named", "required"):
-            reasoning, text = split_reasoning(completion.text, self.context.reasoning)
+        if job.reasoning is not None:
+            reasoning, text = job.reasoning.split(completion.text)
         if job.tools.kind == "none" or completion.finish_reason not in ("stop", "length"):
             return reasoning, text, []
         if completion.finish_reason == "length" and job.tools.kind != "required":
@@ -270,6 +290,12 @@ class ChatServing:
         text = completion.delta_text
         if not (text or completion.delta_token_ids or completion.finished):
             return None
+        reasoning = ""
+        if splitter is not None:  # the reasoning streams as it comes, whatever follows it
+            reasoning, text = splitter.feed(text)
+            if completion.finished:
+                more_reasoning, more_text = splitter.finish()
+                reasoning, text = reasoning + more_reasoning, text + more_text
         finish_reason = completion.finish_reason
         if job.tools.kind == "named":
             delta: dict[str, Any] = {}
@@ -280,23 +306,15 @@ class ChatServing:
         elif job.tools.kind != "none":
             delta = {}
             if completion.finished:
-                reasoning, content, calls = self.content_and_calls(job, completion)
+                _, content, calls = self.content_and_calls(job, completion)
                 if calls:
                     delta, finish_reason = {"tool_calls": tool_call_deltas(calls)}, _finish_reason(completion, calls)
                 elif content:
                     delta = {"content": content}
-                if reasoning:
-                    delta = {"reasoning_content": reasoning, **delta}
-        elif splitter is not None:
-            reasoning, content = splitter.feed(text)
-            if completion.finished:
-                more_reasoning, more_content = splitter.finish()
-                reasoning, content = reasoning + more_reasoning, content + more_content
-            delta = {"reasoning_content": reasoning} if reasoning else {}
-            if content or not (reasoning or completion.finished):
-                delta["content"] = content
         else:
-            delta = {"content": text} if text or not completion.finished else {}
+            delta = {"content": text} if text or not (reasoning or completion.finished) else {}
+        if reasoning:
+            delta = {"reasoning_content": reasoning, **delta}
         return ChatChunkChoice(
             index=completion.index,
             delta=delta,

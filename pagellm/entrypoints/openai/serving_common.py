@@ -23,6 +23,9 @@ class ServingContext:
     served_model_name: str
     limits: RequestLimits = RequestLimits()
     reasoning: ReasoningFormat | None = None  # --reasoning-parser
+    # --structured-outputs-config {"enable_in_reasoning": true}: a constraint holds the think
+    # block too, from the first output token (by default it holds the answer after it).
+    structured_outputs_in_reasoning: bool = False
 
     @property
     def tokenizer(self) -> Tokenizer:

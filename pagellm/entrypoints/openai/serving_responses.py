@@ -286,7 +286,7 @@ class ResponsesServing:
         yield event("response.in_progress", response=self._dump(entry))
         # With tools the text may turn out to be calls, with a reasoning parser reasoning:
         # then the items are sent once the output is known.
-        streams_text = prepared.job.tools.kind == "none" and self.context.reasoning is None
+        streams_text = prepared.job.tools.kind == "none" and prepared.job.reasoning is None
         item_id = _new_id("msg")
         opened = False
         try:

@@ -1,7 +1,9 @@
 """`pagellm serve --reasoning-parser qwen3` on the embedded SmolLM2, whose tokenizer has no
-think token: the tags arrive as several tokens each. An output constraint (which applies from
-the first output token) makes the model write a think block, so the split is deterministic.
-Chat (whole and streamed), the Responses API and Anthropic's Messages API all carry it."""
+think token: the tags arrive as several tokens each. An output constraint, which with
+`--structured-outputs-config '{"enable_in_reasoning": true}'` applies from the first output
+token, makes the model write a think block, so the split is deterministic. Chat (whole and
+streamed), the Responses API and Anthropic's Messages API all carry it. (By default a
+constraint holds the answer after the block: test_openai_reasoning_constraints.py.)"""
 
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ import signal
 import httpx2
 import pytest
 from serve_helpers import ServerProcess
+from test_openai_reasoning_constraints import FORMAT
+from test_openai_reasoning_constraints import MESSAGES as FEW_SHOT
 
 THINKING = r"<think>[a-z ]{8,40}</think>\n\n[A-Z][a-z ]{4,30}\."
 PATTERN = re.compile(r"<think>([a-z ]{8,40})</think>\n\n([A-Z][a-z ]{4,30}\.)")
@@ -20,7 +24,8 @@ PATTERN = re.compile(r"<think>([a-z ]{8,40})</think>\n\n([A-Z][a-z ]{4,30}\.)")
 @pytest.fixture(scope="module")
 def thinking_server(smollm2_path):  # noqa: ANN001, ANN201
     process = ServerProcess(["--model", str(smollm2_path), "--served-model-name", "smol", "--max-model-len", "1024",
-                             "--reasoning-parser", "qwen3"])  # fmt: skip
+                             "--reasoning-parser", "qwen3",
+                             "--structured-outputs-config", '{"enable_in_reasoning": true}'])  # fmt: skip
     yield process
     assert process.stop(signal.SIGINT) == 0, process.log
 
@@ -104,3 +109,15 @@ def test_chat_template_kwargs_reach_the_template(tmp_path):
     assert prompt().endswith("sky?\n>")
     # The template sees the request's variables; the server keeps opening the assistant's turn.
     assert prompt(chat_template_kwargs={"enable_thinking": False, "add_generation_prompt": False}).endswith("[no think]>")
+
+
+def test_enable_in_reasoning_holds_the_output_from_its_first_token(thinking_server):
+    import openai
+
+    with openai.OpenAI(base_url=thinking_server.api_url, api_key="none", max_retries=0, timeout=120) as client:
+        response = client.chat.completions.create(model="smol", messages=FEW_SHOT, max_tokens=40, temperature=0,
+                                                  response_format=FORMAT)  # fmt: skip
+    message = response.choices[0].message
+    # The few-shot examples think first, but the schema, from the first token, left no room.
+    assert getattr(message, "reasoning_content", None) is None
+    assert json.loads(message.content) == {"hue": "blue"}

@@ -317,6 +317,8 @@ def replica_serve_args(args: argparse.Namespace, engine_args: EngineArgs, name: 
         flags += ["--max-num-queued-requests", str(args.max_num_queued_requests)]
     if getattr(args, "reasoning_parser", None):
         flags += ["--reasoning-parser", args.reasoning_parser]
+    if getattr(args, "structured_outputs_config", None):
+        flags += ["--structured-outputs-config", json.dumps(args.structured_outputs_config)]
     for field in dataclasses.fields(RequestLimits):  # each replica checks the limits
         value = getattr(args, field.name, None)
         if value is not None:
