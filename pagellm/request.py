@@ -114,6 +114,7 @@ class Request:
         eos_token_ids: Iterable[int] = frozenset(),
         arrival_time: float | None = None,
         priority: int = 0,
+        background: bool = False,
         max_tokens: int | None = None,
         pooling_params: PoolingParams | None = None,
     ) -> None:
@@ -126,6 +127,9 @@ class Request:
         self.eos_token_ids: frozenset[int] = frozenset(eos_token_ids)
         self.arrival_time: float = time.time() if arrival_time is None else arrival_time
         self.priority = priority
+        # Background work (a batch line): served only where the other requests leave room,
+        # first to be preempted, under every scheduling policy.
+        self.background = background
         self.max_tokens: int | None = (
             sampling_params.max_tokens if max_tokens is None else max_tokens
         )

@@ -22,6 +22,7 @@ def make_child_request(parent: Request, completion_index: int) -> Request:
         eos_token_ids=parent.eos_token_ids,
         arrival_time=parent.arrival_time,
         priority=parent.priority,
+        background=parent.background,
         max_tokens=parent.max_tokens,
     )
     child.parent_request_id = parent.request_id

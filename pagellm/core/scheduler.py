@@ -89,11 +89,12 @@ class Scheduler:
 
     # ---------------------------------------------------------------- queues
 
-    def _arrival_key(self, request: Request) -> int:
-        return self._arrival_index[request.request_id]
+    # Background requests (batch lines) sort after all others under every policy.
+    def _arrival_key(self, request: Request) -> tuple[bool, int]:
+        return request.background, self._arrival_index[request.request_id]
 
-    def _priority_key(self, request: Request) -> tuple[int, float, int]:
-        return (request.priority, request.arrival_time, self._arrival_index[request.request_id])
+    def _priority_key(self, request: Request) -> tuple[bool, int, float, int]:
+        return (request.background, request.priority, request.arrival_time, self._arrival_index[request.request_id])
 
     @property
     def num_running(self) -> int:
@@ -102,6 +103,11 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
+
+    @property
+    def num_waiting_interactive(self) -> int:
+        """Waiting requests that are not background work."""
+        return sum(1 for request in self.waiting if not request.background)
 
     @property
     def num_swapped(self) -> int:
@@ -200,8 +206,9 @@ class Scheduler:
         # with swap-outs (the host blocks they free could be overwritten).
         if not plan.preempted_req_ids:
             self._schedule_swapped(plan)
-            # Swapped requests go first, or new ones could starve them of blocks.
-            if not self.swapped:
+            # Swapped requests go first, or new ones could starve them of blocks; only
+            # background ones left swapped let interactive requests by.
+            if not self.swapped or self.swapped.peek().background:
                 self._schedule_waiting(plan)
         return self._make_output(plan)
 
@@ -246,11 +253,12 @@ class Scheduler:
             index += 1
 
     def _choose_victim(self) -> Request:
+        candidates = [r for r in self.running if r.background] or self.running  # background work first
         if self.scheduler_config.scheduling_policy == "priority":
-            return max(self.running, key=self._priority_key)
-        return self.running[-1]  # the latest admitted (fcfs) or most work left (sorted)
+            return max(candidates, key=self._priority_key)
+        return candidates[-1]  # the latest admitted (fcfs) or most work left (sorted)
 
-    def _preempt(self, request: Request, plan: StepPlan) -> None:
+    def _preempt(self, request: Request, plan: StepPlan, allow_swap: bool = True) -> None:
         self.running.remove(request)
         plan.unschedule(request)
         plan.preempted_req_ids.add(request.request_id)
@@ -258,7 +266,7 @@ class Scheduler:
         if events is not None:
             events.record("preempt", request.request_id, mode=self.scheduler_config.preemption_mode)
         request.num_preemptions += 1
-        if self.scheduler_config.preemption_mode == "swap" and request.num_computed_tokens:
+        if self.scheduler_config.preemption_mode == "swap" and request.num_computed_tokens and allow_swap:
             pairs = self.kv_cache_manager.swap_out(request)
             if pairs is not None:
                 request.status = RequestStatus.SWAPPED
@@ -287,6 +295,8 @@ class Scheduler:
         kv = self.kv_cache_manager
         while self.swapped:
             request = self.swapped.peek()
+            if request.background and self._interactive_waiting():
+                break  # it would only be preempted again
             if not self._has_room_for(request, plan):
                 break
             gap = request.num_tokens - request.num_computed_tokens
@@ -304,34 +314,59 @@ class Scheduler:
             plan.schedule(request, num_tokens, block_ids, is_prefill=gap > 1)
 
     def _schedule_waiting(self, plan: StepPlan) -> None:
-        kv = self.kv_cache_manager
         while self.waiting:
             request = self.waiting.peek()
-            if not self._has_room_for(request, plan):
+            if request.background and self.swapped:
+                break  # swapped-out background work goes first
+            if self._admit(request, plan):
+                continue
+            # An interactive request does not wait for background work: preempt it (the
+            # latest admitted first) until the request fits, or none is left.
+            if request.background or not self._preempt_background(plan):
                 break
-            assert request.num_computed_tokens == 0
-            pooling = request.pooling_params
-            if request.sampling_params.prompt_logprobs is None and (pooling is None or not pooling.needs_every_position):
-                computed = kv.get_computed_blocks(request)
-            else:
-                # Prompt logprobs need the logits of every prompt position, mean or CLS
-                # pooling their hidden states.
-                computed = NO_HIT
-            gap = request.num_tokens - computed.num_computed_tokens
-            num_tokens = self._num_tokens_to_schedule(gap, plan)
-            if num_tokens == 0:
-                break  # head-of-line: later requests must not overtake it
-            block_ids = kv.allocate_slots(request, num_tokens, computed)
-            if block_ids is None:
-                break
-            self.waiting.pop()
-            request.num_computed_tokens = computed.num_computed_tokens
-            if request.num_preemptions == 0:
-                request.num_cached_tokens = computed.num_computed_tokens
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            plan.resumed_req_ids.add(request.request_id)
-            plan.schedule(request, num_tokens, block_ids, is_prefill=gap > 1)
+
+    def _interactive_waiting(self) -> bool:
+        return bool(self.waiting) and not self.waiting.peek().background
+
+    def _preempt_background(self, plan: StepPlan) -> bool:
+        """Preempt the latest admitted background request; False if none runs."""
+        for victim in reversed(self.running):
+            if victim.background:
+                # One scheduled this step may have a copy-on-write block still to fill (the
+                # runner swaps out before it copies): it is recomputed, not swapped.
+                self._preempt(victim, plan, allow_swap=victim.request_id not in plan.num_scheduled_tokens)
+                return True
+        return False
+
+    def _admit(self, request: Request, plan: StepPlan) -> bool:
+        """Admit the head of the waiting queue if it fits this step."""
+        kv = self.kv_cache_manager
+        if not self._has_room_for(request, plan):
+            return False
+        assert request.num_computed_tokens == 0
+        pooling = request.pooling_params
+        if request.sampling_params.prompt_logprobs is None and (pooling is None or not pooling.needs_every_position):
+            computed = kv.get_computed_blocks(request)
+        else:
+            # Prompt logprobs need the logits of every prompt position, mean or CLS
+            # pooling their hidden states.
+            computed = NO_HIT
+        gap = request.num_tokens - computed.num_computed_tokens
+        num_tokens = self._num_tokens_to_schedule(gap, plan)
+        if num_tokens == 0:
+            return False  # head-of-line: later requests must not overtake it
+        block_ids = kv.allocate_slots(request, num_tokens, computed)
+        if block_ids is None:
+            return False
+        self.waiting.pop()
+        request.num_computed_tokens = computed.num_computed_tokens
+        if request.num_preemptions == 0:
+            request.num_cached_tokens = computed.num_computed_tokens
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        plan.resumed_req_ids.add(request.request_id)
+        plan.schedule(request, num_tokens, block_ids, is_prefill=gap > 1)
+        return True
 
     def _make_output(self, plan: StepPlan) -> SchedulerOutput:
         new_reqs: list[NewRequestData] = []

@@ -56,6 +56,7 @@ class NewRequest:
     params: SamplingParams | PoolingParams  # PoolingParams: an embedding request
     priority: int = 0
     arrival_time: float | None = None
+    background: bool = False  # a batch line: runs where the others leave room
 
 
 @dataclass(frozen=True)
@@ -394,11 +395,12 @@ class AsyncLLM:
 
     def _add(self, command: _AddCommand) -> None:
         limit = self.max_num_queued_requests
-        num_waiting = self.engine.scheduler.num_waiting
+        num_waiting = self.engine.scheduler.num_waiting_interactive
         # Counted in sequences (n of them per request), as the scheduler queues them. An
-        # empty queue admits any group, so that no group is refused forever.
-        num_new = sum(request.params.n for request in command.requests)
-        if limit is not None and num_waiting > 0 and num_waiting + num_new > limit:
+        # empty queue admits any group, so that no group is refused forever. Background
+        # work (batch lines, whose runner bounds them itself) neither counts nor is refused.
+        num_new = sum(request.params.n for request in command.requests if not request.background)
+        if limit is not None and num_new and num_waiting > 0 and num_waiting + num_new > limit:
             self.engine.metrics.request_rejected("overloaded")
             self._reject(
                 command,
@@ -417,6 +419,7 @@ class AsyncLLM:
                     request.params,
                     arrival_time=request.arrival_time,
                     priority=request.priority,
+                    background=request.background,
                 )
                 added.append(request.request_id)
         except Exception as e:  # noqa: BLE001 - a bad request fails alone, never the engine

@@ -53,6 +53,7 @@ class InputProcessor:
         arrival_time: float | None = None,
         priority: int = 0,
         pooling: PoolingParams | None = None,
+        background: bool = False,
     ) -> Request:
         num_prompt = len(prompt_token_ids)
         if pooling is not None:  # an embedding generates nothing: its input may fill the context
@@ -78,6 +79,7 @@ class InputProcessor:
             eos_token_ids=self.tokenizer.eos_token_ids,
             arrival_time=time.time() if arrival_time is None else arrival_time,
             priority=priority,
+            background=background,
             pooling_params=pooling,
             max_tokens=max_tokens,
         )

@@ -174,9 +174,11 @@ class LLMEngine:
         params: SamplingParams | PoolingParams | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
+        background: bool = False,
     ) -> str:
         """Queue a request; returns its id. Raises InvalidRequestError if it can never run.
-        With PoolingParams it is an embedding request: its prompt is pooled, nothing sampled."""
+        With PoolingParams it is an embedding request: its prompt is pooled, nothing sampled.
+        A background request (a batch line) runs only where the others leave room."""
         pooling = None
         if isinstance(params, PoolingParams):
             config = self.model_config
@@ -198,7 +200,7 @@ class LLMEngine:
                 self.grammars.compile(params.structured_outputs)  # a cache hit when pre-compiled
             prompt_text, prompt_ids = self.input_processor.tokenize(prompt)
             request = self.input_processor.make_request(
-                request_id, prompt_ids, params, arrival_time, priority, pooling
+                request_id, prompt_ids, params, arrival_time, priority, pooling, background
             )
             self.scheduler.add_request(request)
         except InvalidRequestError as e:

@@ -66,6 +66,7 @@ def make_request(
     priority: int = 0,
     arrival_time: float = 0.0,
     eos_token_ids: tuple[int, ...] = (),
+    background: bool = False,
     **params: object,
 ) -> Request:
     """A request; an int prompt means that many distinct tokens derived from the id."""
@@ -80,6 +81,7 @@ def make_request(
         eos_token_ids=eos_token_ids,
         arrival_time=arrival_time,
         priority=priority,
+        background=background,
     )
 
 

@@ -114,6 +114,7 @@ def operations(setup: Setup) -> st.SearchStrategy[list[tuple]]:
         st.integers(0, 3),  # min_tokens
         st.booleans(),  # ignore_eos
         st.sampled_from([1, 1, 2, 3]),  # n
+        st.sampled_from([False, False, False, True]),  # background (a batch line)
     )
     others = st.one_of(
         add,
@@ -196,7 +197,7 @@ def test_random_workloads_finish_and_keep_invariants(setup: Setup, data) -> None
     for op in data.draw(operations(setup)):
         kind = op[0]
         if kind == "add":
-            _, (num_prompt, total), which, first_own_token, priority, min_tokens, ignore_eos, n = op
+            _, (num_prompt, total), which, first_own_token, priority, min_tokens, ignore_eos, n, background = op
             prompt = make_prompt(num_prompt, which, first_own_token)
             max_tokens = total - num_prompt
             request = Request(
@@ -211,6 +212,7 @@ def test_random_workloads_finish_and_keep_invariants(setup: Setup, data) -> None
                 ),
                 eos_token_ids={EOS},
                 priority=priority,
+                background=background,
                 arrival_time=float(len(requests) % 3),  # ties on purpose
             )
             try:
