@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
@@ -45,6 +46,8 @@ class ServerProcess:
     ) -> None:
         self.api_key = api_key
         command = [sys.executable, "-m", "pagellm.entrypoints.cli", "serve", "--port", "0", *args]
+        if "--batch-dir" not in args:  # never the user's own batches, nor another test's
+            command += ["--batch-dir", tempfile.mkdtemp(prefix="pagellm-batches-")]
         env = dict(os.environ)
         env.pop("PAGELLM_API_KEY", None)
         if api_key is not None and api_key_in_env:

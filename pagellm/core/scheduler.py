@@ -200,6 +200,9 @@ class Scheduler:
         budget = config.max_num_batched_tokens
         plan = StepPlan(token_budget=budget, prefill_budget=prefill_token_cap(config, budget, num_decodes))
         plan.speculate = self.speculator is not None and self.speculator.active(len(self.running))
+        plan.pause_background = self._interactive_waiting() or any(
+            not r.background and r.num_tokens - r.num_computed_tokens > 1 for r in self.running
+        )
         self._schedule_running(plan)
         # A step that had to preempt is short of blocks: bringing requests in now would
         # only get them (or others) preempted again, and swap-ins must not share a step
@@ -225,7 +228,7 @@ class Scheduler:
         while index < len(self.running) and plan.token_budget > 0:
             request = self.running[index]
             gap = request.num_tokens - request.num_computed_tokens
-            num_tokens = self._num_tokens_to_schedule(gap, plan)
+            num_tokens = 0 if request.background and plan.pause_background else self._num_tokens_to_schedule(gap, plan)
             if num_tokens == 0:
                 index += 1
                 continue
@@ -295,8 +298,8 @@ class Scheduler:
         kv = self.kv_cache_manager
         while self.swapped:
             request = self.swapped.peek()
-            if request.background and self._interactive_waiting():
-                break  # it would only be preempted again
+            if request.background and (self._interactive_waiting() or plan.pause_background):
+                break  # it would only be preempted again, or slow an interactive prefill
             if not self._has_room_for(request, plan):
                 break
             gap = request.num_tokens - request.num_computed_tokens
@@ -316,8 +319,8 @@ class Scheduler:
     def _schedule_waiting(self, plan: StepPlan) -> None:
         while self.waiting:
             request = self.waiting.peek()
-            if request.background and self.swapped:
-                break  # swapped-out background work goes first
+            if request.background and (self.swapped or plan.pause_background):
+                break  # swapped-out background work goes first; none while interactive work prefills
             if self._admit(request, plan):
                 continue
             # An interactive request does not wait for background work: preempt it (the

@@ -24,6 +24,9 @@ class StepPlan:
     # Speculative decoding: proposals to verify, per scheduled request.
     spec_tokens: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     speculate: bool = False  # proposals are asked for in this step
+    # An interactive request waits or prefills: background work sits this step out, so the
+    # step (and that request's first token) is as fast as without it.
+    pause_background: bool = False
 
     def schedule(self, request: Request, num_tokens: int, block_ids: list[list[int]], is_prefill: bool) -> None:
         self.num_scheduled_tokens[request.request_id] = num_tokens

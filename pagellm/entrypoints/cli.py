@@ -13,6 +13,7 @@ from pagellm.bench.kernels import add_bench_kernels_parser
 from pagellm.bench.knob_sweep import add_bench_knobs_parser
 from pagellm.config.cli_args import add_engine_args
 from pagellm.entrypoints.openai.serve_command import add_serve_parser
+from pagellm.entrypoints.run_batch import add_run_batch_parser
 from pagellm.errors import PagellmError
 from pagellm.sim.commands import add_calibrate_parser, add_simulate_parser, add_tune_parser
 from pagellm.version import package_version
@@ -42,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(run_command=run_generate_command)
 
     add_serve_parser(commands)
+    add_run_batch_parser(commands)
 
     report = commands.add_parser("report", help="render a metrics series (JSONL) as PNG charts")
     report.add_argument("series", help="file written with --metrics-series-file")

@@ -98,3 +98,25 @@ def test_background_requests_are_not_counted_against_the_queue_limit(new_schedul
     assert scheduler.num_waiting == 4 and scheduler.num_waiting_interactive == 1
     while scheduler.has_unfinished_requests():
         step(scheduler, runner)
+
+
+def test_background_work_sits_out_an_interactive_prefill(new_scheduler):
+    scheduler = new_scheduler(max_num_batched_tokens=8, max_model_len=64)
+    runner = FakeRunner(4)
+    lines = [make_request(f"line{i}", 4, max_tokens=30, background=True) for i in range(2)]
+    for line in lines:
+        scheduler.add_request(line)
+    step(scheduler, runner)
+    assert {r.request_id for r in scheduler.running} == {"line0", "line1"}
+    scheduler.add_request(make_request("chat", 20, max_tokens=2))
+    chunks = []
+    while not scheduler.requests["chat"].output_token_ids:
+        result = step(scheduler, runner)
+        chunks.append(result.output.num_scheduled_tokens)
+    # The chat's 20 prompt tokens go in chunks of the whole budget, with no line beside them.
+    assert chunks == [{"chat": 8}, {"chat": 8}, {"chat": 4}]
+    # Then the lines decode beside it again.
+    assert set(step(scheduler, runner).output.num_scheduled_tokens) == {"chat", "line0", "line1"}
+    while scheduler.has_unfinished_requests():
+        step(scheduler, runner)
+    assert_drained(scheduler)

@@ -112,3 +112,44 @@ def test_bfloat16_runs(folder):
     assert llm.engine.runner.model.embed_tokens.weight.dtype == torch.bfloat16
     out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_background_requests_yield_to_an_interactive_one(llm):
+    """Batch lines (background) fill the cache; an interactive request that arrives gets its
+    first token after as many steps as on an idle engine, and every line still ends with
+    the tokens it gets alone (preempted and recomputed on the way)."""
+    engine = llm.engine
+    line_params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    chat_params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+
+    def steps_to_first_token(request_id: str) -> int:
+        steps = 0
+        while True:
+            steps += 1
+            if any(o.request_id == request_id and o.outputs[0].token_ids for o in engine.step()):
+                return steps
+
+    def drain() -> dict[str, list[int]]:
+        tokens = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    tokens[out.request_id] = out.outputs[0].token_ids
+        return tokens
+
+    engine.add_request("idle-chat", [250 - j for j in range(30)], chat_params)
+    idle_steps = steps_to_first_token("idle-chat")
+    drain()
+    prompts = {f"line{i}": [(7 * i + j) % 256 for j in range(30)] for i in range(24)}
+    for request_id, prompt in prompts.items():
+        engine.add_request(request_id, prompt, line_params, background=True)
+    for _ in range(4):
+        engine.step()
+    assert engine.scheduler.num_waiting > 0  # the batch fills the cache: lines wait
+    engine.add_request("chat", [(5 * j + 1) % 256 for j in range(30)], chat_params)
+    assert steps_to_first_token("chat") <= idle_steps
+    tokens = drain()
+    assert set(tokens) == {"chat", *prompts}
+    alone = llm.generate(list(prompts.values()), line_params, use_tqdm=False)
+    assert [tokens[r] for r in prompts] == [o.outputs[0].token_ids for o in alone]
+    assert_engine_drained(llm)

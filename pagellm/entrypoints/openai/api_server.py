@@ -16,6 +16,7 @@ import logging
 import signal
 import socket
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from types import FrameType
 
 import uvicorn
@@ -65,6 +66,7 @@ from pagellm.entrypoints.openai.reasoning import REASONING_FORMATS
 from pagellm.entrypoints.anthropic.protocol import CountTokensRequest, MessagesRequest
 from pagellm.entrypoints.anthropic.serving import MessagesServing
 from pagellm.entrypoints.openai.protocol_responses import ResponsesRequest
+from pagellm.entrypoints.openai.serving_batch import BatchServing, add_batch_routes, batch_dir_for, in_process_call
 from pagellm.entrypoints.openai.serving_tokens import TokenServing
 from pagellm.entrypoints.dashboard import STATIC_DIR
 from pagellm.errors import ConfigError
@@ -81,6 +83,7 @@ def build_app(
     limits: RequestLimits | None = None,
     reasoning_parser: str | None = None,
     structured_outputs_in_reasoning: bool = False,
+    batch_dir: str | Path | None = None,
 ) -> FastAPI:
     """The FastAPI app serving `async_llm`; its lifespan starts and stops the engine loop."""
     name = served_model_name or async_llm.engine.config.source.name
@@ -93,19 +96,24 @@ def build_app(
     embeddings = EmbeddingServing(context)
     responses = ResponsesServing(context, chat)
     messages = MessagesServing(context, chat)
-    registry = metrics.make_registry(async_llm, name)
+    batches = BatchServing(batch_dir_for(batch_dir, name), limits.max_batch_file_bytes)
+    registry = metrics.make_registry(async_llm, name, batches)
 
     @contextlib.asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async_llm.start()
+        # Batch lines: up to twice the running seats in flight, so the queue never runs dry.
+        batches.start(in_process_call(app, api_key), 2 * async_llm.engine.config.scheduler_config.max_num_seqs)
         if on_ready is not None:
             on_ready()
         try:
             yield
         finally:
+            await batches.stop()  # before the engine: in-flight lines run again on restart
             await async_llm.shutdown()
 
     app = FastAPI(title="pagellm", lifespan=lifespan)
+    app.state.batches = batches
     install_error_handlers(app)
     engine = async_llm.engine
     bounds = ServerBounds(
@@ -116,9 +124,12 @@ def build_app(
         max_num_seqs=engine.config.scheduler_config.max_num_seqs,
         api_key=bool(api_key),
         embedding_dimensions=embedding_dimensions(engine.model_config),
+        empty_text_has_tokens=bool(context.tokenizer.encode("")),
     )
     install_openapi(app, bounds)
-    app.add_middleware(BodySizeLimitMiddleware, max_bytes=limits.max_request_body_bytes)
+    app.add_middleware(
+        BodySizeLimitMiddleware, max_bytes=limits.max_request_body_bytes, max_upload_bytes=limits.max_batch_file_bytes
+    )
     if api_key:  # added last: runs first, so that no body is read for a bad key
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
 
@@ -171,6 +182,8 @@ def build_app(
     @app.post("/v1/embeddings", responses=EMBEDDING)
     async def create_embedding(body: EmbeddingRequest, raw: Request) -> Response:
         return await embeddings.create(body, raw)
+
+    add_batch_routes(app, batches)
 
     @app.get("/v1/engine/state", responses=HEALTH)
     async def engine_state() -> Response:
@@ -247,6 +260,7 @@ def run_server(args: argparse.Namespace) -> None:
         limits=RequestLimits.from_namespace(args),
         reasoning_parser=getattr(args, "reasoning_parser", None),
         structured_outputs_in_reasoning=bool(structured.get("enable_in_reasoning")),
+        batch_dir=getattr(args, "batch_dir", None),
     )
     config = uvicorn.Config(
         app,
@@ -270,7 +284,7 @@ async def _serve(
     server: uvicorn.Server, async_llm: AsyncLLM, sock: socket.socket, grace_s: float
 ) -> bool:
     """Serve until shut down; True if it stopped because the engine died."""
-    watcher = asyncio.create_task(_abort_after_grace(server, async_llm, grace_s))
+    watcher = asyncio.create_task(_abort_after_grace(server, async_llm, grace_s, server.config.app.state.batches))
     death_watch = asyncio.create_task(_exit_when_engine_dies(server, async_llm))
     try:
         await server.serve(sockets=[sock])
@@ -296,9 +310,11 @@ async def _exit_when_engine_dies(server: uvicorn.Server, async_llm: AsyncLLM) ->
     return False
 
 
-async def _abort_after_grace(server: uvicorn.Server, async_llm: AsyncLLM, grace_s: float) -> None:
+async def _abort_after_grace(server: uvicorn.Server, async_llm: AsyncLLM, grace_s: float, batches: BatchServing) -> None:
     while not server.should_exit:
         await asyncio.sleep(0.1)
+    # Batch lines in flight are not waited for: a restart runs them again.
+    await batches.stop()
     logger.info("shutting down: in-flight requests get %.0f s to finish", grace_s)
     await asyncio.sleep(grace_s)
     async_llm.abort_all()

@@ -105,6 +105,15 @@ def _path(loc: Sequence[Any]) -> str:
     return ".".join(parts) or "body"
 
 
+def _allowed_methods(request: Request) -> list[str]:
+    methods: set[str] = set()
+    for route in request.app.router.routes:
+        regex, route_methods = getattr(route, "path_regex", None), getattr(route, "methods", None)
+        if regex is not None and route_methods and regex.match(request.url.path):
+            methods |= set(route_methods)
+    return sorted(methods)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     async def on_api_error(request: Request, exc: Exception) -> JSONResponse:
         return to_api_error(exc).response(request.url.path)
@@ -119,6 +128,10 @@ def install_error_handlers(app: FastAPI) -> None:
         # The router's own headers (a 405's Allow: the methods the path takes) stay.
         for name, value in (exc.headers or {}).items():
             response.headers[name] = value
+        if exc.status_code == 405:
+            # The router names the first route on the path only; a path with a route per
+            # method (GET and POST /v1/files) takes them all.
+            response.headers["Allow"] = ", ".join(_allowed_methods(request))
         return response
 
     app.add_exception_handler(APIError, on_api_error)

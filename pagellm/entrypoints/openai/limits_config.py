@@ -25,6 +25,7 @@ class RequestLimits:
     max_messages: int = 4096
     max_message_chars: int = 4 * 1024 * 1024
     max_stored_responses: int = 1024
+    max_batch_file_bytes: int = 200 * 1024 * 1024  # OpenAI's limit for a batch input file
 
     def __post_init__(self) -> None:
         for field in fields(self):
@@ -51,6 +52,7 @@ def add_limit_args(parser: argparse.ArgumentParser) -> None:
         "max_message_chars": "most characters of content in one chat message",
         "max_stored_responses": "most responses kept in memory for GET /v1/responses/{id} and previous_response_id "
         "(the oldest is evicted first)",
+        "max_batch_file_bytes": "largest file POST /v1/files takes, in bytes (the body limit there)",
     }
     for field in fields(RequestLimits):
         parser.add_argument(

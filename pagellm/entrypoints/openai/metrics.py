@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -103,10 +103,33 @@ class ServerCollector(Collector):
         return family
 
 
-def make_registry(async_llm: AsyncLLM, model_name: str) -> CollectorRegistry:
+class BatchCollector(Collector):
+    """The batch runner's progress: lines done by outcome, batches not yet ended."""
+
+    def __init__(self, batches: Any, model_name: str) -> None:
+        self.batches = batches  # serving_batch.BatchServing (not imported: this module stays light)
+        self.model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        runner = self.batches.runner
+        lines = CounterMetricFamily(
+            "pagellm:batch_requests", "Batch lines run since start, by outcome (completed: status 200).",
+            labels=["model_name", "outcome"],
+        )  # fmt: skip
+        for outcome in ("completed", "failed"):
+            lines.add_metric([self.model_name, outcome], float(runner.lines_done[outcome] if runner else 0))
+        yield lines
+        active = GaugeMetricFamily("pagellm:batches_active", "Batches not yet ended (validating to cancelling).", labels=["model_name"])
+        active.add_metric([self.model_name], float(runner.num_active() if runner else 0))
+        yield active
+
+
+def make_registry(async_llm: AsyncLLM, model_name: str, batches: Any = None) -> CollectorRegistry:
     """A registry of its own per app, so that several servers in one process never clash."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(ServerCollector(async_llm, model_name))
+    if batches is not None:
+        registry.register(BatchCollector(batches, model_name))
     return registry
 
 

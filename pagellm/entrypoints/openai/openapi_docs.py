@@ -20,6 +20,7 @@ from fastapi.openapi.utils import get_openapi
 
 from pagellm.entrypoints.openai.limits_config import MAX_N, RequestLimits
 from pagellm.entrypoints.anthropic.protocol import AnthropicError, CountTokensResponse, MessageResponse
+from pagellm.entrypoints.openai.protocol_batch import BatchObject, FileObject
 from pagellm.entrypoints.openai.protocol_responses import ResponseObject
 from pagellm.entrypoints.openai.protocol import (
     ChatCompletionResponse,
@@ -89,6 +90,36 @@ MESSAGES = {
     529: _anthropic_error("Too many requests waiting, or the engine has stopped (overloaded_error)."),
 }  # fmt: skip
 COUNT_TOKENS = {200: {"model": CountTokensResponse, "description": "The prompt's tokens."}, **_ANTHROPIC_ERRORS}
+_BATCH_OFF = {503: _error("The Files and Batch API are off (--batch-dir none, or the directory is another server's).")}
+FILE_UPLOAD = {
+    200: {"model": FileObject, "description": "The stored file."},
+    400: _error("A purpose this server does not know, or a batch file that is not UTF-8; `param` names it."),
+    413: _error("The file is larger than --max-batch-file-bytes."),
+    **AUTH,
+    **_BATCH_OFF,
+}
+FILES = {
+    400: _error("A bad list parameter (limit, after)."),
+    404: _error("No file has this id."),
+    409: _error("Deleting the input of a batch that is still running."),
+    **AUTH,
+    **_BATCH_OFF,
+}
+FILE_CONTENT = {200: {"description": "The file's bytes.", "content": {"application/octet-stream": {}}}, **FILES}
+BATCH = {
+    400: _error("A bad list parameter (limit, after)."),
+    404: _error("No batch has this id."),
+    409: _error("Cancelling a batch that has already ended."),
+    **AUTH,
+    **_BATCH_OFF,
+}
+BATCH_CREATE = {
+    200: {"model": BatchObject, "description": "The batch, validating: its lines run in the background."},
+    400: _error("An invalid body, or an input file whose purpose is not batch; `param` names it."),
+    404: _error("No file has the input_file_id."),
+    **AUTH,
+    **_BATCH_OFF,
+}
 TOKENS = {**BODY, **AUTH, **UNKNOWN_MODEL}
 READ = {**AUTH}
 HEALTH = {503: _error("The engine has stopped.")}
@@ -107,6 +138,8 @@ class ServerBounds:
     api_key: bool = False
     # The embeddings' `dimensions` this model takes (its size, and its Matryoshka sizes).
     embedding_dimensions: tuple[int, ...] = ()
+    # Whether "" becomes any token (a tokenizer that adds BOS): if not, text is minLength 1.
+    empty_text_has_tokens: bool = True
 
 
 def install_openapi(app: FastAPI, bounds: ServerBounds) -> None:
@@ -178,7 +211,19 @@ def _add_bounds(schemas: dict[str, Any], bounds: ServerBounds) -> None:
         for field in ("logprobs", "top_logprobs"):
             if field in props:
                 _bound(props[field], "integer", maximum=min(MAX_LOGPROBS, bounds.max_logprobs))
+    # A chat request's top_logprobs needs logprobs: true (two fields together).
+    schemas["ChatCompletionRequest"]["if"] = {
+        "required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}},
+    }  # fmt: skip
+    schemas["ChatCompletionRequest"]["then"] = {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}
     completion = schemas["CompletionRequest"]["properties"]
+    embedding = schemas["EmbeddingRequest"]["properties"]
+    if not bounds.empty_text_has_tokens:  # "" would be a prompt (or input) of no tokens: refused
+        for prop in (completion["prompt"], embedding["input"]):
+            _bound(prop, "string", minLength=1)
+            for form in _variants(prop):
+                if form.get("type") == "array" and form.get("items", {}).get("type") == "string":
+                    form["items"]["minLength"] = 1
     _token_ids(completion["prompt"], max_id)
     for form in _variants(completion["prompt"]):
         if form.get("type") == "array":
@@ -206,7 +251,6 @@ def _add_bounds(schemas: dict[str, Any], bounds: ServerBounds) -> None:
     _bound(schemas["InputTextPart"]["properties"]["text"], "string", maxLength=limits.max_message_chars)
     for name, field in (("FunctionCallItem", "arguments"), ("FunctionCallOutputItem", "output")):
         _bound(schemas[name]["properties"][field], "string", maxLength=limits.max_message_chars)
-    embedding = schemas["EmbeddingRequest"]["properties"]
     if bounds.embedding_dimensions:
         _bound(embedding["dimensions"], "integer", enum=list(bounds.embedding_dimensions))
     _token_ids(embedding["input"], max_id)

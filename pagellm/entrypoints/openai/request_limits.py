@@ -78,17 +78,20 @@ class BodySizeLimitMiddleware:
     """413 for a body over the limit: from Content-Length when the client sends one, else
     as the bytes arrive (the handler never sees more than the limit)."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, max_upload_bytes: int | None = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        # File uploads (POST /v1/files) have their own limit: a batch's input is large.
+        self.max_upload_bytes = max_upload_bytes or max_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        limit = self.max_upload_bytes if scope.get("path") == "/v1/files" else self.max_bytes
         for name, value in scope.get("headers", ()):
-            if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
-                await self._refuse(scope, receive, send)
+            if name == b"content-length" and value.isdigit() and int(value) > limit:
+                await self._refuse(scope, receive, send, limit)
                 return
         received = 0
 
@@ -97,16 +100,17 @@ class BodySizeLimitMiddleware:
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
-                if received > self.max_bytes:
+                if received > limit:
                     # FastAPI passes an HTTPException from body reading through (any
                     # other error there becomes its own 400): the error handler answers.
-                    raise HTTPException(413, self._message())
+                    raise HTTPException(413, self._message(limit))
             return message
 
         await self.app(scope, counted_receive, send)
 
-    def _message(self) -> str:
-        return f"The request body is larger than this server's limit of {self.max_bytes} bytes."
+    @staticmethod
+    def _message(limit: int) -> str:
+        return f"The request body is larger than this server's limit of {limit} bytes."
 
-    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await APIError(413, self._message()).response(scope.get("path", ""))(scope, receive, send)
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send, limit: int) -> None:
+        await APIError(413, self._message(limit)).response(scope.get("path", ""))(scope, receive, send)

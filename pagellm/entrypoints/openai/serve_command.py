@@ -81,6 +81,14 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentP
         "with --reasoning-parser, output constraints (response formats, tool calls) hold the "
         "think block too, from the first output token (default: they hold the answer after it)",
     )
+    serve.add_argument(
+        "--batch-dir",
+        default=None,
+        metavar="DIR",
+        help="where the Files and Batch API keep uploaded files and batches, so that a restart "
+        "resumes unfinished batches; 'none' turns the API off (default: "
+        "$PAGELLM_CACHE_DIR or ~/.cache/pagellm, then batches/<served model name>)",
+    )
     add_limit_args(serve)
     add_engine_args(serve)
     serve.set_defaults(run_command=run_serve)

@@ -146,6 +146,13 @@ class ChatServing:
             raise APIError(
                 400, "top_logprobs needs logprobs set to true.", param="top_logprobs"
             )
+        for name in ("max_tokens", "max_completion_tokens"):
+            # Both may be given (max_completion_tokens wins): neither may exceed the context.
+            value = getattr(body, name)
+            if value is not None and value > self.context.max_model_len:
+                raise APIError(
+                    400, f"{name}={value} is more than max_model_len={self.context.max_model_len}.", param=name
+                )
         fields = common_sampling_fields(body)
         constraint, constraint_field = structured_outputs(body)
         tool_calls_constraint = tool_constraint(body, tools)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextvars
 import uuid
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pagellm.engine.async_llm import AsyncLLM, NewRequest, OutputStream
 from pagellm.entrypoints.openai.limits_config import RequestLimits
@@ -15,6 +16,11 @@ from pagellm.errors import InvalidRequestError
 from pagellm.outputs import RequestOutput
 from pagellm.structured_outputs_params import KINDS as CONSTRAINT_KINDS
 from pagellm.tokenizer import Tokenizer
+
+
+# Set by the batch runner: the engine requests a handler adds in its context are background
+# work (batch lines), which the scheduler serves only where interactive requests leave room.
+BACKGROUND: contextvars.ContextVar[bool] = contextvars.ContextVar("pagellm_background", default=False)
 
 
 @dataclass(frozen=True)
@@ -42,6 +48,8 @@ class ServingContext:
     async def add_requests(self, requests: list[NewRequest], constraint_field: str) -> OutputStream:
         """Queue the requests. An output constraint that does not compile (AsyncLLM
         compiles it on a worker thread first) is a 400 naming the request field it came from."""
+        if BACKGROUND.get():
+            requests = [replace(request, background=True) for request in requests]
         try:
             return await self.async_llm.add_requests(requests)
         except InvalidRequestError as e:

@@ -21,14 +21,10 @@ from schemathesis.specs.openapi.checks import positive_data_acceptance
 DOCUMENTED_REFUSALS = [
     # The prompt's tokens (plus max_tokens) must fit in max_model_len.
     (r"prompt|messages|max_tokens|max_completion_tokens|input", r"maximum context length|max_model_len"),
-    # A text prompt that the tokenizer turns into no tokens (a tokenizer without BOS).
-    (r"prompt", r"the prompt is empty"),
-    (r"input", r"the input is empty"),
     # Two fields together.
     (r"min_tokens", r"must not exceed max_tokens"),
     (r"max_tokens", r"0 only with echo"),
     (r"best_of", r"'best_of' other than n is not supported"),
-    (r"top_logprobs", r"top_logprobs needs logprobs set to true"),
     # The sum of a message's text parts (a schema bounds one string's length).
     (r"messages", r"characters of content; at most"),
     # One output constraint per request, and it must compile.

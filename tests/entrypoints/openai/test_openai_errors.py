@@ -99,7 +99,8 @@ def test_max_tokens_past_the_context(server):
         400, "max_tokens", str(MAX_MODEL_LEN),
     )
     assert "5" in error["message"]  # the prompt's 5 tokens
-    assert_error(post(server, "/v1/chat/completions", chat(max_completion_tokens=10**9)), 400, "max_tokens")
+    # The field the client sent is the one named.
+    assert_error(post(server, "/v1/chat/completions", chat(max_completion_tokens=10**9)), 400, "max_completion_tokens")
 
 
 @pytest.mark.parametrize(

@@ -37,6 +37,9 @@ OPERATIONS = [
     "POST /v1/embeddings", "POST /v1/responses", "GET /v1/responses/{response_id}",
     "DELETE /v1/responses/{response_id}", "POST /v1/responses/{response_id}/cancel",
     "POST /v1/messages", "POST /v1/messages/count_tokens",
+    "POST /v1/files", "GET /v1/files", "GET /v1/files/{file_id}", "DELETE /v1/files/{file_id}",
+    "GET /v1/files/{file_id}/content", "POST /v1/batches", "GET /v1/batches", "GET /v1/batches/{batch_id}",
+    "POST /v1/batches/{batch_id}/cancel",
 ]  # fmt: skip
 FUZZ_SERVER_FLAGS = [
     "--max-model-len", "96",

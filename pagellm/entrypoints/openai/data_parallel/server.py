@@ -312,7 +312,8 @@ def run_dp_server(args: argparse.Namespace) -> None:
 
 
 def replica_serve_args(args: argparse.Namespace, engine_args: EngineArgs, name: str) -> list[str]:
-    flags = ["--served-model-name", name, "--shutdown-timeout", str(args.shutdown_timeout)]
+    # Replicas run no batches: each would run every batch in the directory.
+    flags = ["--served-model-name", name, "--shutdown-timeout", str(args.shutdown_timeout), "--batch-dir", "none"]
     if args.max_num_queued_requests is not None:
         flags += ["--max-num-queued-requests", str(args.max_num_queued_requests)]
     if getattr(args, "reasoning_parser", None):

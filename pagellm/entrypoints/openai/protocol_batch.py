@@ -1,0 +1,116 @@
+"""Entrypoints stage: HTTP: the Files and Batch APIs' bodies, with OpenAI's field names.
+
+A batch's input is a JSONL file uploaded with purpose "batch": one request per line,
+`{"custom_id", "method": "POST", "url", "body"}`. Its output and error files hold one
+result per line, `{"id", "custom_id", "response": {"status_code", "request_id", "body"},
+"error"}`, as OpenAI writes them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+BATCH_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+BatchStatus = Literal[
+    "validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling", "cancelled"
+]
+# A batch in one of these is done: nothing changes it any more.
+FINAL_STATUSES = ("failed", "completed", "expired", "cancelled")
+
+
+class FileObject(BaseModel):
+    id: str
+    object: Literal["file"] = "file"
+    bytes: int
+    created_at: int
+    filename: str
+    purpose: str
+    status: Literal["uploaded", "processed", "error"] = "processed"
+    expires_at: int | None = None
+    status_details: str | None = None
+
+
+class FileList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[FileObject]
+    has_more: bool = False
+    first_id: str | None = None
+    last_id: str | None = None
+
+
+class FileDeleted(BaseModel):
+    id: str
+    object: Literal["file"] = "file"
+    deleted: bool = True
+
+
+class BatchCreateRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    input_file_id: str = Field(min_length=1, max_length=256)
+    endpoint: Literal["/v1/chat/completions", "/v1/completions", "/v1/embeddings"]
+    # OpenAI takes "24h" only; any whole number of hours (up to a week) is taken here.
+    completion_window: str = Field("24h", pattern=r"^[1-9][0-9]{0,2}h$")
+    metadata: dict[str, str] | None = Field(None, max_length=16)
+
+
+class BatchRequestCounts(BaseModel):
+    total: int = 0
+    completed: int = 0
+    failed: int = 0
+
+
+class BatchError(BaseModel):
+    code: str
+    message: str
+    param: str | None = None
+    line: int | None = None
+
+
+class BatchErrors(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[BatchError] = Field(default_factory=list)
+
+
+class BatchObject(BaseModel):
+    id: str
+    object: Literal["batch"] = "batch"
+    endpoint: str
+    errors: BatchErrors | None = None
+    input_file_id: str
+    completion_window: str
+    status: BatchStatus
+    output_file_id: str | None = None
+    error_file_id: str | None = None
+    created_at: int
+    in_progress_at: int | None = None
+    expires_at: int | None = None
+    finalizing_at: int | None = None
+    completed_at: int | None = None
+    failed_at: int | None = None
+    expired_at: int | None = None
+    cancelling_at: int | None = None
+    cancelled_at: int | None = None
+    request_counts: BatchRequestCounts = Field(default_factory=BatchRequestCounts)
+    metadata: dict[str, str] | None = None
+
+
+class BatchList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[BatchObject]
+    has_more: bool = False
+    first_id: str | None = None
+    last_id: str | None = None
+
+
+def result_line(
+    request_id: str, custom_id: str | None, status_code: int | None, body: Any, error: dict[str, Any] | None
+) -> dict[str, Any]:
+    """One line of an output or error file: a response (any status), or an error that
+    kept the line from running at all (response null)."""
+    response = None
+    if status_code is not None:
+        response = {"status_code": status_code, "request_id": request_id, "body": body}
+    return {"id": request_id, "custom_id": custom_id, "response": response, "error": error}
