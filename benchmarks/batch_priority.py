@@ -108,6 +108,7 @@ def main() -> None:
     parser.add_argument("--interactive-tokens", type=int, default=32)
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--background-token-budget", type=int, default=None, help="the serve flag (default: its default)")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--no-finish", action="store_true", help="cancel the batch after the shared phase")
     args = parser.parse_args()
@@ -117,6 +118,8 @@ def main() -> None:
     flags = ["--batch-dir", batch_dir, "--max-num-seqs", str(args.max_num_seqs), "--served-model-name", "bench"]
     if args.model:
         flags += ["--model", args.model]
+    if args.background_token_budget is not None:
+        flags += ["--background-token-budget", str(args.background_token_budget)]
     process, base_url = start_server(flags)
     try:
         interactive_load(base_url, "bench", argparse.Namespace(**{**vars(args), "duration": 5.0}))  # warm up

@@ -61,6 +61,8 @@ _HELP = {
     "long_prefill_token_threshold": "cap on one request's prefill chunk per step (unset = no cap)",
     "prefill_share": "fraction of the step budget prefills may take while requests decode; the rest "
     "is reserved for decodes (unset = 1.0)",
+    "background_token_budget": "tokens background requests (Batch API lines) may take per step, so that an "
+    "interactive request never waits long for a step of batch work (0: the whole step budget)",
     "speculative_config": "speculative decoding, as JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
     "\"prompt_lookup_min\": 1, \"prompt_lookup_max\": 4, \"disable_by_batch_size\": 8}, or a draft model: "
     "{\"model\": PATH, \"num_speculative_tokens\": 4} (same vocabulary); exact for greedy and sampled requests",

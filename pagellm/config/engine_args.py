@@ -72,6 +72,9 @@ class EngineArgs:
     max_num_partial_prefills: int | None = None
     long_prefill_token_threshold: int | None = None
     prefill_share: float | None = None
+    # Tokens batch lines may take per step; None: DEFAULT_BACKGROUND_TOKEN_BUDGET with
+    # chunked prefill, no cap without (a prompt is then scheduled whole); 0: no cap.
+    background_token_budget: int | None = None
     profile: str | None = None  # interactive | offline: sets the knobs above together
     max_logprobs: int = 20  # most logprobs / prompt_logprobs a request may ask for
     disable_log_stats: bool = False  # no periodic stats line

@@ -20,7 +20,7 @@ from pagellm.config.kv_layout import kv_cache_layout
 from pagellm.config.engine_args import EngineArgs
 from pagellm.config.model import ModelConfig, ModelSource
 from pagellm.config.parallel import ParallelConfig, check_tp_size
-from pagellm.config.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS, SchedulerConfig
+from pagellm.config.scheduler import DEFAULT_BACKGROUND_TOKEN_BUDGET, DEFAULT_MAX_NUM_BATCHED_TOKENS, SchedulerConfig
 from pagellm.config.speculative import SpeculativeConfig, resolve_speculative_config
 from pagellm.config.units import GiB
 from pagellm.errors import ConfigError
@@ -184,6 +184,7 @@ def resolve_engine_config(
         max_num_partial_prefills=args.max_num_partial_prefills,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         prefill_share=1.0 if args.prefill_share is None else args.prefill_share,
+        background_token_budget=background_token_budget(args),
     )
     tp_size = args.tensor_parallel_size
     if tp_size > 1:
@@ -236,3 +237,10 @@ def resolve_engine_config(
         metrics_series_file=args.metrics_series_file,
         kv_events_file=args.kv_events_file,
     )
+
+
+def background_token_budget(args: EngineArgs) -> int | None:
+    """The scheduler's cap on background tokens per step (see EngineArgs)."""
+    if args.background_token_budget is None:
+        return DEFAULT_BACKGROUND_TOKEN_BUDGET if args.enable_chunked_prefill else None
+    return args.background_token_budget or None

@@ -15,6 +15,8 @@ SCHEDULING_POLICIES: tuple[str, ...] = ("fcfs", "priority", "shortest-remaining"
 PREEMPTION_MODES: tuple[str, ...] = ("recompute", "swap")
 # The step's token budget when the user sets none and prefills may be chunked.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+# Background tokens per step when the user sets none (chosen by benchmarks/batch_priority.py).
+DEFAULT_BACKGROUND_TOKEN_BUDGET = 16
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -35,9 +37,15 @@ class SchedulerConfig:
     max_num_partial_prefills: int | None = None
     long_prefill_token_threshold: int | None = None
     prefill_share: float = 1.0
+    # Tokens background requests (batch lines) may take per step, so that a step never
+    # grows long on their account: an interactive request arriving waits for at most such
+    # a step. None: the whole step budget.
+    background_token_budget: int | None = None
 
     def __post_init__(self) -> None:
         check_int("SchedulerConfig", "max_num_seqs", self.max_num_seqs, 1)
+        if self.background_token_budget is not None:
+            check_int("SchedulerConfig", "background_token_budget", self.background_token_budget, 1)
         if self.max_num_partial_prefills is not None:
             check_int("SchedulerConfig", "max_num_partial_prefills", self.max_num_partial_prefills, 1)
         if self.long_prefill_token_threshold is not None:
@@ -72,6 +80,16 @@ class SchedulerConfig:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
                 f"max_model_len ({self.max_model_len}). Raise max_num_batched_tokens, lower "
                 "max_model_len, or enable chunked prefill."
+            )
+        if (
+            not self.enable_chunked_prefill
+            and self.background_token_budget is not None
+            and self.background_token_budget < self.max_model_len
+        ):
+            raise ConfigError(
+                "With chunked prefill disabled a background prompt is scheduled whole, so "
+                f"background_token_budget ({self.background_token_budget}) must be at least "
+                f"max_model_len ({self.max_model_len}), or chunked prefill enabled."
             )
         if not self.enable_chunked_prefill and self.balances_prefill:
             raise ConfigError(

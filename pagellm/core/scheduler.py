@@ -200,6 +200,7 @@ class Scheduler:
         budget = config.max_num_batched_tokens
         plan = StepPlan(token_budget=budget, prefill_budget=prefill_token_cap(config, budget, num_decodes))
         plan.speculate = self.speculator is not None and self.speculator.active(len(self.running))
+        plan.background_budget = config.background_token_budget
         plan.pause_background = self._interactive_waiting() or any(
             not r.background and r.num_tokens - r.num_computed_tokens > 1 for r in self.running
         )
@@ -215,12 +216,18 @@ class Scheduler:
                 self._schedule_waiting(plan)
         return self._make_output(plan)
 
-    def _num_tokens_to_schedule(self, gap: int, plan: StepPlan) -> int:
+    def _num_tokens_to_schedule(self, gap: int, plan: StepPlan, request: Request) -> int:
         """Tokens of a gap that fit this step; 0 if the request must wait."""
         assert gap > 0, "nothing to compute"
+        budget = plan.token_budget
+        if request.background:
+            if plan.pause_background:
+                return 0
+            if plan.background_budget is not None:
+                budget = min(budget, plan.background_budget)
         if gap == 1:  # a decode
-            return min(1, plan.token_budget)
-        return prefill_chunk_size(self.scheduler_config, gap, plan.token_budget, plan.prefill_budget, len(plan.prefill_req_ids))
+            return min(1, budget)
+        return prefill_chunk_size(self.scheduler_config, gap, budget, plan.prefill_budget, len(plan.prefill_req_ids))
 
     def _schedule_running(self, plan: StepPlan) -> None:
         kv = self.kv_cache_manager
@@ -228,7 +235,7 @@ class Scheduler:
         while index < len(self.running) and plan.token_budget > 0:
             request = self.running[index]
             gap = request.num_tokens - request.num_computed_tokens
-            num_tokens = 0 if request.background and plan.pause_background else self._num_tokens_to_schedule(gap, plan)
+            num_tokens = self._num_tokens_to_schedule(gap, plan, request)
             if num_tokens == 0:
                 index += 1
                 continue
@@ -236,7 +243,8 @@ class Scheduler:
             if gap == 1 and plan.speculate and not request.is_pooling:
                 assert self.speculator is not None
                 # Verification positions count in the step's token budget.
-                proposal = self.speculator.propose(request)[: plan.token_budget - 1]
+                room = plan.token_budget if not request.background else min(plan.token_budget, plan.background_budget or plan.token_budget)
+                proposal = self.speculator.propose(request)[: room - 1]
                 num_tokens += len(proposal)
             block_ids = kv.allocate_slots(request, num_tokens)
             while block_ids is None:
@@ -303,7 +311,7 @@ class Scheduler:
             if not self._has_room_for(request, plan):
                 break
             gap = request.num_tokens - request.num_computed_tokens
-            num_tokens = self._num_tokens_to_schedule(gap, plan)
+            num_tokens = self._num_tokens_to_schedule(gap, plan, request)
             if num_tokens == 0 or not kv.can_swap_in(request, num_tokens):
                 break
             pairs = kv.swap_in(request)
@@ -355,7 +363,7 @@ class Scheduler:
             # pooling their hidden states.
             computed = NO_HIT
         gap = request.num_tokens - computed.num_computed_tokens
-        num_tokens = self._num_tokens_to_schedule(gap, plan)
+        num_tokens = self._num_tokens_to_schedule(gap, plan, request)
         if num_tokens == 0:
             return False  # head-of-line: later requests must not overtake it
         block_ids = kv.allocate_slots(request, num_tokens, computed)

@@ -27,11 +27,14 @@ class StepPlan:
     # An interactive request waits or prefills: background work sits this step out, so the
     # step (and that request's first token) is as fast as without it.
     pause_background: bool = False
+    background_budget: int | None = None  # tokens background requests may still take (None: any)
 
     def schedule(self, request: Request, num_tokens: int, block_ids: list[list[int]], is_prefill: bool) -> None:
         self.num_scheduled_tokens[request.request_id] = num_tokens
         self.new_block_ids[request.request_id] = block_ids
         self.token_budget -= num_tokens
+        if request.background and self.background_budget is not None:
+            self.background_budget -= num_tokens
         if is_prefill:
             self.prefill_req_ids.add(request.request_id)
             self.prefill_budget -= num_tokens
@@ -42,6 +45,8 @@ class StepPlan:
         self.new_block_ids.pop(request.request_id, None)
         self.spec_tokens.pop(request.request_id, None)
         self.token_budget += num_tokens
+        if request.background and self.background_budget is not None:
+            self.background_budget += num_tokens
         if request.request_id in self.prefill_req_ids:
             self.prefill_req_ids.discard(request.request_id)
             self.prefill_budget += num_tokens

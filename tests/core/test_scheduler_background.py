@@ -120,3 +120,22 @@ def test_background_work_sits_out_an_interactive_prefill(new_scheduler):
     while scheduler.has_unfinished_requests():
         step(scheduler, runner)
     assert_drained(scheduler)
+
+
+@pytest.mark.parametrize("budget", [1, 3, 8])
+def test_background_work_takes_at_most_its_token_budget_per_step(new_scheduler, budget):
+    scheduler = new_scheduler(max_num_batched_tokens=32, max_model_len=64, background_token_budget=budget)
+    runner = FakeRunner(4)
+    lines = [make_request(f"line{i}", 9, max_tokens=5, background=True) for i in range(4)]
+    for line in lines:
+        scheduler.add_request(line)
+    steps = 0
+    while scheduler.has_unfinished_requests():
+        result = step(scheduler, runner)
+        assert 0 < result.output.total_num_scheduled_tokens <= budget  # never stalls, never more
+        steps += 1
+        if steps == 2:  # an interactive request still gets the whole step budget
+            scheduler.add_request(make_request("chat", 20, max_tokens=1))
+            assert step(scheduler, runner).output.num_scheduled_tokens == {"chat": 20}
+    assert all(line.status is RequestStatus.FINISHED_LENGTH for line in lines)
+    assert_drained(scheduler)
