@@ -190,12 +190,15 @@ def test_triton_store_matches_torch_on_every_finite_bf16(fp8, source_dtype):
     from pagellm.attention.torch_backend import write_kv_to_cache
     from pagellm.attention.triton_backend import store_kv
 
+    # Wide rows (8 heads of 256): the interpreter's cost is per program, one per token.
     values = _all_finite_bf16()
-    tokens = values.numel() // 64
-    key = values[: tokens * 64].to(source_dtype).view(tokens, 2, 32)
+    per_token = 8 * 256
+    values = torch.cat([values, values[: -values.numel() % per_token]])  # every value, whole rows
+    tokens = values.numel() // per_token
+    key = values.to(source_dtype).view(tokens, 8, 256)
     value = -key.flip(0)
     slots = torch.randperm(tokens, generator=torch.Generator().manual_seed(0))
-    cache = torch.zeros(2, tokens, 1, 2, 32, dtype=fp8)
+    cache = torch.zeros(2, tokens, 1, 8, 256, dtype=fp8)
     reference = torch.zeros_like(cache)
     store_kv(key, value, cache, slots)
     write_kv_to_cache(key, value, reference, slots)
