@@ -201,9 +201,6 @@ class Scheduler:
         plan = StepPlan(token_budget=budget, prefill_budget=prefill_token_cap(config, budget, num_decodes))
         plan.speculate = self.speculator is not None and self.speculator.active(len(self.running))
         plan.background_budget = config.background_token_budget
-        plan.pause_background = self._interactive_waiting() or any(
-            not r.background and r.num_tokens - r.num_computed_tokens > 1 for r in self.running
-        )
         self._schedule_running(plan)
         # A step that had to preempt is short of blocks: bringing requests in now would
         # only get them (or others) preempted again, and swap-ins must not share a step
@@ -221,7 +218,7 @@ class Scheduler:
         assert gap > 0, "nothing to compute"
         budget = plan.token_budget
         if request.background:
-            if plan.pause_background:
+            if self._pauses_background(plan):
                 return 0
             if plan.background_budget is not None:
                 budget = min(budget, plan.background_budget)
@@ -306,7 +303,7 @@ class Scheduler:
         kv = self.kv_cache_manager
         while self.swapped:
             request = self.swapped.peek()
-            if request.background and (self._interactive_waiting() or plan.pause_background):
+            if request.background and self._pauses_background(plan):
                 break  # it would only be preempted again, or slow an interactive prefill
             if not self._has_room_for(request, plan):
                 break
@@ -327,7 +324,7 @@ class Scheduler:
     def _schedule_waiting(self, plan: StepPlan) -> None:
         while self.waiting:
             request = self.waiting.peek()
-            if request.background and (self.swapped or plan.pause_background):
+            if request.background and (self.swapped or self._pauses_background(plan)):
                 break  # swapped-out background work goes first; none while interactive work prefills
             if self._admit(request, plan):
                 continue
@@ -335,6 +332,16 @@ class Scheduler:
             # latest admitted first) until the request fits, or none is left.
             if request.background or not self._preempt_background(plan):
                 break
+
+    def _pauses_background(self, plan: StepPlan) -> bool:
+        """Background work sits this step out while an interactive request waits or
+        prefills (decided once per step, when a background request first asks: no cost
+        to a step without any)."""
+        if plan.pause_background is None:
+            plan.pause_background = self._interactive_waiting() or any(
+                not r.background and r.num_tokens - r.num_computed_tokens > 1 for r in self.running
+            )
+        return plan.pause_background
 
     def _interactive_waiting(self) -> bool:
         return bool(self.waiting) and not self.waiting.peek().background

@@ -26,7 +26,7 @@ class StepPlan:
     speculate: bool = False  # proposals are asked for in this step
     # An interactive request waits or prefills: background work sits this step out, so the
     # step (and that request's first token) is as fast as without it.
-    pause_background: bool = False
+    pause_background: bool | None = None  # None: not decided yet (Scheduler._pauses_background)
     background_budget: int | None = None  # tokens background requests may still take (None: any)
 
     def schedule(self, request: Request, num_tokens: int, block_ids: list[list[int]], is_prefill: bool) -> None:

@@ -395,7 +395,7 @@ class AsyncLLM:
 
     def _add(self, command: _AddCommand) -> None:
         limit = self.max_num_queued_requests
-        num_waiting = self.engine.scheduler.num_waiting_interactive
+        num_waiting = self.engine.scheduler.num_waiting_interactive if limit is not None else 0
         # Counted in sequences (n of them per request), as the scheduler queues them. An
         # empty queue admits any group, so that no group is refused forever. Background
         # work (batch lines, whose runner bounds them itself) neither counts nor is refused.
