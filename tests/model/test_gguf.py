@@ -13,7 +13,8 @@ from reference import pagellm_greedy
 from pagellm import LLM
 from pagellm.errors import ModelLoadError, UnsupportedModelError
 from pagellm.model.loader import ModelSource, load_model_config
-from pagellm.model.loader.gguf_loader import dequantize_tensor, open_gguf
+from pagellm.model.loader.gguf_loader import dequantize_tensor
+from pagellm.model.loader.gguf_reader import open_gguf
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [3, 4], [99, 100, 101]]
 

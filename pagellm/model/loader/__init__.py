@@ -19,7 +19,7 @@ from pagellm.model.llama import LlamaForCausalLM, rotary_tables
 from pagellm.model.registry import model_class
 from pagellm.model.tensor_parallel import TPGroup, TPLayout, shard_float
 from pagellm.kernels.linear_bindings import cpu_linear_kernels
-from pagellm.model.loader import gguf_loader, hf_loader
+from pagellm.model.loader import gguf_loader, gguf_reader, hf_loader
 from pagellm.model.loader.checkpoint_layouts import language_model_name, split_fused
 from pagellm.model.loader.default_model import DEFAULT_MODEL_NAME, default_model_path
 
@@ -56,7 +56,7 @@ def resolve_model_source(model: str | None) -> ModelSource:
 
 def load_model_config(source: ModelSource) -> ModelConfig:
     if source.format == "gguf":
-        return gguf_loader.gguf_model_config(gguf_loader.open_gguf(source.path), source.path)
+        return gguf_loader.gguf_model_config(gguf_reader.open_gguf(source.path), source.path)
     return hf_loader.hf_model_config(source.path)
 
 
@@ -65,7 +65,7 @@ def load_tokenizer(source: ModelSource, config: ModelConfig) -> "Tokenizer":
     from pagellm.tokenizer.hf_tokenizer import tokenizer_from_hf_folder
 
     if source.format == "gguf":
-        reader = gguf_loader.open_gguf(source.path)
+        reader = gguf_reader.open_gguf(source.path)
         tokenizer = tokenizer_from_gguf_metadata(read_gguf_tokenizer_fields(reader))
     else:
         tokenizer = tokenizer_from_hf_folder(source.path)
@@ -98,7 +98,7 @@ def load_model(
     divisors = None
     weights = None
     if source.format == "gguf":
-        reader = gguf_loader.open_gguf(source.path)
+        reader = gguf_reader.open_gguf(source.path)
         if load_format != "dummy":
             weights = gguf_loader.iter_gguf_weights(reader, config, keep_types, None if tp is None else tp.layout)
         divisors = gguf_loader.rope_freq_divisors(reader)
@@ -183,7 +183,7 @@ def _plan_quantization(
                 "x86-64 with AVX2 and a C compiler"
             )
         if source.format == "gguf":
-            stored = gguf_loader.quantized_tensor_types(gguf_loader.open_gguf(source.path))
+            stored = gguf_loader.quantized_tensor_types(gguf_reader.open_gguf(source.path))
             if stored:
                 name, kind = next(iter(stored.items()))
                 raise ConfigError(
@@ -192,7 +192,7 @@ def _plan_quantization(
                 )
         return frozenset()
     if source.format == "gguf" and not supported:
-        stored = gguf_loader.quantized_tensor_types(gguf_loader.open_gguf(source.path))
+        stored = gguf_loader.quantized_tensor_types(gguf_reader.open_gguf(source.path))
         if stored:
             where = f"{str(dtype).removeprefix('torch.')} on {torch.device(device).type}"
             logger.info(
