@@ -84,12 +84,13 @@ def build_app(
     reasoning_parser: str | None = None,
     structured_outputs_in_reasoning: bool = False,
     batch_dir: str | Path | None = None,
+    data_parallel_rank: int | None = None,
 ) -> FastAPI:
     """The FastAPI app serving `async_llm`; its lifespan starts and stops the engine loop."""
     name = served_model_name or async_llm.engine.config.source.name
     limits = limits or RequestLimits()
     reasoning = REASONING_FORMATS[reasoning_parser] if reasoning_parser else None
-    context = ServingContext(async_llm, name, limits, reasoning, structured_outputs_in_reasoning)
+    context = ServingContext(async_llm, name, limits, reasoning, structured_outputs_in_reasoning, data_parallel_rank)
     completions = CompletionServing(context)
     chat = ChatServing(context)
     tokens = TokenServing(context)
@@ -261,6 +262,7 @@ def run_server(args: argparse.Namespace) -> None:
         reasoning_parser=getattr(args, "reasoning_parser", None),
         structured_outputs_in_reasoning=bool(structured.get("enable_in_reasoning")),
         batch_dir=getattr(args, "batch_dir", None),
+        data_parallel_rank=getattr(args, "data_parallel_rank", None),
     )
     config = uvicorn.Config(
         app,

@@ -89,6 +89,9 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentP
         "resumes unfinished batches; 'none' turns the API off (default: "
         "$PAGELLM_CACHE_DIR or ~/.cache/pagellm, then batches/<served model name>)",
     )
+    # Set by a data-parallel server on its replicas: it tags the ids of stored responses, so
+    # that the router sends a follow-up (GET, previous_response_id) to the replica holding it.
+    serve.add_argument("--data-parallel-rank", type=int, default=None, help=argparse.SUPPRESS)
     add_limit_args(serve)
     add_engine_args(serve)
     serve.set_defaults(run_command=run_serve)

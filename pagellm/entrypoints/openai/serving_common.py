@@ -32,6 +32,7 @@ class ServingContext:
     # --structured-outputs-config {"enable_in_reasoning": true}: a constraint holds the think
     # block too, from the first output token (by default it holds the answer after it).
     structured_outputs_in_reasoning: bool = False
+    data_parallel_rank: int | None = None  # this server is that replica of a data-parallel one
 
     @property
     def tokenizer(self) -> Tokenizer:

@@ -154,7 +154,8 @@ class ResponsesServing:
             conversation = list(previous.conversation)
         conversation += input_messages(body)
         system = [{"role": "system", "content": body.instructions}] if body.instructions else []
-        response_id = _new_id("resp")
+        rank = self.context.data_parallel_rank
+        response_id = _new_id("resp" if rank is None else f"resp_r{rank}")
         self._check_limits(body)
         prepared = self.chat.prepare(chat_request(body, system + conversation), response_id, check_limits=False)
         if body.max_output_tokens is None:  # no limit but the context (chat's default is 16)

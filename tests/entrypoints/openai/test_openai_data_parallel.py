@@ -182,3 +182,30 @@ def test_replicas_on_ray_with_an_api_key(tiny):
     finally:
         server.process.terminate()
         assert server.process.wait(60) == 0
+
+
+def test_stored_responses_are_found_on_the_replica_that_made_them(server):
+    """The Responses API keeps a response in one replica's memory: its id names the
+    replica, and GET, DELETE, cancel and previous_response_id go there, whichever replica
+    the load would pick."""
+    import openai
+
+    with openai.OpenAI(base_url=server.api_url, api_key="none", max_retries=0, timeout=60) as client:
+        made = [client.responses.create(model="tiny", input=f"turn {i} " + "abc" * i, max_output_tokens=4,
+                                        temperature=0) for i in range(6)]  # fmt: skip
+        ranks = {re.fullmatch(r"resp_r(\d+)_[0-9a-f]+", r.id).group(1) for r in made}
+        assert ranks == {"0", "1"}  # both replicas stored some
+        for response in made:
+            assert client.responses.retrieve(response.id).output_text == response.output_text
+            follow_up = client.responses.create(model="tiny", input="and then?", previous_response_id=response.id,
+                                                max_output_tokens=4, temperature=0)  # fmt: skip
+            assert follow_up.id.split("_")[1] == response.id.split("_")[1]  # the same replica
+        client.responses.delete(made[0].id)
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(made[0].id)
+        for missing in ("resp_r7_0123abcd", "resp_nothing", made[0].id):
+            with pytest.raises(openai.NotFoundError):
+                client.responses.retrieve(missing)
+        with pytest.raises(openai.NotFoundError) as previous:
+            client.responses.create(model="tiny", input="x", previous_response_id="resp_r9_00ff", max_output_tokens=2)
+        assert previous.value.body["param"] == "previous_response_id"

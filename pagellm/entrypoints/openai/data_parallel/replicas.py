@@ -53,7 +53,8 @@ class ProcessReplica(Replica):
         env = {**os.environ, **(extra_env or {})}
         if num_threads is not None:
             env["OMP_NUM_THREADS"] = str(num_threads)
-        command = [sys.executable, "-m", "pagellm.entrypoints.cli", "serve", "--host", host, "--port", "0", *serve_args]
+        command = [sys.executable, "-m", "pagellm.entrypoints.cli", "serve", "--host", host, "--port", "0", *serve_args,
+                   "--data-parallel-rank", str(index)]  # fmt: skip
         self.process = subprocess.Popen(
             command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
         )

@@ -7,7 +7,9 @@ is passed through unchanged, its answer (streamed or not) passed back byte for b
 every replica keeps its own validation, errors and streaming. A replica that dies is
 noticed within a second: the router stops sending to it, a request whose replica could
 not be reached is retried on another, and the survivors keep serving; with none left,
-/health answers 503 and the server exits with status 1.
+/health answers 503 and the server exits with status 1. A stored response (the Responses
+API) lives in the replica that made it, whose rank its id carries: requests naming it go
+there. The replicas run with the Files and Batch API off.
 
 /metrics holds the router's own figures (decisions by reason, requests in flight, live
 replicas) and every replica's engine metrics with a `replica` label.
@@ -22,6 +24,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -57,6 +60,10 @@ ENGINE_DEATH_GRACE_S = 2.0
 _FORWARDED_HEADERS = ("authorization", "content-type", "accept")
 
 
+# A response id a replica of rank N makes: resp_rN_<hex> (serving_responses.py).
+_TAGGED_RESPONSE_ID = re.compile(r"resp_r(\d+)_[0-9a-f]+")
+
+
 class ReplicaRouter:
     """The replicas, the routing state, and the router's own metrics."""
 
@@ -68,7 +75,7 @@ class ReplicaRouter:
         self.policy = PrefixAffinityRouter(len(replicas), block_size=block_size, use_affinity=routing == "affinity")
         self.registry = CollectorRegistry()
         self.decisions = Counter(
-            "pagellm:router_requests", "Requests routed, by replica and reason (affinity, load, balance, retry).",
+            "pagellm:router_requests", "Requests routed, by replica and reason (affinity, load, balance, retry, pinned).",
             ["replica", "reason"], registry=self.registry,
         )  # fmt: skip
         self.in_flight = Gauge(
@@ -89,7 +96,7 @@ class ReplicaRouter:
                 messages = body.get("messages")
                 text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
                 return await asyncio.to_thread(self.tokenizer.encode, text, False)
-            prompt = body.get("input" if path.endswith("/embeddings") else "prompt")
+            prompt = body.get("input" if path.endswith(("/embeddings", "/responses")) else "prompt")
             if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
                 prompt = prompt[0]  # a batch: route by its first prompt
             if isinstance(prompt, str):
@@ -99,6 +106,18 @@ class ReplicaRouter:
         except Exception:  # noqa: BLE001 - a malformed request is the replica's to refuse
             logger.debug("no routing tokens for this request", exc_info=True)
         return []
+
+    def holder_of(self, response_id: str, param: str | None = None) -> int:
+        """The replica that stored a response (its id names it: resp_r<rank>_...)."""
+        match = _TAGGED_RESPONSE_ID.fullmatch(response_id)
+        index = int(match.group(1)) if match else -1
+        if not 0 <= index < len(self.replicas):
+            what = "Previous response" if param == "previous_response_id" else "Response"
+            raise APIError(404, f"{what} with id '{response_id}' not found.", param=param,
+                           code="previous_response_not_found" if param else "not_found")  # fmt: skip
+        if not self.policy.loads[index].alive:
+            raise APIError(503, f"Engine replica {index}, which holds response '{response_id}', is down.", code="engine_dead")
+        return index
 
     def live(self) -> list[int]:
         return [i for i, load in enumerate(self.policy.loads) if load.alive]
@@ -114,25 +133,33 @@ class ReplicaRouter:
 
     # -------------------------------------------------------------- forwarding
 
-    async def forward(self, request: Request, path: str) -> Response:
-        """Send the request to a replica chosen for it; a replica that cannot be reached
-        is marked down and the next choice tried."""
+    async def forward(self, request: Request, path: str, pinned: int | None = None) -> Response:
+        """Send the request to a replica chosen for it (or to `pinned`, the one holding the
+        stored response it names); a replica that cannot be reached is marked down and the
+        next choice tried."""
         raw = await request.body()
         try:
             body = json.loads(raw) if raw else {}
         except ValueError:
             body = {}
+        if pinned is None and path == "/v1/responses" and isinstance(body, dict):
+            previous = body.get("previous_response_id")
+            pinned = self.holder_of(previous, "previous_response_id") if isinstance(previous, str) else None
         routable = self.policy.use_affinity and isinstance(body, dict) and request.method == "POST"
-        tokens = await self.routing_tokens(path, body) if routable else []
+        tokens = await self.routing_tokens(path, body) if routable and pinned is None else []
         headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARDED_HEADERS}
         retry = False
         while True:
-            try:
-                decision = self.policy.choose(tokens)
-            except LookupError:
-                raise APIError(503, "No engine replica is serving.", code="engine_dead") from None
-            index = decision.replica
-            self.decisions.labels(str(index), "retry" if retry else decision.reason).inc()
+            if pinned is not None:
+                index = pinned
+                self.decisions.labels(str(index), "pinned").inc()
+            else:
+                try:
+                    decision = self.policy.choose(tokens)
+                except LookupError:
+                    raise APIError(503, "No engine replica is serving.", code="engine_dead") from None
+                index = decision.replica
+                self.decisions.labels(str(index), "retry" if retry else decision.reason).inc()
             replica = self.replicas[index]
             outgoing = self.client.build_request(
                 request.method, replica.url + path, content=raw, headers=headers, params=request.query_params
@@ -144,6 +171,8 @@ class ReplicaRouter:
                 self._finished(index)
                 if not replica.is_alive():
                     self.mark_dead(index)
+                    if pinned is not None:
+                        raise APIError(503, f"Engine replica {index}, which holds that response, is down.", code="engine_dead") from None
                     retry = True
                     continue
                 raise APIError(503, f"Engine replica {index} cannot be reached: {e}", code="replica_unreachable") from None
@@ -251,10 +280,18 @@ def build_router_app(router: ReplicaRouter, name: str, api_key: str | None) -> F
     async def get_metrics() -> Response:
         return Response(await router.metrics_text(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    # The Responses API keeps its responses in one replica's memory: not routed yet.
     stateless = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/messages", "/v1/messages/count_tokens")
-    for path in (*stateless, "/tokenize", "/detokenize"):
+    for path in (*stateless, "/tokenize", "/detokenize", "/v1/responses"):
         app.add_api_route(path, _forwarder(router, path), methods=["POST"])
+
+    # A stored response lives in the memory of the replica that made it: its id says which.
+    @app.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"])
+    async def response_by_id(response_id: str, request: Request) -> Response:
+        return await router.forward(request, f"/v1/responses/{response_id}", router.holder_of(response_id))
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str, request: Request) -> Response:
+        return await router.forward(request, f"/v1/responses/{response_id}/cancel", router.holder_of(response_id))
     app.add_api_route("/v1/models", _forwarder(router, "/v1/models"), methods=["GET"])
 
     @app.get("/v1/engine/state")
