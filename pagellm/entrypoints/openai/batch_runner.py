@@ -31,6 +31,7 @@ from pagellm.entrypoints.openai.protocol_batch import (
     BatchErrors,
     BatchObject,
     BatchRequestCounts,
+    BatchUsage,
     result_line,
 )
 from pagellm.entrypoints.openai.serving_common import BACKGROUND
@@ -179,6 +180,10 @@ class BatchRunner:
             completed=sum(1 for r in results if r["output"]),
             failed=sum(1 for r in results if not r["output"]),
         )
+        batch.usage = BatchUsage()
+        for result in results:
+            if result["output"]:
+                self._count_answer(batch, result["record"]["response"]["body"])
         log = ResultsLog(self.store.results_path(batch.id))
         tasks: set[asyncio.Task[None]] = set()
         self._in_flight[batch.id] = tasks
@@ -254,11 +259,18 @@ class BatchRunner:
         log.append(number, output, record)
         counts = batch.request_counts
         if output:
+            self._count_answer(batch, response)
             counts.completed += 1
             self.lines_done["completed"] += 1
         else:
             counts.failed += 1
             self.lines_done["failed"] += 1
+
+    @staticmethod
+    def _count_answer(batch: BatchObject, response: Any) -> None:
+        batch.usage.add(response)
+        if batch.model is None and isinstance(response, dict) and isinstance(response.get("model"), str):
+            batch.model = response["model"]
 
     def _expire(self, batch: BatchObject, path: Any) -> None:
         """Lines not run by the deadline fail as batch_expired."""

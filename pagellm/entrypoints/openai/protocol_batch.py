@@ -62,6 +62,36 @@ class BatchRequestCounts(BaseModel):
     failed: int = 0
 
 
+class BatchInputTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class BatchOutputTokensDetails(BaseModel):
+    reasoning_tokens: int = 0
+
+
+class BatchUsage(BaseModel):
+    """The tokens of the lines that answered 200, summed from their responses' usage."""
+
+    input_tokens: int = 0
+    output_tokens: int = 0
+    total_tokens: int = 0
+    input_tokens_details: BatchInputTokensDetails = Field(default_factory=BatchInputTokensDetails)
+    output_tokens_details: BatchOutputTokensDetails = Field(default_factory=BatchOutputTokensDetails)
+
+    def add(self, response: Any) -> None:
+        usage = response.get("usage") if isinstance(response, dict) else None
+        if not isinstance(usage, dict):
+            return
+        prompt, completion = int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)
+        self.input_tokens += prompt
+        self.output_tokens += completion
+        self.total_tokens += prompt + completion
+        details = usage.get("prompt_tokens_details")
+        if isinstance(details, dict):
+            self.input_tokens_details.cached_tokens += int(details.get("cached_tokens") or 0)
+
+
 class BatchError(BaseModel):
     code: str
     message: str
@@ -94,6 +124,8 @@ class BatchObject(BaseModel):
     cancelling_at: int | None = None
     cancelled_at: int | None = None
     request_counts: BatchRequestCounts = Field(default_factory=BatchRequestCounts)
+    usage: BatchUsage = Field(default_factory=BatchUsage)
+    model: str | None = None  # the model the lines' answers name
     metadata: dict[str, str] | None = None
 
 

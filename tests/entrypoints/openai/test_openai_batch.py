@@ -72,6 +72,10 @@ def test_a_batch_runs_end_to_end_and_bad_lines_fail_alone(bclient, batch_server,
     assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (10, 6, 4)
     outputs = results(bclient, done.output_file_id)
     assert [r["custom_id"] for r in outputs] == [f"ok-{i}" for i in range(6)]  # input order
+    assert done.model == model_name
+    assert done.usage.output_tokens == sum(r["response"]["body"]["usage"]["completion_tokens"] for r in outputs)
+    assert done.usage.input_tokens == sum(r["response"]["body"]["usage"]["prompt_tokens"] for r in outputs) > 0
+    assert done.usage.total_tokens == done.usage.input_tokens + done.usage.output_tokens
     for i, record in enumerate(outputs):
         direct = bclient.chat.completions.create(**chat_body(model_name, i))
         body = record["response"]["body"]
@@ -174,6 +178,7 @@ def test_a_restart_in_the_middle_resumes_the_batch(tiny_model, model_name, tmp_p
             assert resumed.status == "in_progress" and 3 <= resumed.request_counts.completed < 24
             done = wait_for(client, batch.id, timeout_s=180)
             assert done.status == "completed" and done.request_counts.completed == 24
+            assert done.usage.output_tokens == 24 * 120  # the lines done before the crash count too
             outputs = results(client, done.output_file_id)
             assert [r["custom_id"] for r in outputs] == [f"r{i}" for i in range(24)]  # each exactly once
             for i in (0, 23):
