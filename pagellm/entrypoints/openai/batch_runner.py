@@ -293,9 +293,10 @@ class BatchRunner:
     def _finish(self, batch: BatchObject, status: str, errors: list[BatchError] | None = None) -> None:
         """Write the output and error files (input order) and the final status."""
         now = int(time.time())
-        if status in ("completed", "cancelled", "expired"):
-            batch.status, batch.finalizing_at = "finalizing" if status == "completed" else batch.status, now
+        if status == "completed":
+            batch.status, batch.finalizing_at = "finalizing", now
             self.store.save_batch(batch)
+        if status in ("completed", "cancelled", "expired"):
             results = sorted(self.store.read_results(batch.id), key=lambda r: r["line"])
             for output, field, suffix in ((True, "output_file_id", "output"), (False, "error_file_id", "error")):
                 records = [r["record"] for r in results if r["output"] is output]
