@@ -86,3 +86,26 @@ def test_lines_not_run_by_the_deadline_expire(tmp_path):
     assert done.request_counts.failed == 3 and done.output_file_id is None
     errors = [json.loads(t) for t in store.file_path(done.error_file_id).read_text().splitlines()]
     assert [(e["custom_id"], e["error"]["code"]) for e in errors] == [(f"c{i}", "batch_expired") for i in range(3)]
+
+
+def test_only_the_routers_token_marks_a_request_background():
+    """On a data-parallel replica, the router's batch lines carry a secret token; a client
+    that sends the header without it gets no background treatment (nor the queue-limit
+    exemption that comes with it)."""
+    from pagellm.entrypoints.openai.serving_batch import BACKGROUND_HEADER, BackgroundHeaderMiddleware
+    from pagellm.entrypoints.openai.serving_common import BACKGROUND
+
+    seen: list[bool] = []
+
+    async def app(scope, receive, send) -> None:  # noqa: ANN001
+        seen.append(BACKGROUND.get())
+
+    middleware = BackgroundHeaderMiddleware(app, token="s3cret")
+
+    async def call(headers: list[tuple[bytes, bytes]]) -> None:
+        await middleware({"type": "http", "headers": headers}, None, None)
+
+    for headers in ([(BACKGROUND_HEADER.encode(), b"s3cret")], [(BACKGROUND_HEADER.encode(), b"guess")], []):
+        asyncio.run(call(headers))
+    assert seen == [True, False, False]
+    assert BACKGROUND.get() is False  # reset after the request

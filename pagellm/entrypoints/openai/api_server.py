@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import socket
 from collections.abc import AsyncIterator, Callable
@@ -66,7 +67,14 @@ from pagellm.entrypoints.openai.reasoning import REASONING_FORMATS
 from pagellm.entrypoints.anthropic.protocol import CountTokensRequest, MessagesRequest
 from pagellm.entrypoints.anthropic.serving import MessagesServing
 from pagellm.entrypoints.openai.protocol_responses import ResponsesRequest
-from pagellm.entrypoints.openai.serving_batch import BatchServing, add_batch_routes, batch_dir_for, in_process_call
+from pagellm.entrypoints.openai.serving_batch import (
+    BACKGROUND_TOKEN_ENV,
+    BackgroundHeaderMiddleware,
+    BatchServing,
+    add_batch_routes,
+    batch_dir_for,
+    in_process_call,
+)
 from pagellm.entrypoints.openai.serving_tokens import TokenServing
 from pagellm.entrypoints.dashboard import STATIC_DIR
 from pagellm.errors import ConfigError
@@ -131,6 +139,9 @@ def build_app(
     app.add_middleware(
         BodySizeLimitMiddleware, max_bytes=limits.max_request_body_bytes, max_upload_bytes=limits.max_batch_file_bytes
     )
+    background_token = os.environ.get(BACKGROUND_TOKEN_ENV)
+    if background_token:  # a data-parallel replica: the router's batch lines
+        app.add_middleware(BackgroundHeaderMiddleware, token=background_token)
     if api_key:  # added last: runs first, so that no body is read for a bad key
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
 

@@ -8,6 +8,7 @@ routes, called in-process with the server's API key.
 
 from __future__ import annotations
 
+import hmac
 import logging
 import re
 from pathlib import Path
@@ -16,11 +17,13 @@ from typing import Annotated, Any, Literal, get_args
 import httpx2 as httpx
 from fastapi import FastAPI, File, Form, Query, Request, UploadFile
 from fastapi.responses import Response
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagellm.entrypoints.openai.batch_runner import BatchRunner, RouteCall
 from pagellm.entrypoints.openai.batch_store import BatchStore, DirectoryLock, default_batch_dir
 from pagellm.entrypoints.openai.errors import APIError
 from pagellm.entrypoints.openai.openapi_docs import BATCH, BATCH_CREATE, FILE_CONTENT, FILE_UPLOAD, FILES
+from pagellm.entrypoints.openai.serving_common import BACKGROUND
 from pagellm.entrypoints.openai.protocol_batch import (
     BatchCreateRequest,
     BatchList,
@@ -38,12 +41,42 @@ FILE_PURPOSES: tuple[str, ...] = get_args(FilePurpose)
 MAX_LIST_LIMIT = 100  # a page of GET /v1/files or /v1/batches
 
 
-def in_process_call(app: FastAPI, api_key: str | None) -> RouteCall:
+# A data-parallel router's batch runner marks the requests it sends to the replicas with
+# this header, carrying a secret the router gave them (so no client can claim the
+# background's exemption from the queue limit).
+BACKGROUND_HEADER = "x-pagellm-background"
+BACKGROUND_TOKEN_ENV = "PAGELLM_BACKGROUND_TOKEN"
+
+
+class BackgroundHeaderMiddleware:
+    """A request that carries the router's background token adds background requests."""
+
+    def __init__(self, app: ASGIApp, token: str) -> None:
+        self.app = app
+        self.token = token.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        marked = scope["type"] == "http" and any(
+            name == BACKGROUND_HEADER.encode() and hmac.compare_digest(value, self.token)
+            for name, value in scope.get("headers", ())
+        )
+        if not marked:
+            await self.app(scope, receive, send)
+            return
+        reset = BACKGROUND.set(True)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            BACKGROUND.reset(reset)
+
+
+def in_process_call(app: FastAPI, api_key: str | None, extra_headers: dict[str, str] | None = None) -> RouteCall:
     """POST to one of `app`'s routes without a socket: the same checks, limits and answers
     as over HTTP."""
     client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://pagellm-batch", timeout=None)
     logging.getLogger("httpx2").setLevel(logging.WARNING)  # not a log line per batch line
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    headers.update(extra_headers or {})
 
     async def call(path: str, body: dict[str, Any]) -> tuple[int, Any]:
         response = await client.post(path, json=body, headers=headers)

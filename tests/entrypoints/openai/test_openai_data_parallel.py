@@ -209,3 +209,30 @@ def test_stored_responses_are_found_on_the_replica_that_made_them(server):
         with pytest.raises(openai.NotFoundError) as previous:
             client.responses.create(model="tiny", input="x", previous_response_id="resp_r9_00ff", max_output_tokens=2)
         assert previous.value.body["param"] == "previous_response_id"
+
+
+def test_a_batch_runs_across_the_replicas(server):
+    """The router runs the Batch API: its lines reach both replicas, as background work."""
+    import json
+
+    import openai
+
+    with openai.OpenAI(base_url=server.api_url, api_key="none", max_retries=0, timeout=60) as client:
+        lines = [json.dumps({"custom_id": f"b{i}", "method": "POST", "url": "/v1/completions",
+                             "body": {"model": "tiny", "prompt": f"line {i} " + "q" * i, "max_tokens": 4,
+                                      "temperature": 0}}) for i in range(8)]  # fmt: skip
+        file = client.files.create(file=("in.jsonl", ("\n".join(lines) + "\n").encode()), purpose="batch")
+        batch = client.batches.create(input_file_id=file.id, endpoint="/v1/completions", completion_window="24h")
+        deadline = time.monotonic() + 120
+        while (batch := client.batches.retrieve(batch.id)).status not in ("completed", "failed"):
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert batch.status == "completed" and batch.request_counts.completed == 8
+        outputs = [json.loads(t) for t in client.files.content(batch.output_file_id).text.splitlines()]
+        for i, record in enumerate(outputs):
+            direct = client.completions.create(model="tiny", prompt=f"line {i} " + "q" * i, max_tokens=4, temperature=0)
+            assert record["response"]["body"]["choices"][0]["text"] == direct.choices[0].text
+        metrics = httpx.get(server.base_url + "/metrics", timeout=30).text
+    assert metric(metrics, "pagellm:batch_requests_total", outcome="completed") == 8
+    # Both replicas answered lines (the router spreads them by load).
+    assert all(metric(metrics, "pagellm:router_requests_total", replica=r) > 0 for r in ("0", "1"))

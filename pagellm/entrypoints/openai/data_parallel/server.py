@@ -9,7 +9,8 @@ noticed within a second: the router stops sending to it, a request whose replica
 not be reached is retried on another, and the survivors keep serving; with none left,
 /health answers 503 and the server exits with status 1. A stored response (the Responses
 API) lives in the replica that made it, whose rank its id carries: requests naming it go
-there. The replicas run with the Files and Batch API off.
+there. The router runs the Files and Batch API itself: its batch lines go through its own
+routes to the replicas, marked as background work by a token the replicas were given.
 
 /metrics holds the router's own figures (decisions by reason, requests in flight, live
 replicas) and every replica's engine metrics with a `replica` label.
@@ -25,6 +26,7 @@ import json
 import logging
 import os
 import re
+import secrets
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -47,6 +49,15 @@ from pagellm.entrypoints.openai.limits_config import RequestLimits
 from pagellm.entrypoints.openai.errors import APIError
 from pagellm.entrypoints.openai.data_parallel.replicas import Replica, start_process_replicas, start_ray_replicas
 from pagellm.entrypoints.openai.data_parallel.router import PrefixAffinityRouter
+from pagellm.entrypoints.openai.metrics import BatchCollector
+from pagellm.entrypoints.openai.serving_batch import (
+    BACKGROUND_HEADER,
+    BACKGROUND_TOKEN_ENV,
+    BatchServing,
+    add_batch_routes,
+    batch_dir_for,
+    in_process_call,
+)
 from pagellm.model.loader import load_model_config, load_tokenizer, resolve_model_source
 from pagellm.tokenizer import Tokenizer
 
@@ -57,7 +68,7 @@ logging.getLogger("httpx2").setLevel(logging.WARNING)
 HEALTH_INTERVAL_S = 0.2  # how often replica processes are checked
 LOAD_INTERVAL_S = 1.0  # how often replicas' KV usage is read
 ENGINE_DEATH_GRACE_S = 2.0
-_FORWARDED_HEADERS = ("authorization", "content-type", "accept")
+_FORWARDED_HEADERS = ("authorization", "content-type", "accept", BACKGROUND_HEADER)
 
 
 # A response id a replica of rank N makes: resp_rN_<hex> (serving_responses.py).
@@ -260,8 +271,30 @@ class _Fixed:
         return self._families
 
 
-def build_router_app(router: ReplicaRouter, name: str, api_key: str | None) -> FastAPI:
-    app = FastAPI(title="pagellm (data parallel)")
+def build_router_app(
+    router: ReplicaRouter,
+    name: str,
+    api_key: str | None,
+    batches: BatchServing | None = None,
+    background_token: str = "",
+    max_batch_lines_in_flight: int = 64,
+) -> FastAPI:
+    """The router's endpoint. With `batches` it runs the Files and Batch API itself: batch
+    lines go through its own routes to the replicas, marked with `background_token`."""
+    batches = batches or BatchServing(None, 1)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        marker = {BACKGROUND_HEADER: background_token} if background_token else {}
+        batches.start(in_process_call(app, api_key, marker), max_batch_lines_in_flight)
+        try:
+            yield
+        finally:
+            await batches.stop()
+
+    app = FastAPI(title="pagellm (data parallel)", lifespan=lifespan)
+    app.state.batches = batches
+    router.registry.register(BatchCollector(batches, name))
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
 
@@ -292,7 +325,9 @@ def build_router_app(router: ReplicaRouter, name: str, api_key: str | None) -> F
     @app.post("/v1/responses/{response_id}/cancel")
     async def cancel_response(response_id: str, request: Request) -> Response:
         return await router.forward(request, f"/v1/responses/{response_id}/cancel", router.holder_of(response_id))
+
     app.add_api_route("/v1/models", _forwarder(router, "/v1/models"), methods=["GET"])
+    add_batch_routes(app, batches)
 
     @app.get("/v1/engine/state")
     async def engine_state(request: Request, replica: int = 0) -> Response:
@@ -325,8 +360,10 @@ def run_dp_server(args: argparse.Namespace) -> None:
     tokenizer = load_tokenizer(source, load_model_config(source))
     name = args.served_model_name or source.name
     serve_args = replica_serve_args(args, engine_args, name)
-    # The replicas require the API key too; the router passes clients' headers on.
-    env = {API_KEY_ENV: args.api_key} if args.api_key else {}
+    # The replicas require the API key too; the router passes clients' headers on. They
+    # take the requests of the router's batch runner as background work by a token.
+    background_token = secrets.token_hex(16)
+    env = {BACKGROUND_TOKEN_ENV: background_token, **({API_KEY_ENV: args.api_key} if args.api_key else {})}
     size = args.data_parallel_size
     if args.distributed_executor_backend == "ray":
         gpus = engine_args.tensor_parallel_size if engine_args.device != "cpu" and _has_cuda() else 0
@@ -334,8 +371,11 @@ def run_dp_server(args: argparse.Namespace) -> None:
     else:
         replicas = list(start_process_replicas(size, serve_args, os.cpu_count() or 1, env))
     router = ReplicaRouter(replicas, tokenizer, engine_args.block_size, args.data_parallel_routing)
-    app = build_router_app(router, name, args.api_key)
-    server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False, lifespan="off"))
+    # The router runs the Files and Batch API itself (the replicas run with it off).
+    limits = RequestLimits.from_namespace(args)
+    batches = BatchServing(batch_dir_for(getattr(args, "batch_dir", None), name), limits.max_batch_file_bytes)
+    app = build_router_app(router, name, args.api_key, batches, background_token, 2 * engine_args.max_num_seqs * size)
+    server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False, lifespan="on"))
     keep_signals_from_killing()
     try:
         all_died = asyncio.run(_serve(server, router, sock, name))
@@ -349,7 +389,7 @@ def run_dp_server(args: argparse.Namespace) -> None:
 
 
 def replica_serve_args(args: argparse.Namespace, engine_args: EngineArgs, name: str) -> list[str]:
-    # Replicas run no batches: each would run every batch in the directory.
+    # Replicas run no batches (the router does): each would run every batch in the directory.
     flags = ["--served-model-name", name, "--shutdown-timeout", str(args.shutdown_timeout), "--batch-dir", "none"]
     if args.max_num_queued_requests is not None:
         flags += ["--max-num-queued-requests", str(args.max_num_queued_requests)]
