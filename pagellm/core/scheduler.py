@@ -216,15 +216,19 @@ class Scheduler:
     def _num_tokens_to_schedule(self, gap: int, plan: StepPlan, request: Request) -> int:
         """Tokens of a gap that fit this step; 0 if the request must wait."""
         assert gap > 0, "nothing to compute"
-        budget = plan.token_budget
-        if request.background:
-            if self._pauses_background(plan):
-                return 0
-            if plan.background_budget is not None:
-                budget = min(budget, plan.background_budget)
+        if request.background and self._pauses_background(plan):
+            return 0
+        budget = self._token_room(request, plan)
         if gap == 1:  # a decode
             return min(1, budget)
         return prefill_chunk_size(self.scheduler_config, gap, budget, plan.prefill_budget, len(plan.prefill_req_ids))
+
+    @staticmethod
+    def _token_room(request: Request, plan: StepPlan) -> int:
+        """Tokens the request may still take this step (background work: within its budget)."""
+        if request.background and plan.background_budget is not None:
+            return min(plan.token_budget, plan.background_budget)
+        return plan.token_budget
 
     def _schedule_running(self, plan: StepPlan) -> None:
         kv = self.kv_cache_manager
@@ -240,8 +244,7 @@ class Scheduler:
             if gap == 1 and plan.speculate and not request.is_pooling:
                 assert self.speculator is not None
                 # Verification positions count in the step's token budget.
-                room = plan.token_budget if not request.background else min(plan.token_budget, plan.background_budget or plan.token_budget)
-                proposal = self.speculator.propose(request)[: room - 1]
+                proposal = self.speculator.propose(request)[: self._token_room(request, plan) - 1]
                 num_tokens += len(proposal)
             block_ids = kv.allocate_slots(request, num_tokens)
             while block_ids is None:

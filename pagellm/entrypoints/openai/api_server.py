@@ -285,7 +285,7 @@ def run_server(args: argparse.Namespace) -> None:
     )
     server = uvicorn.Server(config)
     keep_signals_from_killing()
-    engine_died = asyncio.run(_serve(server, async_llm, sock, args.shutdown_timeout))
+    engine_died = asyncio.run(_serve(server, async_llm, sock, args.shutdown_timeout, app.state.batches))
     if engine_died:
         # Non-zero, so that an orchestrator (systemd, Kubernetes) restarts the server.
         logger.error("pagellm server stopped: the engine died")
@@ -294,10 +294,10 @@ def run_server(args: argparse.Namespace) -> None:
 
 
 async def _serve(
-    server: uvicorn.Server, async_llm: AsyncLLM, sock: socket.socket, grace_s: float
+    server: uvicorn.Server, async_llm: AsyncLLM, sock: socket.socket, grace_s: float, batches: BatchServing
 ) -> bool:
     """Serve until shut down; True if it stopped because the engine died."""
-    watcher = asyncio.create_task(_abort_after_grace(server, async_llm, grace_s, server.config.app.state.batches))
+    watcher = asyncio.create_task(_abort_after_grace(server, async_llm, grace_s, batches))
     death_watch = asyncio.create_task(_exit_when_engine_dies(server, async_llm))
     try:
         await server.serve(sockets=[sock])

@@ -293,7 +293,6 @@ def build_router_app(
             await batches.stop()
 
     app = FastAPI(title="pagellm (data parallel)", lifespan=lifespan)
-    app.state.batches = batches
     router.registry.register(BatchCollector(batches, name))
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
