@@ -70,3 +70,18 @@ def test_a_good_line_and_run_batch_lines_of_any_endpoint():
     with pytest.raises(LineError) as error:
         parse_line('{"custom_id": "c", "url": "/v1/moderations", "body": {}}', None)
     assert error.value.code == "invalid_url"
+
+
+def test_an_unusable_batch_directory_turns_the_api_off_and_says_why(tmp_path):
+    from pagellm.entrypoints.openai.serving_batch import BatchServing
+
+    a_file = tmp_path / "not-a-dir"
+    a_file.write_text("x")
+    served = BatchServing(a_file, 1000)
+    assert served.store is None and "cannot be used" in served.unavailable and str(a_file) in served.unavailable
+    first = BatchServing(tmp_path / "dir", 1000)
+    second = BatchServing(tmp_path / "dir", 1000)
+    assert first.store is not None and "in use by another server" in second.unavailable
+    with pytest.raises(APIError) as off:
+        second.list_files(None, None, None, "desc")
+    assert off.value.status == 503 and "in use" in str(off.value)

@@ -125,13 +125,15 @@ class BatchServing:
             return
         try:
             self._lock = DirectoryLock(root)
-        except OSError:
+            self.store = BatchStore(root)
+        except BlockingIOError:
             self.unavailable = (
                 f"The batch directory {root} is in use by another server; start this one with its own --batch-dir."
             )
+        except OSError as e:  # not a directory, not writable, ...
+            self.unavailable = f"The batch directory {root} cannot be used ({e.strerror or e}); pass another --batch-dir."
+        if self.unavailable is not None:
             logger.warning("%s The Files and Batch API are off.", self.unavailable)
-            return
-        self.store = BatchStore(root)
 
     def start(self, call: RouteCall, max_in_flight: int) -> None:
         if self.store is not None:
