@@ -43,7 +43,7 @@ from pagellm.entrypoints.openai.streaming import (
     cancel_on_disconnect,
     sse_event,
 )
-from pagellm.outputs import RequestOutput
+from pagellm.outputs import CompletionOutput, RequestOutput
 from pagellm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -64,6 +64,14 @@ class _Job:
 
     def prompt_index(self, engine_id: str) -> int:
         return int(engine_id.rsplit("-", 1)[1])
+
+    def finish_of(self, completion: CompletionOutput) -> tuple[str | None, int | str | None]:
+        """The finish and stop reasons to report. The prompt alone always ends at its
+        length limit: the hidden token may be EOS or match a stop string, which says
+        nothing about a prompt that asked for no tokens."""
+        if self.prompt_only and completion.finish_reason in ("stop", "length"):
+            return "length", None
+        return completion.finish_reason, completion.stop_reason
 
 
 def normalize_prompts(prompt: str | list) -> list[str | list[int]]:
@@ -141,13 +149,14 @@ class CompletionServing:
                     token_ids += generated_ids
                     positions += (completion.logprobs or [None] * len(generated_ids))[: len(generated_ids)]
                     logprobs = builder.build(token_ids, positions)
+                finish_reason, stop_reason = job.finish_of(completion)
                 choices.append(
                     CompletionChoice(
                         index=prompt_index * body.n + completion.index,
                         text=prefix + ("" if job.prompt_only else completion.text),
                         logprobs=logprobs,
-                        finish_reason=completion.finish_reason,
-                        stop_reason=completion.stop_reason,
+                        finish_reason=finish_reason,
+                        stop_reason=stop_reason,
                     )
                 )
         choices.sort(key=lambda choice: choice.index)
@@ -182,13 +191,14 @@ class CompletionServing:
                         )
                         positions = (completion.delta_logprobs or [None] * len(new_token_ids))[: len(new_token_ids)]
                         logprobs = builder.build(new_token_ids, positions)
+                    finish_reason, stop_reason = job.finish_of(completion)
                     choices.append(
                         CompletionChoice(
                             index=index,
                             text=delta_text,
                             logprobs=logprobs,
-                            finish_reason=completion.finish_reason,
-                            stop_reason=completion.stop_reason,
+                            finish_reason=finish_reason,
+                            stop_reason=stop_reason,
                         )
                     )
                 if choices:

@@ -134,6 +134,18 @@ def test_echo_with_max_tokens_0_scores_the_prompt_alone(client, model_name, offl
         client.completions.create(model=model_name, prompt=PROMPT, max_tokens=0)
 
 
+def test_the_prompt_alone_ends_at_length_even_when_the_hidden_token_is_eos(client, model_name, offline_llm):
+    # The engine computes one token it does not report; when that token is EOS the
+    # answer still ends at the length the request asked for, whole and streamed.
+    eos = offline_llm.get_tokenizer().eos_token_id
+    kwargs = {"model": model_name, "prompt": PROMPT, "max_tokens": 0, "echo": True, "logit_bias": {str(eos): 100}}
+    assert client.completions.create(**kwargs).choices[0].finish_reason == "length"
+    streamed = client.completions.create(stream=True, **kwargs)
+    assert [c.finish_reason for chunk in streamed for c in chunk.choices if c.finish_reason] == ["length"]
+    with_eos = client.completions.create(**{**kwargs, "max_tokens": 1})
+    assert with_eos.choices[0].finish_reason == "stop"  # the bias does make that token EOS
+
+
 def test_continuous_usage_stats_put_usage_in_every_chunk(client, model_name):
     for create, kwargs in (
         (client.completions.create, {"prompt": PROMPT}),
