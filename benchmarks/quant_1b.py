@@ -314,10 +314,12 @@ def measure_memory(path: Path, max_model_len: int, kv_bytes: int) -> dict[str, A
 
 
 def run_throughput(path: Path, backend: str, workload: list[str], result_file: Path) -> dict[str, Any]:
-    command = [sys.executable, "-m", "pagellm.entrypoints.cli", "bench", "throughput", "--backend", backend,
-               "--model", str(path), "--check-requests", "0", *workload, "--result-file", str(result_file)]  # fmt: skip
-    if backend == "pagellm":
-        command += ["--dtype", "bfloat16"]
+    """backend: pagellm (bf16 activations), pagellm-int8 (--int8-activations) or llamacpp."""
+    command = [sys.executable, "-m", "pagellm.entrypoints.cli", "bench", "throughput", "--backend",
+               backend.removesuffix("-int8"), "--model", str(path), "--check-requests", "0", *workload,
+               "--result-file", str(result_file)]  # fmt: skip
+    if backend.startswith("pagellm"):
+        command += ["--dtype", "bfloat16"] + (["--int8-activations"] if backend == "pagellm-int8" else [])
     else:
         parallel = workload[workload.index("--num-requests") + 1]
         command += ["--llamacpp-parallel", parallel]
@@ -379,6 +381,8 @@ def main() -> int:
     parser.add_argument("--batch-output-len", type=int, default=32)
     parser.add_argument("--batch-repeats", type=int, default=1)
     parser.add_argument("--skip", nargs="*", default=[], choices=("pagellm", "llamacpp", "memory"))
+    parser.add_argument("--activations", nargs="+", choices=("bf16", "int8"), default=["bf16"],
+                        help="pagellm's runs: bf16 activations (the default engine), and/or --int8-activations")
     parser.add_argument("--kv-cache-mib", type=int, default=64, help="pagellm's KV cache in the memory check")
     parser.add_argument("--out", default="benchmarks/results/quant_1b.json")
     parser.add_argument("--memory-child", nargs=3, help=argparse.SUPPRESS)
@@ -449,8 +453,9 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for scenario, (streams, _, workload) in scenarios.items():
             workload = [*workload, "--max-model-len", str(max_model_len)]
-            for backend in ("pagellm", "llamacpp"):
-                if backend in args.skip:
+            pagellm_runs = [{"bf16": "pagellm", "int8": "pagellm-int8"}[a] for a in args.activations]
+            for backend in (*pagellm_runs, "llamacpp"):
+                if backend.removesuffix("-int8") in args.skip:
                     continue
                 record = run_throughput(path, backend, workload, Path(tmp) / "r.jsonl")
                 run = {"scenario": scenario, "backend": backend, "streams": streams}
@@ -491,9 +496,10 @@ def main() -> int:
             continue
         other = by_key.get((r["scenario"], "llamacpp"))
         ratio = ""
-        if r["backend"] == "pagellm" and other and "error" not in other:
+        if r["backend"].startswith("pagellm") and other and "error" not in other:
             ratio = f"{r['output_tok_s'] / other['output_tok_s']:.2f}x"
-        name = "pagellm bf16 (as stored)" if r["backend"] == "pagellm" else "llama.cpp (GGUF as stored)"
+        name = {"pagellm": "pagellm bf16 (as stored)", "pagellm-int8": "pagellm int8 activations (as stored)",
+                "llamacpp": "llama.cpp (GGUF as stored)"}[r["backend"]]
         rows.append((r["scenario"], name, f"{r['output_tok_s']:.1f}", f"{r['decode_steps_per_s']:.1f}",
                      f"{r['achieved_gb_s']:.1f}", f"{100 * r['fraction_of_copy_bw']:.0f}%", ratio))  # fmt: skip
     widths = [max(len(str(row[i])) for row in (header, *rows)) for i in range(len(header))]

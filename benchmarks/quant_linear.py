@@ -4,7 +4,9 @@
 
 For each shape and row count it times (median of interleaved repeats, weights rotated over
 enough copies to exceed the last-level cache, as a model's layers do):
-  - pagellm Q4_0 (kernels/weights.py, the stored blocks),
+  - pagellm Q4_0 (kernels/weights.py, the stored blocks), with bf16 activations (the
+    default) and with activations rounded to int8 (--int8-activations, csrc/quant_int8.c;
+    up to 8 rows, where the CPU has AVX-512 VNNI),
   - torch `_weight_int4pack_mm_for_cpu` (group-32 affine int4: Q4_0 re-expressed exactly),
   - pagellm int8 rows and torch `_weight_int8pack_mm` (per-channel int8),
   - pagellm's bf16 linear kernel (the dequantized path).
@@ -24,6 +26,7 @@ import torch
 
 from pagellm.bench.machine import cpu_info, describe_cpu
 from pagellm.bench.quant_blocks import packed, random_blocks
+from pagellm.kernels.linear_bindings import LinearImpl
 from pagellm.kernels.weights import PackedWeight, WeightPart, WeightType, bf16_weight, quantize_int8_rows
 
 SHAPES = {"smollm2 gate_up 3072x576": (3072, 576), "1B gate_up 11264x2048": (11264, 2048)}
@@ -45,10 +48,11 @@ def build(n: int, k: int, rng: np.random.Generator) -> dict[str, list]:
     t_sz = (torch.randn(k // 32, n, 2) * 0.01).to(torch.bfloat16)
     t_i8 = dense.mul(127 / dense.abs().amax()).round().to(torch.int8)
     t_s8 = torch.full((n,), 0.01, dtype=torch.bfloat16)
-    sizes = {"q4_0": q4.nbytes, "torch int4": t_int4.numel() + t_sz.numel() * 2, "int8 rows": i8.nbytes,
+    sizes = {"q4_0": q4.nbytes, "q4_0 int8 act": q4.nbytes, "torch int4": t_int4.numel() + t_sz.numel() * 2, "int8 rows": i8.nbytes,
              "torch int8": t_i8.numel() + n * 2, "bf16": bf16.nbytes}  # fmt: skip
     variants = {
         "q4_0": lambda: PackedWeight(q4.parts, k),
+        "q4_0 int8 act": lambda: PackedWeight(q4.parts, k),
         "torch int4": lambda: (t_int4.clone(), t_sz.clone()),
         "int8 rows": lambda: PackedWeight(i8.parts, k),
         "torch int8": lambda: (t_i8.clone(), t_s8.clone()),
@@ -58,8 +62,8 @@ def build(n: int, k: int, rng: np.random.Generator) -> dict[str, list]:
     out = {}
     for name, make in variants.items():
         count = _copies(sizes[name])
-        if name in ("q4_0", "int8 rows"):
-            base = q4 if name == "q4_0" else i8
+        if name in ("q4_0", "q4_0 int8 act", "int8 rows"):
+            base = i8 if name == "int8 rows" else q4
             out[name] = [PackedWeight([WeightPart(p.type, p.data.clone(), None if p.row_scales is None else p.row_scales.clone()) for p in base.parts], k) for _ in range(count)]
         else:
             out[name] = [make() for _ in range(count)]
@@ -69,6 +73,8 @@ def build(n: int, k: int, rng: np.random.Generator) -> dict[str, list]:
 def run_one(name: str, weight, x: torch.Tensor, threads: int) -> None:
     if name in ("q4_0", "int8 rows", "bf16"):
         weight.linear(x, None, threads)
+    elif name == "q4_0 int8 act":
+        weight.linear(x, None, threads, int(LinearImpl.STREAMING_INT8))
     elif name == "torch int4":
         torch.ops.aten._weight_int4pack_mm_for_cpu(x, weight[0], 32, weight[1])
     else:
@@ -90,9 +96,11 @@ def main() -> None:
         weights, sizes = build(n, k, rng)
         for rows in args.rows:
             x = torch.randn(rows, k).to(torch.bfloat16)
-            times: dict[str, list[float]] = {name: [] for name in weights}
+            # The int8 kernel serves decode steps (the measured choice takes it up to 8 rows at most).
+            variants = {name: copies for name, copies in weights.items() if name != "q4_0 int8 act" or rows <= 8}
+            times: dict[str, list[float]] = {name: [] for name in variants}
             for _ in range(args.repeats):  # interleaved, so drift hits every variant alike
-                for name, copies in weights.items():
+                for name, copies in variants.items():
                     start = time.perf_counter()
                     for weight in copies:
                         run_one(name, weight, x, args.threads)

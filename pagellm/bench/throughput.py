@@ -55,6 +55,7 @@ def run_bench_throughput(args: argparse.Namespace) -> dict[str, Any]:
         engine_args: dict[str, Any] = {
             "max_num_seqs": args.max_num_seqs, "max_model_len": args.max_model_len,
             "quantization": getattr(args, "quantization", "auto"),
+            "int8_activations": getattr(args, "int8_activations", False),
         }  # fmt: skip
         if args.max_num_batched_tokens:
             engine_args["max_num_batched_tokens"] = args.max_num_batched_tokens

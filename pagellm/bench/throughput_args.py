@@ -44,6 +44,10 @@ def add_bench_throughput_parser(bench_commands: "argparse._SubParsersAction") ->
         "or int8 weight-only from a float checkpoint",
     )  # fmt: skip
     p.add_argument(
+        "--int8-activations", action="store_true",
+        help="pagellm: multiply Q4_0 / Q4_1 weights with activations rounded to int8, as llama.cpp does",
+    )
+    p.add_argument(
         "--structured-output", choices=("none", "json-schema"), default="none",
         help="json-schema: every request asks for JSON of one of a few schemas; reports the run against "
         "the same requests unconstrained at the same output lengths, compile times and first-token latency "

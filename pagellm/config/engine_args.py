@@ -51,6 +51,9 @@ class EngineArgs:
     # auto: a GGUF's quantized weights stay as stored where the CPU kernels run them;
     # none: dequantize everything; int8: weight-only int8 (per-row scales) from a float checkpoint
     quantization: str = "auto"
+    # Q4_0 / Q4_1 weights on the CPU kernels: multiply them with activations rounded to
+    # int8 per 32 values (llama.cpp's arithmetic) where that is measured faster
+    int8_activations: bool = False
     attention_backend: str = "auto"  # auto | torch | cpu | triton
     enforce_eager: bool = False  # no CUDA graphs for decode steps
     max_capture_batch_size: int | None = None  # largest decode batch graphed; None = min(max_num_seqs, 512)

@@ -69,6 +69,7 @@ class EngineConfig:
     seed: int = 0
     load_format: str = "auto"
     quantization: str = "auto"
+    int8_activations: bool = False
     attention_backend: str = "auto"
     enforce_eager: bool = False
     max_capture_batch_size: int | None = None  # None: min(max_num_seqs, 512)
@@ -229,6 +230,7 @@ def resolve_engine_config(
         seed=args.seed,
         load_format=args.load_format,
         quantization=args.quantization,
+        int8_activations=args.int8_activations,
         attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager,
         max_capture_batch_size=args.max_capture_batch_size,

@@ -3,6 +3,9 @@
 Three implementations can compute a bf16 linear layer here, and which is fastest depends
 on the CPU and the number of rows, so kernels/linear_choice.py measures them on the
 machine at hand:
+- STREAMING_INT8 (csrc/quant_int8.c, builds with AVX-512 VNNI, only when the engine is
+  asked for int8 activations): the streaming kernel for Q4_0 / Q4_1 weights with x
+  rounded to int8 per 32 values, llama.cpp's arithmetic; other weights stream as STREAMING;
 - STREAMING (csrc/small_linear.c, quant_linear.c's streaming loops; linear_f32.c's in the
   builds without AVX-512 BF16): reads each weight row once and multiplies every activation
   row into it; decode steps of few rows are bound by reading the weight;
@@ -23,10 +26,18 @@ from __future__ import annotations
 
 import ctypes
 import enum
+import logging
+from collections.abc import Sequence
 
 import torch
 
 from pagellm.kernels.build import load_kernels
+from pagellm.kernels.weights import WeightType
+
+logger = logging.getLogger(__name__)
+
+# The weight types csrc/quant_int8.c reads.
+INT8_ACTIVATION_TYPES = (WeightType.Q4_0, WeightType.Q4_1)
 
 
 class LinearImpl(enum.IntEnum):
@@ -38,6 +49,7 @@ class LinearImpl(enum.IntEnum):
     ONEDNN = 3
     AMX = 4
     ONEDNN_F32 = 5
+    STREAMING_INT8 = 6
 
     @property
     def label(self) -> str:
@@ -51,14 +63,24 @@ class LinearImpl(enum.IntEnum):
 class CpuLinearKernels:
     """The compiled kernels and the thread count to run them with."""
 
-    def __init__(self, library: ctypes.CDLL, num_threads: int) -> None:
+    def __init__(self, library: ctypes.CDLL, num_threads: int, int8_activations: bool = False) -> None:
         self._run = library.linear_bf16
+        self._int8_types = {t for t in INT8_ACTIVATION_TYPES if int8_activations and library.quant_int8_supported(int(t))}
         self.num_threads = num_threads
         self.has_amx = bool(library.amx_supported())  # the CPU has AMX-BF16 and Linux granted tile state
 
-    def native_impls(self) -> tuple[LinearImpl, ...]:
-        """The native implementations this machine can run, in order of preference on a tie."""
-        return (LinearImpl.STREAMING, LinearImpl.GEMM) + ((LinearImpl.AMX,) if self.has_amx else ())
+    def native_impls(self, weight_types: Sequence[WeightType] = ()) -> tuple[LinearImpl, ...]:
+        """The native implementations this machine can run for a weight of these part
+        types, in order of preference on a tie (the int8-activation kernel where the
+        engine asked for it and a part is of a type it reads)."""
+        int8 = (LinearImpl.STREAMING_INT8,) if self._int8_types.intersection(weight_types) else ()
+        return (LinearImpl.STREAMING, *int8, LinearImpl.GEMM) + ((LinearImpl.AMX,) if self.has_amx else ())
+
+    @property
+    def int8_activations(self) -> bool:
+        """Whether the int8-activation kernel is a candidate here (asked for, and this
+        build has it)."""
+        return bool(self._int8_types)
 
     def applies(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         return (
@@ -101,9 +123,13 @@ class CpuLinearKernels:
         return out
 
 
-def cpu_linear_kernels() -> CpuLinearKernels | None:
-    """The kernels where this machine can run them (x86-64 with AVX2, and a C compiler)."""
+def cpu_linear_kernels(int8_activations: bool = False) -> CpuLinearKernels | None:
+    """The kernels where this machine can run them (x86-64 with AVX2, and a C compiler);
+    int8_activations: offer the int8-activation kernel where the build has it."""
     library = load_kernels()
     if library is None or not library.linear_bf16_supported():
         return None
-    return CpuLinearKernels(library, torch.get_num_threads())
+    kernels = CpuLinearKernels(library, torch.get_num_threads(), int8_activations)
+    if int8_activations and not kernels.int8_activations:
+        logger.warning("int8 activations need the kernels built with AVX-512 VNNI and BF16: activations stay bf16")
+    return kernels

@@ -10,9 +10,10 @@ buckets not reached take the last measured bucket's choice and are marked so), a
 result is cached on disk, keyed by everything it depends on: the CPU, the thread count,
 the torch version, the compiled kernels, the shapes; unless other processes took a good
 share of the CPUs while it ran (kernels/cpu_load.py), so that a busy minute's timings are
-not kept for the machine. PAGELLM_LINEAR_KERNEL=streaming|gemm|
+not kept for the machine. PAGELLM_LINEAR_KERNEL=streaming|streaming-int8|gemm|
 amx|onednn|onednn-f32 forces one implementation everywhere (tests, and repeatable runs; amx where the
-CPU has it, else the GEMM).
+CPU has it, else the GEMM; streaming-int8 rounds the activations of Q4_0 / Q4_1 weights to
+int8 even where the engine was not asked to).
 """
 
 from __future__ import annotations
@@ -164,10 +165,12 @@ def forced_impl() -> LinearImpl | None:
     value = os.environ.get(FORCE_VARIABLE, "").strip().lower()
     if value in ("", "auto"):
         return None
-    for impl in (LinearImpl.STREAMING, LinearImpl.GEMM, LinearImpl.AMX, LinearImpl.ONEDNN, LinearImpl.ONEDNN_F32):
-        if impl.label == value:
+    for impl in LinearImpl:
+        if impl is not LinearImpl.BY_ROWS and impl.label == value:
             return impl
-    raise ConfigError(f"{FORCE_VARIABLE}={value!r}: expected auto, streaming, gemm, amx, onednn or onednn-f32")
+    raise ConfigError(
+        f"{FORCE_VARIABLE}={value!r}: expected auto, streaming, streaming-int8, gemm, amx, onednn or onednn-f32"
+    )
 
 
 # A timer runs one shape at `rows` rows with `impl` and returns seconds per call (raising

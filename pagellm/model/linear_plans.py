@@ -52,9 +52,9 @@ def _weight_types(module: PackableLinear | PackableEmbedding) -> tuple[str, ...]
     return (WeightType.BF16.label,)
 
 
-def linear_groups(model: torch.nn.Module, native: tuple[LinearImpl, ...]) -> list[LinearGroup]:
+def linear_groups(model: torch.nn.Module, kernel: CpuLinearKernels) -> list[LinearGroup]:
     """The model's linear layers (and LM head) grouped by what their choice depends on;
-    `native`: the native implementations this machine runs (the head's candidates)."""
+    `kernel`: the native implementations this machine runs (the head's candidates)."""
     members: dict[str, list[str]] = {}
     firsts: dict[str, tuple[LinearShape, PackableLinear | PackableEmbedding]] = {}
     head = model.lm_head_module()
@@ -62,6 +62,7 @@ def linear_groups(model: torch.nn.Module, native: tuple[LinearImpl, ...]) -> lis
                          ("lm_head", head)]:  # fmt: skip
         n, k = (module.out_features, module.in_features) if isinstance(module, PackableLinear) else (
             module.num_embeddings, module.embedding_dim)  # fmt: skip
+        native = kernel.native_impls(module.packed.types if module.packed is not None else ())
         candidates = native if module is head else (*native, LinearImpl.ONEDNN, LinearImpl.ONEDNN_F32)
         shape = LinearShape(n, k, _weight_types(module), candidates)
         members.setdefault(shape.key, []).append(name)
@@ -177,7 +178,7 @@ class LinearPlans:
 
 def measure_linear_plans(model: torch.nn.Module, kernel: CpuLinearKernels) -> LinearPlans:
     """Measure (or read the cached choice of) every linear group's kernel per row bucket."""
-    groups = linear_groups(model, kernel.native_impls())
+    groups = linear_groups(model, kernel)
     signature = choice_signature(kernel.num_threads)
     with torch.inference_mode():
         choice = resolve_choice([g.shape for g in groups], candidate_timer(groups, kernel), signature, kernel_cache_dir())

@@ -89,7 +89,7 @@ class Worker:
         self.backend = get_attention_backend(config.attention_backend, device)
         self.model = load_model(
             config.source, config.model_config, self.backend, self.dtype, device, config.load_format,
-            config.quantization, self.tp,
+            config.quantization, self.tp, config.int8_activations,
         )  # fmt: skip
         self.draft_model = None
         if config.draft is not None:

@@ -21,7 +21,12 @@
 
 /* Which of the kernels a linear layer takes (kernels/linear_choice.py measures them):
  * LINEAR_BY_ROWS picks by the row count with the constants here and in quant_linear.c. */
-enum { LINEAR_BY_ROWS = 0, LINEAR_STREAMING = 1, LINEAR_GEMM = 2, LINEAR_AMX = 4 }; /* 3: oneDNN, in Python */
+enum { LINEAR_BY_ROWS = 0, LINEAR_STREAMING = 1, LINEAR_GEMM = 2, LINEAR_AMX = 4 }; /* 3, 5: oneDNN, in Python */
+/* The streaming kernels with x rounded to int8 for the weight types quant_int8.c reads
+ * (the opt-in int8-activation path); other parts stream as LINEAR_STREAMING. */
+enum { LINEAR_STREAMING_INT8 = 6 };
+
+static inline int impl_streams(int impl) { return impl == LINEAR_STREAMING || impl == LINEAR_STREAMING_INT8; }
 
 /* The outputs of the linear layers are bf16 or float32 (out_f32): float32 where the value
  * goes on in float32 (the residual stream, rotary, activations, logits). */
@@ -75,6 +80,12 @@ void pack_panel(const uint16_t *w, int64_t n, int64_t k, int64_t col, int vector
 int amx_supported(void);
 int gemm_amx_part(const uint16_t *x, int64_t x_stride, const uint16_t *w, const uint16_t *bias, void *out,
                   int64_t out_stride, int out_f32, int64_t m, int64_t n, int64_t k, int t, int nt);
+
+/* quant_int8.c: whether it reads this weight type, and thread t of nt's share of
+ * out = x W^T (+ bias) for one such part with x rounded to int8 per 32 values. */
+int quant_int8_supported(int type);
+void quant_int8_stream_part(const uint16_t *x, int64_t x_stride, const WeightPart *p, const uint16_t *bias,
+                            void *out, int64_t out_stride, int out_f32, int64_t m, int64_t k, int t, int nt);
 
 /* quant_linear.c: the bytes of one stored row of k weights of a type (-1: not a type the
  * kernels read). */

@@ -16,7 +16,7 @@
 void linear_bf16_part(const uint16_t *x, int64_t x_stride, const uint16_t *w, const uint16_t *bias,
                       void *out, int64_t out_stride, int out_f32, int64_t m, int64_t n, int64_t k, int impl,
                       int t, int nt) {
-    if (impl == LINEAR_STREAMING || (impl == LINEAR_BY_ROWS && m <= STREAMING_MAX_ROWS))
+    if (impl_streams(impl) || (impl == LINEAR_BY_ROWS && m <= STREAMING_MAX_ROWS))
         small_linear_bf16_part(x, x_stride, w, bias, out, out_stride, out_f32, m, n, k, t, nt);
     else if (impl != LINEAR_AMX || !gemm_amx_part(x, x_stride, w, bias, out, out_stride, out_f32, m, n, k, t, nt))
         gemm_bf16_part(x, x_stride, w, bias, out, out_stride, out_f32, m, n, k, t, nt);

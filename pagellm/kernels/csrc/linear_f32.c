@@ -313,7 +313,7 @@ void linear_weight_part(const uint16_t *x, int64_t x_stride, const Weight *w, co
                         int64_t out_stride, int out_f32, int64_t m, int64_t k, int impl, int t, int nt) {
     float *xf = grow_buffer((void **)&x_buffer, &x_capacity, sizeof(float) * (size_t)(m * k));
     x_to_float(x, x_stride, m, k, xf);
-    const int stream = impl == LINEAR_STREAMING || (impl == LINEAR_BY_ROWS && m <= F32_STREAMING_MAX_ROWS);
+    const int stream = impl_streams(impl) || (impl == LINEAR_BY_ROWS && m <= F32_STREAMING_MAX_ROWS);
     int64_t offset = 0;
     for (int i = 0; i < w->num_parts; i++) {
         const WeightPart *p = &w->parts[i];

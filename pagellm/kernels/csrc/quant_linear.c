@@ -510,10 +510,12 @@ void linear_weight_part(const uint16_t *x, int64_t x_stride, const Weight *w, co
         const WeightPart *p = &w->parts[i];
         const uint16_t *part_bias = bias ? bias + offset : NULL;
         void *part_out = out_at(out, offset, out_f32);
-        const int stream = impl == LINEAR_STREAMING || (impl == LINEAR_BY_ROWS && m <= QUANT_STREAMING_MAX_ROWS);
+        const int stream = impl_streams(impl) || (impl == LINEAR_BY_ROWS && m <= QUANT_STREAMING_MAX_ROWS);
         if (p->type == WEIGHT_BF16)
             linear_bf16_part(x, x_stride, (const uint16_t *)p->data, part_bias, part_out, out_stride, out_f32, m,
                              p->rows, k, impl, t, nt);
+        else if (impl == LINEAR_STREAMING_INT8 && quant_int8_supported(p->type))
+            quant_int8_stream_part(x, x_stride, p, part_bias, part_out, out_stride, out_f32, m, k, t, nt);
         else if (stream)
             quant_stream_part(x, x_stride, p, part_bias, part_out, out_stride, out_f32, m, k, t, nt);
         else

@@ -83,6 +83,7 @@ def load_model(
     load_format: str = "auto",
     quantization: str = "auto",
     tp: TPGroup | None = None,
+    int8_activations: bool = False,
 ) -> LlamaForCausalLM:
     """Build the model on `device` in `dtype` and fill it from the checkpoint, or with
     random weights (load_format "dummy": only the checkpoint's config is read). With `tp`,
@@ -92,6 +93,8 @@ def load_model(
     where the CPU kernels run them (bf16 on an x86-64 CPU with AVX2 or more), float checkpoints
     load as they are; "none": everything is dequantized to `dtype`; "int8": the linear
     layers and embedding of a float checkpoint become int8 rows with per-row scales.
+    int8_activations: the CPU kernels may multiply Q4_0 / Q4_1 weights with activations
+    rounded to int8 (kernels/linear_bindings.py CpuLinearKernels).
     """
     start = time.perf_counter()
     keep_types = _plan_quantization(source, quantization, dtype, device, load_format)
@@ -127,7 +130,7 @@ def load_model(
         model.load_weights(weights, device=device)
     model.eval()
     if torch.device(device).type == "cpu" and dtype == torch.bfloat16:
-        kernel = cpu_linear_kernels()
+        kernel = cpu_linear_kernels(int8_activations)
         if kernel is not None:
             model.use_cpu_kernels(kernel)
     logger.info(

@@ -1,0 +1,114 @@
+"""The int8-activation streaming kernel (csrc/quant_int8.c) for Q4_0 and Q4_1 weights.
+
+Two checks. Against an emulation of its arithmetic in numpy (x rounded to int8 per group of
+32 with dx = max|x| / 127, integer dot products, float scales): equal within float32
+accumulation, which proves the path ran (the bf16 kernel differs from it by the int8
+rounding, hundreds of times more). Against the exact product (float64, gguf's own
+dequantization): within the rounding of x, |x_i - dx q_i| <= dx / 2 per value, summed with
+|w| over each group. Other weight types, and bf16 weights, asked for the int8 kernel stream
+as the bf16 kernel does, bit for bit.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pagellm.bench.quant_blocks import packed, random_blocks, reference_weight
+from pagellm.kernels.build import load_kernels
+from pagellm.kernels.linear_bindings import LinearImpl
+from pagellm.kernels.weights import PackedWeight, WeightPart, WeightType, bf16_weight
+
+INT8_TYPES = (WeightType.Q4_0, WeightType.Q4_1)
+
+
+def _int8_kernel_here() -> bool:
+    library = load_kernels()
+    return library is not None and bool(library.quant_int8_supported(int(WeightType.Q4_0)))
+
+
+pytestmark = pytest.mark.skipif(not _int8_kernel_here(), reason="the int8-activation kernel needs AVX-512 VNNI and BF16")
+
+
+def _quantized_x(x: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """x [m, k] rounded as the kernel does: (q [m, k] as float64, dx [m, k / 32])."""
+    groups = x.float().numpy().reshape(x.shape[0], -1, 32)
+    amax = np.abs(groups).max(axis=2)
+    dx = amax / np.float32(127.0)
+    inv = np.where(amax > 0, np.float32(127.0) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    q = np.rint(groups * inv[:, :, None]).clip(-127, 127)  # round half to even, as the kernel
+    return q.reshape(x.shape).astype(np.float64), dx.astype(np.float64)
+
+
+def _run(weight: PackedWeight, x: torch.Tensor, impl: LinearImpl) -> np.ndarray:
+    return weight.linear(x, None, 2, int(impl), torch.float32).double().numpy()
+
+
+@pytest.mark.parametrize("weight_type", INT8_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("k", [512, 1056, 160, 96, 64])  # runs of four groups, an odd pair, tails only
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 17])
+def test_int8_kernel_equals_its_arithmetic_and_bounds_the_error(weight_type, k, rows):
+    rng = np.random.default_rng(k * 10 + rows + int(weight_type))
+    n = 40
+    data = random_blocks(weight_type, n, k, rng)
+    weight = PackedWeight([WeightPart(weight_type, packed(weight_type, data, k))], k)
+    w = reference_weight(weight_type, data, k)  # float64 [n, k]
+    x = torch.from_numpy(rng.standard_normal((rows, k)).astype(np.float32)).to(torch.bfloat16)
+    y = _run(weight, x, LinearImpl.STREAMING_INT8)
+
+    q, dx = _quantized_x(x)
+    emulated = (q * np.repeat(dx, 32, axis=1)) @ w.T
+    magnitude = np.abs(q * np.repeat(dx, 32, axis=1)) @ np.abs(w).T
+    assert np.all(np.abs(y - emulated) <= 1e-5 * magnitude + 1e-30)
+
+    exact = x.double().numpy() @ w.T
+    group_w = np.abs(w).reshape(n, -1, 32).sum(axis=2)  # [n, groups]
+    rounding = (0.5 * dx) @ group_w.T  # [rows, n]: sum over groups of dx / 2 * sum |w|
+    scale = np.abs(x.double().numpy()) @ np.abs(w).T
+    assert np.all(np.abs(y - exact) <= 1.001 * rounding + 1e-5 * scale)
+    # ... and the bf16 kernel is not what ran: it is far closer to the exact product.
+    bf16 = _run(weight, x, LinearImpl.STREAMING)
+    assert np.abs(y - exact).max() > 20 * np.abs(bf16 - exact).max()
+
+
+def test_zero_and_tiny_groups_of_x():
+    rng = np.random.default_rng(5)
+    k, n = 256, 24
+    data = random_blocks(WeightType.Q4_0, n, k, rng)
+    weight = PackedWeight([WeightPart(WeightType.Q4_0, packed(WeightType.Q4_0, data, k))], k)
+    x = torch.from_numpy(rng.standard_normal((2, k)).astype(np.float32))
+    x[0, :32] = 0.0  # a group of zeros: dx = 0, no division by it
+    x[1] *= 1e-30  # subnormal-sized values in bf16
+    y = _run(weight, x.to(torch.bfloat16), LinearImpl.STREAMING_INT8)
+    assert np.all(np.isfinite(y))
+    exact = x.to(torch.bfloat16).double().numpy() @ reference_weight(WeightType.Q4_0, data, k).T
+    assert np.abs(y[0] - exact[0]).max() <= 0.02 * np.abs(exact[0]).max()
+
+
+@pytest.mark.parametrize("weight_type", [WeightType.Q8_0, WeightType.Q4_K, WeightType.Q6_K], ids=lambda t: t.name)
+def test_other_types_stream_as_the_bf16_kernel(weight_type):
+    rng = np.random.default_rng(2)
+    k, n = 512, 40
+    data = random_blocks(weight_type, n, k, rng)
+    weight = PackedWeight([WeightPart(weight_type, packed(weight_type, data, k))], k)
+    x = torch.from_numpy(rng.standard_normal((3, k)).astype(np.float32)).to(torch.bfloat16)
+    assert np.array_equal(_run(weight, x, LinearImpl.STREAMING_INT8), _run(weight, x, LinearImpl.STREAMING))
+
+
+def test_bf16_weights_and_mixed_parts():
+    # A fused weight with a Q4_0 part and a bf16 part (as qkv with an unquantized v): the
+    # Q4_0 part takes int8 activations, the bf16 part streams as before.
+    rng = np.random.default_rng(3)
+    k = 256
+    data = random_blocks(WeightType.Q4_0, 32, k, rng)
+    dense = torch.from_numpy(rng.standard_normal((16, k)).astype(np.float32)).to(torch.bfloat16)
+    mixed = PackedWeight(
+        [WeightPart(WeightType.Q4_0, packed(WeightType.Q4_0, data, k)), bf16_weight(dense).parts[0]], k
+    )
+    x = torch.from_numpy(rng.standard_normal((2, k)).astype(np.float32)).to(torch.bfloat16)
+    y8, y16 = _run(mixed, x, LinearImpl.STREAMING_INT8), _run(mixed, x, LinearImpl.STREAMING)
+    assert np.array_equal(y8[:, 32:], y16[:, 32:])
+    assert not np.array_equal(y8[:, :32], y16[:, :32])
+    only_dense = bf16_weight(dense)
+    assert np.array_equal(_run(only_dense, x, LinearImpl.STREAMING_INT8), _run(only_dense, x, LinearImpl.STREAMING))
