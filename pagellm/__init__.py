@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from pagellm.config.engine_args import EngineArgs
     from pagellm.entrypoints.llm import LLM
+    from pagellm.lora.request import LoRARequest
     from pagellm.outputs import CompletionOutput, EmbeddingRequestOutput, RequestOutput
     from pagellm.pooling_params import PoolingParams
     from pagellm.sampling_params import SamplingParams
@@ -19,7 +20,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "LLM", "EngineArgs", "SamplingParams", "StructuredOutputsParams", "PoolingParams", "RequestOutput",
-    "CompletionOutput", "EmbeddingRequestOutput",
+    "CompletionOutput", "EmbeddingRequestOutput", "LoRARequest",
 ]  # fmt: skip
 
 _LOCATIONS = {
@@ -31,6 +32,7 @@ _LOCATIONS = {
     "CompletionOutput": "pagellm.outputs",
     "PoolingParams": "pagellm.pooling_params",
     "EmbeddingRequestOutput": "pagellm.outputs",
+    "LoRARequest": "pagellm.lora.request",
 }
 
 

@@ -6,6 +6,7 @@ import enum
 import time
 from collections.abc import Iterable, Sequence
 
+from pagellm.lora.request import LoRARequest
 from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import SamplingParams
 
@@ -117,8 +118,12 @@ class Request:
         background: bool = False,
         max_tokens: int | None = None,
         pooling_params: PoolingParams | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
+        # The adapter it runs under: part of its blocks' prefix-cache keys, so that a block
+        # computed under one adapter (or none) is never a hit for another.
+        self.lora_request = lora_request
         # An embedding request (pooling_params resolved, pooling_type set): its prompt is
         # computed, then pooled instead of sampled, and it finishes with no output token.
         self.pooling_params = pooling_params
@@ -154,12 +159,20 @@ class Request:
         self._all_token_ids: list[int] = list(self.prompt_token_ids)
         self._block_hashes: list[BlockHash] = []
         self._hash_block_size: int | None = None
+        # The parent of the first block's key: none for the base model, a node naming the
+        # adapter (a "token" no vocabulary has) otherwise.
+        self._hash_root = None if lora_request is None else BlockHash(None, (-1, lora_request.lora_int_id))
 
     def __repr__(self) -> str:
         return (
             f"Request({self.request_id!r}, {self.status.name}, "
             f"tokens={self.num_tokens}, computed={self.num_computed_tokens})"
         )
+
+    @property
+    def lora_int_id(self) -> int:
+        """The adapter's id, 0 for the base model."""
+        return 0 if self.lora_request is None else self.lora_request.lora_int_id
 
     @property
     def is_pooling(self) -> bool:
@@ -209,7 +222,7 @@ class Request:
         hashes = self._block_hashes
         tokens = self._all_token_ids
         for start in range(len(hashes) * block_size, len(tokens) - block_size + 1, block_size):
-            parent = hashes[-1] if hashes else None
+            parent = hashes[-1] if hashes else self._hash_root
             hashes.append(BlockHash(parent, tuple(tokens[start : start + block_size])))
         return hashes
 

@@ -44,6 +44,8 @@ LAYER_RULES = [
                "pagellm.attention.triton_backend", "pagellm.attention.triton_kernels",
                "pagellm.attention.selector", "pagellm.kernels")),
     LayerRule("core/ is pure Python", "pagellm.core", ("torch", "triton", "numpy")),
+    LayerRule("lora/request.py is pure Python (core/ imports it)", "pagellm.lora.request",
+              ("torch", "triton", "numpy", "pagellm"), allowed=("pagellm.errors",)),
     LayerRule("config/ decides settings from numbers: no torch and no other stage", "pagellm.config",
               ("torch", "triton", "numpy", "pagellm"), allowed=("pagellm.config", "pagellm.errors")),
     # The forward paths that call the native layers read the model and the attention

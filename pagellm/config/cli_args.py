@@ -72,6 +72,11 @@ _HELP = {
     "heads, the MLP and the vocabulary; one all-reduce after each attention and MLP block",
     "distributed_executor_backend": "where tensor-parallel ranks run: mp = processes on this machine "
     "(default); ray = actors of a Ray cluster (pip install 'pagellm[ray]'), across machines",
+    "enable_lora": "serve LoRA adapters over the base model (PEFT folders): requests name one by LoRARequest "
+    "offline",
+    "max_loras": "adapters resident at once (slots beside the model), hence the most distinct adapters in one step",
+    "max_lora_rank": "largest adapter rank accepted (the slots are sized for it)",
+    "max_cpu_loras": "adapters kept read in host memory, least recently used out (default: max_loras)",
     "profile": "preset of the knobs above: "
     + "; ".join(f"{name}: " + ", ".join(f"{k}={v}" for k, v in knobs.items()) for name, knobs in PROFILES.items()),
 }

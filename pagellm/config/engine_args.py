@@ -88,6 +88,11 @@ class EngineArgs:
     distributed_executor_backend: str | None = None  # mp | ray; None = mp (processes on this machine)
     # vLLM's shape, a dict or its JSON: {"method": "ngram", "num_speculative_tokens": 4, ...}
     speculative_config: str | dict[str, object] | None = None
+    # LoRA adapters over the base model (vLLM's names and defaults)
+    enable_lora: bool = False
+    max_loras: int = 1  # adapters resident at once, hence the most in one step
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # adapters kept in host memory; None: max_loras
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
@@ -139,6 +144,12 @@ class EngineArgs:
         if self.profile is not None and not self.enable_chunked_prefill:
             raise ConfigError("profile sets chunked-prefill knobs: it needs enable_chunked_prefill")
         resolve_speculative_config(self.speculative_config)  # a bad one fails here, named
+        for name in ("max_loras", "max_lora_rank", "max_cpu_loras"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ConfigError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
         if isinstance(self.tensor_parallel_size, bool) or self.tensor_parallel_size < 1:
             raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if (

@@ -50,6 +50,15 @@ class DraftModel:
     model_config: ModelConfig
 
 
+@dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA adapters over the base model: slots beside it, ranks they hold, the host cache."""
+
+    max_loras: int
+    max_lora_rank: int
+    max_cpu_loras: int
+
+
 @dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     """Every resolved setting of an engine: frozen and picklable (it travels to worker
@@ -77,6 +86,7 @@ class EngineConfig:
     log_stats_interval: float | None = None  # None: no periodic stats line
     metrics_series_file: str | None = None
     kv_events_file: str | None = None
+    lora_config: LoRAConfig | None = None  # None: no adapters
 
     @property
     def max_model_len(self) -> int:
@@ -186,7 +196,13 @@ def resolve_engine_config(
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         prefill_share=1.0 if args.prefill_share is None else args.prefill_share,
         background_token_budget=background_token_budget(args),
+        max_loras=args.max_loras if args.enable_lora else None,
     )
+    lora_config = None
+    if args.enable_lora:
+        if args.tensor_parallel_size > 1:
+            raise ConfigError("enable_lora with tensor_parallel_size > 1 is not supported yet")
+        lora_config = LoRAConfig(args.max_loras, args.max_lora_rank, args.max_cpu_loras or args.max_loras)
     tp_size = args.tensor_parallel_size
     if tp_size > 1:
         check_tp_size(model_config, tp_size)
@@ -238,6 +254,7 @@ def resolve_engine_config(
         log_stats_interval=None if args.disable_log_stats else args.log_stats_interval,
         metrics_series_file=args.metrics_series_file,
         kv_events_file=args.kv_events_file,
+        lora_config=lora_config,
     )
 
 

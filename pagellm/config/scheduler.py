@@ -41,9 +41,13 @@ class SchedulerConfig:
     # grows long on their account: an interactive request arriving waits for at most such
     # a step. None: the whole step budget.
     background_token_budget: int | None = None
+    # LoRA: the most distinct adapters in one step (the slots beside the model); None: LoRA off.
+    max_loras: int | None = None
 
     def __post_init__(self) -> None:
         check_int("SchedulerConfig", "max_num_seqs", self.max_num_seqs, 1)
+        if self.max_loras is not None:
+            check_int("SchedulerConfig", "max_loras", self.max_loras, 1)
         if self.background_token_budget is not None:
             check_int("SchedulerConfig", "background_token_budget", self.background_token_budget, 1)
         if self.max_num_partial_prefills is not None:

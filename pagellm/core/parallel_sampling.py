@@ -24,6 +24,7 @@ def make_child_request(parent: Request, completion_index: int) -> Request:
         priority=parent.priority,
         background=parent.background,
         max_tokens=parent.max_tokens,
+        lora_request=parent.lora_request,
     )
     child.parent_request_id = parent.request_id
     child.completion_index = completion_index

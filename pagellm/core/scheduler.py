@@ -218,6 +218,8 @@ class Scheduler:
         assert gap > 0, "nothing to compute"
         if request.background and self._pauses_background(plan):
             return 0
+        if not plan.has_adapter_room(request, self.scheduler_config.max_loras):
+            return 0  # its adapter would be one too many in this step
         budget = self._token_room(request, plan)
         if gap == 1:  # a decode
             return min(1, budget)
@@ -331,10 +333,24 @@ class Scheduler:
                 break  # swapped-out background work goes first; none while interactive work prefills
             if self._admit(request, plan):
                 continue
+            if not plan.has_adapter_room(request, self.scheduler_config.max_loras):
+                self._admit_base_model_behind(request, plan)
+                break
             # An interactive request does not wait for background work: preempt it (the
             # latest admitted first) until the request fits, or none is left.
             if request.background or not self._preempt_background(plan):
                 break
+
+    def _admit_base_model_behind(self, head: Request, plan: StepPlan) -> None:
+        """The head waits for a slot for its adapter: base-model requests behind it may
+        pass it (they take no slot, so the head's turn comes no later), in queue order
+        while they fit. Requests of adapters never pass it: they would keep their adapter
+        in the step's slots and could starve the head's."""
+        for request in list(self.waiting):
+            if request is head or request.lora_int_id or request.background:
+                continue
+            if not self._admit(request, plan):
+                return
 
     def _pauses_background(self, plan: StepPlan) -> bool:
         """Background work sits this step out while an interactive request waits or
@@ -360,7 +376,7 @@ class Scheduler:
         return False
 
     def _admit(self, request: Request, plan: StepPlan) -> bool:
-        """Admit the head of the waiting queue if it fits this step."""
+        """Admit a waiting request (the head, or one allowed to pass it) if it fits this step."""
         kv = self.kv_cache_manager
         if not self._has_room_for(request, plan):
             return False
@@ -379,7 +395,7 @@ class Scheduler:
         block_ids = kv.allocate_slots(request, num_tokens, computed)
         if block_ids is None:
             return False
-        self.waiting.pop()
+        self.waiting.remove(request)
         request.num_computed_tokens = computed.num_computed_tokens
         if request.num_preemptions == 0:
             request.num_cached_tokens = computed.num_computed_tokens
@@ -408,6 +424,7 @@ class Scheduler:
                         eos_token_ids=request.eos_token_ids,
                         num_pending_forks=request.num_pending_forks,
                         pooling_params=request.pooling_params,
+                        lora_request=request.lora_request,
                     )
                 )
             else:

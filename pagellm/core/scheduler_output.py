@@ -29,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from pagellm.lora.request import LoRARequest
 from pagellm.pooling_params import PoolingParams
 from pagellm.request import FinishReason
 from pagellm.sampling_params import SamplingParams
@@ -51,6 +52,7 @@ class NewRequestData:
     num_pending_forks: int = 0
     # An embedding request: the runner pools its prompt's hidden states (no sampling).
     pooling_params: PoolingParams | None = None
+    lora_request: LoRARequest | None = None  # the adapter it runs under (None: the base model)
 
 
 @dataclass

@@ -28,11 +28,21 @@ class StepPlan:
     # step (and that request's first token) is as fast as without it.
     pause_background: bool | None = None  # None: not decided yet (Scheduler._pauses_background)
     background_budget: int | None = None  # tokens background requests may still take (None: any)
+    # LoRA: the adapters of the requests scheduled so far, each with its request count.
+    adapters: dict[int, int] = dataclasses.field(default_factory=dict)
+
+    def has_adapter_room(self, request: Request, max_loras: int | None) -> bool:
+        """Whether the request's adapter is in the step already or one more fits (the base
+        model takes no slot; max_loras None: no cap)."""
+        lora_id = request.lora_int_id
+        return max_loras is None or lora_id == 0 or lora_id in self.adapters or len(self.adapters) < max_loras
 
     def schedule(self, request: Request, num_tokens: int, block_ids: list[list[int]], is_prefill: bool) -> None:
         self.num_scheduled_tokens[request.request_id] = num_tokens
         self.new_block_ids[request.request_id] = block_ids
         self.token_budget -= num_tokens
+        if request.lora_int_id:
+            self.adapters[request.lora_int_id] = self.adapters.get(request.lora_int_id, 0) + 1
         if request.background and self.background_budget is not None:
             self.background_budget -= num_tokens
         if is_prefill:
@@ -41,6 +51,10 @@ class StepPlan:
 
     def unschedule(self, request: Request) -> None:
         """Give back the budget of a request preempted after it was scheduled."""
+        if request.request_id in self.num_scheduled_tokens and request.lora_int_id:
+            left = self.adapters.pop(request.lora_int_id) - 1
+            if left:
+                self.adapters[request.lora_int_id] = left
         num_tokens = self.num_scheduled_tokens.pop(request.request_id, 0)
         self.new_block_ids.pop(request.request_id, None)
         self.spec_tokens.pop(request.request_id, None)

@@ -6,6 +6,7 @@ import time
 from collections.abc import Sequence
 
 from pagellm.errors import InvalidRequestError
+from pagellm.lora.request import LoRARequest
 from pagellm.pooling_params import PoolingParams
 from pagellm.request import Request
 from pagellm.sampling_params import SamplingParams
@@ -54,6 +55,7 @@ class InputProcessor:
         priority: int = 0,
         pooling: PoolingParams | None = None,
         background: bool = False,
+        lora_request: LoRARequest | None = None,
     ) -> Request:
         num_prompt = len(prompt_token_ids)
         if pooling is not None:  # an embedding generates nothing: its input may fill the context
@@ -82,4 +84,5 @@ class InputProcessor:
             background=background,
             pooling_params=pooling,
             max_tokens=max_tokens,
+            lora_request=lora_request,
         )

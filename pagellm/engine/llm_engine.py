@@ -32,6 +32,7 @@ from pagellm.model.costs import ModelCosts
 from pagellm.engine.input_processor import InputProcessor, PromptInput
 from pagellm.engine.output_processor import OutputProcessor
 from pagellm.errors import EngineFailedError, InvalidRequestError
+from pagellm.lora.request import LoRARequest
 from pagellm.model.loader import load_model_config, load_tokenizer, resolve_model_source
 from pagellm.outputs import RequestOutput
 from pagellm.request import RequestStatus, child_request_id
@@ -124,6 +125,28 @@ class LLMEngine:
             self.scheduler.kv_cache_manager.set_event_log(self.kv_events)
         self._request_counter = itertools.count()
         self._consecutive_step_failures = 0
+        self._adapter_paths: dict[int, str] = {}  # lora_int_id -> the folder it was checked at
+
+    def _check_adapter(self, lora_request: LoRARequest | None) -> None:
+        """An adapter's folder is read once, when its id is first seen, so that a bad one is
+        this request's error rather than a failed step."""
+        if lora_request is None:
+            return
+        lora = self.config.lora_config
+        if lora is None:
+            raise InvalidRequestError("a LoRA adapter was asked for, but the engine runs without enable_lora", "lora_request")
+        known = self._adapter_paths.get(lora_request.lora_int_id)
+        if known is not None:
+            if known != lora_request.lora_path:
+                raise InvalidRequestError(
+                    f"lora_int_id {lora_request.lora_int_id} is already the adapter at {known!r}, "
+                    f"not {lora_request.lora_path!r}", "lora_request",
+                )  # fmt: skip
+            return
+        from pagellm.lora.adapter import load_lora_adapter
+
+        load_lora_adapter(lora_request.lora_path, lora_request.lora_name, self.model_config, lora.max_lora_rank)
+        self._adapter_paths[lora_request.lora_int_id] = lora_request.lora_path
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -175,10 +198,13 @@ class LLMEngine:
         arrival_time: float | None = None,
         priority: int = 0,
         background: bool = False,
+        lora_request: LoRARequest | None = None,
     ) -> str:
         """Queue a request; returns its id. Raises InvalidRequestError if it can never run.
         With PoolingParams it is an embedding request: its prompt is pooled, nothing sampled.
-        A background request (a batch line) runs only where the others leave room."""
+        A background request (a batch line) runs only where the others leave room.
+        lora_request: the adapter it runs under (with enable_lora), read and checked here
+        the first time its id is seen."""
         pooling = None
         if isinstance(params, PoolingParams):
             config = self.model_config
@@ -198,9 +224,10 @@ class LLMEngine:
             params.check_against_model(self.model_config.vocab_size, self.max_logprobs)
             if params.structured_outputs is not None:
                 self.grammars.compile(params.structured_outputs)  # a cache hit when pre-compiled
+            self._check_adapter(lora_request)
             prompt_text, prompt_ids = self.input_processor.tokenize(prompt)
             request = self.input_processor.make_request(
-                request_id, prompt_ids, params, arrival_time, priority, pooling, background
+                request_id, prompt_ids, params, arrival_time, priority, pooling, background, lora_request
             )
             self.scheduler.add_request(request)
         except InvalidRequestError as e:

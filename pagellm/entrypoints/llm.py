@@ -10,6 +10,7 @@ from typing import Any
 from pagellm.config.engine_args import EngineArgs
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.errors import InvalidRequestError
+from pagellm.lora.request import LoRARequest
 from pagellm.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import SamplingParams
@@ -55,11 +56,14 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in the order of the prompts.
 
         A prompt is a string, a list of token ids, or {"prompt": str} /
         {"prompt_token_ids": [...]}. A single prompt may be passed without a list.
+        lora_request: the adapter every prompt runs under, or one per prompt (None: the
+        base model); needs LLM(enable_lora=True).
         """
         prompt_list = _as_prompt_list(prompts)
         if isinstance(sampling_params, SamplingParams) or sampling_params is None:
@@ -75,6 +79,12 @@ class LLM:
             raise InvalidRequestError(
                 f"got {len(priority)} priorities for {len(prompt_list)} prompts", "priority"
             )
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompt_list)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompt_list):
+                raise InvalidRequestError(f"got {len(loras)} LoRA requests for {len(prompt_list)} prompts", "lora_request")
         request_ids: list[str] = []
         try:
             for i, (prompt, params) in enumerate(zip(prompt_list, params_list)):
@@ -85,6 +95,7 @@ class LLM:
                     _prompt_value(prompt),
                     params,
                     priority=priority[i] if priority is not None else 0,
+                    lora_request=loras[i],
                 )
                 request_ids.append(request_id)
             return self._run(request_ids, use_tqdm)

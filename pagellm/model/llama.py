@@ -39,6 +39,7 @@ from pagellm.model.tensor_parallel import TPGroup, vocab_parallel_embed
 
 if TYPE_CHECKING:
     from pagellm.kernels.linear_choice import LinearChoice
+    from pagellm.lora.slots import LoRAManager
     from pagellm.model.linear_plans import LinearGroup
 
 
@@ -201,8 +202,11 @@ class LlamaForCausalLM(nn.Module):
             hidden = hidden * torch.tensor(self.config.embedding_multiplier, dtype=hidden.dtype)
         # The native paths keep the residual stream in float32; the final norm's output is
         # rounded to bf16 once, as the LM head's input.
-        fused = self.fused_decode is not None and self.fused_decode.applies(hidden, kv_caches, metadata)
-        layers = self.native_layers is not None and self.native_layers.applies(hidden, kv_caches)
+        # A step with adapter rows runs the layers in torch: the native paths call the
+        # linear kernels without the adapters' products.
+        adapters = self.lora_manager is not None and self.lora_manager.active
+        fused = not adapters and self.fused_decode is not None and self.fused_decode.applies(hidden, kv_caches, metadata)
+        layers = not adapters and self.native_layers is not None and self.native_layers.applies(hidden, kv_caches)
         if fused and layers and self.step_paths is not None:  # either path may run it: the measured one
             rows = hidden.shape[0]
             path = self.step_paths.path_for(rows)
@@ -236,6 +240,7 @@ class LlamaForCausalLM(nn.Module):
     fused_decode: FusedDecode | None = None  # CPU bf16: decode steps of <= 20 requests in C
     native_layers: NativeLayers | None = None  # CPU bf16: other steps' elementwise stages in C
     step_paths: StepPathChoice | None = None  # CPU bf16: which of the two runs a step both can (measured)
+    lora_manager: LoRAManager | None = None  # --enable-lora: the adapters' slots (lora/slots.py)
 
     def make_mlp(self, config: ModelConfig, tp: TPGroup | None, layer: int) -> nn.Module:
         """Layer `layer`'s MLP (a family with experts returns its sparse block)."""

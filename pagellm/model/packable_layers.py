@@ -11,6 +11,8 @@ for the call (the PyTorch fallback).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -18,6 +20,9 @@ from torch import nn
 from pagellm.kernels.linear_bindings import CpuLinearKernels, LinearImpl
 from pagellm.kernels.linear_choice import LinearPlan
 from pagellm.kernels.weights import PackedWeight, bf16_weight
+
+if TYPE_CHECKING:
+    from pagellm.lora.slots import LoRASlots
 
 
 class _DequantizeScratch:
@@ -82,10 +87,12 @@ class PackableLinear(nn.Linear):
     kernel: CpuLinearKernels | None = None
     packed: PackedWeight | None = None
     plan: LinearPlan | None = None
+    lora: LoRASlots | None = None  # adapters' room, with --enable-lora (lora/slots.py)
     _kernel_weight: PackedWeight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.compute(x)
+        out = self.compute(x)
+        return out if self.lora is None else self.lora.add_to(x, out)
 
     def compute(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """forward(), with the output in `out_dtype` (float32 for the native layers' residual stream)."""

@@ -22,6 +22,7 @@ from pagellm.core.scheduler_output import (
     SchedulerOutput,
     TokenLogprobs,
 )
+from pagellm.lora.slots import LoRAMapping
 from pagellm.model.llama import LlamaForCausalLM
 from pagellm.request import child_request_id
 from pagellm.sample.penalties import PenaltyState
@@ -159,6 +160,8 @@ class ModelRunner:
         req_ids = list(scheduler_output.num_scheduled_tokens)
         if not req_ids:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids={})
+        if self.model.lora_manager is not None:  # each adapter's rows in one range (stable: the base model's first)
+            req_ids.sort(key=lambda req_id: self.requests[req_id].lora_int_id)
         proposals = scheduler_output.scheduled_spec_decode_tokens
         drafted: dict[str, Drafts] = {}
         if proposals and self.draft is not None:
@@ -178,12 +181,17 @@ class ModelRunner:
             )
         if self.faults is not None:
             self.faults.check(scheduler_output)
-        if self.decode_graphs is not None and self.decode_graphs.can_run(sequences):
+        adapters = self._activate_adapters(req_ids, sequences)
+        if not adapters and self.decode_graphs is not None and self.decode_graphs.can_run(sequences):
             hidden = self.decode_graphs.run(sequences)
             starts = list(range(len(sequences) + 1))
         else:
             inputs = prepare_model_inputs(sequences, self.block_size, self.device)
-            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
+            try:
+                hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
+            finally:
+                if adapters:
+                    self.model.lora_manager.set_mapping(None)
             starts = inputs.metadata.query_start_loc
 
         output = ModelRunnerOutput(
@@ -198,6 +206,30 @@ class ModelRunner:
             self._sample(rows, hidden, output)
         output.mask_seconds = self.mask_timer.take()
         return output
+
+    def _activate_adapters(self, req_ids: list[str], sequences: list[ScheduledSequence]) -> bool:
+        """With adapters in the step: make them resident and tell the model which rows
+        run under which slot. False when every row is the base model's."""
+        manager = self.model.lora_manager
+        if manager is None:
+            return False
+        requests = {}
+        ranges: dict[int, tuple[int, int]] = {}
+        row = 0
+        for req_id, seq in zip(req_ids, sequences, strict=True):
+            lora = self.requests[req_id].lora_request
+            end = row + len(seq.token_ids)
+            if lora is not None:
+                requests[lora.lora_int_id] = lora
+                first, last = ranges.get(lora.lora_int_id, (row, row))
+                assert last == row, "an adapter's requests are next to each other (execute_model orders them)"
+                ranges[lora.lora_int_id] = (first, end)
+            row = end
+        if not requests:
+            return False
+        slots = manager.activate(requests)
+        manager.set_mapping(LoRAMapping(tuple((slots[i], first, end) for i, (first, end) in ranges.items())))
+        return True
 
     # ------------------------------------------------------------- sampling
 
@@ -385,6 +417,7 @@ class ModelRunner:
             eos_token_ids=new.eos_token_ids,
             num_pending_forks=new.num_pending_forks,
             pooling_params=new.pooling_params,
+            lora_request=new.lora_request,
         )
         self.requests[new.req_id] = state
         if new.num_computed_tokens == 0:  # (re)started from the first position

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from pagellm.lora.request import LoRARequest
 from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import SamplingParams
 
@@ -26,6 +27,11 @@ class RunnerRequestState:
     num_pending_forks: int = 0
     matcher: Any = None  # the output constraint's llguidance matcher (driver only)
     pooling_params: PoolingParams | None = None  # an embedding request: pooled, never sampled
+    lora_request: LoRARequest | None = None  # the adapter its rows run under
+
+    @property
+    def lora_int_id(self) -> int:
+        return 0 if self.lora_request is None else self.lora_request.lora_int_id
 
     @property
     def num_output_tokens(self) -> int:

@@ -91,6 +91,11 @@ class Worker:
             config.source, config.model_config, self.backend, self.dtype, device, config.load_format,
             config.quantization, self.tp, config.int8_activations,
         )  # fmt: skip
+        if config.lora_config is not None:
+            from pagellm.lora.slots import LoRAManager
+
+            lora = config.lora_config
+            LoRAManager(self.model, config.model_config, lora.max_loras, lora.max_lora_rank, lora.max_cpu_loras)
         self.draft_model = None
         if config.draft is not None:
             assert self.tp is None

@@ -1,10 +1,10 @@
 """Test harness of the scheduler: configs, requests, a fake runner that checks KV content.
 
 The fake runner plays the runner's side of the SchedulerOutput contract. Instead of
-tensors it keeps, per cache slot, the (KV cache group, token id, position) whose KV it
-holds; every step it checks that each scheduled request's earlier positions that its
+tensors it keeps, per cache slot, the (KV cache group, token id, position, LoRA adapter)
+whose KV it holds; every step it checks that each scheduled request's earlier positions that its
 layers read (all of them, or a sliding group's window) read back, through that group's
-block table, exactly its own tokens. So a block shared, evicted, swapped, reused or freed
+block table, exactly its own tokens under its own adapter. So a block shared, evicted, swapped, reused or freed
 by a window too early shows up as a failed assertion, not only as a wrong count.
 """
 
@@ -17,10 +17,11 @@ from collections.abc import Callable
 from pagellm.config import CacheConfig, SchedulerConfig
 from pagellm.core import ModelRunnerOutput, RequestProgress, Scheduler, SchedulerOutput
 from pagellm.core.parallel_sampling import child_request_id
+from pagellm.lora.request import LoRARequest
 from pagellm.request import Request
 from pagellm.sampling_params import SamplingParams
 
-Slot = tuple[int, int, int]  # (group, token id, position) whose KV a cache slot holds
+Slot = tuple[int, int, int, int]  # (group, token id, position, LoRA adapter id) whose KV a cache slot holds
 SampleFn = Callable[[str, list[int]], int]  # (request id, its tokens so far) -> token
 
 
@@ -67,6 +68,7 @@ def make_request(
     arrival_time: float = 0.0,
     eos_token_ids: tuple[int, ...] = (),
     background: bool = False,
+    lora: int = 0,
     **params: object,
 ) -> Request:
     """A request; an int prompt means that many distinct tokens derived from the id."""
@@ -82,6 +84,7 @@ def make_request(
         arrival_time=arrival_time,
         priority=priority,
         background=background,
+        lora_request=LoRARequest(f"adapter{lora}", lora, f"/adapters/{lora}") if lora else None,
     )
 
 
@@ -95,6 +98,7 @@ class _RunnerRequest:
     block_ids: list[list[int]]  # per KV cache group
     num_computed_tokens: int
     num_pending_forks: int = 0
+    lora: int = 0  # the adapter its K/V is computed under (0: the base model)
 
 
 class FakeRunner:
@@ -134,6 +138,7 @@ class FakeRunner:
                 [list(table) for table in new.block_ids],
                 new.num_computed_tokens,
                 new.num_pending_forks,
+                0 if new.lora_request is None else new.lora_request.lora_int_id,
             )
         for cached in out.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
@@ -163,14 +168,14 @@ class FakeRunner:
                     block_id, offset = self._slot(state, group, position)
                     assert block_id != 0, f"{request_id} reads position {position} from the null block"
                     held = self.device.get(block_id, [None] * self.block_size)[offset]
-                    assert held == (group, state.token_ids[position], position), (
+                    assert held == (group, state.token_ids[position], position, state.lora), (
                         f"{request_id} group {group} position {position} reads {held} from block {block_id}"
                     )
                 for position in range(start, end):
                     block_id, offset = self._slot(state, group, position)
                     assert block_id != 0, "the null block was written"
                     block = self.device.setdefault(block_id, [None] * self.block_size)
-                    block[offset] = (group, state.token_ids[position], position)
+                    block[offset] = (group, state.token_ids[position], position, state.lora)
             state.num_computed_tokens = end
             if end == len(state.token_ids):
                 history = list(state.token_ids)
@@ -198,6 +203,9 @@ class StepResult:
 def step(scheduler: Scheduler, runner: FakeRunner) -> StepResult:
     """One engine step: schedule -> fake execute -> update, then check integrity."""
     out = scheduler.schedule()
+    max_loras = scheduler.scheduler_config.max_loras
+    adapters = {scheduler.requests[r].lora_int_id for r in out.num_scheduled_tokens} - {0}
+    assert max_loras is None and not adapters or max_loras is not None and len(adapters) <= max_loras, adapters
     progress = scheduler.update_from_output(out, runner.execute(out))
     scheduler.check_integrity()
     return StepResult(out, progress)

@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pagellm.errors import InvalidRequestError
+from pagellm.lora.request import LoRARequest
 from pagellm.request import Request, RequestStatus
 from pagellm.sampling_params import SamplingParams
 
@@ -49,6 +50,7 @@ class Setup:
     scheduling_policy: str
     preemption_mode: str
     group_windows: tuple[int | None, ...]
+    max_loras: int | None = None
 
 
 @st.composite
@@ -75,6 +77,7 @@ def setups(draw) -> Setup:
                 else st.integers(1, 9).map(lambda w: (w,) if kind == "sliding" else (None, w, w))
             )
         ),
+        max_loras=draw(st.sampled_from([None, None, 1, 2])),
     )
 
 
@@ -115,6 +118,7 @@ def operations(setup: Setup) -> st.SearchStrategy[list[tuple]]:
         st.booleans(),  # ignore_eos
         st.sampled_from([1, 1, 2, 3]),  # n
         st.sampled_from([False, False, False, True]),  # background (a batch line)
+        st.sampled_from([0, 0, 1, 2, 3]),  # LoRA adapter (0: the base model)
     )
     others = st.one_of(
         add,
@@ -197,7 +201,9 @@ def test_random_workloads_finish_and_keep_invariants(setup: Setup, data) -> None
     for op in data.draw(operations(setup)):
         kind = op[0]
         if kind == "add":
-            _, (num_prompt, total), which, first_own_token, priority, min_tokens, ignore_eos, n, background = op
+            _, (num_prompt, total), which, first_own_token, priority, min_tokens, ignore_eos, n, background, lora = op
+            if setup.max_loras is None:
+                lora = 0
             prompt = make_prompt(num_prompt, which, first_own_token)
             max_tokens = total - num_prompt
             request = Request(
@@ -214,6 +220,7 @@ def test_random_workloads_finish_and_keep_invariants(setup: Setup, data) -> None
                 priority=priority,
                 background=background,
                 arrival_time=float(len(requests) % 3),  # ties on purpose
+                lora_request=LoRARequest(f"a{lora}", lora, f"/a/{lora}") if lora else None,
             )
             try:
                 scheduler.add_request(request)

@@ -427,14 +427,37 @@ def tiny_llm_factory(tiny_model):
         llm.shutdown()
 
 
+def write_tiny_adapter(folder: Path, rank: int = 4) -> None:
+    """A LoRA adapter on q_proj and v_proj of the tiny model's layers, as peft writes it."""
+    import torch
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    generator = torch.Generator().manual_seed(len(str(folder)))
+    tensors = {}
+    for layer in range(2):
+        for projection, out in (("q_proj", 64), ("v_proj", 32)):
+            key = f"base_model.model.model.layers.{layer}.self_attn.{projection}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, 64, generator=generator) * 0.1
+            tensors[f"{key}.lora_B.weight"] = torch.randn(out, rank, generator=generator) * 0.1
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}
+    (folder / "adapter_config.json").write_text(json.dumps(config), encoding="utf-8")
+
+
 OFFLINE_BLOCKS = [(where, code) for where, code in PYTHON_BLOCKS if runs_offline(code)]
 
 
 @pytest.mark.parametrize(("where", "code"), OFFLINE_BLOCKS, ids=[w for w, _ in OFFLINE_BLOCKS])
-def test_offline_example_runs(where, code, tiny_llm_factory, monkeypatch):
+def test_offline_example_runs(where, code, tiny_llm_factory, monkeypatch, tmp_path):
     import pagellm.entrypoints.llm as llm_module
 
     monkeypatch.setattr(llm_module, "LLM", tiny_llm_factory)
+    # LoRA examples name adapter folders: small PEFT-format ones for the tiny model, where
+    # the example says (relative to a scratch working directory).
+    monkeypatch.chdir(tmp_path)
+    for folder in re.findall(r"LoRARequest\([^)]*\"([\w./-]+)\"\)", code):
+        write_tiny_adapter(tmp_path / folder)
     namespace = {"__name__": "__docs_example__", "__builtins__": builtins}
     exec(compile(code, where, "exec"), namespace)  # noqa: S102 - the docs' own examples
 
