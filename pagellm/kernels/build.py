@@ -34,7 +34,7 @@ from pagellm.kernels import cpu_features
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = ("linear_f32.c", "paged_decode.c", "paged_decode_bf16.c", "small_linear.c", "gemm_bf16.c", "gemm_amx.c", "linear.c", "linear_bf16.c", "quant_linear.c", "quant_int8.c", "decode_layer.c", "layer_ops.c", "moe_experts.c", "token_masks.c")
+_SOURCES = ("linear_f32.c", "paged_decode.c", "paged_decode_bf16.c", "small_linear.c", "gemm_bf16.c", "gemm_amx.c", "linear.c", "linear_bf16.c", "quant_linear.c", "quant_int8.c", "decode_layer.c", "layer_ops.c", "moe_experts.c", "lora.c", "token_masks.c")
 _HEADERS = ("bf16.h", "float_mode.h", "fp8.h", "kernels.h", "layer_rows.h", "quant_groups.h", "weights.h")  # included by the sources: part of what the cached library is keyed by
 _COMPILE_FLAGS = ("-O3", "-mtune=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11", "-Wall")
 # Linked without -ffast-math: with it, GCC adds crtfastmath.o, whose constructor turns on
@@ -270,6 +270,14 @@ def _declare(library: ctypes.CDLL) -> None:
     library.route_rows.argtypes = [
         c_void_p, c_int64, c_int64, c_int, c_int,  # logits float32 [m, experts], m, experts, top k, renormalize
         c_void_p, c_void_p, c_void_p,  # out: offsets int64 [experts + 1], rows int64 [m * top k], scales float32
+    ]
+    # lora.c: one layer's LoRA products for every adapter of a step (lora/slots.py).
+    library.lora_add.restype = c_int
+    library.lora_add.argtypes = [
+        c_void_p, c_int64, c_int, c_void_p, c_int64, c_int,  # x, its row stride, x is float32, out, its row stride, out is float32
+        c_void_p, c_void_p, c_int, c_int64, c_int64, c_int64,  # a [slots, ranks, in], b [slots, ranks, n], both bf16 (else float32), ranks, in, n
+        c_void_p, c_int64, c_void_p, c_void_p,  # ranges int64 [k, 3], k, pieces int64 [slots, 3, 4], piece counts int32 [slots]
+        c_void_p, c_int,  # scratch float32, num threads
     ]
     library.bf16_to_fp8_rows.restype = None
     library.bf16_to_fp8_rows.argtypes = [c_void_p, c_void_p, c_int64, c_int]  # src, dst, n, fp8 element type

@@ -72,11 +72,13 @@ def lora_targets(config: ModelConfig) -> dict[str, LoRATarget]:
 @dataclass
 class LayerAdapter:
     """One fused layer's share of an adapter: A [ranks, in], B [out, ranks] (block-diagonal
-    over the shards) and the scaling of each rank [ranks]."""
+    over the shards), the scaling of each rank [ranks], and the blocks: per projection
+    (first rank, end rank, first output column, end output column)."""
 
     a: torch.Tensor
     b: torch.Tensor
     scaling: torch.Tensor
+    pieces: list[tuple[int, int, int, int]]
 
     @property
     def rank(self) -> int:
@@ -214,11 +216,13 @@ def _fuse(target: LoRATarget, parts: list[tuple[int, torch.Tensor, torch.Tensor,
     for width in target.shards:
         offsets.append(offsets[-1] + width)
     col = 0
+    pieces = []
     for shard, a, b, scale in parts:
         rank = a.shape[0]
         rows = slice(0, target.out_features) if shard < 0 else slice(offsets[shard], offsets[shard + 1])
         a_all[col : col + rank] = a.to(dtype)
         b_all[rows, col : col + rank] = b.to(dtype)
         scaling[col : col + rank] = scale
+        pieces.append((col, col + rank, rows.start, rows.stop))
         col += rank
-    return LayerAdapter(a_all, b_all, scaling)
+    return LayerAdapter(a_all, b_all, scaling, pieces)

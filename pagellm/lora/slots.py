@@ -16,15 +16,18 @@ and tells the model which rows run under which slot (LoRAMapping).
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from pagellm.config.model import ModelConfig
-from pagellm.lora.adapter import LoRAAdapter, LoRATarget, load_lora_adapter, lora_targets
+from pagellm.kernels.build import load_kernels
+from pagellm.lora.adapter import LayerAdapter, LoRAAdapter, LoRATarget, load_lora_adapter, lora_targets
 from pagellm.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
@@ -38,45 +41,98 @@ class LoRAMapping:
 
     slot_rows: tuple[tuple[int, int, int], ...]  # (slot, first row, end row)
 
+    @functools.cached_property
+    def ranges(self) -> torch.Tensor:  # [ranges, 3] int64, for the kernel
+        return torch.tensor(self.slot_rows, dtype=torch.int64).view(-1, 3)
+
+
+MAX_PIECES = 3  # csrc/lora.c: blocks per adapter and layer (q, k, v)
+
+
+class LoRAKernel:
+    """csrc/lora.c: every adapter's products of one layer in one call (CPU)."""
+
+    def __init__(self, library: object, scratch: torch.Tensor) -> None:
+        self._run = library.lora_add
+        self.scratch = scratch
+
+    @classmethod
+    def make(cls, targets: Iterable[LoRATarget]) -> LoRAKernel | None:
+        library = load_kernels()
+        if library is None:
+            return None
+        widest = max(t.in_features + t.out_features for t in targets)
+        threads = torch.get_num_threads()
+        return cls(library, torch.empty(threads * 8 * widest))  # csrc/lora.c WORK_ROWS rows per thread
+
+    def run(self, slots: LoRASlots, x: torch.Tensor, out: torch.Tensor, mapping: LoRAMapping) -> bool:
+        """False where the kernel does not apply (the caller computes in torch)."""
+        if x.dtype not in (torch.float32, torch.bfloat16) or out.dtype not in (torch.float32, torch.bfloat16):
+            return False
+        if x.stride(1) != 1 or out.stride(1) != 1 or x.device.type != "cpu" or slots.a.dtype not in (torch.float32, torch.bfloat16):
+            return False
+        ranges = mapping.ranges
+        ranks, n = slots.b.shape[1], slots.b.shape[2]
+        status = self._run(
+            x.data_ptr(), x.stride(0), x.dtype is torch.float32, out.data_ptr(), out.stride(0), out.dtype is torch.float32,
+            slots.a.data_ptr(), slots.b.data_ptr(), slots.a.dtype is torch.bfloat16, ranks, slots.a.shape[2], n,
+            ranges.data_ptr(), ranges.shape[0],
+            slots.pieces.data_ptr(), slots.num_pieces.data_ptr(), self.scratch.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        return status == 0
+
 
 class LoRASlots:
-    """One linear layer's room for `num_slots` adapters (see the module comment). Kept in
-    float32 whatever the model's dtype: the products are small beside the base layer's, and
-    float32 matmuls of a few rows are both faster than bf16 ones on the CPU and closer to
-    the reference."""
+    """One linear layer's room for `num_slots` adapters (see the module comment). The
+    weights are kept in float32, or in bf16 for a bf16 model (`dtype`): reading them is most
+    of the products' cost, and the products themselves are computed in float32 either way
+    (the C kernel; torch, where it does not run, multiplies in float32 too)."""
 
-    def __init__(self, target: LoRATarget, num_slots: int, max_rank: int, device: torch.device) -> None:
+    def __init__(
+        self, target: LoRATarget, num_slots: int, max_rank: int, device: torch.device, kernel: LoRAKernel | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:  # fmt: skip
         ranks = max_rank * len(target.shards)
-        self.a = torch.zeros(num_slots, ranks, target.in_features, device=device)  # scaled: scaling * A
-        self.b = torch.zeros(num_slots, ranks, target.out_features, device=device)  # B^T
+        self.a = torch.zeros(num_slots, ranks, target.in_features, dtype=dtype, device=device)  # scaled: scaling * A
+        self.b = torch.zeros(num_slots, ranks, target.out_features, dtype=dtype, device=device)  # B^T
         self.ranks = [0] * num_slots  # the ranks slot s uses (the rest are zero)
+        # Per slot, its blocks (first rank, end rank, first column, end column) and their count.
+        self.pieces = torch.zeros(num_slots, MAX_PIECES, 4, dtype=torch.int64)
+        self.num_pieces = torch.zeros(num_slots, dtype=torch.int32)
+        self.kernel = kernel  # the C kernel (CPU), or None: torch
         self.mapping: LoRAMapping | None = None  # this step's rows per slot; None: no adapter in the step
 
-    def load(self, slot: int, adapter_a: torch.Tensor | None, adapter_b: torch.Tensor | None, scaling: torch.Tensor | None) -> None:
+    def load(self, slot: int, adapter: LayerAdapter | None) -> None:
         self.a[slot].zero_()
         self.b[slot].zero_()
         self.ranks[slot] = 0
-        if adapter_a is None:
+        self.num_pieces[slot] = 0
+        if adapter is None:
             return
-        rank = adapter_a.shape[0]
-        self.a[slot, :rank].copy_(adapter_a.float() * scaling.float()[:, None])
-        self.b[slot, :rank].copy_(adapter_b.float().T)
+        rank = adapter.rank
+        self.a[slot, :rank].copy_(adapter.a.float() * adapter.scaling.float()[:, None])  # rounded once, if bf16
+        self.b[slot, :rank].copy_(adapter.b.float().T)
         self.ranks[slot] = rank
+        self.pieces[slot, : len(adapter.pieces)] = torch.tensor(adapter.pieces, dtype=torch.int64)
+        self.num_pieces[slot] = len(adapter.pieces)
 
     def add_to(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """out [rows, out] (the base output, added to in place) plus each adapter's product
-        on its rows: ((x scaling A^T) B^T), one shrink and one expand per adapter."""
+        on its rows: ((x scaling A^T) B^T), in one C call where it runs, else one shrink and
+        one expand per adapter in torch."""
         if self.mapping is None:
+            return out
+        if self.kernel is not None and self.kernel.run(self, x, out, self.mapping):
             return out
         for slot, first, end in self.mapping.slot_rows:
             rank = self.ranks[slot]
             if rank == 0:
                 continue
-            shrunk = torch.mm(x[first:end].float(), self.a[slot, :rank].T)
+            shrunk = torch.mm(x[first:end].float(), self.a[slot, :rank].T.float())
             if out.dtype is torch.float32:
-                out[first:end].addmm_(shrunk, self.b[slot, :rank])
+                out[first:end].addmm_(shrunk, self.b[slot, :rank].float())
             else:
-                out[first:end] += torch.mm(shrunk, self.b[slot, :rank]).to(out.dtype)
+                out[first:end] += torch.mm(shrunk, self.b[slot, :rank].float()).to(out.dtype)
         return out
 
 
@@ -89,13 +145,18 @@ class LoRAManager:
         self.config = config
         self.max_lora_rank = max_lora_rank
         self.max_cpu_loras = max(max_cpu_loras, max_loras)
-        self.device = next(model.parameters()).device
+        parameter = next(model.parameters())
+        self.device = parameter.device
+        # A bf16 model's slots in bf16 (half the bytes each step reads), float32 otherwise.
+        slot_dtype = torch.bfloat16 if parameter.dtype is torch.bfloat16 else torch.float32
+        targets = lora_targets(config)
+        kernel = LoRAKernel.make(targets.values()) if self.device.type == "cpu" else None
         self.layers: dict[str, LoRASlots] = {}
-        for name, target in lora_targets(config).items():
+        for name, target in targets.items():
             module = model.get_submodule(name)
             if (module.in_features, module.out_features) != (target.in_features, target.out_features):
                 raise AssertionError(f"{name}: the model's shape differs from the LoRA layout")
-            module.lora = self.layers[name] = LoRASlots(target, max_loras, max_lora_rank, self.device)
+            module.lora = self.layers[name] = LoRASlots(target, max_loras, max_lora_rank, self.device, kernel, slot_dtype)
         self.slot_of: OrderedDict[int, int] = OrderedDict()  # lora_int_id -> slot, least recently used first
         self.free_slots = list(range(max_loras))
         self.host: OrderedDict[int, LoRAAdapter] = OrderedDict()  # lora_int_id -> adapter read from disk
@@ -126,8 +187,7 @@ class LoRAManager:
                 slot = self._take_slot(keep=set(requests))
                 adapter = self.adapter(request)
                 for name, layer in self.layers.items():
-                    piece = adapter.layers.get(name)
-                    layer.load(slot, *(None, None, None) if piece is None else (piece.a, piece.b, piece.scaling))
+                    layer.load(slot, adapter.layers.get(name))
                 self.slot_of[lora_id] = slot
                 self.num_loads += 1
                 logger.info("LoRA adapter %r (id %d) loaded into slot %d", request.lora_name, lora_id, slot)
@@ -155,6 +215,6 @@ class LoRAManager:
         slot = self.slot_of.pop(lora_id, None)
         if slot is not None:
             for layer in self.layers.values():
-                layer.load(slot, None, None, None)
+                layer.load(slot, None)
             self.free_slots.append(slot)
         self.host.pop(lora_id, None)

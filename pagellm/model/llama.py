@@ -202,11 +202,12 @@ class LlamaForCausalLM(nn.Module):
             hidden = hidden * torch.tensor(self.config.embedding_multiplier, dtype=hidden.dtype)
         # The native paths keep the residual stream in float32; the final norm's output is
         # rounded to bf16 once, as the LM head's input.
-        # A step with adapter rows runs the layers in torch: the native paths call the
-        # linear kernels without the adapters' products.
+        # A step with adapter rows does not take the one-call decode layer: it runs the
+        # linear kernels inside C, without the adapters' products (the layer ops call the
+        # layers' compute(), which adds them).
         adapters = self.lora_manager is not None and self.lora_manager.active
         fused = not adapters and self.fused_decode is not None and self.fused_decode.applies(hidden, kv_caches, metadata)
-        layers = not adapters and self.native_layers is not None and self.native_layers.applies(hidden, kv_caches)
+        layers = self.native_layers is not None and self.native_layers.applies(hidden, kv_caches)
         if fused and layers and self.step_paths is not None:  # either path may run it: the measured one
             rows = hidden.shape[0]
             path = self.step_paths.path_for(rows)

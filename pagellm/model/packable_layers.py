@@ -91,12 +91,13 @@ class PackableLinear(nn.Linear):
     _kernel_weight: PackedWeight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.compute(x)
-        return out if self.lora is None else self.lora.add_to(x, out)
+        return self.compute(x)
 
     def compute(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        """forward(), with the output in `out_dtype` (float32 for the native layers' residual stream)."""
-        return apply_linear(x, self.weight, self.packed, self.bias, self.kernel, self.plan, out_dtype)
+        """forward(), with the output in `out_dtype` (float32 for the native layers' residual
+        stream); the step's LoRA adapters' products added where the layer has slots."""
+        out = apply_linear(x, self.weight, self.packed, self.bias, self.kernel, self.plan, out_dtype)
+        return out if self.lora is None else self.lora.add_to(x, out)
 
     def use_packed(self, packed: PackedWeight) -> None:
         """Keep the weight as stored: the float parameter goes away."""

@@ -108,8 +108,8 @@ def test_bf16_on_the_cpu_kernels(checkpoint):
     # bf16 on the CPU: steps with adapter rows run the layers in torch over the measured
     # kernels (the native layer paths know nothing of adapters), the others as before. A
     # random model's next-token choices are near-ties that bf16 may flip, so the check is
-    # on log-probabilities: bf16 under an adapter is close to float32 under it, and far
-    # from float32 without it (the adapter applied, and only once).
+    # on log-probabilities: bf16 under an adapter is close to float32 under it, and its
+    # likeliest tokens are float32's under the adapter, not without it (the adapter applied).
     base, adapters = checkpoint
     request = _requests(adapters)["all-r8"]
     params = SamplingParams(temperature=0, max_tokens=1, logprobs=20)
@@ -127,6 +127,9 @@ def test_bf16_on_the_cpu_kernels(checkpoint):
         shared = set(a) & set(b)
         return max(abs(a[t] - b[t]) for t in shared) if shared else float("inf")
 
+    def top(logprobs, k=5):
+        return set(sorted(logprobs, key=logprobs.get, reverse=True)[:k])
+
     assert distance(bf16_adapter, f32_adapter) < 0.35
-    assert distance(bf16_adapter, f32_plain) > 3 * distance(bf16_adapter, f32_adapter)
+    assert len(top(bf16_adapter) & top(f32_adapter)) >= 4 > len(top(bf16_adapter) & top(f32_plain))
     assert distance(bf16_base, f32_base) < 0.35  # the base row of the same step
