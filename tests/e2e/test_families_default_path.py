@@ -52,6 +52,12 @@ def family(request, tmp_path_factory):
 def test_bf16_agrees_with_hf_float32(family, name, decode_path, monkeypatch):
     folder, reference = family
     monkeypatch.setenv("PAGELLM_DECODE_PATH", decode_path)
+    if decode_path == "fused":
+        # The one-call layer runs a step only where every linear's measured kernel is a
+        # native one; on a busy machine the measurement may pick oneDNN for a bucket, and the
+        # step takes the layer ops instead. The native streaming kernel everywhere keeps
+        # this case what it tests.
+        monkeypatch.setenv("PAGELLM_LINEAR_KERNEL", "streaming")
     run = dp.run_scenario(folder, SCENARIOS[name], "bfloat16")
     dp.check_native_paths(run)
     if decode_path == "layers":
