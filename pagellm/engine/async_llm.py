@@ -31,6 +31,7 @@ from pagellm.engine.engine_thread import EngineThread
 from pagellm.engine.input_processor import PromptInput
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.errors import PagellmError, RequestFailedError
+from pagellm.lora.request import LoRARequest
 from pagellm.executor.base import WorkerDiedError
 from pagellm.outputs import RequestOutput
 from pagellm.pooling_params import PoolingParams
@@ -57,6 +58,7 @@ class NewRequest:
     priority: int = 0
     arrival_time: float | None = None
     background: bool = False  # a batch line: runs where the others leave room
+    lora_request: LoRARequest | None = None  # the adapter it runs under
 
 
 @dataclass(frozen=True)
@@ -420,6 +422,7 @@ class AsyncLLM:
                     arrival_time=request.arrival_time,
                     priority=request.priority,
                     background=request.background,
+                    lora_request=request.lora_request,
                 )
                 added.append(request.request_id)
         except Exception as e:  # noqa: BLE001 - a bad request fails alone, never the engine

@@ -100,7 +100,11 @@ class LoRAAdapter:
 
 def _read_config(folder: Path) -> dict:
     config_path = folder / CONFIG_FILE
-    if not folder.is_dir():
+    try:
+        is_folder = folder.is_dir()
+    except (OSError, ValueError):  # a name the file system cannot take (a NUL byte, too long)
+        is_folder = False
+    if not is_folder:
         raise LoRAAdapterError(f"LoRA adapter {str(folder)!r} is not a folder (a PEFT adapter is a folder with {CONFIG_FILE})")
     if not config_path.is_file():
         raise LoRAAdapterError(f"LoRA adapter {str(folder)!r} has no {CONFIG_FILE}")

@@ -22,7 +22,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
-from pagellm.engine.async_llm import NewRequest, OutputStream
+from pagellm.engine.async_llm import OutputStream
 from pagellm.entrypoints.anthropic.errors import anthropic_error_body
 from pagellm.entrypoints.anthropic.protocol import (
     CountTokensRequest,
@@ -169,7 +169,7 @@ class MessagesServing:
         self._check_limits(body)
         prepared = self.chat.prepare(chat_request(body), message_id, check_limits=False)
         stream = await self.context.add_requests(
-            [NewRequest(message_id, prepared.prompt_ids, prepared.params, 0, arrival_time)], prepared.constraint_field
+            [prepared.new_request(message_id, 0, arrival_time)], prepared.constraint_field
         )
         if body.stream:
             return EventStreamResponse(self._events(message_id, prepared, stream), on_close=stream.cancel)

@@ -39,6 +39,7 @@ from pagellm.entrypoints.openai.openapi_docs import (
     RESPONSE_BY_ID,
     RESPONSES,
     METRICS,
+    LORA_ADAPTER,
     READ,
     TOKENS,
     ServerBounds,
@@ -75,9 +76,10 @@ from pagellm.entrypoints.openai.serving_batch import (
     batch_dir_for,
     in_process_call,
 )
+from pagellm.entrypoints.openai.serving_lora import AdapterRegistry, add_lora_routes, parse_lora_modules
 from pagellm.entrypoints.openai.serving_tokens import TokenServing
 from pagellm.entrypoints.dashboard import STATIC_DIR
-from pagellm.errors import ConfigError
+from pagellm.errors import ConfigError, InvalidRequestError
 from pagellm.metrics.dashboard_state import dashboard_state
 
 logger = logging.getLogger(__name__)
@@ -93,12 +95,24 @@ def build_app(
     structured_outputs_in_reasoning: bool = False,
     batch_dir: str | Path | None = None,
     data_parallel_rank: int | None = None,
+    lora_modules: list[str] | None = None,
 ) -> FastAPI:
-    """The FastAPI app serving `async_llm`; its lifespan starts and stops the engine loop."""
+    """The FastAPI app serving `async_llm`; its lifespan starts and stops the engine loop.
+    lora_modules: --lora-modules entries (name=path), read and checked here."""
     name = served_model_name or async_llm.engine.config.source.name
     limits = limits or RequestLimits()
     reasoning = REASONING_FORMATS[reasoning_parser] if reasoning_parser else None
-    context = ServingContext(async_llm, name, limits, reasoning, structured_outputs_in_reasoning, data_parallel_rank)
+    adapters = AdapterRegistry(name, async_llm.engine.model_config, async_llm.engine.config.lora_config)
+    for adapter_name, adapter_path in parse_lora_modules(lora_modules or []):
+        if adapters.lora_config is None:
+            raise ConfigError("--lora-modules needs --enable-lora")
+        try:
+            adapters.add(adapter_name, adapter_path)
+        except InvalidRequestError as e:
+            raise ConfigError(f"--lora-modules {adapter_name}={adapter_path}: {e}") from None
+    context = ServingContext(
+        async_llm, name, limits, reasoning, structured_outputs_in_reasoning, data_parallel_rank, adapters
+    )
     completions = CompletionServing(context)
     chat = ChatServing(context)
     tokens = TokenServing(context)
@@ -160,7 +174,12 @@ def build_app(
     @app.get("/v1/models", responses=READ)
     async def list_models() -> ModelList:
         # No file path in `root`: clients need not learn the server's file layout.
-        return ModelList(data=[ModelCard(id=name, root=name, max_model_len=context.max_model_len)])
+        cards = [ModelCard(id=name, root=name, max_model_len=context.max_model_len)]
+        cards += [
+            ModelCard(id=adapter, root=adapter, parent=name, max_model_len=context.max_model_len)
+            for adapter in adapters.names()
+        ]
+        return ModelList(data=cards)
 
     @app.post("/v1/completions", responses=COMPLETION)
     async def create_completion(body: CompletionRequest, raw: Request) -> Response:
@@ -196,6 +215,7 @@ def build_app(
         return await embeddings.create(body, raw)
 
     add_batch_routes(app, batches)
+    add_lora_routes(app, adapters, LORA_ADAPTER)
 
     @app.get("/v1/engine/state", responses=HEALTH)
     async def engine_state() -> Response:
@@ -274,6 +294,7 @@ def run_server(args: argparse.Namespace) -> None:
         structured_outputs_in_reasoning=bool(structured.get("enable_in_reasoning")),
         batch_dir=getattr(args, "batch_dir", None),
         data_parallel_rank=getattr(args, "data_parallel_rank", None),
+        lora_modules=getattr(args, "lora_modules", None),
     )
     config = uvicorn.Config(
         app,

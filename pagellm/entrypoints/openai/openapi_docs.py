@@ -122,6 +122,12 @@ BATCH_CREATE = {
 }
 TOKENS = {**BODY, **AUTH, **UNKNOWN_MODEL}
 READ = {**AUTH}
+LORA_ADAPTER = {
+    200: {"description": "The adapter loaded (or unloaded)."},
+    **BODY,
+    **AUTH,
+    404: _error("unload: no adapter of that name is loaded."),
+}
 HEALTH = {503: _error("The engine has stopped.")}
 METRICS = {200: {"description": "Prometheus text format."}}
 

@@ -430,7 +430,22 @@ class ModelCard(OpenAIModel):
     created: int = Field(default_factory=unix_time)
     owned_by: str = "pagellm"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model
     max_model_len: int | None = None
+
+
+class LoadLoRAAdapterRequest(RequestModel):
+    """POST /v1/load_lora_adapter (vLLM's body)."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(RequestModel):
+    """POST /v1/unload_lora_adapter (vLLM's body; lora_int_id is accepted and not needed)."""
+
+    lora_name: str
+    lora_int_id: int | None = None
 
 
 class ModelList(OpenAIModel):

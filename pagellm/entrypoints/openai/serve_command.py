@@ -89,6 +89,14 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentP
         "resumes unfinished batches; 'none' turns the API off (default: "
         "$PAGELLM_CACHE_DIR or ~/.cache/pagellm, then batches/<served model name>)",
     )
+    serve.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=[],
+        metavar="NAME=PATH",
+        help="LoRA adapters to serve from the start (with --enable-lora), each as name=path or "
+        "{\"name\": ..., \"path\": ...}; requests select one by its name in `model`",
+    )
     # Set by a data-parallel server on its replicas: it tags the ids of stored responses, so
     # that the router sends a follow-up (GET, previous_response_id) to the replica holding it.
     serve.add_argument("--data-parallel-rank", type=int, default=None, help=argparse.SUPPRESS)
@@ -133,7 +141,11 @@ def run_serve(args: argparse.Namespace) -> None:
     RequestLimits.from_namespace(args)  # a bad limit fails here, named
     if args.data_parallel_size < 1:
         raise ConfigError(f"--data-parallel-size must be at least 1, got {args.data_parallel_size}")
+    if args.lora_modules and not args.enable_lora:
+        raise ConfigError("--lora-modules needs --enable-lora")
     if args.data_parallel_size > 1:
+        if args.enable_lora:  # the router would load an adapter on one replica only
+            raise ConfigError("--enable-lora with --data-parallel-size > 1 is not supported yet")
         from pagellm.entrypoints.openai.data_parallel.server import run_dp_server
 
         run_dp_server(args)

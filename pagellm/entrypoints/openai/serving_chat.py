@@ -61,6 +61,7 @@ from pagellm.entrypoints.openai.tool_calls import (
     tool_constraint,
     tool_mode,
 )
+from pagellm.lora.request import LoRARequest
 from pagellm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from pagellm.sampling_params import SamplingParams
 from pagellm.tokenizer import Tokenizer
@@ -135,6 +136,10 @@ class PreparedChat:
     prompt_ids: list[int]
     params: SamplingParams
     constraint_field: str
+    adapter: LoRARequest | None = None  # the LoRA adapter `model` names
+
+    def new_request(self, request_id: str, priority: int, arrival_time: float) -> NewRequest:
+        return NewRequest(request_id, self.prompt_ids, self.params, priority, arrival_time, lora_request=self.adapter)
 
 
 class ChatServing:
@@ -175,7 +180,7 @@ class ChatServing:
         Other APIs that are chat underneath (Responses, Anthropic's Messages) call this too;
         one that checks the request limits on its own body passes check_limits=False."""
         context = self.context
-        context.check_model(body.model)
+        adapter = context.check_model(body.model)
         if check_limits:
             check_chat(context.limits, body)
         tools = tool_mode(body)
@@ -192,14 +197,14 @@ class ChatServing:
                 split = None  # constrained to the calls from the first token: nothing to split
         job = _Job(
             response_id,
-            context.served_model_name,
+            context.model_name(adapter),
             body,
             (body.top_logprobs or 0) if body.logprobs else None,
             tools,
             split,
         )
         prompt_ids = context.tokenizer.encode(prompt, add_special_tokens=False)
-        return PreparedChat(job, prompt_ids, params, constraint_field)
+        return PreparedChat(job, prompt_ids, params, constraint_field, adapter)
 
     async def create(self, body: ChatCompletionRequest, raw: Request) -> Response:
         arrival_time = time.time()  # queueing in the server counts toward latency
@@ -208,7 +213,7 @@ class ChatServing:
         prepared = self.prepare(body, response_id)
         job = prepared.job
         stream = await context.add_requests(
-            [NewRequest(response_id, prepared.prompt_ids, prepared.params, body.priority, arrival_time)],
+            [prepared.new_request(response_id, body.priority, arrival_time)],
             prepared.constraint_field,
         )
         if body.stream:

@@ -6,6 +6,7 @@ import contextvars
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from pagellm.engine.async_llm import AsyncLLM, NewRequest, OutputStream
 from pagellm.entrypoints.openai.limits_config import RequestLimits
@@ -13,9 +14,13 @@ from pagellm.entrypoints.openai.errors import APIError
 from pagellm.entrypoints.openai.protocol import UsageInfo
 from pagellm.entrypoints.openai.reasoning import ReasoningFormat
 from pagellm.errors import InvalidRequestError
+from pagellm.lora.request import LoRARequest
 from pagellm.outputs import RequestOutput
 from pagellm.structured_outputs_params import KINDS as CONSTRAINT_KINDS
 from pagellm.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from pagellm.entrypoints.openai.serving_lora import AdapterRegistry
 
 
 # Set by the batch runner: the engine requests a handler adds in its context are background
@@ -33,6 +38,7 @@ class ServingContext:
     # block too, from the first output token (by default it holds the answer after it).
     structured_outputs_in_reasoning: bool = False
     data_parallel_rank: int | None = None  # this server is that replica of a data-parallel one
+    adapters: AdapterRegistry | None = None  # LoRA adapters served by name (serving_lora.py)
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -58,16 +64,25 @@ class ServingContext:
                 raise APIError(400, f"{constraint_field}: {e}", param=constraint_field) from None
             raise
 
-    def check_model(self, model: str | None) -> None:
-        """404 unless `model` is the served one (None means "whatever is served")."""
-        if model is not None and model != self.served_model_name:
-            raise APIError(
-                404,
-                f"The model `{model}` does not exist; this server serves "
-                f"`{self.served_model_name}`.",
-                param="model",
-                code="model_not_found",
-            )
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter `model` names, None for the served model (and for None: "whatever
+        is served"); 404 for anything else."""
+        if model is None or model == self.served_model_name:
+            return None
+        adapter = None if self.adapters is None else self.adapters.get(model)
+        if adapter is not None:
+            return adapter
+        names = [self.served_model_name, *(self.adapters.names() if self.adapters is not None else [])]
+        raise APIError(
+            404,
+            f"The model `{model}` does not exist; this server serves " + ", ".join(f"`{n}`" for n in names) + ".",
+            param="model",
+            code="model_not_found",
+        )
+
+    def model_name(self, adapter: LoRARequest | None) -> str:
+        """The `model` an answer reports: the adapter's name, or the served model's."""
+        return self.served_model_name if adapter is None else adapter.lora_name
 
     def check_token_ids(self, token_ids: Iterable[int], param: str) -> None:
         for token_id in token_ids:

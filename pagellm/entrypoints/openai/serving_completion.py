@@ -105,16 +105,16 @@ class CompletionServing:
     async def create(self, body: CompletionRequest, raw: Request) -> Response:
         arrival_time = time.time()  # queueing in the server counts toward latency
         context = self.context
-        context.check_model(body.model)
+        adapter = context.check_model(body.model)
         prompts = normalize_prompts(body.prompt)
         check_completion(context.limits, body, len(prompts))
         params, constraint_field = self._sampling_params(body)
         response_id = new_request_id("cmpl")
         engine_ids = [f"{response_id}-{i}" for i in range(len(prompts))]
-        job = _Job(response_id, context.served_model_name, body, prompts, engine_ids, prompt_only=body.max_tokens == 0)
+        job = _Job(response_id, context.model_name(adapter), body, prompts, engine_ids, prompt_only=body.max_tokens == 0)
         stream = await context.add_requests(
             [
-                NewRequest(rid, prompt, params, body.priority, arrival_time)
+                NewRequest(rid, prompt, params, body.priority, arrival_time, lora_request=adapter)
                 for rid, prompt in zip(engine_ids, prompts)
             ],
             constraint_field,

@@ -51,7 +51,7 @@ class EmbeddingServing:
     async def create(self, body: EmbeddingRequest, raw: Request) -> Response:
         arrival_time = time.time()
         context = self.context
-        context.check_model(body.model)
+        adapter = context.check_model(body.model)
         inputs = normalize_prompts(body.input)
         limit = context.limits.max_prompts_per_request
         if len(inputs) > limit:
@@ -64,7 +64,11 @@ class EmbeddingServing:
         engine_ids = [f"{response_id}-{i}" for i in range(len(inputs))]
         try:
             stream = await context.add_requests(
-                [NewRequest(rid, item, params, body.priority, arrival_time) for rid, item in zip(engine_ids, inputs)], ""
+                [
+                    NewRequest(rid, item, params, body.priority, arrival_time, lora_request=adapter)
+                    for rid, item in zip(engine_ids, inputs)
+                ],
+                "",
             )
         except InvalidRequestError as e:
             if e.parameter != "prompt":
@@ -80,6 +84,6 @@ class EmbeddingServing:
             data.append(EmbeddingData(embedding=encode_embedding(output.embedding, body.encoding_format), index=index))
             prompt_tokens += len(output.prompt_token_ids)
         response = EmbeddingResponse(
-            data=data, model=context.served_model_name, usage=EmbeddingUsage(prompt_tokens=prompt_tokens, total_tokens=prompt_tokens)
+            data=data, model=context.model_name(adapter), usage=EmbeddingUsage(prompt_tokens=prompt_tokens, total_tokens=prompt_tokens)
         )
         return JSONResponse(response.model_dump(mode="json"))

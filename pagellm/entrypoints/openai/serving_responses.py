@@ -26,7 +26,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
-from pagellm.engine.async_llm import NewRequest, OutputStream
+from pagellm.engine.async_llm import OutputStream
 from pagellm.entrypoints.openai.errors import APIError, to_api_error
 from pagellm.entrypoints.openai.protocol import ChatCompletionRequest, ToolCall
 from pagellm.entrypoints.openai.protocol_responses import (
@@ -162,7 +162,7 @@ class ResponsesServing:
             prepared = dataclasses.replace(prepared, params=dataclasses.replace(prepared.params, max_tokens=None))
         entry = StoredResponse(self._response_object(body, response_id), conversation)
         stream = await self.context.add_requests(
-            [NewRequest(response_id, prepared.prompt_ids, prepared.params, body.priority, arrival_time)],
+            [prepared.new_request(response_id, body.priority, arrival_time)],
             prepared.constraint_field,
         )
         if body.background:

@@ -37,6 +37,9 @@ DOCUMENTED_REFUSALS = [
     (r"stream", r"background and stream together"),
     (r"input", r"Invalid input|characters of content; at most"),
     (r"previous_response_id", r"still running"),
+    # A LoRA adapter is a folder the server reads: whether one is there, and what it holds.
+    (r"lora_path", r"LoRA adapter|adapter_config|safetensors"),
+    (r"lora_name", r"already loaded|base model's name|must not be empty"),
 ]  # fmt: skip
 
 

@@ -39,7 +39,7 @@ OPERATIONS = [
     "POST /v1/messages", "POST /v1/messages/count_tokens",
     "POST /v1/files", "GET /v1/files", "GET /v1/files/{file_id}", "DELETE /v1/files/{file_id}",
     "GET /v1/files/{file_id}/content", "POST /v1/batches", "GET /v1/batches", "GET /v1/batches/{batch_id}",
-    "POST /v1/batches/{batch_id}/cancel",
+    "POST /v1/batches/{batch_id}/cancel", "POST /v1/load_lora_adapter", "POST /v1/unload_lora_adapter",
 ]  # fmt: skip
 FUZZ_SERVER_FLAGS = [
     "--max-model-len", "96",
@@ -54,6 +54,7 @@ FUZZ_SERVER_FLAGS = [
     "--max-message-chars", "64",
     "--max-request-body-bytes", "16384",
     "--max-logprobs", "5",
+    "--enable-lora",  # the adapter routes check what they are given, not only that LoRA is off
 ]  # fmt: skip
 
 

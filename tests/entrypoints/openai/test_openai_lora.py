@@ -1,0 +1,118 @@
+"""LoRA adapters on the server, through the official openai client: --lora-modules at start,
+load and unload while serving, adapters in /v1/models, a request's `model` selecting one
+(answers equal to the offline API's under the same adapter), and the errors."""
+
+from __future__ import annotations
+
+import httpx2
+import pytest
+from hf_models import make_tiny_hf_checkpoint
+from peft_adapters import ATTENTION, MLP, make_peft_adapter
+from serve_helpers import API_KEY, ServerProcess
+
+from pagellm import LLM, LoRARequest, SamplingParams
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("peft")
+PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("served-lora")
+    base = make_tiny_hf_checkpoint(root / "base", "llama")
+    return {
+        "base": base,
+        "sql": make_peft_adapter(base, root / "sql", 8, ATTENTION + MLP, seed=1),
+        "chat": make_peft_adapter(base, root / "chat", 4, ["q_proj", "v_proj"], seed=2),
+    }
+
+
+@pytest.fixture(scope="module")
+def server(files):
+    args = ["--model", str(files["base"]), "--served-model-name", "base", "--enable-lora", "--max-loras", "2",
+            "--lora-modules", f"sql={files['sql']}"]  # fmt: skip
+    process = ServerProcess(args, api_key=API_KEY)
+    yield process
+    process.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key=API_KEY)
+
+
+@pytest.fixture(scope="module")
+def offline(files):
+    llm = LLM(str(files["base"]), enable_lora=True, max_loras=2)
+
+    def text(adapter: str | None) -> str:
+        lora = None if adapter is None else LoRARequest(adapter, 1 if adapter == "sql" else 2, str(files[adapter]))
+        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        return llm.generate([PROMPT], params, lora_request=lora, use_tqdm=False)[0].outputs[0].text
+
+    return text
+
+
+def _completion_tokens(client, model: str) -> str:
+    result = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=6, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert result.model == model
+    return result.choices[0].text
+
+
+def _post(server, path: str, body: dict, key: str | None = API_KEY) -> httpx2.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx2.post(server.base_url + path, json=body, headers=headers, timeout=60)
+
+
+def test_an_adapter_named_at_start_answers_as_offline(client, offline):
+    models = {m.id: m for m in client.models.list().data}
+    assert set(models) == {"base", "sql"} and models["sql"].model_extra["parent"] == "base"
+    assert _completion_tokens(client, "sql") == offline("sql")
+    assert _completion_tokens(client, "base") == offline(None)
+    assert offline("sql") != offline(None)
+    chat = client.chat.completions.create(model="sql", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+    assert chat.model == "sql"
+
+
+def test_load_use_and_unload_while_serving(server, client, files, offline):
+    assert _post(server, "/v1/load_lora_adapter", {"lora_name": "chat", "lora_path": str(files["chat"])}).status_code == 200
+    assert "chat" in {m.id for m in client.models.list().data}
+    assert _completion_tokens(client, "chat") == offline("chat")
+    assert _post(server, "/v1/unload_lora_adapter", {"lora_name": "chat"}).status_code == 200
+    with pytest.raises(openai.NotFoundError, match="`chat` does not exist"):
+        client.completions.create(model="chat", prompt="x", max_tokens=2)
+    assert "chat" not in {m.id for m in client.models.list().data}
+    # Loaded again (a new id): answers as before.
+    assert _post(server, "/v1/load_lora_adapter", {"lora_name": "chat", "lora_path": str(files["chat"])}).status_code == 200
+    assert _completion_tokens(client, "chat") == offline("chat")
+    assert _post(server, "/v1/unload_lora_adapter", {"lora_name": "chat"}).status_code == 200
+
+
+def test_errors_are_named(server, files, tmp_path):
+    cases = [
+        ({"lora_name": "x", "lora_path": str(tmp_path / "missing")}, 400, "lora_path", "is not a folder"),
+        ({"lora_name": "sql", "lora_path": str(files["sql"])}, 400, "lora_name", "already loaded"),
+        ({"lora_name": "base", "lora_path": str(files["sql"])}, 400, "lora_name", "base model"),
+        ({"lora_name": "x"}, 400, None, None),
+    ]
+    for body, status, param, message in cases:
+        response = _post(server, "/v1/load_lora_adapter", body)
+        assert response.status_code == status, response.text
+        error = response.json()["error"]
+        if param is not None:
+            assert error["param"] == param and message in error["message"], error
+    unknown = _post(server, "/v1/unload_lora_adapter", {"lora_name": "nope"})
+    assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "lora_name"
+    assert _post(server, "/v1/load_lora_adapter", {"lora_name": "y", "lora_path": "."}, key=None).status_code == 401
+
+
+def test_a_server_without_enable_lora_refuses_adapters(files):
+    process = ServerProcess(["--model", str(files["base"])])
+    try:
+        response = _post(process, "/v1/load_lora_adapter", {"lora_name": "sql", "lora_path": str(files["sql"])}, key=None)
+        assert response.status_code == 400 and "--enable-lora" in response.json()["error"]["message"]
+    finally:
+        process.stop()
