@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import gguf
@@ -225,3 +226,27 @@ def _byte_char(b: int) -> str:
     if b in printable:
         return chr(b)
     return chr(256 + [x for x in range(256) if x not in printable].index(b))
+
+
+def write_gguf_lora_from_peft(peft_folder: Path, out: Path, cfg: dict, arch: str = "llama") -> Path:
+    """A PEFT LoRA folder as llama.cpp's convert_lora_to_gguf.py writes it: general.type
+    adapter, adapter.lora.alpha, `blk.N.<kind>.weight.lora_a` / `.lora_b` in F32, a Llama's q
+    and k B rows permuted as the base's are."""
+    adapter_config = json.loads((peft_folder / "adapter_config.json").read_text())
+    tensors = load_file(str(peft_folder / "adapter_model.safetensors"))
+    writer = gguf.GGUFWriter(str(out), arch)
+    writer.add_type("adapter")
+    writer.add_string("adapter.type", "lora")
+    writer.add_float32("adapter.lora.alpha", float(adapter_config["lora_alpha"]))
+    for key, value in sorted(tensors.items()):
+        module, ab = key.removeprefix("base_model.model.").rsplit(".lora_", 1)
+        gguf_name, kind = _gguf_name(module + ".weight", arch)
+        value = np.asarray(value, dtype=np.float32)
+        if ab.startswith("B") and arch == "llama" and kind in ("attn_q", "attn_k"):
+            value = llama_cpp_permute(value, cfg["num_attention_heads" if kind == "attn_q" else "num_key_value_heads"])
+        writer.add_tensor(f"{gguf_name}.lora_{ab[0].lower()}", np.ascontiguousarray(value))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out

@@ -1,4 +1,5 @@
-"""Lora stage: a PEFT adapter folder read into the model's fused layout.
+"""Lora stage: a PEFT adapter folder (or a GGUF LoRA file, lora/gguf_adapter.py) read into
+the model's fused layout.
 
 PEFT saves, per adapted linear layer, lora_A [r, in_features] and lora_B [out_features, r]
 (`adapter_model.safetensors`, keys like
@@ -26,6 +27,7 @@ import torch
 
 from pagellm.config.model import ModelConfig
 from pagellm.errors import InvalidRequestError
+from pagellm.lora.gguf_adapter import is_gguf_file, read_gguf_adapter
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -105,7 +107,10 @@ def _read_config(folder: Path) -> dict:
     except (OSError, ValueError):  # a name the file system cannot take (a NUL byte, too long)
         is_folder = False
     if not is_folder:
-        raise LoRAAdapterError(f"LoRA adapter {str(folder)!r} is not a folder (a PEFT adapter is a folder with {CONFIG_FILE})")
+        raise LoRAAdapterError(
+            f"LoRA adapter {str(folder)!r} is not a folder (a PEFT adapter is a folder with {CONFIG_FILE}) "
+            "nor a GGUF LoRA file"
+        )
     if not config_path.is_file():
         raise LoRAAdapterError(f"LoRA adapter {str(folder)!r} has no {CONFIG_FILE}")
     try:
@@ -155,8 +160,16 @@ def load_lora_adapter(
 ) -> LoRAAdapter:
     """Read and check a PEFT adapter folder against the model it will run on."""
     folder = Path(path).expanduser()
-    adapter_config = _read_config(folder)
-    tensors = _read_weights(folder)
+    if is_gguf_file(folder):
+        source = folder
+        try:
+            adapter_config, tensors = read_gguf_adapter(folder, config)
+        except ValueError as e:
+            raise LoRAAdapterError(f"{folder}: {e}") from None
+    else:
+        source = folder / WEIGHTS_FILE
+        adapter_config = _read_config(folder)
+        tensors = _read_weights(folder)
     targets = lora_targets(config)
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     others = []
@@ -167,27 +180,27 @@ def load_lora_adapter(
         elif ".lora_" in key:  # a LoRA layer outside the decoder layers (embedding, LM head)
             module = key.split(".lora_")[0].removeprefix("base_model.model.")
             raise LoRAAdapterError(
-                f"{folder / WEIGHTS_FILE}: {module} is not a layer LoRA can adapt in this model "
+                f"{source}: {module} is not a layer LoRA can adapt in this model "
                 "(attention q/k/v/o and the dense MLP's gate/up/down are)"
             )
         else:
             others.append(key)
     if others:
-        raise LoRAAdapterError(f"{folder / WEIGHTS_FILE}: tensor {others[0]!r} is not a LoRA weight of a decoder layer")
+        raise LoRAAdapterError(f"{source}: tensor {others[0]!r} is not a LoRA weight of a decoder layer")
     if not pairs:
-        raise LoRAAdapterError(f"{folder / WEIGHTS_FILE}: no LoRA weights")
+        raise LoRAAdapterError(f"{source}: no LoRA weights")
     alpha = adapter_config.get("lora_alpha", adapter_config.get("r", 8))
     pieces: dict[str, list[tuple[int, torch.Tensor, torch.Tensor, float]]] = {}
     max_rank = 0
     for hf_module, ab in sorted(pairs.items()):
         if set(ab) != {"A", "B"}:
-            raise LoRAAdapterError(f"{folder / WEIGHTS_FILE}: {hf_module} has lora_{''.join(ab)} without its pair")
+            raise LoRAAdapterError(f"{source}: {hf_module} has lora_{''.join(ab)} without its pair")
         prefix, projection = hf_module.rsplit(".", 1)
         module, shard = _FUSED.get(projection, (projection, None))
         target = targets.get(f"{prefix}.{module}")
         if target is None:
             raise LoRAAdapterError(
-                f"{folder / WEIGHTS_FILE}: {hf_module} is not a layer LoRA can adapt in this model "
+                f"{source}: {hf_module} is not a layer LoRA can adapt in this model "
                 "(attention q/k/v/o and the dense MLP's gate/up/down are)"
             )
         a, b = ab["A"], ab["B"]
@@ -195,7 +208,7 @@ def load_lora_adapter(
         out = target.out_features if shard is None else target.shards[shard]
         if a.dim() != 2 or b.dim() != 2 or a.shape[1] != target.in_features or tuple(b.shape) != (out, rank):
             raise LoRAAdapterError(
-                f"{folder / WEIGHTS_FILE}: {hf_module} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}; "
+                f"{source}: {hf_module} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}; "
                 f"this model needs [r, {target.in_features}] and [{out}, r]"
             )
         if rank > max_lora_rank:
@@ -205,6 +218,8 @@ def load_lora_adapter(
         max_rank = max(max_rank, rank)
         layer_alpha = _pattern_value(adapter_config.get("alpha_pattern"), hf_module, alpha)
         scaling = layer_alpha / (math.sqrt(rank) if adapter_config.get("use_rslora") else rank)
+        if adapter_config.get("scaling_one"):  # a GGUF LoRA without an alpha: llama.cpp scales by 1
+            scaling = 1.0
         pieces.setdefault(f"{prefix}.{module}", []).append((-1 if shard is None else shard, a, b, scaling))
     layers = {module: _fuse(targets[module], sorted(parts, key=lambda p: p[0]), dtype) for module, parts in pieces.items()}
     return LoRAAdapter(name, str(folder), layers, max_rank)

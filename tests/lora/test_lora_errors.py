@@ -80,3 +80,16 @@ def test_an_adapter_without_enable_lora_and_bad_requests(setup):
         LoRARequest("zero", 0, str(good))
     with pytest.raises(InvalidRequestError, match="2 LoRA requests for 1 prompts"):
         plain.generate([[1, 2]], PARAMS, lora_request=[None, None], use_tqdm=False)
+
+
+def test_a_gguf_file_that_is_not_a_lora_is_named(setup, tmp_path):
+    import json
+
+    from gguf_models import write_gguf_from_hf
+
+    root, base, good, llm = setup
+    model_file = write_gguf_from_hf(base, tmp_path / "model.gguf", json.loads((base / "config.json").read_text()), quant_by_kind={})
+    _refused(llm, LoRARequest("model", 300, str(model_file)), "not a LoRA adapter")
+    truncated = tmp_path / "cut.gguf"
+    truncated.write_bytes(model_file.read_bytes()[:200])
+    _refused(llm, LoRARequest("cut", 301, str(truncated)), "not a readable GGUF file")

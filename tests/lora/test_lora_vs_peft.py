@@ -133,3 +133,21 @@ def test_bf16_on_the_cpu_kernels(checkpoint):
     assert distance(bf16_adapter, f32_adapter) < 0.35
     assert len(top(bf16_adapter) & top(f32_adapter)) >= 4 > len(top(bf16_adapter) & top(f32_plain))
     assert distance(bf16_base, f32_base) < 0.35  # the base row of the same step
+
+
+def test_a_gguf_lora_file_equals_the_peft_folder_it_came_from(checkpoint, references, tmp_path):
+    # llama.cpp's format, written from the PEFT folder (q/k B rows permuted as a Llama's
+    # base is): the same tokens as HF + PEFT, on the HF base and on its GGUF file.
+    import json
+
+    from gguf_models import write_gguf_from_hf, write_gguf_lora_from_peft
+
+    base, adapters = checkpoint
+    cfg = json.loads((base / "config.json").read_text())
+    lora_file = write_gguf_lora_from_peft(adapters["all-r8"], tmp_path / "all-r8.gguf", cfg)
+    base_file = write_gguf_from_hf(base, tmp_path / "base.gguf", cfg, quant_by_kind={})
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    for model in (base, base_file):
+        llm = LLM(str(model), dtype="float32", enable_lora=True, max_lora_rank=16)
+        outs = llm.generate(PROMPTS, params, lora_request=LoRARequest("gguf", 1, str(lora_file)), use_tqdm=False)
+        assert [list(o.outputs[0].token_ids) for o in outs] == references["all-r8"], model

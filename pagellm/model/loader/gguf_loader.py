@@ -331,7 +331,7 @@ def iter_gguf_weights(
     for tensor in reader.tensors:
         if tensor.name in NOT_PARAMETERS:
             continue
-        hf_name = _hf_name(tensor.name, config.architecture)
+        hf_name = hf_tensor_name(tensor.name, config.architecture)
         if config.architecture == "phi3" and ".mlp.up_proj." in hf_name:
             hf_name = hf_name.replace(".mlp.up_proj.", ".mlp.gate_up_proj.")  # Phi-3's ffn_up holds gate and up
         qtype = GGMLQuantizationType(tensor.tensor_type)
@@ -452,7 +452,9 @@ def rope_freq_divisors(reader: GGUFReader) -> torch.Tensor | None:
     return None
 
 
-def _hf_name(gguf_name: str, architecture: str) -> str:
+def hf_tensor_name(gguf_name: str, architecture: str) -> str:
+    """The HF checkpoint name of a GGUF tensor (`blk.3.attn_q.weight` ->
+    `model.layers.3.self_attn.q_proj.weight`); UnsupportedModelError for an unknown one."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     names = _GEMMA_LAYER_NAMES if architecture in GEMMA_ARCHITECTURES else _LAYER_NAMES
