@@ -614,6 +614,8 @@ class Scheduler:
             num_swapped_out_blocks=kv_stats.num_swapped_out_blocks,
             num_prefill_tokens=self._num_prefill_tokens,
             num_decode_tokens=self._num_decode_tokens,
+            running_by_adapter=_by_adapter(self.running) if self.scheduler_config.max_loras else {},
+            waiting_by_adapter=_by_adapter([*self.waiting, *self.swapped]) if self.scheduler_config.max_loras else {},
         )
 
     def check_integrity(self) -> None:
@@ -626,3 +628,13 @@ class Scheduler:
             swapped=self.swapped,
             max_num_seqs=self.scheduler_config.max_num_seqs,
         )
+
+
+def _by_adapter(requests: Iterable[Request]) -> dict[str, int]:
+    """How many of the requests run under each LoRA adapter (by name)."""
+    counts: dict[str, int] = {}
+    for request in requests:
+        if request.lora_request is not None:
+            name = request.lora_request.lora_name
+            counts[name] = counts.get(name, 0) + 1
+    return counts

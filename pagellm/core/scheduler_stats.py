@@ -25,3 +25,7 @@ class SchedulerStats:
     num_swapped_out_blocks: int
     num_prefill_tokens: int  # prompt tokens computed (recomputation included)
     num_decode_tokens: int  # output tokens fed back and computed
+    # LoRA: requests per adapter name, running and waiting (swapped ones count as waiting);
+    # empty without adapters.
+    running_by_adapter: dict[str, int] = dataclasses.field(default_factory=dict)
+    waiting_by_adapter: dict[str, int] = dataclasses.field(default_factory=dict)

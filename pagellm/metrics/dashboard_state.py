@@ -53,6 +53,7 @@ def dashboard_state(engine: DashboardSource, max_series_points: int = 300) -> di
                     "computed_tokens": request.num_computed_tokens,
                     "device_blocks": manager.num_blocks_held(request.request_id),
                     "host_blocks": len(manager.get_host_block_ids(request.request_id)),
+                    "adapter": None if request.lora_request is None else request.lora_request.lora_name,
                 }
             )
     num_blocks = len(pool.blocks)

@@ -73,3 +73,17 @@ def test_forked_completions_keep_their_adapter(new_scheduler):
     while scheduler.has_unfinished_requests():
         step(scheduler, runner)
     assert_drained(scheduler)
+
+
+def test_stats_count_requests_per_adapter(new_scheduler):
+    scheduler = new_scheduler(max_loras=1, max_num_seqs=4)
+    runner = FakeRunner(4)
+    for i, lora in enumerate([1, 1, 2, 0]):
+        scheduler.add_request(make_request(f"r{i}", 6, max_tokens=3, lora=lora, arrival_time=float(i)))
+    step(scheduler, runner)
+    stats = scheduler.make_stats()
+    assert stats.running_by_adapter == {"adapter1": 2} and stats.waiting_by_adapter == {"adapter2": 1}
+    while scheduler.has_unfinished_requests():
+        step(scheduler, runner)
+    assert scheduler.make_stats().running_by_adapter == {}
+    assert_drained(scheduler)

@@ -120,7 +120,7 @@ def build_app(
     responses = ResponsesServing(context, chat)
     messages = MessagesServing(context, chat)
     batches = BatchServing(batch_dir_for(batch_dir, name), limits.max_batch_file_bytes)
-    registry = metrics.make_registry(async_llm, name, batches)
+    registry = metrics.make_registry(async_llm, name, batches, adapters=adapters.lora_config is not None)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -124,12 +124,48 @@ class BatchCollector(Collector):
         yield active
 
 
-def make_registry(async_llm: AsyncLLM, model_name: str, batches: Any = None) -> CollectorRegistry:
-    """A registry of its own per app, so that several servers in one process never clash."""
+class AdapterCollector(Collector):
+    """LoRA adapters (with --enable-lora): requests per adapter, and the slots' loads and
+    evictions (read from the model's LoRAManager: adapters run on one rank)."""
+
+    def __init__(self, async_llm: AsyncLLM, model_name: str) -> None:
+        self.async_llm = async_llm
+        self.model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.async_llm.snapshot.stats
+        for name, counts, what in (
+            ("pagellm:lora_requests_running", stats.running_by_adapter, "Requests running under each LoRA adapter."),
+            ("pagellm:lora_requests_waiting", stats.waiting_by_adapter,
+             "Requests waiting (or swapped out) under each LoRA adapter."),
+        ):  # fmt: skip
+            family = GaugeMetricFamily(name, what, labels=["model_name", "lora_name"])
+            for adapter, count in sorted(counts.items()):
+                family.add_metric([self.model_name, adapter], float(count))
+            yield family
+        manager = getattr(getattr(self.async_llm.engine, "runner", None), "model", None)
+        manager = getattr(manager, "lora_manager", None)
+        for name, value, what in (
+            ("pagellm:lora_adapter_loads", manager.num_loads if manager else 0, "LoRA adapters copied into a slot."),
+            ("pagellm:lora_adapter_evictions", manager.num_evictions if manager else 0,
+             "LoRA adapters taken out of their slot for another."),
+        ):  # fmt: skip
+            family = CounterMetricFamily(name, what, labels=["model_name"])
+            family.add_metric([self.model_name], float(value))
+            yield family
+
+
+def make_registry(
+    async_llm: AsyncLLM, model_name: str, batches: Any = None, adapters: bool = False
+) -> CollectorRegistry:
+    """A registry of its own per app, so that several servers in one process never clash;
+    adapters: the LoRA metrics too (--enable-lora)."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(ServerCollector(async_llm, model_name))
     if batches is not None:
         registry.register(BatchCollector(batches, model_name))
+    if adapters:
+        registry.register(AdapterCollector(async_llm, model_name))
     return registry
 
 

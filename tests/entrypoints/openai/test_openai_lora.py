@@ -77,6 +77,24 @@ def test_an_adapter_named_at_start_answers_as_offline(client, offline):
     assert chat.model == "sql"
 
 
+def test_metrics_count_requests_per_adapter_and_slot_traffic(server, client):
+    import re
+
+    _completion_tokens(client, "sql")
+    text = httpx2.get(server.base_url + "/metrics", timeout=10).text
+
+    def value(pattern: str) -> float:
+        match = re.search(pattern + r" ([0-9.e+]+)", text)
+        assert match is not None, pattern
+        return float(match.group(1))
+
+    assert value(r'pagellm:lora_adapter_loads_total\{model_name="base"\}') >= 1
+    assert value(r'pagellm:lora_adapter_evictions_total\{model_name="base"\}') >= 0
+    assert "# TYPE pagellm:lora_requests_running gauge" in text and "# TYPE pagellm:lora_requests_waiting gauge" in text
+    state = httpx2.get(server.base_url + "/v1/engine/state", timeout=10).json()
+    assert all("adapter" in request for request in state["requests"])
+
+
 def test_load_use_and_unload_while_serving(server, client, files, offline):
     assert _post(server, "/v1/load_lora_adapter", {"lora_name": "chat", "lora_path": str(files["chat"])}).status_code == 200
     assert "chat" in {m.id for m in client.models.list().data}

@@ -64,7 +64,7 @@ function drawQueues(state) {
     tr.innerHTML = `<td>${swatch}</td><td></td><td>${r.prompt_tokens}</td><td>${r.output_tokens}</td>` +
       `<td>${r.device_blocks}${r.host_blocks ? " (+" + r.host_blocks + " host)" : ""}</td>`;
     tr.children[0].append(document.createTextNode(r.id));
-    tr.children[1].textContent = r.status;
+    tr.children[1].textContent = r.adapter ? `${r.status} · ${r.adapter}` : r.status;
     return tr;
   }));
   const c = state.counters;
