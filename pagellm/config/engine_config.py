@@ -200,8 +200,6 @@ def resolve_engine_config(
     )
     lora_config = None
     if args.enable_lora:
-        if args.tensor_parallel_size > 1:
-            raise ConfigError("enable_lora with tensor_parallel_size > 1 is not supported yet")
         lora_config = LoRAConfig(args.max_loras, args.max_lora_rank, args.max_cpu_loras or args.max_loras)
     tp_size = args.tensor_parallel_size
     if tp_size > 1:

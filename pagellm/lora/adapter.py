@@ -22,12 +22,16 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from pagellm.config.model import ModelConfig
 from pagellm.errors import InvalidRequestError
 from pagellm.lora.gguf_adapter import is_gguf_file, read_gguf_adapter
+
+if TYPE_CHECKING:
+    from pagellm.model.tensor_parallel import TPLayout
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -156,9 +160,13 @@ def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def load_lora_adapter(
-    path: str, name: str, config: ModelConfig, max_lora_rank: int, dtype: torch.dtype = torch.float32
+    path: str, name: str, config: ModelConfig, max_lora_rank: int, dtype: torch.dtype = torch.float32,
+    tp: TPLayout | None = None,
 ) -> LoRAAdapter:
-    """Read and check a PEFT adapter folder against the model it will run on."""
+    """Read and check a PEFT adapter folder against the model it will run on (the whole
+    model's config); with `tp`, this tensor-parallel rank's share: a column-parallel layer's
+    B cut to the rank's output rows, a row-parallel one's A to its input columns (the
+    products then sum over the ranks with the base layer's partial outputs)."""
     folder = Path(path).expanduser()
     if is_gguf_file(folder):
         source = folder
@@ -220,8 +228,16 @@ def load_lora_adapter(
         scaling = layer_alpha / (math.sqrt(rank) if adapter_config.get("use_rslora") else rank)
         if adapter_config.get("scaling_one"):  # a GGUF LoRA without an alpha: llama.cpp scales by 1
             scaling = 1.0
+        if tp is not None:
+            if shard is None and len(target.shards) > 1:
+                raise LoRAAdapterError(f"{source}: {hf_module}: a fused projection's adapter under tensor parallelism")
+            weight_name = f"model.{hf_module}.weight"
+            rows, columns = tp.out_rows(weight_name), tp.in_columns(weight_name)
+            b = b if rows is None else b[rows.start : rows.stop]
+            a = a if columns is None else a[:, columns.start : columns.stop]
         pieces.setdefault(f"{prefix}.{module}", []).append((-1 if shard is None else shard, a, b, scaling))
-    layers = {module: _fuse(targets[module], sorted(parts, key=lambda p: p[0]), dtype) for module, parts in pieces.items()}
+    local = targets if tp is None else lora_targets(tp.local_config(config))
+    layers = {module: _fuse(local[module], sorted(parts, key=lambda p: p[0]), dtype) for module, parts in pieces.items()}
     return LoRAAdapter(name, str(folder), layers, max_rank)
 
 

@@ -21,6 +21,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -29,6 +30,9 @@ from pagellm.config.model import ModelConfig
 from pagellm.kernels.build import load_kernels
 from pagellm.lora.adapter import LayerAdapter, LoRAAdapter, LoRATarget, load_lora_adapter, lora_targets
 from pagellm.lora.request import LoRARequest
+
+if TYPE_CHECKING:
+    from pagellm.model.tensor_parallel import TPLayout
 
 logger = logging.getLogger(__name__)
 
@@ -141,15 +145,18 @@ class LoRAManager:
 
     def __init__(
         self, model: nn.Module, config: ModelConfig, max_loras: int, max_lora_rank: int, max_cpu_loras: int,
+        tp: TPLayout | None = None,
     ) -> None:  # fmt: skip
+        """config: the whole model's; tp: this rank's share of it (the model holds that)."""
         self.config = config
+        self.tp = tp
         self.max_lora_rank = max_lora_rank
         self.max_cpu_loras = max(max_cpu_loras, max_loras)
         parameter = next(model.parameters())
         self.device = parameter.device
         # A bf16 model's slots in bf16 (half the bytes each step reads), float32 otherwise.
         slot_dtype = torch.bfloat16 if parameter.dtype is torch.bfloat16 else torch.float32
-        targets = lora_targets(config)
+        targets = lora_targets(config if tp is None else tp.local_config(config))
         kernel = LoRAKernel.make(targets.values()) if self.device.type == "cpu" else None
         self.layers: dict[str, LoRASlots] = {}
         for name, target in targets.items():
@@ -169,7 +176,7 @@ class LoRAManager:
         """The adapter in host memory, read from disk if it is not (least recently used out)."""
         adapter = self.host.get(request.lora_int_id)
         if adapter is None or adapter.path != request.lora_path:
-            adapter = load_lora_adapter(request.lora_path, request.lora_name, self.config, self.max_lora_rank)
+            adapter = load_lora_adapter(request.lora_path, request.lora_name, self.config, self.max_lora_rank, tp=self.tp)
             self.host[request.lora_int_id] = adapter
             while len(self.host) > self.max_cpu_loras:  # a resident one is read again if it leaves its slot
                 self.host.popitem(last=False)

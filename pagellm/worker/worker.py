@@ -95,7 +95,8 @@ class Worker:
             from pagellm.lora.slots import LoRAManager
 
             lora = config.lora_config
-            LoRAManager(self.model, config.model_config, lora.max_loras, lora.max_lora_rank, lora.max_cpu_loras)
+            layout = None if self.tp is None else self.tp.layout
+            LoRAManager(self.model, config.model_config, lora.max_loras, lora.max_lora_rank, lora.max_cpu_loras, layout)
         self.draft_model = None
         if config.draft is not None:
             assert self.tp is None

@@ -151,3 +151,20 @@ def test_a_gguf_lora_file_equals_the_peft_folder_it_came_from(checkpoint, refere
         llm = LLM(str(model), dtype="float32", enable_lora=True, max_lora_rank=16)
         outs = llm.generate(PROMPTS, params, lora_request=LoRARequest("gguf", 1, str(lora_file)), use_tqdm=False)
         assert [list(o.outputs[0].token_ids) for o in outs] == references["all-r8"], model
+
+
+def test_tensor_parallel_ranks_take_their_share_of_each_adapter(checkpoint, references):
+    # Two ranks (processes): q/k/v and gate/up adapters' B cut to the rank's output rows,
+    # o and down's A to its input columns; a mixed batch equals HF + PEFT.
+    base, adapters = checkpoint
+    llm = LLM(str(base), dtype="float32", tensor_parallel_size=2, enable_lora=True, max_loras=2, max_lora_rank=16)
+    try:
+        requests = _requests(adapters)
+        kinds = [None, "all-r8", "o-down-r16-rslora", "qv-r4"]
+        params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+        prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(kinds))]
+        outs = llm.generate(prompts, params, lora_request=[None if k is None else requests[k] for k in kinds], use_tqdm=False)
+        for kind, prompt, out in zip(kinds, prompts, outs):
+            assert list(out.outputs[0].token_ids) == references[kind][PROMPTS.index(prompt)], kind
+    finally:
+        llm.shutdown()
