@@ -127,6 +127,11 @@ class LLMEngine:
         self._consecutive_step_failures = 0
         self._adapter_paths: dict[int, str] = {}  # lora_int_id -> the folder it was checked at
 
+    def adapter_checked(self, lora_request: LoRARequest) -> None:
+        """An adapter another thread has read and checked already (the server's load route):
+        its first request does not read it again on the engine thread."""
+        self._adapter_paths[lora_request.lora_int_id] = lora_request.lora_path
+
     def _check_adapter(self, lora_request: LoRARequest | None) -> None:
         """An adapter's folder is read once, when its id is first seen, so that a bad one is
         this request's error rather than a failed step."""
@@ -143,10 +148,21 @@ class LLMEngine:
                     f"not {lora_request.lora_path!r}", "lora_request",
                 )  # fmt: skip
             return
-        from pagellm.lora.adapter import load_lora_adapter
-
-        load_lora_adapter(lora_request.lora_path, lora_request.lora_name, self.model_config, lora.max_lora_rank)
+        self.read_adapter(lora_request.lora_name, lora_request.lora_path)
         self._adapter_paths[lora_request.lora_int_id] = lora_request.lora_path
+
+    def read_adapter(self, name: str, path: str) -> None:
+        """Read and check an adapter as the ranks will (LoRAAdapterError naming the problem);
+        any thread may call it. Under tensor parallelism, as rank 0 cuts it: a layout the
+        ranks could not cut is refused here, not in a step."""
+        from pagellm.lora.adapter import load_lora_adapter
+        from pagellm.model.tensor_parallel import TPLayout
+
+        lora = self.config.lora_config
+        assert lora is not None, "the engine runs without enable_lora"
+        size = self.config.parallel_config.tensor_parallel_size
+        layout = TPLayout.of(self.model_config, 0, size) if size > 1 else None
+        load_lora_adapter(path, name, self.model_config, lora.max_lora_rank, tp=layout)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:

@@ -141,7 +141,12 @@ def _read_config(folder: Path) -> dict:
 def _pattern_value(patterns: dict, module: str, default: float) -> float:
     """PEFT's rank_pattern / alpha_pattern: the first key matching the end of the HF module name."""
     for key, value in (patterns or {}).items():
-        if re.fullmatch(rf"(?:.*\.)?{key}", module):
+        # Keys name the module as PEFT sees it, with or without the leading `model.`.
+        try:
+            matches = any(re.fullmatch(rf"(?:.*\.)?{key}", name) for name in (module, f"model.{module}"))
+        except re.error:  # not a pattern: the name's end, literally
+            matches = module.endswith(key)
+        if matches:
             return value
     return default
 
@@ -212,7 +217,9 @@ def load_lora_adapter(
                 "(attention q/k/v/o and the dense MLP's gate/up/down are)"
             )
         a, b = ab["A"], ab["B"]
-        rank = a.shape[0]
+        rank = a.shape[0] if a.dim() == 2 else 0
+        if rank == 0:
+            raise LoRAAdapterError(f"{source}: {hf_module} has lora_A of shape {tuple(a.shape)}: no rank")
         out = target.out_features if shard is None else target.shards[shard]
         if a.dim() != 2 or b.dim() != 2 or a.shape[1] != target.in_features or tuple(b.shape) != (out, rank):
             raise LoRAAdapterError(
@@ -238,7 +245,7 @@ def load_lora_adapter(
         pieces.setdefault(f"{prefix}.{module}", []).append((-1 if shard is None else shard, a, b, scaling))
     local = targets if tp is None else lora_targets(tp.local_config(config))
     layers = {module: _fuse(local[module], sorted(parts, key=lambda p: p[0]), dtype) for module, parts in pieces.items()}
-    return LoRAAdapter(name, str(folder), layers, max_rank)
+    return LoRAAdapter(name, path, layers, max_rank)
 
 
 def _fuse(target: LoRATarget, parts: list[tuple[int, torch.Tensor, torch.Tensor, float]], dtype: torch.dtype) -> LayerAdapter:

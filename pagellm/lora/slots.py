@@ -56,9 +56,10 @@ MAX_PIECES = 3  # csrc/lora.c: blocks per adapter and layer (q, k, v)
 class LoRAKernel:
     """csrc/lora.c: every adapter's products of one layer in one call (CPU)."""
 
-    def __init__(self, library: object, scratch: torch.Tensor) -> None:
+    def __init__(self, library: object, scratch: torch.Tensor, num_threads: int) -> None:
         self._run = library.lora_add
-        self.scratch = scratch
+        self.scratch = scratch  # WORK_ROWS rows of (in + out) floats per thread
+        self.num_threads = num_threads
 
     @classmethod
     def make(cls, targets: Iterable[LoRATarget]) -> LoRAKernel | None:
@@ -67,7 +68,7 @@ class LoRAKernel:
             return None
         widest = max(t.in_features + t.out_features for t in targets)
         threads = torch.get_num_threads()
-        return cls(library, torch.empty(threads * 8 * widest))  # csrc/lora.c WORK_ROWS rows per thread
+        return cls(library, torch.empty(threads * 8 * widest), threads)  # csrc/lora.c WORK_ROWS rows per thread
 
     def run(self, slots: LoRASlots, x: torch.Tensor, out: torch.Tensor, mapping: LoRAMapping) -> bool:
         """False where the kernel does not apply (the caller computes in torch)."""
@@ -81,7 +82,7 @@ class LoRAKernel:
             x.data_ptr(), x.stride(0), x.dtype is torch.float32, out.data_ptr(), out.stride(0), out.dtype is torch.float32,
             slots.a.data_ptr(), slots.b.data_ptr(), slots.a.dtype is torch.bfloat16, ranks, slots.a.shape[2], n,
             ranges.data_ptr(), ranges.shape[0],
-            slots.pieces.data_ptr(), slots.num_pieces.data_ptr(), self.scratch.data_ptr(), torch.get_num_threads(),
+            slots.pieces.data_ptr(), slots.num_pieces.data_ptr(), self.scratch.data_ptr(), self.num_threads,
         )  # fmt: skip
         return status == 0
 
@@ -191,10 +192,16 @@ class LoRAManager:
         for lora_id, request in requests.items():
             slot = self.slot_of.get(lora_id)
             if slot is None:
+                adapter = self.adapter(request)  # read first: a folder gone since fails before any slot changes
                 slot = self._take_slot(keep=set(requests))
-                adapter = self.adapter(request)
-                for name, layer in self.layers.items():
-                    layer.load(slot, adapter.layers.get(name))
+                try:
+                    for name, layer in self.layers.items():
+                        layer.load(slot, adapter.layers.get(name))
+                except BaseException:
+                    for layer in self.layers.values():
+                        layer.load(slot, None)
+                    self.free_slots.append(slot)
+                    raise
                 self.slot_of[lora_id] = slot
                 self.num_loads += 1
                 logger.info("LoRA adapter %r (id %d) loaded into slot %d", request.lora_name, lora_id, slot)

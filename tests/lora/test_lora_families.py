@@ -14,6 +14,7 @@ from peft_adapters import make_peft_adapter, peft_model
 from reference import hf_greedy
 
 from pagellm import LLM, LoRARequest, SamplingParams
+from pagellm.errors import InvalidRequestError
 
 pytest.importorskip("peft")
 PROMPTS = [list(range(5, 30)), [3, 4, 9, 200]]
@@ -31,6 +32,15 @@ def test_phi3_fused_projections_equal_hf_peft(tmp_path):
     llm = LLM(str(base), dtype="float32", enable_lora=True)
     assert _greedy(llm, LoRARequest("fused", 1, str(adapter))) == reference
     assert _greedy(llm, None) != reference
+    # Two tensor-parallel ranks cannot cut a projection's adapter fused across q/k/v: the
+    # request is refused when added, naming it, not failed inside a step.
+    parallel = LLM(str(base), dtype="float32", enable_lora=True, tensor_parallel_size=2)
+    try:
+        with pytest.raises(InvalidRequestError, match="_proj: a fused projection.s adapter under tensor parallelism"):
+            _greedy(parallel, LoRARequest("fused", 1, str(adapter)))
+        assert len(_greedy(parallel, None)[0]) == 10
+    finally:
+        parallel.shutdown()
 
 
 def test_a_quantized_gguf_base_keeps_its_blocks_under_adapters(tmp_path):

@@ -102,7 +102,8 @@ def build_app(
     name = served_model_name or async_llm.engine.config.source.name
     limits = limits or RequestLimits()
     reasoning = REASONING_FORMATS[reasoning_parser] if reasoning_parser else None
-    adapters = AdapterRegistry(name, async_llm.engine.model_config, async_llm.engine.config.lora_config)
+    engine = async_llm.engine
+    adapters = AdapterRegistry(name, engine.config.lora_config, engine.read_adapter, engine.adapter_checked)
     for adapter_name, adapter_path in parse_lora_modules(lora_modules or []):
         if adapters.lora_config is None:
             raise ConfigError("--lora-modules needs --enable-lora")
@@ -138,7 +139,6 @@ def build_app(
     app = FastAPI(title="pagellm", lifespan=lifespan)
     app.state.batches = batches
     install_error_handlers(app)
-    engine = async_llm.engine
     bounds = ServerBounds(
         context.vocab_size,
         context.max_model_len,

@@ -18,13 +18,12 @@ import asyncio
 import itertools
 import json
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
 from pagellm.config.engine_config import LoRAConfig
-from pagellm.config.model import ModelConfig
 from pagellm.entrypoints.openai.errors import APIError
 from pagellm.entrypoints.openai.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from pagellm.errors import ConfigError, InvalidRequestError
@@ -34,9 +33,16 @@ from pagellm.lora.request import LoRARequest
 class AdapterRegistry:
     """The adapters the server serves by name."""
 
-    def __init__(self, base_model: str, model_config: ModelConfig, lora_config: LoRAConfig | None) -> None:
+    def __init__(
+        self, base_model: str, lora_config: LoRAConfig | None, read: Callable[[str, str], None],
+        on_added: Callable[[LoRARequest], None] | None = None,
+    ) -> None:  # fmt: skip
+        """read(name, path): reads and checks an adapter as the engine's ranks will (raises
+        InvalidRequestError); on_added: told of each adapter once checked (the engine, so that
+        it does not read the folder again on its own thread)."""
         self.base_model = base_model
-        self.model_config = model_config
+        self.read = read
+        self.on_added = on_added
         self.lora_config = lora_config
         self.by_name: dict[str, LoRARequest] = {}
         self._ids = itertools.count(1)
@@ -63,10 +69,10 @@ class AdapterRegistry:
             raise InvalidRequestError(f"lora_name {name!r} is the base model's name", "lora_name")
         if name in self.by_name:
             raise InvalidRequestError(f"the LoRA adapter {name!r} is already loaded", "lora_name")
-        from pagellm.lora.adapter import load_lora_adapter
-
-        load_lora_adapter(path, name, self.model_config, self.lora_config.max_lora_rank)
+        self.read(name, path)
         request = LoRARequest(name, next(self._ids), path)
+        if self.on_added is not None:
+            self.on_added(request)
         self.by_name[name] = request
         return request
 
