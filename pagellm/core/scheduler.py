@@ -218,8 +218,8 @@ class Scheduler:
         assert gap > 0, "nothing to compute"
         if request.background and self._pauses_background(plan):
             return 0
-        if request.lora_int_id and not self._adapter_has_room(request, plan):
-            return 0  # its adapter would be one too many
+        if not plan.has_adapter_room(request, self.scheduler_config.max_loras):
+            return 0  # its adapter would be one too many in this step
         budget = self._token_room(request, plan)
         if gap == 1:  # a decode
             return min(1, budget)
@@ -333,26 +333,13 @@ class Scheduler:
                 break  # swapped-out background work goes first; none while interactive work prefills
             if self._admit(request, plan):
                 continue
-            if request.lora_int_id and not self._adapter_has_room(request, plan):
+            if not plan.has_adapter_room(request, self.scheduler_config.max_loras):
                 self._admit_base_model_behind(request, plan)
                 break
             # An interactive request does not wait for background work: preempt it (the
             # latest admitted first) until the request fits, or none is left.
             if request.background or not self._preempt_background(plan):
                 break
-
-    def _adapter_has_room(self, request: Request, plan: StepPlan) -> bool:
-        """LoRA: at most max_loras adapters in a step; and a request not running joins the
-        running set only if its adapter is in it already or one more fits, so that the
-        running requests never span more adapters than a step holds: each one's adapter
-        always gets its turn (otherwise one could hold its blocks and never run)."""
-        max_loras = self.scheduler_config.max_loras
-        if request.status is RequestStatus.RUNNING:
-            return plan.has_adapter_room(request, max_loras)
-        if max_loras is None:
-            return True
-        in_use = set(plan.adapters) | {r.lora_int_id for r in self.running if r.lora_int_id}
-        return request.lora_int_id in in_use or len(in_use) < max_loras
 
     def _admit_base_model_behind(self, head: Request, plan: StepPlan) -> None:
         """The head waits for a slot for its adapter: base-model requests behind it may

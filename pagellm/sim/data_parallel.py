@@ -128,6 +128,12 @@ def merge_stats(stats: Sequence[SchedulerStats]) -> SchedulerStats:
         # The annotation, not the value: a usage of exactly 0 may be an int.
         if field.type in ("float", float):
             values[field.name] = sum(items) / len(items)
+        elif isinstance(items[0], dict):  # counts by name (requests per LoRA adapter)
+            merged: dict = {}
+            for counts in items:
+                for name, count in counts.items():
+                    merged[name] = merged.get(name, 0) + count
+            values[field.name] = merged
         else:
             values[field.name] = sum(items)
     return SchedulerStats(**values)
