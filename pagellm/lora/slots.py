@@ -1,13 +1,14 @@
 """Lora stage: adapters resident beside the model, in a fixed pool of slots, applied per row.
 
 Every adaptable linear layer gets, once, room for `max_loras` adapters of the largest rank
-allowed: A [slots, ranks, in], B [slots, out, ranks] and the scaling of each rank, zero
-where an adapter has fewer ranks or leaves the layer alone. Loading an adapter copies it
-into a free slot (or the least recently used one no row of the step needs); a step never
-allocates. The base weights are never touched: a layer computes its base output as before
-and adds, for each adapter present in the step, ((x_rows A^T) * scaling) B^T to that
-adapter's rows, one shrink and one expand per adapter (a segmented matmul), whatever the
-base weight's type (bf16, quantized GGUF blocks).
+allowed: A [slots, ranks, in] with each rank's scaling folded in, B^T [slots, ranks, out],
+and each slot's blocks (a fused layer's projections), zero where an adapter has fewer
+ranks or leaves the layer alone. Loading an adapter copies it into a free slot (or the
+least recently used one no row of the step needs); a step never allocates. The base
+weights are never touched: a layer computes its base output as before and adds, for each
+adapter present in the step, (x_rows scaling A^T) B^T to that adapter's rows, whatever the
+base weight's type (bf16, quantized GGUF blocks): every adapter in one C call on the CPU
+(csrc/lora.c), one shrink and one expand per adapter in torch elsewhere.
 
 The worker's LoRAManager keeps the adapters read from disk in host memory (least recently
 used first out, `max_cpu_loras`), and before each step makes the step's adapters resident
