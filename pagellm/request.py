@@ -69,11 +69,13 @@ class BlockHash:
     `Request.adopt_cached_block_hash`.
     """
 
-    __slots__ = ("value", "parent", "token_ids")
+    __slots__ = ("value", "parent", "token_ids", "digest")
 
     def __init__(self, parent: BlockHash | None, token_ids: tuple[int, ...]) -> None:
         self.parent = parent
         self.token_ids = token_ids
+        # The prefix-cache tier's persistent key (core/kv_tier.py), computed on first use.
+        self.digest: bytes | None = None
         parent_value = _ROOT_HASH_VALUE if parent is None else parent.value
         self.value: int = hash((parent_value, token_ids))
 
@@ -146,8 +148,11 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | None = None
         self.num_preemptions = 0
-        # Prefix-cache hit tokens when first admitted (later re-admissions don't count).
+        # Prefix-cache hit tokens when first admitted (later re-admissions don't count),
+        # those of them loaded from the prefix cache's second tier (core/kv_tier.py)
+        # included.
         self.num_cached_tokens = 0
+        self.num_tier_tokens = 0
 
         # Parallel sampling (n > 1): this request is completion 0 and, once its prompt is
         # computed, forks n - 1 siblings that share the prompt's KV blocks.

@@ -44,12 +44,18 @@ class CacheConfig:
     num_cpu_blocks: int = 0
     enable_prefix_caching: bool = True
     group_windows: tuple[int | None, ...] = (None,)
+    # The prefix cache's second tier (core/kv_tier.py): its size bound in bytes (0: no
+    # tier) and how many block writes may wait in its queue before new ones are dropped.
+    kv_offload_bytes: int = 0
+    kv_offload_max_pending_writes: int = 256
 
     def __post_init__(self) -> None:
         check_int("CacheConfig", "block_size", self.block_size, 1)
         # Block 0 is the null block, so one more is needed to hold any token at all.
         check_int("CacheConfig", "num_gpu_blocks", self.num_gpu_blocks, 2)
         check_int("CacheConfig", "num_cpu_blocks", self.num_cpu_blocks, 0)
+        check_int("CacheConfig", "kv_offload_bytes", self.kv_offload_bytes, 0)
+        check_int("CacheConfig", "kv_offload_max_pending_writes", self.kv_offload_max_pending_writes, 1)
         if not self.group_windows or any(w is not None and w < 1 for w in self.group_windows):
             raise ConfigError(f"CacheConfig.group_windows must list a window (or None) per group, got {self.group_windows!r}")
         if not isinstance(self.enable_prefix_caching, bool):
@@ -96,6 +102,9 @@ class CacheBudget:
     kv_cache_memory_bytes: int | None = None
     num_gpu_blocks_override: int | None = None
     swap_space_bytes: int = 0  # host memory for swapped-out blocks (swap preemption only)
+    # The prefix cache's second tier on local disk (None: none) and its size bound.
+    kv_offload_path: str | None = None
+    kv_offload_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -173,6 +182,7 @@ def sized_cache_config(
         num_cpu_blocks=size.num_cpu_blocks,
         enable_prefix_caching=budget.enable_prefix_caching,
         group_windows=group_windows,
+        kv_offload_bytes=budget.kv_offload_bytes if budget.kv_offload_path else 0,
     )
     step = max_model_len if max_step_tokens is None else max_step_tokens
     if cache_config.max_blocks_per_request(max_model_len, step) > cache_config.num_usable_gpu_blocks:

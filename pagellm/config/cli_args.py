@@ -57,6 +57,9 @@ _HELP = {
     "kv_cache_memory_bytes": "KV cache size in bytes (overrides the default budget)",
     "num_gpu_blocks_override": "exact number of KV blocks (mostly for tests)",
     "swap_space": "GiB of host memory for swapped-out requests (preemption_mode=swap)",
+    "kv_offload_path": "directory on local disk for the prefix cache's second tier: full prefix blocks are "
+    "written there and loaded back on a later hit, also after a restart (needs prefix caching)",
+    "kv_offload_bytes": "size bound of the --kv-offload-path tier in bytes (least recently used entries go first)",
     "scheduling_policy": "order of service: fcfs, priority, or shortest-remaining (running requests "
     "closest to finishing first)",
     "max_num_partial_prefills": "most requests given prefill tokens in one step (unset = no limit)",

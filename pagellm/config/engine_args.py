@@ -20,6 +20,7 @@ ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "torch", "cpu", "triton")
 LOAD_FORMATS: tuple[str, ...] = ("auto", "dummy")
 QUANTIZATION_CHOICES: tuple[str, ...] = ("auto", "none", "int8")
 PROFILE_CHOICES = ("interactive", "offline")
+DEFAULT_KV_OFFLOAD_BYTES = 8 * 1024**3
 
 # What each --profile sets, for the knobs the user left unset. interactive keeps steps
 # short while requests decode (inter-token latency); offline makes steps big (throughput).
@@ -66,6 +67,10 @@ class EngineArgs:
     kv_cache_memory_bytes: int | None = None
     num_gpu_blocks_override: int | None = None
     swap_space: float = 4.0  # GiB of host memory for swapped-out blocks
+    # The prefix cache's second tier: a directory on local disk that keeps evicted
+    # prefix blocks (and keeps them across restarts), and its size bound in bytes
+    kv_offload_path: str | None = None
+    kv_offload_bytes: int = DEFAULT_KV_OFFLOAD_BYTES
     preemption_mode: str = "recompute"
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
@@ -117,6 +122,12 @@ class EngineArgs:
             )
         if self.swap_space < 0:
             raise ConfigError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
+        if self.kv_offload_bytes <= 0:
+            raise ConfigError(f"kv_offload_bytes must be positive, got {self.kv_offload_bytes}")
+        if self.kv_offload_path is not None and self.tensor_parallel_size > 1:
+            raise ConfigError(
+                "kv_offload_path (the prefix cache's disk tier) does not work with tensor_parallel_size > 1 yet"
+            )
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise ConfigError(
                 f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}"

@@ -228,6 +228,8 @@ def resolve_engine_config(
         num_gpu_blocks_override=args.num_gpu_blocks_override,
         # Host blocks are only ever used by swap preemption.
         swap_space_bytes=int(args.swap_space * GiB) if args.preemption_mode == "swap" else 0,
+        kv_offload_path=args.kv_offload_path,
+        kv_offload_bytes=args.kv_offload_bytes,
     )
     return EngineConfig(
         source=source,

@@ -12,6 +12,11 @@ for that group's layers. All tables draw on the one device pool. A sliding group
 needs the blocks its window has passed: after each step they are freed and their entries
 become NULL_BLOCK_ID (always a run at the table's start), so a long request holds a window
 of blocks in its sliding groups and all of them in its global ones.
+
+With a second tier (core/kv_tier.py; models whose layers are all global), every block
+registered in the prefix cache is also queued for writing to the tier, and a lookup that
+misses the device cache continues in the tier: the blocks found there are allocated
+fresh and loaded (allocate_for_load) before the request computes anything.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from pagellm.config import CacheConfig
 from pagellm.config.units import cdiv
 from pagellm.core.kv_events import KVEventLog
 from pagellm.core.block_pool import NULL_BLOCK_ID, BlockPool, KVBlock
+from pagellm.core.kv_tier import TierCostModel, TierIndex, block_digest
 from pagellm.request import Request
 
 logger = logging.getLogger(__name__)
@@ -36,6 +42,12 @@ class ComputedBlocks(NamedTuple):
 
     blocks: list[list[int]]  # per KV cache group, the cached device blocks in table order ([]: no hit)
     num_computed_tokens: int  # tokens whose KV those blocks already hold
+    # The second tier: digests of the blocks after the device hit found there (to load),
+    # and of the blocks looked up after them that neither tier holds (misses); or, when
+    # the cost rule says computing beats loading, how many were found but not taken.
+    tier_digests: tuple[bytes, ...] = ()
+    num_tier_misses: int = 0
+    num_tier_skipped: int = 0
 
 
 NO_HIT = ComputedBlocks([], 0)
@@ -88,6 +100,13 @@ class KVCacheManager:
         self._pending_copies: list[tuple[int, int]] = []
         self.stats = KVCacheStats()
         self.events: KVEventLog | None = None
+        # The prefix cache's second tier: only under prefix caching, and only for models
+        # whose layers are all global (a sliding group's hit rule is not the tier's).
+        self.tier: TierIndex | None = None
+        if cache_config.kv_offload_bytes and self.enable_caching and self.group_windows == (None,):
+            self.tier = TierIndex(cache_config.kv_offload_bytes, cache_config.kv_offload_max_pending_writes)
+        self.tier_cost = TierCostModel(self.block_size)
+        self._pending_offloads: list[tuple[bytes, int]] = []
 
     def set_event_log(self, events: KVEventLog | None) -> None:
         """Record every block event to `events` (None: stop recording)."""
@@ -167,7 +186,7 @@ class KVCacheManager:
         if not self.enable_caching:
             return NO_HIT
         hashes = request.get_block_hashes(self.block_size)
-        max_hit_blocks = min(len(hashes), (request.num_tokens - 1) // self.block_size)
+        max_hit_blocks = lookup_limit = min(len(hashes), (request.num_tokens - 1) // self.block_size)
         pool = self.device_pool
         found: list[list[KVBlock | None]] = []
         for group in range(self.num_groups):
@@ -180,8 +199,9 @@ class KVCacheManager:
             max_hit_blocks = min(max_hit_blocks, len(blocks)) if self.group_windows[group] is None else max_hit_blocks
             found.append(blocks)
         num_hit = self._longest_hit(found, max_hit_blocks)
+        tier_digests, num_misses, num_skipped = self._tier_lookup(request, hashes, num_hit, lookup_limit)
         if num_hit == 0:
-            return NO_HIT
+            return ComputedBlocks([], 0, tier_digests, num_misses, num_skipped) if self.tier is not None else NO_HIT
         tables: list[list[int]] = []
         for group, blocks in enumerate(found):
             skipped = self.num_passed_blocks(group, num_hit * self.block_size)
@@ -193,7 +213,25 @@ class KVCacheManager:
                     request.adopt_cached_block_hash(index, block.block_hash)
                 table.append(block.block_id)
             tables.append(table)
-        return ComputedBlocks(tables, num_hit * self.block_size)
+        return ComputedBlocks(tables, num_hit * self.block_size, tier_digests, num_misses, num_skipped)
+
+    def _tier_lookup(
+        self, request: Request, hashes: list, num_hit: int, max_hit_blocks: int
+    ) -> tuple[tuple[bytes, ...], int, int]:
+        """The run of blocks after the device hit that the tier holds, the blocks looked up
+        after it that it lacks, and (cost rule) how many found were not taken."""
+        if self.tier is None or request.lora_request is not None or num_hit >= max_hit_blocks:
+            return (), 0, 0
+        digests: list[bytes] = []
+        for index in range(num_hit, max_hit_blocks):
+            digest = block_digest(hashes[index])
+            if digest not in self.tier:
+                break
+            digests.append(digest)
+        num_misses = max_hit_blocks - num_hit - len(digests)
+        if digests and not self.tier_cost.loading_pays():
+            return (), num_misses, len(digests)
+        return tuple(digests), num_misses, 0
 
     def _longest_hit(self, found: list[list[KVBlock | None]], max_hit_blocks: int) -> int:
         """The most blocks h <= max_hit_blocks such that every sliding group has the
@@ -235,12 +273,61 @@ class KVCacheManager:
                 block_id = table[index]
                 if block_id != NULL_BLOCK_ID and self.device_pool.cache_block(blocks[block_id], hashes[index], group):
                     newly_cached.append(block_id)
+                    if self.tier is not None and request.lora_request is None:
+                        digest = block_digest(hashes[index])
+                        if self.tier.offer_write(digest):
+                            self._pending_offloads.append((digest, block_id))
         self._num_cached_blocks[request_id] = num_full
         if self.events is not None and newly_cached:
             self.events.record("cache", request_id, newly_cached)
 
     def reset_prefix_cache(self) -> int:
         return self.device_pool.reset_prefix_cache()
+
+    def take_pending_offloads(self) -> list[tuple[bytes, int]]:
+        """(digest, device block) of blocks to write to the tier, decided since the last
+        call. The runner copies them before anything of the next step writes a block."""
+        offloads, self._pending_offloads = self._pending_offloads, []
+        return offloads
+
+    def allocate_for_load(self, request: Request, computed: ComputedBlocks) -> list[tuple[bytes, int]] | None:
+        """Admit a request whose prefix continues in the tier: take its device hit and fresh
+        blocks for the tier's part, to be loaded. Returns (digest, device block) loads, or
+        None when the pool lacks room (nothing changed). No slots for new tokens: the
+        request computes from the next step on, once the loads are verified."""
+        assert self.tier is not None and computed.tier_digests and self.num_groups == 1
+        request_id = request.request_id
+        assert request_id not in self._block_tables, "request already holds blocks"
+        pool = self.device_pool
+        hit_table = computed.blocks[0] if computed.blocks else []
+        hit_blocks = [pool.blocks[i] for i in hit_table]
+        num_free_hits = sum(1 for block in hit_blocks if block.ref_cnt == 0)
+        num_load = len(computed.tier_digests)
+        self.stats.num_allocation_attempts += 1
+        if num_load + num_free_hits > pool.num_free_blocks:
+            self.stats.num_allocation_failures += 1
+            return None
+        pool.touch(hit_blocks)
+        load_ids = [block.block_id for block in pool.allocate(num_load)]
+        self._block_tables[request_id] = [list(hit_table) + load_ids]
+        self._num_cached_blocks[request_id] = len(hit_table)
+        self.tier.touch(computed.tier_digests)
+        tier_stats = self.tier.stats
+        tier_stats.num_hit_blocks += num_load
+        tier_stats.num_miss_blocks += computed.num_tier_misses
+        self.stats.num_prefix_query_tokens += request.num_tokens
+        self.stats.num_prefix_hit_tokens += computed.num_computed_tokens
+        if self.events is not None:
+            if hit_blocks:
+                self.events.record("cache_hit", request_id, hit_table)
+            self.events.record("allocate", request_id, load_ids)
+        return list(zip(computed.tier_digests, load_ids, strict=True))
+
+    def count_tier_lookup(self, computed: ComputedBlocks) -> None:
+        """An admission that loads nothing from the tier: count its misses and skips."""
+        if self.tier is not None:
+            self.tier.stats.num_miss_blocks += computed.num_tier_misses
+            self.tier.stats.num_skipped_blocks += computed.num_tier_skipped
 
     # ------------------------------------------------------------- allocation
 
@@ -534,6 +621,8 @@ class KVCacheManager:
                     f"{block} has ref count {block.ref_cnt} but "
                     f"{refs.get(block.block_id, 0)} tables hold it"
                 )
+        if self.tier is not None:
+            self.tier.check_integrity()
         both = self._block_tables.keys() & self._host_copies.keys()
         assert not both, f"requests on device and host at once: {sorted(both)}"
         for request in requests:

@@ -19,7 +19,7 @@ import logging
 from collections.abc import Iterable
 
 from pagellm.config import CacheConfig, SchedulerConfig
-from pagellm.core.kv_cache_manager import NO_HIT, KVCacheManager
+from pagellm.core.kv_cache_manager import NO_HIT, ComputedBlocks, KVCacheManager
 from pagellm.core.parallel_sampling import make_child_request
 from pagellm.core.prefill_balance import prefill_chunk_size, prefill_token_cap, remaining_work
 from pagellm.core.scheduler_integrity import check_scheduler_integrity
@@ -66,8 +66,13 @@ class Scheduler:
         self.swapped = RequestQueue(sort_key)
         self.running: list[Request] = []  # admission order
         self._finished_req_ids: set[str] = set()
-        # Forked completions the runner has not been told about yet.
+        # Forked completions, and requests whose prefix was loaded from the tier, that
+        # the runner has not been told about yet.
         self._unsent_req_ids: set[str] = set()
+        # Requests admitted with loads from the prefix cache's tier in the step being run:
+        # id -> the digests loaded, in table order (they compute once the loads are checked).
+        self._loading: dict[str, list[bytes]] = {}
+        self.last_step_prefill_tokens = 0  # prompt positions the last executed step computed
         # Tokens computed, split by position: prompt positions (prefill) and output
         # positions fed back (decode).
         self._num_prefill_tokens = 0
@@ -150,7 +155,11 @@ class Scheduler:
         may be half-updated) and send its finished ids again, since the runner may never
         have seen them. Returns the ended ids."""
         self._finished_req_ids |= scheduler_output.finished_req_ids
-        involved = [*scheduler_output.num_scheduled_tokens, *scheduler_output.preempted_req_ids]
+        involved = [*scheduler_output.num_scheduled_tokens, *scheduler_output.preempted_req_ids, *self._loading]
+        self._loading = {}
+        tier = self.kv_cache_manager.tier
+        if tier is not None:  # writes the runner may not have queued: the queue must not shrink
+            tier.pending_writes.difference_update(digest for digest, _ in scheduler_output.blocks_to_offload)
         ended = [request_id for request_id in involved if request_id in self.requests]
         self.finish_requests(ended, RequestStatus.FINISHED_ABORTED)
         return ended
@@ -185,8 +194,16 @@ class Scheduler:
         del self.requests[request.request_id]
         del self._arrival_index[request.request_id]
         self._finished_req_ids.add(request.request_id)
+        self._unsent_req_ids.discard(request.request_id)
         if self.speculator is not None:
             self.speculator.finished(request.request_id)
+        if logger.isEnabledFor(logging.DEBUG):
+            cached, tier = request.num_cached_tokens, request.num_tier_tokens
+            logger.debug(
+                "request %s %s: %d prompt tokens (%d from the KV cache, %d from its tier, %d computed), %d output tokens",
+                request.request_id, status.name.lower(), request.num_prompt_tokens, cached - tier, tier,
+                request.num_prompt_tokens - cached, request.num_output_tokens,
+            )  # fmt: skip
 
     # --------------------------------------------------------------- schedule
 
@@ -368,7 +385,7 @@ class Scheduler:
     def _preempt_background(self, plan: StepPlan) -> bool:
         """Preempt the latest admitted background request; False if none runs."""
         for victim in reversed(self.running):
-            if victim.background:
+            if victim.background and victim.request_id not in plan.loading:
                 # One scheduled this step may have a copy-on-write block still to fill (the
                 # runner swaps out before it copies): it is recomputed, not swapped.
                 self._preempt(victim, plan, allow_swap=victim.request_id not in plan.num_scheduled_tokens)
@@ -388,6 +405,8 @@ class Scheduler:
             # Prompt logprobs need the logits of every prompt position, mean or CLS
             # pooling their hidden states.
             computed = NO_HIT
+        if computed.tier_digests:
+            return self._admit_loading(request, plan, computed)
         gap = request.num_tokens - computed.num_computed_tokens
         num_tokens = self._num_tokens_to_schedule(gap, plan, request)
         if num_tokens == 0:
@@ -395,6 +414,7 @@ class Scheduler:
         block_ids = kv.allocate_slots(request, num_tokens, computed)
         if block_ids is None:
             return False
+        kv.count_tier_lookup(computed)
         self.waiting.remove(request)
         request.num_computed_tokens = computed.num_computed_tokens
         if request.num_preemptions == 0:
@@ -404,6 +424,40 @@ class Scheduler:
         plan.resumed_req_ids.add(request.request_id)
         plan.schedule(request, num_tokens, block_ids, is_prefill=gap > 1)
         return True
+
+    def _admit_loading(self, request: Request, plan: StepPlan, computed: ComputedBlocks) -> bool:
+        """Admit a request whose prefix continues in the tier: this step loads it (beside
+        the others' compute), and it computes from the next step on, from the end of what
+        loaded correctly (see _finish_loads)."""
+        if request.background and self._pauses_background(plan):
+            return False
+        loads = self.kv_cache_manager.allocate_for_load(request, computed)
+        if loads is None:
+            return False
+        self.waiting.remove(request)
+        request.num_computed_tokens = computed.num_computed_tokens
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        plan.loading[request.request_id] = [digest for digest, _ in loads]
+        plan.blocks_to_load.extend(loads)
+        return True
+
+    def _finish_loads(self, failed: set[bytes]) -> None:
+        """The loads of the step just run are done: each loading request counts as
+        computed the blocks up to its first failed load (the rest it computes)."""
+        loading, self._loading = self._loading, {}
+        kv = self.kv_cache_manager
+        for request_id, digests in loading.items():
+            request = self.requests.get(request_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue  # aborted meanwhile
+            num_loaded = next((i for i, digest in enumerate(digests) if digest in failed), len(digests))
+            request.num_computed_tokens += num_loaded * self.cache_config.block_size
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = request.num_computed_tokens
+                request.num_tier_tokens = num_loaded * self.cache_config.block_size
+            kv.cache_blocks(request, request.num_computed_tokens)
+            self._unsent_req_ids.add(request_id)
 
     def _make_output(self, plan: StepPlan) -> SchedulerOutput:
         new_reqs: list[NewRequestData] = []
@@ -438,6 +492,8 @@ class Scheduler:
                     )
                 )
         finished, self._finished_req_ids = self._finished_req_ids, set()
+        self._loading = plan.loading
+        kv = self.kv_cache_manager
         return SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached_reqs,
@@ -447,8 +503,11 @@ class Scheduler:
             finished_req_ids=finished,
             blocks_to_swap_out=plan.blocks_to_swap_out,
             blocks_to_swap_in=plan.blocks_to_swap_in,
-            blocks_to_copy=self.kv_cache_manager.take_pending_copies(),
+            blocks_to_copy=kv.take_pending_copies(),
             scheduled_spec_decode_tokens=plan.spec_tokens,
+            blocks_to_offload=kv.take_pending_offloads(),
+            blocks_to_load=plan.blocks_to_load,
+            tier_deletions=kv.tier.take_deletions() if kv.tier is not None else [],
         )
 
     # ----------------------------------------------------------------- update
@@ -462,8 +521,17 @@ class Scheduler:
         Requests finished from outside since schedule() are skipped.
         """
         kv = self.kv_cache_manager
+        report = runner_output.kv_tier
+        if kv.tier is not None and report is not None:
+            kv.tier.apply_report(report)
+            kv.tier_cost.observe_read(report.num_loaded + len(report.failed_loads), report.load_seconds)
+        if self._loading:
+            # No report: the runner loaded nothing (it always reports a step with loads).
+            failed = set(report.failed_loads) if report is not None else {d for d, _ in scheduler_output.blocks_to_load}
+            self._finish_loads(failed)
         progress: list[RequestProgress] = []
         finished: list[Request] = []
+        num_prefill_before = self._num_prefill_tokens
         for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             request = self.requests.get(request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
@@ -510,6 +578,7 @@ class Scheduler:
             forked = runner_output.forked_token_ids.get(request_id)
             if request.num_pending_forks and forked:
                 progress.extend(self._fork(request, forked, finished))
+        self.last_step_prefill_tokens = self._num_prefill_tokens - num_prefill_before
         if finished:
             finished_ids = {request.request_id for request in finished}
             self.running = [r for r in self.running if r.request_id not in finished_ids]
@@ -616,6 +685,7 @@ class Scheduler:
             num_decode_tokens=self._num_decode_tokens,
             running_by_adapter=_by_adapter(self.running) if self.scheduler_config.max_loras else {},
             waiting_by_adapter=_by_adapter([*self.waiting, *self.swapped]) if self.scheduler_config.max_loras else {},
+            **_tier_fields(kv),
         )
 
     def check_integrity(self) -> None:
@@ -628,6 +698,26 @@ class Scheduler:
             swapped=self.swapped,
             max_num_seqs=self.scheduler_config.max_num_seqs,
         )
+
+
+def _tier_fields(kv: KVCacheManager) -> dict[str, int | float]:
+    """SchedulerStats' fields of the prefix cache's tier (none without one)."""
+    if kv.tier is None:
+        return {}
+    stats = kv.tier.stats
+    return {
+        "num_tier_hit_blocks": stats.num_hit_blocks,
+        "num_tier_miss_blocks": stats.num_miss_blocks,
+        "num_tier_skipped_blocks": stats.num_skipped_blocks,
+        "num_tier_failed_loads": stats.num_failed_loads,
+        "num_tier_written_blocks": stats.num_written_blocks,
+        "num_tier_dropped_writes": stats.num_dropped_writes,
+        "num_tier_bytes_read": stats.bytes_read,
+        "num_tier_bytes_written": stats.bytes_written,
+        "tier_load_seconds": stats.load_seconds,
+        "num_tier_load_batches": stats.num_load_batches,
+        "tier_bytes": kv.tier.num_bytes,
+    }
 
 
 def _by_adapter(requests: Iterable[Request]) -> dict[str, int]:

@@ -4,7 +4,8 @@ Plain dataclasses of ints and lists, never tensors, so that a runner could live 
 another process. How a runner reads a SchedulerOutput, in this order:
 
 1. Drop the state of every request in `finished_req_ids` and `preempted_req_ids`.
-2. Copy `blocks_to_swap_out` (device -> host), then `blocks_to_copy` (device -> device,
+2. Copy `blocks_to_offload` out (to the prefix cache's tier), then `blocks_to_swap_out`
+   (device -> host), then `blocks_to_copy` (device -> device,
    copy-on-write of forked requests), then `blocks_to_swap_in` (host -> device), all
    before the forward pass. (A block swapped out may be reused as a copy target in the
    same step, so swap-outs go first.)
@@ -29,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from pagellm.core.kv_tier import TierReport
 from pagellm.lora.request import LoRARequest
 from pagellm.pooling_params import PoolingParams
 from pagellm.request import FinishReason
@@ -86,6 +88,13 @@ class SchedulerOutput:
     # (they are part of its num_scheduled_tokens); the runner verifies them. With a draft
     # model they are DRAFT_PLACEHOLDER: the runner's draft fills them in.
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # The prefix cache's second tier (core/kv_tier.py), by 16-byte digest: device blocks
+    # to write there (copied before anything else of the step, since the block may be
+    # reused by it), entries to delete (before those writes), and blocks to load from it
+    # into device blocks no scheduled request reads this step (done when the step returns).
+    blocks_to_offload: list[tuple[bytes, int]] = field(default_factory=list)
+    tier_deletions: list[bytes] = field(default_factory=list)
+    blocks_to_load: list[tuple[bytes, int]] = field(default_factory=list)
 
     @property
     def num_scheduled_reqs(self) -> int:
@@ -99,6 +108,9 @@ class SchedulerOutput:
             and not self.blocks_to_swap_out
             and not self.blocks_to_swap_in
             and not self.blocks_to_copy
+            and not self.blocks_to_offload
+            and not self.tier_deletions
+            and not self.blocks_to_load
         )
 
 
@@ -136,6 +148,8 @@ class ModelRunnerOutput:
     # Embedding requests whose prompt this step completed: the pooled (and, as asked,
     # shortened and normalised) embedding.
     pooled: dict[str, list[float]] = field(default_factory=dict)
+    # What the runner did for the prefix cache's tier this step (None: no tier).
+    kv_tier: TierReport | None = None
 
 
 # A proposed position whose token the runner's draft model decides.

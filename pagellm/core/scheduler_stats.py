@@ -29,3 +29,18 @@ class SchedulerStats:
     # empty without adapters.
     running_by_adapter: dict[str, int] = dataclasses.field(default_factory=dict)
     waiting_by_adapter: dict[str, int] = dataclasses.field(default_factory=dict)
+    # The prefix cache's second tier (core/kv_tier.py; all 0 without one): blocks found
+    # there after a device miss (loaded), looked up and found nowhere, found but computed
+    # (cost rule), loads that failed their checks, writes done and dropped (queue full),
+    # bytes moved, the summed wall time of load batches, and the bytes it holds now.
+    num_tier_hit_blocks: int = 0
+    num_tier_miss_blocks: int = 0
+    num_tier_skipped_blocks: int = 0
+    num_tier_failed_loads: int = 0
+    num_tier_written_blocks: int = 0
+    num_tier_dropped_writes: int = 0
+    num_tier_bytes_read: int = 0
+    num_tier_bytes_written: int = 0
+    tier_load_seconds: float = 0.0
+    num_tier_load_batches: int = 0
+    tier_bytes: int = 0

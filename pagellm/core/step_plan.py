@@ -28,6 +28,10 @@ class StepPlan:
     # step (and that request's first token) is as fast as without it.
     pause_background: bool | None = None  # None: not decided yet (Scheduler._pauses_background)
     background_budget: int | None = None  # tokens background requests may still take (None: any)
+    # The prefix cache's tier: requests admitted to load their prefix this step (id ->
+    # digests in table order) and the (digest, device block) loads.
+    loading: dict[str, list[bytes]] = dataclasses.field(default_factory=dict)
+    blocks_to_load: list[tuple[bytes, int]] = dataclasses.field(default_factory=list)
     # LoRA: the adapters of the requests scheduled so far, each with its request count.
     adapters: dict[int, int] = dataclasses.field(default_factory=dict)
 

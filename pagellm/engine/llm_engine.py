@@ -106,6 +106,7 @@ class LLMEngine:
             else None
         )
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config, self.speculator)
+        self._attach_kv_tier()
         self.input_processor = InputProcessor(
             tokenizer, config.model_config.vocab_size, config.scheduler_config.max_model_len
         )
@@ -126,6 +127,19 @@ class LLMEngine:
         self._request_counter = itertools.count()
         self._consecutive_step_failures = 0
         self._adapter_paths: dict[int, str] = {}  # lora_int_id -> the folder it was checked at
+
+    def _attach_kv_tier(self) -> None:
+        """Give the scheduler's tier index the entries the driver's store found on disk
+        (or drop the index where the runner opened no store)."""
+        kv = self.scheduler.kv_cache_manager
+        runner = getattr(self.executor, "runner", None)
+        transfer = getattr(runner, "kv_tier", None)
+        if kv.tier is None:
+            return
+        if transfer is None:
+            kv.tier = None
+            return
+        kv.tier.seed(transfer.store.entries)
 
     def adapter_checked(self, lora_request: LoRARequest) -> None:
         """An adapter another thread has read and checked already (the server's load route):
@@ -290,8 +304,11 @@ class LLMEngine:
             for new in scheduler_output.scheduled_new_reqs
         }
         try:
+            executed = time.perf_counter()
             runner_output = self.executor.execute_model(scheduler_output)
+            executed = time.perf_counter() - executed
             progress = self.scheduler.update_from_output(scheduler_output, runner_output)
+            self.scheduler.kv_cache_manager.tier_cost.observe_compute(self.scheduler.last_step_prefill_tokens, executed)
             result = self.output_processor.process(
                 progress, runner_output.logprobs, runner_output.prompt_logprobs, cached, runner_output.pooled
             )

@@ -91,4 +91,4 @@ class UniProcExecutor(Executor):
         return self.driver.execute_model(scheduler_output)
 
     def shutdown(self) -> None:
-        pass
+        self.driver.close_kv_tier()

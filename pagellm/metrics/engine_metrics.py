@@ -37,6 +37,14 @@ _MIRRORED_COUNTERS = {
     "num_swapped_out_blocks": "swapped_out_blocks",
     "num_allocation_attempts": "block_allocation_attempts",
     "num_allocation_failures": "block_allocation_failures",
+    "num_tier_hit_blocks": "kv_tier_hit_blocks",
+    "num_tier_miss_blocks": "kv_tier_miss_blocks",
+    "num_tier_skipped_blocks": "kv_tier_skipped_blocks",
+    "num_tier_failed_loads": "kv_tier_failed_loads",
+    "num_tier_written_blocks": "kv_tier_written_blocks",
+    "num_tier_dropped_writes": "kv_tier_dropped_writes",
+    "num_tier_bytes_read": "kv_tier_read_bytes",
+    "num_tier_bytes_written": "kv_tier_written_bytes",
 }
 
 
@@ -267,6 +275,12 @@ class EngineMetrics:
             delta = getattr(stats, field_name) - (getattr(last, field_name) if last else 0)
             if delta:
                 getattr(prom, metric_name).inc(delta)
+        prom.kv_tier_bytes.set(stats.tier_bytes)
+        num_batches = stats.num_tier_load_batches - (last.num_tier_load_batches if last else 0)
+        if num_batches:  # one batch a step, and a snapshot every step: the batch's own time
+            seconds = stats.tier_load_seconds - (last.tier_load_seconds if last else 0.0)
+            for _ in range(num_batches):
+                prom.kv_tier_load_seconds.observe(seconds / num_batches)
         for mode in ("recompute", "swap"):
             field_name = f"num_preemptions_{mode}"
             delta = getattr(stats, field_name) - (getattr(last, field_name) if last else 0)

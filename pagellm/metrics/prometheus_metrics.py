@@ -72,6 +72,20 @@ class PrometheusMetrics:
         self.block_allocation_failures = counter(
             "block_allocation_failures", "allocate_slots calls that found no room."
         )
+        self.kv_tier_hit_blocks = counter("kv_tier_hit_blocks", "Blocks found in the prefix cache's tier after a device miss, loaded.")
+        self.kv_tier_miss_blocks = counter("kv_tier_miss_blocks", "Blocks looked up after a device miss that the tier lacked.")
+        self.kv_tier_skipped_blocks = counter(
+            "kv_tier_skipped_blocks", "Blocks the tier held but computed instead (reading was measured slower)."
+        )
+        self.kv_tier_failed_loads = counter("kv_tier_failed_loads", "Tier entries found missing, truncated or corrupt when read.")
+        self.kv_tier_written_blocks = counter("kv_tier_written_blocks", "Blocks written to the tier.")
+        self.kv_tier_dropped_writes = counter("kv_tier_dropped_writes", "Blocks not written: the tier's write queue was full.")
+        self.kv_tier_read_bytes = counter("kv_tier_read_bytes", "Bytes read from the tier.")
+        self.kv_tier_written_bytes = counter("kv_tier_written_bytes", "Bytes written to the tier.")
+        self.kv_tier_bytes = gauge("kv_tier_bytes", "Bytes the prefix cache's tier holds.")
+        self.kv_tier_load_seconds = histogram(
+            "kv_tier_load_seconds", "Wall time of one step's loads from the tier.", _LATENCY_BUCKETS
+        )
         self._success = Counter(
             "pagellm:request_success", "Finished requests, by finish reason.",
             ["model_name", "finished_reason"], registry=reg,

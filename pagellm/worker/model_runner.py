@@ -34,6 +34,8 @@ from pagellm.worker.cuda_graphs import Capture, DecodeGraphs, cuda_graph_capture
 from pagellm.worker.fault_injection import FaultInjector
 from pagellm.config.kv_layout import kv_cache_layout
 from pagellm.worker.kv_cache import allocate_kv_caches, distinct_tensors
+from pagellm.worker.kv_tier_store import TierStore
+from pagellm.worker.kv_tier_transfer import KVTierTransfer
 from pagellm.worker.model_inputs import ScheduledSequence, prepare_model_inputs
 from pagellm.worker.request_state import RunnerRequestState
 from pagellm.worker.spec_verification import SpeculativeVerifier
@@ -62,6 +64,7 @@ class ModelRunner:
         is_driver: bool = True,
         grammars: GrammarCompiler | None = None,
         draft: DraftModelProposer | None = None,
+        kv_tier_store: TierStore | None = None,
     ) -> None:
         self.model = model
         # With tensor parallelism only the driver (rank 0) samples; the other ranks make
@@ -84,6 +87,10 @@ class ModelRunner:
             )
             if num_host_blocks > 0
             else []
+        )
+        # The prefix cache's second tier: its writes and loads (worker/kv_tier_transfer.py).
+        self.kv_tier = (
+            KVTierTransfer(kv_tier_store, distinct_tensors(self.kv_caches)) if kv_tier_store is not None else None
         )
         self.sampler = Sampler()
         self.penalties = PenaltyState(model.vocab_size, device)
@@ -146,7 +153,24 @@ class ModelRunner:
             self.pooling_partials.pop(req_id, None)
         for req_id in scheduler_output.preempted_req_ids:
             self._drop(req_id)
+        if self.kv_tier is None:
+            self._copy_blocks_for(scheduler_output)
+            return self._run_step(scheduler_output)
+        # Blocks to offload may be reused by this step's copies or loads: out first. Loads
+        # start after the copies (a block a swap-out reads may be a load's target) and
+        # run beside the forward pass, which reads none of their blocks.
+        self.kv_tier.offload(scheduler_output.blocks_to_offload, scheduler_output.tier_deletions)
         self._copy_blocks_for(scheduler_output)
+        loading = self.kv_tier.start_loads(scheduler_output.blocks_to_load)
+        try:
+            output = self._run_step(scheduler_output)
+        finally:
+            if loading is not None:
+                loading.exception()  # never leave a load writing into the cache after the step
+        output.kv_tier = self.kv_tier.report(loading)
+        return output
+
+    def _run_step(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         for new in scheduler_output.scheduled_new_reqs:
             self._add_request(new)
         for cached in scheduler_output.scheduled_cached_reqs:

@@ -31,6 +31,7 @@ from pagellm.worker.memory import available_ram_bytes
 from pagellm.worker.cuda_graphs import DEFAULT_MAX_CAPTURE_BATCH_SIZE, capture_sizes
 from pagellm.worker.distributed import DistributedTPGroup
 from pagellm.worker.model_runner import ModelRunner
+from pagellm.worker.kv_tier_store import TierIdentity, TierStore
 
 logger = logging.getLogger(__name__)
 
@@ -172,12 +173,33 @@ class Worker:
             is_driver=self.is_driver,
             grammars=self.grammars,
             draft=draft,
+            kv_tier_store=self._open_kv_tier(),
         )
         sizes = self.graph_sizes()
         if sizes:
             reserved = torch.cuda.memory_reserved(self.device)
             self.runner.capture_decode_graphs(sizes, self.config.max_model_len)
             logger.info("CUDA graphs hold %.2f GiB", (torch.cuda.memory_reserved(self.device) - reserved) / GiB)
+
+    def _open_kv_tier(self) -> TierStore | None:
+        """The prefix cache's disk tier, where one is asked for and can serve this model."""
+        path = self.config.cache_budget.kv_offload_path
+        model_config = self.config.model_config
+        if path is None:
+            return None
+        if not self.config.cache_budget.enable_prefix_caching:
+            logger.warning("kv_offload_path is ignored: the tier holds prefix-cache blocks and prefix caching is off")
+            return None
+        if any(model_config.layer_window(layer) is not None for layer in range(model_config.num_hidden_layers)):
+            logger.warning("kv_offload_path is ignored: the tier does not serve sliding-window layers yet")
+            return None
+        element_bytes = torch.empty((), dtype=self.kv_cache_dtype).element_size()
+        store = TierStore(path, TierIdentity.for_engine(self.config, element_bytes))
+        logger.info(
+            "prefix-cache tier: %s, at most %.2f GiB, %d blocks of %d bytes found",
+            store.folder, self.config.cache_budget.kv_offload_bytes / GiB, len(store.entries), store.entry_bytes,
+        )  # fmt: skip
+        return store
 
     def execute_model(
         self, scheduler_output: SchedulerOutput, sampled_token_ids: dict[str, list[int]] | None = None
@@ -187,7 +209,13 @@ class Worker:
             self.runner.append_sampled(sampled_token_ids)
         return self.runner.execute_model(scheduler_output)
 
+    def close_kv_tier(self) -> None:
+        """Let the tier's queued writes reach the disk and stop its threads."""
+        if self.runner is not None and self.runner.kv_tier is not None:
+            self.runner.kv_tier.close()
+
     def close(self) -> None:
+        self.close_kv_tier()
         if self.tp is not None:
             self.tp.close()
         torch.set_num_threads(self._previous_threads)

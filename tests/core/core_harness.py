@@ -16,11 +16,13 @@ from collections.abc import Callable
 
 from pagellm.config import CacheConfig, SchedulerConfig
 from pagellm.core import ModelRunnerOutput, RequestProgress, Scheduler, SchedulerOutput
+from pagellm.core.kv_tier import TierReport
 from pagellm.core.parallel_sampling import child_request_id
 from pagellm.lora.request import LoRARequest
 from pagellm.request import Request
 from pagellm.sampling_params import SamplingParams
 
+TIER_ENTRY_BYTES = 10
 Slot = tuple[int, int, int, int]  # (group, token id, position, LoRA adapter id) whose KV a cache slot holds
 SampleFn = Callable[[str, list[int]], int]  # (request id, its tokens so far) -> token
 
@@ -38,6 +40,8 @@ def make_scheduler(
     scheduling_policy: str = "fcfs",
     preemption_mode: str = "recompute",
     group_windows: tuple[int | None, ...] = (None,),
+    kv_offload_bytes: int = 0,
+    kv_offload_max_pending_writes: int = 256,
     **balance: object,
 ) -> Scheduler:
     cache_config = CacheConfig(
@@ -46,6 +50,8 @@ def make_scheduler(
         num_cpu_blocks=num_cpu_blocks,
         enable_prefix_caching=enable_prefix_caching,
         group_windows=group_windows,
+        kv_offload_bytes=kv_offload_bytes,
+        kv_offload_max_pending_writes=kv_offload_max_pending_writes,
     )
     scheduler_config = SchedulerConfig(
         max_num_seqs=max_num_seqs,
@@ -105,9 +111,19 @@ class FakeRunner:
     """Executes SchedulerOutputs on a simulated KV cache (see module docstring)."""
 
     def __init__(
-        self, block_size: int, sample: SampleFn = sample_seven, group_windows: tuple[int | None, ...] = (None,)
+        self,
+        block_size: int,
+        sample: SampleFn = sample_seven,
+        group_windows: tuple[int | None, ...] = (None,),
+        fail_load: Callable[[bytes], bool] = lambda digest: False,
     ) -> None:
         self.block_size = block_size
+        # The prefix cache's tier: digest -> the slots of the block written there. Every
+        # write finishes within its step (reported as TIER_ENTRY_BYTES each); a load for
+        # which fail_load says True fails (a corrupt entry: removed).
+        self.tier: dict[bytes, list[Slot | None]] = {}
+        self.fail_load = fail_load
+        self.num_tier_loads = 0
         self.group_windows = group_windows
         self.sample = sample
         self.device: dict[int, list[Slot | None]] = {}
@@ -124,12 +140,31 @@ class FakeRunner:
         self.num_steps += 1
         for request_id in out.finished_req_ids | out.preempted_req_ids:
             self.requests.pop(request_id, None)
+        for digest in out.tier_deletions:
+            self.tier.pop(digest, None)
+        written = []
+        for digest, block_id in out.blocks_to_offload:
+            self.tier[digest] = list(self.device.get(block_id, [None] * self.block_size))
+            written.append((digest, TIER_ENTRY_BYTES))
         for device_id, host_id in out.blocks_to_swap_out:
             self.host[host_id] = list(self.device[device_id])
         for source_id, target_id in out.blocks_to_copy:  # copy-on-write of a forked request
             self.device[target_id] = list(self.device.get(source_id, [None] * self.block_size))
         for host_id, device_id in out.blocks_to_swap_in:
             self.device[device_id] = list(self.host[host_id])
+        failed_loads = []
+        scheduled_blocks = {b for r in out.scheduled_new_reqs for t in r.block_ids for b in t}
+        for digest, device_id in out.blocks_to_load:
+            assert device_id not in scheduled_blocks, "a load targets a block the step reads"
+            if digest not in self.tier or self.fail_load(digest):
+                failed_loads.append(digest)
+                self.tier.pop(digest, None)
+                self.device[device_id] = [None] * self.block_size  # a torn copy: nothing valid
+                continue
+            self.device[device_id] = list(self.tier[digest])
+            self.num_tier_loads += 1
+        num_loaded = len(out.blocks_to_load) - len(failed_loads)
+        report = TierReport(written, [], failed_loads, num_loaded, num_loaded * TIER_ENTRY_BYTES, 0.0)
         for new in out.scheduled_new_reqs:
             assert new.req_id not in self.requests, "new request the runner already holds"
             assert len(new.block_ids) == len(self.group_windows)
@@ -191,7 +226,7 @@ class FakeRunner:
                 sampled[request_id] = [token]
             else:
                 sampled[request_id] = []
-        return ModelRunnerOutput(list(out.num_scheduled_tokens), sampled, forked_token_ids=forked)
+        return ModelRunnerOutput(list(out.num_scheduled_tokens), sampled, forked_token_ids=forked, kv_tier=report)
 
 
 @dataclasses.dataclass

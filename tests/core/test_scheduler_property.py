@@ -3,7 +3,9 @@ with parallel sampling (n > 1: forks sharing the prompt's blocks, copy-on-write)
 
 Every configuration axis is drawn (block size, pool sizes, chunked prefill, budget,
 max_num_seqs, prefix caching, policy, preemption mode, KV cache groups: one global
-group, or global and sliding-window groups whose passed blocks are freed as requests run). After every operation the
+group, or global and sliding-window groups whose passed blocks are freed as requests run;
+a prefix-cache tier of a few entries or many, with a short or long write queue, whose
+loads fail now and then). After every operation the
 scheduler's integrity holds; the fake runner checks every KV read; at the end every
 request finishes, each output token is the one the sampler gave for its history (none
 lost, repeated or reordered by preemption), and the scheduler is drained.
@@ -51,6 +53,10 @@ class Setup:
     preemption_mode: str
     group_windows: tuple[int | None, ...]
     max_loras: int | None = None
+    # The prefix cache's tier: its bound (the fake runner's entries take 10 bytes) and
+    # write queue; about one load in five fails its check.
+    kv_offload_bytes: int = 0
+    kv_offload_max_pending_writes: int = 256
 
 
 @st.composite
@@ -78,6 +84,8 @@ def setups(draw) -> Setup:
             )
         ),
         max_loras=draw(st.sampled_from([None, None, 1, 2])),
+        kv_offload_bytes=draw(st.sampled_from([0, 30, 10_000])),
+        kv_offload_max_pending_writes=draw(st.sampled_from([1, 3, 256])),
     )
 
 
@@ -196,7 +204,9 @@ def record_forks(scheduler, requests: list[Request]) -> None:  # noqa: ANN001 - 
 def test_random_workloads_finish_and_keep_invariants(setup: Setup, data) -> None:
     scheduler = make_scheduler(**setup.__dict__)
     record_forks(scheduler, requests := [])
-    runner = FakeRunner(setup.block_size, sample=sample, group_windows=setup.group_windows)
+    runner = FakeRunner(
+        setup.block_size, sample=sample, group_windows=setup.group_windows, fail_load=lambda digest: digest[0] % 5 == 0
+    )
     aborted: set[str] = set()
     for op in data.draw(operations(setup)):
         kind = op[0]

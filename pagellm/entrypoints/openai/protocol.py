@@ -308,10 +308,15 @@ def unix_time() -> int:
     return int(time.time())
 
 
+class PromptTokensDetails(OpenAIModel):
+    cached_tokens: int = 0  # served from the prefix cache (either tier) rather than computed
+
+
 class UsageInfo(OpenAIModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class EmbeddingData(OpenAIModel):

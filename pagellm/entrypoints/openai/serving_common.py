@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from pagellm.engine.async_llm import AsyncLLM, NewRequest, OutputStream
 from pagellm.entrypoints.openai.limits_config import RequestLimits
 from pagellm.entrypoints.openai.errors import APIError
-from pagellm.entrypoints.openai.protocol import UsageInfo
+from pagellm.entrypoints.openai.protocol import PromptTokensDetails, UsageInfo
 from pagellm.entrypoints.openai.reasoning import ReasoningFormat
 from pagellm.errors import InvalidRequestError
 from pagellm.lora.request import LoRARequest
@@ -101,15 +101,17 @@ def new_request_id(prefix: str) -> str:
 def usage_of(outputs: Iterable[RequestOutput], prompt_only: bool = False) -> UsageInfo:
     """Token counts of the latest outputs: the prompt once per request, every completion
     (none when only the prompt is reported: echo with max_tokens 0)."""
-    prompt_tokens = completion_tokens = 0
+    prompt_tokens = completion_tokens = cached_tokens = 0
     for output in outputs:
         prompt_tokens += len(output.prompt_token_ids)
+        cached_tokens += output.num_cached_tokens
         if not prompt_only:
             completion_tokens += sum(len(c.token_ids) for c in output.outputs)
     return UsageInfo(
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
         total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
     )
 
 

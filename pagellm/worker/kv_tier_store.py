@@ -1,0 +1,239 @@
+"""Worker stage: the prefix cache's second tier on local disk: one file per block.
+
+Layout under the directory the user gives (--kv-offload-path):
+
+    DIR/<identity key>/identity.json     what wrote these entries (TierIdentity)
+    DIR/<identity key>/<digest hex>.kv   one block: entry header + K/V bytes
+
+The identity key is a digest of the identity, so engines of different models, dtypes,
+KV cache dtypes, block sizes or formats never read each other's entries (each finds
+its own folder, and logs the others it ignores). An entry file is
+
+    magic (8 bytes) | block digest (16) | payload length (u64) | CRC-32 of payload (u32) | 4 zero bytes | payload
+
+and the payload is the block's K and V of every cache tensor, [tensors, 2, block_size,
+kv_heads, head_dim] in the KV cache's dtype. Writes go to a temporary file that is
+renamed over the entry when complete, so a writer killed mid-write leaves only a
+temporary file (removed at the next start), never a partial entry under an entry's
+name; a torn or flipped entry (a crash of the machine, a bad disk) fails its length or
+CRC check when read, and is removed then, never used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import struct
+import zlib
+from pathlib import Path
+
+from pagellm.config.engine_config import EngineConfig
+from pagellm.config.kv_layout import kv_cache_layout
+from pagellm.core.kv_tier import DIGEST_BYTES
+
+logger = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+ENTRY_MAGIC = b"PGLMKVT1"
+ENTRY_HEADER = struct.Struct("<8s16sQI4x")
+ENTRY_SUFFIX = ".kv"
+TEMP_PREFIX = ".tmp-"
+IDENTITY_FILE = "identity.json"
+# The weights' digest reads this much at the start, the end and every SAMPLE_STRIDE of
+# each weight file (not all of it: a 70B checkpoint would take minutes).
+SAMPLE_BYTES = 1 << 20
+SAMPLE_STRIDE = 64 << 20
+WEIGHT_SUFFIXES = (".gguf", ".safetensors", ".bin", ".pt", ".pth")
+
+
+class TierEntryError(Exception):
+    """An entry that is missing, truncated, or fails its checks."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TierIdentity:
+    """Everything that must match for a stored block to be valid in this engine."""
+
+    model: str
+    weights_digest: str
+    dtype: str  # the model's compute dtype (the K/V were computed in it)
+    kv_cache_dtype: str
+    block_size: int
+    num_tensors: int  # cache tensors a block spans (layers of its KV cache group)
+    num_kv_heads: int
+    head_dim: int
+    element_bytes: int
+    format_version: int = FORMAT_VERSION
+
+    @property
+    def payload_bytes(self) -> int:
+        return self.num_tensors * 2 * self.block_size * self.num_kv_heads * self.head_dim * self.element_bytes
+
+    @property
+    def key(self) -> str:
+        text = json.dumps(dataclasses.asdict(self), sort_keys=True)
+        return hashlib.blake2b(text.encode(), digest_size=12).hexdigest()
+
+    def describe(self) -> str:
+        return (
+            f"{self.model} ({self.dtype}, KV {self.kv_cache_dtype}, block {self.block_size}, "
+            f"format {self.format_version})"
+        )
+
+    @staticmethod
+    def for_engine(config: EngineConfig, element_bytes: int) -> TierIdentity:
+        model_config = config.model_config
+        weights = (
+            f"dummy(seed={config.seed})" if config.load_format == "dummy" else weights_digest(config.source.path)
+        )
+        return TierIdentity(
+            model=config.source.name,
+            weights_digest=weights,
+            dtype=str(config.dtype),
+            kv_cache_dtype=str(config.kv_cache_dtype),
+            block_size=config.cache_budget.block_size,
+            num_tensors=kv_cache_layout(model_config).layers_per_block,
+            num_kv_heads=model_config.num_key_value_heads,
+            head_dim=model_config.head_dim,
+            element_bytes=element_bytes,
+        )
+
+
+def weights_digest(path: Path) -> str:
+    """A digest of the checkpoint's weight files: names, sizes and sampled contents."""
+    files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.suffix in WEIGHT_SUFFIXES)
+    hasher = hashlib.blake2b(digest_size=16)
+    for file in files:
+        size = file.stat().st_size
+        hasher.update(f"{file.name}:{size}".encode())
+        offsets = sorted({*range(0, size, SAMPLE_STRIDE), max(0, size - SAMPLE_BYTES)})
+        with open(file, "rb") as handle:
+            for offset in offsets:
+                handle.seek(offset)
+                hasher.update(handle.read(SAMPLE_BYTES))
+    return hasher.hexdigest()
+
+
+class TierStore:
+    """The entries of one identity in a directory: scan, read, write, delete."""
+
+    def __init__(self, root: str | os.PathLike[str], identity: TierIdentity) -> None:
+        self.identity = identity
+        self.root = Path(root)
+        self.folder = self.root / identity.key
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self._temp_counter = 0
+        self._claim_folder()
+        self.entries = self._scan()  # (digest, bytes) found at start, least recently used first
+
+    @property
+    def entry_bytes(self) -> int:
+        return ENTRY_HEADER.size + self.identity.payload_bytes
+
+    def _claim_folder(self) -> None:
+        identity_path = self.folder / IDENTITY_FILE
+        mine = dataclasses.asdict(self.identity)
+        if identity_path.exists():
+            try:
+                found = json.loads(identity_path.read_text())
+            except (OSError, ValueError):
+                found = None
+            if found != mine:
+                logger.warning("prefix-cache tier: %s names another identity; its entries are removed", identity_path)
+                for path in self.folder.iterdir():
+                    path.unlink(missing_ok=True)
+        self._write_atomically(identity_path, json.dumps(mine, indent=1).encode())
+        for other in sorted(self.root.iterdir()):
+            if other == self.folder or not (other / IDENTITY_FILE).is_file():
+                continue
+            try:
+                theirs = TierIdentity(**json.loads((other / IDENTITY_FILE).read_text()))
+                what = theirs.describe()
+            except (OSError, ValueError, TypeError):
+                what = "an unreadable identity"
+            logger.info("prefix-cache tier: ignoring %s, written by another model or format: %s", other, what)
+
+    def _scan(self) -> list[tuple[bytes, int]]:
+        found: list[tuple[float, bytes, int]] = []
+        for path in self.folder.iterdir():
+            name = path.name
+            if name.startswith(TEMP_PREFIX):
+                path.unlink(missing_ok=True)  # a write that never finished
+                continue
+            if not name.endswith(ENTRY_SUFFIX):
+                continue
+            try:
+                digest = bytes.fromhex(name.removesuffix(ENTRY_SUFFIX))
+                stat = path.stat()
+            except (ValueError, OSError):
+                continue
+            if len(digest) != DIGEST_BYTES or stat.st_size != self.entry_bytes:
+                logger.info("prefix-cache tier: removing %s (truncated or foreign)", path)
+                path.unlink(missing_ok=True)
+                continue
+            found.append((stat.st_mtime, digest, stat.st_size))
+        found.sort()
+        if found:
+            logger.info("prefix-cache tier: %d blocks found in %s", len(found), self.folder)
+        return [(digest, size) for _, digest, size in found]
+
+    def path_of(self, digest: bytes) -> Path:
+        return self.folder / (digest.hex() + ENTRY_SUFFIX)
+
+    def write(self, digest: bytes, payload: memoryview) -> int:
+        """Store a block (atomically); returns the bytes on disk."""
+        header = ENTRY_HEADER.pack(ENTRY_MAGIC, digest, payload.nbytes, zlib.crc32(payload))
+        self._write_atomically(self.path_of(digest), header, payload)
+        return len(header) + payload.nbytes
+
+    def _write_atomically(self, path: Path, *parts: bytes | memoryview) -> None:
+        self._temp_counter += 1
+        temp = path.with_name(f"{TEMP_PREFIX}{os.getpid()}-{self._temp_counter}")
+        try:
+            with open(temp, "wb") as handle:
+                for part in parts:
+                    handle.write(part)
+            os.replace(temp, path)
+        except BaseException:
+            temp.unlink(missing_ok=True)
+            raise
+
+    def read(self, digest: bytes) -> bytearray:
+        """A block's payload, checked; raises TierEntryError (and removes the file) if it
+        is missing, truncated or corrupt."""
+        path = self.path_of(digest)
+        try:
+            with open(path, "rb") as handle:
+                data = bytearray(handle.read())
+        except FileNotFoundError as error:
+            raise TierEntryError(f"{path.name} is missing") from error
+        except OSError as error:
+            raise TierEntryError(f"{path.name} cannot be read: {error}") from error
+        problem = self._check(data, digest)
+        if problem is not None:
+            path.unlink(missing_ok=True)
+            raise TierEntryError(f"{path.name} {problem}; removed")
+        try:  # recency survives a restart (the scan orders entries by it)
+            os.utime(path)
+        except OSError:
+            pass
+        return data
+
+    def _check(self, data: bytearray, digest: bytes) -> str | None:
+        if len(data) != self.entry_bytes:
+            return f"has {len(data)} bytes, not {self.entry_bytes}"
+        magic, stored_digest, length, crc = ENTRY_HEADER.unpack_from(data)
+        if magic != ENTRY_MAGIC or stored_digest != digest or length != self.identity.payload_bytes:
+            return "has a foreign header"
+        if zlib.crc32(memoryview(data)[ENTRY_HEADER.size :]) != crc:
+            return "fails its checksum"
+        return None
+
+    def delete(self, digest: bytes) -> None:
+        self.path_of(digest).unlink(missing_ok=True)
+
+
+__all__ = ["TierEntryError", "TierIdentity", "TierStore", "weights_digest"]
