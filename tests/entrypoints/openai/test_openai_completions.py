@@ -260,3 +260,17 @@ def test_logprobs(client, model_name, offline_llm):
     prompt_len = len(PROMPT)  # byte-level tokenizer: one token per byte
     assert echoed.choices[0].logprobs.token_logprobs[0] is None
     assert len(echoed.choices[0].logprobs.tokens) == prompt_len + 2
+
+
+def test_usage_says_how_many_prompt_tokens_came_from_the_prefix_cache(client, model_name):
+    # A prompt of 40+ tokens (2 full blocks of 16) of its own, so no earlier test cached it.
+    prompt = [17 + (i * 7) % 200 for i in range(40)]
+    first = client.completions.create(model=model_name, prompt=prompt, max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    second = client.completions.create(model=model_name, prompt=prompt, max_tokens=2, temperature=0)
+    assert second.usage.prompt_tokens_details.cached_tokens == 32
+    stream = client.completions.create(
+        model=model_name, prompt=prompt, max_tokens=2, temperature=0, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = list(stream)
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 32
