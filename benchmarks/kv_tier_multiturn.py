@@ -109,7 +109,7 @@ def main() -> None:
     parser.add_argument("--kv-cache-mib", type=int, default=64)
     parser.add_argument("--out", default="benchmarks/results/kv_tier_multiturn.json")
     args = parser.parse_args()
-    longest = args.turns * (args.turn_tokens + args.answer_tokens)
+    longest = (args.turns + 1) * (args.turn_tokens + args.answer_tokens)  # the restart adds a turn
     engine_args = dict(kv_cache_memory_bytes=args.kv_cache_mib * MiB, max_model_len=longest + 16, disable_log_stats=True)
     results: dict[str, object] = {"cpu": cpu_info(), "settings": vars(args)}
     print(describe_cpu(results["cpu"]))  # type: ignore[arg-type]

@@ -122,7 +122,7 @@ class EngineArgs:
             )
         if self.swap_space < 0:
             raise ConfigError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
-        if self.kv_offload_bytes <= 0:
+        if self.kv_offload_bytes <= 0 and self.kv_offload_path is not None:
             raise ConfigError(f"kv_offload_bytes must be positive, got {self.kv_offload_bytes}")
         if self.kv_offload_path is not None and self.tensor_parallel_size > 1:
             raise ConfigError(

@@ -40,7 +40,11 @@ TUNED_KNOBS: dict[str, type] = {
     "max_num_partial_prefills": int,
     "long_prefill_token_threshold": int,
     "prefill_share": float,
+    # The prefix cache's disk tier, simulated (0: none; the simulator's default).
+    "kv_offload_bytes": int,
 }
+# Where the simulator's default differs from the engine's.
+_SIM_DEFAULTS: dict[str, object] = {"kv_offload_bytes": 0}
 _FIXED_KNOBS: dict[str, type] = {
     "kv_cache_memory_bytes": int,
     "num_gpu_blocks_override": int,
@@ -115,6 +119,9 @@ def add_sim_workload_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--shared-prefix-share", type=float, default=0.0, metavar="FRACTION",
                        help="this fraction of requests starts with a common --shared-prefix-len "
                        "prefix (e.g. a system prompt)")
+    group.add_argument("--kv-offload-read-gbps", type=float, default=2.0, metavar="GB/S",
+                       help="read bandwidth of the prefix cache's disk tier, with --kv-offload-bytes "
+                       "(default 2.0: a local NVMe drive)")
     group.add_argument("--trace", default=None, metavar="FILE",
                        help="JSONL trace, one request a line: arrival_time, prompt_len, "
                        "output_len (replaces the synthetic workload)")  # fmt: skip
@@ -124,7 +131,7 @@ def add_sim_engine_args(parser: argparse.ArgumentParser, *, sweep: bool = False)
     """Engine arguments; with sweep=True the tuned knobs take several values each."""
     group = parser.add_argument_group("engine arguments (EngineArgs' names and defaults)")
     for name, kind in TUNED_KNOBS.items():
-        default = _ENGINE_DEFAULTS[name]
+        default = _SIM_DEFAULTS.get(name, _ENGINE_DEFAULTS[name])
         if sweep:
             group.add_argument(_flag(name), type=kind, nargs="+", default=None, metavar="V",
                                help=f"values to try (default: {default})")
@@ -183,6 +190,11 @@ def engine_args_from(args: argparse.Namespace, **overrides: Any) -> EngineArgs:
         value = values.get(name)
         if value is not None and value < 1:
             raise ConfigError(f"{_flag(name)} must be at least 1, got {value}")
+    tier_bytes = values.pop("kv_offload_bytes", 0)
+    if tier_bytes is not None and tier_bytes < 0:
+        raise ConfigError(f"--kv-offload-bytes must be >= 0 (0: no tier), got {tier_bytes}")
+    if tier_bytes:  # a tier of this size (its directory is never touched: simulated)
+        values.update(kv_offload_bytes=tier_bytes, kv_offload_path="(simulated)")
     return EngineArgs(**values)
 
 

@@ -25,7 +25,7 @@ from pagellm.metrics.spec_decode_stats import SpecDecodeStats
 from pagellm.sim.cost_model import StepCostModel
 from pagellm.sim.speculation import SimSpeculationConfig
 from pagellm.sim.request_stream import SimRequest
-from pagellm.sim.simulator import KVSample, SimRequestResult, SimResult, Simulator
+from pagellm.sim.simulator import KVSample, SimRequestResult, SimResult, Simulator, SimTier
 
 ROUTING = "round-robin"
 
@@ -49,13 +49,14 @@ def run_replicas(
     requests: Sequence[SimRequest],
     num_replicas: int,
     speculation: SimSpeculationConfig | None = None,
+    tier: SimTier | None = None,
 ) -> SimResult:
     """Serve `requests` on `num_replicas` engines of the same configuration."""
     if num_replicas == 1:
-        return Simulator(scheduler_config, cache_config, cost_model, speculation).run(requests)
+        return Simulator(scheduler_config, cache_config, cost_model, speculation, tier).run(requests)
     shares = split_round_robin(requests, num_replicas)
     results = [
-        Simulator(scheduler_config, cache_config, cost_model, _replica_speculation(speculation, index)).run(
+        Simulator(scheduler_config, cache_config, cost_model, _replica_speculation(speculation, index), tier).run(
             [requests[i] for i in share]
         )
         for index, share in enumerate(shares)

@@ -92,6 +92,10 @@ def summarize_sim(result: SimResult) -> dict[str, Any]:
             round(stats.num_prefix_hit_tokens / stats.num_prefix_query_tokens, 4)
             if stats.num_prefix_query_tokens else None
         ),
+        "tier_hit_blocks": stats.num_tier_hit_blocks,
+        "tier_skipped_blocks": stats.num_tier_skipped_blocks,
+        "tier_bytes_read": stats.num_tier_bytes_read,
+        "tier_bytes": stats.tier_bytes,
     })  # fmt: skip
     summary.update(_kv_summary(result))
     if result.speculation is not None:
@@ -215,6 +219,8 @@ def print_sim_table(record: dict[str, Any]) -> None:
         ("prefill / decode tokens", f"{s['num_prefill_tokens']} / {s['num_decode_tokens']} "
                                     f"(ratio {s['prefill_decode_ratio']})"),
         ("prefix cache hit rate", "-" if s["prefix_hit_rate"] is None else f"{s['prefix_hit_rate']:.1%}"),
+        ("disk tier", f"{s['tier_hit_blocks']} blocks loaded ({s['tier_bytes_read'] / 1e9:.2f} GB), "
+                      f"{s['tier_skipped_blocks']} computed instead; {s['tier_bytes'] / 1e9:.2f} GB held at the end"),
         ("KV held vs reserved", _waste_line(waste)),
         ("contiguous slabs", f"the cache would hold {waste['contiguous_max_concurrency']} requests "
                              f"of max_model_len at once; paging ran up to "

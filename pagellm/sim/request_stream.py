@@ -92,7 +92,8 @@ def make_synthetic_requests(
     rng = random.Random(f"shared-prefix:{spec.seed}")
     prefix = [rng.randrange(spec.vocab_low, spec.vocab_high) for _ in range(prefix_len)]
     requests = []
-    for arrival, bench in zip(times, bench_requests, strict=True):
+    # A multi-turn workload may have fewer requests (conversations that outgrew max_model_len).
+    for arrival, bench in zip(times[: len(bench_requests)], bench_requests, strict=True):
         prompt = bench.prompt_token_ids
         if prefix and rng.random() < share:
             prompt = prefix + prompt

@@ -9,6 +9,7 @@ workload (data_parallel.py).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -36,7 +37,7 @@ from pagellm.sim.request_stream import (
     make_synthetic_requests,
     read_trace,
 )
-from pagellm.sim.simulator import SimResult
+from pagellm.sim.simulator import SimResult, SimTier
 from pagellm.sim.tensor_parallel_costs import TensorParallelLink
 
 
@@ -58,15 +59,20 @@ class SimRun:
 def target_from_args(args: argparse.Namespace, tensor_parallel_size: int | None = None) -> SimTarget:
     """The flags' target; `tensor_parallel_size` overrides --tensor-parallel-size."""
     tp = args.tensor_parallel_size if tensor_parallel_size is None else tensor_parallel_size
+    read_gbps = getattr(args, "kv_offload_read_gbps", 2.0)
+    if not read_gbps > 0:
+        raise ConfigError(f"--kv-offload-read-gbps must be positive, got {read_gbps}")
     if args.calibration:
         if tp != 1:
             raise ConfigError(
                 "--tensor-parallel-size needs the roofline model: a calibration measures one "
                 "device (--data-parallel-size works with it)"
             )
-        return calibrated_target(CalibratedCostModel.load(args.calibration))
-    gpu = get_gpu_preset(args.gpu)
-    return roofline_target(args.model, gpu, roofline_params_from(args), tensor_parallel_from(args, gpu, tp))
+        target = calibrated_target(CalibratedCostModel.load(args.calibration))
+    else:
+        gpu = get_gpu_preset(args.gpu)
+        target = roofline_target(args.model, gpu, roofline_params_from(args), tensor_parallel_from(args, gpu, tp))
+    return dataclasses.replace(target, tier_read_bytes_per_s=read_gbps * 1e9)
 
 
 def tensor_parallel_from(args: argparse.Namespace, gpu: GpuSpec, tensor_parallel_size: int) -> TensorParallelLink | None:
@@ -129,10 +135,14 @@ def simulate(
     if data_parallel_size < 1:
         raise ConfigError(f"--data-parallel-size must be at least 1, got {data_parallel_size}")
     engine_config = resolve_engine_config(target, engine_args)
+    cache = engine_config.cache_config
+    tier = None
+    if cache.kv_offload_bytes:
+        entry_bytes = engine_config.kv.kv_cache_bytes // cache.num_usable_gpu_blocks
+        tier = SimTier(read_bytes_per_s=target.tier_read_bytes_per_s, entry_bytes=entry_bytes)
     result = run_replicas(
-        engine_config.scheduler_config, engine_config.cache_config, target.cost_model, requests, data_parallel_size,
-        speculation,
-    )  # fmt: skip
+        engine_config.scheduler_config, cache, target.cost_model, requests, data_parallel_size, speculation, tier
+    )
     return SimRun(engine_args, engine_config, result, summarize_sim(result), data_parallel_size)
 
 
@@ -157,6 +167,9 @@ def engine_description(run: SimRun, target: SimTarget) -> dict[str, Any]:
         description["tensor_parallel_size"] = target.tensor_parallel_size
     if run.data_parallel_size > 1:
         description["data_parallel_size"] = run.data_parallel_size
+    if run.engine_config.cache_config.kv_offload_bytes:
+        description["kv_offload_bytes"] = run.engine_config.cache_config.kv_offload_bytes
+        description["kv_offload_read_gbps"] = target.tier_read_bytes_per_s / 1e9
     description.update({
         "preemption_mode": scheduler.preemption_mode,
         "enable_prefix_caching": run.engine_config.cache_config.enable_prefix_caching,

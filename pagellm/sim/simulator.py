@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 
 from pagellm.config import CacheConfig, SchedulerConfig
 from pagellm.core.scheduler import Scheduler
-from pagellm.core.scheduler_output import ModelRunnerOutput
+from pagellm.core.kv_tier import TierReport
+from pagellm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagellm.core.scheduler_stats import SchedulerStats
 from pagellm.errors import InvalidRequestError
 from pagellm.metrics.spec_decode_stats import SpecDecodeStats
@@ -47,6 +48,16 @@ MAX_IDLE_STEPS = 1000
 # dropped) whenever this many accumulate, so any run length stays bounded.
 MAX_KV_SAMPLES = 2048
 FIRST_KV_SAMPLE_INTERVAL_S = 0.05
+
+
+@dataclass(frozen=True)
+class SimTier:
+    """The prefix cache's disk tier as the simulated runner serves it: writes finish
+    within their step (the queue never fills); a step that loads blocks lasts at least
+    as long as reading them (loads overlap the step's compute)."""
+
+    read_bytes_per_s: float
+    entry_bytes: int  # one block's K/V (and the entry's few header bytes, ignored)
 
 
 @dataclass(frozen=True)
@@ -114,7 +125,9 @@ class Simulator:
         cache_config: CacheConfig,
         cost_model: StepCostModel,
         speculation: SimSpeculationConfig | None = None,
+        tier: SimTier | None = None,
     ) -> None:
+        self.tier = tier
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self.cost_model = cost_model
@@ -179,6 +192,9 @@ class Simulator:
             seconds = predict(batch)
             if outside_range is not None and outside_range(batch):
                 num_extrapolated += 1
+            tier_report = None
+            if self.tier is not None:
+                tier_report, seconds = self._tier_step(output, seconds)
             sampled_token_ids = dict.fromkeys(sampled, _SAMPLED)
             if output.scheduled_spec_decode_tokens:
                 assert self.speculator is not None
@@ -186,8 +202,10 @@ class Simulator:
                     sampled_token_ids[request_id] = self.speculator.verify(proposal)  # type: ignore[assignment]
             progress = scheduler.update_from_output(
                 output,
-                ModelRunnerOutput(list(output.num_scheduled_tokens), sampled_token_ids),  # type: ignore[arg-type]
+                ModelRunnerOutput(list(output.num_scheduled_tokens), sampled_token_ids, kv_tier=tier_report),  # type: ignore[arg-type]
             )
+            if self.tier is not None:
+                scheduler.kv_cache_manager.tier_cost.observe_compute(scheduler.last_step_prefill_tokens, seconds)
             num_steps += 1
             now += seconds
             busy += seconds
@@ -238,6 +256,18 @@ class Simulator:
             speculation=self.speculation,
             spec_decode=self.speculator.stats if self.speculator is not None else None,
         )
+
+
+    def _tier_step(self, output: SchedulerOutput, seconds: float) -> tuple[TierReport, float]:
+        """The tier's part of a step: every write done, every load read at the tier's
+        bandwidth beside the compute. Returns the report and the step's duration."""
+        tier = self.tier
+        assert tier is not None
+        written = [(digest, tier.entry_bytes) for digest, _ in output.blocks_to_offload]
+        num_loads = len(output.blocks_to_load)
+        load_seconds = num_loads * tier.entry_bytes / tier.read_bytes_per_s
+        report = TierReport(written, [], [], num_loads, num_loads * tier.entry_bytes, load_seconds)
+        return report, max(seconds, load_seconds)
 
 
 class KVSampler:

@@ -48,6 +48,9 @@ class SimTarget:
     cost_model: StepCostModel
     gpu: GpuSpec | None  # None: a CPU, whose KV budget is the engine's fixed default
     tensor_parallel: TensorParallelLink | None = None  # None: one GPU
+    # The prefix cache's disk tier (when the engine arguments give it a size): how fast
+    # blocks read back from it, bytes per second.
+    tier_read_bytes_per_s: float = 2e9
 
     @property
     def device_name(self) -> str:

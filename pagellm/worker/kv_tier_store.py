@@ -117,6 +117,19 @@ def weights_digest(path: Path) -> str:
     return hasher.hexdigest()
 
 
+def _writer_alive(temp_name: str) -> bool:
+    """Whether the process that is writing a temporary file still runs (another replica
+    of a data-parallel server shares the directory): `.tmp-<pid>-<n>`."""
+    try:
+        pid = int(temp_name.removeprefix(TEMP_PREFIX).split("-")[0])
+        os.kill(pid, 0)
+    except (ValueError, ProcessLookupError):
+        return False
+    except PermissionError:
+        return True  # another user's live process
+    return pid != os.getpid()
+
+
 class TierStore:
     """The entries of one identity in a directory: scan, read, write, delete."""
 
@@ -161,7 +174,8 @@ class TierStore:
         for path in self.folder.iterdir():
             name = path.name
             if name.startswith(TEMP_PREFIX):
-                path.unlink(missing_ok=True)  # a write that never finished
+                if not _writer_alive(name):
+                    path.unlink(missing_ok=True)  # a write that never finished
                 continue
             if not name.endswith(ENTRY_SUFFIX):
                 continue

@@ -126,3 +126,24 @@ def test_the_installed_command_reports_errors_without_traceback():
     assert result.returncode == 1
     assert result.stderr.strip().splitlines()[-1].startswith("pagellm: error: unknown GPU")
     assert "Traceback" not in result.stderr
+
+
+def test_a_multi_turn_workload_with_a_disk_tier(tmp_path, capsys):
+    """Conversations come back after others evicted them from a small KV cache: with a
+    simulated disk tier their history is loaded, so returning turns start sooner."""
+    argv = ["simulate", "--model", "Llama-3-8B", "--gpu", "L4", "--workload", "multi-turn",
+            "--num-requests", "96", "--turns", "6", "--prompt-len", "300", "300", "--output-len", "40", "40",
+            "--request-rate", "8", "--kv-cache-memory-bytes", str(2 * 1024**3), "--json"]  # fmt: skip
+    code, out, _ = run(capsys, *argv)
+    assert code == 0
+    without = json.loads(out)
+    code, out, _ = run(capsys, *argv, "--kv-offload-bytes", str(64 * 1024**3), "--kv-offload-read-gbps", "4")
+    assert code == 0
+    tiered = json.loads(out)
+    assert without["workload"]["kind"] == "multi-turn" and without["results"]["completed"] == 96
+    assert without["results"]["tier_hit_blocks"] == 0 and "kv_offload_bytes" not in without["engine"]
+    r = tiered["results"]
+    assert tiered["engine"]["kv_offload_bytes"] == 64 * 1024**3 and r["completed"] == 96
+    assert r["tier_hit_blocks"] > 0 and r["tier_bytes_read"] > 0 and 0 < r["tier_bytes"] <= 64 * 1024**3
+    assert r["num_prefill_tokens"] < without["results"]["num_prefill_tokens"]
+    assert r["ttft_ms_median"] < without["results"]["ttft_ms_median"]
