@@ -105,6 +105,7 @@ class CacheBudget:
     # The prefix cache's second tier on local disk (None: none) and its size bound.
     kv_offload_path: str | None = None
     kv_offload_bytes: int = 0
+    kv_offload_host_bytes: int | None = None  # its host-memory cache (None: the device's default)
 
 
 @dataclass(frozen=True)

@@ -60,6 +60,8 @@ _HELP = {
     "kv_offload_path": "directory on local disk for the prefix cache's second tier: full prefix blocks are "
     "written there and loaded back on a later hit, also after a restart (needs prefix caching)",
     "kv_offload_bytes": "size bound of the --kv-offload-path tier in bytes (least recently used entries go first)",
+    "kv_offload_host_bytes": "host memory that keeps the tier's latest blocks in front of the disk (default: 4 GiB "
+    "when the KV cache is on a GPU, none on CPU)",
     "scheduling_policy": "order of service: fcfs, priority, or shortest-remaining (running requests "
     "closest to finishing first)",
     "max_num_partial_prefills": "most requests given prefill tokens in one step (unset = no limit)",

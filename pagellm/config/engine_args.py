@@ -71,6 +71,9 @@ class EngineArgs:
     # prefix blocks (and keeps them across restarts), and its size bound in bytes
     kv_offload_path: str | None = None
     kv_offload_bytes: int = DEFAULT_KV_OFFLOAD_BYTES
+    # and its latest blocks kept in host memory in front of the disk; None: 4 GiB when
+    # the KV cache is on a GPU, none on CPU (the KV cache is host memory already)
+    kv_offload_host_bytes: int | None = None
     preemption_mode: str = "recompute"
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
@@ -124,6 +127,8 @@ class EngineArgs:
             raise ConfigError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
         if self.kv_offload_bytes <= 0 and self.kv_offload_path is not None:
             raise ConfigError(f"kv_offload_bytes must be positive, got {self.kv_offload_bytes}")
+        if self.kv_offload_host_bytes is not None and self.kv_offload_host_bytes < 0:
+            raise ConfigError(f"kv_offload_host_bytes must be >= 0, got {self.kv_offload_host_bytes}")
         if self.kv_offload_path is not None and self.tensor_parallel_size > 1:
             raise ConfigError(
                 "kv_offload_path (the prefix cache's disk tier) does not work with tensor_parallel_size > 1 yet"

@@ -230,6 +230,7 @@ def resolve_engine_config(
         swap_space_bytes=int(args.swap_space * GiB) if args.preemption_mode == "swap" else 0,
         kv_offload_path=args.kv_offload_path,
         kv_offload_bytes=args.kv_offload_bytes,
+        kv_offload_host_bytes=args.kv_offload_host_bytes,
     )
     return EngineConfig(
         source=source,

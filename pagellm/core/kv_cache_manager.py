@@ -32,7 +32,7 @@ from pagellm.config.units import cdiv
 from pagellm.core.kv_events import KVEventLog
 from pagellm.core.block_pool import NULL_BLOCK_ID, BlockPool, KVBlock
 from pagellm.core.kv_tier import TierCostModel, TierIndex, block_digest
-from pagellm.request import Request
+from pagellm.request import BlockHash, Request
 
 logger = logging.getLogger(__name__)
 
@@ -216,7 +216,7 @@ class KVCacheManager:
         return ComputedBlocks(tables, num_hit * self.block_size, tier_digests, num_misses, num_skipped)
 
     def _tier_lookup(
-        self, request: Request, hashes: list, num_hit: int, max_hit_blocks: int
+        self, request: Request, hashes: list[BlockHash], num_hit: int, max_hit_blocks: int
     ) -> tuple[tuple[bytes, ...], int, int]:
         """The run of blocks after the device hit that the tier holds, the blocks looked up
         after it that it lacks, and (cost rule) how many found were not taken."""

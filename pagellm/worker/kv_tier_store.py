@@ -216,17 +216,25 @@ class TierStore:
             raise
 
     def read(self, digest: bytes) -> bytearray:
-        """A block's payload, checked; raises TierEntryError (and removes the file) if it
-        is missing, truncated or corrupt."""
+        """A block's entry (header and payload), checked; raises TierEntryError (and
+        removes the file) if it is missing, truncated or corrupt."""
+        data = bytearray(self.entry_bytes)
+        self.read_into(digest, memoryview(data))
+        return data
+
+    def read_into(self, digest: bytes, out: memoryview) -> None:
+        """Read and check a block's entry into `out` (entry_bytes long); raises
+        TierEntryError (and removes the file) if it is missing, truncated or corrupt."""
         path = self.path_of(digest)
         try:
             with open(path, "rb") as handle:
-                data = bytearray(handle.read())
+                size = os.fstat(handle.fileno()).st_size
+                num_read = handle.readinto(out) if size == self.entry_bytes else 0
         except FileNotFoundError as error:
             raise TierEntryError(f"{path.name} is missing") from error
         except OSError as error:
             raise TierEntryError(f"{path.name} cannot be read: {error}") from error
-        problem = self._check(data, digest)
+        problem = f"has {size} bytes, not {self.entry_bytes}" if num_read != self.entry_bytes else self._check(out, digest)
         if problem is not None:
             path.unlink(missing_ok=True)
             raise TierEntryError(f"{path.name} {problem}; removed")
@@ -234,15 +242,12 @@ class TierStore:
             os.utime(path)
         except OSError:
             pass
-        return data
 
-    def _check(self, data: bytearray, digest: bytes) -> str | None:
-        if len(data) != self.entry_bytes:
-            return f"has {len(data)} bytes, not {self.entry_bytes}"
+    def _check(self, data: memoryview, digest: bytes) -> str | None:
         magic, stored_digest, length, crc = ENTRY_HEADER.unpack_from(data)
         if magic != ENTRY_MAGIC or stored_digest != digest or length != self.identity.payload_bytes:
             return "has a foreign header"
-        if zlib.crc32(memoryview(data)[ENTRY_HEADER.size :]) != crc:
+        if zlib.crc32(data[ENTRY_HEADER.size :]) != crc:
             return "fails its checksum"
         return None
 

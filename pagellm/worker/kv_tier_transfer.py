@@ -6,6 +6,10 @@ and handed to a writer thread, which writes them in order (after the deletions s
 with them). The scheduler bounds how many writes wait (TierIndex.offer_write), so the
 queue never grows without bound and a step never waits for the disk.
 
+A host-memory cache (kv_offload_host_bytes; on by default when the KV cache is on a
+GPU) keeps the latest blocks written or read in RAM in front of the disk, least recently
+used out: a load found there is a memory copy, not a file read and check.
+
 Loads: the blocks to load go to a loader thread that reads and checks each entry and
 copies it into its device block while the step's forward pass runs (no request of the
 step reads those blocks: their request computes from the next step on). The step waits
@@ -18,6 +22,7 @@ import logging
 import queue
 import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -30,19 +35,59 @@ logger = logging.getLogger(__name__)
 _STOP = object()
 
 
+class HostBlockCache:
+    """Blocks' payloads in host memory, least recently used first; the writer's caller and
+    the loader thread share it."""
+
+    def __init__(self, capacity_bytes: int) -> None:
+        self.capacity_bytes = capacity_bytes
+        self._rows: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+        self.num_bytes = 0
+        self._lock = threading.Lock()
+
+    def put(self, digest: bytes, row: torch.Tensor) -> None:
+        if row.numel() > self.capacity_bytes:
+            return
+        with self._lock:
+            old = self._rows.pop(digest, None)
+            if old is not None:
+                self.num_bytes -= old.numel()
+            self._rows[digest] = row
+            self.num_bytes += row.numel()
+            while self.num_bytes > self.capacity_bytes:
+                _, dropped = self._rows.popitem(last=False)
+                self.num_bytes -= dropped.numel()
+
+    def get(self, digest: bytes) -> torch.Tensor | None:
+        with self._lock:
+            row = self._rows.get(digest)
+            if row is not None:
+                self._rows.move_to_end(digest)
+            return row
+
+    def drop(self, digest: bytes) -> None:
+        with self._lock:
+            row = self._rows.pop(digest, None)
+            if row is not None:
+                self.num_bytes -= row.numel()
+
+
 class LoadResult:
     """What one step's load batch did."""
 
     def __init__(self) -> None:
         self.failed: list[bytes] = []
         self.num_loaded = 0
+        self.num_from_host = 0  # of those, found in the host-memory cache
         self.bytes_read = 0
         self.seconds = 0.0
 
 
 class KVTierTransfer:
-    def __init__(self, store: TierStore, cache_tensors: list[torch.Tensor]) -> None:
+    def __init__(self, store: TierStore, cache_tensors: list[torch.Tensor], host_cache_bytes: int = 0) -> None:
         self.store = store
+        self.host = HostBlockCache(host_cache_bytes) if host_cache_bytes > 0 else None
+        self.num_host_hits = 0  # loads served from host memory since start
         self.tensors = cache_tensors  # each distinct KV cache tensor once, in layer order
         self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -57,6 +102,8 @@ class KVTierTransfer:
     def offload(self, blocks: list[tuple[bytes, int]], deletions: list[bytes]) -> None:
         """Queue deletions, then copy `blocks` (digest, device block) out and queue them."""
         for digest in deletions:
+            if self.host is not None:
+                self.host.drop(digest)
             self._queue.put(("delete", digest, None))
         if not blocks:
             return
@@ -65,6 +112,8 @@ class KVTierTransfer:
         staged = torch.stack([tensor.index_select(1, index) for tensor in self.tensors])
         rows = staged.movedim(2, 0).contiguous().cpu().reshape(len(blocks), -1).view(torch.uint8)
         for (digest, _), row in zip(blocks, rows, strict=True):
+            if self.host is not None:
+                self.host.put(digest, row.clone())  # its own memory: the batch may go
             self._queue.put(("write", digest, row))
 
     def _write_loop(self) -> None:
@@ -107,27 +156,44 @@ class KVTierTransfer:
     def _load(self, loads: list[tuple[bytes, int]]) -> LoadResult:
         result = LoadResult()
         started = time.perf_counter()
-        shape = (len(self.tensors), *self.tensors[0].shape[:1], *self.tensors[0].shape[2:])
-        dtype = self.tensors[0].dtype
+        # Every entry read straight into one buffer, then one copy per cache tensor.
+        entry_bytes = self.store.entry_bytes
+        buffer = torch.empty((len(loads), entry_bytes), dtype=torch.uint8)
+        flat = memoryview(buffer.numpy().reshape(-1))
+        loaded_ids: list[int] = []
         for digest, block_id in loads:
-            try:
-                data = self.store.read(digest)
-            except TierEntryError as error:
-                logger.warning("prefix-cache tier: %s; the block is computed instead", error)
-                result.failed.append(digest)
-                continue
-            payload = torch.frombuffer(data, dtype=torch.uint8)[ENTRY_HEADER.size :]
-            block = payload.view(dtype).view(shape)
-            for tensor, part in zip(self.tensors, block, strict=True):
-                tensor[:, block_id].copy_(part)
-            result.num_loaded += 1
-            result.bytes_read += len(data)
+            row = len(loaded_ids)
+            cached = self.host.get(digest) if self.host is not None else None
+            if cached is not None:
+                buffer[row, ENTRY_HEADER.size :].copy_(cached)
+                result.num_from_host += 1
+            else:
+                try:
+                    self.store.read_into(digest, flat[row * entry_bytes : (row + 1) * entry_bytes])
+                except TierEntryError as error:
+                    logger.warning("prefix-cache tier: %s; the block is computed instead", error)
+                    result.failed.append(digest)
+                    continue
+                result.bytes_read += entry_bytes
+                if self.host is not None:
+                    self.host.put(digest, buffer[row, ENTRY_HEADER.size :].clone())
+            loaded_ids.append(block_id)
+        if loaded_ids:
+            first = self.tensors[0]
+            shape = (len(loaded_ids), len(self.tensors), first.shape[0], *first.shape[2:])
+            blocks = buffer[: len(loaded_ids), ENTRY_HEADER.size :].view(first.dtype).view(shape)
+            index = torch.tensor(loaded_ids, device=first.device)
+            for layer, tensor in enumerate(self.tensors):
+                # [n, 2, block_size, heads, dim] -> [2, n, ...]: the blocks along dim 1.
+                tensor.index_copy_(1, index, blocks[:, layer].transpose(0, 1).to(tensor.device))
+            result.num_loaded = len(loaded_ids)
         result.seconds = time.perf_counter() - started
         return result
 
     def report(self, loading: Future[LoadResult] | None) -> TierReport:
         """This step's report: its loads (waited for) and the writes finished since the last."""
         result = loading.result() if loading is not None else LoadResult()
+        self.num_host_hits += result.num_from_host
         with self._lock:
             written, self._written = self._written, []
             failed_writes, self._failed_writes = self._failed_writes, []

@@ -65,6 +65,7 @@ class ModelRunner:
         grammars: GrammarCompiler | None = None,
         draft: DraftModelProposer | None = None,
         kv_tier_store: TierStore | None = None,
+        kv_tier_host_bytes: int = 0,
     ) -> None:
         self.model = model
         # With tensor parallelism only the driver (rank 0) samples; the other ranks make
@@ -90,7 +91,9 @@ class ModelRunner:
         )
         # The prefix cache's second tier: its writes and loads (worker/kv_tier_transfer.py).
         self.kv_tier = (
-            KVTierTransfer(kv_tier_store, distinct_tensors(self.kv_caches)) if kv_tier_store is not None else None
+            KVTierTransfer(kv_tier_store, distinct_tensors(self.kv_caches), kv_tier_host_bytes)
+            if kv_tier_store is not None
+            else None
         )
         self.sampler = Sampler()
         self.penalties = PenaltyState(model.vocab_size, device)

@@ -35,6 +35,9 @@ from pagellm.worker.kv_tier_store import TierIdentity, TierStore
 
 logger = logging.getLogger(__name__)
 
+# The tier's host-memory cache when the KV cache is on a GPU and the user set none.
+DEFAULT_KV_OFFLOAD_HOST_BYTES = 4 * GiB
+
 
 @dataclass(frozen=True)
 class StepMessage:
@@ -174,6 +177,7 @@ class Worker:
             grammars=self.grammars,
             draft=draft,
             kv_tier_store=self._open_kv_tier(),
+            kv_tier_host_bytes=self._kv_tier_host_bytes(),
         )
         sizes = self.graph_sizes()
         if sizes:
@@ -200,6 +204,12 @@ class Worker:
             store.folder, self.config.cache_budget.kv_offload_bytes / GiB, len(store.entries), store.entry_bytes,
         )  # fmt: skip
         return store
+
+    def _kv_tier_host_bytes(self) -> int:
+        host_bytes = self.config.cache_budget.kv_offload_host_bytes
+        if host_bytes is None:
+            return DEFAULT_KV_OFFLOAD_HOST_BYTES if self.device.type == "cuda" else 0
+        return host_bytes
 
     def execute_model(
         self, scheduler_output: SchedulerOutput, sampled_token_ids: dict[str, list[int]] | None = None

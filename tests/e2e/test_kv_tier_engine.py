@@ -208,3 +208,37 @@ def test_a_writer_killed_mid_write_leaves_no_entry_that_validates(tmp_path) -> N
         assert bytes(data[-identity.payload_bytes :]) == expected
     with pytest.raises(TierEntryError):
         store.read(b"\xff" * 16)
+
+
+def test_the_host_memory_cache_serves_loads_before_the_disk(tiny, tmp_path) -> None:
+    folder, first, second_prompt, second = tiny
+    llm = make_llm(folder, tmp_path / "tier", kv_offload_host_bytes=1 << 20)
+    serve_and_evict(llm, first)
+    transfer = llm.engine.runner.kv_tier
+    transfer.flush()
+    [store] = [p for p in (tmp_path / "tier").iterdir() if p.is_dir()]
+    for path in store.glob("*" + ENTRY_SUFFIX):
+        path.unlink()  # only host memory holds the blocks now
+    output = greedy(llm, second_prompt)
+    assert output.outputs[0].token_ids == second and output.num_cached_tokens == 64
+    assert transfer.num_host_hits == 4 and tier_stats(llm)["num_tier_failed_loads"] == 0
+    assert transfer.host.num_bytes <= 1 << 20
+    llm.shutdown()
+
+
+def test_the_host_memory_cache_keeps_its_bound() -> None:
+    import torch
+
+    from pagellm.worker.kv_tier_transfer import HostBlockCache
+
+    cache = HostBlockCache(capacity_bytes=250)
+    for index in range(5):
+        cache.put(bytes([index]), torch.zeros(100, dtype=torch.uint8))
+    assert cache.num_bytes == 200 and cache.get(b"\x00") is None and cache.get(b"\x04") is not None
+    cache.get(b"\x03")  # now the most recent
+    cache.put(b"\x05", torch.zeros(100, dtype=torch.uint8))
+    assert cache.get(b"\x04") is None and cache.get(b"\x03") is not None
+    cache.put(b"big", torch.zeros(300, dtype=torch.uint8))  # larger than the whole cache: not kept
+    assert cache.get(b"big") is None and cache.num_bytes == 200
+    cache.drop(b"\x03")
+    assert cache.num_bytes == 100
