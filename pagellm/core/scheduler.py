@@ -23,7 +23,7 @@ from pagellm.core.kv_cache_manager import NO_HIT, ComputedBlocks, KVCacheManager
 from pagellm.core.parallel_sampling import make_child_request
 from pagellm.core.prefill_balance import prefill_chunk_size, prefill_token_cap, remaining_work
 from pagellm.core.scheduler_integrity import check_scheduler_integrity
-from pagellm.core.scheduler_stats import SchedulerStats
+from pagellm.core.scheduler_stats import SchedulerStats, by_adapter, kv_cache_fields
 from pagellm.core.speculator_interface import Speculator
 from pagellm.core.step_plan import StepPlan
 from pagellm.core.admission import check_request_fits
@@ -664,28 +664,18 @@ class Scheduler:
     # ------------------------------------------------------------ inspection
 
     def make_stats(self) -> SchedulerStats:
-        kv = self.kv_cache_manager
-        kv_stats = kv.make_stats()
+        track_adapters = bool(self.scheduler_config.max_loras)
         return SchedulerStats(
             num_running=self.num_running,
             num_waiting=self.num_waiting,
             num_swapped=self.num_swapped,
-            kv_cache_usage=kv.get_usage(),
-            num_free_blocks=kv.num_free_blocks,
-            host_kv_cache_usage=kv.get_host_usage(),
-            num_prefix_query_tokens=kv_stats.num_prefix_query_tokens,
-            num_prefix_hit_tokens=kv_stats.num_prefix_hit_tokens,
-            num_allocation_attempts=kv_stats.num_allocation_attempts,
-            num_allocation_failures=kv_stats.num_allocation_failures,
             num_preemptions_recompute=self._num_preemptions["recompute"],
             num_preemptions_swap=self._num_preemptions["swap"],
-            num_swapped_in_blocks=kv_stats.num_swapped_in_blocks,
-            num_swapped_out_blocks=kv_stats.num_swapped_out_blocks,
             num_prefill_tokens=self._num_prefill_tokens,
             num_decode_tokens=self._num_decode_tokens,
-            running_by_adapter=_by_adapter(self.running) if self.scheduler_config.max_loras else {},
-            waiting_by_adapter=_by_adapter([*self.waiting, *self.swapped]) if self.scheduler_config.max_loras else {},
-            **_tier_fields(kv),
+            running_by_adapter=by_adapter(self.running) if track_adapters else {},
+            waiting_by_adapter=by_adapter([*self.waiting, *self.swapped]) if track_adapters else {},
+            **kv_cache_fields(self.kv_cache_manager),
         )
 
     def check_integrity(self) -> None:
@@ -698,33 +688,3 @@ class Scheduler:
             swapped=self.swapped,
             max_num_seqs=self.scheduler_config.max_num_seqs,
         )
-
-
-def _tier_fields(kv: KVCacheManager) -> dict[str, int | float]:
-    """SchedulerStats' fields of the prefix cache's tier (none without one)."""
-    if kv.tier is None:
-        return {}
-    stats = kv.tier.stats
-    return {
-        "num_tier_hit_blocks": stats.num_hit_blocks,
-        "num_tier_miss_blocks": stats.num_miss_blocks,
-        "num_tier_skipped_blocks": stats.num_skipped_blocks,
-        "num_tier_failed_loads": stats.num_failed_loads,
-        "num_tier_written_blocks": stats.num_written_blocks,
-        "num_tier_dropped_writes": stats.num_dropped_writes,
-        "num_tier_bytes_read": stats.bytes_read,
-        "num_tier_bytes_written": stats.bytes_written,
-        "tier_load_seconds": stats.load_seconds,
-        "num_tier_load_batches": stats.num_load_batches,
-        "tier_bytes": kv.tier.num_bytes,
-    }
-
-
-def _by_adapter(requests: Iterable[Request]) -> dict[str, int]:
-    """How many of the requests run under each LoRA adapter (by name)."""
-    counts: dict[str, int] = {}
-    for request in requests:
-        if request.lora_request is not None:
-            name = request.lora_request.lora_name
-            counts[name] = counts.get(name, 0) + 1
-    return counts

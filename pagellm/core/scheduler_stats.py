@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
+from typing import Any
+
+from pagellm.core.kv_cache_manager import KVCacheManager
+from pagellm.request import Request
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,3 +49,45 @@ class SchedulerStats:
     tier_load_seconds: float = 0.0
     num_tier_load_batches: int = 0
     tier_bytes: int = 0
+
+
+def kv_cache_fields(kv: KVCacheManager) -> dict[str, Any]:
+    """SchedulerStats' fields that the KV cache manager (and its tier) knows."""
+    stats = kv.make_stats()
+    fields: dict[str, Any] = {
+        "kv_cache_usage": kv.get_usage(),
+        "num_free_blocks": kv.num_free_blocks,
+        "host_kv_cache_usage": kv.get_host_usage(),
+        "num_prefix_query_tokens": stats.num_prefix_query_tokens,
+        "num_prefix_hit_tokens": stats.num_prefix_hit_tokens,
+        "num_allocation_attempts": stats.num_allocation_attempts,
+        "num_allocation_failures": stats.num_allocation_failures,
+        "num_swapped_in_blocks": stats.num_swapped_in_blocks,
+        "num_swapped_out_blocks": stats.num_swapped_out_blocks,
+    }
+    if kv.tier is not None:
+        tier = kv.tier.stats
+        fields.update(
+            num_tier_hit_blocks=tier.num_hit_blocks,
+            num_tier_miss_blocks=tier.num_miss_blocks,
+            num_tier_skipped_blocks=tier.num_skipped_blocks,
+            num_tier_failed_loads=tier.num_failed_loads,
+            num_tier_written_blocks=tier.num_written_blocks,
+            num_tier_dropped_writes=tier.num_dropped_writes,
+            num_tier_bytes_read=tier.bytes_read,
+            num_tier_bytes_written=tier.bytes_written,
+            tier_load_seconds=tier.load_seconds,
+            num_tier_load_batches=tier.num_load_batches,
+            tier_bytes=kv.tier.num_bytes,
+        )
+    return fields
+
+
+def by_adapter(requests: Iterable[Request]) -> dict[str, int]:
+    """How many of the requests run under each LoRA adapter (by name)."""
+    counts: dict[str, int] = {}
+    for request in requests:
+        if request.lora_request is not None:
+            name = request.lora_request.lora_name
+            counts[name] = counts.get(name, 0) + 1
+    return counts

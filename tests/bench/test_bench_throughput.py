@@ -49,7 +49,7 @@ def bench_args(folder, backend, **extra):
     args = argparse.Namespace(
         backend=backend, model=str(folder), dtype="float32", hf_batch_sizes=[2, 4], llamacpp_parallel=4,
         max_num_seqs=256, max_num_batched_tokens=None, max_model_len=256, result_file=None, repeats=1,
-        workload="mixed", num_requests=6, prompt_len=(4, 20), output_len=(3, 9), shared_prefix_len=8, seed=0,
+        workload="mixed", num_requests=6, prompt_len=(4, 20), output_len=(3, 9), shared_prefix_len=8, turns=8, seed=0,
         check_requests=4, check_tokens=16, json=False,
     )  # fmt: skip
     for key, value in extra.items():

@@ -21,7 +21,7 @@ def test_sweep_runs_each_setting_on_the_same_workload(folder, tmp_path, capsys):
     args = argparse.Namespace(
         model=str(folder), dtype="float32", max_model_len=128, request_rate=50.0, burstiness=1.0,
         settings=["default", "interactive", "shortest-remaining"], out_dir=str(tmp_path),
-        workload="mixed", num_requests=8, prompt_len=(4, 40), output_len=(2, 12), shared_prefix_len=8, seed=1,
+        workload="mixed", num_requests=8, prompt_len=(4, 40), output_len=(2, 12), shared_prefix_len=8, turns=8, seed=1,
     )  # fmt: skip
     records = run_bench_knobs(args)
     assert [r["setting"] for r in records] == args.settings

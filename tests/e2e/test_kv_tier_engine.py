@@ -75,8 +75,9 @@ def serve_and_evict(llm: LLM, first: list[int]) -> None:
         greedy(llm, other)
 
 
-def test_a_returning_conversation_loads_its_history_from_the_tier(tiny, tmp_path) -> None:
+def test_a_returning_conversation_loads_its_history_from_the_tier(tiny, tmp_path, caplog) -> None:
     folder, first, second_prompt, second = tiny
+    caplog.set_level(logging.DEBUG, logger="pagellm.core.scheduler")
     llm = make_llm(folder, tmp_path / "tier")
     serve_and_evict(llm, first)
     manager = llm.engine.scheduler.kv_cache_manager
@@ -88,6 +89,9 @@ def test_a_returning_conversation_loads_its_history_from_the_tier(tiny, tmp_path
     # 70 + 8 tokens of history: 4 full blocks written (the fifth was not full when it left).
     assert output.num_cached_tokens == 64
     assert llm.engine.get_stats().num_prefill_tokens - prefill_before == len(second_prompt) - 64
+    # The request's log line says where its prompt came from.
+    line = f"{len(second_prompt)} prompt tokens (0 from the KV cache, 64 from its tier, {len(second_prompt) - 64} computed)"
+    assert line in caplog.text
     stats = tier_stats(llm)
     assert stats["num_tier_hit_blocks"] == 4 and stats["num_tier_failed_loads"] == 0
     assert stats["num_tier_written_blocks"] >= 4 * (1 + len(OTHERS))
