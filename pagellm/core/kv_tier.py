@@ -89,14 +89,21 @@ class TierReport(NamedTuple):
 
 
 class TierCostModel:
-    """Moving averages of a block's read time and a prompt token's compute time."""
+    """Moving averages of a block's read time and a prompt token's compute time.
 
-    def __init__(self, block_size: int, smoothing: float = 0.2) -> None:
+    Loading pays while reading a block is faster than computing its tokens. While it
+    does not, one lookup in `probe_every` loads anyway, so the read time keeps being
+    measured: one slow read (a cold disk cache, a busy disk) never turns the tier off
+    for good."""
+
+    def __init__(self, block_size: int, smoothing: float = 0.2, probe_every: int = 16) -> None:
         self.block_size = block_size
         self.smoothing = smoothing
+        self.probe_every = probe_every
         self.read_seconds_per_block: float | None = None
         self.compute_seconds_per_token: float | None = None
         self._loading_pays: bool | None = None  # the last verdict logged
+        self._num_skipped = 0  # lookups computed instead since the last probe
 
     def observe_read(self, num_blocks: int, seconds: float) -> None:
         if num_blocks > 0 and seconds > 0:
@@ -112,17 +119,26 @@ class TierCostModel:
         return new if old is None else old + self.smoothing * (new - old)
 
     def loading_pays(self) -> bool:
-        """Whether loading a block beats computing it (True until both were measured)."""
+        """Whether to load a lookup's tier hits: True until both times were measured,
+        then while reading is faster, and for every `probe_every`-th lookup otherwise."""
         read, compute = self.read_seconds_per_block, self.compute_seconds_per_token
         pays = read is None or compute is None or read < compute * self.block_size
         if pays != self._loading_pays and read is not None and compute is not None:
             logger.info(
                 "prefix-cache tier: reading a block takes %.3f ms, computing its %d tokens %.3f ms: %s",
                 read * 1e3, self.block_size, compute * self.block_size * 1e3,
-                "loading hits from the tier" if pays else "computing instead of loading (the tier is slower)",
+                "loading hits from the tier" if pays else
+                f"computing instead of loading (the tier is slower; one lookup in {self.probe_every} still loads)",
             )  # fmt: skip
         self._loading_pays = pays
-        return pays
+        if pays:
+            self._num_skipped = 0
+            return True
+        self._num_skipped += 1
+        if self._num_skipped >= self.probe_every:
+            self._num_skipped = 0
+            return True
+        return False
 
 
 class TierIndex:

@@ -70,7 +70,11 @@ def test_cost_rule_follows_the_measurements() -> None:
     cost.observe_compute(num_prompt_tokens=1000, seconds=0.5)  # 0.5 ms a token: 8 ms a block
     assert cost.loading_pays()
     cost.observe_read(num_blocks=1, seconds=0.020)  # 20 ms a block
-    assert not cost.loading_pays()
+    verdicts = [cost.loading_pays() for _ in range(2 * cost.probe_every)]
+    # Computed instead, but one lookup in probe_every still loads, to measure again.
+    assert verdicts.count(True) == 2 and verdicts[cost.probe_every - 1] and verdicts[-1]
+    cost.observe_read(num_blocks=4, seconds=0.004)  # the probe read fast: loading pays again
+    assert all(cost.loading_pays() for _ in range(3))
 
 
 def test_an_evicted_prefix_is_loaded_back_in_a_step_of_its_own() -> None:
