@@ -25,6 +25,7 @@ from pagellm.sim.model_presets import MODEL_PRESETS
 from pagellm.sim.roofline import RooflineParams
 from pagellm.sim.speculation import SimSpeculationConfig
 from pagellm.sim.tensor_parallel_costs import DEFAULT_ALLREDUCE_EFFICIENCY
+from pagellm.sim.tune import simulated_tier
 from pagellm.workload.synthetic import add_workload_args, workload_spec_from_args
 
 _ENGINE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineArgs)}
@@ -190,11 +191,7 @@ def engine_args_from(args: argparse.Namespace, **overrides: Any) -> EngineArgs:
         value = values.get(name)
         if value is not None and value < 1:
             raise ConfigError(f"{_flag(name)} must be at least 1, got {value}")
-    tier_bytes = values.pop("kv_offload_bytes", 0)
-    if tier_bytes is not None and tier_bytes < 0:
-        raise ConfigError(f"--kv-offload-bytes must be >= 0 (0: no tier), got {tier_bytes}")
-    if tier_bytes:  # a tier of this size (its directory is never touched: simulated)
-        values.update(kv_offload_bytes=tier_bytes, kv_offload_path="(simulated)")
+    values.update(simulated_tier(values.pop("kv_offload_bytes", 0)))
     return EngineArgs(**values)
 
 

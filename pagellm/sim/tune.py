@@ -225,10 +225,25 @@ def command_line(model: str, engine: dict[str, Any]) -> str:
         parts.append("--no-enable-prefix-caching")
     if engine.get("preemption_mode", "recompute") != "recompute":
         parts.append(f"--preemption-mode {engine['preemption_mode']}")
+    if engine.get("kv_offload_bytes"):  # the disk tier: a folder of the user's choice
+        parts.append(f"--kv-offload-path DIR --kv-offload-bytes {engine['kv_offload_bytes']}")
     return " ".join(parts)
+
+
+def simulated_tier(tier_bytes: int | None) -> dict[str, Any]:
+    """EngineArgs' fields of a simulated prefix-cache tier of `tier_bytes` (0 or None:
+    none); its directory is never touched."""
+    if tier_bytes is not None and tier_bytes < 0:
+        raise ConfigError(f"--kv-offload-bytes must be >= 0 (0: no tier), got {tier_bytes}")
+    if not tier_bytes:
+        return {"kv_offload_path": None}
+    return {"kv_offload_bytes": tier_bytes, "kv_offload_path": "(simulated)"}
 
 
 def engine_args_for(base: EngineArgs, knobs: dict[str, Any]) -> EngineArgs:
     import dataclasses
 
+    knobs = dict(knobs)
+    if "kv_offload_bytes" in knobs:  # a swept tier size: the tier's two fields
+        knobs.update(simulated_tier(knobs.pop("kv_offload_bytes")))
     return dataclasses.replace(base, **knobs)

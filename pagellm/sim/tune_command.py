@@ -35,7 +35,7 @@ _POINT_FIELDS = (
     "num_requests", "completed", "rejected", "requests_per_s", "output_tok_s", "ttft_ms_median", "ttft_ms_p99",
     "itl_ms_median", "itl_ms_p99", "tpot_ms_median", "e2el_ms_p99", "kv_usage_mean",
     "kv_usage_max", "num_preemptions", "num_allocation_failures", "kv_capacity_tokens",
-    "num_steps", "sim_wall_s",
+    "num_steps", "tier_hit_blocks", "sim_wall_s",
 )  # fmt: skip
 # Column headers of knobs whose names are too long for the table.
 _SHORT_NAMES = {"tensor_parallel_size": "TP", "data_parallel_size": "DP"}

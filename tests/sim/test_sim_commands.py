@@ -147,3 +147,21 @@ def test_a_multi_turn_workload_with_a_disk_tier(tmp_path, capsys):
     assert r["tier_hit_blocks"] > 0 and r["tier_bytes_read"] > 0 and 0 < r["tier_bytes"] <= 64 * 1024**3
     assert r["num_prefill_tokens"] < without["results"]["num_prefill_tokens"]
     assert r["ttft_ms_median"] < without["results"]["ttft_ms_median"]
+
+
+def test_tune_sweeps_the_disk_tier_size(tmp_path, capsys):
+    """tune says how much tier a multi-turn workload needs: each swept size is a tier of
+    that size (none at 0), and a winning tier is in the recommended command."""
+    code, out, _ = run(capsys, "tune", "--model", "Llama-3-8B", "--gpu", "L4", "--workload", "multi-turn",
+                       "--num-requests", "96", "--turns", "6", "--prompt-len", "300", "300", "--output-len", "40", "40",
+                       "--request-rate", "8", "--kv-cache-memory-bytes", str(2 * 1024**3), "--max-num-seqs", "64",
+                       "--max-num-batched-tokens", "2048", "--kv-offload-bytes", "0", str(64 * 1024**3), "--goal", "latency",
+                       "--latency-metric", "ttft_median", "--plot", "", "--jobs", "1", "--json")  # fmt: skip
+    assert code == 0
+    record = json.loads(out)
+    points = {p["knobs"]["kv_offload_bytes"]: p for p in record["points"]}
+    assert set(points) == {0, 64 * 1024**3}
+    assert points[0]["results"]["tier_hit_blocks"] == 0 and points[64 * 1024**3]["results"]["tier_hit_blocks"] > 0
+    assert points[64 * 1024**3]["results"]["ttft_ms_median"] < points[0]["results"]["ttft_ms_median"]
+    assert record["points"][0]["knobs"]["kv_offload_bytes"] == 64 * 1024**3
+    assert record["recommended"]["command"].endswith(f"--kv-offload-path DIR --kv-offload-bytes {64 * 1024**3}")
