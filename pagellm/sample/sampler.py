@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagellm.core.scheduler_output import TokenLogprobs
+from pagellm.sample.argmax import row_argmax
 from pagellm.sample.penalties import apply_penalties
 from pagellm.sampling_params import SamplingParams
 
@@ -61,7 +62,7 @@ class Sampler:
         raw_logprobs = logits.log_softmax(dim=-1) if any(wants_logprobs) else None
         self.process(logits, batch)
 
-        tokens = logits.argmax(dim=-1)
+        tokens = row_argmax(logits)
         sample_rows = [i for i, p in enumerate(batch.params) if p.temperature > 0.0]
         if sample_rows:
             index = torch.tensor(sample_rows, device=logits.device)
@@ -73,7 +74,7 @@ class Sampler:
                 generator = batch.generators[row]
                 if generator is not None:
                     noise[j].exponential_(generator=generator)
-            tokens[index] = (probs / noise).argmax(dim=-1)
+            tokens[index] = row_argmax(probs / noise)
 
         token_list = tokens.tolist()
         logprobs: list[TokenLogprobs | None] = [None] * num_rows
@@ -109,7 +110,7 @@ class Sampler:
         greedy = [i for i, p in enumerate(batch.params) if p.temperature == 0.0]
         if greedy:
             index = torch.tensor(greedy, device=logits.device)
-            probs[index] = probs[index].scatter_(1, logits[index].argmax(dim=-1, keepdim=True), 1.0)
+            probs[index] = probs[index].scatter_(1, row_argmax(logits[index]).unsqueeze(1), 1.0)
         sampled = [i for i, p in enumerate(batch.params) if p.temperature > 0.0]
         if sampled:
             index = torch.tensor(sampled, device=logits.device)

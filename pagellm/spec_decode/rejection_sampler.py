@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pagellm.sample.argmax import row_argmax
+
 
 @dataclass(frozen=True)
 class VerifiedTokens:
@@ -80,8 +82,8 @@ def greedy_verify(
     num_drafts: torch.Tensor,  # [num_requests]
 ) -> VerifiedTokens:
     """Accept drafts while they are the target's argmax; then the argmax."""
-    # float32 first: torch's bf16 argmax is ~5x slower on the CPU (0.49 vs 0.10 ms, 5 x 49152).
-    best = target_logits.float().argmax(dim=-1)  # [n, max_drafts + 1]
+    # float32 first: the CPU argmax of bf16 is torch's (row_argmax), several times slower.
+    best = row_argmax(target_logits.float())  # [n, max_drafts + 1]
     max_drafts = draft_token_ids.shape[1]
     if max_drafts == 0:
         return VerifiedTokens([[token] for token in best[:, 0].tolist()], [0] * best.shape[0])

@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 from pagellm.core.scheduler_output import ModelRunnerOutput
+from pagellm.sample.argmax import row_argmax
 from pagellm.sample.penalties import PenaltyState
 from pagellm.sample.sampler import Sampler, SamplingBatch, gather_logprobs, held_back_ids
 from pagellm.sampling_params import SamplingParams
@@ -149,7 +150,7 @@ class SpeculativeVerifier:
         distribution after the request's processing (returned: rejection sampling needs it)."""
         params = self.requests[req_id].sampling_params
         if plain_greedy(params):
-            return int(logits.float().argmax()), None
+            return int(row_argmax(logits.float())), None
         probs = self.sampler.target_probs(logits.unsqueeze(0), self._batch(req_id, drafts, len(drafts)))[0]
         if params.is_greedy:
             return int(probs.argmax()), None
