@@ -13,14 +13,14 @@ if TYPE_CHECKING:
     from pagellm.config.engine_args import EngineArgs
     from pagellm.entrypoints.llm import LLM
     from pagellm.lora.request import LoRARequest
-    from pagellm.outputs import CompletionOutput, EmbeddingRequestOutput, RequestOutput
+    from pagellm.outputs import CompletionOutput, EmbeddingRequestOutput, RequestOutput, ScoringRequestOutput
     from pagellm.pooling_params import PoolingParams
     from pagellm.sampling_params import SamplingParams
     from pagellm.structured_outputs_params import StructuredOutputsParams
 
 __all__ = [
     "LLM", "EngineArgs", "SamplingParams", "StructuredOutputsParams", "PoolingParams", "RequestOutput",
-    "CompletionOutput", "EmbeddingRequestOutput", "LoRARequest",
+    "CompletionOutput", "EmbeddingRequestOutput", "ScoringRequestOutput", "LoRARequest",
 ]  # fmt: skip
 
 _LOCATIONS = {
@@ -32,6 +32,7 @@ _LOCATIONS = {
     "CompletionOutput": "pagellm.outputs",
     "PoolingParams": "pagellm.pooling_params",
     "EmbeddingRequestOutput": "pagellm.outputs",
+    "ScoringRequestOutput": "pagellm.outputs",
     "LoRARequest": "pagellm.lora.request",
 }
 

@@ -80,3 +80,21 @@ class EmbeddingRequestOutput:
     finished: bool = True
     num_cached_tokens: int = 0  # input tokens served from the prefix cache (last-token pooling)
 
+
+@dataclass
+class ScoringOutput:
+    """One pair's score: a cross-encoder's sigmoid of its logit, or the cosine similarity
+    of the two texts' embeddings (entrypoints/scoring.py)."""
+
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """What `LLM.score` returns per pair, as vLLM shapes it (`output.outputs.score`)."""
+
+    request_id: str
+    prompt_token_ids: list[int]  # the pair's one prompt (cross-encoder), or both texts' tokens
+    outputs: ScoringOutput
+    finished: bool = True
+

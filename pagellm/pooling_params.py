@@ -17,6 +17,9 @@ from pagellm.errors import InvalidRequestError
 # e5-mistral, and any causal model); "mean": the average over the prompt's positions;
 # "cls": the first position's.
 POOLING_TYPES = ("last", "mean", "cls")
+# "embed": the pooled vector; "classify": a sequence classifier's head applied to the last
+# token's pooled hidden state (its raw logits, one per label), as HF's *ForSequenceClassification.
+POOLING_TASKS = ("embed", "classify")
 
 
 @dataclass(frozen=True)
@@ -26,18 +29,27 @@ class PoolingParams:
     `pooling_type` and `normalize` left None take the model's own (ModelConfig:
     `pooling_type`, L2 normalisation on by default, as vLLM does). `dimensions` keeps the
     first values of the embedding (Matryoshka truncation, before normalising), only for
-    models trained for it.
+    models trained for it. `task` "classify" asks a sequence classifier for its logits.
     """
 
     pooling_type: str | None = None
     normalize: bool | None = None
     dimensions: int | None = None
+    task: str = "embed"
     # What SamplingParams says of a request that code handling either kind reads: one
     # sequence, no output constraint.
     n: ClassVar[int] = 1
     structured_outputs: ClassVar[None] = None
 
     def __post_init__(self) -> None:
+        if self.task not in POOLING_TASKS:
+            raise InvalidRequestError(f"task must be one of {', '.join(POOLING_TASKS)}, got {self.task!r}.", "task")
+        if self.task == "classify" and (self.pooling_type not in (None, "last") or self.normalize or self.dimensions):
+            raise InvalidRequestError(
+                "a classification pools the last token and returns the head's raw logits: pooling_type, "
+                "normalize and dimensions do not apply.",
+                "task",
+            )
         if self.pooling_type is not None and self.pooling_type not in POOLING_TYPES:
             raise InvalidRequestError(
                 f"pooling_type must be one of {', '.join(POOLING_TYPES)}, got {self.pooling_type!r}.", "pooling_type"
@@ -65,6 +77,8 @@ class PoolingParams:
     ) -> PoolingParams:
         """The parameters with the model's defaults filled in and `dimensions` checked
         against what the model allows."""
+        if self.task == "classify":
+            return replace(self, pooling_type="last", normalize=False)
         if self.dimensions is not None and self.dimensions != hidden_size:  # its own size shortens nothing
             if not matryoshka:
                 raise InvalidRequestError(

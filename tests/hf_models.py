@@ -78,3 +78,32 @@ def load_hf_reference(folder: Path) -> torch.nn.Module:
 
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     return model.eval()
+
+
+def make_tiny_classifier_checkpoint(folder: Path, arch: str = "llama", seed: int = 0, num_labels: int = 1) -> Path:
+    """A random tiny *ForSequenceClassification (a cross-encoder reranker's shape) saved as
+    an HF folder: the family's layers and a `score` head of `num_labels` rows."""
+    import transformers
+
+    classes = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForSequenceClassification),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForSequenceClassification),
+    }
+    config_cls, model_cls = classes[arch]
+    config = config_cls(
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, num_labels=num_labels, rope_theta=10000.0,
+        tie_word_embeddings=False, **TINY_SHAPE,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = model_cls(config).to(torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.8, 1.2)
+            elif "embed" in name:
+                param.normal_(0.0, 1.0)
+            else:
+                param.normal_(0.0, 0.15)
+    model.save_pretrained(folder, safe_serialization=True)
+    write_byte_tokenizer(folder)
+    return folder

@@ -57,6 +57,16 @@ NO_LM_HEAD = (
     "this model's checkpoint has no LM head (a base model saved for embeddings): it computes embeddings "
     "(LLM.embed, POST /v1/embeddings), not text"
 )
+# ... and on a sequence classifier (a cross-encoder reranker).
+CLASSIFIER_ONLY = (
+    "this model is a sequence classifier (its checkpoint has a classification head, no LM head): it scores "
+    "(LLM.score, POST /v1/score, POST /v1/rerank), it does not generate text"
+)
+# What a classification request on a model without such a head is told.
+NO_CLASSIFIER = (
+    "this model has no classification head (a *ForSequenceClassification checkpoint has one); "
+    "it scores pairs by the cosine similarity of their embeddings instead"
+)
 
 
 @dataclass(frozen=True)
@@ -110,6 +120,10 @@ class ModelConfig:
     # False: the checkpoint has no LM head (a base model saved for embeddings, untied): it
     # computes embeddings, never text.
     has_lm_head: bool = True
+    # A sequence-classification checkpoint (LlamaForSequenceClassification, ...): the rows of
+    # its `score` head over the last token's final hidden state (cross-encoder rerankers have
+    # one); 0: no head.
+    num_labels: int = 0
     is_matryoshka: bool = False
     matryoshka_dimensions: tuple[int, ...] | None = None
 
@@ -164,7 +178,9 @@ class ModelConfig:
                 f"{self.expert_intermediate_size} wide, in {sparse} layers"
                 + (f", a shared one {self.shared_expert_intermediate_size} wide" if self.shared_expert_intermediate_size else "")
             )
-        if not self.has_lm_head:
+        if self.num_labels:
+            parts.append(f"classification head: {self.num_labels} label(s), no LM head (scores only)")
+        elif not self.has_lm_head:
             parts.append("no LM head (embeddings only)")
         return "; ".join(parts)
 

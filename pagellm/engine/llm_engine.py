@@ -16,7 +16,7 @@ from pagellm.attention.kv_cache_dtype import torch_dtype
 from pagellm.config.cache import DTYPE_BYTES, CacheConfig, CacheSize, kv_bytes_per_block
 from pagellm.config.kv_layout import kv_cache_layout
 from pagellm.config.engine_args import EngineArgs
-from pagellm.config.model import NO_LM_HEAD
+from pagellm.config.model import CLASSIFIER_ONLY, NO_CLASSIFIER, NO_LM_HEAD
 from pagellm.config.engine_config import DraftModel, EngineConfig, resolve_engine_config
 from pagellm.config.speculative import resolve_speculative_config
 from pagellm.config.units import GiB
@@ -238,13 +238,16 @@ class LLMEngine:
         pooling = None
         if isinstance(params, PoolingParams):
             config = self.model_config
+            if params.task == "classify" and not config.num_labels:
+                self.metrics.request_rejected("model")
+                raise InvalidRequestError(NO_CLASSIFIER, "model")
             pooling = params.resolved(
                 config.pooling_type, config.hidden_size, config.is_matryoshka, config.matryoshka_dimensions
             )
             params = SamplingParams(max_tokens=None)
         elif not self.model_config.has_lm_head:
             self.metrics.request_rejected("model")
-            raise InvalidRequestError(NO_LM_HEAD, "model")
+            raise InvalidRequestError(CLASSIFIER_ONLY if self.model_config.num_labels else NO_LM_HEAD, "model")
         params = params or SamplingParams()
         if request_id is None:
             request_id = f"req-{next(self._request_counter)}"

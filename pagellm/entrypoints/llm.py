@@ -11,7 +11,8 @@ from pagellm.config.engine_args import EngineArgs
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.errors import InvalidRequestError
 from pagellm.lora.request import LoRARequest
-from pagellm.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from pagellm.entrypoints.scoring import plan_scoring
+from pagellm.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput
 from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import SamplingParams
 
@@ -134,6 +135,35 @@ class LLM:
             )  # fmt: skip
             for output in outputs
         ]
+
+    def score(
+        self,
+        text_1: str | Sequence[str],
+        text_2: str | Sequence[str],
+        use_tqdm: bool = True,
+    ) -> list[ScoringRequestOutput]:
+        """Score text pairs, as vLLM's LLM.score: one text against each of a list (1:N), or
+        two lists of the same length pairwise. A cross-encoder (a sequence classifier with
+        one label) scores each pair as one prompt (sigmoid of its logit); any other model
+        by the cosine similarity of the two texts' embeddings. One output per pair, in order."""
+        plan = plan_scoring(self.engine.model_config, self.engine.tokenizer, text_1, text_2)
+        request_ids: list[str] = []
+        try:
+            for prompt in plan.prompts:
+                request_id = f"offline-{self._counter}"
+                self._counter += 1
+                self.engine.add_request(request_id, prompt, plan.params)
+                request_ids.append(request_id)
+            outputs = self._run(request_ids, use_tqdm)
+        except BaseException:
+            self.engine.abort_request(request_ids)
+            raise
+        scores = plan.scores([output.embedding or [] for output in outputs])
+        results = []
+        for (a, b), score in zip(plan.pairs, scores, strict=True):
+            tokens = list(outputs[a].prompt_token_ids) + ([] if a == b else list(outputs[b].prompt_token_ids))
+            results.append(ScoringRequestOutput(outputs[a].request_id, tokens, ScoringOutput(score)))
+        return results
 
     def chat(
         self,

@@ -59,7 +59,7 @@ class PrometheusMetrics:
 
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests whose prefill finished.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
-        self.embedding_requests = counter("embedding_requests", "Embedding requests finished with their embedding.")
+        self.embedding_requests = counter("embedding_requests", "Prompt-only requests (embeddings, scores) finished with their pooled output.")
         self.prefill_tokens = counter("prefill_tokens", "Prompt-position tokens computed (recomputation included).")
         self.decode_tokens = counter("decode_tokens", "Output-position tokens computed.")
         self.prefix_cache_queries = counter("prefix_cache_queries", "Tokens looked up in the prefix cache.")

@@ -23,7 +23,7 @@ from torch import nn
 from pagellm.attention.backend import AttentionBackend, AttentionMetadata
 from pagellm.errors import InvalidRequestError, ModelLoadError
 from pagellm.config.kv_layout import kv_cache_layout
-from pagellm.config.model import NO_LM_HEAD, ModelConfig
+from pagellm.config.model import CLASSIFIER_ONLY, NO_CLASSIFIER, NO_LM_HEAD, ModelConfig
 from pagellm.model.layers import RMSNorm, RotaryEmbedding, apply_rotary
 from pagellm.kernels import step_paths
 from pagellm.kernels.build import load_kernels
@@ -185,6 +185,9 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = None
         else:
             self.lm_head = PackableLinear(config.hidden_size, config.vocab_size, bias=False)
+        # A sequence classifier's head (HF's `score`): tiny, applied to pooled rows only, so a
+        # plain linear outside the kernel plans; replicated on every tensor-parallel rank.
+        self.score = nn.Linear(config.hidden_size, config.num_labels, bias=False) if config.num_labels else None
 
     def forward(
         self,
@@ -288,7 +291,7 @@ class LlamaForCausalLM(nn.Module):
         native kernels gets float32 logits: rounding them to bf16 (spacing 0.06-0.125 at
         typical logit sizes) would tie tokens float32 tells apart."""
         if not self.config.has_lm_head:
-            raise InvalidRequestError(NO_LM_HEAD, "model")
+            raise InvalidRequestError(CLASSIFIER_ONLY if self.config.num_labels else NO_LM_HEAD, "model")
         head = self.lm_head_module()
         out_dtype = torch.float32 if self.cpu_linear_kernels is not None else None
         logits = apply_linear(
@@ -298,6 +301,12 @@ class LlamaForCausalLM(nn.Module):
             logits = self.tp.gather_vocab(logits)
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    def classify(self, pooled: torch.Tensor) -> torch.Tensor:  # [hidden_size] -> [num_labels] float32
+        """A sequence classifier's logits of one pooled final hidden state (float32 product)."""
+        if self.score is None:
+            raise InvalidRequestError(NO_CLASSIFIER, "model")
+        return torch.nn.functional.linear(pooled.float(), self.score.weight.float())
 
     @torch.no_grad()
     def load_weights(

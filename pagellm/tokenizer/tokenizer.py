@@ -174,6 +174,11 @@ class Tokenizer:
         """
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_pair(self, first: str, second: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a text pair as one sequence (a cross-encoder's input): the
+        post-processor's pair template, as HF's `tokenizer(first, second)`."""
+        return self.backend.encode(first, second, add_special_tokens=add_special_tokens).ids
+
     def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
         encodings = self.backend.encode_batch(list(texts), add_special_tokens=add_special_tokens)
         return [encoding.ids for encoding in encodings]

@@ -420,6 +420,9 @@ class ModelRunner:
                 self.pooling_partials[req_id] = rows[0].float()
             if not seq.needs_logits:
                 continue
+            if params.task == "classify":  # the head over the last token's state: its logits
+                output.pooled[req_id] = self.model.classify(rows[-1]).cpu().tolist()
+                continue
             if kind == "last":
                 vector = rows[-1].float()
             elif kind == "mean":

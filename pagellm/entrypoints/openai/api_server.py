@@ -41,6 +41,8 @@ from pagellm.entrypoints.openai.openapi_docs import (
     METRICS,
     LORA_ADAPTER,
     READ,
+    RERANK,
+    SCORE,
     TOKENS,
     ServerBounds,
     install_openapi,
@@ -54,6 +56,8 @@ from pagellm.entrypoints.openai.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
     EmbeddingRequest,
+    RerankRequest,
+    ScoreRequest,
     ModelCard,
     ModelList,
     TokenizeRequest,
@@ -63,6 +67,7 @@ from pagellm.entrypoints.openai.serving_chat import ChatServing
 from pagellm.entrypoints.openai.serving_common import ServingContext
 from pagellm.entrypoints.openai.serving_completion import CompletionServing
 from pagellm.entrypoints.openai.serving_embedding import EmbeddingServing, embedding_dimensions
+from pagellm.entrypoints.openai.serving_score import ScoreServing
 from pagellm.entrypoints.openai.serving_responses import ResponsesServing
 from pagellm.entrypoints.openai.reasoning import REASONING_FORMATS
 from pagellm.entrypoints.anthropic.protocol import CountTokensRequest, MessagesRequest
@@ -118,6 +123,7 @@ def build_app(
     chat = ChatServing(context)
     tokens = TokenServing(context)
     embeddings = EmbeddingServing(context)
+    scores = ScoreServing(context)
     responses = ResponsesServing(context, chat)
     messages = MessagesServing(context, chat)
     batches = BatchServing(batch_dir_for(batch_dir, name), limits.max_batch_file_bytes)
@@ -213,6 +219,19 @@ def build_app(
     @app.post("/v1/embeddings", responses=EMBEDDING)
     async def create_embedding(body: EmbeddingRequest, raw: Request) -> Response:
         return await embeddings.create(body, raw)
+
+    @app.post("/v1/score", responses=SCORE)
+    async def create_score(body: ScoreRequest, raw: Request) -> Response:
+        return await scores.score(body, raw)
+
+    @app.post("/v1/rerank", responses=RERANK)
+    async def create_rerank(body: RerankRequest, raw: Request) -> Response:
+        return await scores.rerank(body, raw)
+
+    # The other paths clients use for the same (vLLM serves them all), left out of the schema.
+    app.add_api_route("/score", create_score, methods=["POST"], include_in_schema=False)
+    for path in ("/rerank", "/v2/rerank"):
+        app.add_api_route(path, create_rerank, methods=["POST"], include_in_schema=False)
 
     add_batch_routes(app, batches)
     add_lora_routes(app, adapters, LORA_ADAPTER)

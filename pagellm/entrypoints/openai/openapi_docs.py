@@ -27,6 +27,8 @@ from pagellm.entrypoints.openai.protocol import (
     MAX_LOGPROBS,
     CompletionResponse,
     EmbeddingResponse,
+    RerankResponse,
+    ScoreResponse,
     ErrorResponse,
 )
 
@@ -61,6 +63,8 @@ GENERATION = {**BODY, **AUTH, **UNKNOWN_MODEL, **ENGINE}
 COMPLETION = {**_generated(CompletionResponse, "The completions (JSON, or a stream of them)."), **GENERATION}
 CHAT = {**_generated(ChatCompletionResponse, "The chat completion (JSON), or a stream of chunks."), **GENERATION}
 EMBEDDING = {200: {"model": EmbeddingResponse, "description": "One embedding per input, in input order."}, **GENERATION}
+SCORE = {200: {"model": ScoreResponse, "description": "One score per pair, in pair order."}, **GENERATION}
+RERANK = {200: {"model": RerankResponse, "description": "The documents, most relevant first."}, **GENERATION}
 RESPONSES = {
     **_generated(ResponseObject, "The response (JSON), or with stream its events; background: queued at once."),
     **GENERATION,
@@ -257,6 +261,10 @@ def _add_bounds(schemas: dict[str, Any], bounds: ServerBounds) -> None:
     _bound(schemas["InputTextPart"]["properties"]["text"], "string", maxLength=limits.max_message_chars)
     for name, field in (("FunctionCallItem", "arguments"), ("FunctionCallOutputItem", "output")):
         _bound(schemas[name]["properties"][field], "string", maxLength=limits.max_message_chars)
+    # Scores: at most max_prompts_per_request pairs (documents).
+    score, rerank = schemas["ScoreRequest"]["properties"], schemas["RerankRequest"]["properties"]
+    for prop in (score["text_1"], score["text_2"], rerank["documents"]):
+        _bound(prop, "array", maxItems=limits.max_prompts_per_request)
     if bounds.embedding_dimensions:
         _bound(embedding["dimensions"], "integer", enum=list(bounds.embedding_dimensions))
     _token_ids(embedding["input"], max_id)

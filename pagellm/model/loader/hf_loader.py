@@ -40,6 +40,11 @@ def hf_model_config(folder: Path) -> ModelConfig:
     arch = architectures[0] if architectures else ARCHITECTURE_BY_MODEL_TYPE.get(cfg.get("model_type", ""))
     # A base model (e5-mistral's MistralModel, a Qwen3Model): the family's layers, no LM head.
     arch = BASE_MODEL_ARCHITECTURES.get(arch, arch)
+    # A sequence classifier (a cross-encoder reranker): the family's layers and a `score` head.
+    num_labels = 0
+    if arch in CLASSIFIER_ARCHITECTURES:
+        arch = CLASSIFIER_ARCHITECTURES[arch]
+        num_labels = len(cfg.get("id2label") or {}) or int(cfg.get("num_labels", 2))
     if arch == "Gemma3ForConditionalGeneration" or (arch is None and cfg.get("model_type") == "gemma3"):
         cfg, arch = gemma3_text_config(cfg), "Gemma3ForCausalLM"
     if arch not in SUPPORTED_HF_ARCHITECTURES:
@@ -85,7 +90,9 @@ def hf_model_config(folder: Path) -> ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=_eos_ids(cfg, folder),
             pooling_type=_sentence_transformers_pooling(folder),
-            has_lm_head=bool(cfg.get("tie_word_embeddings", arch in GEMMA_ARCHITECTURES)) or _stores_lm_head(folder),
+            has_lm_head=not num_labels
+            and (bool(cfg.get("tie_word_embeddings", arch in GEMMA_ARCHITECTURES)) or _stores_lm_head(folder)),
+            num_labels=num_labels,
             is_matryoshka=bool(cfg.get("is_matryoshka") or cfg.get("matryoshka_dimensions")),
             matryoshka_dimensions=tuple(int(d) for d in cfg["matryoshka_dimensions"]) if cfg.get("matryoshka_dimensions") else None,
         )
@@ -129,6 +136,12 @@ def _sentence_transformers_pooling(folder: Path) -> str:
 BASE_MODEL_ARCHITECTURES = {
     "LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM", "Qwen2Model": "Qwen2ForCausalLM",
     "Qwen3Model": "Qwen3ForCausalLM",
+}  # fmt: skip
+
+
+CLASSIFIER_ARCHITECTURES = {
+    "LlamaForSequenceClassification": "LlamaForCausalLM", "MistralForSequenceClassification": "MistralForCausalLM",
+    "Qwen2ForSequenceClassification": "Qwen2ForCausalLM", "Qwen3ForSequenceClassification": "Qwen3ForCausalLM",
 }  # fmt: skip
 
 

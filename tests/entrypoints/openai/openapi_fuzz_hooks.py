@@ -20,8 +20,9 @@ from schemathesis.specs.openapi.checks import positive_data_acceptance
 # grammar compiles.
 DOCUMENTED_REFUSALS = [
     # The prompt's tokens (plus max_tokens) must fit in max_model_len.
-    (r"prompt|messages|max_tokens|max_completion_tokens|input", r"maximum context length|max_model_len"),
+    (r"prompt|messages|max_tokens|max_completion_tokens|input|text_2|documents", r"maximum context length|max_model_len"),
     # Two fields together.
+    (r"text_2", r"two lists of the same length"),
     (r"min_tokens", r"must not exceed max_tokens"),
     (r"max_tokens", r"0 only with echo"),
     (r"best_of", r"'best_of' other than n is not supported"),

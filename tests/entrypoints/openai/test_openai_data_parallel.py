@@ -94,10 +94,11 @@ def test_a_shared_prefix_lands_on_the_replica_that_holds_it(server):
     assert metric(after, "pagellm:router_requests_total", reason="affinity") - metric(before, "pagellm:router_requests_total", reason="affinity") == 3
 
 
-def test_embeddings_are_routed_and_equal_one_engines(server, tiny):
+def test_embeddings_and_scores_are_routed_and_equal_one_engines(server, tiny):
     inputs = ["shared " + PREFIX + f" item {i}" for i in range(3)]
     with LLM(tiny, max_model_len=512) as llm:
         expected = [o.outputs.embedding for o in llm.embed(inputs, use_tqdm=False)]
+        scores = [o.outputs.score for o in llm.score(inputs[0], inputs[1:], use_tqdm=False)]
     with httpx.Client(base_url=server.base_url, timeout=60) as client:
         before = client.get("/metrics").text
         for text, reference in zip(inputs, expected, strict=True):  # one by one: later ones hit the prefix
@@ -108,6 +109,11 @@ def test_embeddings_are_routed_and_equal_one_engines(server, tiny):
         after = client.get("/metrics").text
         message = client.post("/v1/messages", json={"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
         assert message.status_code == 200 and message.json()["type"] == "message"  # Anthropic's route too
+        score = client.post("/v1/score", json={"text_1": inputs[0], "text_2": inputs[1:]})
+        rerank = client.post("/rerank", json={"query": inputs[0], "documents": inputs[1:]})
+        assert score.status_code == 200 and rerank.status_code == 200, (score.text, rerank.text)
+        assert max(abs(d["score"] - s) for d, s in zip(score.json()["data"], scores, strict=True)) < 1e-5
+        assert {r["index"]: r["relevance_score"] for r in rerank.json()["results"]}.keys() == {0, 1}
     assert metric(after, "pagellm:embedding_requests_total") - metric(before, "pagellm:embedding_requests_total") == 3
     hits = [metric(after, "pagellm:prefix_cache_hits_total", replica=r) - metric(before, "pagellm:prefix_cache_hits_total", replica=r) for r in ("0", "1")]
     assert max(hits) >= 2 * 80, hits  # routed by the input's tokens to the replica holding the prefix

@@ -75,6 +75,11 @@ _FORWARDED_HEADERS = ("authorization", "content-type", "accept", BACKGROUND_HEAD
 _TAGGED_RESPONSE_ID = re.compile(r"resp_r(\d+)_[0-9a-f]+")
 
 
+# The body field whose text a request is routed by (its prefix-cache affinity), by the
+# path's last part; "prompt" for the others.
+_PROMPT_FIELDS = {"embeddings": "input", "responses": "input", "score": "text_1", "rerank": "query"}
+
+
 class ReplicaRouter:
     """The replicas, the routing state, and the router's own metrics."""
 
@@ -107,7 +112,7 @@ class ReplicaRouter:
                 messages = body.get("messages")
                 text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
                 return await asyncio.to_thread(self.tokenizer.encode, text, False)
-            prompt = body.get("input" if path.endswith(("/embeddings", "/responses")) else "prompt")
+            prompt = body.get(_PROMPT_FIELDS.get(path.rsplit("/", 1)[-1], "prompt"))
             if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
                 prompt = prompt[0]  # a batch: route by its first prompt
             if isinstance(prompt, str):
@@ -313,7 +318,8 @@ def build_router_app(
         return Response(await router.metrics_text(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     stateless = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/messages", "/v1/messages/count_tokens")
-    for path in (*stateless, "/tokenize", "/detokenize", "/v1/responses"):
+    scoring = ("/v1/score", "/score", "/v1/rerank", "/rerank", "/v2/rerank")
+    for path in (*stateless, *scoring, "/tokenize", "/detokenize", "/v1/responses"):
         app.add_api_route(path, _forwarder(router, path), methods=["POST"])
 
     # A stored response lives in the memory of the replica that made it: its id says which.
