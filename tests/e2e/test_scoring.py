@@ -159,7 +159,8 @@ def test_tensor_parallel_ranks_score_as_one(tmp_path):
 
     folder = make_tiny_classifier_checkpoint(tmp_path / "tp", "llama", seed=6)
     model = transformers.AutoModelForSequenceClassification.from_pretrained(folder, dtype=torch.float32).eval()
-    llm = LLM(str(folder), dtype="float32", max_model_len=128, tensor_parallel_size=2)
-    for output in llm.score(QUERY, DOCUMENTS):
-        assert abs(output.outputs.score - reference_score(model, output.prompt_token_ids)) < 1e-5
-    assert_engine_drained(llm)
+    # Shut down at the end (with): rank 0's process group lives in this test process.
+    with LLM(str(folder), dtype="float32", max_model_len=128, tensor_parallel_size=2) as llm:
+        for output in llm.score(QUERY, DOCUMENTS):
+            assert abs(output.outputs.score - reference_score(model, output.prompt_token_ids)) < 1e-5
+        assert_engine_drained(llm)
