@@ -85,3 +85,25 @@ def test_an_unusable_batch_directory_turns_the_api_off_and_says_why(tmp_path):
     with pytest.raises(APIError) as off:
         second.list_files(None, None, None, "desc")
     assert off.value.status == 503 and "in use" in str(off.value)
+
+
+def test_a_file_expires_and_is_swept_unless_a_running_batch_reads_it(tmp_path):
+    now = [1_000_000.0]
+    store = BatchStore(tmp_path, clock=lambda: now[0])
+    lasting = store.add_file(b"{}\n", "keep.jsonl", "batch")
+    short = store.add_file(b"{}\n", "short.jsonl", "batch", lifetime_s=3600)
+    read_by_a_batch = store.add_file(b"{}\n", "input.jsonl", "batch", lifetime_s=3600)
+    assert short.expires_at == short.created_at + 3600 and lasting.expires_at is None
+    now[0] += 3599
+    assert store.file(short.id) == short and store.sweep_expired() == 0
+    now[0] += 1  # its expires_at: gone for the API at once
+    with pytest.raises(APIError) as gone:
+        store.file(short.id)
+    assert gone.value.status == 404 and "expired" in str(gone.value)
+    assert {f.id for f in store.files()} == {lasting.id}
+    assert store.sweep_expired(keep={read_by_a_batch.id}) == 1
+    assert not (tmp_path / "files" / short.id).exists() and not (tmp_path / "files" / f"{short.id}.json").exists()
+    # The running batch still reads its input; once it has ended the next sweep deletes it.
+    assert store.file_path(read_by_a_batch.id, even_expired=True).read_bytes() == b"{}\n"
+    assert store.sweep_expired() == 1 and not (tmp_path / "files" / read_by_a_batch.id).exists()
+    assert store.file(lasting.id) == lasting

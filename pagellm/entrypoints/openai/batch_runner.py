@@ -115,10 +115,15 @@ class BatchRunner:
             created_at=now,
             expires_at=now + hours * 3600,
             metadata=request.metadata,
+            output_expires_after=request.output_expires_after,
         )
         self.store.save_batch(batch)
         self._wake.set()
         return batch
+
+    def running_inputs(self) -> set[str]:
+        """The input files of the batches that have not ended (an expired one is kept for them)."""
+        return {batch.input_file_id for batch in self.store.batches() if batch.status not in FINAL_STATUSES}
 
     def num_active(self) -> int:
         return sum(1 for batch in self.store.batches() if batch.status not in FINAL_STATUSES)
@@ -169,7 +174,7 @@ class BatchRunner:
                 await self._wake.wait()
 
     async def _process(self, batch: BatchObject) -> None:
-        path = self.store.file_path(batch.input_file_id)
+        path = self.store.file_path(batch.input_file_id, even_expired=True)  # kept until the batch ends
         if batch.status == "validating":
             if not self._validate(batch, path):
                 return
@@ -302,7 +307,8 @@ class BatchRunner:
                 records = [r["record"] for r in results if r["output"] is output]
                 if records:
                     content = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode()
-                    file = self.store.add_file(content, f"{batch.id}_{suffix}.jsonl", f"batch_{suffix}")
+                    lifetime = None if batch.output_expires_after is None else batch.output_expires_after.seconds
+                    file = self.store.add_file(content, f"{batch.id}_{suffix}.jsonl", f"batch_{suffix}", lifetime)
                     setattr(batch, field, file.id)
         if errors:
             batch.errors = BatchErrors(data=errors)

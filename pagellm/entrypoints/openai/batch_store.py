@@ -7,6 +7,10 @@
     batches/<batch id>.results.jsonl   the results so far, one JSON object per line:
                               {"line": input line number, "output": bool, "record": {...}}
 
+A file with an `expires_at` is gone for the API from that second on (404, not listed) and
+its two files are deleted by the next sweep (at each Files API call and at start), unless a
+batch that has not ended reads it: such an input file is deleted once its batch ends.
+
 Every JSON file is written whole to a temporary name and renamed over the old one, so a
 crash leaves the old version or the new, never half of one. The results log is appended
 to and flushed line by line; a torn last line (a crash mid-write) is dropped on reading.
@@ -19,7 +23,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -54,8 +58,9 @@ def _valid_id(value: str) -> bool:
 
 
 class BatchStore:
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, clock: Callable[[], float] = time.time) -> None:
         self.root = root
+        self.clock = clock  # seconds since the epoch (tests move it to expire files)
         self.files_dir = root / "files"
         self.batches_dir = root / "batches"
         self.files_dir.mkdir(parents=True, exist_ok=True)
@@ -66,32 +71,63 @@ class BatchStore:
 
     # ---------------------------------------------------------------- files
 
-    def add_file(self, content: bytes, filename: str, purpose: str) -> FileObject:
+    def add_file(self, content: bytes, filename: str, purpose: str, lifetime_s: int | None = None) -> FileObject:
+        """Store a file; with `lifetime_s` it expires that many seconds after its creation."""
+        created_at = int(self.clock())
         file = FileObject(
-            id=new_id("file"), bytes=len(content), created_at=int(time.time()), filename=filename, purpose=purpose
-        )
+            id=new_id("file"), bytes=len(content), created_at=created_at, filename=filename, purpose=purpose,
+            expires_at=None if lifetime_s is None else created_at + lifetime_s,
+        )  # fmt: skip
         _write_atomic(self.files_dir / file.id, content)
         _write_atomic(self.files_dir / f"{file.id}.json", file.model_dump_json().encode())
         return file
 
-    def file(self, file_id: str) -> FileObject:
+    def file(self, file_id: str, even_expired: bool = False) -> FileObject:
+        """A file's object; 404 for an unknown id, or an expired file (unless `even_expired`:
+        a running batch still reads its input)."""
         path = self.files_dir / f"{file_id}.json"
         if not _valid_id(file_id) or not path.is_file():
             raise APIError(404, f"No such File object: {file_id}", param="file_id", code="file_not_found")
-        return FileObject.model_validate_json(path.read_bytes())
+        file = FileObject.model_validate_json(path.read_bytes())
+        if self._expired(file) and not even_expired:
+            raise APIError(404, f"No such File object: {file_id} (it expired)", param="file_id", code="file_not_found")
+        return file
 
-    def file_path(self, file_id: str) -> Path:
-        self.file(file_id)
+    def _expired(self, file: FileObject) -> bool:
+        return file.expires_at is not None and self.clock() >= file.expires_at
+
+    def file_path(self, file_id: str, even_expired: bool = False) -> Path:
+        self.file(file_id, even_expired)
         return self.files_dir / file_id
 
     def files(self) -> list[FileObject]:
-        """Every file, newest first."""
-        found = [FileObject.model_validate_json(p.read_bytes()) for p in self.files_dir.glob("*.json")]
+        """Every file that has not expired, newest first."""
+        found = [f for f in self._all_files() if not self._expired(f)]
         return sorted(found, key=lambda f: (f.created_at, f.id), reverse=True)
+
+    def _all_files(self) -> list[FileObject]:
+        found = []
+        for path in self.files_dir.glob("*.json"):
+            try:
+                found.append(FileObject.model_validate_json(path.read_bytes()))
+            except (OSError, ValueError):  # deleted meanwhile (a sweep, a DELETE)
+                continue
+        return found
+
+    def sweep_expired(self, keep: Collection[str] = ()) -> int:
+        """Delete the expired files but those in `keep` (inputs of batches still running);
+        the number deleted."""
+        expired = [f.id for f in self._all_files() if self._expired(f) and f.id not in keep]
+        for file_id in expired:
+            self._remove_file(file_id)
+        return len(expired)
 
     def delete_file(self, file_id: str) -> None:
         self.file(file_id)
-        (self.files_dir / f"{file_id}.json").unlink(missing_ok=True)
+        self._remove_file(file_id)
+
+    def _remove_file(self, file_id: str) -> None:
+        (self.files_dir / f"{file_id}.json").unlink(missing_ok=True)  # first: then the file no longer exists
         (self.files_dir / file_id).unlink(missing_ok=True)
 
     # -------------------------------------------------------------- batches

@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-BATCH_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+BATCH_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/score", "/v1/rerank")
 BatchStatus = Literal[
     "validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling", "cancelled"
 ]
@@ -46,14 +46,30 @@ class FileDeleted(BaseModel):
     deleted: bool = True
 
 
+# OpenAI's bounds on a file's lifetime: an hour to 30 days after its creation.
+MIN_FILE_LIFETIME_S = 3600
+MAX_FILE_LIFETIME_S = 30 * 24 * 3600
+
+
+class ExpiresAfter(BaseModel):
+    """When a file expires (then it is deleted): `seconds` after its creation."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    anchor: Literal["created_at"]
+    seconds: int = Field(ge=MIN_FILE_LIFETIME_S, le=MAX_FILE_LIFETIME_S)
+
+
 class BatchCreateRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     input_file_id: str = Field(min_length=1, max_length=256)
-    endpoint: Literal["/v1/chat/completions", "/v1/completions", "/v1/embeddings"]
+    endpoint: Literal["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/score", "/v1/rerank"]
     # OpenAI takes "24h" only; any whole number of hours (up to a week) is taken here.
     completion_window: str = Field("24h", pattern=r"^[1-9][0-9]{0,2}h$")
     metadata: dict[str, str] | None = Field(None, max_length=16)
+    # The output and error files' lifetime (default: kept until deleted).
+    output_expires_after: ExpiresAfter | None = None
 
 
 class BatchRequestCounts(BaseModel):
@@ -83,7 +99,9 @@ class BatchUsage(BaseModel):
         usage = response.get("usage") if isinstance(response, dict) else None
         if not isinstance(usage, dict):
             return
-        prompt, completion = int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)
+        # A rerank's usage has total_tokens only: all of them prompt tokens.
+        prompt = int(usage.get("prompt_tokens", usage.get("total_tokens")) or 0)
+        completion = int(usage.get("completion_tokens") or 0)
         self.input_tokens += prompt
         self.output_tokens += completion
         self.total_tokens += prompt + completion
@@ -127,6 +145,7 @@ class BatchObject(BaseModel):
     usage: BatchUsage = Field(default_factory=BatchUsage)
     model: str | None = None  # the model the lines' answers name
     metadata: dict[str, str] | None = None
+    output_expires_after: ExpiresAfter | None = None  # as created: its result files' lifetime
 
 
 class BatchList(BaseModel):

@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal, get_args
 import httpx2 as httpx
 from fastapi import FastAPI, File, Form, Query, Request, UploadFile
 from fastapi.responses import Response
+from pydantic import ValidationError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagellm.entrypoints.openai.batch_runner import BatchRunner, RouteCall
@@ -28,9 +29,12 @@ from pagellm.entrypoints.openai.protocol_batch import (
     BatchCreateRequest,
     BatchList,
     BatchObject,
+    ExpiresAfter,
     FileDeleted,
     FileList,
     FileObject,
+    MAX_FILE_LIFETIME_S,
+    MIN_FILE_LIFETIME_S,
 )
 
 logger = logging.getLogger(__name__)
@@ -138,6 +142,7 @@ class BatchServing:
     def start(self, call: RouteCall, max_in_flight: int) -> None:
         if self.store is not None:
             self.runner = BatchRunner(self.store, call, max_in_flight)
+            self.store.sweep_expired(keep=self.runner.running_inputs())  # what expired while it was down
             self.runner.start()
 
     async def stop(self) -> None:
@@ -148,14 +153,29 @@ class BatchServing:
             self._lock = None
 
     def _ready(self) -> tuple[BatchStore, BatchRunner]:
+        """The store and runner, the expired files swept first."""
         if self.store is None or self.runner is None:
             raise APIError(503, self.unavailable or "The batch runner has not started.", code="batch_api_unavailable")
+        self.store.sweep_expired(keep=self.runner.running_inputs())
         return self.store, self.runner
 
     # ---------------------------------------------------------------- files
 
-    def upload(self, content: bytes, filename: str | None, purpose: str) -> FileObject:
+    def upload(
+        self, content: bytes, filename: str | None, purpose: str, anchor: str | None = None, seconds: int | None = None
+    ) -> FileObject:
+        """A new file; `anchor` and `seconds` are OpenAI's `expires_after` (form fields
+        expires_after[anchor], expires_after[seconds]), both or neither."""
         store, _ = self._ready()
+        lifetime = None
+        if anchor is not None or seconds is not None:
+            try:
+                lifetime = ExpiresAfter(anchor=anchor, seconds=seconds).seconds  # type: ignore[arg-type]
+            except ValidationError:
+                raise APIError(
+                    400, f"expires_after needs anchor 'created_at' and seconds from {MIN_FILE_LIFETIME_S} to "
+                    f"{MAX_FILE_LIFETIME_S}; got anchor {anchor!r}, seconds {seconds!r}.", param="expires_after",
+                ) from None  # fmt: skip
         if purpose not in FILE_PURPOSES:
             raise APIError(400, f"purpose must be one of {', '.join(FILE_PURPOSES)}; got {purpose!r}.", param="purpose")
         if len(content) > self.max_file_bytes:
@@ -165,7 +185,7 @@ class BatchServing:
                 content.decode("utf-8")
             except UnicodeDecodeError:
                 raise APIError(400, "A batch input file must be UTF-8 JSONL.", param="file") from None
-        return store.add_file(content, filename or "upload.jsonl", purpose)
+        return store.add_file(content, filename or "upload.jsonl", purpose, lifetime)
 
     def list_files(self, purpose: str | None, limit: int | None, after: str | None, order: str) -> FileList:
         store, _ = self._ready()
@@ -219,8 +239,16 @@ def add_batch_routes(app: FastAPI, batches: BatchServing) -> None:
     async def upload_file(
         file: Annotated[UploadFile, File(description="The file; for purpose batch, JSONL (one request per line).")],
         purpose: Annotated[FilePurpose, Form(description="batch (a batch's input), or another of OpenAI's purposes.")],
+        # Optional but not nullable: a form field has no null (absent means none).
+        expires_after_anchor: Annotated[
+            Literal["created_at"], Form(alias="expires_after[anchor]", description="created_at: the file expires `seconds` after its creation.")
+        ] = None,  # type: ignore[assignment]
+        expires_after_seconds: Annotated[
+            int, Form(alias="expires_after[seconds]", ge=MIN_FILE_LIFETIME_S, le=MAX_FILE_LIFETIME_S,
+                      description="The file's lifetime; then it is deleted (default: kept until deleted).")
+        ] = None,  # type: ignore[assignment]  # fmt: skip
     ) -> FileObject:
-        return batches.upload(await file.read(), file.filename, purpose)
+        return batches.upload(await file.read(), file.filename, purpose, expires_after_anchor, expires_after_seconds)
 
     @app.get("/v1/files", responses=FILES)
     async def list_files(

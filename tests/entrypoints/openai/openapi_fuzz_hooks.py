@@ -23,6 +23,7 @@ DOCUMENTED_REFUSALS = [
     (r"prompt|messages|max_tokens|max_completion_tokens|input|text_2|documents", r"maximum context length|max_model_len"),
     # Two fields together.
     (r"text_2", r"two lists of the same length"),
+    (r"expires_after", r"expires_after needs anchor"),  # its two form fields, both or neither
     (r"min_tokens", r"must not exceed max_tokens"),
     (r"max_tokens", r"0 only with echo"),
     (r"best_of", r"'best_of' other than n is not supported"),

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 
+import httpx2
 import openai
 import pytest
 from serve_helpers import API_KEY, ServerProcess, engine_drained, get_metrics, wait_until
@@ -65,10 +66,15 @@ def test_a_batch_runs_end_to_end_and_bad_lines_fail_alone(bclient, batch_server,
     file = upload(bclient, lines)
     assert file.purpose == "batch" and file.bytes > 0
     batch = bclient.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h",
-                                   metadata={"job": "nightly"})  # fmt: skip
+                                   metadata={"job": "nightly"},
+                                   output_expires_after={"anchor": "created_at", "seconds": 7200})  # fmt: skip
     assert batch.status == "validating" and batch.metadata == {"job": "nightly"}
     done = wait_for(bclient, batch.id)
     assert done.status == "completed"
+    for result_id in (done.output_file_id, done.error_file_id):  # the results' lifetime as asked
+        result_file = bclient.files.retrieve(result_id)
+        assert result_file.expires_at == result_file.created_at + 7200
+    assert bclient.files.retrieve(file.id).expires_at is None
     assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (10, 6, 4)
     outputs = results(bclient, done.output_file_id)
     assert [r["custom_id"] for r in outputs] == [f"ok-{i}" for i in range(6)]  # input order
@@ -96,6 +102,24 @@ def test_a_batch_runs_end_to_end_and_bad_lines_fail_alone(bclient, batch_server,
     # Listed, newest first; the input and both result files are listed too.
     assert bclient.batches.list(limit=1).data[0].id == batch.id
     assert {done.output_file_id, done.error_file_id, file.id} <= {f.id for f in bclient.files.list().data}
+
+
+def test_score_and_rerank_batches(bclient, batch_server, model_name):
+    query, documents = "paged attention", ["blocks of keys", "the weather", "continuous batching"]
+    for endpoint, body in (("/v1/rerank", {"query": query, "documents": documents}),
+                           ("/v1/score", {"text_1": query, "text_2": documents})):  # fmt: skip
+        file = upload(bclient, [line("r0", {"model": model_name, **body}, url=endpoint)])
+        done = wait_for(bclient, bclient.batches.create(input_file_id=file.id, endpoint=endpoint,  # type: ignore[arg-type]
+                                                        completion_window="24h").id)  # fmt: skip
+        assert done.status == "completed" and done.request_counts.completed == 1
+        record = results(bclient, done.output_file_id)[0]
+        direct = httpx2.post(batch_server.api_url + endpoint[3:], json=body, headers=batch_server.headers(), timeout=60)
+        assert record["response"]["status_code"] == 200 and record["response"]["body"]["model"] == model_name
+        for key in ("results", "data"):
+            if key in direct.json():
+                got = record["response"]["body"][key]
+                assert [r.get("index") for r in got] == [r.get("index") for r in direct.json()[key]]
+        assert done.usage.input_tokens > 0
 
 
 def test_an_embeddings_batch(bclient, model_name):
@@ -149,6 +173,21 @@ def test_the_files_and_batches_errors(bclient, batch_server):
     assert failed.status == "failed" and failed.errors.data[0].code == "empty_file"
     with pytest.raises(openai.ConflictError):  # an ended batch cannot be cancelled
         bclient.batches.cancel(failed.id)
+    # OpenAI's expires_after: an hour to 30 days after creation, both fields.
+    expiring = bclient.files.create(file=("e.jsonl", b"{}\n"), purpose="batch",
+                                    expires_after={"anchor": "created_at", "seconds": 3600})  # fmt: skip
+    assert expiring.expires_at == expiring.created_at + 3600
+    assert bclient.files.retrieve(expiring.id).expires_at == expiring.expires_at
+    for seconds in (60, 40 * 24 * 3600):
+        with pytest.raises(openai.BadRequestError):
+            bclient.files.create(file=("e.jsonl", b"{}\n"), purpose="batch",
+                                 expires_after={"anchor": "created_at", "seconds": seconds})  # fmt: skip
+    with pytest.raises(openai.BadRequestError) as half:
+        bclient.files.create(file=("e.jsonl", b"{}\n"), purpose="batch", extra_body={"expires_after[seconds]": "3600"})
+    assert half.value.body["param"] == "expires_after"
+    with pytest.raises(openai.BadRequestError):
+        bclient.batches.create(input_file_id=expiring.id, endpoint="/v1/completions", completion_window="24h",
+                               output_expires_after={"anchor": "created_at", "seconds": 10})  # fmt: skip
     deleted = bclient.files.delete(other.id)
     assert deleted.deleted and deleted.id == other.id
     with pytest.raises(openai.NotFoundError):
