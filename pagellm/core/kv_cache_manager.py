@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections import Counter
 from collections.abc import Iterable
 from typing import NamedTuple
 
@@ -31,6 +30,7 @@ from pagellm.config import CacheConfig
 from pagellm.config.units import cdiv
 from pagellm.core.kv_events import KVEventLog
 from pagellm.core.block_pool import NULL_BLOCK_ID, BlockPool, KVBlock
+from pagellm.core.kv_cache_integrity import check_kv_cache_integrity
 from pagellm.core.kv_tier import TierCostModel, TierIndex, block_digest
 from pagellm.request import BlockHash, Request
 
@@ -592,64 +592,21 @@ class KVCacheManager:
     # -------------------------------------------------------------- integrity
 
     def check_integrity(self, requests: Iterable[Request] = ()) -> None:
-        """Raise AssertionError unless pools and tables agree on every reference.
-
-        For the given requests (those on device), also check that every cached block in
-        their tables holds exactly the content of that position of the request, and that
-        each sliding group holds exactly the blocks its window still reads: none freed
-        too early, none kept too long.
-        """
-        host_tables = {rid: copy.block_ids for rid, copy in self._host_copies.items()}
-        for pool, tables_by_request in (
-            (self.device_pool, self._block_tables),
-            (self.host_pool, host_tables),
-        ):
-            pool.check_integrity()
-            refs: Counter[int] = Counter()
-            for request_id, tables in tables_by_request.items():
-                assert len(tables) == self.num_groups, f"{request_id} has {len(tables)} tables"
-                assert len({len(table) for table in tables}) <= 1 or pool is self.host_pool, (
-                    f"{request_id}'s tables differ in length"
-                )
-                # Host tables hold live blocks only (host block 0 is an ordinary block).
-                null = NULL_BLOCK_ID if pool is self.device_pool else -1
-                held = [block_id for table in tables for block_id in table if block_id != null]
-                assert len(set(held)) == len(held), f"{request_id} holds a block twice"
-                refs.update(held)
-            for block in pool.blocks:
-                assert block.ref_cnt == refs.get(block.block_id, 0), (
-                    f"{block} has ref count {block.ref_cnt} but "
-                    f"{refs.get(block.block_id, 0)} tables hold it"
-                )
-        if self.tier is not None:
-            self.tier.check_integrity()
-        both = self._block_tables.keys() & self._host_copies.keys()
-        assert not both, f"requests on device and host at once: {sorted(both)}"
-        for request in requests:
-            tables = self._block_tables.get(request.request_id, [])
-            for group, table in enumerate(tables):
-                num_null = next((i for i, block_id in enumerate(table) if block_id != NULL_BLOCK_ID), len(table))
-                assert NULL_BLOCK_ID not in table[num_null:], f"{request} has a NULL entry after live blocks"
-                expected = min(self.num_passed_blocks(group, request.num_computed_tokens), len(table))
-                assert num_null == expected, (
-                    f"{request} group {group} has {num_null} blocks freed, its window has passed {expected}"
-                )
-            if not self.enable_caching:
-                continue
-            hashes = request.get_block_hashes(self.block_size)
-            for group, table in enumerate(tables):
-                for index, block_id in enumerate(table):
-                    if block_id == NULL_BLOCK_ID:
-                        continue
-                    block = self.device_pool.blocks[block_id]
-                    # A forked request's shared last block, not copied yet, holds the
-                    # parent's tokens after the prompt: the copy comes before any write.
-                    pending_copy = request.request_id in self._copy_on_write and index == len(table) - 1
-                    if block.block_hash is not None and not pending_copy:
-                        assert index < len(hashes) and block.block_hash == hashes[index], (
-                            f"{request} shares block {block_id} holding other tokens"
-                        )
-                        assert block.cache_group == group, f"{request} holds group {block.cache_group}'s block {block_id}"
+        """Raise AssertionError unless pools and tables agree on every reference; for the
+        given requests (those on device) also their cached contents and windows
+        (core/kv_cache_integrity.py)."""
+        check_kv_cache_integrity(
+            device_pool=self.device_pool,
+            host_pool=self.host_pool,
+            device_tables=self._block_tables,
+            host_tables={rid: copy.block_ids for rid, copy in self._host_copies.items()},
+            num_groups=self.num_groups,
+            passed_blocks=self.num_passed_blocks,
+            block_size=self.block_size if self.enable_caching else None,
+            copy_on_write=self._copy_on_write,
+            tier=self.tier,
+            requests=requests,
+        )
 
     def holds_blocks(self, request_id: str) -> bool:
         return request_id in self._block_tables or request_id in self._host_copies

@@ -171,3 +171,34 @@ def test_swap_fails_cleanly_without_room() -> None:
     for request in (a, small, big):
         kv.free(request)  # frees host blocks of a swapped request too
     assert_manager_drained(kv)
+
+
+
+def test_check_integrity_catches_broken_tables() -> None:
+    """Each invariant of core/kv_cache_integrity.py fails on tables that break it."""
+    import pytest
+
+    from pagellm.core.kv_cache_manager import _HostCopy
+
+    def message(corrupt) -> str:  # noqa: ANN001
+        kv = make_manager(num_cpu_blocks=4)
+        request = make_request("r", list(range(1, 11)))
+        compute(kv, request, 10)
+        kv.check_integrity([request])
+        corrupt(kv, request)
+        with pytest.raises(AssertionError) as error:
+            kv.check_integrity([request])
+        return str(error.value)
+
+    def table(kv: KVCacheManager) -> list[int]:
+        return kv._block_tables["r"][0]
+
+    assert "ref count" in message(lambda kv, r: table(kv).pop())  # a held block no table names
+    assert "holds a block twice" in message(lambda kv, r: table(kv).append(table(kv)[0]))
+    assert "on device and host at once" in message(lambda kv, r: kv._host_copies.__setitem__("r", _HostCopy([[]], [0])))
+
+    def other_tokens(kv: KVCacheManager, r) -> None:  # noqa: ANN001
+        r._all_token_ids[0] = 99  # the cached first block no longer holds the request's tokens
+        r._block_hashes.clear()
+
+    assert "holding other tokens" in message(other_tokens)
