@@ -56,8 +56,6 @@ from pagellm.entrypoints.openai.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
     EmbeddingRequest,
-    RerankRequest,
-    ScoreRequest,
     ModelCard,
     ModelList,
     TokenizeRequest,
@@ -67,6 +65,7 @@ from pagellm.entrypoints.openai.serving_chat import ChatServing
 from pagellm.entrypoints.openai.serving_common import ServingContext
 from pagellm.entrypoints.openai.serving_completion import CompletionServing
 from pagellm.entrypoints.openai.serving_embedding import EmbeddingServing, embedding_dimensions
+from pagellm.entrypoints.openai.protocol_score import RerankRequest, ScoreRequest
 from pagellm.entrypoints.openai.serving_score import ScoreServing
 from pagellm.entrypoints.openai.serving_responses import ResponsesServing
 from pagellm.entrypoints.openai.reasoning import REASONING_FORMATS

@@ -22,13 +22,12 @@ from pagellm.entrypoints.openai.limits_config import MAX_N, RequestLimits
 from pagellm.entrypoints.anthropic.protocol import AnthropicError, CountTokensResponse, MessageResponse
 from pagellm.entrypoints.openai.protocol_batch import BatchObject, FileObject
 from pagellm.entrypoints.openai.protocol_responses import ResponseObject
+from pagellm.entrypoints.openai.protocol_score import RerankResponse, ScoreResponse
 from pagellm.entrypoints.openai.protocol import (
     ChatCompletionResponse,
     MAX_LOGPROBS,
     CompletionResponse,
     EmbeddingResponse,
-    RerankResponse,
-    ScoreResponse,
     ErrorResponse,
 )
 

@@ -16,8 +16,8 @@ from fastapi.responses import JSONResponse, Response
 
 from pagellm.engine.async_llm import NewRequest
 from pagellm.entrypoints.openai.errors import APIError
-from pagellm.entrypoints.openai.protocol import (
-    EmbeddingUsage,
+from pagellm.entrypoints.openai.protocol import EmbeddingUsage
+from pagellm.entrypoints.openai.protocol_score import (
     RerankDocument,
     RerankRequest,
     RerankResponse,
