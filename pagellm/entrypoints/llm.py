@@ -142,8 +142,8 @@ class LLM:
         text_2: str | Sequence[str],
         use_tqdm: bool = True,
     ) -> list[ScoringRequestOutput]:
-        """Score text pairs, as vLLM's LLM.score: one text against each of a list (1:N), or
-        two lists of the same length pairwise. A cross-encoder (a sequence classifier with
+        """Score text pairs, as vLLM's LLM.score: one text against each of a list (1:N, or
+        N:1), or two lists of the same length pairwise. A cross-encoder (a sequence classifier with
         one label) scores each pair as one prompt (sigmoid of its logit); any other model
         by the cosine similarity of the two texts' embeddings. One output per pair, in order."""
         plan = plan_scoring(self.engine.model_config, self.engine.tokenizer, text_1, text_2)
