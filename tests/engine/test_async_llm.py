@@ -10,12 +10,8 @@ import pytest
 from hf_models import make_tiny_hf_checkpoint
 
 from pagellm import LLM, EngineArgs, SamplingParams
-from pagellm.engine.async_llm import (
-    AsyncLLM,
-    EngineDeadError,
-    EngineOverloadedError,
-    NewRequest,
-)
+from pagellm.engine.async_llm import AsyncLLM
+from pagellm.engine.async_requests import EngineDeadError, EngineOverloadedError, NewRequest
 from pagellm.errors import InvalidRequestError
 
 ENGINE = {"max_model_len": 128, "num_gpu_blocks_override": 64}
@@ -184,7 +180,7 @@ def test_constraints_compile_before_they_reach_the_engine_thread(async_llm):
     """A bad constraint is refused to its caller (the engine never sees it); a good one is
     compiled off the engine thread, so the engine finds it cached."""
     from pagellm import StructuredOutputsParams
-    from pagellm.engine.async_llm import NewRequest
+    from pagellm.engine.async_requests import NewRequest
     from pagellm.errors import InvalidRequestError
 
     good = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(regex="[ab]{3}"))

@@ -22,7 +22,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
-from pagellm.engine.async_llm import OutputStream
+from pagellm.engine.async_requests import OutputStream
 from pagellm.entrypoints.anthropic.errors import anthropic_error_body
 from pagellm.entrypoints.anthropic.protocol import (
     CountTokensRequest,

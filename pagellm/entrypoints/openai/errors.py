@@ -17,7 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pagellm.engine.async_llm import EngineDeadError, EngineOverloadedError
+from pagellm.engine.async_requests import EngineDeadError, EngineOverloadedError
 from pagellm.entrypoints.anthropic.errors import anthropic_error_response, is_messages_path
 from pagellm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
 from pagellm.errors import ChatTemplateError, InvalidRequestError, PagellmError, RequestFailedError

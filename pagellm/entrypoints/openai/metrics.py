@@ -25,7 +25,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from pagellm.engine.async_llm import AsyncLLM, EngineSnapshot
+from pagellm.engine.async_llm import AsyncLLM
+from pagellm.engine.async_requests import EngineSnapshot
 
 
 @dataclass(frozen=True)

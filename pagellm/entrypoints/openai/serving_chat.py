@@ -16,7 +16,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from pagellm.engine.async_llm import NewRequest, OutputStream
+from pagellm.engine.async_requests import NewRequest, OutputStream
 from pagellm.entrypoints.openai.errors import APIError, to_api_error
 from pagellm.entrypoints.openai.request_limits import check_chat
 from pagellm.entrypoints.openai.logprobs import chat_logprobs

@@ -8,7 +8,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from pagellm.engine.async_llm import AsyncLLM, NewRequest, OutputStream
+from pagellm.engine.async_llm import AsyncLLM
+from pagellm.engine.async_requests import NewRequest, OutputStream
 from pagellm.entrypoints.openai.limits_config import RequestLimits
 from pagellm.entrypoints.openai.errors import APIError
 from pagellm.entrypoints.openai.protocol import PromptTokensDetails, UsageInfo

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from pagellm.engine.async_llm import NewRequest, OutputStream
+from pagellm.engine.async_requests import NewRequest, OutputStream
 from pagellm.entrypoints.openai.errors import APIError, to_api_error
 from pagellm.entrypoints.openai.request_limits import check_completion
 from pagellm.entrypoints.openai.logprobs import CompletionLogprobsBuilder

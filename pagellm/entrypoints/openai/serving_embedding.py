@@ -18,7 +18,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from pagellm.config.model import ModelConfig
-from pagellm.engine.async_llm import NewRequest
+from pagellm.engine.async_requests import NewRequest
 from pagellm.entrypoints.openai.errors import APIError
 from pagellm.entrypoints.openai.protocol import EmbeddingData, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage
 from pagellm.entrypoints.openai.serving_common import ServingContext, collect_finals, new_request_id

@@ -26,7 +26,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
-from pagellm.engine.async_llm import OutputStream
+from pagellm.engine.async_requests import OutputStream
 from pagellm.entrypoints.openai.errors import APIError, to_api_error
 from pagellm.entrypoints.openai.protocol import ChatCompletionRequest, ToolCall
 from pagellm.entrypoints.openai.protocol_responses import (

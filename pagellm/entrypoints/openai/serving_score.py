@@ -14,7 +14,7 @@ import time
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from pagellm.engine.async_llm import NewRequest
+from pagellm.engine.async_requests import NewRequest
 from pagellm.entrypoints.openai.errors import APIError
 from pagellm.entrypoints.openai.protocol import EmbeddingUsage
 from pagellm.entrypoints.openai.protocol_score import (
