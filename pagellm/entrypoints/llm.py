@@ -115,19 +115,8 @@ class LLM:
         states pooled (its own pooling: last token unless the checkpoint says mean or CLS)
         and L2-normalised, unless `pooling_params` says otherwise. The prompts run through
         the same scheduler as generation (batched, chunked, prefix-cached)."""
-        prompt_list = _as_prompt_list(prompts)
-        params = pooling_params or PoolingParams()
-        request_ids: list[str] = []
-        try:
-            for prompt in prompt_list:
-                request_id = f"offline-{self._counter}"
-                self._counter += 1
-                self.engine.add_request(request_id, _prompt_value(prompt), params)
-                request_ids.append(request_id)
-            outputs = self._run(request_ids, use_tqdm)
-        except BaseException:
-            self.engine.abort_request(request_ids)
-            raise
+        prompt_list = [_prompt_value(prompt) for prompt in _as_prompt_list(prompts)]
+        outputs = self._run_pooled(prompt_list, pooling_params or PoolingParams(), use_tqdm)
         return [
             EmbeddingRequestOutput(
                 output.request_id, output.prompt_token_ids, EmbeddingOutput(output.embedding or []),
@@ -147,23 +136,30 @@ class LLM:
         one label) scores each pair as one prompt (sigmoid of its logit); any other model
         by the cosine similarity of the two texts' embeddings. One output per pair, in order."""
         plan = plan_scoring(self.engine.model_config, self.engine.tokenizer, text_1, text_2)
-        request_ids: list[str] = []
-        try:
-            for prompt in plan.prompts:
-                request_id = f"offline-{self._counter}"
-                self._counter += 1
-                self.engine.add_request(request_id, prompt, plan.params)
-                request_ids.append(request_id)
-            outputs = self._run(request_ids, use_tqdm)
-        except BaseException:
-            self.engine.abort_request(request_ids)
-            raise
+        outputs = self._run_pooled(plan.prompts, plan.params, use_tqdm)
         scores = plan.scores([output.embedding or [] for output in outputs])
         results = []
         for (a, b), score in zip(plan.pairs, scores, strict=True):
             tokens = list(outputs[a].prompt_token_ids) + ([] if a == b else list(outputs[b].prompt_token_ids))
             results.append(ScoringRequestOutput(outputs[a].request_id, tokens, ScoringOutput(score)))
         return results
+
+    def _run_pooled(
+        self, prompts: Sequence[str | Sequence[int]], params: PoolingParams, use_tqdm: bool
+    ) -> list[RequestOutput]:
+        """Prompt-only requests (embeddings, scores) run to their pooled outputs, in order;
+        none is left queued if one is refused (or on Ctrl-C)."""
+        request_ids: list[str] = []
+        try:
+            for prompt in prompts:
+                request_id = f"offline-{self._counter}"
+                self._counter += 1
+                self.engine.add_request(request_id, prompt, params)
+                request_ids.append(request_id)
+            return self._run(request_ids, use_tqdm)
+        except BaseException:
+            self.engine.abort_request(request_ids)
+            raise
 
     def chat(
         self,

@@ -121,12 +121,15 @@ class BatchRunner:
         self._wake.set()
         return batch
 
+    def _unfinished(self) -> list[BatchObject]:
+        return [batch for batch in self.store.batches() if batch.status not in FINAL_STATUSES]
+
     def running_inputs(self) -> set[str]:
         """The input files of the batches that have not ended (an expired one is kept for them)."""
-        return {batch.input_file_id for batch in self.store.batches() if batch.status not in FINAL_STATUSES}
+        return {batch.input_file_id for batch in self._unfinished()}
 
     def num_active(self) -> int:
-        return sum(1 for batch in self.store.batches() if batch.status not in FINAL_STATUSES)
+        return len(self._unfinished())
 
     def get(self, batch_id: str) -> BatchObject:
         return self._live.get(batch_id) or self.store.batch(batch_id)

@@ -8,8 +8,9 @@
                               {"line": input line number, "output": bool, "record": {...}}
 
 A file with an `expires_at` is gone for the API from that second on (404, not listed) and
-its two files are deleted by the next sweep (at each Files API call and at start), unless a
-batch that has not ended reads it: such an input file is deleted once its batch ends.
+its two files are deleted by a later sweep (serving_batch.py: at start, and at a Files or
+Batch API call at most once a minute), unless a batch that has not ended reads it: such an
+input file is deleted once its batch ends.
 
 Every JSON file is written whole to a temporary name and renamed over the old one, so a
 crash leaves the old version or the new, never half of one. The results log is appended

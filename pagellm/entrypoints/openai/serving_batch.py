@@ -11,6 +11,7 @@ from __future__ import annotations
 import hmac
 import logging
 import re
+import time
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 
@@ -43,6 +44,7 @@ logger = logging.getLogger(__name__)
 FilePurpose = Literal["batch", "assistants", "fine-tune", "vision", "user_data", "evals"]
 FILE_PURPOSES: tuple[str, ...] = get_args(FilePurpose)
 MAX_LIST_LIMIT = 100  # a page of GET /v1/files or /v1/batches
+SWEEP_INTERVAL_S = 60.0  # expired files' bytes are deleted at most this long after a call finds them
 
 
 # A data-parallel router's batch runner marks the requests it sends to the replicas with
@@ -124,6 +126,7 @@ class BatchServing:
         self._lock: DirectoryLock | None = None
         self.store: BatchStore | None = None
         self.runner: BatchRunner | None = None
+        self._swept_at = float("-inf")
         if root is None:
             self.unavailable = "The Files and Batch API are off on this server (--batch-dir none)."
             return
@@ -142,7 +145,7 @@ class BatchServing:
     def start(self, call: RouteCall, max_in_flight: int) -> None:
         if self.store is not None:
             self.runner = BatchRunner(self.store, call, max_in_flight)
-            self.store.sweep_expired(keep=self.runner.running_inputs())  # what expired while it was down
+            self._sweep_expired()  # what expired while the server was down
             self.runner.start()
 
     async def stop(self) -> None:
@@ -153,11 +156,20 @@ class BatchServing:
             self._lock = None
 
     def _ready(self) -> tuple[BatchStore, BatchRunner]:
-        """The store and runner, the expired files swept first."""
+        """The store and runner (expired files swept at most once a minute)."""
         if self.store is None or self.runner is None:
             raise APIError(503, self.unavailable or "The batch runner has not started.", code="batch_api_unavailable")
-        self.store.sweep_expired(keep=self.runner.running_inputs())
+        if time.monotonic() - self._swept_at >= SWEEP_INTERVAL_S:
+            self._sweep_expired()
         return self.store, self.runner
+
+    def _sweep_expired(self) -> None:
+        """Delete the expired files' bytes. The API stops showing a file at its expires_at
+        either way (the store checks it on every read), so this only reclaims the disk, and
+        need not read every file and batch on each status poll."""
+        assert self.store is not None and self.runner is not None
+        self.store.sweep_expired(keep=self.runner.running_inputs())
+        self._swept_at = time.monotonic()
 
     # ---------------------------------------------------------------- files
 
