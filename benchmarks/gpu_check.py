@@ -1,9 +1,9 @@
 """GPU check: correctness and speed of pagellm on one NVIDIA GPU (and
 tensor parallelism across several, where the machine has them).
 
-One script, under 8 minutes on an H200 with no network access, run in sections:
+One script, under 10 minutes on an H200 with no network access, run in sections:
 
-1. gpu tests       `pytest -m gpu tests/` in a subprocess
+1. gpu tests       the test files holding `gpu`-marked tests, whole, in a subprocess
 2. kernel checks   Triton attention vs the PyTorch reference (float32/float64) at real
                    head shapes, mixed batches and a long-context split-K decode
 3. equality        greedy float32 tokens of pagellm (chunked prefill, preemption, prefix

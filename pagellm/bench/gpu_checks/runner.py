@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None, repo_root: Path | None = None) -> int:
         help=f"JSON results (default {RESULTS_FILE}; smoke: {DEFAULT_SMOKE_OUT})",
     )  # fmt: skip
     parser.add_argument("--sections", default=",".join(SECTION_NAMES), help=f"comma-separated subset of {','.join(SECTION_NAMES)}")
-    parser.add_argument("--deadline", type=float, default=None, help="seconds for the whole run (default 455; smoke 600)")
+    parser.add_argument("--deadline", type=float, default=None, help="seconds for the whole run (default 540; smoke 600)")
     args = parser.parse_args(argv)
     names = [n.strip() for n in args.sections.split(",") if n.strip()]
     unknown = [n for n in names if n not in SECTIONS]
