@@ -251,7 +251,7 @@ def _run_launch(
         BLOCK_SIZE=block_size, GROUP=num_heads // num_kv_heads, BLOCK_Q=launch.block_q,
         BLOCK_M=launch.block_m, BLOCK_N=max(_MIN_DOT, tuning.block_n), BLOCK_D=block_d,
         NUM_SPLITS=launch.num_splits, IEEE_FP32=query.dtype == torch.float32,
-        DOT_IN_FP32=_INTERPRETED,
+        DOT_IN_FP32=_INTERPRETED, SOFTCAP=bool(softcap),
     )  # fmt: skip
     if launch.workspace is not None:
         assert launch.merge_rows is not None

@@ -113,8 +113,8 @@ def paged_attention_kernel(
     block_table_stride,
     scale_log2,  # softmax scale * log2(e): the kernel works in base 2
     window,  # sliding window (a query at p sees keys p - window + 1 .. p); 0: none
-    softcap_in,  # soft-capping (Gemma 2): scores become cap * tanh(s / cap); 0: none.
-    softcap_out,  # with it, scale / cap and cap * log2(e) (scale_log2 unused)
+    softcap_in,  # soft-capping (Gemma 2): scores become cap * tanh(s / cap), with
+    softcap_out,  # scale / cap and cap * log2(e) (scale_log2 unused); read with SOFTCAP
     NUM_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -127,6 +127,10 @@ def paged_attention_kernel(
     NUM_SPLITS: tl.constexpr,
     IEEE_FP32: tl.constexpr,  # float32 dots in full precision (no TF32)
     DOT_IN_FP32: tl.constexpr,  # upcast dot operands (the interpreter's bf16 dot is wrong)
+    # A compile-time switch, not a test of softcap_in in the loop: Triton 3.6's software
+    # pipeliner fails on that branch once the key cache's pointer is known aligned (on an
+    # H200, every bf16 kernel failed to compile).
+    SOFTCAP: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -195,7 +199,7 @@ def paged_attention_kernel(
             scores = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             scores = tl.dot(q, tl.trans(k))
-        if softcap_in > 0:
+        if SOFTCAP:
             # tanh(x) = 2 sigmoid(2x) - 1 (the interpreter and every GPU have sigmoid).
             scores = (2.0 * tl.sigmoid(2.0 * scores * softcap_in) - 1.0) * softcap_out
         else:

@@ -66,6 +66,14 @@ def decode_graph_sizes(
     return capture_sizes(max_capture_batch_size or min(max_num_seqs, DEFAULT_MAX_CAPTURE_BATCH_SIZE))
 
 
+def with_device_index(device: torch.device) -> torch.device:
+    """A CUDA device with its index: torch.cuda.set_device refuses a bare "cuda" (torch
+    2.11 and later), so a single rank takes the current device. Others pass through."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 class Worker:
     def __init__(
         self, config: EngineConfig, rank: int, device: torch.device, grammars: GrammarCompiler | None = None
@@ -75,6 +83,7 @@ class Worker:
         # the driver, which samples, holds one.
         self.grammars = grammars
         self.rank = rank
+        device = with_device_index(device)
         self.device = device
         self.dtype = torch_dtype(config.dtype)
         self.kv_cache_dtype = torch_dtype(config.kv_cache_dtype)

@@ -25,20 +25,28 @@ TARGET = GPUTarget("cuda", 90, 32)  # H100 / H200
 
 def compile_one(fn, types: dict[str, str], constexprs: dict[str, object]) -> int:
     signature = {name: "constexpr" if name in constexprs else types[name] for name in fn.arg_names}
-    compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=TARGET)
+    # As at run time: torch's allocations are 16-byte aligned and the shapes' strides are
+    # multiples of 16, so Triton specializes every pointer and integer as divisible by 16.
+    # That is what switches on the async-copy pipelining, and where Triton 3.6 refused a
+    # data-dependent branch in the loop on an H200 while this script, without the
+    # attributes, compiled it.
+    aligned = [i for i, name in enumerate(fn.arg_names) if name not in constexprs and types[name][0] in "*i"]
+    attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
+    compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs), target=TARGET)
     return compiled.metadata.shared
 
 
 def main() -> None:
     tuning = TritonTuning()
-    # (heads, kv heads, head_dim): Llama-3-8B, SmolLM2.
-    for num_heads, num_kv_heads, head_dim in ((32, 8, 128), (9, 3, 64)):
+    # (heads, kv heads, head_dim, soft-capping): Llama-3-8B, SmolLM2, Gemma-2-9B.
+    for num_heads, num_kv_heads, head_dim, softcap in ((32, 8, 128, False), (9, 3, 64, False), (16, 8, 256, True)):
         group = num_heads // num_kv_heads
         decode_m = max(16, _next_power_of_2(group))
         prefill_m = max(16, tuning.prefill_block_m, _next_power_of_2(group))
         # (model dtype, cache dtype): the model's own, or fp8 (--kv-cache-dtype).
-        for dtype, cache in (("bf16", "bf16"), ("fp16", "fp16"), ("fp32", "fp32"), ("bf16", "fp8e4nv"),
-                             ("bf16", "fp8e5"), ("fp32", "fp8e4nv")):
+        pairs = (("bf16", "bf16"), ("fp16", "fp16"), ("fp32", "fp32"), ("bf16", "fp8e4nv"), ("bf16", "fp8e5"),
+                 ("fp32", "fp8e4nv"))
+        for dtype, cache in pairs[::2] if softcap else pairs:  # the cap with each model dtype
             fp8 = {"fp8e4nv": (3, 7, 0x43E00000), "fp8e5": (2, 15, 0x47600000)}.get(cache)
             stored = "u8" if fp8 else cache  # store_kv writes fp8 caches' bytes
             compile_one(
@@ -70,9 +78,10 @@ def main() -> None:
                     dict(NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
                          BLOCK_SIZE=16, GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m,
                          BLOCK_N=tuning.block_n, BLOCK_D=head_dim, NUM_SPLITS=splits,
-                         IEEE_FP32=dtype == "fp32", DOT_IN_FP32=False),
+                         IEEE_FP32=dtype == "fp32", DOT_IN_FP32=False, SOFTCAP=softcap),
                 )  # fmt: skip
-                print(f"paged_attention {name} {dtype} (cache {cache}) heads {num_heads}/{num_kv_heads}x{head_dim}: "
+                print(f"paged_attention {name} {dtype} (cache {cache}) heads {num_heads}/{num_kv_heads}x{head_dim}"
+                      f"{' softcap' if softcap else ''}: "
                       f"shared {shared} B")
             compile_one(
                 kernels.merge_splits_kernel,

@@ -87,3 +87,14 @@ def test_cli_has_the_device_flags():
     )
     with pytest.raises(SystemExit):
         parser.parse_args(["--attention-backend", "flash"])
+
+
+def test_a_single_rank_takes_the_current_cuda_device(monkeypatch):
+    # torch.cuda.set_device refuses a bare "cuda" (torch 2.11 on an H200: every engine
+    # start failed there); the worker names the index before it calls it.
+    from pagellm.worker.worker import with_device_index
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert with_device_index(torch.device("cuda")) == torch.device("cuda", 3)
+    assert with_device_index(torch.device("cuda", 1)) == torch.device("cuda", 1)
+    assert with_device_index(torch.device("cpu")) == torch.device("cpu")
