@@ -314,12 +314,15 @@ def measure_memory(path: Path, max_model_len: int, kv_bytes: int) -> dict[str, A
 
 
 def run_throughput(path: Path, backend: str, workload: list[str], result_file: Path) -> dict[str, Any]:
-    """backend: pagellm (bf16 activations), pagellm-int8 (--int8-activations) or llamacpp."""
+    """backend: pagellm (bf16 activations), pagellm-int8 (--int8-activations) or llamacpp;
+    a pagellm backend ending in -msN runs with --num-scheduler-steps N."""
+    backend, _, steps = backend.partition("-ms")
     command = [sys.executable, "-m", "pagellm.entrypoints.cli", "bench", "throughput", "--backend",
                backend.removesuffix("-int8"), "--model", str(path), "--check-requests", "0", *workload,
                "--result-file", str(result_file)]  # fmt: skip
     if backend.startswith("pagellm"):
         command += ["--dtype", "bfloat16"] + (["--int8-activations"] if backend == "pagellm-int8" else [])
+        command += ["--num-scheduler-steps", steps] if steps else []
     else:
         parallel = workload[workload.index("--num-requests") + 1]
         command += ["--llamacpp-parallel", parallel]
@@ -383,6 +386,8 @@ def main() -> int:
     parser.add_argument("--skip", nargs="*", default=[], choices=("pagellm", "llamacpp", "memory"))
     parser.add_argument("--activations", nargs="+", choices=("bf16", "int8"), default=["bf16"],
                         help="pagellm's runs: bf16 activations (the default engine), and/or --int8-activations")
+    parser.add_argument("--num-scheduler-steps", type=int, nargs="+", default=[1],
+                        help="pagellm's runs with each of these --num-scheduler-steps (multi-step decoding)")
     parser.add_argument("--kv-cache-mib", type=int, default=64, help="pagellm's KV cache in the memory check")
     parser.add_argument("--out", default="benchmarks/results/quant_1b.json")
     parser.add_argument("--memory-child", nargs=3, help=argparse.SUPPRESS)
@@ -453,9 +458,10 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for scenario, (streams, _, workload) in scenarios.items():
             workload = [*workload, "--max-model-len", str(max_model_len)]
-            pagellm_runs = [{"bf16": "pagellm", "int8": "pagellm-int8"}[a] for a in args.activations]
+            pagellm_runs = [{"bf16": "pagellm", "int8": "pagellm-int8"}[a] + (f"-ms{n}" if n > 1 else "")
+                            for a in args.activations for n in args.num_scheduler_steps]  # fmt: skip
             for backend in (*pagellm_runs, "llamacpp"):
-                if backend.removesuffix("-int8") in args.skip:
+                if backend.partition("-")[0] in args.skip:
                     continue
                 record = run_throughput(path, backend, workload, Path(tmp) / "r.jsonl")
                 run = {"scenario": scenario, "backend": backend, "streams": streams}
@@ -498,8 +504,9 @@ def main() -> int:
         ratio = ""
         if r["backend"].startswith("pagellm") and other and "error" not in other:
             ratio = f"{r['output_tok_s'] / other['output_tok_s']:.2f}x"
+        kind, _, steps = r["backend"].partition("-ms")
         name = {"pagellm": "pagellm bf16 (as stored)", "pagellm-int8": "pagellm int8 activations (as stored)",
-                "llamacpp": "llama.cpp (GGUF as stored)"}[r["backend"]]
+                "llamacpp": "llama.cpp (GGUF as stored)"}[kind] + (f", {steps} steps per engine step" if steps else "")
         rows.append((r["scenario"], name, f"{r['output_tok_s']:.1f}", f"{r['decode_steps_per_s']:.1f}",
                      f"{r['achieved_gb_s']:.1f}", f"{100 * r['fraction_of_copy_bw']:.0f}%", ratio))  # fmt: skip
     widths = [max(len(str(row[i])) for row in (header, *rows)) for i in range(len(header))]

@@ -56,6 +56,7 @@ def run_bench_throughput(args: argparse.Namespace) -> dict[str, Any]:
             "max_num_seqs": args.max_num_seqs, "max_model_len": args.max_model_len,
             "quantization": getattr(args, "quantization", "auto"),
             "int8_activations": getattr(args, "int8_activations", False),
+            "num_scheduler_steps": getattr(args, "num_scheduler_steps", 1),
         }  # fmt: skip
         if args.max_num_batched_tokens:
             engine_args["max_num_batched_tokens"] = args.max_num_batched_tokens

@@ -53,6 +53,10 @@ def add_bench_throughput_parser(bench_commands: "argparse._SubParsersAction") ->
         "the same requests unconstrained at the same output lengths, compile times and first-token latency "
         "for a new vs a cached schema (pagellm only)",
     )  # fmt: skip
+    p.add_argument(
+        "--num-scheduler-steps", type=int, default=1,
+        help="pagellm: decode steps per engine step while every running request decodes (multi-step decoding)",
+    )
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=2048)

@@ -73,6 +73,9 @@ _HELP = {
     "speculative_config": "speculative decoding, as JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
     "\"prompt_lookup_min\": 1, \"prompt_lookup_max\": 4, \"disable_by_batch_size\": 8}, or a draft model: "
     "{\"model\": PATH, \"num_speculative_tokens\": 4} (same vocabulary); exact for greedy and sampled requests",
+    "num_scheduler_steps": "decode steps the runner takes per engine step while every running request "
+    "decodes and none waits: the engine's per-step work (scheduling, output processing, stats) once per N "
+    "tokens; tokens then reach streams N at a time, and a new request waits at most N steps (default 1)",
     "tensor_parallel_size": "split the model over this many ranks (GPUs, or CPU processes): attention and KV "
     "heads, the MLP and the vocabulary; one all-reduce after each attention and MLP block",
     "distributed_executor_backend": "where tensor-parallel ranks run: mp = processes on this machine "

@@ -96,6 +96,9 @@ class EngineArgs:
     distributed_executor_backend: str | None = None  # mp | ray; None = mp (processes on this machine)
     # vLLM's shape, a dict or its JSON: {"method": "ngram", "num_speculative_tokens": 4, ...}
     speculative_config: str | dict[str, object] | None = None
+    # Decode steps per engine step while every running request decodes (vLLM's name):
+    # the scheduler's and the engine's Python once per N tokens instead of once per token.
+    num_scheduler_steps: int = 1
     # LoRA adapters over the base model (vLLM's names and defaults)
     enable_lora: bool = False
     max_loras: int = 1  # adapters resident at once, hence the most in one step
@@ -160,6 +163,13 @@ class EngineArgs:
         if self.profile is not None and not self.enable_chunked_prefill:
             raise ConfigError("profile sets chunked-prefill knobs: it needs enable_chunked_prefill")
         resolve_speculative_config(self.speculative_config)  # a bad one fails here, named
+        steps = self.num_scheduler_steps
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ConfigError(f"num_scheduler_steps must be an integer >= 1, got {steps!r}")
+        if steps > 1 and self.speculative_config is not None:
+            raise ConfigError("num_scheduler_steps > 1 does not work with speculative_config: choose one")
+        if steps > 1 and self.tensor_parallel_size > 1:
+            raise ConfigError("num_scheduler_steps > 1 does not work with tensor_parallel_size > 1 yet")
         for name in ("max_loras", "max_lora_rank", "max_cpu_loras"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):

@@ -197,6 +197,7 @@ def resolve_engine_config(
         prefill_share=1.0 if args.prefill_share is None else args.prefill_share,
         background_token_budget=background_token_budget(args),
         max_loras=args.max_loras if args.enable_lora else None,
+        num_scheduler_steps=args.num_scheduler_steps,
     )
     lora_config = None
     if args.enable_lora:

@@ -43,9 +43,13 @@ class SchedulerConfig:
     background_token_budget: int | None = None
     # LoRA: the most distinct adapters in one step (the slots beside the model); None: LoRA off.
     max_loras: int | None = None
+    # Multi-step decoding: while every running request decodes and nothing waits, each
+    # computes up to this many positions per step, sampling and feeding back in the runner.
+    num_scheduler_steps: int = 1
 
     def __post_init__(self) -> None:
         check_int("SchedulerConfig", "max_num_seqs", self.max_num_seqs, 1)
+        check_int("SchedulerConfig", "num_scheduler_steps", self.num_scheduler_steps, 1)
         if self.max_loras is not None:
             check_int("SchedulerConfig", "max_loras", self.max_loras, 1)
         if self.background_token_budget is not None:

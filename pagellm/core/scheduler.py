@@ -20,6 +20,7 @@ from collections.abc import Iterable
 
 from pagellm.config import CacheConfig, SchedulerConfig
 from pagellm.core.kv_cache_manager import NO_HIT, ComputedBlocks, KVCacheManager
+from pagellm.core.multi_step import can_run_several, decode_steps
 from pagellm.core.parallel_sampling import make_child_request
 from pagellm.core.prefill_balance import prefill_chunk_size, prefill_token_cap, remaining_work
 from pagellm.core.scheduler_integrity import check_scheduler_integrity
@@ -218,6 +219,14 @@ class Scheduler:
         plan = StepPlan(token_budget=budget, prefill_budget=prefill_token_cap(config, budget, num_decodes))
         plan.speculate = self.speculator is not None and self.speculator.active(len(self.running))
         plan.background_budget = config.background_token_budget
+        plan.multi_step = (
+            config.num_scheduler_steps > 1
+            and not plan.speculate
+            and not self.waiting
+            and not self.swapped
+            and not self._loading
+            and all(can_run_several(r) for r in self.running)
+        )
         self._schedule_running(plan)
         # A step that had to preempt is short of blocks: bringing requests in now would
         # only get them (or others) preempted again, and swap-ins must not share a step
@@ -251,6 +260,7 @@ class Scheduler:
 
     def _schedule_running(self, plan: StepPlan) -> None:
         kv = self.kv_cache_manager
+        config = self.scheduler_config
         index = 0
         while index < len(self.running) and plan.token_budget > 0:
             request = self.running[index]
@@ -265,7 +275,19 @@ class Scheduler:
                 # Verification positions count in the step's token budget.
                 proposal = self.speculator.propose(request)[: self._token_room(request, plan) - 1]
                 num_tokens += len(proposal)
-            block_ids = kv.allocate_slots(request, num_tokens)
+            block_ids = None
+            steps = 1
+            if gap == 1 and plan.multi_step:
+                steps = min(
+                    decode_steps(request, config.num_scheduler_steps, self.max_model_len),
+                    self._token_room(request, plan),
+                )
+                # The look-ahead positions take free blocks only: never a preemption.
+                block_ids = kv.allocate_slots(request, steps) if steps > 1 else None
+                steps = steps if block_ids is not None else 1
+                num_tokens = steps
+            if block_ids is None:
+                block_ids = kv.allocate_slots(request, num_tokens)
             while block_ids is None:
                 victim = self._choose_victim()
                 victim_index = self.running.index(victim)
@@ -280,6 +302,8 @@ class Scheduler:
             plan.schedule(request, num_tokens, block_ids, is_prefill=gap > 1)
             if proposal:
                 plan.spec_tokens[request.request_id] = proposal
+            if steps > 1:
+                plan.decode_steps[request.request_id] = steps
             index += 1
 
     def _choose_victim(self) -> Request:
@@ -505,6 +529,7 @@ class Scheduler:
             blocks_to_swap_in=plan.blocks_to_swap_in,
             blocks_to_copy=kv.take_pending_copies(),
             scheduled_spec_decode_tokens=plan.spec_tokens,
+            decode_steps=plan.decode_steps,
             blocks_to_offload=kv.take_pending_offloads(),
             blocks_to_load=plan.blocks_to_load,
             tier_deletions=kv.tier.take_deletions() if kv.tier is not None else [],
@@ -560,6 +585,9 @@ class Scheduler:
                     f"The runner returned no sampled token for request {request_id!r}, "
                     "which reached the end of its tokens this step."
                 )
+            steps = scheduler_output.decode_steps.get(request_id)
+            if steps is not None and len(sampled) != steps:
+                raise RuntimeError(f"The runner returned {len(sampled)} tokens for request {request_id!r}, not {steps}.")
             new_token_ids = self._append_sampled(request, sampled, finished)
             # A stop inside an accepted run leaves fewer tokens than computed positions.
             request.num_computed_tokens = min(computed, request.num_tokens)

@@ -16,7 +16,8 @@ another process. How a runner reads a SchedulerOutput, in this order:
    that a sliding window freed later is not announced: the runner's copy keeps the old
    id, which that group's attention never reads again.
 4. Run `num_scheduled_tokens[req_id]` tokens of each request, starting at position
-   `num_computed_tokens`.
+   `num_computed_tokens`; a request in `decode_steps` runs them one at a time, each
+   the token sampled after the previous one.
 5. A request needs a sampled token iff num_computed_tokens + num_scheduled_tokens
    reaches the number of tokens the runner knows for it (prompt + outputs, the runner
    appending every token it samples). Otherwise it is in a partial prefill chunk and
@@ -88,6 +89,10 @@ class SchedulerOutput:
     # (they are part of its num_scheduled_tokens); the runner verifies them. With a draft
     # model they are DRAFT_PLACEHOLDER: the runner's draft fills them in.
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # Multi-step decoding (core/multi_step.py): per decoding request given k > 1 positions
+    # (its num_scheduled_tokens), k: the runner computes its last token, samples the next
+    # and feeds it back, k times, and returns the k sampled tokens.
+    decode_steps: dict[str, int] = field(default_factory=dict)
     # The prefix cache's second tier (core/kv_tier.py), by 16-byte digest: device blocks
     # to write there (copied before anything else of the step, since the block may be
     # reused by it), entries to delete (before those writes), and blocks to load from it

@@ -24,6 +24,9 @@ class StepPlan:
     # Speculative decoding: proposals to verify, per scheduled request.
     spec_tokens: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     speculate: bool = False  # proposals are asked for in this step
+    # Multi-step decoding: decodes may take several positions (core/multi_step.py).
+    multi_step: bool = False
+    decode_steps: dict[str, int] = dataclasses.field(default_factory=dict)
     # An interactive request waits or prefills: background work sits this step out, so the
     # step (and that request's first token) is as fast as without it.
     pause_background: bool | None = None  # None: not decided yet (Scheduler._pauses_background)

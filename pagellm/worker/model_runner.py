@@ -189,6 +189,10 @@ class ModelRunner:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids={})
         if self.model.lora_manager is not None:  # each adapter's rows in one range (stable: the base model's first)
             req_ids.sort(key=lambda req_id: self.requests[req_id].lora_int_id)
+        if scheduler_output.decode_steps:
+            if self.faults is not None:
+                self.faults.check(scheduler_output)
+            return self._run_decode_steps(req_ids, scheduler_output.decode_steps)
         proposals = scheduler_output.scheduled_spec_decode_tokens
         drafted: dict[str, Drafts] = {}
         if proposals and self.draft is not None:
@@ -208,19 +212,7 @@ class ModelRunner:
             )
         if self.faults is not None:
             self.faults.check(scheduler_output)
-        adapters = self._activate_adapters(req_ids, sequences)
-        if not adapters and self.decode_graphs is not None and self.decode_graphs.can_run(sequences):
-            hidden = self.decode_graphs.run(sequences)
-            starts = list(range(len(sequences) + 1))
-        else:
-            inputs = prepare_model_inputs(sequences, self.block_size, self.device)
-            try:
-                hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
-            finally:
-                if adapters:
-                    self.model.lora_manager.set_mapping(None)
-            starts = inputs.metadata.query_start_loc
-
+        hidden, starts = self._forward(req_ids, sequences)
         output = ModelRunnerOutput(
             req_ids=req_ids, sampled_token_ids={req_id: [] for req_id in req_ids}
         )
@@ -231,6 +223,43 @@ class ModelRunner:
         rows = self._sample_rows(req_ids, sequences, starts, proposals)
         if rows:
             self._sample(rows, hidden, output)
+        output.mask_seconds = self.mask_timer.take()
+        return output
+
+    def _forward(self, req_ids: list[str], sequences: list[ScheduledSequence]) -> tuple[torch.Tensor, list[int]]:
+        """The model over the step's sequences: hidden states and each sequence's first row."""
+        adapters = self._activate_adapters(req_ids, sequences)
+        if not adapters and self.decode_graphs is not None and self.decode_graphs.can_run(sequences):
+            return self.decode_graphs.run(sequences), list(range(len(sequences) + 1))
+        inputs = prepare_model_inputs(sequences, self.block_size, self.device)
+        try:
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
+        finally:
+            if adapters:
+                self.model.lora_manager.set_mapping(None)
+        return hidden, inputs.metadata.query_start_loc
+
+    def _run_decode_steps(self, req_ids: list[str], steps: dict[str, int]) -> ModelRunnerOutput:
+        """Multi-step decoding (core/multi_step.py): each request computes its last token,
+        samples the next and feeds it back, `steps[req_id]` times (1 where absent). Every
+        sample goes through _sample as in separate steps (penalties, seeds, logprobs); stops
+        are the scheduler's to check, so a request runs its steps whatever it samples."""
+        output = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids={req_id: [] for req_id in req_ids})
+        for step in range(max(steps.values())):
+            active = [req_id for req_id in req_ids if steps.get(req_id, 1) > step]
+            states = [self.requests[req_id] for req_id in active]
+            sequences = [
+                ScheduledSequence([state.token_ids[-1]], len(state.token_ids) - 1, state.block_ids, True)
+                for state in states
+            ]
+            hidden, _ = self._forward(active, sequences)
+            sampled = ModelRunnerOutput(req_ids=active, sampled_token_ids={})
+            self._sample([_SampleRow(req_id, req_id, row) for row, req_id in enumerate(active)], hidden, sampled)
+            for req_id in active:
+                output.sampled_token_ids[req_id].extend(sampled.sampled_token_ids[req_id])
+            for req_id, entries in (sampled.logprobs or {}).items():
+                output.logprobs = output.logprobs if output.logprobs is not None else {}
+                output.logprobs.setdefault(req_id, []).extend(entries)
         output.mask_seconds = self.mask_timer.take()
         return output
 

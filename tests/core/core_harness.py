@@ -192,26 +192,18 @@ class FakeRunner:
         forked: dict[str, list[int]] = {}
         for request_id, num_tokens in out.num_scheduled_tokens.items():
             state = self.requests[request_id]
-            start = state.num_computed_tokens
-            end = start + num_tokens
+            steps = out.decode_steps.get(request_id)
+            if steps is not None:  # multi-step decoding: compute, sample, feed back, `steps` times
+                assert num_tokens == steps > 1 and state.num_computed_tokens == len(state.token_ids) - 1
+                sampled[request_id] = []
+                for _ in range(steps):
+                    self._compute(request_id, state, state.num_computed_tokens + 1)
+                    state.token_ids.append(self.sample(request_id, list(state.token_ids)))
+                    sampled[request_id].append(state.token_ids[-1])
+                continue
+            end = state.num_computed_tokens + num_tokens
             assert num_tokens > 0 and end <= len(state.token_ids)
-            for group, window in enumerate(self.group_windows):
-                # Attention reads every earlier position its layers see through the
-                # group's block table: all of them, or the first query's window on.
-                first_read = 0 if window is None else max(0, start - window + 1)
-                for position in range(first_read, start):
-                    block_id, offset = self._slot(state, group, position)
-                    assert block_id != 0, f"{request_id} reads position {position} from the null block"
-                    held = self.device.get(block_id, [None] * self.block_size)[offset]
-                    assert held == (group, state.token_ids[position], position, state.lora), (
-                        f"{request_id} group {group} position {position} reads {held} from block {block_id}"
-                    )
-                for position in range(start, end):
-                    block_id, offset = self._slot(state, group, position)
-                    assert block_id != 0, "the null block was written"
-                    block = self.device.setdefault(block_id, [None] * self.block_size)
-                    block[offset] = (group, state.token_ids[position], position, state.lora)
-            state.num_computed_tokens = end
+            self._compute(request_id, state, end)
             if end == len(state.token_ids):
                 history = list(state.token_ids)
                 # n > 1: the other completions' first tokens, from the same position.
@@ -227,6 +219,28 @@ class FakeRunner:
             else:
                 sampled[request_id] = []
         return ModelRunnerOutput(list(out.num_scheduled_tokens), sampled, forked_token_ids=forked, kv_tier=report)
+
+    def _compute(self, request_id: str, state: _RunnerRequest, end: int) -> None:
+        """Positions num_computed_tokens .. end - 1 of the request: check what they read,
+        write their slots."""
+        start = state.num_computed_tokens
+        for group, window in enumerate(self.group_windows):
+            # Attention reads every earlier position its layers see through the
+            # group's block table: all of them, or the first query's window on.
+            first_read = 0 if window is None else max(0, start - window + 1)
+            for position in range(first_read, start):
+                block_id, offset = self._slot(state, group, position)
+                assert block_id != 0, f"{request_id} reads position {position} from the null block"
+                held = self.device.get(block_id, [None] * self.block_size)[offset]
+                assert held == (group, state.token_ids[position], position, state.lora), (
+                    f"{request_id} group {group} position {position} reads {held} from block {block_id}"
+                )
+            for position in range(start, end):
+                block_id, offset = self._slot(state, group, position)
+                assert block_id != 0, "the null block was written"
+                block = self.device.setdefault(block_id, [None] * self.block_size)
+                block[offset] = (group, state.token_ids[position], position, state.lora)
+        state.num_computed_tokens = end
 
 
 @dataclasses.dataclass

@@ -5,7 +5,7 @@ Every configuration axis is drawn (block size, pool sizes, chunked prefill, budg
 max_num_seqs, prefix caching, policy, preemption mode, KV cache groups: one global
 group, or global and sliding-window groups whose passed blocks are freed as requests run;
 a prefix-cache tier of a few entries or many, with a short or long write queue, whose
-loads fail now and then). After every operation the
+loads fail now and then; multi-step decoding of 2 or 4 positions per step). After every operation the
 scheduler's integrity holds; the fake runner checks every KV read; at the end every
 request finishes, each output token is the one the sampler gave for its history (none
 lost, repeated or reordered by preemption), and the scheduler is drained.
@@ -57,6 +57,7 @@ class Setup:
     # write queue; about one load in five fails its check.
     kv_offload_bytes: int = 0
     kv_offload_max_pending_writes: int = 256
+    num_scheduler_steps: int = 1  # multi-step decoding (core/multi_step.py)
 
 
 @st.composite
@@ -86,6 +87,7 @@ def setups(draw) -> Setup:
         max_loras=draw(st.sampled_from([None, None, 1, 2])),
         kv_offload_bytes=draw(st.sampled_from([0, 30, 10_000])),
         kv_offload_max_pending_writes=draw(st.sampled_from([1, 3, 256])),
+        num_scheduler_steps=draw(st.sampled_from([1, 1, 2, 4])),
     )
 
 
