@@ -50,7 +50,7 @@ def _run(weight: PackedWeight, x: torch.Tensor, impl: LinearImpl) -> np.ndarray:
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 17])
 def test_int8_kernel_equals_its_arithmetic_and_bounds_the_error(weight_type, k, rows):
     rng = np.random.default_rng(k * 10 + rows + int(weight_type))
-    n = 40
+    n = 37 if rows % 2 else 40  # an odd count: a thread's last weight row alone (one row of x takes two at a time)
     data = random_blocks(weight_type, n, k, rng)
     weight = PackedWeight([WeightPart(weight_type, packed(weight_type, data, k))], k)
     w = reference_weight(weight_type, data, k)  # float64 [n, k]
@@ -112,3 +112,16 @@ def test_bf16_weights_and_mixed_parts():
     assert not np.array_equal(y8[:, :32], y16[:, :32])
     only_dense = bf16_weight(dense)
     assert np.array_equal(_run(only_dense, x, LinearImpl.STREAMING_INT8), _run(only_dense, x, LinearImpl.STREAMING))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3])
+def test_bias_is_added_to_every_row(rows):
+    rng = np.random.default_rng(rows)
+    k, n = 160, 35  # odd: rows of the weight taken two at a time and one alone
+    data = random_blocks(WeightType.Q4_0, n, k, rng)
+    weight = PackedWeight([WeightPart(WeightType.Q4_0, packed(WeightType.Q4_0, data, k))], k)
+    x = torch.from_numpy(rng.standard_normal((rows, k)).astype(np.float32)).to(torch.bfloat16)
+    bias = torch.from_numpy(rng.standard_normal(n).astype(np.float32)).to(torch.bfloat16)
+    plain = _run(weight, x, LinearImpl.STREAMING_INT8)
+    biased = weight.linear(x, bias, 2, int(LinearImpl.STREAMING_INT8), torch.float32).double().numpy()
+    np.testing.assert_allclose(biased, plain + bias.double().numpy()[None, :], rtol=0, atol=1e-5)
