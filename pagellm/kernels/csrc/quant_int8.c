@@ -98,13 +98,14 @@ static QuantizedX quantize_x(const uint16_t *x, int64_t x_stride, int64_t m, int
 }
 
 /* NR weight rows against M (<= INT8_ROWS) quantized rows of x: result[j * M + r]. NR is 1,
- * or 2 or 4 for a single row of x, where the rows' independent chains keep the vector units
- * busy and share each load of x (one row alone waits on its own latencies: 1.3x slower per
- * row than four, with the weights in cache). */
+ * or 2 for a single row of x, where the two rows' independent chains keep the vector units
+ * busy and share each load of x (one row alone waits on its own latencies: 1.25x slower per
+ * row with the weights in cache; four rows at a time gained another 5% there but nothing
+ * measurable streaming from memory). */
 static inline __attribute__((always_inline)) void int8_rows(int type, int NR, int M, const QuantizedX *qx,
                                                             const uint8_t *const *rows, int64_t k, float *result) {
     const int64_t groups = k / GROUP, stored = padded_groups(k), full_runs = groups / 4;
-    const uint16_t *d_half[4], *m_half[4]; /* NR <= 4 */
+    const uint16_t *d_half[2], *m_half[2];
     for (int j = 0; j < NR; j++) {
         d_half[j] = (const uint16_t *)(rows[j] + stored * 16);
         m_half[j] = d_half[j] + stored;
@@ -116,8 +117,8 @@ static inline __attribute__((always_inline)) void int8_rows(int type, int NR, in
     const __m512i second_halves = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
     /* Which of the 16 groups' scales each lane takes, for the run of four at 4i. */
     const __m512i lane_group = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-    __m512 acc[4][INT8_ROWS], corr[4][INT8_ROWS];
-    __m256 tail[4][INT8_ROWS];
+    __m512 acc[2][INT8_ROWS], corr[2][INT8_ROWS];
+    __m256 tail[2][INT8_ROWS];
     for (int j = 0; j < NR; j++)
         for (int r = 0; r < M; r++) {
             acc[j][r] = corr[j][r] = _mm512_setzero_ps();
@@ -126,7 +127,7 @@ static inline __attribute__((always_inline)) void int8_rows(int type, int NR, in
     for (int64_t g0 = 0; g0 < groups; g0 += 16) {
         const int count = groups - g0 < 16 ? (int)(groups - g0) : 16;
         const __mmask16 mask = (__mmask16)((1u << count) - 1);
-        __m512 ds[4][INT8_ROWS];
+        __m512 ds[2][INT8_ROWS];
         for (int j = 0; j < NR; j++) {
             const __m512 d16 = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, d_half[j] + g0));
             const __m512 min16 = type == WEIGHT_Q4_1 ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, m_half[j] + g0))
@@ -144,7 +145,7 @@ static inline __attribute__((always_inline)) void int8_rows(int type, int NR, in
     do {                                                                                                       \
         const int64_t group = g0 + (G);                                                                        \
         const __m512i at = _mm512_add_epi32(lane_group, _mm512_set1_epi32(G));                                 \
-        __m512i first[4], second[4];                                                                           \
+        __m512i first[2], second[2];                                                                           \
         for (int j = 0; j < NR; j++) {                                                                         \
             const __m512i packed = _mm512_loadu_si512((const void *)(rows[j] + 16 * group));                   \
             const __m512i low = _mm512_and_si512(packed, low4);                                                \
@@ -211,7 +212,7 @@ typedef void (*int8_fn)(const QuantizedX *, const uint8_t *const *, int64_t, flo
         int8_rows(TYPE, NR, M, qx, rows, k, result);                                                          \
     }
 #define INT8_KERNELS(TYPE, NAME)                                                                               \
-    INT8_FN(TYPE, NAME, 4, 1) INT8_FN(TYPE, NAME, 2, 1)                                                        \
+    INT8_FN(TYPE, NAME, 2, 1)                                                                                  \
     INT8_FN(TYPE, NAME, 1, 1) INT8_FN(TYPE, NAME, 1, 2) INT8_FN(TYPE, NAME, 1, 3) INT8_FN(TYPE, NAME, 1, 4)    \
     INT8_FN(TYPE, NAME, 1, 5) INT8_FN(TYPE, NAME, 1, 6) INT8_FN(TYPE, NAME, 1, 7) INT8_FN(TYPE, NAME, 1, 8)    \
     static const int8_fn NAME[INT8_ROWS + 1] = {0, NAME##_1_1, NAME##_1_2, NAME##_1_3, NAME##_1_4,             \
@@ -237,18 +238,13 @@ void quant_int8_stream_part(const uint16_t *x, int64_t x_stride, const WeightPar
     const int8_fn *kernels = q4_1 ? int8_q4_1 : int8_q4_0;
     float result[INT8_ROWS];
     int64_t n = begin;
-    if (m == 1) /* four weight rows at a time, then two (int8_rows' comment) */
-        for (int width = 4; width >= 2; width /= 2) {
-            const int8_fn kernel = width == 4 ? (q4_1 ? int8_q4_1_4_1 : int8_q4_0_4_1) : (q4_1 ? int8_q4_1_2_1 : int8_q4_0_2_1);
-            for (; n + width <= end; n += width) {
-                const uint8_t *rows[4];
-                for (int j = 0; j < width; j++) rows[j] = p->data + (n + j) * p->row_bytes;
-                if (n + INT8_PREFETCH_ROWS + width <= end)
-                    prefetch_row(rows[0] + INT8_PREFETCH_ROWS * p->row_bytes, width * p->row_bytes);
-                kernel(&qx, rows, k, result);
-                for (int j = 0; j < width; j++)
-                    store_float(out, n + j, result[j] + (bias ? bf16_to_float(bias[n + j]) : 0.0f), out_f32);
-            }
+    if (m == 1) /* two weight rows at a time (int8_rows' comment) */
+        for (; n + 2 <= end; n += 2) {
+            const uint8_t *rows[2] = {p->data + n * p->row_bytes, p->data + (n + 1) * p->row_bytes};
+            if (n + INT8_PREFETCH_ROWS + 2 <= end) prefetch_row(rows[0] + INT8_PREFETCH_ROWS * p->row_bytes, 2 * p->row_bytes);
+            (q4_1 ? int8_q4_1_2_1 : int8_q4_0_2_1)(&qx, rows, k, result);
+            for (int j = 0; j < 2; j++)
+                store_float(out, n + j, result[j] + (bias ? bf16_to_float(bias[n + j]) : 0.0f), out_f32);
         }
     for (; n < end; n++) {
         const uint8_t *row = p->data + n * p->row_bytes;
