@@ -31,6 +31,7 @@ from pagellm.config.units import cdiv
 from pagellm.core.kv_events import KVEventLog
 from pagellm.core.block_pool import NULL_BLOCK_ID, BlockPool, KVBlock
 from pagellm.core.kv_cache_integrity import check_kv_cache_integrity
+from pagellm.core.kv_swap import HostCopy, KVSwap
 from pagellm.core.kv_tier import TierCostModel, TierIndex, block_digest
 from pagellm.request import BlockHash, Request
 
@@ -66,16 +67,9 @@ class KVCacheStats:
     num_window_freed_blocks: int = 0  # blocks sliding groups let go of while their requests ran
 
 
-class _HostCopy(NamedTuple):
-    """A swapped-out request's KV: per group, the host blocks of its live entries and how
-    many NULL entries (passed by the window) precede them."""
-
-    block_ids: list[list[int]]
-    num_skipped: list[int]
-
-
-class KVCacheManager:
-    """Block tables of the requests that hold blocks, on device or on host."""
+class KVCacheManager(KVSwap):
+    """Block tables of the requests that hold blocks, on device or on host (swap_out and
+    swap_in: core/kv_swap.py)."""
 
     def __init__(self, cache_config: CacheConfig, max_model_len: int) -> None:
         self.block_size = cache_config.block_size
@@ -91,7 +85,7 @@ class KVCacheManager:
             cache_config.num_cpu_blocks, enable_caching=False, reserve_null_block=False
         )
         self._block_tables: dict[str, list[list[int]]] = {}
-        self._host_copies: dict[str, _HostCopy] = {}
+        self._host_copies: dict[str, HostCopy] = {}
         # Leading blocks of each device table already registered or found in the cache.
         self._num_cached_blocks: dict[str, int] = {}
         # Forked requests whose last (partial) blocks are still shared with the parent:
@@ -513,81 +507,6 @@ class KVCacheManager:
             self.device_pool.free(blocks[block_id] for block_id in freed)
             if self.events is not None:
                 self.events.record("free", request_id, freed)
-
-    # ------------------------------------------------------------------- swap
-
-    def swap_out(self, request: Request) -> list[tuple[int, int]] | None:
-        """Move the request's computed KV to host blocks and free its device blocks.
-
-        Returns (device_block_id, host_block_id) copy pairs, or None (nothing changed)
-        when the host pool lacks room. Every block holding computed tokens is copied,
-        shared prefix-cache blocks included (the request only drops its reference on
-        those); blocks allocated for tokens not computed yet, and the NULL entries of
-        blocks a window freed, are not.
-        """
-        request_id = request.request_id
-        tables = self._block_tables.get(request_id, [])
-        num_to_copy = min(len(tables[0]) if tables else 0, cdiv(request.num_computed_tokens, self.block_size))
-        live = [[b for b in table[:num_to_copy] if b != NULL_BLOCK_ID] for table in tables]
-        num_live = sum(map(len, live))
-        if num_live > self.host_pool.num_free_blocks:
-            return None
-        host_tables = [[block.block_id for block in self.host_pool.allocate(len(ids))] for ids in live]
-        device_ids = [b for ids in live for b in ids]
-        host_ids = [b for ids in host_tables for b in ids]
-        if self.events is not None:
-            self.events.record("swap_out", request_id, device_ids, host_block_ids=host_ids)
-        num_skipped = [len(table[:num_to_copy]) - len(ids) for table, ids in zip(tables, live)]
-        self._free_device(request_id)
-        self._host_copies[request_id] = _HostCopy(host_tables, num_skipped)
-        self.stats.num_swapped_out_blocks += num_live
-        return list(zip(device_ids, host_ids))
-
-    def can_swap_in(self, request: Request, num_new_tokens: int = 0) -> bool:
-        """Whether swap_in and then allocate_slots(request, num_new_tokens) will succeed."""
-        copy = self._host_copies.get(request.request_id)
-        num_blocks = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size)
-        num_needed = 0
-        for group in range(self.num_groups):
-            num_host = len(copy.block_ids[group]) if copy else 0
-            num_skipped = copy.num_skipped[group] if copy else 0
-            num_needed += max(num_host, num_blocks - num_skipped)
-        return num_needed <= self.device_pool.num_free_blocks
-
-    def swap_in(self, request: Request) -> list[tuple[int, int]] | None:
-        """Move a swapped-out request's KV back to fresh device blocks.
-
-        Returns (host_block_id, device_block_id) copy pairs, or None (nothing changed)
-        when the device pool lacks room. The host blocks are freed at once, so the
-        caller must not swap anything out later in the same step (the runner copies
-        swap-outs before swap-ins and would overwrite them).
-        """
-        request_id = request.request_id
-        copy = self._host_copies.get(request_id)
-        assert copy is not None, f"{request} is not swapped out"
-        assert request_id not in self._block_tables, f"{request} holds device blocks"
-        num_blocks = sum(map(len, copy.block_ids))
-        if num_blocks > self.device_pool.num_free_blocks:
-            return None
-        del self._host_copies[request_id]
-        tables: list[list[int]] = []
-        pairs: list[tuple[int, int]] = []
-        host_blocks = self.host_pool.blocks
-        for host_ids, num_skipped in zip(copy.block_ids, copy.num_skipped):
-            device_ids = [block.block_id for block in self.device_pool.allocate(len(host_ids))]
-            self.host_pool.free(host_blocks[block_id] for block_id in reversed(host_ids))
-            tables.append([NULL_BLOCK_ID] * num_skipped + device_ids)
-            pairs.extend(zip(host_ids, device_ids))
-        self._block_tables[request_id] = tables
-        if self.events is not None:
-            self.events.record(
-                "swap_in", request_id, [d for _, d in pairs], host_block_ids=[h for h, _ in pairs]
-            )
-        # The copies hold the same content, but are registered again only once the
-        # runner has done the copy (cache_blocks after the step).
-        self._num_cached_blocks[request_id] = 0
-        self.stats.num_swapped_in_blocks += num_blocks
-        return pairs
 
     # -------------------------------------------------------------- integrity
 

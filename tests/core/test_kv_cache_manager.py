@@ -178,7 +178,7 @@ def test_check_integrity_catches_broken_tables() -> None:
     """Each invariant of core/kv_cache_integrity.py fails on tables that break it."""
     import pytest
 
-    from pagellm.core.kv_cache_manager import _HostCopy
+    from pagellm.core.kv_swap import HostCopy
 
     def message(corrupt) -> str:  # noqa: ANN001
         kv = make_manager(num_cpu_blocks=4)
@@ -195,7 +195,7 @@ def test_check_integrity_catches_broken_tables() -> None:
 
     assert "ref count" in message(lambda kv, r: table(kv).pop())  # a held block no table names
     assert "holds a block twice" in message(lambda kv, r: table(kv).append(table(kv)[0]))
-    assert "on device and host at once" in message(lambda kv, r: kv._host_copies.__setitem__("r", _HostCopy([[]], [0])))
+    assert "on device and host at once" in message(lambda kv, r: kv._host_copies.__setitem__("r", HostCopy([[]], [0])))
 
     def other_tokens(kv: KVCacheManager, r) -> None:  # noqa: ANN001
         r._all_token_ids[0] = 99  # the cached first block no longer holds the request's tokens
