@@ -5,8 +5,9 @@
 For each shape and row count it times (median of interleaved repeats, weights rotated over
 enough copies to exceed the last-level cache, as a model's layers do):
   - pagellm Q4_0 (kernels/weights.py, the stored blocks), with bf16 activations (the
-    default) and with activations rounded to int8 (--int8-activations, csrc/quant_int8.c;
-    up to 8 rows, where the CPU has AVX-512 VNNI),
+    default) and with activations rounded to int8 (--int8-activations, csrc/quant_int8.c,
+    the rows repacked into its lane order as the engine does; up to 8 rows, where the CPU
+    has AVX-512 VNNI),
   - torch `_weight_int4pack_mm_for_cpu` (group-32 affine int4: Q4_0 re-expressed exactly),
   - pagellm int8 rows and torch `_weight_int8pack_mm` (per-channel int8),
   - pagellm's bf16 linear kernel (the dequantized path).
@@ -27,7 +28,7 @@ import torch
 from pagellm.bench.machine import cpu_info, describe_cpu
 from pagellm.bench.quant_blocks import packed, random_blocks
 from pagellm.kernels.linear_bindings import LinearImpl
-from pagellm.kernels.weights import PackedWeight, WeightPart, WeightType, bf16_weight, quantize_int8_rows
+from pagellm.kernels.weights import PackedWeight, WeightPart, WeightType, bf16_weight, quantize_int8_rows, vnni_part
 
 SHAPES = {"smollm2 gate_up 3072x576": (3072, 576), "1B gate_up 11264x2048": (11264, 2048)}
 CACHE_BYTES = 64 << 20  # rotate over copies worth more than this (L3 is 32 MiB here)
@@ -40,6 +41,7 @@ def _copies(bytes_per_copy: int) -> int:
 def build(n: int, k: int, rng: np.random.Generator) -> dict[str, list]:
     blocks = random_blocks(WeightType.Q4_0, n, k, rng)
     q4 = PackedWeight([WeightPart(WeightType.Q4_0, packed(WeightType.Q4_0, blocks, k))], k)
+    q4_vnni = PackedWeight([vnni_part(q4.parts[0], k)], k)  # as --int8-activations holds it
     dense = torch.from_numpy(rng.standard_normal((n, k)).astype(np.float32) * 0.02)
     i8 = PackedWeight([quantize_int8_rows(dense)], k)
     bf16 = bf16_weight(dense.to(torch.bfloat16))
@@ -52,7 +54,7 @@ def build(n: int, k: int, rng: np.random.Generator) -> dict[str, list]:
              "torch int8": t_i8.numel() + n * 2, "bf16": bf16.nbytes}  # fmt: skip
     variants = {
         "q4_0": lambda: PackedWeight(q4.parts, k),
-        "q4_0 int8 act": lambda: PackedWeight(q4.parts, k),
+        "q4_0 int8 act": lambda: PackedWeight(q4_vnni.parts, k),
         "torch int4": lambda: (t_int4.clone(), t_sz.clone()),
         "int8 rows": lambda: PackedWeight(i8.parts, k),
         "torch int8": lambda: (t_i8.clone(), t_s8.clone()),
@@ -63,7 +65,7 @@ def build(n: int, k: int, rng: np.random.Generator) -> dict[str, list]:
     for name, make in variants.items():
         count = _copies(sizes[name])
         if name in ("q4_0", "q4_0 int8 act", "int8 rows"):
-            base = i8 if name == "int8 rows" else q4
+            base = {"int8 rows": i8, "q4_0 int8 act": q4_vnni}.get(name, q4)
             out[name] = [PackedWeight([WeightPart(p.type, p.data.clone(), None if p.row_scales is None else p.row_scales.clone()) for p in base.parts], k) for _ in range(count)]
         else:
             out[name] = [make() for _ in range(count)]

@@ -37,7 +37,7 @@ from pagellm.kernels.weights import WeightType
 logger = logging.getLogger(__name__)
 
 # The weight types csrc/quant_int8.c reads.
-INT8_ACTIVATION_TYPES = (WeightType.Q4_0, WeightType.Q4_1)
+INT8_ACTIVATION_TYPES = (WeightType.Q4_0_VNNI, WeightType.Q4_1_VNNI)  # repacked at load (weights.vnni_part)
 
 
 class LinearImpl(enum.IntEnum):

@@ -30,6 +30,8 @@ class WeightType(enum.IntEnum):
     Q6_K = 14
     BF16 = 30
     I8_ROW = 1000  # int8 rows, per-row float32 scales
+    Q4_0_VNNI = 1002  # Q4_0 repacked for the int8-activation kernel (vnni_part)
+    Q4_1_VNNI = 1003
 
     @property
     def block_elements(self) -> int:
@@ -37,7 +39,9 @@ class WeightType(enum.IntEnum):
 
     @property
     def label(self) -> str:
-        return "int8" if self is WeightType.I8_ROW else self.name
+        return {WeightType.I8_ROW: "int8", WeightType.Q4_0_VNNI: "Q4_0 VNNI", WeightType.Q4_1_VNNI: "Q4_1 VNNI"}.get(
+            self, self.name
+        )
 
 
 _BLOCK_BYTES = {
@@ -49,6 +53,8 @@ MAX_PARTS = 3
 
 
 ROW_PACKED_TYPES = frozenset({WeightType.Q4_0, WeightType.Q4_1, WeightType.Q8_0})
+# The int8-activation kernel's layout of each type it reads (vnni_part).
+VNNI_OF = {WeightType.Q4_0: WeightType.Q4_0_VNNI, WeightType.Q4_1: WeightType.Q4_1_VNNI}
 
 
 def block_bytes(weight_type: WeightType) -> int:
@@ -66,6 +72,8 @@ def row_bytes(weight_type: WeightType, k: int) -> int:
         return 2 * k
     if weight_type is WeightType.I8_ROW:
         return k
+    if weight_type in VNNI_OF.values():
+        weight_type = next(t for t, vnni in VNNI_OF.items() if vnni is weight_type)
     if weight_type in (WeightType.Q4_0, WeightType.Q4_1):
         return _padded_groups(k) * _BLOCK_BYTES[weight_type]
     return file_row_bytes(weight_type, k)
@@ -145,6 +153,23 @@ def check_part(part: WeightPart, k: int, name: str) -> None:
             f"{name}: {part.type.label} rows of {k} values take {expected} bytes, the tensor holds "
             f"{width} (truncated or corrupted)"
         )
+
+
+def vnni_part(part: WeightPart, k: int) -> WeightPart:
+    """A Q4_0 / Q4_1 part (pack_rows' layout) in the int8-activation kernel's order: per 16
+    groups (256 bytes of nibbles), byte 64 L + 4 g + i holds element 8 L + i of group g
+    (low nibble) and element 8 L + 4 + i (high nibble), so each 32-bit lane of a VNNI dot
+    product sums one group (csrc/quant_int8.c). The groups after the last 16 and the
+    scales stay as they were: the same bytes, reordered."""
+    rows, blocks = part.rows, k // 32 // 16
+    data = part.data.numpy()
+    head = data[:, : blocks * 256].reshape(rows, blocks, 8, 32)  # 8 pairs of groups per block
+    values = np.stack([head & 0x0F, head >> 4], axis=3)  # [rows, blocks, pair, group of the pair, element]
+    values = values.reshape(rows, blocks, 16, 4, 2, 4)  # [..., group, L, low/high, i]: element 8 L + 4 half + i
+    lanes = values[..., 0, :] | (values[..., 1, :] << 4)  # [rows, blocks, group, L, i]
+    lanes = lanes.transpose(0, 1, 3, 2, 4).reshape(rows, blocks * 256)  # byte 64 L + 4 g + i
+    out = np.concatenate([lanes, data[:, blocks * 256 :]], axis=1)
+    return WeightPart(VNNI_OF[part.type], torch.from_numpy(np.ascontiguousarray(out)))
 
 
 class PackedWeight:

@@ -34,7 +34,7 @@ from pagellm.kernels.linear_choice import LinearPlan
 from pagellm.model.fused_decode import FusedDecode
 from pagellm.model.linear_plans import measure_linear_plans
 from pagellm.model.native_layers import NativeLayers
-from pagellm.model.packable_layers import PackableEmbedding, PackableLinear, apply_linear
+from pagellm.model.packable_layers import PackableEmbedding, PackableLinear, apply_linear, repack_for_int8_activations
 from pagellm.model.tensor_parallel import TPGroup, vocab_parallel_embed
 
 if TYPE_CHECKING:
@@ -255,7 +255,10 @@ class LlamaForCausalLM(nn.Module):
         layer takes the kernel measured fastest for a step's rows (model/linear_plans.py),
         decode steps of few requests run layer by layer in C or through the layer ops
         (whichever the first steps measure faster, kernels/step_paths.py), and other steps
-        run the layers' elementwise stages in C around the linears."""
+        run the layers' elementwise stages in C around the linears. With int8 activations,
+        the Q4_0 / Q4_1 weights are first repacked into that kernel's order."""
+        if kernel.int8_activations:
+            repack_for_int8_activations(self)
         self.use_cpu_linear_kernels(kernel)
         plans = measure_linear_plans(self, kernel)
         head = self.lm_head_module()
@@ -396,7 +399,7 @@ class LlamaForCausalLM(nn.Module):
             packed = getattr(module, "packed", None)
             if packed is not None:
                 for part in packed.parts:
-                    key = {WeightType.BF16: "bfloat16", WeightType.I8_ROW: "int8"}.get(part.type, f"{part.type.name} as stored")
+                    key = {WeightType.BF16: "bfloat16", WeightType.I8_ROW: "int8"}.get(part.type, f"{part.type.label} as stored")
                     totals[key] = totals.get(key, 0) + part.nbytes
             for param in module.parameters(recurse=False):
                 key = str(param.dtype).removeprefix("torch.")

@@ -19,7 +19,7 @@ from torch import nn
 
 from pagellm.kernels.linear_bindings import CpuLinearKernels, LinearImpl
 from pagellm.kernels.linear_choice import LinearPlan
-from pagellm.kernels.weights import PackedWeight, bf16_weight
+from pagellm.kernels.weights import VNNI_OF, PackedWeight, bf16_weight, vnni_part
 
 if TYPE_CHECKING:
     from pagellm.lora.slots import LoRASlots
@@ -127,3 +127,22 @@ class PackableEmbedding(nn.Embedding):
     def use_packed(self, packed: PackedWeight) -> None:
         self.register_parameter("weight", None)
         self.packed = packed
+
+
+def repack_for_int8_activations(model: nn.Module) -> int:
+    """With the int8-activation kernel on: every Q4_0 / Q4_1 part of the model's packed
+    layers in that kernel's lane order (kernels/weights.py vnni_part; the same bytes, so the
+    same memory), one layer at a time. Dequantizing, gathering and the panel kernels read
+    the new layout as well. Returns the number of parts repacked."""
+    repacked = 0
+    for module in model.modules():
+        packed = getattr(module, "packed", None)
+        if not isinstance(module, (PackableLinear, PackableEmbedding)) or packed is None:
+            continue
+        if any(part.type in VNNI_OF for part in packed.parts):
+            k = packed.in_features
+            parts = [vnni_part(part, k) if part.type in VNNI_OF else part for part in packed.parts]
+            repacked += sum(part.type in VNNI_OF for part in packed.parts)
+            module.use_packed(PackedWeight(parts, k))
+    return repacked
+

@@ -1,12 +1,16 @@
-"""The int8-activation streaming kernel (csrc/quant_int8.c) for Q4_0 and Q4_1 weights.
+"""The int8-activation streaming kernel (csrc/quant_int8.c) for Q4_0 and Q4_1 weights,
+repacked into its lane order (weights.vnni_part).
 
 Two checks. Against an emulation of its arithmetic in numpy (x rounded to int8 per group of
 32 with dx = max|x| / 127, integer dot products, float scales): equal within float32
 accumulation, which proves the path ran (the bf16 kernel differs from it by the int8
 rounding, hundreds of times more). Against the exact product (float64, gguf's own
 dequantization): within the rounding of x, |x_i - dx q_i| <= dx / 2 per value, summed with
-|w| over each group. Other weight types, and bf16 weights, asked for the int8 kernel stream
-as the bf16 kernel does, bit for bit.
+|w| over each group. Other weight types (Q4_0 / Q4_1 not repacked included), and bf16
+weights, asked for the int8 kernel stream as the bf16 kernel does, bit for bit. A repacked
+part holds the same weights: dequantized, gathered and through the panel (GEMM) kernels it
+equals the part it came from bit for bit, and the bf16 streaming kernel never reads it (the
+int8 kernel is its streaming path).
 """
 
 from __future__ import annotations
@@ -18,14 +22,14 @@ import torch
 from pagellm.bench.quant_blocks import packed, random_blocks, reference_weight
 from pagellm.kernels.build import load_kernels
 from pagellm.kernels.linear_bindings import LinearImpl
-from pagellm.kernels.weights import PackedWeight, WeightPart, WeightType, bf16_weight
+from pagellm.kernels.weights import PackedWeight, WeightPart, WeightType, bf16_weight, vnni_part
 
 INT8_TYPES = (WeightType.Q4_0, WeightType.Q4_1)
 
 
 def _int8_kernel_here() -> bool:
     library = load_kernels()
-    return library is not None and bool(library.quant_int8_supported(int(WeightType.Q4_0)))
+    return library is not None and bool(library.quant_int8_supported(int(WeightType.Q4_0_VNNI)))
 
 
 pytestmark = pytest.mark.skipif(not _int8_kernel_here(), reason="the int8-activation kernel needs AVX-512 VNNI and BF16")
@@ -41,18 +45,24 @@ def _quantized_x(x: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
     return q.reshape(x.shape).astype(np.float64), dx.astype(np.float64)
 
 
+def _weights(weight_type: WeightType, data: np.ndarray, k: int) -> tuple[PackedWeight, PackedWeight]:
+    """The part as pack_rows lays it out, and repacked for the int8 kernel."""
+    part = WeightPart(weight_type, packed(weight_type, data, k))
+    return PackedWeight([part], k), PackedWeight([vnni_part(part, k)], k)
+
+
 def _run(weight: PackedWeight, x: torch.Tensor, impl: LinearImpl) -> np.ndarray:
     return weight.linear(x, None, 2, int(impl), torch.float32).double().numpy()
 
 
 @pytest.mark.parametrize("weight_type", INT8_TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("k", [512, 1056, 160, 96, 64])  # runs of four groups, an odd pair, tails only
+@pytest.mark.parametrize("k", [512, 1056, 576, 160, 64])  # blocks of 16 groups, with an odd or even tail, tails only
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 17])
 def test_int8_kernel_equals_its_arithmetic_and_bounds_the_error(weight_type, k, rows):
     rng = np.random.default_rng(k * 10 + rows + int(weight_type))
     n = 37 if rows % 2 else 40  # an odd count: a thread's last weight row alone (one row of x takes two at a time)
     data = random_blocks(weight_type, n, k, rng)
-    weight = PackedWeight([WeightPart(weight_type, packed(weight_type, data, k))], k)
+    plain, weight = _weights(weight_type, data, k)
     w = reference_weight(weight_type, data, k)  # float64 [n, k]
     x = torch.from_numpy(rng.standard_normal((rows, k)).astype(np.float32)).to(torch.bfloat16)
     y = _run(weight, x, LinearImpl.STREAMING_INT8)
@@ -68,7 +78,7 @@ def test_int8_kernel_equals_its_arithmetic_and_bounds_the_error(weight_type, k, 
     scale = np.abs(x.double().numpy()) @ np.abs(w).T
     assert np.all(np.abs(y - exact) <= 1.001 * rounding + 1e-5 * scale)
     # ... and the bf16 kernel is not what ran: it is far closer to the exact product.
-    bf16 = _run(weight, x, LinearImpl.STREAMING)
+    bf16 = _run(plain, x, LinearImpl.STREAMING)
     assert np.abs(y - exact).max() > 20 * np.abs(bf16 - exact).max()
 
 
@@ -76,7 +86,7 @@ def test_zero_and_tiny_groups_of_x():
     rng = np.random.default_rng(5)
     k, n = 256, 24
     data = random_blocks(WeightType.Q4_0, n, k, rng)
-    weight = PackedWeight([WeightPart(WeightType.Q4_0, packed(WeightType.Q4_0, data, k))], k)
+    _, weight = _weights(WeightType.Q4_0, data, k)
     x = torch.from_numpy(rng.standard_normal((2, k)).astype(np.float32))
     x[0, :32] = 0.0  # a group of zeros: dx = 0, no division by it
     x[1] *= 1e-30  # subnormal-sized values in bf16
@@ -86,7 +96,7 @@ def test_zero_and_tiny_groups_of_x():
     assert np.abs(y[0] - exact[0]).max() <= 0.02 * np.abs(exact[0]).max()
 
 
-@pytest.mark.parametrize("weight_type", [WeightType.Q8_0, WeightType.Q4_K, WeightType.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("weight_type", [WeightType.Q4_0, WeightType.Q4_1, WeightType.Q8_0, WeightType.Q4_K, WeightType.Q6_K], ids=lambda t: t.name)
 def test_other_types_stream_as_the_bf16_kernel(weight_type):
     rng = np.random.default_rng(2)
     k, n = 512, 40
@@ -103,13 +113,14 @@ def test_bf16_weights_and_mixed_parts():
     k = 256
     data = random_blocks(WeightType.Q4_0, 32, k, rng)
     dense = torch.from_numpy(rng.standard_normal((16, k)).astype(np.float32)).to(torch.bfloat16)
-    mixed = PackedWeight(
-        [WeightPart(WeightType.Q4_0, packed(WeightType.Q4_0, data, k)), bf16_weight(dense).parts[0]], k
-    )
+    mixed = PackedWeight([_weights(WeightType.Q4_0, data, k)[1].parts[0], bf16_weight(dense).parts[0]], k)
     x = torch.from_numpy(rng.standard_normal((2, k)).astype(np.float32)).to(torch.bfloat16)
     y8, y16 = _run(mixed, x, LinearImpl.STREAMING_INT8), _run(mixed, x, LinearImpl.STREAMING)
-    assert np.array_equal(y8[:, 32:], y16[:, 32:])
-    assert not np.array_equal(y8[:, :32], y16[:, :32])
+    assert np.array_equal(y8, y16)  # the repacked part streams through the int8 kernel either way
+    plain = PackedWeight([_weights(WeightType.Q4_0, data, k)[0].parts[0], bf16_weight(dense).parts[0]], k)
+    y_plain = _run(plain, x, LinearImpl.STREAMING_INT8)  # not repacked: bf16 throughout
+    assert np.array_equal(y8[:, 32:], y_plain[:, 32:])
+    assert not np.array_equal(y8[:, :32], y_plain[:, :32])
     only_dense = bf16_weight(dense)
     assert np.array_equal(_run(only_dense, x, LinearImpl.STREAMING_INT8), _run(only_dense, x, LinearImpl.STREAMING))
 
@@ -117,11 +128,28 @@ def test_bf16_weights_and_mixed_parts():
 @pytest.mark.parametrize("rows", [1, 2, 3])
 def test_bias_is_added_to_every_row(rows):
     rng = np.random.default_rng(rows)
-    k, n = 160, 35  # odd: rows of the weight taken two at a time and one alone
+    k, n = 544, 35  # a block of 16 groups and a tail; odd: weight rows two at a time and one alone
     data = random_blocks(WeightType.Q4_0, n, k, rng)
-    weight = PackedWeight([WeightPart(WeightType.Q4_0, packed(WeightType.Q4_0, data, k))], k)
+    _, weight = _weights(WeightType.Q4_0, data, k)
     x = torch.from_numpy(rng.standard_normal((rows, k)).astype(np.float32)).to(torch.bfloat16)
     bias = torch.from_numpy(rng.standard_normal(n).astype(np.float32)).to(torch.bfloat16)
     plain = _run(weight, x, LinearImpl.STREAMING_INT8)
     biased = weight.linear(x, bias, 2, int(LinearImpl.STREAMING_INT8), torch.float32).double().numpy()
     np.testing.assert_allclose(biased, plain + bias.double().numpy()[None, :], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("weight_type", INT8_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("k", [512, 1056, 576, 96])
+def test_repacked_part_holds_the_same_weights(weight_type, k):
+    rng = np.random.default_rng(k + int(weight_type))
+    n = 24
+    plain, repacked = _weights(weight_type, random_blocks(weight_type, n, k, rng), k)
+    assert repacked.parts[0].type.label == f"{weight_type.name} VNNI" and repacked.nbytes == plain.nbytes
+    assert torch.equal(repacked.dequantize(), plain.dequantize())
+    ids = torch.tensor([5, 0, 23, 5])
+    assert torch.equal(repacked.gather(ids), plain.gather(ids))
+    x = torch.from_numpy(rng.standard_normal((20, k)).astype(np.float32)).to(torch.bfloat16)
+    assert np.array_equal(_run(repacked, x, LinearImpl.GEMM), _run(plain, x, LinearImpl.GEMM))
+    few = x[:3]  # by row count, and the bf16 streaming kernel's number: the int8 kernel reads it
+    assert np.array_equal(_run(repacked, few, LinearImpl.BY_ROWS), _run(repacked, few, LinearImpl.STREAMING_INT8))
+    assert np.array_equal(_run(repacked, few, LinearImpl.STREAMING), _run(repacked, few, LinearImpl.STREAMING_INT8))

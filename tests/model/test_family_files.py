@@ -153,7 +153,7 @@ def test_quantized_experts_stay_as_stored(tmp_path):
 def _int8_kernel_here() -> bool:
     from pagellm.kernels.build import load_kernels
 
-    return bool(load_kernels().quant_int8_supported(int(WeightType.Q4_0)))
+    return bool(load_kernels().quant_int8_supported(int(WeightType.Q4_0_VNNI)))
 
 
 @pytest.mark.skipif(not _int8_kernel_here(), reason="the int8-activation kernel needs AVX-512 VNNI and BF16")
@@ -170,7 +170,7 @@ def test_q4_0_experts_with_int8_activations(tmp_path, monkeypatch):
     bf16 = pagellm_greedy(LLM(str(path), dtype="bfloat16"), PROMPTS, 6)
     monkeypatch.setenv("PAGELLM_LINEAR_KERNEL", "streaming-int8")
     llm = LLM(str(path), dtype="bfloat16", int8_activations=True)
-    assert llm.engine.runner.model.layers[0].mlp.experts[3].down_proj.packed.types == [WeightType.Q4_0]
+    assert llm.engine.runner.model.layers[0].mlp.experts[3].down_proj.packed.types == [WeightType.Q4_0_VNNI]
     int8 = pagellm_greedy(llm, PROMPTS, 6)
     assert [out[:2] for out in bf16] == [out[:2] for out in float32]
     assert [out[:2] for out in int8] == [out[:2] for out in float32]

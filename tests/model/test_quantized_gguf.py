@@ -290,7 +290,7 @@ def _disagreement_gaps(prompts, outs, hf_reference) -> tuple[list[float], list[f
 def _int8_kernel_here() -> bool:
     from pagellm.kernels.build import load_kernels
 
-    return bool(load_kernels().quant_int8_supported(int(WeightType.Q4_0)))
+    return bool(load_kernels().quant_int8_supported(int(WeightType.Q4_0_VNNI)))
 
 
 @pytest.mark.skipif(not _int8_kernel_here(), reason="the int8-activation kernel needs AVX-512 VNNI and BF16")
@@ -298,14 +298,19 @@ def test_int8_activations_through_the_engine(quantized_gguf, hf_reference, monke
     """--int8-activations: the Q4_0 / Q4_1 layers are offered the int8 kernel (and only
     they); forced on every linear of every step (prefill chunks, the one-call decode layer,
     preemption, prefix hits), the greedy tokens stay HF float32's top-1 or near-ties."""
-    model = load(quantized_gguf, torch.bfloat16, "auto", int8_activations=True)
-    if not any({WeightType.Q4_0, WeightType.Q4_1} & set(g.module.packed.types) for g in model.linear_groups if g.module.packed):
-        pytest.skip("no Q4_0 / Q4_1 weights in this type map")
-    for group in model.linear_groups:
-        reads_int8 = group.module.packed is not None and {WeightType.Q4_0, WeightType.Q4_1} & set(group.module.packed.types)
-        assert (LinearImpl.STREAMING_INT8 in group.shape.candidates) == bool(reads_int8), group.label
+    q4 = {WeightType.Q4_0, WeightType.Q4_1}
     plain = load(quantized_gguf, torch.bfloat16, "auto")
+    if not any(q4 & set(g.module.packed.types) for g in plain.linear_groups if g.module.packed):
+        pytest.skip("no Q4_0 / Q4_1 weights in this type map")
     assert all(LinearImpl.STREAMING_INT8 not in g.shape.candidates for g in plain.linear_groups)
+    model = load(quantized_gguf, torch.bfloat16, "auto", int8_activations=True)
+    vnni = {WeightType.Q4_0_VNNI, WeightType.Q4_1_VNNI}
+    for group in model.linear_groups:  # every Q4_0 / Q4_1 part repacked for the int8 kernel
+        types = set(group.module.packed.types) if group.module.packed is not None else set()
+        assert not types & q4, group.label
+        assert (LinearImpl.STREAMING_INT8 in group.shape.candidates) == bool(types & vnni), group.label
+    assert model.weight_bytes_by_format().keys() != plain.weight_bytes_by_format().keys()
+    assert sum(model.weight_bytes_by_format().values()) == sum(plain.weight_bytes_by_format().values())
 
     monkeypatch.setenv("PAGELLM_LINEAR_KERNEL", "streaming-int8")
     ours, hf, total = _disagreement_gaps(*_engine_run(quantized_gguf, int8_activations=True), hf_reference)

@@ -51,8 +51,10 @@ static inline int64_t block_elements(int type) {
 
 int64_t weight_row_bytes(int type, int64_t k) {
     switch (type) {
-    case WEIGHT_Q4_0: return padded_groups(k) * 18;
-    case WEIGHT_Q4_1: return padded_groups(k) * 20;
+    case WEIGHT_Q4_0:
+    case WEIGHT_Q4_0_VNNI: return padded_groups(k) * 18;
+    case WEIGHT_Q4_1:
+    case WEIGHT_Q4_1_VNNI: return padded_groups(k) * 20;
     case WEIGHT_Q8_0: return k / 32 * 34;
     case WEIGHT_Q4_K: return k / 256 * 144;
     case WEIGHT_Q5_K: return k / 256 * 176;
@@ -413,7 +415,8 @@ static inline __m512 bytes_to_float(__m128i bytes, int is_signed) {
 static inline __attribute__((always_inline)) void dequantize_packed(int type, const WeightPart *p, int64_t row0,
                                                                     int64_t count, int64_t k, uint16_t *out) {
     const int is_q8 = type == WEIGHT_Q8_0;
-    const int64_t groups = k / GROUP, stored = is_q8 ? groups : padded_groups(k);
+    const int vnni = type == WEIGHT_Q4_0_VNNI || type == WEIGHT_Q4_1_VNNI;
+    const int64_t groups = k / GROUP, stored = is_q8 ? groups : padded_groups(k), blocked = groups / 16 * 16;
     const __m256i low4 = _mm256_set1_epi8(0x0F);
     float d_buf[16] __attribute__((aligned(64))), m_buf[16] __attribute__((aligned(64)));
     const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -426,8 +429,9 @@ static inline __attribute__((always_inline)) void dequantize_packed(int type, co
             const __mmask16 mask = (__mmask16)((1u << chunk) - 1);
             const __m512 d16 = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, d_half + g0));
             __m512 min16 = _mm512_setzero_ps();
-            if (type == WEIGHT_Q4_1) min16 = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, d_half + stored + g0));
-            if (type == WEIGHT_Q4_0) min16 = _mm512_mul_ps(d16, _mm512_set1_ps(-8.0f));
+            if (type == WEIGHT_Q4_1 || type == WEIGHT_Q4_1_VNNI)
+                min16 = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, d_half + stored + g0));
+            if (type == WEIGHT_Q4_0 || type == WEIGHT_Q4_0_VNNI) min16 = _mm512_mul_ps(d16, _mm512_set1_ps(-8.0f));
             _mm512_store_ps(d_buf, d16);
             _mm512_store_ps(m_buf, min16);
             for (int g = 0; g < chunk; g++) {
@@ -440,8 +444,19 @@ static inline __attribute__((always_inline)) void dequantize_packed(int type, co
                 } else {
                     /* A 4-bit group has 16 possible values: compute them once (rounded to
                      * bf16 as the float path rounds each weight) and look the 32 up. */
-                    const __m256i packed = _mm256_loadu_si256((const __m256i *)(row + 16 * (group & ~(int64_t)1)));
-                    const __m256i values = _mm256_and_si256((group & 1) ? _mm256_srli_epi16(packed, 4) : packed, low4);
+                    __m256i values;
+                    if (vnni && group < blocked) { /* quant_int8.c's lane order: 4 bytes per 64 */
+                        const uint8_t *at = row + 16 * (group - group % 16) + 4 * (group % 16);
+                        int32_t words[4];
+                        for (int L = 0; L < 4; L++) memcpy(&words[L], at + 64 * L, 4);
+                        const __m128i bytes = _mm_loadu_si128((const __m128i *)words);
+                        const __m128i lo = _mm_and_si128(bytes, _mm256_castsi256_si128(low4));
+                        const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm256_castsi256_si128(low4));
+                        values = _mm256_set_m128i(_mm_unpackhi_epi32(lo, hi), _mm_unpacklo_epi32(lo, hi));
+                    } else {
+                        const __m256i packed = _mm256_loadu_si256((const __m256i *)(row + 16 * (group & ~(int64_t)1)));
+                        values = _mm256_and_si256((group & 1) ? _mm256_srli_epi16(packed, 4) : packed, low4);
+                    }
                     const __m512i table = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(iota, d, min)));
                     _mm512_storeu_si512((void *)(dst + group * GROUP),
                                         _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(values), table));
@@ -455,6 +470,8 @@ static void dequantize_part_rows(const WeightPart *p, int64_t row0, int64_t coun
     switch (p->type) {
     case WEIGHT_Q4_0: dequantize_packed(WEIGHT_Q4_0, p, row0, count, k, out); break;
     case WEIGHT_Q4_1: dequantize_packed(WEIGHT_Q4_1, p, row0, count, k, out); break;
+    case WEIGHT_Q4_0_VNNI: dequantize_packed(WEIGHT_Q4_0_VNNI, p, row0, count, k, out); break;
+    case WEIGHT_Q4_1_VNNI: dequantize_packed(WEIGHT_Q4_1_VNNI, p, row0, count, k, out); break;
     case WEIGHT_Q8_0: dequantize_packed(WEIGHT_Q8_0, p, row0, count, k, out); break;
     case WEIGHT_Q4_K: dequantize_typed(WEIGHT_Q4_K, p, row0, count, k, out); break;
     case WEIGHT_Q5_K: dequantize_typed(WEIGHT_Q5_K, p, row0, count, k, out); break;
@@ -514,7 +531,8 @@ void linear_weight_part(const uint16_t *x, int64_t x_stride, const Weight *w, co
         if (p->type == WEIGHT_BF16)
             linear_bf16_part(x, x_stride, (const uint16_t *)p->data, part_bias, part_out, out_stride, out_f32, m,
                              p->rows, k, impl, t, nt);
-        else if (impl == LINEAR_STREAMING_INT8 && quant_int8_supported(p->type))
+        else if ((impl == LINEAR_STREAMING_INT8 || stream) && quant_int8_supported(p->type))
+            /* a VNNI part's only streaming kernel; other parts stream in bf16 below */
             quant_int8_stream_part(x, x_stride, p, part_bias, part_out, out_stride, out_f32, m, k, t, nt);
         else if (stream)
             quant_stream_part(x, x_stride, p, part_bias, part_out, out_stride, out_f32, m, k, t, nt);

@@ -20,6 +20,11 @@ enum {
     WEIGHT_Q6_K = 14,
     WEIGHT_BF16 = 30,
     WEIGHT_I8_ROW = 1000,  /* not a GGML type: int8 rows, per-row float32 scales */
+    /* Not GGML types: Q4_0 / Q4_1 rows repacked for the int8-activation kernel (the same
+     * bytes as quant_groups.h's layout, the nibbles of each 16 groups in quant_int8.c's lane
+     * order); only where that kernel runs. */
+    WEIGHT_Q4_0_VNNI = 1002,
+    WEIGHT_Q4_1_VNNI = 1003,
 };
 
 #define WEIGHT_MAX_PARTS 3
