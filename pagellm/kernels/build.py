@@ -235,6 +235,8 @@ def _declare(library: ctypes.CDLL) -> None:
     library.weight_row_bytes.argtypes = [c_int, c_int64]
     library.dequantize_rows_bf16.restype = None
     library.dequantize_rows_bf16.argtypes = [c_void_p, c_int64, c_int64, c_int64, c_void_p]  # part*, row0, count, k, out
+    library.quant_int8_repack.restype = None
+    library.quant_int8_repack.argtypes = [c_void_p, c_void_p, c_int64, c_int64, c_int64]  # src, dst, rows, row bytes, k
     library.gather_rows_bf16.restype = None
     library.gather_rows_bf16.argtypes = [c_void_p, c_void_p, c_int64, c_int64, c_void_p]  # part*, ids, count, k, out
     # decode_layer_bf16(hidden, LayerWeights*, key cache, value cache, LayerShape*,

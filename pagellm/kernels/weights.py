@@ -159,17 +159,11 @@ def vnni_part(part: WeightPart, k: int) -> WeightPart:
     """A Q4_0 / Q4_1 part (pack_rows' layout) in the int8-activation kernel's order: per 16
     groups (256 bytes of nibbles), byte 64 L + 4 g + i holds element 8 L + i of group g
     (low nibble) and element 8 L + 4 + i (high nibble), so each 32-bit lane of a VNNI dot
-    product sums one group (csrc/quant_int8.c). The groups after the last 16 and the
-    scales stay as they were: the same bytes, reordered."""
-    rows, blocks = part.rows, k // 32 // 16
-    data = part.data.numpy()
-    head = data[:, : blocks * 256].reshape(rows, blocks, 8, 32)  # 8 pairs of groups per block
-    values = np.stack([head & 0x0F, head >> 4], axis=3)  # [rows, blocks, pair, group of the pair, element]
-    values = values.reshape(rows, blocks, 16, 4, 2, 4)  # [..., group, L, low/high, i]: element 8 L + 4 half + i
-    lanes = values[..., 0, :] | (values[..., 1, :] << 4)  # [rows, blocks, group, L, i]
-    lanes = lanes.transpose(0, 1, 3, 2, 4).reshape(rows, blocks * 256)  # byte 64 L + 4 g + i
-    out = np.concatenate([lanes, data[:, blocks * 256 :]], axis=1)
-    return WeightPart(VNNI_OF[part.type], torch.from_numpy(np.ascontiguousarray(out)))
+    product sums one group (csrc/quant_int8.c, quant_int8_repack). The groups after the last
+    16 and the scales stay as they were: the same bytes, reordered."""
+    out = torch.empty_like(part.data)
+    load_kernels().quant_int8_repack(part.data.data_ptr(), out.data_ptr(), part.rows, part.data.shape[1], k)
+    return WeightPart(VNNI_OF[part.type], out)
 
 
 class PackedWeight:

@@ -153,3 +153,23 @@ def test_repacked_part_holds_the_same_weights(weight_type, k):
     few = x[:3]  # by row count, and the bf16 streaming kernel's number: the int8 kernel reads it
     assert np.array_equal(_run(repacked, few, LinearImpl.BY_ROWS), _run(repacked, few, LinearImpl.STREAMING_INT8))
     assert np.array_equal(_run(repacked, few, LinearImpl.STREAMING), _run(repacked, few, LinearImpl.STREAMING_INT8))
+
+
+def _lane_order(data: np.ndarray, k: int) -> np.ndarray:
+    """The lane order from its definition (csrc/quant_int8.c's file comment), in numpy:
+    element e of group g is byte e of its pair's 32 bytes, in the low nibble for even g."""
+    rows, blocks = data.shape[0], k // 32 // 16
+    head = data[:, : blocks * 256].reshape(rows, blocks, 8, 32)
+    values = np.stack([head & 0x0F, head >> 4], axis=3).reshape(rows, blocks, 16, 4, 2, 4)  # [.., g, L, half, i]
+    lanes = (values[..., 0, :] | (values[..., 1, :] << 4)).transpose(0, 1, 3, 2, 4)  # byte 64 L + 4 g + i
+    return np.concatenate([lanes.reshape(rows, blocks * 256), data[:, blocks * 256 :]], axis=1)
+
+
+@pytest.mark.parametrize("weight_type", INT8_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("k", [1024, 1056, 576, 96])
+def test_repacking_follows_the_lane_order(weight_type, k):
+    rng = np.random.default_rng(k)
+    part = WeightPart(weight_type, packed(weight_type, random_blocks(weight_type, 7, k, rng), k))
+    repacked = vnni_part(part, k)
+    assert repacked.type is {WeightType.Q4_0: WeightType.Q4_0_VNNI, WeightType.Q4_1: WeightType.Q4_1_VNNI}[weight_type]
+    assert np.array_equal(repacked.data.numpy(), _lane_order(part.data.numpy(), k))

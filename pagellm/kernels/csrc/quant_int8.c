@@ -39,9 +39,34 @@
 #include "quant_groups.h"
 #include "weights.h"
 
+#define BLOCK 16 /* groups per lane block */
+
+/* rows rows of a Q4_0 / Q4_1 part in quant_groups.h's layout (src) into the lane order of
+ * the file comment (dst), both [rows, row_bytes] with k values per row: each block of 16
+ * groups rearranged, the rest (tail groups, scales, mins) copied. Plain C: it runs once per
+ * weight at load, at memory speed. */
+void quant_int8_repack(const uint8_t *src, uint8_t *dst, int64_t rows, int64_t row_bytes, int64_t k) {
+    const int64_t blocked_bytes = k / GROUP / BLOCK * 256;
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint8_t *in = src + r * row_bytes;
+        uint8_t *out = dst + r * row_bytes;
+        memcpy(out + blocked_bytes, in + blocked_bytes, (size_t)(row_bytes - blocked_bytes));
+        for (int64_t b = 0; b < blocked_bytes; b += 256)
+            for (int g = 0; g < BLOCK; g++) {
+                const uint8_t *pair = in + b + 32 * (g / 2); /* element e of group g: byte e, its g % 2 nibble */
+                const int shift = 4 * (g % 2);
+                for (int L = 0; L < 4; L++)
+                    for (int i = 0; i < 4; i++) {
+                        const int low = (pair[8 * L + i] >> shift) & 0x0F, high = (pair[8 * L + 4 + i] >> shift) & 0x0F;
+                        out[b + 64 * L + 4 * g + i] = (uint8_t)(low | high << 4);
+                    }
+            }
+    }
+}
+
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
 #define INT8_ROWS 8 /* rows of x per pass over a weight row */
-#define BLOCK 16    /* groups per lane block */
 
 int quant_int8_supported(int type) { return type == WEIGHT_Q4_0_VNNI || type == WEIGHT_Q4_1_VNNI; }
 
