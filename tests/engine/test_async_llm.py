@@ -157,12 +157,14 @@ def test_shutdown_aborts_in_flight_and_refuses_new(async_llm):
 def test_a_dying_engine_fails_every_caller_instead_of_hanging(async_llm):
     async def main() -> None:
         async_llm.start()
-        stream = await async_llm.add_requests([NewRequest("a", "x", GREEDY)])
 
         def broken_step():  # noqa: ANN202
             raise RuntimeError("device lost")
 
+        # Broken before the request arrives: the engine thread steps as soon as it has the
+        # request, so a step swapped in afterwards could come after all of its tokens.
         async_llm.engine.step = broken_step
+        stream = await async_llm.add_requests([NewRequest("a", "x", GREEDY)])
         with pytest.raises(EngineDeadError, match="device lost"):
             async for _ in stream:
                 pass
