@@ -6,8 +6,8 @@ For each shape and row count it times (median of interleaved repeats, weights ro
 enough copies to exceed the last-level cache, as a model's layers do):
   - pagellm Q4_0 (kernels/weights.py, the stored blocks), with bf16 activations (the
     default) and with activations rounded to int8 (--int8-activations, csrc/quant_int8.c,
-    the rows repacked into its lane order as the engine does; up to 8 rows, where the CPU
-    has AVX-512 VNNI),
+    the rows repacked into its lane order as the engine does where the CPU has AVX-512 VNNI,
+    as stored on AVX2; up to 8 rows),
   - torch `_weight_int4pack_mm_for_cpu` (group-32 affine int4: Q4_0 re-expressed exactly),
   - pagellm int8 rows and torch `_weight_int8pack_mm` (per-channel int8),
   - pagellm's bf16 linear kernel (the dequantized path).
@@ -28,7 +28,7 @@ import torch
 from pagellm.bench.machine import cpu_info, describe_cpu
 from pagellm.bench.quant_blocks import packed, random_blocks
 from pagellm.kernels.linear_bindings import LinearImpl
-from pagellm.kernels.weights import PackedWeight, WeightPart, WeightType, bf16_weight, quantize_int8_rows, vnni_part
+from pagellm.kernels.weights import PackedWeight, WeightPart, WeightType, bf16_weight, int8_kernel_part, quantize_int8_rows
 
 SHAPES = {"smollm2 gate_up 3072x576": (3072, 576), "1B gate_up 11264x2048": (11264, 2048)}
 CACHE_BYTES = 64 << 20  # rotate over copies worth more than this (L3 is 32 MiB here)
@@ -41,7 +41,7 @@ def _copies(bytes_per_copy: int) -> int:
 def build(n: int, k: int, rng: np.random.Generator) -> dict[str, list]:
     blocks = random_blocks(WeightType.Q4_0, n, k, rng)
     q4 = PackedWeight([WeightPart(WeightType.Q4_0, packed(WeightType.Q4_0, blocks, k))], k)
-    q4_vnni = PackedWeight([vnni_part(q4.parts[0], k)], k)  # as --int8-activations holds it
+    q4_vnni = PackedWeight([int8_kernel_part(q4.parts[0], k)], k)  # as --int8-activations holds it
     dense = torch.from_numpy(rng.standard_normal((n, k)).astype(np.float32) * 0.02)
     i8 = PackedWeight([quantize_int8_rows(dense)], k)
     bf16 = bf16_weight(dense.to(torch.bfloat16))

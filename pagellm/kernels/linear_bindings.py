@@ -3,9 +3,10 @@
 Three implementations can compute a bf16 linear layer here, and which is fastest depends
 on the CPU and the number of rows, so kernels/linear_choice.py measures them on the
 machine at hand:
-- STREAMING_INT8 (csrc/quant_int8.c, builds with AVX-512 VNNI, only when the engine is
-  asked for int8 activations): the streaming kernel for Q4_0 / Q4_1 weights with x
-  rounded to int8 per 32 values, llama.cpp's arithmetic; other weights stream as STREAMING;
+- STREAMING_INT8 (csrc/quant_int8.c, only when the engine is asked for int8 activations):
+  the streaming kernel for Q4_0 / Q4_1 weights with x rounded to int8 per 32 values,
+  llama.cpp's arithmetic (AVX-512 VNNI on the weights repacked into its lane order, AVX2's
+  byte multiply-adds on the weights as stored); other weights stream as STREAMING;
 - STREAMING (csrc/small_linear.c, quant_linear.c's streaming loops; linear_f32.c's in the
   builds without AVX-512 BF16): reads each weight row once and multiplies every activation
   row into it; decode steps of few rows are bound by reading the weight;
@@ -36,8 +37,9 @@ from pagellm.kernels.weights import WeightType
 
 logger = logging.getLogger(__name__)
 
-# The weight types csrc/quant_int8.c reads.
-INT8_ACTIVATION_TYPES = (WeightType.Q4_0_VNNI, WeightType.Q4_1_VNNI)  # repacked at load (weights.vnni_part)
+# The weight types csrc/quant_int8.c reads: the VNNI builds the repacked ones (weights.vnni_part,
+# at load), the AVX2 builds Q4_0 / Q4_1 as stored.
+INT8_ACTIVATION_TYPES = (WeightType.Q4_0, WeightType.Q4_1, WeightType.Q4_0_VNNI, WeightType.Q4_1_VNNI)
 
 
 class LinearImpl(enum.IntEnum):
@@ -81,6 +83,12 @@ class CpuLinearKernels:
         """Whether the int8-activation kernel is a candidate here (asked for, and this
         build has it)."""
         return bool(self._int8_types)
+
+    @property
+    def int8_reads_repacked(self) -> bool:
+        """Whether that kernel reads Q4_0 / Q4_1 repacked into its lane order (the VNNI
+        builds), so that the weights must be repacked at load."""
+        return WeightType.Q4_0_VNNI in self._int8_types
 
     def applies(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         return (
@@ -131,5 +139,5 @@ def cpu_linear_kernels(int8_activations: bool = False) -> CpuLinearKernels | Non
         return None
     kernels = CpuLinearKernels(library, torch.get_num_threads(), int8_activations)
     if int8_activations and not kernels.int8_activations:
-        logger.warning("int8 activations need the kernels built with AVX-512 VNNI and BF16: activations stay bf16")
+        logger.warning("int8 activations need the native CPU kernels (AVX2 or more): activations stay bf16")
     return kernels

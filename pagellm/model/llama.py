@@ -255,9 +255,9 @@ class LlamaForCausalLM(nn.Module):
         layer takes the kernel measured fastest for a step's rows (model/linear_plans.py),
         decode steps of few requests run layer by layer in C or through the layer ops
         (whichever the first steps measure faster, kernels/step_paths.py), and other steps
-        run the layers' elementwise stages in C around the linears. With int8 activations,
-        the Q4_0 / Q4_1 weights are first repacked into that kernel's order."""
-        if kernel.int8_activations:
+        run the layers' elementwise stages in C around the linears. With int8 activations
+        on a VNNI build, the Q4_0 / Q4_1 weights are first repacked into that kernel's order."""
+        if kernel.int8_reads_repacked:
             repack_for_int8_activations(self)
         self.use_cpu_linear_kernels(kernel)
         plans = measure_linear_plans(self, kernel)

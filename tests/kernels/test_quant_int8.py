@@ -1,13 +1,16 @@
-"""The int8-activation streaming kernel (csrc/quant_int8.c) for Q4_0 and Q4_1 weights,
-repacked into its lane order (weights.vnni_part).
+"""The int8-activation streaming kernel (csrc/quant_int8.c) for Q4_0 and Q4_1 weights: on
+the VNNI builds repacked into its lane order (weights.vnni_part), on the AVX2 builds as
+stored. Every test runs on each kernel build the host executes (the kernel_isa fixture), so
+an AVX-512 VNNI machine tests the AVX2 kernel too.
 
 Two checks. Against an emulation of its arithmetic in numpy (x rounded to int8 per group of
 32 with dx = max|x| / 127, integer dot products, float scales): equal within float32
 accumulation, which proves the path ran (the bf16 kernel differs from it by the int8
 rounding, hundreds of times more). Against the exact product (float64, gguf's own
 dequantization): within the rounding of x, |x_i - dx q_i| <= dx / 2 per value, summed with
-|w| over each group. Other weight types (Q4_0 / Q4_1 not repacked included), and bf16
-weights, asked for the int8 kernel stream as the bf16 kernel does, bit for bit. A repacked
+|w| over each group. Other weight types (on the VNNI builds, Q4_0 / Q4_1 not repacked
+included), and bf16 weights, asked for the int8 kernel stream as the bf16 kernel does, bit
+for bit. A repacked
 part holds the same weights: dequantized, gathered and through the panel (GEMM) kernels it
 equals the part it came from bit for bit, and the bf16 streaming kernel never reads it (the
 int8 kernel is its streaming path).
@@ -22,17 +25,22 @@ import torch
 from pagellm.bench.quant_blocks import packed, random_blocks, reference_weight
 from pagellm.kernels.build import load_kernels
 from pagellm.kernels.linear_bindings import LinearImpl
-from pagellm.kernels.weights import PackedWeight, WeightPart, WeightType, bf16_weight, vnni_part
+from pagellm.kernels.weights import PackedWeight, WeightPart, WeightType, bf16_weight, int8_kernel_part, vnni_part
 
 INT8_TYPES = (WeightType.Q4_0, WeightType.Q4_1)
 
 
-def _int8_kernel_here() -> bool:
+@pytest.fixture(autouse=True)
+def int8_build(kernel_isa):
+    """Each kernel build the host runs; all of them have the int8 kernel."""
     library = load_kernels()
-    return library is not None and bool(library.quant_int8_supported(int(WeightType.Q4_0_VNNI)))
+    assert library.quant_int8_supported(int(WeightType.Q4_0)) or library.quant_int8_supported(int(WeightType.Q4_0_VNNI))
+    return library
 
 
-pytestmark = pytest.mark.skipif(not _int8_kernel_here(), reason="the int8-activation kernel needs AVX-512 VNNI and BF16")
+def _reads_repacked() -> bool:
+    """Whether this build's int8 kernel reads the VNNI layout (else Q4_0 / Q4_1 as stored)."""
+    return bool(load_kernels().quant_int8_supported(int(WeightType.Q4_0_VNNI)))
 
 
 def _quantized_x(x: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
@@ -46,9 +54,9 @@ def _quantized_x(x: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _weights(weight_type: WeightType, data: np.ndarray, k: int) -> tuple[PackedWeight, PackedWeight]:
-    """The part as pack_rows lays it out, and repacked for the int8 kernel."""
+    """The part as pack_rows lays it out, and as this build's int8 kernel reads it."""
     part = WeightPart(weight_type, packed(weight_type, data, k))
-    return PackedWeight([part], k), PackedWeight([vnni_part(part, k)], k)
+    return PackedWeight([part], k), PackedWeight([int8_kernel_part(part, k)], k)
 
 
 def _run(weight: PackedWeight, x: torch.Tensor, impl: LinearImpl) -> np.ndarray:
@@ -98,6 +106,8 @@ def test_zero_and_tiny_groups_of_x():
 
 @pytest.mark.parametrize("weight_type", [WeightType.Q4_0, WeightType.Q4_1, WeightType.Q8_0, WeightType.Q4_K, WeightType.Q6_K], ids=lambda t: t.name)
 def test_other_types_stream_as_the_bf16_kernel(weight_type):
+    if load_kernels().quant_int8_supported(int(weight_type)):
+        pytest.skip(f"this build's int8 kernel reads {weight_type.name} as stored")
     rng = np.random.default_rng(2)
     k, n = 512, 40
     data = random_blocks(weight_type, n, k, rng)
@@ -113,14 +123,13 @@ def test_bf16_weights_and_mixed_parts():
     k = 256
     data = random_blocks(WeightType.Q4_0, 32, k, rng)
     dense = torch.from_numpy(rng.standard_normal((16, k)).astype(np.float32)).to(torch.bfloat16)
-    mixed = PackedWeight([_weights(WeightType.Q4_0, data, k)[1].parts[0], bf16_weight(dense).parts[0]], k)
+    plain_q4, int8_q4 = _weights(WeightType.Q4_0, data, k)
+    mixed = PackedWeight([int8_q4.parts[0], bf16_weight(dense).parts[0]], k)
     x = torch.from_numpy(rng.standard_normal((2, k)).astype(np.float32)).to(torch.bfloat16)
-    y8, y16 = _run(mixed, x, LinearImpl.STREAMING_INT8), _run(mixed, x, LinearImpl.STREAMING)
-    assert np.array_equal(y8, y16)  # the repacked part streams through the int8 kernel either way
-    plain = PackedWeight([_weights(WeightType.Q4_0, data, k)[0].parts[0], bf16_weight(dense).parts[0]], k)
-    y_plain = _run(plain, x, LinearImpl.STREAMING_INT8)  # not repacked: bf16 throughout
-    assert np.array_equal(y8[:, 32:], y_plain[:, 32:])
-    assert not np.array_equal(y8[:, :32], y_plain[:, :32])
+    y8 = _run(mixed, x, LinearImpl.STREAMING_INT8)
+    assert np.array_equal(y8[:, :32], _run(int8_q4, x, LinearImpl.STREAMING_INT8))
+    assert not np.array_equal(y8[:, :32], _run(plain_q4, x, LinearImpl.STREAMING))  # int8, not bf16
+    assert np.array_equal(y8[:, 32:], _run(bf16_weight(dense), x, LinearImpl.STREAMING))
     only_dense = bf16_weight(dense)
     assert np.array_equal(_run(only_dense, x, LinearImpl.STREAMING_INT8), _run(only_dense, x, LinearImpl.STREAMING))
 
@@ -141,6 +150,8 @@ def test_bias_is_added_to_every_row(rows):
 @pytest.mark.parametrize("weight_type", INT8_TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("k", [512, 1056, 576, 96])
 def test_repacked_part_holds_the_same_weights(weight_type, k):
+    if not _reads_repacked():
+        pytest.skip("this build keeps Q4_0 / Q4_1 as stored: it never repacks")
     rng = np.random.default_rng(k + int(weight_type))
     n = 24
     plain, repacked = _weights(weight_type, random_blocks(weight_type, n, k, rng), k)

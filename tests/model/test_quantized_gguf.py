@@ -287,29 +287,36 @@ def _disagreement_gaps(prompts, outs, hf_reference) -> tuple[list[float], list[f
     return ours, hf, total
 
 
-def _int8_kernel_here() -> bool:
+def _int8_kernel_types() -> set[WeightType]:
+    """The weight types this machine's int8-activation kernel reads: the repacked VNNI ones
+    (AVX-512 VNNI builds) or Q4_0 / Q4_1 as stored (AVX2 builds)."""
     from pagellm.kernels.build import load_kernels
+    from pagellm.kernels.linear_bindings import INT8_ACTIVATION_TYPES
 
-    return bool(load_kernels().quant_int8_supported(int(WeightType.Q4_0_VNNI)))
+    library = load_kernels()
+    return {t for t in INT8_ACTIVATION_TYPES if library is not None and library.quant_int8_supported(int(t))}
 
 
-@pytest.mark.skipif(not _int8_kernel_here(), reason="the int8-activation kernel needs AVX-512 VNNI and BF16")
+@pytest.mark.skipif(not _int8_kernel_types(), reason="the int8-activation kernel needs the native CPU kernels")
 def test_int8_activations_through_the_engine(quantized_gguf, hf_reference, monkeypatch):
     """--int8-activations: the Q4_0 / Q4_1 layers are offered the int8 kernel (and only
-    they); forced on every linear of every step (prefill chunks, the one-call decode layer,
-    preemption, prefix hits), the greedy tokens stay HF float32's top-1 or near-ties."""
+    they; repacked into its lane order on the VNNI builds); forced on every linear of every
+    step (prefill chunks, the one-call decode layer, preemption, prefix hits), the greedy
+    tokens stay HF float32's top-1 or near-ties."""
     q4 = {WeightType.Q4_0, WeightType.Q4_1}
     plain = load(quantized_gguf, torch.bfloat16, "auto")
     if not any(q4 & set(g.module.packed.types) for g in plain.linear_groups if g.module.packed):
         pytest.skip("no Q4_0 / Q4_1 weights in this type map")
     assert all(LinearImpl.STREAMING_INT8 not in g.shape.candidates for g in plain.linear_groups)
     model = load(quantized_gguf, torch.bfloat16, "auto", int8_activations=True)
-    vnni = {WeightType.Q4_0_VNNI, WeightType.Q4_1_VNNI}
-    for group in model.linear_groups:  # every Q4_0 / Q4_1 part repacked for the int8 kernel
+    int8_types = _int8_kernel_types()
+    repacks = WeightType.Q4_0_VNNI in int8_types
+    for group in model.linear_groups:
         types = set(group.module.packed.types) if group.module.packed is not None else set()
-        assert not types & q4, group.label
-        assert (LinearImpl.STREAMING_INT8 in group.shape.candidates) == bool(types & vnni), group.label
-    assert model.weight_bytes_by_format().keys() != plain.weight_bytes_by_format().keys()
+        if repacks:  # every Q4_0 / Q4_1 part repacked for the int8 kernel
+            assert not types & q4, group.label
+        assert (LinearImpl.STREAMING_INT8 in group.shape.candidates) == bool(types & int8_types), group.label
+    assert (model.weight_bytes_by_format().keys() != plain.weight_bytes_by_format().keys()) == repacks
     assert sum(model.weight_bytes_by_format().values()) == sum(plain.weight_bytes_by_format().values())
 
     monkeypatch.setenv("PAGELLM_LINEAR_KERNEL", "streaming-int8")

@@ -17,6 +17,9 @@
  *   rows is dequantized to float32 in a per-thread buffer that stays in L2, and 4 x 3
  *   blocks of dot products (12 accumulators) are computed from it.
  *
+ * With int8 activations (LINEAR_STREAMING_INT8), Q4_0 / Q4_1 parts go to quant_int8.c's AVX2
+ * kernel instead (x rounded to int8, byte multiply-adds) and x is not widened for them.
+ *
  * The intrinsics are AVX2 + FMA + F16C; the avx512 build compiles the same code and lets
  * the compiler use the wider registers where it vectorizes on its own.
  */
@@ -311,8 +314,7 @@ static void gemm_part(const float *x, const WeightPart *p, const uint16_t *bias,
 
 void linear_weight_part(const uint16_t *x, int64_t x_stride, const Weight *w, const uint16_t *bias, void *out,
                         int64_t out_stride, int out_f32, int64_t m, int64_t k, int impl, int t, int nt) {
-    float *xf = grow_buffer((void **)&x_buffer, &x_capacity, sizeof(float) * (size_t)(m * k));
-    x_to_float(x, x_stride, m, k, xf);
+    float *xf = NULL; /* x in float32, converted once if a part needs it */
     const int stream = impl_streams(impl) || (impl == LINEAR_BY_ROWS && m <= F32_STREAMING_MAX_ROWS);
     int64_t offset = 0;
     for (int i = 0; i < w->num_parts; i++) {
@@ -322,6 +324,15 @@ void linear_weight_part(const uint16_t *x, int64_t x_stride, const Weight *w, co
         if (begin < end) {
             const uint16_t *part_bias = bias ? bias + offset : NULL;
             void *part_out = out_at(out, offset, out_f32);
+            if (impl == LINEAR_STREAMING_INT8 && quant_int8_supported(p->type)) {
+                quant_int8_stream_part(x, x_stride, p, part_bias, part_out, out_stride, out_f32, m, k, t, nt);
+                offset += p->rows;
+                continue;
+            }
+            if (xf == NULL) {
+                xf = grow_buffer((void **)&x_buffer, &x_capacity, sizeof(float) * (size_t)(m * k));
+                x_to_float(x, x_stride, m, k, xf);
+            }
             if (stream)
                 stream_part(xf, p, part_bias, part_out, out_stride, out_f32, m, k, begin, end);
             else

@@ -10,7 +10,8 @@
  *     sum_i x_i w_i ~ dx * (d * dot(u, xq) + m * sum(xq))
  * the first term per group, the second a vector product over 16 groups at a time.
  *
- * The weights are the VNNI types (weights.h): Q4_0 / Q4_1 rows repacked at load
+ * Two builds of it. With AVX-512 VNNI (below), the weights are the VNNI types (weights.h):
+ * Q4_0 / Q4_1 rows repacked at load
  * (kernels/weights.py, vnni_part) so that every 32-bit lane of a vpdpbusd sums four weights
  * of one group. Per 16 groups, 256 bytes: byte 64 L + 4 g + i holds element 8 L + i of
  * group g in its low nibble and element 8 L + 4 + i in its high one (L = 0..3, g = 0..15,
@@ -27,7 +28,8 @@
  *
  * Precision: rounding x to int8 per 32 values costs about 2^-8 of each group's largest
  * value, far more than the bf16 path's order of summation; tests bound it against the
- * dequantized layer. Up to QUANT_INT8_MAX_ROWS rows of x (the decode steps, bound by
+ * dequantized layer. The AVX2 builds have their own version (its comment below), on the
+ * rows as stored. Up to QUANT_INT8_MAX_ROWS rows of x (the decode steps, bound by
  * reading W); quant_linear.c's panels above.
  */
 #include <stdint.h>
@@ -65,10 +67,7 @@ void quant_int8_repack(const uint8_t *src, uint8_t *dst, int64_t rows, int64_t r
     }
 }
 
-#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
 #define INT8_ROWS 8 /* rows of x per pass over a weight row */
-
-int quant_int8_supported(int type) { return type == WEIGHT_Q4_0_VNNI || type == WEIGHT_Q4_1_VNNI; }
 
 /* x quantized: q[r * q_stride ...] the int8 values in the kernel's order, and per group
  * dx[r * group_stride + g] = dx, xsum[...] = dx * sum(q of the group). */
@@ -81,18 +80,39 @@ typedef struct {
 static _Thread_local void *quantized_buffer;
 static _Thread_local size_t quantized_capacity;
 
-static QuantizedX quantize_x(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k) {
-    const int64_t groups = k / GROUP, padded = padded_groups(k);
-    const int64_t blocked = groups / BLOCK * BLOCK; /* groups in lane blocks; the rest in natural order */
+/* The buffer of m rows of x quantized, groups per row padded to a multiple of `align`. */
+static QuantizedX quantized_x_buffer(int64_t m, int64_t k, int64_t align) {
+    const int64_t padded = padded_groups(k);
     QuantizedX qx;
     qx.q_stride = 32 * padded;
-    qx.group_stride = (padded + 15) / 16 * 16;
+    qx.group_stride = (padded + align - 1) / align * align;
     const size_t q_bytes = (size_t)(m * qx.q_stride + 63) / 64 * 64;
     char *buffer = grow_buffer(&quantized_buffer, &quantized_capacity,
                                q_bytes + 2 * sizeof(float) * (size_t)(m * qx.group_stride));
     qx.q = (int8_t *)buffer;
     qx.dx = (float *)(buffer + q_bytes);
     qx.xsum = qx.dx + m * qx.group_stride;
+    return qx;
+}
+
+/* Row r's groups from `groups` on: zero values, scales and sums (the stored zero group of
+ * an odd count, and the padding the vector loads of scales read). */
+static void clear_tail_groups(const QuantizedX *qx, int64_t r, int64_t groups, int64_t padded) {
+    for (int64_t g = groups; g < qx->group_stride; g++) {
+        if (g < padded) memset(qx->q + r * qx->q_stride + 32 * g, 0, 32);
+        qx->dx[r * qx->group_stride + g] = qx->xsum[r * qx->group_stride + g] = 0.0f;
+    }
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+#define INT8_KERNEL 1
+#define INT8_Q4_0 WEIGHT_Q4_0_VNNI
+#define INT8_Q4_1 WEIGHT_Q4_1_VNNI
+
+static QuantizedX quantize_x(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k) {
+    const int64_t groups = k / GROUP, padded = padded_groups(k);
+    const int64_t blocked = groups / BLOCK * BLOCK; /* groups in lane blocks; the rest in natural order */
+    const QuantizedX qx = quantized_x_buffer(m, k, BLOCK);
     const __m512 sign_off = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
     for (int64_t r = 0; r < m; r++) {
         const uint16_t *row = x + r * x_stride;
@@ -119,10 +139,7 @@ static QuantizedX quantize_x(const uint16_t *x, int64_t x_stride, int64_t m, int
             dx[g] = d;
             xsum[g] = d * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
         }
-        for (int64_t g = groups; g < qx.group_stride; g++) {
-            if (g < padded) memset(q + 32 * g, 0, 32);
-            dx[g] = xsum[g] = 0.0f;
-        }
+        clear_tail_groups(&qx, r, groups, padded);
     }
     return qx;
 }
@@ -217,6 +234,152 @@ static inline __attribute__((always_inline)) void int8_rows(int type, int NR, in
             result[j * M + r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[j][r], _mm512_castps256_ps512(tail[j][r])));
 }
 
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+/* The AVX2 builds (avx2 and avx512 levels: Haswell to Ice Lake, Zen 1 to 3), which have
+ * no VNNI instruction: vpmaddubsw multiplies 32 unsigned nibbles by 32 int8 values into 16
+ * sums of two (at most 2 * 15 * 127, so no int16 saturation) and vpmaddwd by ones adds
+ * those into 8 int32, converted and scaled once per group, as llama.cpp's AVX2 path.
+ * quant_groups.h's pair layout is already the order this wants (one 32-byte load is two
+ * groups' nibbles, each in element order), so the weights stay as stored and x is
+ * quantized in its natural order. */
+#define INT8_KERNEL 1
+#define INT8_Q4_0 WEIGHT_Q4_0
+#define INT8_Q4_1 WEIGHT_Q4_1
+#define SCALE_SPAN 8 /* groups whose scales are converted at once */
+
+static inline float hmax8(__m256 v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+static inline int hsum8_epi32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
+}
+
+/* `count` (1..8) fp16 values as floats, zeros after them; a short last span reads a copy,
+ * so that no load runs past the row. */
+static inline __m256 scales8(const uint8_t *half, int count) {
+    if (count == SCALE_SPAN) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)half));
+    uint16_t bits[SCALE_SPAN] = {0};
+    memcpy(bits, half, 2 * (size_t)count);
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)bits));
+}
+
+static QuantizedX quantize_x(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k) {
+    const int64_t groups = k / GROUP, padded = padded_groups(k);
+    const QuantizedX qx = quantized_x_buffer(m, k, SCALE_SPAN);
+    const __m256 sign_off = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    /* vpackssdw and vpacksswb interleave their sources by 128-bit lanes: this puts the
+     * 32 bytes back in element order. */
+    const __m256i lane_order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int64_t r = 0; r < m; r++) {
+        const uint16_t *row = x + r * x_stride;
+        int8_t *q = qx.q + r * qx.q_stride;
+        float *dx = qx.dx + r * qx.group_stride, *xsum = qx.xsum + r * qx.group_stride;
+        for (int64_t g = 0; g < groups; g++) {
+            __m256 v[4];
+            __m256 amax = _mm256_setzero_ps();
+            for (int i = 0; i < 4; i++) {
+                const __m128i words = _mm_loadu_si128((const __m128i *)(row + 32 * g + 8 * i));
+                v[i] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(words), 16));
+                amax = _mm256_max_ps(amax, _mm256_and_ps(v[i], sign_off));
+            }
+            const float top = hmax8(amax);
+            const float d = top / 127.0f, inv = top > 0.0f ? 127.0f / top : 0.0f;
+            __m256i qi[4];
+            for (int i = 0; i < 4; i++) qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(inv)));
+            const __m256i words = _mm256_packs_epi32(qi[0], qi[1]), words_hi = _mm256_packs_epi32(qi[2], qi[3]);
+            const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(words, words_hi), lane_order);
+            _mm256_storeu_si256((__m256i *)(q + 32 * g), bytes);
+            dx[g] = d;
+            xsum[g] = d * (float)hsum8_epi32(_mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3])));
+        }
+        clear_tail_groups(&qx, r, groups, padded);
+    }
+    return qx;
+}
+
+/* The accumulators of NR weight rows against M rows of x (int8_rows). */
+typedef struct {
+    __m256 even[2][INT8_ROWS], odd[2][INT8_ROWS];
+} Int8Sums;
+
+/* Groups g0 .. g0 + count - 1 (count <= SCALE_SPAN) into the sums. `count` is the constant
+ * SCALE_SPAN in the main loop, so that loop calls nothing (a call would send every
+ * accumulator through memory: no vector register survives one); only a short last span
+ * copies its scales. */
+static inline __attribute__((always_inline)) void int8_span(int type, int NR, int M, const QuantizedX *qx,
+                                                            const uint8_t *const *rows, int64_t stored, int64_t g0,
+                                                            int count, Int8Sums *sums) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    float ds[2][INT8_ROWS][SCALE_SPAN] __attribute__((aligned(32))); /* d * dx per group */
+    for (int j = 0; j < NR; j++) {
+        /* the fp16 scales (and mins) of these groups */
+        const __m256 d8 = scales8(rows[j] + stored * 16 + 2 * g0, count);
+        const __m256 min8 = type == WEIGHT_Q4_1 ? scales8(rows[j] + stored * 18 + 2 * g0, count)
+                                                : _mm256_mul_ps(d8, _mm256_set1_ps(-8.0f));
+        for (int r = 0; r < M; r++) { /* the offsets' term: sum over groups of m * dx * sum(xq) */
+            const int64_t at = r * qx->group_stride + g0;
+            sums->even[j][r] = _mm256_fmadd_ps(min8, _mm256_loadu_ps(qx->xsum + at), sums->even[j][r]);
+            _mm256_store_ps(ds[j][r], _mm256_mul_ps(d8, _mm256_loadu_ps(qx->dx + at)));
+        }
+    }
+    /* pairs of groups; an odd last group pairs with the stored zero group (zero x and scale) */
+    for (int t = 0; t < count; t += 2) {
+        const int64_t group = g0 + t;
+        __m256i low[2], high[2];
+        for (int j = 0; j < NR; j++) {
+            const __m256i packed = _mm256_loadu_si256((const __m256i *)(rows[j] + 16 * group));
+            low[j] = _mm256_and_si256(packed, low4);
+            high[j] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
+        }
+        for (int r = 0; r < M; r++) {
+            const int8_t *xq = qx->q + r * qx->q_stride + 32 * group;
+            const __m256i x_even = _mm256_loadu_si256((const __m256i *)xq);
+            const __m256i x_odd = _mm256_loadu_si256((const __m256i *)(xq + 32));
+            for (int j = 0; j < NR; j++) {
+                const __m256i even = _mm256_madd_epi16(_mm256_maddubs_epi16(low[j], x_even), ones);
+                const __m256i odd = _mm256_madd_epi16(_mm256_maddubs_epi16(high[j], x_odd), ones);
+                sums->even[j][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(even), _mm256_set1_ps(ds[j][r][t]), sums->even[j][r]);
+                const __m256 odd_scale = _mm256_set1_ps(ds[j][r][t + 1]); /* 0 past the last group */
+                if (NR * M <= 4)
+                    sums->odd[j][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(odd), odd_scale, sums->odd[j][r]);
+                else /* more rows are chains enough (and registers are short) */
+                    sums->even[j][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(odd), odd_scale, sums->even[j][r]);
+            }
+        }
+    }
+}
+
+/* NR weight rows against M (<= INT8_ROWS) quantized rows of x: result[j * M + r]. NR is 1,
+ * or 2 for a single row of x (two rows' independent chains share each load of x); up to 4
+ * rows in all keep their even and odd groups in two accumulators, so that the
+ * multiply-adds' latency is not the bound. */
+static inline __attribute__((always_inline)) void int8_rows(int type, int NR, int M, const QuantizedX *qx,
+                                                            const uint8_t *const *rows, int64_t k, float *result) {
+    const int64_t groups = k / GROUP, stored = padded_groups(k), full = groups / SCALE_SPAN * SCALE_SPAN;
+    Int8Sums sums;
+    for (int j = 0; j < NR; j++)
+        for (int r = 0; r < M; r++) sums.even[j][r] = sums.odd[j][r] = _mm256_setzero_ps();
+    for (int64_t g0 = 0; g0 < full; g0 += SCALE_SPAN) int8_span(type, NR, M, qx, rows, stored, g0, SCALE_SPAN, &sums);
+    if (full < groups) int8_span(type, NR, M, qx, rows, stored, full, (int)(groups - full), &sums);
+    for (int j = 0; j < NR; j++)
+        for (int r = 0; r < M; r++) result[j * M + r] = hsum8(_mm256_add_ps(sums.even[j][r], sums.odd[j][r]));
+}
+#endif
+
+#if defined(INT8_KERNEL)
+int quant_int8_supported(int type) { return type == INT8_Q4_0 || type == INT8_Q4_1; }
+
 typedef void (*int8_fn)(const QuantizedX *, const uint8_t *const *, int64_t, float *);
 #define INT8_FN(TYPE, NAME, NR, M)                                                                             \
     static __attribute__((noinline)) void NAME##_##NR##_##M(const QuantizedX *qx, const uint8_t *const *rows, \
@@ -229,8 +392,8 @@ typedef void (*int8_fn)(const QuantizedX *, const uint8_t *const *, int64_t, flo
     INT8_FN(TYPE, NAME, 1, 5) INT8_FN(TYPE, NAME, 1, 6) INT8_FN(TYPE, NAME, 1, 7) INT8_FN(TYPE, NAME, 1, 8)    \
     static const int8_fn NAME[INT8_ROWS + 1] = {0, NAME##_1_1, NAME##_1_2, NAME##_1_3, NAME##_1_4,             \
                                                 NAME##_1_5, NAME##_1_6, NAME##_1_7, NAME##_1_8};
-INT8_KERNELS(WEIGHT_Q4_0_VNNI, int8_q4_0)
-INT8_KERNELS(WEIGHT_Q4_1_VNNI, int8_q4_1)
+INT8_KERNELS(INT8_Q4_0, int8_q4_0)
+INT8_KERNELS(INT8_Q4_1, int8_q4_1)
 
 #define INT8_PREFETCH_ROWS 4 /* weight rows read ahead, whole (as quant_linear.c's streaming loop) */
 
@@ -244,7 +407,7 @@ void quant_int8_stream_part(const uint16_t *x, int64_t x_stride, const WeightPar
     thread_share(p->rows, 16, t, nt, &begin, &end);
     if (begin >= end) return;
     const QuantizedX qx = quantize_x(x, x_stride, m, k);
-    const int q4_1 = p->type == WEIGHT_Q4_1_VNNI;
+    const int q4_1 = p->type == INT8_Q4_1;
     const int8_fn *kernels = q4_1 ? int8_q4_1 : int8_q4_0;
     float result[INT8_ROWS];
     int64_t n = begin;
