@@ -166,13 +166,13 @@ def vnni_part(part: WeightPart, k: int) -> WeightPart:
     return WeightPart(VNNI_OF[part.type], out)
 
 
-
 def int8_kernel_part(part: WeightPart, k: int) -> WeightPart:
     """A Q4_0 / Q4_1 part as this machine's int8-activation kernel reads it: repacked into
     the lane order on the VNNI builds (vnni_part), as stored on the AVX2 builds."""
     library = load_kernels()
     repack = part.type in VNNI_OF and library is not None and library.quant_int8_supported(int(VNNI_OF[part.type]))
     return vnni_part(part, k) if repack else part
+
 
 class PackedWeight:
     """W [out_features, in_features] in its stored parts, with the structure the kernels read."""
