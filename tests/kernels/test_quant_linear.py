@@ -35,7 +35,7 @@ def _check(y: torch.Tensor, x: torch.Tensor, w: np.ndarray, bias: np.ndarray | N
 
 
 @pytest.mark.parametrize("weight_type", QUANT_TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("rows", [1, 3, 8, 9, 16, 17, 64])
+@pytest.mark.parametrize("rows", [1, 3, 4, 8, 9, 12, 16, 17, 64])
 @pytest.mark.parametrize("odd", [False, True], ids=["even", "odd"])
 def test_linear_matches_gguf_dequantization(weight_type, rows, odd, kernel_isa):
     # odd: 33 groups of 32 (the row-packed types pad a pair), or 3 K-quant super-blocks.
