@@ -29,7 +29,8 @@ def _both_backends(step, scale):
 @needs_kernels
 @pytest.mark.parametrize(
     "num_heads,num_kv_heads,head_dim,block_size",
-    [(9, 3, 64, 16), (4, 4, 16, 4), (8, 2, 128, 16), (6, 1, 32, 8)],
+    # head_dim 12: not a multiple of 8, the scalar item (the others: paged_decode_avx2.c)
+    [(9, 3, 64, 16), (4, 4, 16, 4), (8, 2, 128, 16), (6, 1, 32, 8), (6, 2, 12, 8)],
 )
 def test_kernel_matches_reference_float32(num_heads, num_kv_heads, head_dim, block_size):
     gen = torch.Generator().manual_seed(num_heads * 100 + head_dim)
@@ -107,7 +108,9 @@ def _dense_decode_reference(q, cache, metadata, rows, scale):
         (14, 2, 64, 8, 5),  # group 7: value heads in chunks of 4 and 3
         (8, 1, 128, 4, 9),  # group 8 at head_dim 128: chunks of 2
         (6, 6, 64, 16, 4),  # no grouping
-        (4, 2, 32, 16, 4),  # head_dim without the bf16 fast path: the generic loop
+        (4, 2, 32, 16, 4),  # head_dim without the AVX-512 BF16 item: the AVX2 one
+        (16, 1, 64, 16, 3),  # group 16: the AVX2 value pass in two batches of 8 heads
+        (4, 2, 20, 16, 4),  # head_dim not a multiple of 8: the scalar item
     ],
 )
 def test_bfloat16_decode_matches_float64_to_bf16_rounding(num_heads, num_kv_heads, head_dim, block_size, num_decodes):

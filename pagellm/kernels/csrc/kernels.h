@@ -125,6 +125,13 @@ void attend_bf16(const uint16_t *q, const void *key_cache, const void *value_cac
                  int64_t seq_len, int kv_head, int span, int num_kv_heads, int group, int head_dim,
                  int block_size, float scale, float *scores, float *acc, const int64_t *head_lens);
 
+/* paged_decode_avx2.c: one work item in AVX2 float32 (float32 queries; a cache of cache_type;
+ * a sliding window from `start`; soft-capping where softcap > 0). */
+int attend_avx2_supported(int head_dim);
+void attend_avx2(const float *q, const void *key_cache, const void *value_cache, const int64_t *table, int64_t start,
+                 int64_t seq_len, int kv_head, int span, int num_kv_heads, int group, int head_dim, int block_size,
+                 float scale, float softcap, int cache_type, float *scores, float *acc);
+
 /* moe_experts.c: a mixture-of-experts layer's experts, inside a region (see there). */
 typedef struct {
     uint16_t *gathered; /* [rows, hidden] bf16: an expert's rows */

@@ -52,78 +52,67 @@ static inline void load_row(const void *base, int64_t offset, int head_dim, int 
  * over its context positions [start, seq_len) (start > 0: a sliding window), read block
  * by block through `table`; blocks before start's are never read (they may be reused). With span =
  * all kv heads, each position's K (and V) row is one contiguous read.
- * HEAD_DIM is a compile-time constant in the specialised copies below, so the inner
- * loops unroll fully.
+ * This is the scalar item, for head dims that are not a multiple of 8; the others take
+ * paged_decode_avx2.c's (or, for bf16 queries, paged_decode_bf16.c's with AVX-512 BF16).
  * q, acc: [span * group, head_dim]; scores: [span * group, seq_len]
  */
-#define DEFINE_ATTEND(NAME, HEAD_DIM_EXPR)                                                    \
-static void NAME(const float *q, const void *key_cache, const void *value_cache,            \
-                 const int64_t *table, int64_t start, int64_t seq_len, int kv_head, int span, \
-                 int num_kv_heads, int group, int head_dim_arg, int block_size, float scale, \
-                 float softcap, int cache_type, float *scores, float *acc)                   \
-{                                                                                            \
-    (void)head_dim_arg;                                                                      \
-    const int head_dim = HEAD_DIM_EXPR;                                                      \
-    const int heads = span * group;                                                          \
-    const int64_t row_stride = (int64_t)num_kv_heads * head_dim;                             \
-    float row[span * head_dim];                                                              \
-    float best[heads], total[heads];                                                         \
-    for (int h = 0; h < heads; h++) best[h] = -FLT_MAX;                                      \
-    const int64_t first_block = start - start % block_size;                                   \
-    /* Pass 1: scaled scores q . k, block by block. */                                       \
-    for (int64_t first = first_block; first < seq_len; first += block_size) {                \
-        const int64_t count = seq_len - first < block_size ? seq_len - first : block_size;   \
-        const int64_t base = (table[first / block_size] * block_size * num_kv_heads + kv_head) * head_dim; \
-        for (int64_t i = first < start ? start - first : 0; i < count; i++) {                \
-            load_row(key_cache, base + i * row_stride, span * head_dim, cache_type, row);    \
-            for (int h = 0; h < heads; h++) {                                                \
-                const float *qh = q + h * head_dim, *kh = row + (h / group) * head_dim;      \
-                float dot = 0.0f;                                                            \
-                for (int d = 0; d < head_dim; d++) dot += qh[d] * kh[d];                     \
-                dot *= scale;                                                                \
-                if (softcap > 0.0f) dot = softcap * tanhf(dot / softcap);                    \
-                scores[h * seq_len + first + i] = dot;                                       \
-                best[h] = dot > best[h] ? dot : best[h];                                     \
-            }                                                                                \
-        }                                                                                    \
-    }                                                                                        \
-    /* Softmax weights, unnormalised; the sum divides at the end. */                         \
-    for (int h = 0; h < heads; h++) {                                                        \
-        float *s = scores + h * seq_len, sum = 0.0f;                                         \
-        const float top = best[h];                                                           \
-        for (int64_t pos = start; pos < seq_len; pos++) {                                    \
-            s[pos] = expf(fmaxf(s[pos] - top, SOFTMAX_EXP_FLOOR));                          \
-            sum += s[pos];                                                                   \
-        }                                                                                    \
-        total[h] = sum;                                                                      \
-    }                                                                                        \
-    /* Pass 2: weighted sum of the value rows. */                                            \
-    for (int i = 0; i < heads * head_dim; i++) acc[i] = 0.0f;                                \
-    for (int64_t first = first_block; first < seq_len; first += block_size) {                \
-        const int64_t count = seq_len - first < block_size ? seq_len - first : block_size;   \
-        const int64_t base = (table[first / block_size] * block_size * num_kv_heads + kv_head) * head_dim; \
-        for (int64_t i = first < start ? start - first : 0; i < count; i++) {                \
-            load_row(value_cache, base + i * row_stride, span * head_dim, cache_type, row);  \
-            for (int h = 0; h < heads; h++) {                                                \
-                const float weight = scores[h * seq_len + first + i];                        \
-                const float *vh = row + (h / group) * head_dim;                              \
-                float *ah = acc + h * head_dim;                                              \
-                for (int d = 0; d < head_dim; d++) ah[d] += weight * vh[d];                  \
-            }                                                                                \
-        }                                                                                    \
-    }                                                                                        \
-    for (int h = 0; h < heads; h++) {                                                        \
-        const float inverse = 1.0f / total[h];                                               \
-        for (int d = 0; d < head_dim; d++) acc[h * head_dim + d] *= inverse;                 \
-    }                                                                                        \
+static void attend_scalar(const float *q, const void *key_cache, const void *value_cache, const int64_t *table,
+                          int64_t start, int64_t seq_len, int kv_head, int span, int num_kv_heads, int group,
+                          int head_dim, int block_size, float scale, float softcap, int cache_type, float *scores,
+                          float *acc) {
+    const int heads = span * group;
+    const int64_t row_stride = (int64_t)num_kv_heads * head_dim;
+    float row[span * head_dim];
+    float best[heads], total[heads];
+    for (int h = 0; h < heads; h++) best[h] = -FLT_MAX;
+    const int64_t first_block = start - start % block_size;
+    /* Pass 1: scaled scores q . k, block by block. */
+    for (int64_t first = first_block; first < seq_len; first += block_size) {
+        const int64_t count = seq_len - first < block_size ? seq_len - first : block_size;
+        const int64_t base = (table[first / block_size] * block_size * num_kv_heads + kv_head) * head_dim;
+        for (int64_t i = first < start ? start - first : 0; i < count; i++) {
+            load_row(key_cache, base + i * row_stride, span * head_dim, cache_type, row);
+            for (int h = 0; h < heads; h++) {
+                const float *qh = q + h * head_dim, *kh = row + (h / group) * head_dim;
+                float dot = 0.0f;
+                for (int d = 0; d < head_dim; d++) dot += qh[d] * kh[d];
+                dot *= scale;
+                if (softcap > 0.0f) dot = softcap * tanhf(dot / softcap);
+                scores[h * seq_len + first + i] = dot;
+                best[h] = dot > best[h] ? dot : best[h];
+            }
+        }
+    }
+    /* Softmax weights, unnormalised; the sum divides at the end. */
+    for (int h = 0; h < heads; h++) {
+        float *s = scores + h * seq_len, sum = 0.0f;
+        const float top = best[h];
+        for (int64_t pos = start; pos < seq_len; pos++) {
+            s[pos] = expf(fmaxf(s[pos] - top, SOFTMAX_EXP_FLOOR));
+            sum += s[pos];
+        }
+        total[h] = sum;
+    }
+    /* Pass 2: weighted sum of the value rows. */
+    for (int i = 0; i < heads * head_dim; i++) acc[i] = 0.0f;
+    for (int64_t first = first_block; first < seq_len; first += block_size) {
+        const int64_t count = seq_len - first < block_size ? seq_len - first : block_size;
+        const int64_t base = (table[first / block_size] * block_size * num_kv_heads + kv_head) * head_dim;
+        for (int64_t i = first < start ? start - first : 0; i < count; i++) {
+            load_row(value_cache, base + i * row_stride, span * head_dim, cache_type, row);
+            for (int h = 0; h < heads; h++) {
+                const float weight = scores[h * seq_len + first + i];
+                const float *vh = row + (h / group) * head_dim;
+                float *ah = acc + h * head_dim;
+                for (int d = 0; d < head_dim; d++) ah[d] += weight * vh[d];
+            }
+        }
+    }
+    for (int h = 0; h < heads; h++) {
+        const float inverse = 1.0f / total[h];
+        for (int d = 0; d < head_dim; d++) acc[h * head_dim + d] *= inverse;
+    }
 }
-
-DEFINE_ATTEND(attend_64, 64)
-DEFINE_ATTEND(attend_128, 128)
-DEFINE_ATTEND(attend_any, head_dim_arg)
-
-typedef void (*attend_fn)(const float *, const void *, const void *, const int64_t *, int64_t, int64_t, int, int, int, int,
-                          int, int, float, float, int, float *, float *);
 
 /*
  * query:        [*, num_heads, head_dim], row r starts at r * query_row_stride elements
@@ -218,10 +207,13 @@ void paged_decode_attention_in_region(
                         acc, NULL);
         } else {
             load_row(query, query_offset, heads * head_dim, dtype, q);
-            const attend_fn attend = head_dim == 64 ? attend_64 : head_dim == 128 ? attend_128 : attend_any;
-            attend(q, key_cache, value_cache, table, key_starts ? key_starts[decode] : 0, seq_lens[decode], kv_head,
-                   span, num_kv_heads, group,
-                   head_dim, block_size, scale, softcap, cache_type, scores, acc);
+            const int64_t start = key_starts ? key_starts[decode] : 0;
+            if (attend_avx2_supported(head_dim))
+                attend_avx2(q, key_cache, value_cache, table, start, seq_lens[decode], kv_head, span, num_kv_heads,
+                            group, head_dim, block_size, scale, softcap, cache_type, scores, acc);
+            else
+                attend_scalar(q, key_cache, value_cache, table, start, seq_lens[decode], kv_head, span, num_kv_heads,
+                              group, head_dim, block_size, scale, softcap, cache_type, scores, acc);
         }
         for (int j = 0; j < count; j++) {
             const int64_t offset = rows[decode + j] * out_row_stride + first_head;
