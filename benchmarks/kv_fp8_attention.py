@@ -1,7 +1,7 @@
 """Decode attention over a bf16 KV cache against fp8 ones (--kv-cache-dtype), through the
 CPU backend's kernel (csrc/paged_decode.c; bf16 queries take paged_decode_bf16.c).
 
-    python benchmarks/kv_fp8_attention.py [--threads 2] [--requests 64] [--context 1000] [--repeats 15]
+    python benchmarks/kv_fp8_attention.py [--threads 2] [--requests 64] [--context 1000] [--repeats 15] [--output FILE]
 
 One decode step of `requests` rows with `context` tokens each, SmolLM2-135M's shapes (9
 query heads, 3 KV heads, head_dim 64, blocks of 16 tokens, 30 layers), blocks scattered
@@ -10,8 +10,8 @@ calls rotate over several layers' caches (more bytes than the last-level cache),
 call reads its K/V from memory as a real step does. Cache types are interleaved within
 every repeat (in a rotating order) so a busy machine slows them alike; the median and the
 spread (min, max) of each are reported, with the per-token figure: a layer's time x 30
-layers / requests. Prints the configuration, the CPU and one JSON line; writes
-benchmarks/results/kv_fp8_attention.json.
+layers / requests. Prints the configuration, the CPU and one JSON line; writes it to
+--output (benchmarks/results/kv_fp8_attention.json by default).
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--context", type=int, default=1000)
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--output", type=Path, default=RESULT)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     kernels = load_kernels()
@@ -122,8 +123,8 @@ def main() -> None:
     }  # fmt: skip
     line = json.dumps(record)
     print(line)
-    RESULT.parent.mkdir(parents=True, exist_ok=True)
-    RESULT.write_text(line + "\n", encoding="utf-8")
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(line + "\n", encoding="utf-8")
 
 
 if __name__ == "__main__":

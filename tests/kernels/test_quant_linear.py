@@ -61,6 +61,40 @@ def test_extreme_scales(weight_type, scale, kernel_isa):
         _check(weight.linear(x, None, 2), x, reference_weight(weight_type, data, k))
 
 
+@pytest.mark.parametrize("weight_type", [WeightType.Q4_0, WeightType.Q4_1, WeightType.Q8_0, WeightType.I8_ROW],
+                         ids=lambda t: t.name)
+@pytest.mark.parametrize("spread", ["narrow", "wide"])
+def test_streamed_rows_use_x_to_its_own_precision(weight_type, spread, kernel_isa):
+    """Streamed rows (1-8) with a float32 output are x . w to float32 accumulation, apart from
+    a rounding of at most 2^-16 of each group's largest |x| per value (the AVX2 build's
+    integer dot products take x's groups as 16-bit integers times a power of two; a group
+    whose values are all within 2^7 of its largest is exact: 'narrow'). 'wide' spreads x's
+    values over 2^-24..1 within each group, so most of them are rounded. Taking x as int8
+    would miss the bound by ~2^8."""
+    rng = np.random.default_rng(int(weight_type) + (5 if spread == "wide" else 0))
+    k, n = 1056, 24  # 33 groups: a short last span
+    if weight_type is WeightType.I8_ROW:
+        part = quantize_int8_rows(torch.from_numpy(rng.standard_normal((n, k)).astype(np.float32)))
+        weight = PackedWeight([part], k)
+        w = part.data.view(torch.int8).double().numpy() * part.row_scales.double().numpy()[:, None]
+    else:
+        data = random_blocks(weight_type, n, k, rng)
+        weight = PackedWeight([WeightPart(weight_type, packed(weight_type, data, k))], k)
+        w = reference_weight(weight_type, data, k)
+    for rows in range(1, 9):
+        sign = rng.choice([-1.0, 1.0], size=(rows, k))
+        exponent = rng.integers(-7 if spread == "narrow" else -24, 1, size=(rows, k))
+        x = torch.from_numpy(sign * rng.uniform(1, 2, size=(rows, k)) * 2.0**exponent).to(torch.bfloat16)
+        x64 = x.double().numpy()
+        y = weight.linear(x, None, 2, out_dtype=torch.float32).double().numpy()
+        group_max = np.abs(x64).reshape(rows, k // 32, 32).max(axis=2)  # [rows, groups]
+        w_abs_sums = np.abs(w).reshape(n, k // 32, 32).sum(axis=2)  # [n, groups]
+        rounding = 0.0 if spread == "narrow" else 2.0**-16 * group_max @ w_abs_sums.T
+        accumulation = 2.0**-18 * (np.abs(x64) @ np.abs(w).T)
+        err = np.abs(y - x64 @ w.T)
+        assert np.all(err <= rounding + accumulation), (rows, (err / (rounding + accumulation)).max())
+
+
 @pytest.mark.parametrize("weight_type", QUANT_TYPES, ids=lambda t: t.name)
 def test_dequantize_and_gather_match_gguf(weight_type, kernel_isa):
     rng = np.random.default_rng(3)

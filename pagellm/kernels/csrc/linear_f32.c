@@ -7,14 +7,17 @@
  * dot-product instruction, each group of 32 weights is dequantized in registers to
  * float32 (w = scale * u + min, one fused multiply-add) and multiplied into float32
  * activations (x, bf16 in memory, converted once per call) with fused multiply-adds;
- * float32 accumulation, one rounding at the end (none for a float32 output).
+ * float32 accumulation, one rounding at the end (none for a float32 output). Streamed,
+ * Q4_0 / Q4_1 / Q8_0 / int8 rows take integer multiply-adds instead (dot16_row): x's groups as
+ * 16-bit integers times a power of two, exact for every value within 2^7 of its group's
+ * largest (bf16 has 8 significant bits) and within 2^-15 of the largest for the rest, at
+ * about half the instructions per weight.
  *
  * Two loops, as on the other builds (kernels/linear_choice.py measures which is faster
  * at each row count; LINEAR_BY_ROWS takes the constant below):
  * - streaming, up to F32_STREAMING_MAX_ROWS rows: each weight row is read once and
- *   multiplied into up to 8 rows of x while its groups are in registers; Q4_0 / Q4_1 rows
- *   against up to 4 rows of x take q4_dot_row instead (the nibbles' dot products with x,
- *   scaled once per group: 1.9x the dequantize-first loop at one row, from memory);
+ *   multiplied into up to 8 rows of x while its groups are in registers (Q4_0 / Q4_1 / Q8_0 /
+ *   int8 rows: integer dot products with x's 16-bit groups, scaled once per group);
  * - GEMM (LINEAR_GEMM, and LINEAR_AMX, which this build does not have): a panel of W's
  *   rows is dequantized to float32 in a per-thread buffer that stays in L2, and 4 x 3
  *   blocks of dot products (12 accumulators) are computed from it.
@@ -45,8 +48,8 @@
 
 static _Thread_local float *x_buffer;
 static _Thread_local size_t x_capacity;
-static _Thread_local float *sums_buffer;
-static _Thread_local size_t sums_capacity;
+static _Thread_local void *groups_buffer;
+static _Thread_local size_t groups_capacity;
 static _Thread_local float *panel_buffer;
 static _Thread_local size_t panel_capacity;
 
@@ -145,20 +148,58 @@ static inline __attribute__((always_inline)) void stream_row(int type, int M, co
     for (int r = 0; r < M; r++) result[r] = sum8(_mm256_add_ps(acc0[r], acc1[r]));
 }
 
-/* Groups of x summed, per row of x: the offsets' term of Q4_0 / Q4_1 (q4_dot_row) is one
- * multiply-add per 8 groups with them. Each row's sums are zero-padded to a multiple of 8. */
 static inline int64_t group_sums_stride(int64_t k) { return (k / GROUP + 7) / 8 * 8; }
 
-static void x_group_sums(const float *x, int64_t m, int64_t k, float *sums) {
+/* What dot16_row reads of x, computed once per call for all weight rows. Per row of x and
+ * group of 32: the group's sum (the offsets' term: Q4_0's -8 d and Q4_1's min times it) and
+ * the group as 16-bit integers times a power of two, 2^(e - 14) for the largest magnitude's
+ * exponent e. x arrives as bf16 (8 significant bits), so every value within 2^7 of the
+ * group's largest is exact as an integer, and smaller ones are rounded to 2^-15 of it: the
+ * dot products are those of x as given, to that rounding, while the integer multiply-adds
+ * take 16 weights per instruction. Per-row arrays are zero-padded to a multiple of 8 groups. */
+typedef struct {
+    float *sums;   /* [m, group_sums_stride(k)] */
+    float *scales; /* [m, group_sums_stride(k)]: the power of two per group (0: all zeros) */
+    int16_t *q;    /* [m, k] */
+} XGroups;
+
+static void x_groups(const float *x, int64_t m, int64_t k, XGroups *out) {
     const int64_t groups = k / GROUP, stride = group_sums_stride(k);
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     for (int64_t r = 0; r < m; r++) {
         for (int64_t g = 0; g < groups; g++) {
             const float *xg = x + r * k + g * GROUP;
-            const __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(xg), _mm256_loadu_ps(xg + 8)),
-                                           _mm256_add_ps(_mm256_loadu_ps(xg + 16), _mm256_loadu_ps(xg + 24)));
-            sums[r * stride + g] = sum8(s);
+            const __m256 v[4] = {_mm256_loadu_ps(xg), _mm256_loadu_ps(xg + 8), _mm256_loadu_ps(xg + 16),
+                                 _mm256_loadu_ps(xg + 24)};
+            out->sums[r * stride + g] = sum8(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
+            const __m256 largest8 = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], magnitude), _mm256_and_ps(v[1], magnitude)),
+                                                  _mm256_max_ps(_mm256_and_ps(v[2], magnitude), _mm256_and_ps(v[3], magnitude)));
+            __m128 largest = _mm_max_ps(_mm256_castps256_ps128(largest8), _mm256_extractf128_ps(largest8, 1));
+            largest = _mm_max_ps(largest, _mm_movehl_ps(largest, largest));
+            largest = _mm_max_ss(largest, _mm_movehdup_ps(largest));
+            uint32_t bits;
+            const float top = _mm_cvtss_f32(largest);
+            memcpy(&bits, &top, sizeof bits);
+            const int32_t exponent = (int32_t)(bits >> 23); /* biased; below 24 (|x| < 2^-103) counts as zero */
+            int16_t *q = out->q + r * k + g * GROUP;
+            if (exponent < 24) {
+                memset(q, 0, sizeof(int16_t) * GROUP);
+                out->scales[r * stride + g] = 0.0f;
+                continue;
+            }
+            const uint32_t scale_bits = (uint32_t)(exponent - 14) << 23, inverse_bits = (uint32_t)(268 - exponent) << 23;
+            float scale, inverse;
+            memcpy(&scale, &scale_bits, sizeof scale);
+            memcpy(&inverse, &inverse_bits, sizeof inverse);
+            out->scales[r * stride + g] = scale;
+            const __m256 inv = _mm256_set1_ps(inverse);
+            for (int h = 0; h < 2; h++) { /* 16 values: two vectors of int32, packed (the pack interleaves lanes) */
+                const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(v[2 * h], inv));
+                const __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(v[2 * h + 1], inv));
+                _mm256_storeu_si256((__m256i *)(q + 16 * h), _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8));
+            }
         }
-        for (int64_t g = groups; g < stride; g++) sums[r * stride + g] = 0.0f;
+        for (int64_t g = groups; g < stride; g++) out->sums[r * stride + g] = out->scales[r * stride + g] = 0.0f;
     }
 }
 
@@ -171,63 +212,76 @@ static inline __m256 halves8(const uint8_t *half, int count) {
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)bits));
 }
 
-#define Q4_DOT_MAX_ROWS 4 /* above, dequantizing each group once (stream_row) costs fewer FMAs */
-
-/* Groups g0 .. g0 + count - 1 (count <= 8) of a Q4_0 / Q4_1 row into the sums. Per group and row
- * of x: the dot product of the unsigned nibbles (as floats) with x, then one multiply-add by
- * the group's scale; the offsets (Q4_0's -8 d, Q4_1's min) once per 8 groups, times the
- * groups' sums of x. Five multiply-adds per group and row, where dequantizing the weights
- * first costs four plus four per row. The nibbles are widened straight from memory (8 bytes
- * to 8 dwords, one shuffle each), and one widening serves the pair's two groups: the low
- * nibbles are group 2p's, the high ones group 2p + 1's (quant_groups.h's pair layout).
- * `count` is the constant 8 in the main loop, so that loop calls nothing. */
-static inline __attribute__((always_inline)) void q4_dot_span(int type, int M, const float *x, const float *sums,
-                                                              int64_t k, const uint8_t *row, int64_t stored, int64_t g0,
-                                                              int count, __m256 even[], __m256 odd[]) {
+/* Groups g0 .. g0 + count - 1 (count <= 8) of a Q4_0 / Q4_1 / Q8_0 / int8 row into the sums. Per
+ * group and row of x: the integer dot product of the weights' integers with x's 16-bit
+ * integers (two vpmaddwd of 16 pairs, exact in int32 and in its float conversion: at most
+ * 4 x 128 x 2^15 per lane), converted once and multiplied by the weight scale times x's
+ * power of two. Q4_0's -8 d and Q4_1's min are added once per 8 groups, times the groups'
+ * sums of x; the nibbles are taken as stored, unsigned. One widening of 16 bytes to words
+ * serves a Q4 pair's two groups: the low nibbles are group 2p's, the high ones group 2p + 1's
+ * (quant_groups.h's pair layout). `count` is the constant 8 in the main loop, so that loop
+ * calls nothing. */
+static inline __attribute__((always_inline)) void dot16_span(int type, int M, const XGroups *xg, int64_t k,
+                                                             const uint8_t *row, float row_scale, int64_t g0,
+                                                             int count, __m256 even[], __m256 odd[]) {
+    const int64_t stride = group_sums_stride(k);
+    float scale[F32_STREAM_ROWS][8] __attribute__((aligned(32)));
+    if (type == WEIGHT_Q8_0 || type == WEIGHT_I8_ROW) {
+        const __m256 d8 = type == WEIGHT_Q8_0 ? halves8(row + k + 2 * g0, count) : _mm256_set1_ps(row_scale);
+        for (int r = 0; r < M; r++) _mm256_store_ps(scale[r], _mm256_mul_ps(d8, _mm256_loadu_ps(xg->scales + r * stride + g0)));
+        for (int t = 0; t < count; t++) {
+            const int64_t group = g0 + t;
+            const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(row + 32 * group)));
+            const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(row + 32 * group + 16)));
+            for (int r = 0; r < M; r++) {
+                const __m256i *q = (const __m256i *)(xg->q + r * k + group * GROUP);
+                const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256(q)),
+                                                     _mm256_madd_epi16(w1, _mm256_loadu_si256(q + 1)));
+                __m256 *acc = (t & 1) && M <= 2 ? &odd[r] : &even[r]; /* two chains only where registers allow */
+                *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_broadcast_ss(&scale[r][t]), *acc);
+            }
+        }
+        return;
+    }
+    const int64_t stored = padded_groups(k);
     const __m256 d8 = halves8(row + stored * 16 + 2 * g0, count);
     const __m256 min8 = type == WEIGHT_Q4_1 ? halves8(row + stored * 18 + 2 * g0, count)
                                             : _mm256_mul_ps(d8, _mm256_set1_ps(-8.0f));
-    const int64_t sums_stride = group_sums_stride(k);
-    for (int r = 0; r < M; r++) even[r] = _mm256_fmadd_ps(min8, _mm256_loadu_ps(sums + r * sums_stride + g0), even[r]);
-    float d[8] __attribute__((aligned(32)));
-    _mm256_store_ps(d, d8);
-    const __m256i low4 = _mm256_set1_epi32(0x0F);
+    for (int r = 0; r < M; r++) {
+        even[r] = _mm256_fmadd_ps(min8, _mm256_loadu_ps(xg->sums + r * stride + g0), even[r]);
+        _mm256_store_ps(scale[r], _mm256_mul_ps(d8, _mm256_loadu_ps(xg->scales + r * stride + g0)));
+    }
+    const __m256i low4 = _mm256_set1_epi16(0x0F);
     for (int t = 0; t < count; t += 2) {
         const int64_t group = g0 + t;
         const int pair = t + 1 < count; /* an odd last group has no partner */
-        __m256 lo[Q4_DOT_MAX_ROWS], hi[Q4_DOT_MAX_ROWS];
-        for (int j = 0; j < 4; j++) {
-            const __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(row + 16 * group + 8 * j)));
-            const __m256 w_lo = _mm256_cvtepi32_ps(_mm256_and_si256(e, low4));
-            const __m256 w_hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(e, 4));
-            for (int r = 0; r < M; r++) {
-                const float *xg = x + r * k + group * GROUP + 8 * j;
-                lo[r] = j == 0 ? _mm256_mul_ps(w_lo, _mm256_loadu_ps(xg)) : _mm256_fmadd_ps(w_lo, _mm256_loadu_ps(xg), lo[r]);
-                if (pair)
-                    hi[r] = j == 0 ? _mm256_mul_ps(w_hi, _mm256_loadu_ps(xg + GROUP))
-                                   : _mm256_fmadd_ps(w_hi, _mm256_loadu_ps(xg + GROUP), hi[r]);
-            }
-        }
+        const __m256i b0 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(row + 16 * group)));
+        const __m256i b1 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(row + 16 * group + 16)));
+        const __m256i lo0 = _mm256_and_si256(b0, low4), lo1 = _mm256_and_si256(b1, low4);
+        const __m256i hi0 = _mm256_srli_epi16(b0, 4), hi1 = _mm256_srli_epi16(b1, 4);
         for (int r = 0; r < M; r++) {
-            even[r] = _mm256_fmadd_ps(lo[r], _mm256_set1_ps(d[t]), even[r]);
+            const __m256i *q = (const __m256i *)(xg->q + r * k + group * GROUP);
+            const __m256i lo = _mm256_add_epi32(_mm256_madd_epi16(lo0, _mm256_loadu_si256(q)),
+                                                _mm256_madd_epi16(lo1, _mm256_loadu_si256(q + 1)));
+            even[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_broadcast_ss(&scale[r][t]), even[r]);
             if (pair) {
-                if (M <= 2)
-                    odd[r] = _mm256_fmadd_ps(hi[r], _mm256_set1_ps(d[t + 1]), odd[r]);
-                else
-                    even[r] = _mm256_fmadd_ps(hi[r], _mm256_set1_ps(d[t + 1]), even[r]);
+                const __m256i hi = _mm256_add_epi32(_mm256_madd_epi16(hi0, _mm256_loadu_si256(q + 2)),
+                                                    _mm256_madd_epi16(hi1, _mm256_loadu_si256(q + 3)));
+                __m256 *acc = M <= 2 ? &odd[r] : &even[r];
+                *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_broadcast_ss(&scale[r][t + 1]), *acc);
             }
         }
     }
 }
 
-/* One Q4_0 / Q4_1 row against M (<= Q4_DOT_MAX_ROWS) rows of float x: result[r] = x[r] . w. */
-static inline __attribute__((always_inline)) void q4_dot_row(int type, int M, const float *x, const float *sums,
-                                                             int64_t k, const uint8_t *row, float *result) {
-    const int64_t groups = k / GROUP, stored = padded_groups(k), full = groups / 8 * 8;
-    __m256 even[Q4_DOT_MAX_ROWS], odd[Q4_DOT_MAX_ROWS];
+/* One Q4_0 / Q4_1 / Q8_0 / int8 row against M (<= F32_STREAM_ROWS) rows of x: result[r] = x[r] . w. */
+static inline __attribute__((always_inline)) void dot16_row(int type, int M, const XGroups *xg, int64_t k,
+                                                            const uint8_t *row, float row_scale, float *result) {
+    const int64_t groups = k / GROUP, full = groups / 8 * 8;
+    __m256 even[F32_STREAM_ROWS], odd[F32_STREAM_ROWS];
     for (int r = 0; r < M; r++) even[r] = odd[r] = _mm256_setzero_ps();
-    for (int64_t g0 = 0; g0 < full; g0 += 8) q4_dot_span(type, M, x, sums, k, row, stored, g0, 8, even, odd);
-    if (full < groups) q4_dot_span(type, M, x, sums, k, row, stored, full, (int)(groups - full), even, odd);
+    for (int64_t g0 = 0; g0 < full; g0 += 8) dot16_span(type, M, xg, k, row, row_scale, g0, 8, even, odd);
+    if (full < groups) dot16_span(type, M, xg, k, row, row_scale, full, (int)(groups - full), even, odd);
     for (int r = 0; r < M; r++) result[r] = sum8(_mm256_add_ps(even[r], odd[r]));
 }
 
@@ -254,26 +308,40 @@ static inline __attribute__((always_inline)) void stream_bf16_row(int M, const f
     for (int r = 0; r < M; r++) result[r] = sum8(_mm256_add_ps(acc0[r], acc1[r]));
 }
 
-/* Whether M rows of a `type` row stream through q4_dot_row (which reads x's group sums). */
-static inline int uses_group_sums(int type, int64_t M) {
-    return (type == WEIGHT_Q4_0 || type == WEIGHT_Q4_1) && M <= Q4_DOT_MAX_ROWS;
+/* Whether `type` rows stream through dot16_row (which reads x_groups). */
+static inline int streams_dot16(int type) {
+    return type == WEIGHT_Q4_0 || type == WEIGHT_Q4_1 || type == WEIGHT_Q8_0 || type == WEIGHT_I8_ROW;
 }
 
-/* x: M rows of float32 x; sums: their group sums (x_group_sums), read by the Q4 types only. */
-typedef void (*stream_fn)(const float *x, const float *sums, int64_t k, const uint8_t *row, float row_scale,
-                          float *result);
+/* Weight rows [begin, end) of a part against M rows of float32 x (xg: the same rows' x_groups,
+ * read by the dot16 types only), into out (+ bias); rows before prefetch_end are read ahead.
+ * One call per block of weight rows, so the loop over them runs with M and the type fixed. */
+typedef void (*stream_fn)(const float *x, const XGroups *xg, int64_t k, const WeightPart *p, int64_t begin,
+                          int64_t end, int64_t prefetch_end, const uint16_t *bias, void *out, int64_t out_stride,
+                          int out_f32);
 
 #define STREAM_FN(NAME, TYPE, M)                                                                                 \
-    static __attribute__((noinline)) void NAME##_##M(const float *x, const float *sums, int64_t k,               \
-                                                     const uint8_t *row, float row_scale, float *result) {       \
-        (void)sums;                                                                                              \
-        if (TYPE == WEIGHT_BF16) {                                                                               \
-            (void)row_scale;                                                                                     \
-            stream_bf16_row(M, x, k, (const uint16_t *)row, result);                                             \
-        } else if (uses_group_sums(TYPE, M)) {                                                                   \
-            q4_dot_row(TYPE, M, x, sums, k, row, result);                                                        \
-        } else {                                                                                                 \
-            stream_row(TYPE, M, x, k, row, row_scale, result);                                                   \
+    static __attribute__((noinline)) void NAME##_##M(const float *x, const XGroups *xg, int64_t k,               \
+                                                     const WeightPart *p, int64_t begin, int64_t end,            \
+                                                     int64_t prefetch_end, const uint16_t *bias, void *out,      \
+                                                     int64_t out_stride, int out_f32) {                          \
+        float result[M];                                                                                         \
+        for (int64_t n = begin; n < end; n++) {                                                                  \
+            const uint8_t *row = p->data + n * p->row_bytes;                                                     \
+            if (n + PREFETCH_ROWS < prefetch_end) { /* the whole row a few rows ahead, not just its first line */ \
+                const char *ahead = (const char *)(row + PREFETCH_ROWS * p->row_bytes);                          \
+                for (int64_t offset = 0; offset < p->row_bytes; offset += 64)                                    \
+                    _mm_prefetch(ahead + offset, _MM_HINT_T0);                                                   \
+            }                                                                                                    \
+            const float row_scale = p->row_scales ? p->row_scales[n] : 1.0f;                                     \
+            if (TYPE == WEIGHT_BF16)                                                                             \
+                stream_bf16_row(M, x, k, (const uint16_t *)row, result);                                         \
+            else if (streams_dot16(TYPE))                                                                        \
+                dot16_row(TYPE, M, xg, k, row, row_scale, result);                                               \
+            else                                                                                                 \
+                stream_row(TYPE, M, x, k, row, row_scale, result);                                               \
+            const float b = bias ? bf16_to_float(bias[n]) : 0.0f;                                                \
+            for (int r = 0; r < M; r++) store_float(out, r * out_stride + n, result[r] + b, out_f32);            \
         }                                                                                                        \
     }
 #define STREAM_KERNELS(NAME, TYPE)                                                                               \
@@ -304,23 +372,22 @@ static const stream_fn *stream_kernels(int type) {
     }
 }
 
+/* Weight rows per call of a stream_fn: more than 8 rows of x take several calls per block,
+ * which then reads its rows from L1 after the first. */
+#define STREAM_BLOCK_ROWS 16
+
 /* Thread t of nt's share of one part's output columns [begin, end), streaming. */
-static void stream_part(const float *x, const float *sums, const WeightPart *p, const uint16_t *bias, void *out,
+static void stream_part(const float *x, const XGroups *xg, const WeightPart *p, const uint16_t *bias, void *out,
                         int64_t out_stride, int out_f32, int64_t m, int64_t k, int64_t begin, int64_t end) {
     const stream_fn *kernels = stream_kernels(p->type);
-    float result[F32_STREAM_ROWS];
-    for (int64_t n = begin; n < end; n++) {
-        const uint8_t *row = p->data + n * p->row_bytes;
-        if (n + PREFETCH_ROWS < end) { /* the whole row a few rows ahead, not just its first line */
-            const char *ahead = (const char *)(row + PREFETCH_ROWS * p->row_bytes);
-            for (int64_t offset = 0; offset < p->row_bytes; offset += 64) _mm_prefetch(ahead + offset, _MM_HINT_T0);
-        }
-        const float row_scale = p->row_scales ? p->row_scales[n] : 1.0f;
-        const float b = bias ? bf16_to_float(bias[n]) : 0.0f;
+    for (int64_t n0 = begin; n0 < end; n0 += STREAM_BLOCK_ROWS) {
+        const int64_t n1 = n0 + STREAM_BLOCK_ROWS < end ? n0 + STREAM_BLOCK_ROWS : end;
         for (int64_t first = 0; first < m; first += F32_STREAM_ROWS) {
             const int rows = m - first < F32_STREAM_ROWS ? (int)(m - first) : F32_STREAM_ROWS;
-            kernels[rows](x + first * k, sums + first * group_sums_stride(k), k, row, row_scale, result);
-            for (int r = 0; r < rows; r++) store_float(out, (first + r) * out_stride + n, result[r] + b, out_f32);
+            const int64_t at = first * group_sums_stride(k);
+            const XGroups rows_xg = xg ? (XGroups){xg->sums + at, xg->scales + at, xg->q + first * k} : (XGroups){0};
+            kernels[rows](x + first * k, &rows_xg, k, p, n0, n1, first == 0 ? end : 0, bias,
+                          out_at(out, first * out_stride, out_f32), out_stride, out_f32);
         }
     }
 }
@@ -415,7 +482,7 @@ static void gemm_part(const float *x, const WeightPart *p, const uint16_t *bias,
 void linear_weight_part(const uint16_t *x, int64_t x_stride, const Weight *w, const uint16_t *bias, void *out,
                         int64_t out_stride, int out_f32, int64_t m, int64_t k, int impl, int t, int nt) {
     float *xf = NULL; /* x in float32, converted once if a part needs it */
-    float *sums = NULL; /* its group sums, once if a Q4 part streams few rows */
+    XGroups groups = {0}; /* x_groups, once if a part streams through dot16_row */
     const int stream = impl_streams(impl) || (impl == LINEAR_BY_ROWS && m <= F32_STREAMING_MAX_ROWS);
     int64_t offset = 0;
     for (int i = 0; i < w->num_parts; i++) {
@@ -434,12 +501,16 @@ void linear_weight_part(const uint16_t *x, int64_t x_stride, const Weight *w, co
                 xf = grow_buffer((void **)&x_buffer, &x_capacity, sizeof(float) * (size_t)(m * k));
                 x_to_float(x, x_stride, m, k, xf);
             }
-            if (stream && sums == NULL && uses_group_sums(p->type, (m - 1) % F32_STREAM_ROWS + 1)) { /* the last rows' call */
-                sums = grow_buffer((void **)&sums_buffer, &sums_capacity, sizeof(float) * (size_t)(m * group_sums_stride(k)));
-                x_group_sums(xf, m, k, sums);
+            if (stream && groups.q == NULL && streams_dot16(p->type)) {
+                const size_t per_row = sizeof(float) * 2 * (size_t)group_sums_stride(k) + sizeof(int16_t) * (size_t)k;
+                char *buffer = grow_buffer((void **)&groups_buffer, &groups_capacity, per_row * (size_t)m);
+                groups.sums = (float *)buffer;
+                groups.scales = groups.sums + m * group_sums_stride(k);
+                groups.q = (int16_t *)(groups.scales + m * group_sums_stride(k));
+                x_groups(xf, m, k, &groups);
             }
             if (stream)
-                stream_part(xf, sums, p, part_bias, part_out, out_stride, out_f32, m, k, begin, end);
+                stream_part(xf, groups.q ? &groups : NULL, p, part_bias, part_out, out_stride, out_f32, m, k, begin, end);
             else
                 gemm_part(xf, p, part_bias, part_out, out_stride, out_f32, m, k, begin, end);
         }
