@@ -16,12 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from pagellm.attention.kv_cache_dtype import copyable
-from pagellm.core.scheduler_output import (
-    ModelRunnerOutput,
-    NewRequestData,
-    SchedulerOutput,
-    TokenLogprobs,
-)
+from pagellm.core.scheduler_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from pagellm.lora.slots import LoRAMapping
 from pagellm.model.llama import LlamaForCausalLM
 from pagellm.request import child_request_id
@@ -32,6 +27,7 @@ from pagellm.structured.grammar_compiler import GrammarCompiler
 from pagellm.structured.token_masks import MaskTimer, apply_masks, fill_masks
 from pagellm.worker.cuda_graphs import Capture, DecodeGraphs, cuda_graph_capture
 from pagellm.worker.fault_injection import FaultInjector
+from pagellm.worker.hidden_outputs import compute_prompt_logprobs, pool_hidden_states
 from pagellm.config.kv_layout import kv_cache_layout
 from pagellm.worker.kv_cache import allocate_kv_caches, distinct_tensors
 from pagellm.worker.kv_tier_store import TierStore
@@ -216,8 +212,9 @@ class ModelRunner:
         output = ModelRunnerOutput(
             req_ids=req_ids, sampled_token_ids={req_id: [] for req_id in req_ids}
         )
-        self._prompt_logprobs(req_ids, sequences, starts, hidden, output)
-        self._pool(req_ids, sequences, starts, hidden, output)
+        compute_prompt_logprobs(self.model, self.requests, req_ids, sequences, starts, hidden, output, self.is_driver)
+        if self.is_driver:
+            pool_hidden_states(self.model, self.requests, self.pooling_partials, req_ids, sequences, starts, hidden, output)
         if proposals:
             self.verifier.verify(req_ids, proposals, starts, hidden, output, drafted, self.draft)
         rows = self._sample_rows(req_ids, sequences, starts, proposals)
@@ -380,89 +377,6 @@ class ModelRunner:
             batch.output_counts = self.penalties.output_counts[index]
             batch.prompt_mask = self.penalties.prompt_mask[index]
         return batch
-
-    def _prompt_logprobs(
-        self,
-        req_ids: list[str],
-        sequences: list[ScheduledSequence],
-        starts: list[int],
-        hidden: torch.Tensor,
-        output: ModelRunnerOutput,
-    ) -> None:
-        """Logprobs of each prompt token given the tokens before it, chunk by chunk."""
-        for index, (req_id, seq) in enumerate(zip(req_ids, sequences, strict=True)):
-            state = self.requests[req_id]
-            k = state.sampling_params.prompt_logprobs
-            if k is None:
-                continue
-            # Row i predicts the token at position start + i + 1, while that is a prompt token.
-            count = min(len(seq.token_ids), state.num_prompt_tokens - 1 - seq.start_position)
-            if count <= 0:
-                continue
-            first = starts[index]
-            logprobs = self.model.compute_logits(hidden[first : first + count]).float()
-            if not self.is_driver:
-                continue
-            logprobs = logprobs.log_softmax(dim=-1)
-            positions = range(seq.start_position + 1, seq.start_position + 1 + count)
-            targets = torch.tensor([state.token_ids[p] for p in positions], device=self.device)
-            target_logprobs = logprobs.gather(1, targets.unsqueeze(1))
-            target_ranks = (logprobs > target_logprobs).sum(dim=1) + 1
-            top_values, top_ids = logprobs.topk(k, dim=1) if k else (None, None)
-            entries = []
-            for i in range(count):
-                ids, values, ranks = [int(targets[i])], [float(target_logprobs[i, 0])], [int(target_ranks[i])]
-                if k:
-                    assert top_ids is not None and top_values is not None
-                    ids += top_ids[i].tolist()
-                    values += top_values[i].tolist()
-                    ranks += list(range(1, k + 1))
-                entries.append(TokenLogprobs(ids, values, ranks))
-            if output.prompt_logprobs is None:
-                output.prompt_logprobs = {}
-            output.prompt_logprobs[req_id] = entries
-
-    def _pool(
-        self,
-        req_ids: list[str],
-        sequences: list[ScheduledSequence],
-        starts: list[int],
-        hidden: torch.Tensor,
-        output: ModelRunnerOutput,
-    ) -> None:
-        """Embedding requests: the final hidden states (after the model's last norm) of
-        this step's positions pooled as each asks; a request whose prompt is now complete
-        gets its embedding, shortened to `dimensions` and L2-normalised where asked."""
-        if not self.is_driver:
-            return
-        for index, (req_id, seq) in enumerate(zip(req_ids, sequences, strict=True)):
-            params = self.requests[req_id].pooling_params
-            if params is None:
-                continue
-            rows = hidden[starts[index] : starts[index + 1]]
-            kind = params.pooling_type
-            if kind == "mean":
-                chunk = rows.float().sum(dim=0)
-                partial = self.pooling_partials.get(req_id)
-                self.pooling_partials[req_id] = chunk if partial is None else partial + chunk
-            elif kind == "cls" and seq.start_position == 0:
-                self.pooling_partials[req_id] = rows[0].float()
-            if not seq.needs_logits:
-                continue
-            if params.task == "classify":  # the head over the last token's state: its logits
-                output.pooled[req_id] = self.model.classify(rows[-1]).cpu().tolist()
-                continue
-            if kind == "last":
-                vector = rows[-1].float()
-            elif kind == "mean":
-                vector = self.pooling_partials.pop(req_id) / self.requests[req_id].num_prompt_tokens
-            else:
-                vector = self.pooling_partials.pop(req_id)
-            if params.dimensions is not None:
-                vector = vector[: params.dimensions]
-            if params.normalize:
-                vector = torch.nn.functional.normalize(vector, dim=0)
-            output.pooled[req_id] = vector.cpu().tolist()
 
     # ---------------------------------------------------------------- state
 
