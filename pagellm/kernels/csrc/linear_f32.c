@@ -380,14 +380,21 @@ static const stream_fn *stream_kernels(int type) {
 static void stream_part(const float *x, const XGroups *xg, const WeightPart *p, const uint16_t *bias, void *out,
                         int64_t out_stride, int out_f32, int64_t m, int64_t k, int64_t begin, int64_t end) {
     const stream_fn *kernels = stream_kernels(p->type);
-    for (int64_t n0 = begin; n0 < end; n0 += STREAM_BLOCK_ROWS) {
-        const int64_t n1 = n0 + STREAM_BLOCK_ROWS < end ? n0 + STREAM_BLOCK_ROWS : end;
-        for (int64_t first = 0; first < m; first += F32_STREAM_ROWS) {
-            const int rows = m - first < F32_STREAM_ROWS ? (int)(m - first) : F32_STREAM_ROWS;
-            const int64_t at = first * group_sums_stride(k);
-            const XGroups rows_xg = xg ? (XGroups){xg->sums + at, xg->scales + at, xg->q + first * k} : (XGroups){0};
-            kernels[rows](x + first * k, &rows_xg, k, p, n0, n1, first == 0 ? end : 0, bias,
-                          out_at(out, first * out_stride, out_f32), out_stride, out_f32);
+    /* Rows of x per pass over the weights: about 192 KiB of x's 16-bit groups, so that they
+     * stay in L2 while the weights stream by (at least one pass of 8 rows). */
+    int64_t tile = (192 << 10) / (2 * k) / F32_STREAM_ROWS * F32_STREAM_ROWS;
+    if (tile < F32_STREAM_ROWS) tile = F32_STREAM_ROWS;
+    for (int64_t t0 = 0; t0 < m; t0 += tile) {
+        const int64_t t1 = t0 + tile < m ? t0 + tile : m;
+        for (int64_t n0 = begin; n0 < end; n0 += STREAM_BLOCK_ROWS) {
+            const int64_t n1 = n0 + STREAM_BLOCK_ROWS < end ? n0 + STREAM_BLOCK_ROWS : end;
+            for (int64_t first = t0; first < t1; first += F32_STREAM_ROWS) {
+                const int rows = t1 - first < F32_STREAM_ROWS ? (int)(t1 - first) : F32_STREAM_ROWS;
+                const int64_t at = first * group_sums_stride(k);
+                const XGroups rows_xg = xg ? (XGroups){xg->sums + at, xg->scales + at, xg->q + first * k} : (XGroups){0};
+                kernels[rows](x + first * k, &rows_xg, k, p, n0, n1, first == t0 ? end : 0, bias,
+                              out_at(out, first * out_stride, out_f32), out_stride, out_f32);
+            }
         }
     }
 }
