@@ -61,18 +61,18 @@ def test_extreme_scales(weight_type, scale, kernel_isa):
         _check(weight.linear(x, None, 2), x, reference_weight(weight_type, data, k))
 
 
-@pytest.mark.parametrize("weight_type", [WeightType.Q4_0, WeightType.Q4_1, WeightType.Q8_0, WeightType.I8_ROW],
-                         ids=lambda t: t.name)
+@pytest.mark.parametrize("weight_type", [*QUANT_TYPES, WeightType.I8_ROW], ids=lambda t: t.name)
 @pytest.mark.parametrize("spread", ["narrow", "wide"])
 def test_streamed_rows_use_x_to_its_own_precision(weight_type, spread, kernel_isa):
     """Streamed rows (1-8) with a float32 output are x . w to float32 accumulation, apart from
     a rounding of at most 2^-16 of each group's largest |x| per value (the AVX2 build's
-    integer dot products take x's groups as 16-bit integers times a power of two; a group
+    integer dot products take x's groups as 16-bit integers times a power of two, the
+    K-quants' at 1-2 rows; a group
     whose values are all within 2^7 of its largest is exact: 'narrow'). 'wide' spreads x's
     values over 2^-24..1 within each group, so most of them are rounded. Taking x as int8
     would miss the bound by ~2^8."""
     rng = np.random.default_rng(int(weight_type) + (5 if spread == "wide" else 0))
-    k, n = 1056, 24  # 33 groups: a short last span
+    k, n = (768 if weight_type.block_elements == 256 else 1056), 24  # 33 groups: a short last span
     if weight_type is WeightType.I8_ROW:
         part = quantize_int8_rows(torch.from_numpy(rng.standard_normal((n, k)).astype(np.float32)))
         weight = PackedWeight([part], k)

@@ -274,9 +274,55 @@ static inline __attribute__((always_inline)) void dot16_span(int type, int M, co
     }
 }
 
+/* The same for a K-quant row (Q4_K, Q5_K, Q6_K), a group at a time as quant_groups.h reads
+ * it: the unsigned integers widened to words (Q6_K's shifted by -32, its offset, so that its
+ * two halves' scales need no sums of half groups), one multiply-add by scale times x's power
+ * of two per group and row (Q6_K: one per half); Q4_K / Q5_K's mins times the groups' sums of
+ * x, in a scalar. At most 4 x 63 x 2^15 per int32 lane: exact. */
+static inline __attribute__((always_inline)) void dot16_k_row(int type, int M, const XGroups *xg, int64_t k,
+                                                              const uint8_t *row, float *result) {
+    const int64_t groups = k / GROUP, stride = group_sums_stride(k);
+    __m256 acc[F32_STREAM_ROWS], acc2[F32_STREAM_ROWS];
+    float offset[F32_STREAM_ROWS];
+    for (int r = 0; r < M; r++) {
+        acc[r] = acc2[r] = _mm256_setzero_ps();
+        offset[r] = 0.0f;
+    }
+    for (int64_t g = 0; g < groups; g++) {
+        GroupScale gs;
+        const __m256i u = k_group_bytes(type, row, g, &gs);
+        __m256i lo = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(u));
+        __m256i hi = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(u, 1));
+        if (type == WEIGHT_Q6_K) {
+            lo = _mm256_sub_epi16(lo, _mm256_set1_epi16(32));
+            hi = _mm256_sub_epi16(hi, _mm256_set1_epi16(32));
+        }
+        for (int r = 0; r < M; r++) {
+            const __m256i *q = (const __m256i *)(xg->q + r * k + g * GROUP);
+            const float sx = xg->scales[r * stride + g];
+            const __m256i dot_lo = _mm256_madd_epi16(lo, _mm256_loadu_si256(q));
+            const __m256i dot_hi = _mm256_madd_epi16(hi, _mm256_loadu_si256(q + 1));
+            if (type == WEIGHT_Q6_K) {
+                __m256 *second = M <= 2 ? &acc2[r] : &acc[r];
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_lo), _mm256_set1_ps(gs.scale_lo * sx), acc[r]);
+                *second = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_hi), _mm256_set1_ps(gs.scale_hi * sx), *second);
+            } else {
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(dot_lo, dot_hi)),
+                                         _mm256_set1_ps(gs.scale_lo * sx), acc[r]);
+                offset[r] += gs.min_lo * xg->sums[r * stride + g];
+            }
+        }
+    }
+    for (int r = 0; r < M; r++) result[r] = sum8(_mm256_add_ps(acc[r], acc2[r])) + offset[r];
+}
+
 /* One Q4_0 / Q4_1 / Q8_0 / int8 row against M (<= F32_STREAM_ROWS) rows of x: result[r] = x[r] . w. */
 static inline __attribute__((always_inline)) void dot16_row(int type, int M, const XGroups *xg, int64_t k,
                                                             const uint8_t *row, float row_scale, float *result) {
+    if (type == WEIGHT_Q4_K || type == WEIGHT_Q5_K || type == WEIGHT_Q6_K) {
+        dot16_k_row(type, M, xg, k, row, result);
+        return;
+    }
     const int64_t groups = k / GROUP, full = groups / 8 * 8;
     __m256 even[F32_STREAM_ROWS], odd[F32_STREAM_ROWS];
     for (int r = 0; r < M; r++) even[r] = odd[r] = _mm256_setzero_ps();
@@ -308,8 +354,13 @@ static inline __attribute__((always_inline)) void stream_bf16_row(int M, const f
     for (int r = 0; r < M; r++) result[r] = sum8(_mm256_add_ps(acc0[r], acc1[r]));
 }
 
-/* Whether `type` rows stream through dot16_row (which reads x_groups). */
-static inline int streams_dot16(int type) {
+/* Whether M rows of x stream through dot16_row against `type` rows (it reads x_groups). The
+ * K-quants only up to 2 rows: their scales are unpacked per group in scalar code, shared by
+ * the rows, and from 4 rows on the float32 loop's four multiply-adds per row cost less than
+ * the integer path's per-row scaling (Zen 3, one thread: Q4_K 10.1 against 13.0 cycles per
+ * group at one row, 30.6 against 30.1 at eight). */
+static inline int streams_dot16(int type, int M) {
+    if (type == WEIGHT_Q4_K || type == WEIGHT_Q5_K || type == WEIGHT_Q6_K) return M <= 2;
     return type == WEIGHT_Q4_0 || type == WEIGHT_Q4_1 || type == WEIGHT_Q8_0 || type == WEIGHT_I8_ROW;
 }
 
@@ -336,7 +387,7 @@ typedef void (*stream_fn)(const float *x, const XGroups *xg, int64_t k, const We
             const float row_scale = p->row_scales ? p->row_scales[n] : 1.0f;                                     \
             if (TYPE == WEIGHT_BF16)                                                                             \
                 stream_bf16_row(M, x, k, (const uint16_t *)row, result);                                         \
-            else if (streams_dot16(TYPE))                                                                        \
+            else if (streams_dot16(TYPE, M))                                                                     \
                 dot16_row(TYPE, M, xg, k, row, row_scale, result);                                               \
             else                                                                                                 \
                 stream_row(TYPE, M, x, k, row, row_scale, result);                                               \
@@ -508,7 +559,8 @@ void linear_weight_part(const uint16_t *x, int64_t x_stride, const Weight *w, co
                 xf = grow_buffer((void **)&x_buffer, &x_capacity, sizeof(float) * (size_t)(m * k));
                 x_to_float(x, x_stride, m, k, xf);
             }
-            if (stream && groups.q == NULL && streams_dot16(p->type)) {
+            /* the last pass over x has the fewest rows */
+            if (stream && groups.q == NULL && streams_dot16(p->type, (m - 1) % F32_STREAM_ROWS + 1)) {
                 const size_t per_row = sizeof(float) * 2 * (size_t)group_sums_stride(k) + sizeof(int16_t) * (size_t)k;
                 char *buffer = grow_buffer((void **)&groups_buffer, &groups_capacity, per_row * (size_t)m);
                 groups.sums = (float *)buffer;
