@@ -243,22 +243,62 @@ static inline __attribute__((always_inline)) void dot16_span(int type, int M, co
         }
         return;
     }
-    const int64_t stored = padded_groups(k);
-    const __m256 d8 = halves8(row + stored * 16 + 2 * g0, count);
-    const __m256 min8 = type == WEIGHT_Q4_1 ? halves8(row + stored * 18 + 2 * g0, count)
-                                            : _mm256_mul_ps(d8, _mm256_set1_ps(-8.0f));
+    /* Q4_0 / Q4_1: the pairs of the repacked row; Q4_K / Q5_K: one super-block (g0 a multiple
+     * of 8, count 8), whose 32-byte runs of nibbles are the same pairs, its 6-bit scales and
+     * mins unpacked once for its 8 groups. */
+    const uint8_t *pairs, *high_bits = NULL;
+    __m256 d8, min8;
+    if (type == WEIGHT_Q4_K || type == WEIGHT_Q5_K) {
+        const uint8_t *block = row + g0 / 8 * (type == WEIGHT_Q4_K ? 144 : 176);
+        /* The 12 bytes of 6-bit scales and mins (k_scale_min's packing) as three words a, b, c,
+         * each byte a lane: scales 0-3 are a's low 6 bits, mins 0-3 b's; scales 4-7 are c's
+         * low nibbles with a's top 2 bits above them, mins 4-7 c's high nibbles with b's. */
+        uint32_t a, b, c, d_dmin_bits;
+        memcpy(&d_dmin_bits, block, 4);
+        memcpy(&a, block + 4, 4);
+        memcpy(&b, block + 8, 4);
+        memcpy(&c, block + 12, 4);
+        const uint64_t scales = (uint64_t)(a & 0x3F3F3F3Fu) |
+                                (uint64_t)((c & 0x0F0F0F0Fu) | (((a >> 6) & 0x03030303u) << 4)) << 32;
+        const uint64_t mins = (uint64_t)(b & 0x3F3F3F3Fu) |
+                              (uint64_t)(((c >> 4) & 0x0F0F0F0Fu) | (((b >> 6) & 0x03030303u) << 4)) << 32;
+        const __m128 d_dmin = _mm_cvtph_ps(_mm_cvtsi32_si128((int32_t)d_dmin_bits)); /* d, dmin */
+        d8 = _mm256_mul_ps(_mm256_broadcastss_ps(d_dmin),
+                           _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((int64_t)scales))));
+        min8 = _mm256_mul_ps(_mm256_broadcastss_ps(_mm_sub_ps(_mm_setzero_ps(), _mm_movehdup_ps(d_dmin))),
+                             _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((int64_t)mins))));
+        pairs = block + (type == WEIGHT_Q4_K ? 16 : 48);
+        if (type == WEIGHT_Q5_K) high_bits = block + 16; /* bit t of byte i: element i's fifth bit in group t */
+    } else {
+        const int64_t stored = padded_groups(k);
+        d8 = halves8(row + stored * 16 + 2 * g0, count);
+        min8 = type == WEIGHT_Q4_1 ? halves8(row + stored * 18 + 2 * g0, count) : _mm256_mul_ps(d8, _mm256_set1_ps(-8.0f));
+        pairs = row + 16 * g0;
+    }
     for (int r = 0; r < M; r++) {
         even[r] = _mm256_fmadd_ps(min8, _mm256_loadu_ps(xg->sums + r * stride + g0), even[r]);
         _mm256_store_ps(scale[r], _mm256_mul_ps(d8, _mm256_loadu_ps(xg->scales + r * stride + g0)));
     }
-    const __m256i low4 = _mm256_set1_epi16(0x0F);
+    const __m256i low4 = _mm256_set1_epi16(0x0F), bit4 = _mm256_set1_epi16(0x10);
+    __m256i h0 = _mm256_setzero_si256(), h1 = _mm256_setzero_si256();
+    if (high_bits != NULL) {
+        h0 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)high_bits));
+        h1 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(high_bits + 16)));
+    }
     for (int t = 0; t < count; t += 2) {
         const int64_t group = g0 + t;
         const int pair = t + 1 < count; /* an odd last group has no partner */
-        const __m256i b0 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(row + 16 * group)));
-        const __m256i b1 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(row + 16 * group + 16)));
-        const __m256i lo0 = _mm256_and_si256(b0, low4), lo1 = _mm256_and_si256(b1, low4);
-        const __m256i hi0 = _mm256_srli_epi16(b0, 4), hi1 = _mm256_srli_epi16(b1, 4);
+        const __m256i b0 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(pairs + 16 * t)));
+        const __m256i b1 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(pairs + 16 * t + 16)));
+        __m256i lo0 = _mm256_and_si256(b0, low4), lo1 = _mm256_and_si256(b1, low4);
+        __m256i hi0 = _mm256_srli_epi16(b0, 4), hi1 = _mm256_srli_epi16(b1, 4);
+        if (high_bits != NULL) { /* Q5_K: bit t (t + 1) moved to bit 4 */
+            const __m128i low_shift = _mm_cvtsi32_si128(t), high_shift = _mm_cvtsi32_si128(t + 1);
+            lo0 = _mm256_or_si256(lo0, _mm256_and_si256(_mm256_slli_epi16(_mm256_srl_epi16(h0, low_shift), 4), bit4));
+            lo1 = _mm256_or_si256(lo1, _mm256_and_si256(_mm256_slli_epi16(_mm256_srl_epi16(h1, low_shift), 4), bit4));
+            hi0 = _mm256_or_si256(hi0, _mm256_and_si256(_mm256_slli_epi16(_mm256_srl_epi16(h0, high_shift), 4), bit4));
+            hi1 = _mm256_or_si256(hi1, _mm256_and_si256(_mm256_slli_epi16(_mm256_srl_epi16(h1, high_shift), 4), bit4));
+        }
         for (int r = 0; r < M; r++) {
             const __m256i *q = (const __m256i *)(xg->q + r * k + group * GROUP);
             const __m256i lo = _mm256_add_epi32(_mm256_madd_epi16(lo0, _mm256_loadu_si256(q)),
@@ -319,7 +359,7 @@ static inline __attribute__((always_inline)) void dot16_k_row(int type, int M, c
 /* One Q4_0 / Q4_1 / Q8_0 / int8 row against M (<= F32_STREAM_ROWS) rows of x: result[r] = x[r] . w. */
 static inline __attribute__((always_inline)) void dot16_row(int type, int M, const XGroups *xg, int64_t k,
                                                             const uint8_t *row, float row_scale, float *result) {
-    if (type == WEIGHT_Q4_K || type == WEIGHT_Q5_K || type == WEIGHT_Q6_K) {
+    if (type == WEIGHT_Q6_K) {
         dot16_k_row(type, M, xg, k, row, result);
         return;
     }
@@ -360,8 +400,9 @@ static inline __attribute__((always_inline)) void stream_bf16_row(int M, const f
  * the integer path's per-row scaling (Zen 3, one thread: Q4_K 10.1 against 13.0 cycles per
  * group at one row, 30.6 against 30.1 at eight). */
 static inline int streams_dot16(int type, int M) {
-    if (type == WEIGHT_Q4_K || type == WEIGHT_Q5_K || type == WEIGHT_Q6_K) return M <= 2;
-    return type == WEIGHT_Q4_0 || type == WEIGHT_Q4_1 || type == WEIGHT_Q8_0 || type == WEIGHT_I8_ROW;
+    if (type == WEIGHT_Q6_K) return M <= 2;
+    return type == WEIGHT_Q4_0 || type == WEIGHT_Q4_1 || type == WEIGHT_Q8_0 || type == WEIGHT_I8_ROW ||
+           type == WEIGHT_Q4_K || type == WEIGHT_Q5_K;
 }
 
 /* Weight rows [begin, end) of a part against M rows of float32 x (xg: the same rows' x_groups,
