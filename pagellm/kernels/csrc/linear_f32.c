@@ -8,16 +8,16 @@
  * float32 (w = scale * u + min, one fused multiply-add) and multiplied into float32
  * activations (x, bf16 in memory, converted once per call) with fused multiply-adds;
  * float32 accumulation, one rounding at the end (none for a float32 output). Streamed,
- * Q4_0 / Q4_1 / Q8_0 / int8 rows take integer multiply-adds instead (dot16_row): x's groups as
- * 16-bit integers times a power of two, exact for every value within 2^7 of its group's
- * largest (bf16 has 8 significant bits) and within 2^-15 of the largest for the rest, at
- * about half the instructions per weight.
+ * Q4_0 / Q4_1 / Q8_0 / int8 / K-quant rows take integer multiply-adds instead (dot16_row;
+ * Q6_K at 1-2 rows): x's groups as 16-bit integers times a power of two, exact for every
+ * value within 2^7 of its group's largest (bf16 has 8 significant bits) and within 2^-15 of
+ * the largest for the rest, at about half the instructions per weight.
  *
  * Two loops, as on the other builds (kernels/linear_choice.py measures which is faster
  * at each row count; LINEAR_BY_ROWS takes the constant below):
  * - streaming, up to F32_STREAMING_MAX_ROWS rows: each weight row is read once and
- *   multiplied into up to 8 rows of x while its groups are in registers (Q4_0 / Q4_1 / Q8_0 /
- *   int8 rows: integer dot products with x's 16-bit groups, scaled once per group);
+ *   multiplied into up to 8 rows of x while its groups are in registers (integer dot
+ *   products with x's 16-bit groups, scaled once per group: dot16_row);
  * - GEMM (LINEAR_GEMM, and LINEAR_AMX, which this build does not have): a panel of W's
  *   rows is dequantized to float32 in a per-thread buffer that stays in L2, and 4 x 3
  *   blocks of dot products (12 accumulators) are computed from it.
@@ -212,12 +212,13 @@ static inline __m256 halves8(const uint8_t *half, int count) {
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)bits));
 }
 
-/* Groups g0 .. g0 + count - 1 (count <= 8) of a Q4_0 / Q4_1 / Q8_0 / int8 row into the sums. Per
- * group and row of x: the integer dot product of the weights' integers with x's 16-bit
- * integers (two vpmaddwd of 16 pairs, exact in int32 and in its float conversion: at most
- * 4 x 128 x 2^15 per lane), converted once and multiplied by the weight scale times x's
- * power of two. Q4_0's -8 d and Q4_1's min are added once per 8 groups, times the groups'
- * sums of x; the nibbles are taken as stored, unsigned. One widening of 16 bytes to words
+/* Groups g0 .. g0 + count - 1 (count <= 8) of a Q4_0 / Q4_1 / Q8_0 / int8 / Q4_K / Q5_K row
+ * into the sums. Per group and row of x: the integer dot product of the weights' integers
+ * with x's 16-bit integers (two vpmaddwd of 16 pairs, exact in int32 and in its float
+ * conversion: at most 4 x 128 x 2^15 per lane), converted once and multiplied by the weight
+ * scale times x's power of two. The offsets (Q4_0's -8 d, Q4_1's min, the K-quants' -dmin m)
+ * are added once per 8 groups, times the groups' sums of x; the nibbles are taken as stored,
+ * unsigned. One widening of 16 bytes to words
  * serves a Q4 pair's two groups: the low nibbles are group 2p's, the high ones group 2p + 1's
  * (quant_groups.h's pair layout). `count` is the constant 8 in the main loop, so that loop
  * calls nothing. */
@@ -314,11 +315,11 @@ static inline __attribute__((always_inline)) void dot16_span(int type, int M, co
     }
 }
 
-/* The same for a K-quant row (Q4_K, Q5_K, Q6_K), a group at a time as quant_groups.h reads
- * it: the unsigned integers widened to words (Q6_K's shifted by -32, its offset, so that its
- * two halves' scales need no sums of half groups), one multiply-add by scale times x's power
- * of two per group and row (Q6_K: one per half); Q4_K / Q5_K's mins times the groups' sums of
- * x, in a scalar. At most 4 x 63 x 2^15 per int32 lane: exact. */
+/* The same for a Q6_K row (any K-quant reads correctly here), a group at a time as
+ * quant_groups.h reads it: the unsigned integers widened to words (Q6_K's shifted by -32, its
+ * offset, so that its two halves' scales need no sums of half groups), one multiply-add by
+ * scale times x's power of two per group and row (Q6_K: one per half); Q4_K / Q5_K's mins
+ * times the groups' sums of x, in a scalar. At most 4 x 63 x 2^15 per int32 lane: exact. */
 static inline __attribute__((always_inline)) void dot16_k_row(int type, int M, const XGroups *xg, int64_t k,
                                                               const uint8_t *row, float *result) {
     const int64_t groups = k / GROUP, stride = group_sums_stride(k);
@@ -356,7 +357,8 @@ static inline __attribute__((always_inline)) void dot16_k_row(int type, int M, c
     for (int r = 0; r < M; r++) result[r] = sum8(_mm256_add_ps(acc[r], acc2[r])) + offset[r];
 }
 
-/* One Q4_0 / Q4_1 / Q8_0 / int8 row against M (<= F32_STREAM_ROWS) rows of x: result[r] = x[r] . w. */
+/* One Q4_0 / Q4_1 / Q8_0 / int8 / K-quant row against M (<= F32_STREAM_ROWS) rows of x:
+ * result[r] = x[r] . w. */
 static inline __attribute__((always_inline)) void dot16_row(int type, int M, const XGroups *xg, int64_t k,
                                                             const uint8_t *row, float row_scale, float *result) {
     if (type == WEIGHT_Q6_K) {
@@ -394,11 +396,11 @@ static inline __attribute__((always_inline)) void stream_bf16_row(int M, const f
     for (int r = 0; r < M; r++) result[r] = sum8(_mm256_add_ps(acc0[r], acc1[r]));
 }
 
-/* Whether M rows of x stream through dot16_row against `type` rows (it reads x_groups). The
- * K-quants only up to 2 rows: their scales are unpacked per group in scalar code, shared by
- * the rows, and from 4 rows on the float32 loop's four multiply-adds per row cost less than
- * the integer path's per-row scaling (Zen 3, one thread: Q4_K 10.1 against 13.0 cycles per
- * group at one row, 30.6 against 30.1 at eight). */
+/* Whether M rows of x stream through dot16_row against `type` rows (it reads x_groups). Q6_K
+ * only up to 2 rows: its groups are read one at a time (quant_groups.h) with a scale per 16
+ * values, two scalings per group and row, and from 4 rows on the float32 loop's four
+ * multiply-adds per row cost less (Zen 3, one thread: 11.5 against 15.3 cycles per group at
+ * one row, 31.0 against 30.9 at eight). */
 static inline int streams_dot16(int type, int M) {
     if (type == WEIGHT_Q6_K) return M <= 2;
     return type == WEIGHT_Q4_0 || type == WEIGHT_Q4_1 || type == WEIGHT_Q8_0 || type == WEIGHT_I8_ROW ||
