@@ -7,11 +7,11 @@
  * dot-product instruction, each group of 32 weights is dequantized in registers to
  * float32 (w = scale * u + min, one fused multiply-add) and multiplied into float32
  * activations (x, bf16 in memory, converted once per call) with fused multiply-adds;
- * float32 accumulation, one rounding at the end (none for a float32 output). Streamed,
- * Q4_0 / Q4_1 / Q8_0 / int8 / K-quant rows take integer multiply-adds instead (dot16_row;
- * Q6_K at 1-2 rows): x's groups as 16-bit integers times a power of two, exact for every
- * value within 2^7 of its group's largest (bf16 has 8 significant bits) and within 2^-15 of
- * the largest for the rest, at about half the instructions per weight.
+ * float32 accumulation, one rounding at the end (none for a float32 output). Streamed (few
+ * rows of x), the quantized types take integer multiply-adds instead (dot16_row): x's groups
+ * as 16-bit integers times a power of two, exact for every value within 2^7 of its group's
+ * largest (bf16 has 8 significant bits) and within 2^-15 of the largest for the rest, at
+ * about half the instructions per weight.
  *
  * Two loops, as on the other builds (kernels/linear_choice.py measures which is faster
  * at each row count; LINEAR_BY_ROWS takes the constant below):
@@ -126,26 +126,6 @@ static inline __attribute__((always_inline)) void group_floats(int type, const u
     w[1] = _mm256_fmadd_ps(f[1], scale_lo, min_lo);
     w[2] = _mm256_fmadd_ps(f[2], scale_hi, min_hi);
     w[3] = _mm256_fmadd_ps(f[3], scale_hi, min_hi);
-}
-
-/* One quantized weight row against M (<= 8) rows of float x [M, k]: result[r] = x[r] . w.
- * Two accumulators per row, so that one row of x still has two independent chains. */
-static inline __attribute__((always_inline)) void stream_row(int type, int M, const float *x, int64_t k,
-                                                             const uint8_t *row, float row_scale, float *result) {
-    __m256 acc0[F32_STREAM_ROWS], acc1[F32_STREAM_ROWS];
-    for (int r = 0; r < M; r++) acc0[r] = acc1[r] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < k / GROUP; g++) {
-        __m256 w[4];
-        group_floats(type, row, g, k, row_scale, w);
-        for (int r = 0; r < M; r++) {
-            const float *xg = x + r * k + g * GROUP;
-            acc0[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xg), w[0], acc0[r]);
-            acc1[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xg + 8), w[1], acc1[r]);
-            acc0[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xg + 16), w[2], acc0[r]);
-            acc1[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xg + 24), w[3], acc1[r]);
-        }
-    }
-    for (int r = 0; r < M; r++) result[r] = sum8(_mm256_add_ps(acc0[r], acc1[r]));
 }
 
 static inline int64_t group_sums_stride(int64_t k) { return (k / GROUP + 7) / 8 * 8; }
@@ -315,60 +295,71 @@ static inline __attribute__((always_inline)) void dot16_span(int type, int M, co
     }
 }
 
-/* The same for a Q6_K row (any K-quant reads correctly here), a group at a time as
- * quant_groups.h reads it: the unsigned integers widened to words (Q6_K's shifted by -32, its
- * offset, so that its two halves' scales need no sums of half groups), one multiply-add by
- * scale times x's power of two per group and row (Q6_K: one per half); Q4_K / Q5_K's mins
- * times the groups' sums of x, in a scalar. At most 4 x 63 x 2^15 per int32 lane: exact. */
-static inline __attribute__((always_inline)) void dot16_k_row(int type, int M, const XGroups *xg, int64_t k,
-                                                              const uint8_t *row, float *result) {
-    const int64_t groups = k / GROUP, stride = group_sums_stride(k);
-    __m256 acc[F32_STREAM_ROWS], acc2[F32_STREAM_ROWS];
-    float offset[F32_STREAM_ROWS];
-    for (int r = 0; r < M; r++) {
-        acc[r] = acc2[r] = _mm256_setzero_ps();
-        offset[r] = 0.0f;
+/* One Q6_K super-block (groups g0 .. g0 + 7, g0 a multiple of 8) into the sums. Its 128
+ * bytes of low nibbles are, per half of the super-block, two 32-byte runs whose low and high
+ * nibbles are groups (t, t + 2); the 2-bit high parts of all four groups of a half share 32
+ * bytes; every 16 values have their own int8 scale (scale 2t + e for half e of group t). The
+ * values are u - 32 in -32..31, exact in words; per group and row two multiply-adds by
+ * scale times x's power of two, one per 16 values. */
+static inline __attribute__((always_inline)) void dot16_q6k_block(int M, const XGroups *xg, int64_t k,
+                                                                  const uint8_t *row, int64_t g0,
+                                                                  __m256 even[], __m256 odd[]) {
+    const uint8_t *block = row + g0 / 8 * 210;
+    const int64_t stride = group_sums_stride(k);
+    const __m128i scale_bytes = _mm_loadu_si128((const __m128i *)(block + 192));
+    const __m256 d = _mm256_set1_ps(half_to_float(block + 208));
+    const __m256 scales_first = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(scale_bytes)));
+    const __m256 scales_second = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(scale_bytes, 8))));
+    float scale[F32_STREAM_ROWS][16] __attribute__((aligned(32)));
+    for (int r = 0; r < M; r++) { /* x's power of two of group t for both its halves */
+        const __m256 sx = _mm256_loadu_ps(xg->scales + r * stride + g0);
+        _mm256_store_ps(scale[r], _mm256_mul_ps(scales_first, _mm256_permutevar8x32_ps(sx, _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3))));
+        _mm256_store_ps(scale[r] + 8, _mm256_mul_ps(scales_second, _mm256_permutevar8x32_ps(sx, _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7))));
     }
-    for (int64_t g = 0; g < groups; g++) {
-        GroupScale gs;
-        const __m256i u = k_group_bytes(type, row, g, &gs);
-        __m256i lo = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(u));
-        __m256i hi = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(u, 1));
-        if (type == WEIGHT_Q6_K) {
-            lo = _mm256_sub_epi16(lo, _mm256_set1_epi16(32));
-            hi = _mm256_sub_epi16(hi, _mm256_set1_epi16(32));
-        }
-        for (int r = 0; r < M; r++) {
-            const __m256i *q = (const __m256i *)(xg->q + r * k + g * GROUP);
-            const float sx = xg->scales[r * stride + g];
-            const __m256i dot_lo = _mm256_madd_epi16(lo, _mm256_loadu_si256(q));
-            const __m256i dot_hi = _mm256_madd_epi16(hi, _mm256_loadu_si256(q + 1));
-            if (type == WEIGHT_Q6_K) {
-                __m256 *second = M <= 2 ? &acc2[r] : &acc[r];
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_lo), _mm256_set1_ps(gs.scale_lo * sx), acc[r]);
-                *second = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_hi), _mm256_set1_ps(gs.scale_hi * sx), *second);
-            } else {
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(dot_lo, dot_hi)),
-                                         _mm256_set1_ps(gs.scale_lo * sx), acc[r]);
-                offset[r] += gs.min_lo * xg->sums[r * stride + g];
+    const __m256i low4 = _mm256_set1_epi16(0x0F), two_bits = _mm256_set1_epi16(3), offset = _mm256_set1_epi16(32);
+    for (int half = 0; half < 2; half++) {
+        const uint8_t *qh = block + 128 + 32 * half;
+        const __m256i h0 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)qh));
+        const __m256i h1 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(qh + 16)));
+        for (int run = 0; run < 2; run++) {
+            const uint8_t *ql = block + 64 * half + 32 * run;
+            const __m256i b0 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)ql));
+            const __m256i b1 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(ql + 16)));
+            for (int nibble = 0; nibble < 2; nibble++) {
+                const int t = 4 * half + run + 2 * nibble; /* the group within the super-block */
+                const __m128i shift = _mm_cvtsi32_si128(2 * (run + 2 * nibble));
+                const __m256i u0 = nibble ? _mm256_srli_epi16(b0, 4) : _mm256_and_si256(b0, low4);
+                const __m256i u1 = nibble ? _mm256_srli_epi16(b1, 4) : _mm256_and_si256(b1, low4);
+                const __m256i w0 = _mm256_sub_epi16(
+                    _mm256_or_si256(u0, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(h0, shift), two_bits), 4)), offset);
+                const __m256i w1 = _mm256_sub_epi16(
+                    _mm256_or_si256(u1, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(h1, shift), two_bits), 4)), offset);
+                for (int r = 0; r < M; r++) {
+                    const __m256i *q = (const __m256i *)(xg->q + r * k + (g0 + t) * GROUP);
+                    const __m256i first = _mm256_madd_epi16(w0, _mm256_loadu_si256(q));
+                    const __m256i second = _mm256_madd_epi16(w1, _mm256_loadu_si256(q + 1));
+                    even[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(first), _mm256_broadcast_ss(&scale[r][2 * t]), even[r]);
+                    __m256 *acc = M <= 2 ? &odd[r] : &even[r];
+                    *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(second), _mm256_broadcast_ss(&scale[r][2 * t + 1]), *acc);
+                }
             }
         }
     }
-    for (int r = 0; r < M; r++) result[r] = sum8(_mm256_add_ps(acc[r], acc2[r])) + offset[r];
 }
 
 /* One Q4_0 / Q4_1 / Q8_0 / int8 / K-quant row against M (<= F32_STREAM_ROWS) rows of x:
  * result[r] = x[r] . w. */
 static inline __attribute__((always_inline)) void dot16_row(int type, int M, const XGroups *xg, int64_t k,
                                                             const uint8_t *row, float row_scale, float *result) {
-    if (type == WEIGHT_Q6_K) {
-        dot16_k_row(type, M, xg, k, row, result);
-        return;
-    }
     const int64_t groups = k / GROUP, full = groups / 8 * 8;
     __m256 even[F32_STREAM_ROWS], odd[F32_STREAM_ROWS];
     for (int r = 0; r < M; r++) even[r] = odd[r] = _mm256_setzero_ps();
-    for (int64_t g0 = 0; g0 < full; g0 += 8) dot16_span(type, M, xg, k, row, row_scale, g0, 8, even, odd);
+    for (int64_t g0 = 0; g0 < full; g0 += 8) {
+        if (type == WEIGHT_Q6_K)
+            dot16_q6k_block(M, xg, k, row, g0, even, odd);
+        else
+            dot16_span(type, M, xg, k, row, row_scale, g0, 8, even, odd);
+    }
     if (full < groups) dot16_span(type, M, xg, k, row, row_scale, full, (int)(groups - full), even, odd);
     for (int r = 0; r < M; r++) result[r] = sum8(_mm256_add_ps(even[r], odd[r]));
 }
@@ -396,17 +387,6 @@ static inline __attribute__((always_inline)) void stream_bf16_row(int M, const f
     for (int r = 0; r < M; r++) result[r] = sum8(_mm256_add_ps(acc0[r], acc1[r]));
 }
 
-/* Whether M rows of x stream through dot16_row against `type` rows (it reads x_groups). Q6_K
- * only up to 2 rows: its groups are read one at a time (quant_groups.h) with a scale per 16
- * values, two scalings per group and row, and from 4 rows on the float32 loop's four
- * multiply-adds per row cost less (Zen 3, one thread: 11.5 against 15.3 cycles per group at
- * one row, 31.0 against 30.9 at eight). */
-static inline int streams_dot16(int type, int M) {
-    if (type == WEIGHT_Q6_K) return M <= 2;
-    return type == WEIGHT_Q4_0 || type == WEIGHT_Q4_1 || type == WEIGHT_Q8_0 || type == WEIGHT_I8_ROW ||
-           type == WEIGHT_Q4_K || type == WEIGHT_Q5_K;
-}
-
 /* Weight rows [begin, end) of a part against M rows of float32 x (xg: the same rows' x_groups,
  * read by the dot16 types only), into out (+ bias); rows before prefetch_end are read ahead.
  * One call per block of weight rows, so the loop over them runs with M and the type fixed. */
@@ -430,10 +410,8 @@ typedef void (*stream_fn)(const float *x, const XGroups *xg, int64_t k, const We
             const float row_scale = p->row_scales ? p->row_scales[n] : 1.0f;                                     \
             if (TYPE == WEIGHT_BF16)                                                                             \
                 stream_bf16_row(M, x, k, (const uint16_t *)row, result);                                         \
-            else if (streams_dot16(TYPE, M))                                                                     \
-                dot16_row(TYPE, M, xg, k, row, row_scale, result);                                               \
             else                                                                                                 \
-                stream_row(TYPE, M, x, k, row, row_scale, result);                                               \
+                dot16_row(TYPE, M, xg, k, row, row_scale, result);                                               \
             const float b = bias ? bf16_to_float(bias[n]) : 0.0f;                                                \
             for (int r = 0; r < M; r++) store_float(out, r * out_stride + n, result[r] + b, out_f32);            \
         }                                                                                                        \
@@ -602,8 +580,7 @@ void linear_weight_part(const uint16_t *x, int64_t x_stride, const Weight *w, co
                 xf = grow_buffer((void **)&x_buffer, &x_capacity, sizeof(float) * (size_t)(m * k));
                 x_to_float(x, x_stride, m, k, xf);
             }
-            /* the last pass over x has the fewest rows */
-            if (stream && groups.q == NULL && streams_dot16(p->type, (m - 1) % F32_STREAM_ROWS + 1)) {
+            if (stream && groups.q == NULL && p->type != WEIGHT_BF16) {
                 const size_t per_row = sizeof(float) * 2 * (size_t)group_sums_stride(k) + sizeof(int16_t) * (size_t)k;
                 char *buffer = grow_buffer((void **)&groups_buffer, &groups_capacity, per_row * (size_t)m);
                 groups.sums = (float *)buffer;
