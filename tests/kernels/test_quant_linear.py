@@ -144,14 +144,19 @@ def test_parts_of_different_types_with_bias(kernel_isa):
     assert weight.nbytes == sum(b.nbytes for b in blocks) + bf16_rows.numel() * 2
 
 
-def test_nan_in_x_propagates(kernel_isa):
+@pytest.mark.parametrize("weight_type", QUANT_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_nan_or_inf_in_x_is_not_hidden(weight_type, bad, kernel_isa):
+    # A NaN (or an Inf) in a row of x makes that row's outputs non-finite, at every streamed
+    # row count and in the GEMM, and leaves the other rows finite.
     rng = np.random.default_rng(2)
-    data = random_blocks(WeightType.Q4_0, 16, 256, rng)
-    weight = PackedWeight([WeightPart(WeightType.Q4_0, packed(WeightType.Q4_0, data, 256))], 256)
-    x = torch.zeros(2, 256, dtype=torch.bfloat16)
-    x[1, 7] = float("nan")
-    y = weight.linear(x, None, 2)
-    assert torch.isfinite(y[0]).all() and torch.isnan(y[1]).all()
+    data = random_blocks(weight_type, 16, 256, rng)
+    weight = PackedWeight([WeightPart(weight_type, packed(weight_type, data, 256))], 256)
+    for rows in (2, 8, 20):
+        x = torch.from_numpy(rng.standard_normal((rows, 256)).astype(np.float32)).to(torch.bfloat16)
+        x[1, 7] = bad
+        y = weight.linear(x, None, 2, out_dtype=torch.float32)
+        assert torch.isfinite(y[0]).all() and not torch.isfinite(y[1]).any(), rows
 
 
 # The row counts at every bucket edge of the measured kernel choice (kernels/linear_choice.py).

@@ -143,6 +143,14 @@ typedef struct {
     int16_t *q;    /* [m, k] */
 } XGroups;
 
+/* A quiet NaN, from its bits (-ffast-math's constant folding is no place for NaN literals). */
+static inline float nan_float(void) {
+    const uint32_t bits = 0x7fc00000u;
+    float value;
+    memcpy(&value, &bits, sizeof value);
+    return value;
+}
+
 static void x_groups(const float *x, int64_t m, int64_t k, XGroups *out) {
     const int64_t groups = k / GROUP, stride = group_sums_stride(k);
     const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
@@ -151,7 +159,8 @@ static void x_groups(const float *x, int64_t m, int64_t k, XGroups *out) {
             const float *xg = x + r * k + g * GROUP;
             const __m256 v[4] = {_mm256_loadu_ps(xg), _mm256_loadu_ps(xg + 8), _mm256_loadu_ps(xg + 16),
                                  _mm256_loadu_ps(xg + 24)};
-            out->sums[r * stride + g] = sum8(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
+            const float sum = sum8(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
+            out->sums[r * stride + g] = sum;
             const __m256 largest8 = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], magnitude), _mm256_and_ps(v[1], magnitude)),
                                                   _mm256_max_ps(_mm256_and_ps(v[2], magnitude), _mm256_and_ps(v[3], magnitude)));
             __m128 largest = _mm_max_ps(_mm256_castps256_ps128(largest8), _mm256_extractf128_ps(largest8, 1));
@@ -162,9 +171,15 @@ static void x_groups(const float *x, int64_t m, int64_t k, XGroups *out) {
             memcpy(&bits, &top, sizeof bits);
             const int32_t exponent = (int32_t)(bits >> 23); /* biased; below 24 (|x| < 2^-103) counts as zero */
             int16_t *q = out->q + r * k + g * GROUP;
-            if (exponent < 24) {
+            /* An Inf or NaN in the group (the maximum may skip a NaN; the sum does not): the scale
+             * carries a NaN into every product, so the output is not a finite guess. Tested on
+             * the bits: -ffast-math lets the compiler assume no NaN in comparisons. */
+            uint32_t sum_bits;
+            memcpy(&sum_bits, &sum, sizeof sum_bits);
+            const int not_finite = exponent == 255 || ((sum_bits >> 23) & 0xFF) == 0xFF;
+            if (exponent < 24 || not_finite) {
                 memset(q, 0, sizeof(int16_t) * GROUP);
-                out->scales[r * stride + g] = 0.0f;
+                out->scales[r * stride + g] = not_finite ? nan_float() : 0.0f;
                 continue;
             }
             const uint32_t scale_bits = (uint32_t)(exponent - 14) << 23, inverse_bits = (uint32_t)(268 - exponent) << 23;
