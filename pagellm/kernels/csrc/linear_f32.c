@@ -15,9 +15,11 @@
  *
  * Two loops, as on the other builds (kernels/linear_choice.py measures which is faster
  * at each row count; LINEAR_BY_ROWS takes the constant below):
- * - streaming, up to F32_STREAMING_MAX_ROWS rows: each weight row is read once and
- *   multiplied into up to 8 rows of x while its groups are in registers (integer dot
- *   products with x's 16-bit groups, scaled once per group: dot16_row);
+ * - streaming (by default up to F32_STREAMING_MAX_ROWS rows; the measured choice may take it
+ *   further): each block of 16 weight rows is read from memory once per tile of x (about
+ *   192 KiB of its 16-bit groups) and multiplied into 8 rows of x at a time while its groups
+ *   are in registers (integer dot products with x's 16-bit groups, scaled once per group:
+ *   dot16_row);
  * - GEMM (LINEAR_GEMM, and LINEAR_AMX, which this build does not have): a panel of W's
  *   rows is dequantized to float32 in a per-thread buffer that stays in L2, and 4 x 3
  *   blocks of dot products (12 accumulators) are computed from it.
