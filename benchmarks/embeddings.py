@@ -30,7 +30,7 @@ import torch
 from pagellm import LLM
 from pagellm.bench.backends import hf_model
 from pagellm.bench.machine import cpu_info, describe_cpu
-from pagellm.model.loader.default_model import default_model_path
+from pagellm.model.checkpoint.default_model import default_model_path
 
 RESULT = Path(__file__).resolve().parent / "results" / "embeddings.json"
 

@@ -28,7 +28,7 @@ import torch
 from pagellm import LLM, LoRARequest, SamplingParams
 from pagellm.bench.machine import cpu_info, describe_cpu
 from pagellm.lora.slots import LoRASlots
-from pagellm.model.loader.default_model import default_model_path
+from pagellm.model.checkpoint.default_model import default_model_path
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 

@@ -26,7 +26,7 @@ import torch
 from pagellm import LLM, SamplingParams
 from pagellm.bench.backends import hf_model
 from pagellm.bench.machine import cpu_info, describe_cpu
-from pagellm.model.loader.default_model import default_model_path
+from pagellm.model.checkpoint.default_model import default_model_path
 
 # Held out: none of these is a prompt any test or benchmark tunes on.
 PROMPTS = [

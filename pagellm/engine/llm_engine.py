@@ -33,7 +33,7 @@ from pagellm.engine.input_processor import InputProcessor, PromptInput
 from pagellm.engine.output_processor import OutputProcessor
 from pagellm.errors import EngineFailedError, InvalidRequestError
 from pagellm.lora.request import LoRARequest
-from pagellm.model.loader import load_model_config, load_tokenizer, resolve_model_source
+from pagellm.model.checkpoint import load_model_config, load_tokenizer, resolve_model_source
 from pagellm.outputs import RequestOutput
 from pagellm.request import RequestStatus, child_request_id
 from pagellm.pooling_params import PoolingParams

@@ -36,7 +36,8 @@ def read_gguf_adapter(path: Path, config: ModelConfig) -> tuple[dict, dict[str, 
     Raises ValueError naming the problem (the caller adds the file)."""
     from gguf import GGUFReader
 
-    from pagellm.model.loader.gguf_loader import dequantize_tensor, gguf_fields, hf_tensor_name, undo_rope_permutation
+    from pagellm.model.checkpoint.gguf_metadata import dequantize_tensor, gguf_fields
+    from pagellm.model.loader.gguf_loader import hf_tensor_name, undo_rope_permutation
 
     try:
         reader = GGUFReader(str(path))

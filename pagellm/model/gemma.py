@@ -6,7 +6,7 @@ What differs from Llama, and where it lives:
 - GeGLU MLP (gelu-tanh), embeddings times sqrt(hidden), the attention scale from
   query_pre_attn_scalar, soft-capping of attention scores and logits (Gemma 2), the
   sliding layers' own rotary base (Gemma 3): ModelConfig fields that the shared Llama
-  code reads (hf_loader / gguf_loader fill them).
+  code reads (model/checkpoint/ fills them).
 - Gemma 3 normalizes each head of q and k with GemmaRMSNorm before rotary.
 Local sliding-window layers interleave with global ones; the KV cache keeps them in
 separate groups (config/kv_layout.py).

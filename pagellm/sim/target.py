@@ -72,7 +72,7 @@ def resolve_model(name_or_path: str) -> tuple[str, ModelConfig, int]:
             f"--model {name_or_path!r} is neither a preset ({', '.join(MODEL_PRESETS)}) "
             "nor an existing GGUF file or HF checkpoint folder"
         )
-    from pagellm.model.loader import load_model_config, resolve_model_source  # imports torch
+    from pagellm.model.checkpoint import load_model_config, resolve_model_source
 
     source = resolve_model_source(name_or_path)
     return source.name, load_model_config(source), 2

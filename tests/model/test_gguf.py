@@ -13,8 +13,8 @@ from reference import pagellm_greedy
 from pagellm import LLM
 from pagellm.errors import ModelLoadError, UnsupportedModelError
 from pagellm.model.loader import ModelSource, load_model_config
-from pagellm.model.loader.gguf_loader import dequantize_tensor
-from pagellm.model.loader.gguf_reader import open_gguf
+from pagellm.model.checkpoint.gguf_metadata import dequantize_tensor
+from pagellm.model.checkpoint.gguf_reader import open_gguf
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [3, 4], [99, 100, 101]]
 
@@ -159,7 +159,7 @@ def test_bad_metadata_is_an_error_naming_its_key_not_a_silent_default(tmp_path, 
 
 
 def test_an_unreadable_metadata_value_is_named(tmp_path):
-    from pagellm.model.loader.gguf_loader import gguf_model_config
+    from pagellm.model.checkpoint.gguf_metadata import gguf_model_config
 
     source = _metadata_only_gguf(tmp_path / "ok.gguf", {})
     reader = open_gguf(source.path)

@@ -1,17 +1,16 @@
-"""Model stage: load a GGUF file (llama.cpp's format): config, weights, tokenizer."""
+"""Model stage: read a GGUF file's weights (llama.cpp's format), kept as stored where the kernels run them
+(its metadata is model/checkpoint/gguf_metadata.py's)."""
 
 from __future__ import annotations
 
 import logging
 import re
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFReader
-from gguf.quants import dequantize
 
 from pagellm.errors import ModelLoadError, UnsupportedModelError
 from pagellm.kernels.weights import (
@@ -22,8 +21,8 @@ from pagellm.kernels.weights import (
     file_row_bytes,
     pack_rows,
 )
-from pagellm.config.model import ModelConfig, RopeScaling
-from pagellm.model.registry import SUPPORTED_GGUF_ARCHITECTURES
+from pagellm.config.model import ModelConfig
+from pagellm.model.checkpoint.gguf_metadata import GEMMA_ARCHITECTURES, NOT_PARAMETERS, ROPE_FREQS_TENSOR, dequantize_tensor
 from pagellm.model.loader.checkpoint_layouts import fused_pieces, split_fused
 from pagellm.model.tensor_parallel import TPLayout, shard_blocks, shard_float
 
@@ -65,237 +64,7 @@ _GEMMA_LAYER_NAMES = {
     "post_attention_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
-GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
-# llama.cpp's defaults where a Gemma file leaves a key out: the sliding pattern (all but
-# every n-th layer slide), Gemma 2's soft caps, Gemma 3's sliding layers' rotary base.
-_GEMMA_SLIDING_PATTERN = {"gemma2": 2, "gemma3": 6}
-_GEMMA2_SOFTCAPS = (50.0, 30.0)
-_GEMMA3_LOCAL_ROPE_BASE = 10000.0
-# The 27B models (by layer count) scale attention by hidden / heads, not the head size.
-_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 _LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
-# rope frequency divisors (Llama 3 GGUFs) and LongRoPE's factors (Phi-3 GGUFs) are not
-# parameters but shape the rotary cache.
-ROPE_FREQS_TENSOR = "rope_freqs.weight"
-ROPE_FACTORS_LONG = "rope_factors_long.weight"
-ROPE_FACTORS_SHORT = "rope_factors_short.weight"
-NOT_PARAMETERS = frozenset({ROPE_FREQS_TENSOR, ROPE_FACTORS_LONG, ROPE_FACTORS_SHORT})
-
-
-
-def gguf_fields(reader: GGUFReader) -> tuple[dict[str, Any], set[str]]:
-    """Scalar metadata as plain Python values (large arrays such as vocabularies skipped),
-    and the keys whose values could not be read."""
-    fields: dict[str, Any] = {}
-    unreadable: set[str] = set()
-    for key, field in reader.fields.items():
-        if key.startswith("tokenizer.ggml.") and len(field.data) > 1:
-            continue
-        try:
-            fields[key] = field.contents()
-        except Exception:  # the reader's own errors on bad bytes: named if the key is used
-            unreadable.add(key)
-    return fields, unreadable
-
-
-class _Metadata:
-    """Typed reads of a GGUF file's model metadata: a value that is unreadable, of the
-    wrong type or out of range is a ModelLoadError naming its key; a missing optional
-    key takes the format's default, logged."""
-
-    def __init__(self, reader: GGUFReader, path: Path) -> None:
-        self.values, self.unreadable = gguf_fields(reader)
-        self.path = path
-
-    def raw(self, key: str) -> Any:
-        if key in self.unreadable:
-            raise ModelLoadError(f"GGUF metadata {key} in {self.path} cannot be read (corrupted or of an unknown type)")
-        return self.values.get(key)
-
-    def number(self, key: str, kind: type, default: float | None = None, minimum: float = 1) -> Any:
-        value = self.raw(key)
-        if value is None:
-            if default is None:
-                raise ModelLoadError(f"GGUF file {self.path} lacks metadata key {key}")
-            logger.info("GGUF file %s has no %s: using the format's default %s", self.path, key, default)
-            return kind(default)
-        is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if not is_number or (kind is int and value != int(value)) or value < minimum:
-            expected = "an integer" if kind is int else "a number"
-            raise ModelLoadError(f"GGUF metadata {key} in {self.path} is {value!r}, not {expected} >= {minimum:g}")
-        return kind(value)
-
-
-def gguf_model_config(reader: GGUFReader, path: Path) -> ModelConfig:
-    meta = _Metadata(reader, path)
-    arch = meta.raw("general.architecture")
-    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
-        raise UnsupportedModelError(
-            f"GGUF architecture {arch!r} in {path} is not supported; "
-            f"supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}"
-        )
-
-    def integer(key: str, default: int | None = None) -> int:
-        return meta.number(f"{arch}.{key}", int, default)
-
-    def real(key: str, default: float | None = None, minimum: float = 0.0) -> float:
-        return meta.number(f"{arch}.{key}", float, default, minimum)
-
-    names = {t.name for t in reader.tensors}
-    hidden = integer("embedding_length")
-    num_heads = integer("attention.head_count")
-    num_kv_heads = integer("attention.head_count_kv", num_heads)  # optional: no grouped-query attention
-    if num_heads % num_kv_heads:
-        raise ModelLoadError(f"GGUF metadata in {path}: {num_heads} attention heads do not split into {num_kv_heads} KV heads")
-    if meta.raw(f"{arch}.vocab_size") is not None:
-        vocab_size = integer("vocab_size")
-    else:
-        embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
-        if embd is None:
-            raise ModelLoadError(f"GGUF file {path} has neither {arch}.vocab_size nor a token_embd.weight tensor")
-        vocab_size = int(embd.shape[1])
-    scaling = None
-    scaling_type = meta.raw(f"{arch}.rope.scaling.type")
-    context_length = integer("context_length")
-    if scaling_type == "linear":
-        scaling = RopeScaling("linear", factor=real("rope.scaling.factor", minimum=1.0))
-    elif scaling_type == "yarn":
-        # llama.cpp's converter writes the factor and the original context; the ramp's ends
-        # only where the checkpoint set them (its runtime defaults are YaRN's, 32 and 1).
-        scaling = RopeScaling(
-            "yarn",
-            factor=real("rope.scaling.factor", minimum=1.0),
-            original_max_position_embeddings=integer("rope.scaling.original_context_length", context_length),
-            beta_fast=real("rope.scaling.yarn_beta_fast", 32.0),
-            beta_slow=real("rope.scaling.yarn_beta_slow", 1.0),
-        )
-    elif scaling_type not in (None, "none"):
-        raise UnsupportedModelError(f"GGUF rope scaling {scaling_type!r} is not supported")
-    factors = {t.name: t for t in reader.tensors if t.name in (ROPE_FACTORS_LONG, ROPE_FACTORS_SHORT)}
-    if len(factors) == 2:  # LongRoPE (Phi-3): per-frequency divisors inside and beyond the original context
-        original = integer("rope.scaling.original_context_length", context_length)
-        attn_factor = meta.raw(f"{arch}.rope.scaling.attn_factor")
-        scaling = RopeScaling(
-            "longrope",
-            factor=context_length / original,
-            original_max_position_embeddings=original,
-            attention_factor=None if attn_factor is None else real("rope.scaling.attn_factor"),
-            short_factor=tuple(float(v) for v in dequantize_tensor(factors[ROPE_FACTORS_SHORT]).reshape(-1)),
-            long_factor=tuple(float(v) for v in dequantize_tensor(factors[ROPE_FACTORS_LONG]).reshape(-1)),
-        )
-    head_dim = integer("attention.key_length", hidden // num_heads)
-    rotary_dims = integer("rope.dimension_count", head_dim)
-    experts: dict[str, Any] = {}
-    if meta.raw(f"{arch}.expert_count"):  # Mixtral (filed as llama), Qwen3-MoE, Qwen2-MoE
-        norm = meta.raw(f"{arch}.expert_weights_norm")
-        experts = {
-            "num_experts": integer("expert_count"),
-            "num_experts_per_tok": integer("expert_used_count"),
-            "moe_intermediate_size": integer("expert_feed_forward_length", 0) or None,
-            # llama.cpp renormalizes the chosen experts' weights (Mixtral, Qwen3-MoE) unless
-            # told; Qwen2-MoE's it never does.
-            "norm_topk_prob": arch != "qwen2moe" if norm is None else bool(norm),
-            "shared_expert_intermediate_size": (
-                integer("expert_shared_feed_forward_length")
-                if meta.raw(f"{arch}.expert_shared_feed_forward_length") is not None else 0
-            ),
-        }
-    eos = meta.raw("tokenizer.ggml.eos_token_id")
-    bos = meta.raw("tokenizer.ggml.bos_token_id")
-    num_layers = integer("block_count")
-    gemma = _gemma_fields(meta, arch, hidden, num_heads, head_dim, num_layers) if arch in GEMMA_ARCHITECTURES else {}
-    return ModelConfig(
-        architecture=arch,
-        vocab_size=vocab_size,
-        hidden_size=hidden,
-        intermediate_size=integer("feed_forward_length"),
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        head_dim=head_dim,
-        rms_norm_eps=real("attention.layer_norm_rms_epsilon", minimum=0.0),
-        # Optional in the format; llama.cpp's default.
-        rope_theta=real("rope.freq_base", 10000.0, minimum=1e-6),
-        rope_scaling=scaling,
-        max_position_embeddings=context_length,
-        tie_word_embeddings="output.weight" not in names,
-        attention_bias="blk.0.attn_q.bias" in names,
-        attention_out_bias="blk.0.attn_output.bias" in names,
-        qk_norm="blk.0.attn_q_norm.weight" in names,
-        partial_rotary_factor=rotary_dims / head_dim,
-        **experts,
-        **gemma,
-        bos_token_id=meta.number("tokenizer.ggml.bos_token_id", int, minimum=0) if bos is not None else None,
-        eos_token_ids=(meta.number("tokenizer.ggml.eos_token_id", int, minimum=0),) if eos is not None else (),
-        pooling_type=_gguf_pooling(meta, arch),
-    )
-
-
-# llama.cpp's pooling_type values (enum llama_pooling_type) -> ModelConfig.pooling_type.
-_GGUF_POOLING = {0: "last", 1: "mean", 2: "cls", 3: "last"}  # 0: none (a generative model: its last token)
-
-
-def _gguf_pooling(meta: _Metadata, arch: str) -> str:
-    if meta.raw(f"{arch}.pooling_type") is None:
-        return "last"
-    value = meta.number(f"{arch}.pooling_type", int, minimum=0)
-    if value not in _GGUF_POOLING:
-        raise UnsupportedModelError(f"GGUF metadata {arch}.pooling_type = {value} (rank pooling) is not supported")
-    return _GGUF_POOLING[value]
-
-
-def _gemma_fields(meta: _Metadata, arch: str, hidden: int, num_heads: int, head_dim: int, num_layers: int) -> dict[str, Any]:
-    """Gemma 2/3's numerics from a GGUF file, with llama.cpp's defaults and rules where the
-    file is silent (its converter writes the window and Gemma 2's caps; the sliding pattern,
-    the attention scale and Gemma 3's local rotary base are implied by the architecture)."""
-
-    def optional(key: str, default: float | None, kind: type = float) -> Any:
-        value = meta.raw(f"{arch}.{key}")
-        return default if value is None else meta.number(f"{arch}.{key}", kind, minimum=1e-9)
-
-    window = optional("attention.sliding_window", None, int)
-    pattern = meta.raw(f"{arch}.attention.sliding_window_pattern")
-    if isinstance(pattern, list):  # newer converters: one flag per layer (true: sliding)
-        if len(pattern) != num_layers:
-            raise ModelLoadError(f"GGUF metadata {arch}.attention.sliding_window_pattern lists {len(pattern)} layers, not {num_layers}")
-        sliding = tuple(i for i, flag in enumerate(pattern) if flag)
-    else:
-        every = optional("attention.sliding_window_pattern", _GEMMA_SLIDING_PATTERN[arch], int)
-        sliding = tuple(i for i in range(num_layers) if (i + 1) % every)
-    scale_key = meta.raw(f"{arch}.attention.scale")
-    if scale_key is not None:
-        attention_scale = optional("attention.scale", None)
-    elif num_layers == _GEMMA_27B_LAYERS[arch]:
-        attention_scale = (hidden / num_heads) ** -0.5
-    else:
-        attention_scale = head_dim**-0.5
-    fields: dict[str, Any] = {
-        "hidden_activation": "gelu_tanh",
-        "embedding_multiplier": hidden**0.5,
-        "attention_scale": attention_scale,
-        "sliding_window": window if window and sliding else None,
-        "sliding_window_layers": sliding if window and sliding and len(sliding) < num_layers else None,
-    }
-    if arch == "gemma2":
-        fields["attn_logit_softcapping"] = optional("attn_logit_softcapping", _GEMMA2_SOFTCAPS[0])
-        fields["final_logit_softcapping"] = optional("final_logit_softcapping", _GEMMA2_SOFTCAPS[1])
-    else:
-        fields["local_rope_theta"] = optional("rope.freq_base_swa", _GEMMA3_LOCAL_ROPE_BASE)
-        fields["final_logit_softcapping"] = optional("final_logit_softcapping", None)
-    return fields
-
-
-def dequantize_tensor(tensor: Any) -> np.ndarray:
-    """A GGUF tensor as float32 in PyTorch's (row-major, outermost first) shape."""
-    qtype = GGMLQuantizationType(tensor.tensor_type)
-    try:
-        values = dequantize(tensor.data, qtype)
-    except NotImplementedError:
-        raise UnsupportedModelError(
-            f"tensor {tensor.name} uses quantization {qtype.name}, which cannot be dequantized"
-        ) from None
-    shape = tuple(int(d) for d in reversed(tensor.shape))
-    return np.asarray(values, dtype=np.float32).reshape(shape)
 
 
 def undo_rope_permutation(weight: np.ndarray, num_heads: int) -> np.ndarray:

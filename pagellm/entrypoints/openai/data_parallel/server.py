@@ -58,7 +58,7 @@ from pagellm.entrypoints.openai.serving_batch import (
     batch_dir_for,
     in_process_call,
 )
-from pagellm.model.loader import load_model_config, load_tokenizer, resolve_model_source
+from pagellm.model.checkpoint import load_model_config, load_tokenizer, resolve_model_source
 from pagellm.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
