@@ -230,8 +230,9 @@ def scheduling_facts(llm: LLM) -> dict[str, int]:
 @contextlib.contextmanager
 def count_native_paths(llm: LLM) -> Iterator[PathCalls | None]:
     """Record every call into the one-call decode layer and the native layer ops."""
-    model = llm.engine.runner.model
-    fused, native = model.fused_decode, model.native_layers
+    paths = llm.engine.runner.step_paths
+    fused = getattr(paths.get("fused"), "fused", None)
+    native = getattr(paths.get("layers"), "layer_ops", None)
     if fused is None and native is None:
         yield None
         return

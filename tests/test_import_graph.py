@@ -52,9 +52,15 @@ LAYER_RULES = [
     LayerRule("config/ decides settings from numbers: no torch and no other stage", "pagellm.config",
               ("torch", "triton", "numpy", "pagellm"), allowed=("pagellm.config", "pagellm.errors")),
     # The forward paths that call the native layers read the model and the attention
-    # metadata: they live in model/ (fused_decode.py, native_layers.py), above kernels/.
+    # metadata: they live in model/native/, above kernels/.
     LayerRule("kernels/ is a leaf: it imports nothing of pagellm but kernels/ and errors.py", "pagellm.kernels",
               ("pagellm",), allowed=("pagellm.kernels", "pagellm.errors")),
+    # The model computes, the worker decides how a step runs: a family module knows neither
+    # the native CPU forwards (which read the model) nor the worker's step paths. The
+    # loader runs the one after-load pass (model/native/after_load.py).
+    LayerRule("family modules import neither model/native/ nor worker/", "pagellm.model",
+              ("pagellm.model.native", "pagellm.worker"), exempt=("pagellm.model.native.*", "pagellm.model.loader.*")),
+    LayerRule("lora/ imports model/ one way: model/ imports nothing of lora/", "pagellm.model", ("pagellm.lora",)),
 ]  # fmt: skip
 
 # Top-level subpackages that may depend on each other one way at most.
@@ -235,8 +241,67 @@ def test_no_cycle_between(pair: tuple[str, str]):
 def test_no_two_modules_import_each_other():
     graph = module_graph()
     assert "pagellm.kernels.cpu_features" in graph["pagellm.kernels.build"]  # `from pagellm.kernels import cpu_features`
-    assert "pagellm.model.fused_decode" in graph["pagellm.model.llama"]  # under TYPE_CHECKING
+    assert "pagellm.model.linear_plans" in graph["pagellm.model.llama"]  # under TYPE_CHECKING
     assert mutual_imports(graph) == [], "two modules import each other: move what both need below them"
+
+
+def import_cycles(graph: dict[str, frozenset[str]]) -> list[list[str]]:
+    """Every strongly connected component of more than one module (Tarjan's algorithm,
+    iterative): a set of modules each of which imports every other, through the rest."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    on_stack: set[str] = set()
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph.get(root, ()))))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, targets = work[-1]
+            target = next(targets, None)
+            if target is not None:
+                if target not in index:
+                    index[target] = low[target] = len(index)
+                    stack.append(target)
+                    on_stack.add(target)
+                    work.append((target, iter(sorted(graph.get(target, ())))))
+                elif target in on_stack:
+                    low[node] = min(low[node], index[target])
+                continue
+            work.pop()
+            if work:
+                parent = work[-1][0]
+                low[parent] = min(low[parent], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    cycles.append(sorted(component))
+    return sorted(cycles)
+
+
+def test_no_import_cycle_of_any_length():
+    cycles = import_cycles(module_graph())
+    assert cycles == [], "modules that import each other through others: move what they share below them"
+
+
+def test_cycles_of_any_length_are_found():
+    graph = {
+        "a": frozenset({"b"}), "b": frozenset({"c"}), "c": frozenset({"a", "d"}),  # a -> b -> c -> a
+        "d": frozenset({"e"}), "e": frozenset({"d"}),  # a pair
+        "f": frozenset({"a"}),  # reaches a cycle, is in none
+    }  # fmt: skip
+    assert import_cycles(graph) == [["a", "b", "c"], ["d", "e"]]
+    assert import_cycles({"a": frozenset({"b"}), "b": frozenset()}) == []
 
 
 def private_imports(module: str, statements: list[tuple[str, tuple[str, ...]]]) -> list[str]:

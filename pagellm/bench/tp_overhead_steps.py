@@ -152,9 +152,9 @@ def install_probe(llm: Any) -> Probe:
         probe.timers["gather_vocab"] = tp.gather_vocab = CallTimer(tp.gather_vocab)
         probe.message_timer = tp.broadcast_from_driver = MessageTimer(tp.broadcast_from_driver)
         probe.timers["broadcast"] = probe.message_timer
-    model = driver.model
-    for name in ("fused_decode", "native_layers"):
-        runner = getattr(model, name, None)
+    paths = driver.runner.step_paths
+    for name, path_name, attribute in (("fused_decode", "fused", "fused"), ("native_layers", "layers", "layer_ops")):
+        runner = getattr(paths.get(path_name), attribute, None)
         if runner is not None:
             inner = runner.run
 

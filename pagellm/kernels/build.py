@@ -243,7 +243,7 @@ def _declare(library: ctypes.CDLL) -> None:
     # StepInputs*, Scratch*): the structs are declared in kernels/decode_layer.py.
     library.decode_layer_bf16.restype = None
     library.decode_layer_bf16.argtypes = [c_void_p] * 7
-    # layer_ops.c: the elementwise stages of a layer (model/native_layers.py), float32
+    # layer_ops.c: the elementwise stages of a layer (model/native/layer_ops.py), float32
     # residual stream, bf16 matmul inputs.
     library.rms_norm_residual.restype = None
     library.rms_norm_residual.argtypes = [

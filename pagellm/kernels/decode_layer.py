@@ -2,8 +2,8 @@
 structures it takes, the steps it is chosen for and the caches the native layers read.
 
 The forward paths that call the native layers read the model's layers and the attention
-metadata, so they live with the model (model/fused_decode.py for this layer,
-model/native_layers.py for the layer ops of csrc/layer_ops.c); this module holds what
+metadata, so they live with the model (model/native/fused_decode.py for this layer,
+model/native/layer_ops.py for the layer ops of csrc/layer_ops.c); this module holds what
 they share with the C code and with each other, and imports nothing above kernels/.
 """
 
@@ -20,13 +20,13 @@ from pagellm.kernels.linear_bindings import LinearImpl
 # in C as torch's path does, read by the attention kernel's fp8 path).
 CACHE_DTYPES = (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
 
-# Up to here one native call per layer beats model/native_layers.py's nine (measured on
-# SmolLM2 decode steps, median step time, this layer / native_layers: 12 rows 13.9 / 14.3
+# Up to here one native call per layer beats model/native/layer_ops.py's nine (measured on
+# SmolLM2 decode steps, median step time, this layer / layer ops: 12 rows 13.9 / 14.3
 # ms, 20 rows 20.4 / 20.5, 24 rows 21.9 / 20.8, 28 rows 24.6 / 22.4, 48 rows 38.0 / 34.0:
 # beyond ~20 rows its serial norm and rotary stages cost more than the calls it saves).
 MAX_ROWS = 20
 # Positions of one request it takes (a speculative verification's k + 1): each row reads
-# the request's whole context, so a longer prefill chunk is left to native_layers.py,
+# the request's whole context, so a longer prefill chunk is left to the layer ops (layer_ops.py),
 # whose attention reads the context once for all of a request's rows.
 MAX_ROWS_PER_REQUEST = 8
 # csrc/kernels.h: steps of up to this many rows may give each thread whole experts.

@@ -170,7 +170,6 @@ class LoRAManager:
         self.free_slots = list(range(max_loras))
         self.host: OrderedDict[int, LoRAAdapter] = OrderedDict()  # lora_int_id -> adapter read from disk
         self.active = False  # the coming forward has rows under an adapter
-        model.lora_manager = self
         self.num_loads = 0  # adapters copied into a slot
         self.num_evictions = 0  # adapters taken out of a slot for another
 

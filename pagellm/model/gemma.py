@@ -80,9 +80,6 @@ class Gemma3Attention(Qwen3Attention):
 class Gemma2ForCausalLM(LlamaForCausalLM):
     layer_class = GemmaDecoderLayer
     norm_class = GemmaRMSNorm
-    # The C layer paths have neither (1 + w) norms nor post-norms nor GeGLU.
-    native_cpu_layers = False
-    native_layer_ops = False
 
 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):

@@ -12,7 +12,6 @@ families subclass it (model/registry.py maps architecture names to classes).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -25,21 +24,14 @@ from pagellm.errors import InvalidRequestError, ModelLoadError
 from pagellm.config.kv_layout import kv_cache_layout
 from pagellm.config.model import CLASSIFIER_ONLY, NO_CLASSIFIER, NO_LM_HEAD, ModelConfig
 from pagellm.model.layers import RMSNorm, RotaryEmbedding, apply_rotary
-from pagellm.kernels import step_paths
-from pagellm.kernels.build import load_kernels
-from pagellm.kernels.step_paths import StepPathChoice, forced_path
 from pagellm.kernels.linear_bindings import CpuLinearKernels
 from pagellm.kernels.weights import PackedWeight, WeightPart, WeightType, check_part
 from pagellm.kernels.linear_choice import LinearPlan
-from pagellm.model.fused_decode import FusedDecode
-from pagellm.model.linear_plans import measure_linear_plans
-from pagellm.model.native_layers import NativeLayers
-from pagellm.model.packable_layers import PackableEmbedding, PackableLinear, apply_linear, repack_for_int8_activations
+from pagellm.model.packable_layers import PackableEmbedding, PackableLinear, apply_linear
 from pagellm.model.tensor_parallel import TPGroup, vocab_parallel_embed
 
 if TYPE_CHECKING:
     from pagellm.kernels.linear_choice import LinearChoice
-    from pagellm.lora.slots import LoRAManager
     from pagellm.model.linear_plans import LinearGroup
 
 
@@ -151,16 +143,13 @@ class LlamaForCausalLM(nn.Module):
     holds this rank's shapes (see TPLayout.local_config) and `vocab_size` the full one.
 
     A family that differs only inside attention (model/qwen3.py) subclasses this with its
-    own `attention_class`; `native_cpu_layers` says whether the one-call decode layer
-    computes that family's layer, `native_layer_ops` whether the layer ops do (they also
-    take Qwen3's q/k norms and experts' MLPs): where neither does, its bf16 CPU steps run
-    the layers in torch over the measured linear kernels."""
+    own `attention_class`. `forward` is the PyTorch layers (over the measured linear
+    kernels on a bf16 CPU); the worker may run a step another way that computes the same
+    layers (worker/step_paths/: the native CPU paths of model/native/ read this model)."""
 
     attention_class: type[LlamaAttention] = LlamaAttention
     layer_class: type[LlamaDecoderLayer] = LlamaDecoderLayer
     norm_class: type[RMSNorm] = RMSNorm
-    native_cpu_layers: bool = True
-    native_layer_ops: bool = True
 
     def __init__(
         self,
@@ -196,33 +185,7 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, kv_heads, head_dim]
         metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
-        if self.tp is None:
-            hidden = self.embed_tokens(input_ids)
-        else:
-            hidden = self.tp.all_reduce(vocab_parallel_embed(self.tp.layout, self.embed_tokens, input_ids))
-        if self.config.embedding_multiplier != 1.0:
-            # In the model's dtype, as the reference rounds it (sqrt(3072) is 55.5 in bf16).
-            hidden = hidden * torch.tensor(self.config.embedding_multiplier, dtype=hidden.dtype)
-        # The native paths keep the residual stream in float32; the final norm's output is
-        # rounded to bf16 once, as the LM head's input.
-        # A step with adapter rows does not take the one-call decode layer: it runs the
-        # linear kernels inside C, without the adapters' products (the layer ops call the
-        # layers' compute(), which adds them).
-        adapters = self.lora_manager is not None and self.lora_manager.active
-        fused = not adapters and self.fused_decode is not None and self.fused_decode.applies(hidden, kv_caches, metadata)
-        layers = self.native_layers is not None and self.native_layers.applies(hidden, kv_caches)
-        if fused and layers and self.step_paths is not None:  # either path may run it: the measured one
-            rows = hidden.shape[0]
-            path = self.step_paths.path_for(rows)
-            runner = self.fused_decode if path == step_paths.FUSED else self.native_layers
-            start = time.perf_counter()
-            out = runner.run(hidden, positions, kv_caches, metadata)
-            self.step_paths.record(rows, path, time.perf_counter() - start)
-            return self._final_norm(out, hidden.dtype)
-        if fused:
-            return self._final_norm(self.fused_decode.run(hidden, positions, kv_caches, metadata), hidden.dtype)
-        if layers:
-            return self._final_norm(self.native_layers.run(hidden, positions, kv_caches, metadata), hidden.dtype)
+        hidden = self.embed(input_ids)
         cos_sin = self.rotary.lookup(positions, hidden.dtype)
         local_cos_sin = cos_sin if self.local_rotary is None else self.local_rotary.lookup(positions, hidden.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
@@ -230,60 +193,26 @@ class LlamaForCausalLM(nn.Module):
             hidden = layer(layer_cos_sin, hidden, kv_cache, metadata, self.backend)
         return self.norm(hidden)
 
-    def _final_norm(self, hidden: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """The final norm of a native path's float32 residual stream, rounded to `dtype` once
-        (in C where it is a plain RMSNorm and the output bf16: one call for eight torch ops)."""
-        if type(self.norm) is RMSNorm and dtype is torch.bfloat16 and self.native_layers is not None:
-            return self.native_layers.rms_norm(hidden, self.norm)
-        return self.norm(hidden).to(dtype)
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [num_tokens] -> [num_tokens, hidden_size]
+        """The tokens' embeddings as the first layer reads them."""
+        if self.tp is None:
+            hidden = self.embed_tokens(input_ids)
+        else:
+            hidden = self.tp.all_reduce(vocab_parallel_embed(self.tp.layout, self.embed_tokens, input_ids))
+        if self.config.embedding_multiplier != 1.0:
+            # In the model's dtype, as the reference rounds it (sqrt(3072) is 55.5 in bf16).
+            hidden = hidden * torch.tensor(self.config.embedding_multiplier, dtype=hidden.dtype)
+        return hidden
 
+    # Set once by the after-load pass of a bf16 CPU model (model/native/after_load.py).
     cpu_linear_kernels: CpuLinearKernels | None = None
     lm_head_plan: LinearPlan | None = None  # the measured kernel choice of the LM head (float32 logits)
     linear_choice: LinearChoice | None = None  # every linear group's plan and timings (model/linear_plans.py)
     linear_groups: list[LinearGroup] | None = None
-    fused_decode: FusedDecode | None = None  # CPU bf16: decode steps of <= 20 requests in C
-    native_layers: NativeLayers | None = None  # CPU bf16: other steps' elementwise stages in C
-    step_paths: StepPathChoice | None = None  # CPU bf16: which of the two runs a step both can (measured)
-    lora_manager: LoRAManager | None = None  # --enable-lora: the adapters' slots (lora/slots.py)
 
     def make_mlp(self, config: ModelConfig, tp: TPGroup | None, layer: int) -> nn.Module:
         """Layer `layer`'s MLP (a family with experts returns its sparse block)."""
         return LlamaMLP(config, tp)
-
-    def use_cpu_kernels(self, kernel: CpuLinearKernels) -> None:
-        """bf16 on an x86-64 CPU with AVX2 or more, once the weights are loaded: each linear
-        layer takes the kernel measured fastest for a step's rows (model/linear_plans.py),
-        decode steps of few requests run layer by layer in C or through the layer ops
-        (whichever the first steps measure faster, kernels/step_paths.py), and other steps
-        run the layers' elementwise stages in C around the linears. With int8 activations
-        on a VNNI build, the Q4_0 / Q4_1 weights are first repacked into that kernel's order."""
-        if kernel.int8_reads_repacked:
-            repack_for_int8_activations(self)
-        self.use_cpu_linear_kernels(kernel)
-        plans = measure_linear_plans(self, kernel)
-        head = self.lm_head_module()
-        for group in plans.groups:
-            if group.module is head:
-                self.lm_head_plan = plans.plan_of(group)
-            else:
-                for name in group.names:
-                    self.get_submodule(name).plan = plans.plan_of(group)
-        self.linear_choice, self.linear_groups = plans.choice, plans.groups
-        # The one-call layer reads the plans. It has no point to all-reduce at:
-        # tensor-parallel ranks run the layer ops (all-reduces between them) instead.
-        if self.native_cpu_layers and FusedDecode.supports(self) and self.tp is None:
-            self.fused_decode = FusedDecode(load_kernels(), self)
-        if self.native_layer_ops and NativeLayers.supports(self):
-            self.native_layers = NativeLayers(load_kernels(), self)
-        if self.fused_decode is not None and self.native_layers is not None:
-            self.step_paths = StepPathChoice(forced_path())  # the faster of the two per row bucket, measured
-
-    def use_cpu_linear_kernels(self, kernel: CpuLinearKernels | None) -> None:
-        """Route linear layers (and the LM head) with few rows through `kernel` (None: torch)."""
-        self.cpu_linear_kernels = kernel
-        for module in self.modules():
-            if isinstance(module, PackableLinear):
-                module.kernel = kernel
 
     def lm_head_module(self) -> PackableLinear | PackableEmbedding:
         return self.embed_tokens if self.lm_head is None else self.lm_head

@@ -11,7 +11,7 @@ for the call (the PyTorch fallback).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -19,10 +19,14 @@ from torch import nn
 
 from pagellm.kernels.linear_bindings import CpuLinearKernels, LinearImpl
 from pagellm.kernels.linear_choice import LinearPlan
-from pagellm.kernels.weights import VNNI_OF, PackedWeight, bf16_weight, vnni_part
+from pagellm.kernels.weights import PackedWeight, bf16_weight
 
-if TYPE_CHECKING:
-    from pagellm.lora.slots import LoRASlots
+
+class LinearAdapters(Protocol):
+    """Adapters' products added to a layer's output (lora/slots.py LoRASlots: handed to the
+    layers by the worker's LoRA manager)."""
+
+    def add_to(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor: ...
 
 
 class _DequantizeScratch:
@@ -87,7 +91,7 @@ class PackableLinear(nn.Linear):
     kernel: CpuLinearKernels | None = None
     packed: PackedWeight | None = None
     plan: LinearPlan | None = None
-    lora: LoRASlots | None = None  # adapters' room, with --enable-lora (lora/slots.py)
+    lora: LinearAdapters | None = None  # adapters' room, with --enable-lora (lora/slots.py)
     _kernel_weight: PackedWeight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -127,22 +131,3 @@ class PackableEmbedding(nn.Embedding):
     def use_packed(self, packed: PackedWeight) -> None:
         self.register_parameter("weight", None)
         self.packed = packed
-
-
-def repack_for_int8_activations(model: nn.Module) -> int:
-    """With the int8-activation kernel on: every Q4_0 / Q4_1 part of the model's packed
-    layers in that kernel's lane order (kernels/weights.py vnni_part; the same bytes, so the
-    same memory), one layer at a time. Dequantizing, gathering and the panel kernels read
-    the new layout as well. Returns the number of parts repacked."""
-    repacked = 0
-    for module in model.modules():
-        packed = getattr(module, "packed", None)
-        if not isinstance(module, (PackableLinear, PackableEmbedding)) or packed is None:
-            continue
-        if any(part.type in VNNI_OF for part in packed.parts):
-            k = packed.in_features
-            parts = [vnni_part(part, k) if part.type in VNNI_OF else part for part in packed.parts]
-            repacked += sum(part.type in VNNI_OF for part in packed.parts)
-            module.use_packed(PackedWeight(parts, k))
-    return repacked
-

@@ -222,7 +222,7 @@ def calibrate_engine(
 
 def native_decode_max_reqs(engine: LLMEngine) -> int:
     """Most decodes a decode-only step may have to take the engine's native path (0: none)."""
-    if getattr(engine.runner.model, "fused_decode", None) is None:
+    if engine.runner.step_paths.get("fused") is None:
         return 0
     from pagellm.kernels.decode_layer import MAX_ROWS
 

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from pagellm.worker.kv_cache import allocate_kv_caches
-from pagellm.worker.model_inputs import ScheduledSequence, prepare_model_inputs
+from pagellm.worker.model_inputs import ScheduledSequence
+from pagellm.worker.step_paths import StepInputs, StepPaths
 
 # (request id, drafts so far, the draft's logits at the next position) -> (the next draft
 # token, the distribution it was drawn from; None: a point mass, i.e. greedy).
@@ -63,6 +64,7 @@ class DraftModelProposer:
         self.block_size = block_size
         self.device = device
         self.kv_caches = allocate_kv_caches(model.config, num_blocks, block_size, kv_cache_dtype, device)
+        self.step_paths = StepPaths.for_model(model)  # the draft's steps run as the target's do
         self.computed: dict[str, int] = {}  # request -> positions whose draft K/V is valid
 
     def drop(self, req_id: str) -> None:
@@ -96,9 +98,9 @@ class DraftModelProposer:
         self.computed[req_id] = num_tokens + min(num_accepted, num_drafts - 1)
 
     def _forward(self, sequences: list[ScheduledSequence]) -> torch.Tensor:  # [requests, vocab]
-        inputs = prepare_model_inputs(sequences, self.block_size, self.device)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
-        return self.model.compute_logits(hidden[inputs.logits_indices])
+        step = StepInputs(sequences, self.kv_caches, self.block_size, self.device)
+        hidden = self.step_paths.forward(step)
+        return self.model.compute_logits(hidden[step.model_inputs.logits_indices])
 
     @staticmethod
     def _choose(work: list[DraftWork], logits: torch.Tensor, drafts: dict[str, Drafts], choose: ChooseDraft) -> None:

@@ -17,7 +17,7 @@ import torch
 
 from pagellm.attention.kv_cache_dtype import copyable
 from pagellm.core.scheduler_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
-from pagellm.lora.slots import LoRAMapping
+from pagellm.lora.slots import LoRAManager, LoRAMapping
 from pagellm.model.llama import LlamaForCausalLM
 from pagellm.request import child_request_id
 from pagellm.sample.penalties import PenaltyState
@@ -25,16 +25,17 @@ from pagellm.sample.sampler import Sampler, SamplingBatch, held_back_ids
 from pagellm.spec_decode.draft_model import DraftModelProposer, Drafts
 from pagellm.structured.grammar_compiler import GrammarCompiler
 from pagellm.structured.token_masks import MaskTimer, apply_masks, fill_masks
-from pagellm.worker.cuda_graphs import Capture, DecodeGraphs, cuda_graph_capture
 from pagellm.worker.fault_injection import FaultInjector
 from pagellm.worker.hidden_outputs import compute_prompt_logprobs, pool_hidden_states
 from pagellm.config.kv_layout import kv_cache_layout
 from pagellm.worker.kv_cache import allocate_kv_caches, distinct_tensors
 from pagellm.worker.kv_tier_store import TierStore
 from pagellm.worker.kv_tier_transfer import KVTierTransfer
-from pagellm.worker.model_inputs import ScheduledSequence, prepare_model_inputs
+from pagellm.worker.model_inputs import ScheduledSequence
 from pagellm.worker.request_state import RunnerRequestState
 from pagellm.worker.spec_verification import SpeculativeVerifier
+from pagellm.worker.step_paths import StepInputs, StepPaths
+from pagellm.worker.step_paths.cuda_graphs import Capture, DecodeGraphs, cuda_graph_capture
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,7 @@ class ModelRunner:
         is_driver: bool = True,
         grammars: GrammarCompiler | None = None,
         draft: DraftModelProposer | None = None,
+        lora_manager: LoRAManager | None = None,
         kv_tier_store: TierStore | None = None,
         kv_tier_host_bytes: int = 0,
     ) -> None:
@@ -101,6 +103,10 @@ class ModelRunner:
         # Seeded generators outlive preemption so a request's draws stay reproducible.
         self.generators: dict[str, torch.Generator] = {}
         self.decode_graphs: DecodeGraphs | None = None
+        # How a step runs (worker/step_paths/): the first of these that applies to it.
+        self.step_paths = StepPaths.for_model(model)
+        # --enable-lora: the adapters' slots (the worker handed them to the layers).
+        self.lora_manager = lora_manager
         # Structured outputs: the engine's compiler, on the driver (the rank that samples).
         self.grammars = grammars
         self.mask_timer = MaskTimer()  # time spent filling and applying masks
@@ -132,6 +138,7 @@ class ModelRunner:
             self.model, self.kv_caches, sizes, max_model_len, self.block_size, self.device,
             capture or cuda_graph_capture,
         )  # fmt: skip
+        self.step_paths = self.step_paths.with_decode_graphs(self.decode_graphs)
         logger.info(
             "captured decode graphs for %d batch sizes (1 to %d) in %.1fs",
             len(sizes), max(sizes), time.perf_counter() - start,
@@ -183,7 +190,7 @@ class ModelRunner:
         req_ids = list(scheduler_output.num_scheduled_tokens)
         if not req_ids:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids={})
-        if self.model.lora_manager is not None:  # each adapter's rows in one range (stable: the base model's first)
+        if self.lora_manager is not None:  # each adapter's rows in one range (stable: the base model's first)
             req_ids.sort(key=lambda req_id: self.requests[req_id].lora_int_id)
         if scheduler_output.decode_steps:
             if self.faults is not None:
@@ -226,15 +233,13 @@ class ModelRunner:
     def _forward(self, req_ids: list[str], sequences: list[ScheduledSequence]) -> tuple[torch.Tensor, list[int]]:
         """The model over the step's sequences: hidden states and each sequence's first row."""
         adapters = self._activate_adapters(req_ids, sequences)
-        if not adapters and self.decode_graphs is not None and self.decode_graphs.can_run(sequences):
-            return self.decode_graphs.run(sequences), list(range(len(sequences) + 1))
-        inputs = prepare_model_inputs(sequences, self.block_size, self.device)
+        step = StepInputs(sequences, self.kv_caches, self.block_size, self.device, has_adapters=adapters)
         try:
-            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
+            hidden = self.step_paths.forward(step)
         finally:
             if adapters:
-                self.model.lora_manager.set_mapping(None)
-        return hidden, inputs.metadata.query_start_loc
+                self.lora_manager.set_mapping(None)
+        return hidden, step.query_starts
 
     def _run_decode_steps(self, req_ids: list[str], steps: dict[str, int]) -> ModelRunnerOutput:
         """Multi-step decoding (core/multi_step.py): each request computes its last token,
@@ -263,7 +268,7 @@ class ModelRunner:
     def _activate_adapters(self, req_ids: list[str], sequences: list[ScheduledSequence]) -> bool:
         """With adapters in the step: make them resident and tell the model which rows
         run under which slot. False when every row is the base model's."""
-        manager = self.model.lora_manager
+        manager = self.lora_manager
         if manager is None:
             return False
         requests = {}

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,10 +29,13 @@ from pagellm.model.tensor_parallel import TPLayout
 from pagellm.spec_decode.draft_model import DraftModelProposer
 from pagellm.structured.grammar_compiler import GrammarCompiler
 from pagellm.worker.memory import available_ram_bytes
-from pagellm.worker.cuda_graphs import DEFAULT_MAX_CAPTURE_BATCH_SIZE, capture_sizes
+from pagellm.worker.step_paths.cuda_graphs import DEFAULT_MAX_CAPTURE_BATCH_SIZE, capture_sizes
 from pagellm.worker.distributed import DistributedTPGroup
 from pagellm.worker.model_runner import ModelRunner
 from pagellm.worker.kv_tier_store import TierIdentity, TierStore
+
+if TYPE_CHECKING:
+    from pagellm.lora.slots import LoRAManager
 
 logger = logging.getLogger(__name__)
 
@@ -104,12 +108,16 @@ class Worker:
             config.source, config.model_config, self.backend, self.dtype, device, config.load_format,
             config.quantization, self.tp, config.int8_activations,
         )  # fmt: skip
+        # --enable-lora: the adapters' slots, handed to the model's linear layers here.
+        self.lora_manager: LoRAManager | None = None
         if config.lora_config is not None:
             from pagellm.lora.slots import LoRAManager
 
             lora = config.lora_config
             layout = None if self.tp is None else self.tp.layout
-            LoRAManager(self.model, config.model_config, lora.max_loras, lora.max_lora_rank, lora.max_cpu_loras, layout)
+            self.lora_manager = LoRAManager(
+                self.model, config.model_config, lora.max_loras, lora.max_lora_rank, lora.max_cpu_loras, layout
+            )
         self.draft_model = None
         if config.draft is not None:
             assert self.tp is None
@@ -185,6 +193,7 @@ class Worker:
             is_driver=self.is_driver,
             grammars=self.grammars,
             draft=draft,
+            lora_manager=self.lora_manager,
             kv_tier_store=self._open_kv_tier(),
             kv_tier_host_bytes=self._kv_tier_host_bytes(),
         )

@@ -86,7 +86,7 @@ def test_each_forced_linear_kernel_agrees_with_hf_float32(model, runs, name, ker
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_the_layer_ops_for_small_decode_steps_agree_with_hf_float32(model, runs, name, monkeypatch):
-    # The measured step-path choice (kernels/step_paths.py) may keep the layer ops for small
+    # The measured step-path choice (worker/step_paths/choice.py) may keep the layer ops for small
     # decode steps on some CPU (the one-call layer is what the tests above mostly take):
     # forced, under every scheduling regime.
     _, reference = model

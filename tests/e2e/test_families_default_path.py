@@ -4,7 +4,7 @@ teacher-forced top-1 agreement and log-probability bounds from bf16 rounding, un
 scheduling regime of the standard scenarios.
 
 Both CPU step paths compute these layers, and a measured choice decides which runs a small
-decode step (kernels/step_paths.py), so each is forced in turn: the one-call decode layer
+decode step (worker/step_paths/choice.py), so each is forced in turn: the one-call decode layer
 (Qwen3's q/k norms before rotary, the experts routed and run in C inside the layer) and the
 native layer ops (the same norms in C, the experts' block called as a module, its experts
 in one C call, csrc/moe_experts.c)."""
@@ -90,11 +90,12 @@ def hf_bf16_worst_logprob_error(reference: torch.nn.Module, completions) -> floa
 def test_linear_layers_take_the_measured_kernels(family):
     from pagellm import LLM
 
-    model = LLM(family[0], dtype="bfloat16").engine.runner.model
+    runner = LLM(family[0], dtype="bfloat16").engine.runner
+    model = runner.model
     assert model.linear_choice is not None and model.layers[0].self_attn.qkv_proj.plan is not None
     linears = [m for m in model.modules() if type(m).__name__ == "PackableLinear" and m is not model.lm_head]
     assert all(m.plan is not None for m in linears)  # experts and routers too (the head has lm_head_plan)
     assert model.lm_head_plan is not None
-    assert model.fused_decode is not None and model.native_layers is not None
+    assert {"fused", "layers"} <= set(runner.step_paths.names)
     blocks = [m for m in model.modules() if type(m).__name__ == "SparseMoeBlock"]
     assert all(block.native is not None for block in blocks)  # each layer's experts in one C call

@@ -127,12 +127,15 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_logits_within_tolerance_of_the_bf16_cache(tmp_path, fp8):
     from pagellm.attention.selector import get_attention_backend
     from pagellm.model.loader import ModelSource, load_model, load_model_config
+    from pagellm.model.native.after_load import set_linear_kernels
     from pagellm.worker.kv_cache import allocate_kv_caches
-    from pagellm.worker.model_inputs import ScheduledSequence, prepare_model_inputs
+    from pagellm.worker.model_inputs import ScheduledSequence
+    from pagellm.worker.step_paths import StepInputs, StepPaths
 
     folder = make_tiny_hf_checkpoint(tmp_path, "llama", hidden_size=128, intermediate_size=256, seed=3)
     source = ModelSource("hf", folder, "tiny")
     model = load_model(source, load_model_config(source), get_attention_backend(), torch.bfloat16)
+    paths = StepPaths.for_model(model)  # as the runner runs a step
     gen = torch.Generator().manual_seed(0)
     num_requests = 12
     prompts = [torch.randint(3, 256, (int(torch.randint(5, 40, (1,), generator=gen)),), generator=gen).tolist()
@@ -142,21 +145,21 @@ def test_logits_within_tolerance_of_the_bf16_cache(tmp_path, fp8):
     def prefill_and_decode_logits(cache_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         kv = allocate_kv_caches(model.config, 4 * num_requests + 1, 16, cache_dtype, "cpu")
         with torch.inference_mode():
-            inputs = prepare_model_inputs([ScheduledSequence(p, 0, [t], True) for p, t in zip(prompts, tables)], 16, "cpu")
-            prefill = model.compute_logits(model(inputs.input_ids, inputs.positions, kv, inputs.metadata))
+            prefill_step = StepInputs([ScheduledSequence(p, 0, [t], True) for p, t in zip(prompts, tables)], kv, 16, "cpu")
+            prefill = model.compute_logits(paths.forward(prefill_step))
             decode = [ScheduledSequence([40 + i], len(p), [t], True) for i, (p, t) in enumerate(zip(prompts, tables))]
-            inputs = prepare_model_inputs(decode, 16, "cpu")
-            if model.fused_decode is not None:  # 12 decodes: the one-call native layer takes them
-                assert model.fused_decode.applies(torch.empty(12, 1, dtype=torch.bfloat16), kv, inputs.metadata)
-            hidden = model(inputs.input_ids, inputs.positions, kv, inputs.metadata)
+            decode_step = StepInputs(decode, kv, 16, "cpu")
+            if paths.get("fused") is not None:  # 12 decodes: the one-call native layer takes them
+                assert paths.get("fused").applies(decode_step)
+            hidden = paths.forward(decode_step)
             return prefill.float(), model.compute_logits(hidden).float()
 
     runs = {}
     for path in ("native", "torch"):
         if path == "torch":  # the PyTorch layers (and torch's fp8 store)
-            model.fused_decode = model.native_layers = None
-            model.use_cpu_linear_kernels(None)
-        elif model.fused_decode is None:
+            paths = paths.without("fused", "layers")
+            set_linear_kernels(model, None)
+        elif paths.get("fused") is None:
             pytest.skip("the native bf16 layers need x86-64 with AVX2 and a C compiler")
         runs[path] = (prefill_and_decode_logits(fp8), prefill_and_decode_logits(torch.bfloat16))
     for fp8_logits, bf16_logits in runs.values():

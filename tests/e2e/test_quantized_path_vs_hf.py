@@ -64,4 +64,4 @@ def test_weights_are_held_as_stored(model):
     llm = LLM(model[0], dtype="bfloat16", quantization="auto")
     layer = llm.engine.runner.model.layers[0]
     assert [t.name for t in layer.self_attn.qkv_proj.packed.types] == ["Q4_0", "Q4_1", "Q8_0"]
-    assert llm.engine.runner.model.fused_decode is not None and llm.engine.runner.model.native_layers is not None
+    assert {"fused", "layers"} <= set(llm.engine.runner.step_paths.names)

@@ -19,7 +19,7 @@ from test_engine_vs_hf import PROMPTS
 pytest.importorskip("triton", reason="Triton is not installed (pip install 'pagellm[gpu]')")
 
 from pagellm import LLM
-from pagellm.worker import cuda_graphs
+from pagellm.worker.step_paths import cuda_graphs
 
 NEW_TOKENS = 12
 DEVICE_ARGS = {"attention_backend": "triton", "max_model_len": 128}

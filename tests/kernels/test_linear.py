@@ -137,8 +137,10 @@ def test_bf16_model_logits_native_and_torch(tmp_path, arch, num_requests, monkey
 
     from pagellm.attention.selector import get_attention_backend
     from pagellm.model.loader import ModelSource, load_model, load_model_config
+    from pagellm.model.native.after_load import set_linear_kernels
     from pagellm.worker.kv_cache import allocate_kv_caches
-    from pagellm.worker.model_inputs import ScheduledSequence, prepare_model_inputs
+    from pagellm.worker.model_inputs import ScheduledSequence
+    from pagellm.worker.step_paths import StepInputs, StepPaths
 
     folder = make_tiny_hf_checkpoint(tmp_path, arch, hidden_size=128, intermediate_size=256)
     source = ModelSource("hf", folder, "tiny")
@@ -148,9 +150,10 @@ def test_bf16_model_logits_native_and_torch(tmp_path, arch, num_requests, monkey
             param.copy_(param.bfloat16().float())
     model = load_model(source, load_model_config(source), get_attention_backend(), torch.bfloat16)
     assert model.cpu_linear_kernels is not None  # bf16 on CPU: attached at load
-    assert model.fused_decode is not None and model.native_layers is not None
+    paths = StepPaths.for_model(model)  # as the runner runs a step
+    assert paths.get("fused") is not None and paths.get("layers") is not None
 
-    def prefill_and_decode_logits(model=model) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # noqa: ANN001
+    def prefill_and_decode_logits(model=model, paths=paths) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # noqa: ANN001
         # A prefill step, one decode step (one row per request), then a step of 4 rows per
         # request crossing a block boundary (a speculative verification: 12 rows for 3
         # requests take the one-call layer, each row attending up to its own position).
@@ -159,41 +162,44 @@ def test_bf16_model_logits_native_and_torch(tmp_path, arch, num_requests, monkey
         shapes = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [20] * 12, [30, 31, 32, 33, 34, 35, 36, 37]]
         prompts = [[t + i for t in shapes[i % 3]] for i in range(num_requests)]
         tables = [[i + 1, num_requests + i + 1] for i in range(num_requests)]
+        def forward(sequences: list[ScheduledSequence]) -> torch.Tensor:
+            return paths.forward(StepInputs(sequences, kv, 16, "cpu"))
+
         with torch.inference_mode():
             prefill = [ScheduledSequence(p, 0, [t], True) for p, t in zip(prompts, tables)]
-            inputs = prepare_model_inputs(prefill, 16, "cpu")
-            prefill_logits = model.compute_logits(model(inputs.input_ids, inputs.positions, kv, inputs.metadata))
+            prefill_logits = model.compute_logits(forward(prefill))
             decode = [ScheduledSequence([40 + i], len(p), [t], True) for i, (p, t) in enumerate(zip(prompts, tables))]
-            inputs = prepare_model_inputs(decode, 16, "cpu")
-            decode_logits = model.compute_logits(model(inputs.input_ids, inputs.positions, kv, inputs.metadata))
+            decode_logits = model.compute_logits(forward(decode))
             verify = [
                 ScheduledSequence([50 + i, 7, 9, 11], len(p) + 1, [t], True) for i, (p, t) in enumerate(zip(prompts, tables))
             ]
-            inputs = prepare_model_inputs(verify, 16, "cpu")
-            hidden = model(inputs.input_ids, inputs.positions, kv, inputs.metadata)
+            hidden = forward(verify)
             return prefill_logits.float(), decode_logits.float(), model.compute_logits(hidden).float()
 
     # Prefill: native elementwise stages around torch matmuls; decode: one native call per
     # layer up to fused_decode.MAX_ROWS requests, the native stages beyond.
     fused_rows: list[int] = []
-    fused_run = model.fused_decode.run
+    fused_runner = paths.get("fused").fused
+    fused_run = fused_runner.run
 
     def counted_run(hidden, *args):  # noqa: ANN001, ANN202
         fused_rows.append(hidden.shape[0])
         return fused_run(hidden, *args)
 
-    model.fused_decode.run = counted_run
+    fused_runner.run = counted_run
     native = prefill_and_decode_logits()
     # The decode step and (3 requests) the 12-row verification step take the one-call layer.
     assert fused_rows == ([num_requests, 4 * num_requests] if 4 * num_requests <= MAX_ROWS else [num_requests] if num_requests <= MAX_ROWS else [])
-    del model.fused_decode.run
-    fused_decode, model.fused_decode = model.fused_decode, None
-    native_layers = prefill_and_decode_logits()  # decode through the native stages too
-    native_layers_runner, model.native_layers = model.native_layers, None
-    kernel_only = prefill_and_decode_logits()  # PyTorch layers, native linear
-    model.use_cpu_linear_kernels(None)
-    torch_only = prefill_and_decode_logits()
-    float32 = prefill_and_decode_logits(float32_model)
+    del fused_runner.run
+    fused_decode = paths.get("fused")
+    native_layers = prefill_and_decode_logits(paths=paths.without("fused"))  # decode through the native stages too
+    native_layers_runner = paths.get("layers")
+    eager = paths.without("fused", "layers")
+    assert eager.names == ["eager"]
+    kernel_only = prefill_and_decode_logits(paths=eager)  # PyTorch layers, native linear
+    set_linear_kernels(model, None)
+    torch_only = prefill_and_decode_logits(paths=eager)
+    float32 = prefill_and_decode_logits(float32_model, StepPaths.for_model(float32_model))
     # bf16 computations of the float32 function: equal to bf16 rounding, and each row's
     # argmax is float32's or ties with it to bf16 rounding (random weights give near-ties
     # among 30 prefill rows).
@@ -227,12 +233,14 @@ def test_smollm2_bf16_native_decode_as_close_to_float32_as_torch_bf16(smollm2_pa
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
     reference = LLM(str(smollm2_path), dtype="float32", max_model_len=256).generate(prompts, params, use_tqdm=False)
+    from pagellm.model.native.after_load import set_linear_kernels
+
     llm = LLM(str(smollm2_path), dtype="bfloat16", max_model_len=256)
-    model = llm.engine.runner.model
-    assert model.fused_decode is not None
+    runner = llm.engine.runner
+    assert runner.step_paths.get("fused") is not None
     native = llm.generate(prompts, params, use_tqdm=False)
-    model.fused_decode = model.native_layers = None
-    model.use_cpu_linear_kernels(None)
+    runner.step_paths = runner.step_paths.without("fused", "layers")
+    set_linear_kernels(runner.model, None)
     torch_bf16 = llm.generate(prompts, params, use_tqdm=False)
 
     def distance(outputs) -> float:

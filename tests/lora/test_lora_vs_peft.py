@@ -81,7 +81,7 @@ def test_a_mixed_batch_with_chunking_preemption_prefix_hits_and_two_slots(checkp
         assert list(out.outputs[0].token_ids) == references[kind][PROMPTS.index(prompt)], (kind, prompt[:3])
     stats = llm.engine.get_stats()
     assert stats.num_preemptions_recompute > 0
-    manager = llm.engine.runner.model.lora_manager
+    manager = llm.engine.runner.lora_manager
     assert manager.num_evictions > 0  # three adapters through two slots
 
 

@@ -98,7 +98,7 @@ def native_block(cfg: ModelConfig, impl: str | None = None):  # noqa: ANN201
     from pagellm.kernels.build import load_kernels
     from pagellm.kernels.linear_bindings import LinearImpl, cpu_linear_kernels
     from pagellm.kernels.linear_choice import LinearPlan
-    from pagellm.model.mixture_of_experts import NativeExperts
+    from pagellm.model.native.experts import NativeExperts
 
     library, kernel = load_kernels(), cpu_linear_kernels()
     if library is None or kernel is None:

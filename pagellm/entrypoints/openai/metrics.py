@@ -127,7 +127,7 @@ class BatchCollector(Collector):
 
 class AdapterCollector(Collector):
     """LoRA adapters (with --enable-lora): requests per adapter, and the slots' loads and
-    evictions (read from the model's LoRAManager: adapters run on one rank)."""
+    evictions (read from the runner's LoRAManager: adapters run on one rank)."""
 
     def __init__(self, async_llm: AsyncLLM, model_name: str) -> None:
         self.async_llm = async_llm
@@ -144,8 +144,7 @@ class AdapterCollector(Collector):
             for adapter, count in sorted(counts.items()):
                 family.add_metric([self.model_name, adapter], float(count))
             yield family
-        manager = getattr(getattr(self.async_llm.engine, "runner", None), "model", None)
-        manager = getattr(manager, "lora_manager", None)
+        manager = getattr(getattr(self.async_llm.engine, "runner", None), "lora_manager", None)
         for name, value, what in (
             ("pagellm:lora_adapter_loads", manager.num_loads if manager else 0, "LoRA adapters copied into a slot."),
             ("pagellm:lora_adapter_evictions", manager.num_evictions if manager else 0,

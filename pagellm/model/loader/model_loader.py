@@ -20,6 +20,7 @@ from pagellm.kernels.linear_bindings import cpu_linear_kernels
 from pagellm.model.checkpoint import gguf_reader
 from pagellm.model.loader import gguf_loader, hf_loader
 from pagellm.model.loader.checkpoint_layouts import language_model_name, split_fused
+from pagellm.model.native.after_load import prepare_cpu_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +83,7 @@ def load_model(
     if torch.device(device).type == "cpu" and dtype == torch.bfloat16:
         kernel = cpu_linear_kernels(int8_activations)
         if kernel is not None:
-            model.use_cpu_kernels(kernel)
+            prepare_cpu_kernels(model, kernel)
     logger.info(
         "loaded %s (%s%s, %.1fM parameters, %s) in %.1fs; weights: %s",
         source.name,

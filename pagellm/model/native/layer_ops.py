@@ -1,4 +1,4 @@
-"""Model stage: CPU bf16: steps the one-call decode layer does not take (more rows than it is
+"""Model stage: CPU bf16: the layer ops: steps the one-call decode layer does not take (more rows than it is
 chosen for, prefill chunks) run each decoder layer as its four linear layers (each the
 implementation measured fastest for the step's rows, kernels/linear_choice.py) plus three
 native calls (csrc/layer_ops.c) for everything between them.
@@ -36,6 +36,8 @@ from pagellm.attention.cpu_backend import CpuAttentionBackend
 from pagellm.attention.kv_cache_dtype import ELEMENT_TYPES
 from pagellm.config.kv_layout import kv_cache_layout
 from pagellm.kernels.decode_layer import CACHE_DTYPES, data_ptr_or_null, qk_norms
+from pagellm.model.layers import RMSNorm
+from pagellm.model.native.llama_layer import computes_llama_layers
 
 
 class NativeLayers:
@@ -54,7 +56,8 @@ class NativeLayers:
         window, or the same window in every layer: Mistral, Phi-3)."""
         config = model.config
         return (
-            isinstance(model.backend, CpuAttentionBackend)
+            computes_llama_layers(model)
+            and isinstance(model.backend, CpuAttentionBackend)
             and all(p.dtype is torch.bfloat16 and p.device.type == "cpu" and p.is_contiguous() for p in model.parameters())
             and len(kv_cache_layout(config).groups) == 1
             and config.rotary_dim == config.head_dim  # the C paths rotate whole heads
@@ -63,8 +66,10 @@ class NativeLayers:
         )
 
     @staticmethod
-    def applies(hidden: torch.Tensor, kv_caches: list[torch.Tensor]) -> bool:
-        return hidden.dtype is torch.bfloat16 and kv_caches[0].dtype in CACHE_DTYPES and kv_caches[0].is_contiguous()
+    def applies(kv_caches: list[torch.Tensor]) -> bool:
+        """Whether a step over these caches runs here (its embeddings are bf16: every
+        parameter is, supports())."""
+        return kv_caches[0].dtype in CACHE_DTYPES and kv_caches[0].is_contiguous()
 
     def rms_norm(self, hidden: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
         """bf16 RMSNorm of float32 rows (the final norm), as layer_rows.h rounds it."""
@@ -132,3 +137,11 @@ class NativeLayers:
         if delta is not None:
             hidden += delta
         return hidden
+
+
+def final_norm(model: torch.nn.Module, hidden: torch.Tensor, dtype: torch.dtype, layer_ops: NativeLayers | None) -> torch.Tensor:
+    """The final norm of a native path's float32 residual stream, rounded to `dtype` once
+    (in C where it is a plain RMSNorm and the output bf16: one call for eight torch ops)."""
+    if type(model.norm) is RMSNorm and dtype is torch.bfloat16 and layer_ops is not None:
+        return layer_ops.rms_norm(hidden, model.norm)
+    return model.norm(hidden).to(dtype)

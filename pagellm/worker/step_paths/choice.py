@@ -1,8 +1,8 @@
-"""Kernels stage: CPU: which native path runs a decode step of few rows, measured on the engine's own steps.
+"""Worker stage: CPU: which native path runs a decode step of few rows, measured on the engine's own steps.
 
 A bf16 CPU model has two native paths for a step of up to decode_layer.MAX_ROWS tokens:
-the one-call decoder layer (model/fused_decode.py: the whole layer in C) and the layer ops
-(model/native_layers.py: the four linear layers through their measured kernels, three native
+the one-call decoder layer (model/native/fused_decode.py: the whole layer in C) and the layer ops
+(model/native/layer_ops.py: the four linear layers through their measured kernels, three native
 calls between them). Which is faster depends on the CPU, the model and the row count, so neither
 is assumed: for each row bucket (1, 2-4, 5-8, 9-16, 17-20) the first steps alternate
 between the two, each path's time per row is recorded, and after TRIALS timed steps of each

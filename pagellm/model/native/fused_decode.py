@@ -13,7 +13,7 @@ the weights; the native layer does the same computation with the native linear k
 and the paged decode attention kernel, keeping the residual stream and the linear
 outputs in float32 (only matmul inputs and the KV cache are bf16, csrc/layer_rows.h). Each linear takes
 its measured native kernel for the step's rows (kernels/linear_choice.py); a step whose
-rows some linear layer is measured faster on oneDNN for goes to native_layers.py, which
+rows some linear layer is measured faster on oneDNN for goes to layer_ops.py, which
 can call it. Used for bf16 models on x86-64 CPUs (AVX2 and up); other steps, dtypes and
 devices take the PyTorch path.
 
@@ -53,6 +53,8 @@ from pagellm.kernels.decode_layer import (
     qk_norms,
 )
 from pagellm.model.layers import RMSNorm
+from pagellm.model.native.experts import NativeExperts
+from pagellm.model.native.llama_layer import computes_llama_layers
 
 
 def _longest_query(metadata: AttentionMetadata) -> int:
@@ -113,8 +115,6 @@ class _SparseLayer:
     def supports(block: torch.nn.Module) -> bool:
         """A float router and shared-expert gate the C code can read, and experts that share one
         plan per projection (so one kernel table serves them all)."""
-        from pagellm.model.mixture_of_experts import NativeExperts  # that module imports this one
-
         return (
             block.gate.weight is not None
             and (block.shared_expert is None or block.shared_expert_gate.weight is not None)
@@ -192,7 +192,8 @@ class FusedDecode:
         params = list(model.parameters())
         config = model.config
         return (
-            all(p.dtype is torch.bfloat16 and p.device.type == "cpu" and p.is_contiguous() for p in params)
+            computes_llama_layers(model)
+            and all(p.dtype is torch.bfloat16 and p.device.type == "cpu" and p.is_contiguous() for p in params)
             and config.hidden_activation == "silu"
             and all(_SparseLayer.supports(layer.mlp) for layer in model.layers if _is_sparse(layer))
             # Qwen3's q/k norms are plain RMSNorms over float32 heads (csrc/layer_rows.h).
@@ -203,8 +204,9 @@ class FusedDecode:
             and config.head_dim % 2 == 0
         )
 
-    def applies(self, hidden: torch.Tensor, kv_caches: list[torch.Tensor], metadata: AttentionMetadata) -> bool:
-        num_tokens = hidden.shape[0]
+    def applies(self, num_tokens: int, kv_caches: list[torch.Tensor], metadata: AttentionMetadata) -> bool:
+        """Whether a step of `num_tokens` rows over these caches runs here (its embeddings
+        are bf16: every parameter is, supports())."""
         window = self._window
         return (
             0 < num_tokens <= MAX_ROWS
@@ -213,7 +215,6 @@ class FusedDecode:
             and (window is None or max(metadata.seq_lens) <= window)
             and self._impls[num_tokens] is not None
             and (metadata.num_reqs == num_tokens or _longest_query(metadata) <= MAX_ROWS_PER_REQUEST)
-            and hidden.dtype is torch.bfloat16
             and kv_caches[0].dtype in CACHE_DTYPES
             and kv_caches[0].is_contiguous()
             and metadata.block_tables.dtype is torch.int64

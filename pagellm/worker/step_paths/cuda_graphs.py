@@ -22,6 +22,7 @@ import torch
 
 from pagellm.attention.backend import AttentionMetadata
 from pagellm.worker.model_inputs import ScheduledSequence
+from pagellm.worker.step_paths.base import StepInputs
 
 logger = logging.getLogger(__name__)
 
@@ -156,3 +157,18 @@ class DecodeGraphs:
         graph = self._graphs[size]
         graph.replay()
         return graph.output[:n]
+
+
+class DecodeGraphsPath:
+    """Decode-only steps that fit a captured size, without adapter rows: replayed."""
+
+    name = "cuda graphs"
+
+    def __init__(self, graphs: DecodeGraphs) -> None:
+        self.graphs = graphs
+
+    def applies(self, step: StepInputs) -> bool:
+        return not step.has_adapters and self.graphs.can_run(step.sequences)
+
+    def run(self, step: StepInputs) -> torch.Tensor:
+        return self.graphs.run(step.sequences)

@@ -1,12 +1,12 @@
 """The measured choice between the one-call decode layer and the layer ops
-(kernels/step_paths.py), with injected step times, and in a bf16 model's steps."""
+(worker/step_paths/choice.py), with injected step times, and in a bf16 model's steps."""
 
 from __future__ import annotations
 
 import pytest
 
 from pagellm.errors import ConfigError
-from pagellm.kernels import step_paths as sp
+from pagellm.worker.step_paths import choice as sp
 
 
 def run_steps(choice: sp.StepPathChoice, rows: int, seconds: dict[str, float], steps: int) -> list[str]:
@@ -78,11 +78,10 @@ def test_a_bf16_model_measures_both_paths_on_its_decode_steps(tmp_path, monkeypa
     monkeypatch.setenv("PAGELLM_LINEAR_KERNEL", "streaming")
     folder = make_tiny_hf_checkpoint(tmp_path, "llama", hidden_size=128, intermediate_size=256)
     llm = LLM(str(folder), dtype="bfloat16", max_model_len=256, disable_log_stats=True)
-    model = llm.engine.runner.model
-    assert model.step_paths is not None
+    measured = llm.engine.runner.step_paths.get("measured")
+    assert measured is not None
     ran: list[str] = []
-    for name in ("fused_decode", "native_layers"):
-        target = getattr(model, name)
+    for name, target in (("fused_decode", measured.fused.fused), ("native_layers", measured.layers.layer_ops)):
         run = target.run
 
         def counted(hidden, *args, run=run, name=name):  # noqa: ANN001, ANN202
@@ -94,7 +93,7 @@ def test_a_bf16_model_measures_both_paths_on_its_decode_steps(tmp_path, monkeypa
     out = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=30, temperature=0.0))[0]
     assert len(out.outputs[0].token_ids) == 30
     assert {"fused_decode", "native_layers"} <= set(ran)  # both measured on one-row steps
-    chosen = model.step_paths.choices()[0]
+    chosen = measured.choice.choices()[0]
     assert chosen in (sp.FUSED, sp.LAYERS)
     expected = "fused_decode" if chosen == sp.FUSED else "native_layers"
     assert ran[-5:] == [expected] * 5  # fixed once measured
