@@ -42,7 +42,7 @@ from pagellm.sim.report import summarize_sim
 from pagellm.sim.target import resolve_engine_config, roofline_target
 from pagellm.sim.request_stream import SimRequest
 from pagellm.sim.simulator import Simulator
-from pagellm.sim.step_batch import StepBatch
+from pagellm.core.step_batch import StepBatch
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TARGET = 0.25

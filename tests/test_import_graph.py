@@ -44,6 +44,8 @@ LAYER_RULES = [
                "pagellm.attention.triton_backend", "pagellm.attention.triton_kernels",
                "pagellm.attention.selector", "pagellm.kernels")),
     LayerRule("core/ is pure Python", "pagellm.core", ("torch", "triton", "numpy")),
+    LayerRule("engine/core.py is pure Python (the simulator steps through it)", "pagellm.engine.core",
+              ("torch", "triton", "numpy", "pagellm"), allowed=("pagellm.core", "pagellm.errors")),
     LayerRule("lora/request.py is pure Python (core/ imports it)", "pagellm.lora.request",
               ("torch", "triton", "numpy", "pagellm"), allowed=("pagellm.errors",)),
     LayerRule("model/checkpoint/ reads a checkpoint's metadata without torch or the model classes",

@@ -155,6 +155,9 @@ class ModelRunnerOutput:
     pooled: dict[str, list[float]] = field(default_factory=dict)
     # What the runner did for the prefix cache's tier this step (None: no tier).
     kv_tier: TierReport | None = None
+    # LoRA adapters copied into a slot this step, and taken out of one for another.
+    num_lora_loads: int = 0
+    num_lora_evictions: int = 0
 
 
 # A proposed position whose token the runner's draft model decides.

@@ -410,6 +410,8 @@ class AsyncLLM:
             num_free_blocks=manager.num_free_blocks,
             num_usable_blocks=manager.num_usable_blocks,
             num_unfinished_requests=self.engine.get_num_unfinished_requests(),
+            num_lora_loads=self.engine.metrics.lora_loads,
+            num_lora_evictions=self.engine.metrics.lora_evictions,
         )
 
 

@@ -52,6 +52,8 @@ class EngineSnapshot:
     num_free_blocks: int
     num_usable_blocks: int
     num_unfinished_requests: int
+    num_lora_loads: int = 0  # LoRA adapters copied into a slot since start
+    num_lora_evictions: int = 0  # ... and taken out of their slot for another
 
 
 class OutputStream:

@@ -1,6 +1,7 @@
-"""Engine stage: the synchronous step loop that ties scheduler, runner and outputs.
+"""Engine stage: the synchronous engine: requests in, outputs out, one step at a time.
 
-Each step is: schedule() -> runner.execute_model() -> update_from_output() -> outputs.
+Each step is the engine core's (engine/core.py: schedule() -> execute -> update_from_output())
+followed by output processing (detokenize, stop strings) and the metrics.
 """
 
 from __future__ import annotations
@@ -23,11 +24,10 @@ from pagellm.config.units import GiB
 from pagellm.core.kv_events import KVEventLog
 from pagellm.core.scheduler import Scheduler, SchedulerStats
 from pagellm.core.scheduler_output import SchedulerOutput
+from pagellm.engine.core import EngineCore, StepRecord
 from pagellm.engine.device_probe import probe_device_facts
 from pagellm.metrics.ceilings import device_ceilings
-from pagellm.model.linear_plans import kernel_info
 from pagellm.metrics.engine_metrics import EngineMetrics, MetricsSnapshot
-from pagellm.metrics.utilization import StepWork
 from pagellm.model.costs import ModelCosts
 from pagellm.engine.input_processor import InputProcessor, PromptInput
 from pagellm.engine.output_processor import OutputProcessor
@@ -106,6 +106,11 @@ class LLMEngine:
             else None
         )
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config, self.speculator)
+        self.executor_report = executor.describe()  # rank 0's facts, once
+        # The step loop (schedule -> execute -> update), the simulator's too; a dead worker
+        # ends the engine, any other error the step's requests.
+        self.core = EngineCore(self.scheduler, executor, reraise=(WorkerDiedError,))
+        self.last_step: StepRecord | None = None  # what the last step scheduled and computed
         self._attach_kv_tier()
         self.input_processor = InputProcessor(
             tokenizer, config.model_config.vocab_size, config.scheduler_config.max_model_len
@@ -132,14 +137,13 @@ class LLMEngine:
         """Give the scheduler's tier index the entries the driver's store found on disk
         (or drop the index where the runner opened no store)."""
         kv = self.scheduler.kv_cache_manager
-        runner = getattr(self.executor, "runner", None)
-        transfer = getattr(runner, "kv_tier", None)
+        entries = self.executor_report.kv_tier_entries
         if kv.tier is None:
             return
-        if transfer is None:
+        if entries is None:
             kv.tier = None
             return
-        kv.tier.seed(transfer.store.entries)
+        kv.tier.seed(entries)
 
     def adapter_checked(self, lora_request: LoRARequest) -> None:
         """An adapter another thread has read and checked already (the server's load route):
@@ -213,10 +217,10 @@ class LLMEngine:
             device_ceilings(config.device_type, torch_dtype(config.dtype)),
             config.scheduler_config.max_num_seqs,
         )
-        info = kernel_info(getattr(getattr(executor, "runner", None), "model", None))
-        if info is not None:  # in-process bf16 CPU models
-            metrics.set_cpu_kernels(info)
-        return cls(config, tokenizer, executor, grammars, metrics)
+        engine = cls(config, tokenizer, executor, grammars, metrics)
+        if engine.executor_report.cpu_kernels is not None:  # bf16 CPU models
+            metrics.set_cpu_kernels(engine.executor_report.cpu_kernels)
+        return engine
 
     # ------------------------------------------------------------------ requests
 
@@ -299,31 +303,25 @@ class LLMEngine:
         self.num_steps += 1
         if self.kv_events is not None:
             self.kv_events.step = self.num_steps
-        scheduler_output = self.scheduler.schedule()
-        work = self._step_work(scheduler_output)
-        # Prefix-cache hits are decided when a request is (re)admitted, i.e. sent new.
-        cached = {
-            new.req_id: self.scheduler.requests[new.req_id].num_cached_tokens
-            for new in scheduler_output.scheduled_new_reqs
-        }
+        record = self.core.step()
+        self.last_step = record
+        if record.failed:
+            return self._fail_step(record.scheduler_output, record.error)
+        runner_output = record.runner_output
         try:
-            executed = time.perf_counter()
-            runner_output = self.executor.execute_model(scheduler_output)
-            executed = time.perf_counter() - executed
-            progress = self.scheduler.update_from_output(scheduler_output, runner_output)
-            self.scheduler.kv_cache_manager.tier_cost.observe_compute(self.scheduler.last_step_prefill_tokens, executed)
             result = self.output_processor.process(
-                progress, runner_output.logprobs, runner_output.prompt_logprobs, cached, runner_output.pooled
-            )
-        except WorkerDiedError:
-            raise
+                record.progress, runner_output.logprobs, runner_output.prompt_logprobs, record.cached_tokens,
+                runner_output.pooled,
+            )  # fmt: skip
         except Exception as error:  # noqa: BLE001 - one step's failure ends its requests, not the engine
-            return self._fail_step(scheduler_output, error)
+            return self._fail_step(record.scheduler_output, error)
         self._consecutive_step_failures = 0
         if result.stopped_req_ids:
             # A stop string ended these completions: free their blocks now.
             self.scheduler.finish_requests(result.stopped_req_ids, RequestStatus.FINISHED_STOPPED)
         self.metrics.record_structured_outputs(*self.grammars.take_stats(), runner_output.mask_seconds)
+        self.metrics.record_lora(runner_output.num_lora_loads, runner_output.num_lora_evictions)
+        scheduler_output = record.scheduler_output
         if self.speculator is not None:
             self.speculator.observe_step(scheduler_output.total_num_scheduled_tokens, time.perf_counter() - started)
             self.metrics.record_speculation(*self.speculator.take_new())
@@ -332,7 +330,7 @@ class LLMEngine:
             result.outputs,
             self.scheduler.make_stats(),
             time.time(),
-            work=work,
+            work=record.batch,
             step_seconds=time.perf_counter() - started,
         )
         if self.kv_events is not None:
@@ -367,19 +365,6 @@ class LLMEngine:
         self.metrics.record_outputs(outputs, time.time())
         self.metrics.update_scheduler_metrics(self.scheduler.make_stats())
         return outputs
-
-    def _step_work(self, scheduler_output: SchedulerOutput) -> StepWork:
-        """What this step computes (read before update_from_output moves the counts)."""
-        query_lens, seq_lens, logit_rows = [], [], 0
-        for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
-            request = self.scheduler.requests[request_id]
-            seq_len = request.num_computed_tokens + num_tokens
-            query_lens.append(num_tokens)
-            seq_lens.append(seq_len)
-            proposal = scheduler_output.scheduled_spec_decode_tokens.get(request_id)
-            # A verification computes logits at all its k + 1 positions.
-            logit_rows += len(proposal) + 1 if proposal else seq_len == request.num_tokens
-        return StepWork.from_batch(query_lens, seq_lens, logit_rows)
 
     @property
     def model_name(self) -> str:

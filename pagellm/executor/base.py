@@ -10,10 +10,12 @@ from __future__ import annotations
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from pagellm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagellm.errors import PagellmError
 from pagellm.config.cache import CacheSize
+from pagellm.model.linear_plans import kernel_info
 from pagellm.worker.model_runner import ModelRunner
 from pagellm.worker.worker import Worker
 
@@ -22,6 +24,18 @@ logger = logging.getLogger(__name__)
 
 class WorkerDiedError(PagellmError):
     """A worker (another rank of the model) has died: the engine cannot run steps any more."""
+
+
+@dataclass(frozen=True)
+class ExecutorReport:
+    """What the engine learns of rank 0 once, after its KV cache is allocated (it reads
+    nothing of the runner afterwards; per-step counters come in ModelRunnerOutput)."""
+
+    cpu_kernels: dict[str, str] | None = None  # a bf16 CPU model's kernel choice (model/linear_plans.py kernel_info)
+    # The prefix cache's disk tier: the entries its store found at start, least recently
+    # used first (None: the runner opened no store).
+    kv_tier_entries: tuple[tuple[bytes, int], ...] | None = None
+    step_paths: tuple[str, ...] = ()  # how its steps may run (worker/step_paths/), first tried first
 
 
 class Executor(ABC):
@@ -38,6 +52,16 @@ class Executor(ABC):
     def runner(self) -> ModelRunner:
         assert self.driver.runner is not None, "init_cache first"
         return self.driver.runner
+
+    def describe(self) -> ExecutorReport:
+        """Rank 0's facts (call after init_cache)."""
+        runner = self.runner
+        tier = runner.kv_tier
+        return ExecutorReport(
+            cpu_kernels=kernel_info(runner.model),
+            kv_tier_entries=None if tier is None else tuple(tier.store.entries),
+            step_paths=tuple(runner.step_paths.names),
+        )
 
     @abstractmethod
     def cache_size(self) -> CacheSize:

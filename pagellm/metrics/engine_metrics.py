@@ -18,9 +18,10 @@ from typing import Any
 
 from pagellm.core.scheduler_output import SchedulerOutput
 from pagellm.core.scheduler_stats import SchedulerStats
+from pagellm.core.step_batch import StepBatch
 from pagellm.metrics.prometheus_metrics import PrometheusMetrics
 from pagellm.metrics.spec_decode_stats import SpecDecodeStats
-from pagellm.metrics.utilization import Ceilings, StepWork, Utilization, step_cost
+from pagellm.metrics.utilization import Ceilings, Utilization, step_cost
 from pagellm.model.costs import ModelCosts
 from pagellm.outputs import RequestOutput
 from pagellm.workload.latency import percentile
@@ -113,6 +114,8 @@ class EngineMetrics:
         }
         self._interval_latencies: dict[str, list[float]] = {"ttft": [], "itl": []}
         self.num_steps = 0
+        self.lora_loads = 0  # LoRA adapters copied into a slot (ModelRunnerOutput's counts, summed)
+        self.lora_evictions = 0
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.embedding_requests = 0
@@ -197,16 +200,21 @@ class EngineMetrics:
 
     # ----------------------------------------------------------------- steps
 
+    def record_lora(self, num_loads: int, num_evictions: int) -> None:
+        """A step's LoRA adapter loads into slots and evictions from them."""
+        self.lora_loads += num_loads
+        self.lora_evictions += num_evictions
+
     def record_step(
         self,
         scheduler_output: SchedulerOutput,
         outputs: list[RequestOutput],
         stats: SchedulerStats,
         now: float,
-        work: StepWork | None = None,
+        work: StepBatch | None = None,
         step_seconds: float = 0.0,
     ) -> None:
-        """`work` and `step_seconds` (the whole step: schedule, forward, update) feed the
+        """`work` (the step's batch) and `step_seconds` (the whole step: schedule, forward, update) feed the
         MFU / MBU estimates when a utilization model is set."""
         prom = self.prom
         self.num_steps += 1

@@ -10,26 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pagellm.core.step_batch import StepBatch
 from pagellm.model.costs import ModelCosts
-
-
-@dataclass(frozen=True)
-class StepWork:
-    """What one forward pass computed."""
-
-    num_tokens: int  # tokens run through the layers
-    num_logit_rows: int  # rows that went through the LM head
-    num_attended_pairs: int  # (query token, context position) pairs attention scored
-    num_context_tokens: int  # context tokens whose K/V was read (each request's seq_len)
-
-    @classmethod
-    def from_batch(cls, query_lens: list[int], seq_lens: list[int], num_logit_rows: int) -> StepWork:
-        """query_lens[i] new tokens end request i's context of seq_lens[i] tokens."""
-        pairs = 0
-        for q, s in zip(query_lens, seq_lens, strict=True):
-            # Token j of the chunk (0-based) sits at position s - q + j and sees s - q + j + 1.
-            pairs += q * (s - q) + q * (q + 1) // 2
-        return cls(sum(query_lens), num_logit_rows, pairs, sum(seq_lens))
 
 
 @dataclass(frozen=True)
@@ -38,14 +20,14 @@ class StepCost:
     bytes: float
 
 
-def step_cost(model: ModelCosts, work: StepWork) -> StepCost:
+def step_cost(model: ModelCosts, batch: StepBatch) -> StepCost:
     """FLOPs of the matmuls and attention; bytes of weights (once) plus KV read and written."""
     flops = (
-        model.linear_flops_per_token * work.num_tokens
-        + model.attention_flops_per_pair * work.num_attended_pairs
-        + model.lm_head_flops_per_row * work.num_logit_rows
+        model.linear_flops_per_token * batch.num_tokens
+        + model.attention_flops_per_pair * batch.attention_pairs
+        + model.lm_head_flops_per_row * batch.num_sampled_tokens
     )
-    moved = model.step_weight_bytes_for(work.num_tokens) + model.kv_bytes_per_token * (work.num_context_tokens + work.num_tokens)
+    moved = model.step_weight_bytes_for(batch.num_tokens) + model.kv_bytes_per_token * (batch.context_tokens + batch.num_tokens)
     return StepCost(flops, moved)
 
 

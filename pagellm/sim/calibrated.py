@@ -46,7 +46,7 @@ from typing import Any
 
 from pagellm.errors import ConfigError
 from pagellm.config.model import ModelConfig
-from pagellm.sim.step_batch import StepBatch
+from pagellm.core.step_batch import StepBatch
 
 CALIBRATION_FORMAT = "pagellm-step-cost-calibration/5"
 # Files of format 3 had no native decode curve; they read as "no native path". Files of

@@ -21,7 +21,7 @@ from pagellm.config.cache import DTYPE_BYTES
 from pagellm.errors import ConfigError
 from pagellm.sampling_params import SamplingParams
 from pagellm.sim.calibrated import CalibratedCostModel, fit_step_costs
-from pagellm.sim.step_batch import StepBatch
+from pagellm.core.step_batch import StepBatch
 
 from pagellm.sim.engine_probe import EngineProbe
 
@@ -222,7 +222,7 @@ def calibrate_engine(
 
 def native_decode_max_reqs(engine: LLMEngine) -> int:
     """Most decodes a decode-only step may have to take the engine's native path (0: none)."""
-    if engine.runner.step_paths.get("fused") is None:
+    if "fused" not in engine.executor_report.step_paths:
         return 0
     from pagellm.kernels.decode_layer import MAX_ROWS
 

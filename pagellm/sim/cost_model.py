@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol, runtime_checkable
 
-from pagellm.sim.step_batch import StepBatch
+from pagellm.core.step_batch import StepBatch
 
 
 @runtime_checkable

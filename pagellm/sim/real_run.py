@@ -21,7 +21,7 @@ from pagellm.sim.engine_probe import EngineProbe
 from pagellm.sim.request_stream import SimRequest
 from pagellm.core.scheduler_stats import SchedulerStats
 from pagellm.sim.simulator import KVSampler, SimRequestResult, SimResult
-from pagellm.sim.step_batch import StepBatch
+from pagellm.core.step_batch import StepBatch
 
 if TYPE_CHECKING:
     from pagellm.engine.llm_engine import LLMEngine

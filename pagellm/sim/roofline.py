@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 from pagellm.errors import ConfigError
 from pagellm.sim.gpu_presets import GpuSpec
 from pagellm.model.costs import ModelCosts
-from pagellm.sim.step_batch import StepBatch
+from pagellm.core.step_batch import StepBatch
 from pagellm.sim.tensor_parallel_costs import TensorParallelComm
 
 

@@ -1,12 +1,13 @@
 """Sim stage: the real scheduler and KV cache manager on a simulated clock.
 
-The loop is the engine's: schedule() -> execute -> update_from_output(), on the very
-Scheduler (and through it the KVCacheManager and BlockPool) that LLMEngine uses. Only
-the execution is replaced: a fake runner returns one sampled token for every request
-that reaches the end of its tokens (with speculation, a verification's accepted tokens
-and one more, speculation.py), and the clock advances by the step duration the cost
-model predicts. Requests arriving while a step runs join at the next step, as in
-the engine's loop; an idle engine jumps to the next arrival.
+The step loop is the engine's own EngineCore (engine/core.py: schedule() -> execute ->
+update_from_output()), on the very Scheduler (and through it the KVCacheManager and
+BlockPool) that LLMEngine uses. Only the executor is replaced: SimulatedExecutor returns
+one sampled token for every request that reaches the end of its tokens (with
+speculation, a verification's accepted tokens and one more, speculation.py), and
+advances the core's clock by the step duration the cost model predicts. Requests
+arriving while a step runs join at the next step, as in the engine's loop; an idle
+engine jumps to the next arrival.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pagellm.core.scheduler import Scheduler
 from pagellm.core.kv_tier import TierReport
 from pagellm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagellm.core.scheduler_stats import SchedulerStats
+from pagellm.engine.core import EngineCore
 from pagellm.errors import InvalidRequestError
 from pagellm.metrics.spec_decode_stats import SpecDecodeStats
 from pagellm.request import Request
@@ -29,7 +31,7 @@ from pagellm.sampling_params import SamplingParams
 from pagellm.sim.cost_model import StepCostModel
 from pagellm.sim.speculation import SimSpeculationConfig, SimSpeculator
 from pagellm.sim.request_stream import SimRequest
-from pagellm.sim.step_batch import batch_from_schedule
+from pagellm.core.step_batch import StepBatch, batch_from_schedule
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +107,61 @@ class SimResult:
     spec_decode: SpecDecodeStats | None = None
 
 
+class SimulatedExecutor:
+    """Executes a step on paper: the sampled tokens a real runner would report (their
+    values feed only the prefix cache's hashes), and the predicted duration, by which it
+    advances its clock (the engine core's)."""
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        cost_model: StepCostModel,
+        speculator: SimSpeculator | None = None,
+        tier: SimTier | None = None,
+    ) -> None:
+        self.requests = scheduler.requests  # read-only: what a runner knows of its requests
+        self.block_size = scheduler.cache_config.block_size
+        self.predict = cost_model.predict
+        self.outside_range = getattr(cost_model, "outside_measured_range", None)
+        self.speculator = speculator
+        self.tier = tier
+        self.now = 0.0
+        self.num_extrapolated_steps = 0
+        self.last_batch: StepBatch | None = None
+
+    def clock(self) -> float:
+        return self.now
+
+    def execute_model(self, output: SchedulerOutput) -> ModelRunnerOutput:
+        sampled: list[str] = []
+        batch = batch_from_schedule(output, self.requests, self.block_size, sampled)
+        self.last_batch = batch
+        seconds = self.predict(batch)
+        if self.outside_range is not None and self.outside_range(batch):
+            self.num_extrapolated_steps += 1
+        tier_report = None
+        if self.tier is not None:
+            tier_report, seconds = self._tier_step(output, seconds)
+        sampled_token_ids = dict.fromkeys(sampled, _SAMPLED)
+        if output.scheduled_spec_decode_tokens:
+            assert self.speculator is not None
+            for request_id, proposal in output.scheduled_spec_decode_tokens.items():
+                sampled_token_ids[request_id] = self.speculator.verify(proposal)  # type: ignore[assignment]
+        self.now += seconds
+        return ModelRunnerOutput(list(output.num_scheduled_tokens), sampled_token_ids, kv_tier=tier_report)  # type: ignore[arg-type]
+
+    def _tier_step(self, output: SchedulerOutput, seconds: float) -> tuple[TierReport, float]:
+        """The tier's part of a step: every write done, every load read at the tier's
+        bandwidth beside the compute. Returns the report and the step's duration."""
+        tier = self.tier
+        assert tier is not None
+        written = [(digest, tier.entry_bytes) for digest, _ in output.blocks_to_offload]
+        num_loads = len(output.blocks_to_load)
+        load_seconds = num_loads * tier.entry_bytes / tier.read_bytes_per_s
+        report = TierReport(written, [], [], num_loads, num_loads * tier.entry_bytes, load_seconds)
+        return report, max(seconds, load_seconds)
+
+
 class _Track:
     __slots__ = ("arrival", "first", "last", "finish", "num_output")
 
@@ -137,6 +194,8 @@ class Simulator:
             else SimSpeculator(speculation, scheduler_config.max_model_len, FAKE_TOKEN_ID)
         )  # fmt: skip
         self.scheduler = Scheduler(scheduler_config, cache_config, speculator=self.speculator)
+        self.executor = SimulatedExecutor(self.scheduler, cost_model, self.speculator, tier)
+        self.core = EngineCore(self.scheduler, self.executor, clock=self.executor.clock)
 
     def run(self, requests: Sequence[SimRequest]) -> SimResult:
         """Serve every request; returns per-request times, ITLs, KV samples, counters.
@@ -149,8 +208,7 @@ class Simulator:
             "a Simulator runs one workload"
         )
         cost_model = self.cost_model
-        predict = cost_model.predict
-        outside_range = getattr(cost_model, "outside_measured_range", None)
+        executor = self.executor
         block_size = self.cache_config.block_size
         live = scheduler.requests  # id -> Request, the scheduler's own map
         order = sorted(range(len(requests)), key=lambda i: requests[i].arrival_s)
@@ -161,7 +219,7 @@ class Simulator:
 
         now = 0.0
         busy = 0.0
-        num_steps = num_idle_steps = num_extrapolated = 0
+        num_steps = num_idle_steps = 0
         next_index = 0
         num_requests = len(order)
         while True:
@@ -182,33 +240,18 @@ class Simulator:
             if not live:
                 if next_index >= num_requests:
                     break
-                now = requests[order[next_index]].arrival_s  # idle until the next arrival
+                now = executor.now = requests[order[next_index]].arrival_s  # idle until the next arrival
                 sampler.sample_until(now)
                 continue
 
-            output = scheduler.schedule()
-            sampled: list[str] = []
-            batch = batch_from_schedule(output, live, block_size, sampled)
-            seconds = predict(batch)
-            if outside_range is not None and outside_range(batch):
-                num_extrapolated += 1
-            tier_report = None
-            if self.tier is not None:
-                tier_report, seconds = self._tier_step(output, seconds)
-            sampled_token_ids = dict.fromkeys(sampled, _SAMPLED)
-            if output.scheduled_spec_decode_tokens:
-                assert self.speculator is not None
-                for request_id, proposal in output.scheduled_spec_decode_tokens.items():
-                    sampled_token_ids[request_id] = self.speculator.verify(proposal)  # type: ignore[assignment]
-            progress = scheduler.update_from_output(
-                output,
-                ModelRunnerOutput(list(output.num_scheduled_tokens), sampled_token_ids, kv_tier=tier_report),  # type: ignore[arg-type]
-            )
-            if self.tier is not None:
-                scheduler.kv_cache_manager.tier_cost.observe_compute(scheduler.last_step_prefill_tokens, seconds)
+            record = self.core.step()
+            if record.error is not None:
+                raise record.error
+            output, progress = record.scheduler_output, record.progress
+            assert progress is not None
             num_steps += 1
-            now += seconds
-            busy += seconds
+            busy += executor.now - now
+            now = executor.now
             if output.num_scheduled_tokens:
                 num_idle_steps = 0
             else:
@@ -248,7 +291,7 @@ class Simulator:
             num_steps=num_steps,
             busy_s=busy,
             duration_s=now,
-            num_extrapolated_steps=num_extrapolated,
+            num_extrapolated_steps=executor.num_extrapolated_steps,
             wall_s=time.perf_counter() - wall_start,
             scheduler_config=self.scheduler_config,
             cache_config=self.cache_config,
@@ -256,18 +299,6 @@ class Simulator:
             speculation=self.speculation,
             spec_decode=self.speculator.stats if self.speculator is not None else None,
         )
-
-
-    def _tier_step(self, output: SchedulerOutput, seconds: float) -> tuple[TierReport, float]:
-        """The tier's part of a step: every write done, every load read at the tier's
-        bandwidth beside the compute. Returns the report and the step's duration."""
-        tier = self.tier
-        assert tier is not None
-        written = [(digest, tier.entry_bytes) for digest, _ in output.blocks_to_offload]
-        num_loads = len(output.blocks_to_load)
-        load_seconds = num_loads * tier.entry_bytes / tier.read_bytes_per_s
-        report = TierReport(written, [], [], num_loads, num_loads * tier.entry_bytes, load_seconds)
-        return report, max(seconds, load_seconds)
 
 
 class KVSampler:

@@ -107,6 +107,7 @@ class ModelRunner:
         self.step_paths = StepPaths.for_model(model)
         # --enable-lora: the adapters' slots (the worker handed them to the layers).
         self.lora_manager = lora_manager
+        self._lora_counts_reported = (0, 0)  # the manager's loads and evictions already reported
         # Structured outputs: the engine's compiler, on the driver (the rank that samples).
         self.grammars = grammars
         self.mask_timer = MaskTimer()  # time spent filling and applying masks
@@ -153,6 +154,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        output = self._execute(scheduler_output)
+        manager = self.lora_manager
+        if manager is not None:  # the step's adapter loads and evictions (the engine sums them)
+            loads, evictions = self._lora_counts_reported
+            output.num_lora_loads, output.num_lora_evictions = manager.num_loads - loads, manager.num_evictions - evictions
+            self._lora_counts_reported = (manager.num_loads, manager.num_evictions)
+        return output
+
+    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         for req_id in scheduler_output.finished_req_ids:
             self._drop(req_id)
             self.generators.pop(req_id, None)

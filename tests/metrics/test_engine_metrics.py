@@ -131,7 +131,8 @@ def test_stats_line_and_series_file(folder, tmp_path, caplog):
 def test_estimated_work_equals_the_steps_run(folder):
     """The engine's FLOP and byte totals are the step cost model summed over the steps
     actually scheduled (checked against the same model applied by hand)."""
-    from pagellm.metrics.utilization import StepWork, step_cost
+    from pagellm.core.step_batch import StepBatch
+    from pagellm.metrics.utilization import step_cost
     from pagellm.model.costs import ModelCosts
 
     llm = LLM(folder, max_model_len=128, max_num_batched_tokens=16)
@@ -153,7 +154,7 @@ def test_estimated_work_equals_the_steps_run(folder):
         queries = [n for n in scheduled.values()]
         seqs = [before[rid][0] + n for rid, n in scheduled.items()]
         rows = sum(before[rid][0] + n == before[rid][1] for rid, n in scheduled.items())
-        step = step_cost(cost, StepWork.from_batch(queries, seqs, rows))
+        step = step_cost(cost, StepBatch.from_lengths(queries, seqs, rows))
         expected_flops += step.flops
         expected_bytes += step.bytes
     assert engine.metrics.estimated_flops == pytest.approx(expected_flops)

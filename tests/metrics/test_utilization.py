@@ -2,7 +2,8 @@
 
 import pytest
 
-from pagellm.metrics.utilization import Ceilings, StepWork, Utilization, step_cost, utilization
+from pagellm.core.step_batch import StepBatch
+from pagellm.metrics.utilization import Ceilings, Utilization, step_cost, utilization
 from pagellm.model.costs import ModelCosts
 from pagellm.config.model import ModelConfig
 
@@ -29,8 +30,8 @@ def test_model_cost_by_hand():
 def test_step_work_counts_causal_pairs():
     # A 3-token chunk ending a 10-token context sees 8, 9 and 10 positions; a decode at
     # context 5 sees 5; a whole 4-token prompt sees 1+2+3+4.
-    work = StepWork.from_batch([3, 1, 4], [10, 5, 4], num_logit_rows=3)
-    assert work == StepWork(num_tokens=8, num_logit_rows=3, num_attended_pairs=27 + 5 + 10, num_context_tokens=19)
+    work = StepBatch.from_lengths([3, 1, 4], [10, 5, 4], num_sampled_tokens=3)
+    assert (work.num_tokens, work.num_sampled_tokens, work.attention_pairs, work.context_tokens) == (8, 3, 27 + 5 + 10, 19)
 
 
 def test_step_cost_and_utilization_by_hand():
@@ -38,15 +39,16 @@ def test_step_cost_and_utilization_by_hand():
         linear_flops_per_token=100.0, linear_weight_bytes=600.0, lm_head_flops_per_row=50.0,
         lm_head_weight_bytes=400.0, attention_flops_per_pair=2.0, kv_bytes_per_token=10.0, weight_bytes=1e9,
     )  # fmt: skip
-    work = StepWork(num_tokens=4, num_logit_rows=2, num_attended_pairs=30, num_context_tokens=40)
+    # A 4-token chunk over 5 cached tokens: 4 tokens, 5*4 + 10 = 30 pairs, 9 context tokens.
+    work = StepBatch(prefill_num_tokens=(4,), prefill_context_lens=(5,), num_sampled_tokens=2)
     step = step_cost(cost, work)
     assert step.flops == 400 + 60 + 100
-    assert step.bytes == 1000 + 10 * (40 + 4)
-    result = utilization(step, seconds=2.0, ceilings=Ceilings(flops_per_s=1000.0, bytes_per_s=440.0, source="test"))
+    assert step.bytes == 1000 + 10 * (9 + 4)
+    result = utilization(step, seconds=2.0, ceilings=Ceilings(flops_per_s=1000.0, bytes_per_s=340.0, source="test"))
     assert result.mfu == pytest.approx(560 / 2 / 1000)
-    assert result.mbu == pytest.approx(1440 / 2 / 440)
+    assert result.mbu == pytest.approx(1130 / 2 / 340)
     assert result.bound == "memory"
-    assert result.describe() == "bound: memory 164% / compute 28%"
+    assert result.describe() == "bound: memory 166% / compute 28%"
 
 
 def test_decode_of_a_real_shape_is_memory_bound_and_a_big_batch_is_not():
@@ -57,12 +59,12 @@ def test_decode_of_a_real_shape_is_memory_bound_and_a_big_batch_is_not():
     )  # fmt: skip
     cost = ModelCosts.from_config(config, dtype_bytes=2)
     ceilings = Ceilings(989e12, 3.35e12, "preset")
-    one = step_cost(cost, StepWork.from_batch([1], [512], 1))
+    one = step_cost(cost, StepBatch.from_lengths([1], [512], 1))
     # One token: ~16 GB of weights dominate; a step at the bandwidth roofline is ~4.8 ms.
     at_roofline = one.bytes / ceilings.bytes_per_s
     small = utilization(one, at_roofline, ceilings)
     assert small.bound == "memory" and small.mbu == pytest.approx(1.0) and small.mfu < 0.01
-    big = step_cost(cost, StepWork.from_batch([2048] * 4, [2048] * 4, 4))
+    big = step_cost(cost, StepBatch.from_lengths([2048] * 4, [2048] * 4, 4))
     large = utilization(big, big.flops / ceilings.flops_per_s, ceilings)
     assert large.bound == "compute" and large.mfu == pytest.approx(1.0)
 

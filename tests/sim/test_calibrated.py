@@ -20,7 +20,7 @@ from pagellm.sim.calibrated import (
 )
 from pagellm.sim.model_presets import get_model_preset
 from pagellm.sim.nnls import nnls
-from pagellm.sim.step_batch import StepBatch
+from pagellm.core.step_batch import StepBatch
 
 NO_QUALITY = FitQuality(1, 1.0, 0.0, 0.0, 0.0, 0.0)
 SMOL = get_model_preset("SmolLM2-135M").config

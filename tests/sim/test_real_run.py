@@ -13,7 +13,7 @@ from pagellm.sim.real_run import run_on_engine
 from pagellm.sim.report import summarize_sim
 from pagellm.sim.request_stream import SyntheticWorkload, make_synthetic_requests
 from pagellm.sim.simulator import Simulator
-from pagellm.sim.step_batch import StepBatch
+from pagellm.core.step_batch import StepBatch
 
 
 class RecordingCost:

@@ -10,7 +10,7 @@ from pagellm.sim.gpu_presets import GpuSpec, get_gpu_preset
 from pagellm.model.costs import ModelCosts
 from pagellm.sim.model_presets import get_model_preset
 from pagellm.sim.roofline import RooflineCostModel, RooflineParams
-from pagellm.sim.step_batch import StepBatch
+from pagellm.core.step_batch import StepBatch
 
 # A toy model: hidden 4, 2 heads of 2 (q width 4), 1 KV head (kv width 2), MLP 8, one
 # layer, vocabulary 10. Per layer: qkv 4*(4+2*2) = 32, o 4*4 = 16, MLP 3*4*8 = 96, so

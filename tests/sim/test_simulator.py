@@ -14,7 +14,7 @@ from pagellm.sim.cost_model import StepCostModel
 from pagellm.sim.report import summarize_sim
 from pagellm.sim.request_stream import SimRequest, SyntheticWorkload, make_synthetic_requests
 from pagellm.sim.simulator import Simulator
-from pagellm.sim.step_batch import StepBatch
+from pagellm.core.step_batch import StepBatch
 
 
 class ConstantCost:

@@ -21,7 +21,7 @@ from pagellm.sim.roofline import RooflineCostModel, RooflineParams
 from pagellm.sim.speculation import SimSpeculationConfig
 from pagellm.sim.request_stream import SimRequest
 from pagellm.sim.simulator import SimResult, Simulator
-from pagellm.sim.step_batch import StepBatch
+from pagellm.core.step_batch import StepBatch
 
 K = 4
 

@@ -13,7 +13,7 @@ from pagellm.sim.interconnect_presets import InterconnectSpec, get_interconnect_
 from pagellm.sim.model_presets import get_model_preset
 from pagellm.sim.roofline import RooflineCostModel, RooflineParams
 from pagellm.sim.target import roofline_target
-from pagellm.sim.step_batch import StepBatch
+from pagellm.core.step_batch import StepBatch
 from pagellm.sim.tensor_parallel_costs import (
     TensorParallelComm,
     TensorParallelLink,

@@ -323,7 +323,8 @@ def section_throughput(cfg: CheckConfig, ctx: Context, out: SectionOutput) -> No
 def section_roofline(cfg: CheckConfig, ctx: Context, out: SectionOutput) -> None:
     from pagellm import SamplingParams
     from pagellm.metrics.ceilings import measure_matmul_ceiling
-    from pagellm.metrics.utilization import StepWork, step_cost
+    from pagellm.core.step_batch import StepBatch
+    from pagellm.metrics.utilization import step_cost
     from pagellm.model.costs import ModelCosts
 
     device = device_of(cfg)
@@ -364,7 +365,7 @@ def section_roofline(cfg: CheckConfig, ctx: Context, out: SectionOutput) -> None
                 engine.step()  # prefill (or a straggler) still in progress
                 continue
             seq_lens = [r.num_tokens for r in running]
-            cost = step_cost(costs, StepWork.from_batch([1] * batch, seq_lens, batch))
+            cost = step_cost(costs, StepBatch.from_lengths([1] * batch, seq_lens, batch))
             sync_device(device)
             started = time.perf_counter()
             engine.step()  # returns after the sampled tokens reached the host

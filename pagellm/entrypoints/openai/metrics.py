@@ -127,14 +127,15 @@ class BatchCollector(Collector):
 
 class AdapterCollector(Collector):
     """LoRA adapters (with --enable-lora): requests per adapter, and the slots' loads and
-    evictions (read from the runner's LoRAManager: adapters run on one rank)."""
+    evictions (the engine's snapshot: the runner reports them step by step)."""
 
     def __init__(self, async_llm: AsyncLLM, model_name: str) -> None:
         self.async_llm = async_llm
         self.model_name = model_name
 
     def collect(self) -> Iterator[Metric]:
-        stats = self.async_llm.snapshot.stats
+        snapshot = self.async_llm.snapshot
+        stats = snapshot.stats
         for name, counts, what in (
             ("pagellm:lora_requests_running", stats.running_by_adapter, "Requests running under each LoRA adapter."),
             ("pagellm:lora_requests_waiting", stats.waiting_by_adapter,
@@ -144,10 +145,9 @@ class AdapterCollector(Collector):
             for adapter, count in sorted(counts.items()):
                 family.add_metric([self.model_name, adapter], float(count))
             yield family
-        manager = getattr(getattr(self.async_llm.engine, "runner", None), "lora_manager", None)
         for name, value, what in (
-            ("pagellm:lora_adapter_loads", manager.num_loads if manager else 0, "LoRA adapters copied into a slot."),
-            ("pagellm:lora_adapter_evictions", manager.num_evictions if manager else 0,
+            ("pagellm:lora_adapter_loads", snapshot.num_lora_loads, "LoRA adapters copied into a slot."),
+            ("pagellm:lora_adapter_evictions", snapshot.num_lora_evictions,
              "LoRA adapters taken out of their slot for another."),
         ):  # fmt: skip
             family = CounterMetricFamily(name, what, labels=["model_name"])

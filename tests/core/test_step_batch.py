@@ -6,7 +6,7 @@ from pagellm.config import CacheConfig, SchedulerConfig
 from pagellm.core import ModelRunnerOutput, Scheduler
 from pagellm.request import Request, RequestStatus
 from pagellm.sampling_params import SamplingParams
-from pagellm.sim.step_batch import StepBatch, batch_from_schedule
+from pagellm.core.step_batch import StepBatch, batch_from_schedule
 
 
 def make_scheduler(budget: int) -> Scheduler:
@@ -58,7 +58,7 @@ def test_chunks_decodes_and_samples_from_a_real_schedule():
 def test_attention_within_a_window_counts_each_query_s_visible_keys():
     """Against a brute-force count: token i of a q-token chunk over c cached tokens sees
     min(c + i + 1, window) keys and reads min(c, window - 1) cached ones."""
-    from pagellm.sim.step_batch import StepBatch
+    from pagellm.core.step_batch import StepBatch
 
     batch = StepBatch((5, 40, 3), (0, 7, 100), (0, 5, 63, 64, 500), num_sampled_tokens=6)
     for window in (None, 1, 4, 8, 64, 1000):

@@ -1,4 +1,4 @@
-"""Sim stage: one step's batch as a cost model sees it.
+"""Core stage: one step's work (its batch) as the cost models and the metrics see it.
 
 A step computes, for every scheduled request, `num_tokens` new tokens on top of the
 `context` tokens whose KV is already cached. A request computing exactly one token is
@@ -38,6 +38,13 @@ class StepBatch:
 
     def __post_init__(self) -> None:
         assert len(self.prefill_num_tokens) == len(self.prefill_context_lens)
+
+    @classmethod
+    def from_lengths(cls, query_lens: list[int], seq_lens: list[int], num_sampled_tokens: int) -> StepBatch:
+        """query_lens[i] new tokens end request i's context of seq_lens[i] tokens."""
+        prefills = [(q, s - q) for q, s in zip(query_lens, seq_lens, strict=True) if q != 1]
+        decodes = tuple(s - 1 for q, s in zip(query_lens, seq_lens, strict=True) if q == 1)
+        return cls(tuple(q for q, _ in prefills), tuple(c for _, c in prefills), decodes, num_sampled_tokens)
 
     @property
     def num_prefills(self) -> int:
@@ -83,6 +90,16 @@ class StepBatch:
     def decode_attention_pairs(self) -> int:
         """(query, key) pairs of the decodes: each reads its context plus itself."""
         return sum(self.decode_context_lens) + len(self.decode_context_lens)
+
+    @property
+    def attention_pairs(self) -> int:
+        """(query, key) pairs the whole step scores (every layer attending over all)."""
+        return self.prefill_attention_pairs + self.decode_attention_pairs
+
+    @property
+    def context_tokens(self) -> int:
+        """Tokens whose K/V the step reads: each request's context and its new tokens."""
+        return self.prefill_context_sum + self.decode_context_sum + self.num_tokens
 
     def attention_pairs_within(self, window: int | None) -> int:
         """(query, key) pairs of the whole step in a layer that attends over `window`
