@@ -53,12 +53,13 @@ def run_batch_command(args: argparse.Namespace) -> None:
 async def run_batch_file(async_llm: Any, name: str, source: Path, target: Path) -> dict[str, int]:
     """Run every line of `source`; write the results to `target`. Returns the counts."""
     from pagellm.entrypoints.openai.api_server import build_app
+    from pagellm.entrypoints.openai.server_config import ServerConfig
     from pagellm.entrypoints.openai.batch_runner import LineError, parse_line
     from pagellm.entrypoints.openai.batch_store import jsonl_lines, new_id
     from pagellm.entrypoints.openai.protocol_batch import result_line
     from pagellm.entrypoints.openai.serving_batch import in_process_call
 
-    app = build_app(async_llm, name, batch_dir="none")
+    app = build_app(async_llm, ServerConfig(served_model_name=name, batch_dir="none"))
     call = in_process_call(app, None)
     lines = list(jsonl_lines(source))
     results: dict[int, dict[str, Any]] = {}

@@ -9,7 +9,7 @@ else is a bug: it is logged with its traceback and answered 500, in the same sha
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -105,9 +105,20 @@ def _path(loc: Sequence[Any]) -> str:
     return ".".join(parts) or "body"
 
 
+def _flat_routes(routes: Iterable[Any]) -> Iterator[Any]:
+    """The routes, those of the routers included into the app among them (FastAPI keeps an
+    included router as one entry; the server includes its route groups without a prefix)."""
+    for route in routes:
+        included = getattr(route, "original_router", None)
+        if included is not None:
+            yield from _flat_routes(included.routes)
+        else:
+            yield route
+
+
 def _allowed_methods(request: Request) -> list[str]:
     methods: set[str] = set()
-    for route in request.app.router.routes:
+    for route in _flat_routes(request.app.router.routes):
         regex, route_methods = getattr(route, "path_regex", None), getattr(route, "methods", None)
         if regex is not None and route_methods and regex.match(request.url.path):
             methods |= set(route_methods)

@@ -12,10 +12,11 @@ the schema at start, so that a client or a fuzzer generating from it knows them 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import APIRouter, FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from pagellm.entrypoints.openai.limits_config import MAX_N, RequestLimits
@@ -170,6 +171,17 @@ def install_openapi(app: FastAPI, bounds: ServerBounds) -> None:
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+
+
+
+def add_route_per_method(target: FastAPI | APIRouter, path: str, endpoint: Callable[..., Any], methods: list[str], **options: Any) -> None:
+    """One route serving all of `methods` (so that a 405 on the path names them all in
+    `Allow`), out of the schema, then a schema-only route per method, never reached: FastAPI
+    gives every method of one route the same operation id, which generated clients cannot
+    tell apart; this way each method is its own operation (`<name><path>_<method>`)."""
+    target.add_api_route(path, endpoint, methods=methods, include_in_schema=False, **options)
+    for method in methods:
+        target.add_api_route(path, endpoint, methods=[method], **options)
 
 
 # ------------------------------------------------------------------ bounds

@@ -24,7 +24,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from pagellm.entrypoints.openai.batch_runner import BatchRunner, RouteCall
 from pagellm.entrypoints.openai.batch_store import BatchStore, DirectoryLock, default_batch_dir
 from pagellm.entrypoints.openai.errors import APIError
-from pagellm.entrypoints.openai.openapi_docs import BATCH, BATCH_CREATE, FILE_CONTENT, FILE_UPLOAD, FILES
+from pagellm.entrypoints.openai.openapi_docs import BATCH, BATCH_CREATE, FILE_CONTENT, FILE_UPLOAD, FILES, add_route_per_method
 from pagellm.entrypoints.openai.serving_common import BACKGROUND
 from pagellm.entrypoints.openai.protocol_batch import (
     BatchCreateRequest,
@@ -271,10 +271,12 @@ def add_batch_routes(app: FastAPI, batches: BatchServing) -> None:
     ) -> FileList:
         return batches.list_files(purpose, limit, after, order)
 
-    # One route for both methods, so that a 405 on the path names both in `Allow`.
-    @app.api_route("/v1/files/{file_id}", methods=["GET", "DELETE"], responses=FILES)
     async def file_by_id(file_id: str, raw: Request) -> FileObject | FileDeleted:
         return batches.delete_file(file_id) if raw.method == "DELETE" else batches.file(file_id)
+
+    # One route for both methods, so that a 405 on the path names both in `Allow`; each
+    # method its own operation in the schema.
+    add_route_per_method(app, "/v1/files/{file_id}", file_by_id, ["DELETE", "GET"], responses=FILES)
 
     @app.get("/v1/files/{file_id}/content", responses=FILE_CONTENT)
     async def file_content(file_id: str) -> Response:

@@ -16,6 +16,7 @@ from starlette.testclient import TestClient
 from pagellm import EngineArgs
 from pagellm.engine.async_llm import AsyncLLM
 from pagellm.entrypoints.openai.api_server import build_app
+from pagellm.entrypoints.openai.server_config import ServerConfig
 
 ENGINE = {"max_model_len": 128, "num_gpu_blocks_override": 128}
 ALLOWED = {200, 400, 404}
@@ -24,7 +25,7 @@ ALLOWED = {200, 400, 404}
 @pytest.fixture(scope="module")
 def app_client(tiny_model: str, single_torch_thread: None) -> Iterator[TestClient]:
     async_llm = AsyncLLM.from_engine_args(EngineArgs(model=tiny_model, **ENGINE))
-    app = build_app(async_llm, served_model_name="tiny")
+    app = build_app(async_llm, ServerConfig(served_model_name="tiny"))
     with TestClient(app, raise_server_exceptions=False) as client:
         yield client
     assert not async_llm.is_alive  # the lifespan stopped the engine loop
@@ -186,7 +187,7 @@ def test_a_dead_engine_is_reported_and_never_hangs(tiny_model, single_torch_thre
         raise RuntimeError("device lost")
 
     async_llm.engine.step = broken_step
-    app = build_app(async_llm, served_model_name="tiny")
+    app = build_app(async_llm, ServerConfig(served_model_name="tiny"))
     with TestClient(app, raise_server_exceptions=False) as client:
         assert client.get("/health").status_code == 200
         body = {"prompt": "hi", "max_tokens": 4}
@@ -220,7 +221,7 @@ def test_a_stream_reports_an_engine_death_in_band(tiny_model, single_torch_threa
         return real_step()
 
     async_llm.engine.step = step_then_die
-    app = build_app(async_llm, served_model_name="tiny")
+    app = build_app(async_llm, ServerConfig(served_model_name="tiny"))
     with TestClient(app, raise_server_exceptions=False) as client:
         body = {"prompt": "hi", "max_tokens": 50, "ignore_eos": True, "stream": True}
         response = client.post("/v1/completions", json=body)
@@ -229,3 +230,44 @@ def test_a_stream_reports_an_engine_death_in_band(tiny_model, single_torch_threa
         assert events[-1] == "data: [DONE]"
         error = json.loads(events[-2][len("data: ") :])["error"]
         assert error["code"] == "engine_dead"
+
+
+# ------------------------------------------------------------------ operation ids
+
+
+def test_every_operation_has_its_own_id(app_client: TestClient):
+    """Generated clients name a method after its operation id: two operations sharing one
+    (a route serving GET and DELETE) would collide. FastAPI warns of a duplicate."""
+    import warnings
+
+    app_client.app.openapi_schema = None  # generated again here, warnings seen
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a "Duplicate Operation ID" warning fails the test
+        schema = app_client.get("/openapi.json").json()
+    ids = [op["operationId"] for path in schema["paths"].values() for op in path.values()]
+    assert len(ids) == len(set(ids)) > 20
+    by_id = {"response_by_id_v1_responses__response_id__get", "response_by_id_v1_responses__response_id__delete",
+             "file_by_id_v1_files__file_id__get", "file_by_id_v1_files__file_id__delete"}  # fmt: skip
+    assert by_id <= set(ids)
+    # Still one route per path serving both: a 405 names both methods.
+    response = app_client.post("/v1/responses/resp_x")
+    assert response.status_code == 405 and set(response.headers["allow"].split(", ")) == {"GET", "DELETE"}
+
+
+def test_the_router_schema_has_unique_ids_too():
+    import warnings
+
+    from prometheus_client import CollectorRegistry
+
+    from pagellm.entrypoints.openai.data_parallel.server import build_router_app
+
+    class NoReplicas:  # build_router_app reads only its metrics registry before serving
+        registry = CollectorRegistry()
+
+    app = build_router_app(NoReplicas(), "m", None)  # type: ignore[arg-type]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        schema = app.openapi()
+    ids = [op["operationId"] for path in schema["paths"].values() for op in path.values()]
+    assert len(ids) == len(set(ids))
+    assert set(schema["paths"]["/v1/responses/{response_id}"]) == {"get", "delete"}

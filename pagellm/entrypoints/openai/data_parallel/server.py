@@ -18,10 +18,8 @@ replicas) and every replica's engine metrics with a `replica` label.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
-import dataclasses
 import json
 import logging
 import os
@@ -40,13 +38,14 @@ from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagellm.config.engine_args import EngineArgs
-from pagellm.config.cli_args import engine_args_from_namespace, engine_args_to_cli
+from pagellm.config.cli_args import engine_args_to_cli
 from pagellm.entrypoints.dashboard import STATIC_DIR
 from pagellm.entrypoints.openai.api_key import API_KEY_ENV
 from pagellm.entrypoints.openai.api_server import bind_socket, keep_signals_from_killing
 from pagellm.entrypoints.openai.auth import ApiKeyMiddleware
-from pagellm.entrypoints.openai.limits_config import RequestLimits
+from pagellm.entrypoints.openai.server_config import ServerConfig
 from pagellm.entrypoints.openai.errors import APIError
+from pagellm.entrypoints.openai.openapi_docs import add_route_per_method
 from pagellm.entrypoints.openai.data_parallel.replicas import Replica, start_process_replicas, start_ray_replicas
 from pagellm.entrypoints.openai.data_parallel.router import PrefixAffinityRouter
 from pagellm.entrypoints.openai.metrics import BatchCollector
@@ -323,9 +322,10 @@ def build_router_app(
         app.add_api_route(path, _forwarder(router, path), methods=["POST"])
 
     # A stored response lives in the memory of the replica that made it: its id says which.
-    @app.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"])
     async def response_by_id(response_id: str, request: Request) -> Response:
         return await router.forward(request, f"/v1/responses/{response_id}", router.holder_of(response_id))
+
+    add_route_per_method(app, "/v1/responses/{response_id}", response_by_id, ["DELETE", "GET"])
 
     @app.post("/v1/responses/{response_id}/cancel")
     async def cancel_response(response_id: str, request: Request) -> Response:
@@ -357,56 +357,44 @@ def _forwarder(router: ReplicaRouter, path: str):  # noqa: ANN202 - a FastAPI en
     return endpoint
 
 
-def run_dp_server(args: argparse.Namespace) -> None:
+def run_dp_server(config: ServerConfig, engine_args: EngineArgs) -> None:
     """Start the replicas, then route to them until SIGINT/SIGTERM (or until none is left)."""
-    sock = bind_socket(args.host, args.port)
-    engine_args = engine_args_from_namespace(args)
+    sock = bind_socket(config.host, config.port)
     source = resolve_model_source(engine_args.model)
     tokenizer = load_tokenizer(source, load_model_config(source))
-    name = args.served_model_name or source.name
-    serve_args = replica_serve_args(args, engine_args, name)
+    name = config.served_model_name or source.name
+    serve_args = replica_serve_args(config, engine_args, name)
     # The replicas require the API key too; the router passes clients' headers on. They
     # take the requests of the router's batch runner as background work by a token.
     background_token = secrets.token_hex(16)
-    env = {BACKGROUND_TOKEN_ENV: background_token, **({API_KEY_ENV: args.api_key} if args.api_key else {})}
-    size = args.data_parallel_size
-    if args.distributed_executor_backend == "ray":
+    env = {BACKGROUND_TOKEN_ENV: background_token, **({API_KEY_ENV: config.api_key} if config.api_key else {})}
+    size = config.data_parallel_size
+    if engine_args.distributed_executor_backend == "ray":
         gpus = engine_args.tensor_parallel_size if engine_args.device != "cpu" and _has_cuda() else 0
         replicas: list[Replica] = list(start_ray_replicas(size, serve_args, gpus, env))
     else:
         replicas = list(start_process_replicas(size, serve_args, os.cpu_count() or 1, env))
-    router = ReplicaRouter(replicas, tokenizer, engine_args.block_size, args.data_parallel_routing)
+    router = ReplicaRouter(replicas, tokenizer, engine_args.block_size, config.data_parallel_routing)
     # The router runs the Files and Batch API itself (the replicas run with it off).
-    limits = RequestLimits.from_namespace(args)
-    batches = BatchServing(batch_dir_for(getattr(args, "batch_dir", None), name), limits.max_batch_file_bytes)
-    app = build_router_app(router, name, args.api_key, batches, background_token, 2 * engine_args.max_num_seqs * size)
+    batches = BatchServing(batch_dir_for(config.batch_dir, name), config.limits.max_batch_file_bytes)
+    app = build_router_app(router, name, config.api_key, batches, background_token, 2 * engine_args.max_num_seqs * size)
     server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False, lifespan="on"))
     keep_signals_from_killing()
     try:
         all_died = asyncio.run(_serve(server, router, sock, name))
     finally:
         for replica in replicas:
-            replica.stop(args.shutdown_timeout + 10)
+            replica.stop(config.shutdown_timeout + 10)
     if all_died:
         logger.error("pagellm server stopped: every engine replica died")
         raise SystemExit(1)
     logger.info("pagellm server stopped")
 
 
-def replica_serve_args(args: argparse.Namespace, engine_args: EngineArgs, name: str) -> list[str]:
-    # Replicas run no batches (the router does): each would run every batch in the directory.
-    flags = ["--served-model-name", name, "--shutdown-timeout", str(args.shutdown_timeout), "--batch-dir", "none"]
-    if args.max_num_queued_requests is not None:
-        flags += ["--max-num-queued-requests", str(args.max_num_queued_requests)]
-    if getattr(args, "reasoning_parser", None):
-        flags += ["--reasoning-parser", args.reasoning_parser]
-    if getattr(args, "structured_outputs_config", None):
-        flags += ["--structured-outputs-config", json.dumps(args.structured_outputs_config)]
-    for field in dataclasses.fields(RequestLimits):  # each replica checks the limits
-        value = getattr(args, field.name, None)
-        if value is not None:
-            flags += ["--" + field.name.replace("_", "-"), str(value)]
-    return flags + engine_args_to_cli(engine_args)
+def replica_serve_args(config: ServerConfig, engine_args: EngineArgs, name: str) -> list[str]:
+    """A replica's `pagellm serve` flags (its port, and its --data-parallel-rank, are the
+    replica launcher's)."""
+    return config.replica(name).to_cli() + engine_args_to_cli(engine_args)
 
 
 def _has_cuda() -> bool:

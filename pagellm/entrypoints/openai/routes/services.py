@@ -1,0 +1,41 @@
+"""Entrypoints stage: HTTP: what the routes of one server call: its serving objects, held on the app."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+
+from pagellm.engine.async_llm import AsyncLLM
+from pagellm.entrypoints.anthropic.serving import MessagesServing
+from pagellm.entrypoints.openai.serving_chat import ChatServing
+from pagellm.entrypoints.openai.serving_common import ServingContext
+from pagellm.entrypoints.openai.serving_completion import CompletionServing
+from pagellm.entrypoints.openai.serving_embedding import EmbeddingServing
+from pagellm.entrypoints.openai.serving_lora import AdapterRegistry
+from pagellm.entrypoints.openai.serving_responses import ResponsesServing
+from pagellm.entrypoints.openai.serving_score import ScoreServing
+from pagellm.entrypoints.openai.serving_tokens import TokenServing
+
+
+@dataclass(frozen=True)
+class Services:
+    """One engine's serving objects, built once by build_app."""
+
+    async_llm: AsyncLLM
+    name: str  # the served model name
+    context: ServingContext
+    adapters: AdapterRegistry
+    completions: CompletionServing
+    chat: ChatServing
+    responses: ResponsesServing
+    messages: MessagesServing
+    embeddings: EmbeddingServing
+    scores: ScoreServing
+    tokens: TokenServing
+    metrics_registry: Any  # prometheus_client CollectorRegistry
+
+
+def services_of(request: Request) -> Services:
+    return request.app.state.services

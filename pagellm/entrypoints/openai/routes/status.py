@@ -1,0 +1,41 @@
+"""Entrypoints stage: HTTP: the status routes: /health, /metrics, /v1/models."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+
+from pagellm.entrypoints.openai import metrics
+from pagellm.entrypoints.openai.errors import to_api_error
+from pagellm.entrypoints.openai.openapi_docs import HEALTH, METRICS, READ
+from pagellm.entrypoints.openai.protocol import ModelCard, ModelList
+from pagellm.entrypoints.openai.routes.services import services_of
+
+router = APIRouter()
+
+
+@router.get("/health", responses=HEALTH)
+async def health(request: Request) -> Response:
+    error = services_of(request).async_llm.dead_error
+    if error is not None:
+        return to_api_error(error).response()
+    return JSONResponse({"status": "ok"})
+
+
+@router.get("/metrics", response_class=PlainTextResponse, responses=METRICS)
+async def get_metrics(request: Request) -> Response:
+    body, content_type = metrics.render(services_of(request).metrics_registry)
+    return Response(body, media_type=content_type)
+
+
+@router.get("/v1/models", responses=READ)
+async def list_models(request: Request) -> ModelList:
+    services = services_of(request)
+    name, max_model_len = services.name, services.context.max_model_len
+    # No file path in `root`: clients need not learn the server's file layout.
+    cards = [ModelCard(id=name, root=name, max_model_len=max_model_len)]
+    cards += [
+        ModelCard(id=adapter, root=adapter, parent=name, max_model_len=max_model_len)
+        for adapter in services.adapters.names()
+    ]
+    return ModelList(data=cards)
