@@ -30,12 +30,12 @@ import tempfile
 from pathlib import Path
 
 from pagellm.errors import ConfigError
-from pagellm.kernels import cpu_features
+from pagellm.kernels import abi, cpu_features
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = ("linear_f32.c", "paged_decode.c", "paged_decode_bf16.c", "paged_decode_avx2.c", "small_linear.c", "gemm_bf16.c", "gemm_amx.c", "linear.c", "linear_bf16.c", "quant_linear.c", "quant_int8.c", "decode_layer.c", "layer_ops.c", "moe_experts.c", "lora.c", "token_masks.c")
-_HEADERS = ("bf16.h", "float_mode.h", "fp8.h", "kernels.h", "layer_rows.h", "quant_groups.h", "weights.h")  # included by the sources: part of what the cached library is keyed by
+_SOURCES = ("linear_f32.c", "paged_decode.c", "paged_decode_bf16.c", "paged_decode_avx2.c", "small_linear.c", "gemm_bf16.c", "gemm_amx.c", "linear.c", "linear_bf16.c", "quant_linear.c", "quant_int8.c", "decode_layer.c", "layer_ops.c", "moe_experts.c", "lora.c", "token_masks.c", "abi.c")
+_HEADERS = ("bf16.h", "float_mode.h", "fp8.h", "kernels.h", "layer_rows.h", "layer_structs.h", "quant_groups.h", "weights.h")  # included by the sources: part of what the cached library is keyed by
 _COMPILE_FLAGS = ("-O3", "-mtune=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11", "-Wall")
 # Linked without -ffast-math: with it, GCC adds crtfastmath.o, whose constructor turns on
 # flush-to-zero for the whole process (every float computation, not just these kernels).
@@ -192,99 +192,7 @@ def _load_level(level: IsaLevel) -> ctypes.CDLL | None:
     except (OSError, subprocess.SubprocessError) as error:
         logger.warning("CPU kernels (%s) unavailable (%s): using the PyTorch path", level.name, _detail(error))
         return None
-    _declare(library)
+    abi.declare(library)
+    abi.check_layout(library)  # a structure changed on one side only: refused, named
     library.isa_level = level  # which build this is (native_isa)
     return library
-
-
-def _declare(library: ctypes.CDLL) -> None:
-    c_int64, c_int, c_float, c_void_p = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
-    library.paged_decode_attention.restype = None
-    library.paged_decode_attention.argtypes = [
-        c_void_p, c_int64,  # query, query row stride
-        c_void_p, c_void_p,  # key cache, value cache
-        c_void_p, c_int64,  # block tables, table row stride
-        c_void_p, c_void_p, c_void_p, c_void_p, c_int64,  # rows, request indices, seq lens, key starts (or NULL), num decodes
-        c_int, c_int, c_int, c_int,  # num heads, num kv heads, head dim, block size
-        c_float, c_float, c_int, c_int,  # scale, soft cap (0: none), query/output element type, cache element type (ELEMENT_TYPES)
-        c_int, c_int64,  # num threads, max seq len
-        c_void_p, c_int64, c_void_p,  # out, out row stride, workspace
-    ]
-    library.attention_segment_rows.restype = c_int
-    library.attention_segment_rows.argtypes = []
-    library.amx_supported.restype = c_int
-    library.amx_supported.argtypes = []
-    library.linear_bf16_supported.restype = c_int
-    library.linear_bf16_supported.argtypes = []
-    library.linear_bf16.restype = None
-    library.linear_bf16.argtypes = [
-        c_void_p, c_int64, c_void_p, c_void_p,  # x, x row stride, weight, bias (or None)
-        c_void_p, c_int64, c_int,  # out, out row stride, out is float32
-        c_int64, c_int64, c_int64, c_int, c_int,  # m, n, k, kernel (csrc/kernels.h LINEAR_*), num threads
-    ]
-    # linear.c: Weight* arguments are kernels/weights.py's structures.
-    library.linear_weight.restype = None
-    library.linear_weight.argtypes = [
-        c_void_p, c_int64, c_void_p, c_void_p,  # x, x row stride, Weight*, bias (or None)
-        c_void_p, c_int64, c_int,  # out, out row stride, out is float32
-        c_int64, c_int64, c_int, c_int,  # m, k, kernel (csrc/kernels.h LINEAR_*), num threads
-    ]
-    library.quant_type_supported.restype = c_int
-    library.quant_type_supported.argtypes = [c_int]
-    library.weight_row_bytes.restype = c_int64
-    library.weight_row_bytes.argtypes = [c_int, c_int64]
-    library.dequantize_rows_bf16.restype = None
-    library.dequantize_rows_bf16.argtypes = [c_void_p, c_int64, c_int64, c_int64, c_void_p]  # part*, row0, count, k, out
-    library.quant_int8_repack.restype = None
-    library.quant_int8_repack.argtypes = [c_void_p, c_void_p, c_int64, c_int64, c_int64]  # src, dst, rows, row bytes, k
-    library.gather_rows_bf16.restype = None
-    library.gather_rows_bf16.argtypes = [c_void_p, c_void_p, c_int64, c_int64, c_void_p]  # part*, ids, count, k, out
-    # decode_layer_bf16(hidden, LayerWeights*, key cache, value cache, LayerShape*,
-    # StepInputs*, Scratch*): the structs are declared in kernels/decode_layer.py.
-    library.decode_layer_bf16.restype = None
-    library.decode_layer_bf16.argtypes = [c_void_p] * 7
-    # layer_ops.c: the elementwise stages of a layer (model/native/layer_ops.py), float32
-    # residual stream, bf16 matmul inputs.
-    library.rms_norm_residual.restype = None
-    library.rms_norm_residual.argtypes = [
-        c_void_p, c_void_p, c_void_p, c_float,  # hidden float32 (updated), delta float32 or None, weight, eps
-        c_void_p, c_int64, c_int64, c_int,  # out bf16, m, hidden size, num threads
-    ]
-    library.rotary_store.restype = None
-    library.rotary_store.argtypes = [
-        c_void_p, c_int64, c_int64, c_void_p,  # qkv float32, m, row stride, positions
-        c_void_p, c_void_p,  # cos, sin tables
-        c_int, c_int, c_int,  # num heads, num kv heads, head dim
-        c_void_p, c_void_p, c_float,  # q norm, k norm (bf16 [head dim], or None: no q/k norms), their eps
-        c_void_p, c_void_p, c_void_p, c_void_p,  # slots, query out (bf16), key cache, value cache
-        c_int, c_int,  # cache element type (ELEMENT_TYPES), num threads
-    ]
-    # moe_experts.c: one mixture-of-experts layer's experts (model/mixture_of_experts.py).
-    library.moe_experts_bf16.restype = None
-    library.moe_experts_bf16.argtypes = [
-        c_void_p, c_int64, c_int64, c_int64, c_int64,  # x bf16 [m, hidden], m, hidden, expert width, experts
-        c_void_p, c_void_p,  # per expert: gate_up Weight*, down Weight* (arrays of pointers)
-        c_void_p, c_void_p, c_void_p, c_void_p,  # offsets [experts + 1], rows, scales float32, impls int32 [experts, 2]
-        c_void_p, c_void_p, c_void_p, c_void_p, c_void_p,  # out float32, 4 scratch buffers
-        c_void_p, c_int,  # partials float32 [threads, m, hidden] or None (see moe_experts.c), num threads
-    ]
-    library.route_rows.restype = None  # the one-call decode layer's routing (moe_experts.c; tests call it)
-    library.route_rows.argtypes = [
-        c_void_p, c_int64, c_int64, c_int, c_int,  # logits float32 [m, experts], m, experts, top k, renormalize
-        c_void_p, c_void_p, c_void_p,  # out: offsets int64 [experts + 1], rows int64 [m * top k], scales float32
-    ]
-    # lora.c: one layer's LoRA products for every adapter of a step (lora/slots.py).
-    library.lora_add.restype = c_int
-    library.lora_add.argtypes = [
-        c_void_p, c_int64, c_int, c_void_p, c_int64, c_int,  # x, its row stride, x is float32, out, its row stride, out is float32
-        c_void_p, c_void_p, c_int, c_int64, c_int64, c_int64,  # a [slots, ranks, in], b [slots, ranks, n], both bf16 (else float32), ranks, in, n
-        c_void_p, c_int64, c_void_p, c_void_p,  # ranges int64 [k, 3], k, pieces int64 [slots, 3, 4], piece counts int32 [slots]
-        c_void_p, c_int,  # scratch float32, num threads
-    ]
-    library.bf16_to_fp8_rows.restype = None
-    library.bf16_to_fp8_rows.argtypes = [c_void_p, c_void_p, c_int64, c_int]  # src, dst, n, fp8 element type
-    library.silu_mul_rows.restype = None
-    library.silu_mul_rows.argtypes = [c_void_p, c_void_p, c_int64, c_int64, c_int]  # gate_up f32, act bf16, m, inter, threads
-    library.apply_token_bitmask.restype = None
-    # logits, dtype, row stride, vocab, bitmask, words, row index, n
-    library.apply_token_bitmask.argtypes = [c_void_p, c_int, c_int64, c_int64, c_void_p, c_int64, c_void_p, c_int64]

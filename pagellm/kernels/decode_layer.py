@@ -9,12 +9,13 @@ they share with the C code and with each other, and imports nothing above kernel
 
 from __future__ import annotations
 
-import ctypes
-from ctypes import c_float, c_int, c_int64, c_void_p
-
 import torch
 
+from pagellm.kernels.abi import Experts, LayerShape, LayerWeights, Scratch, StepInputs
 from pagellm.kernels.linear_bindings import LinearImpl
+
+# The structures the layer takes are kernels/abi.py's (checked against the library's).
+__all__ = ["Experts", "LayerShape", "LayerWeights", "Scratch", "StepInputs"]
 
 # Caches the native layers write and read: bf16, or fp8 (stored rounded and saturated
 # in C as torch's path does, read by the attention kernel's fp8 path).
@@ -31,53 +32,6 @@ MAX_ROWS = 20
 MAX_ROWS_PER_REQUEST = 8
 # csrc/kernels.h: steps of up to this many rows may give each thread whole experts.
 EXPERTS_PER_THREAD_MAX_ROWS = 32
-
-
-class Experts(ctypes.Structure):
-    """A sparse layer's routed experts (csrc/decode_layer.c): the router as float32, each
-    expert's gate_up and down Weight*, their kernels by row count, and the shared expert's
-    sigmoid gate (float32 [hidden], or NULL)."""
-
-    _fields_ = [
-        ("router", c_void_p), ("gate_up", c_void_p), ("down", c_void_p), ("impls", c_void_p),
-        ("shared_gate", c_void_p), ("num_experts", c_int64), ("width", c_int64),
-        ("top_k", c_int), ("renormalize", c_int),
-    ]  # fmt: skip
-
-
-class LayerWeights(ctypes.Structure):
-    # qkv, o, gate_up and down point at Weight structures (kernels/weights.py): bf16 or quantized.
-    # gate_up and down are the MLP, a sparse layer's shared expert, or NULL; experts is NULL in a dense layer.
-    _fields_ = [(name, c_void_p) for name in (
-        "input_norm", "post_norm", "q_norm", "k_norm", "qkv", "qkv_bias", "o", "o_bias", "gate_up", "down",
-    )] + [("mlp_width", c_int64), ("experts", ctypes.POINTER(Experts))]  # fmt: skip
-
-
-class LayerShape(ctypes.Structure):
-    _fields_ = [
-        ("hidden", c_int64),
-        ("num_heads", c_int), ("num_kv_heads", c_int), ("head_dim", c_int), ("block_size", c_int),
-        ("eps", c_float), ("scale", c_float), ("num_threads", c_int), ("cache_type", c_int),
-        ("linear_impl", c_int * 4),  # qkv, o, gate_up, down: kernels/linear_bindings.py LinearImpl (native)
-    ]  # fmt: skip
-
-
-class StepInputs(ctypes.Structure):
-    _fields_ = [
-        ("m", c_int64), ("positions", c_void_p), ("slots", c_void_p), ("block_tables", c_void_p),
-        ("table_stride", c_int64), ("rows", c_void_p), ("reqs", c_void_p), ("seq_lens", c_void_p),
-        ("max_seq_len", c_int64), ("cos_table", c_void_p), ("sin_table", c_void_p),
-    ]  # fmt: skip
-
-
-class Scratch(ctypes.Structure):
-    _fields_ = [
-        (name, c_void_p) for name in (
-            "normed", "qkv", "query", "attn", "proj", "gate_up", "act", "kv_row", "attn_scratch",
-            # sparse layers
-            "router_logits", "offsets", "choice_rows", "choice_scales", "gathered", "expert_out", "partials",
-        )
-    ]  # fmt: skip
 
 
 def data_ptr_or_null(tensor: torch.Tensor | None) -> int | None:

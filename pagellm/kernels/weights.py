@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from pagellm.errors import ModelLoadError
+from pagellm.kernels import abi
 from pagellm.kernels.build import load_kernels
 
 
@@ -49,7 +50,7 @@ _BLOCK_BYTES = {
     WeightType.Q4_K: 144, WeightType.Q5_K: 176, WeightType.Q6_K: 210,
 }  # fmt: skip
 QUANTIZED_TYPES = frozenset(_BLOCK_BYTES)
-MAX_PARTS = 3
+MAX_PARTS = abi.MAX_PARTS
 
 
 ROW_PACKED_TYPES = frozenset({WeightType.Q4_0, WeightType.Q4_1, WeightType.Q8_0})
@@ -113,17 +114,6 @@ def pack_rows(weight_type: WeightType, blocks: np.ndarray, k: int) -> np.ndarray
     return np.ascontiguousarray(np.concatenate([nibbles, *scales], axis=1))
 
 
-class _Part(ctypes.Structure):
-    _fields_ = [
-        ("type", ctypes.c_int32), ("rows", ctypes.c_int64), ("row_bytes", ctypes.c_int64),
-        ("data", ctypes.c_void_p), ("row_scales", ctypes.c_void_p),
-    ]  # fmt: skip
-
-
-class _Weight(ctypes.Structure):
-    _fields_ = [("num_parts", ctypes.c_int32), ("parts", _Part * MAX_PARTS)]
-
-
 @dataclass(frozen=True)
 class WeightPart:
     """Rows of one stored type: `data` is uint8 [rows, row_bytes] (bf16 [rows, k] for BF16)."""
@@ -184,7 +174,7 @@ class PackedWeight:
         self.in_features = in_features
         self.out_features = sum(p.rows for p in parts)
         self._library = load_kernels()
-        self._struct = _Weight(len(parts))
+        self._struct = abi.Weight(len(parts))
         for i, part in enumerate(parts):
             self._struct.parts[i] = _part_struct(part)
 
@@ -241,8 +231,8 @@ class PackedWeight:
         return out
 
 
-def _part_struct(part: WeightPart) -> _Part:
-    return _Part(
+def _part_struct(part: WeightPart) -> abi.WeightPart:
+    return abi.WeightPart(
         int(part.type), part.rows, part.data.shape[1] * part.data.element_size(), part.data.data_ptr(),
         None if part.row_scales is None else part.row_scales.data_ptr(),
     )

@@ -34,74 +34,11 @@
 #include "fp8.h"
 #include "kernels.h"
 #include "layer_rows.h"
+#include "layer_structs.h"
 
 /* Context bytes each thread prefetches at the start of a layer (L2 is 1 MB or more on
  * CPUs with AVX-512 BF16; the qkv weights stream through it meanwhile). */
 #define CONTEXT_PREFETCH_BYTES (256 * 1024)
-
-typedef struct {
-    const float *router;          /* [num_experts, hidden] float32 */
-    const Weight *const *gate_up; /* [num_experts] Weight* of [2 width, hidden] */
-    const Weight *const *down;    /* [num_experts] Weight* of [hidden, width] */
-    const int32_t *impls;         /* [(MAX_ROWS + 1) * 2]: gate_up's and down's kernel at each row count */
-    const float *shared_gate;     /* [hidden] float32: the shared expert's gate, or NULL (none, or not gated) */
-    int64_t num_experts, width;
-    int top_k, renormalize;
-} Experts;
-
-typedef struct {
-    const uint16_t *input_norm, *post_norm;  /* [hidden] */
-    const uint16_t *q_norm, *k_norm;         /* [head_dim] or NULL (Qwen3's per-head norms) */
-    const Weight *qkv;                       /* [q + 2 kv, hidden] (weights.h: bf16 or quantized) */
-    const uint16_t *qkv_bias;                /* [q + 2 kv] or NULL */
-    const Weight *o;                         /* [hidden, q] */
-    const uint16_t *o_bias;                  /* [hidden] or NULL */
-    const Weight *gate_up, *down;            /* [2 width, hidden], [hidden, width]: the MLP, a sparse layer's
-                                                shared expert, or NULL (a sparse layer without one) */
-    int64_t mlp_width;
-    const Experts *experts;                  /* a sparse layer's routed experts, or NULL */
-} LayerWeights;
-
-typedef struct {
-    int64_t hidden;
-    int num_heads, num_kv_heads, head_dim, block_size;
-    float eps, scale;
-    int num_threads;
-    int cache_type;  /* fp8.h ELEM_BF16 or an fp8 type */
-    int linear_impl[4]; /* kernels.h LINEAR_* of qkv, o, gate_up, down: the measured choice for this step's rows */
-} LayerShape;
-
-typedef struct {
-    int64_t m;                      /* requests, one token each */
-    const int64_t *positions;       /* [m] */
-    const int64_t *slots;           /* [m] cache slot of the new token */
-    const int64_t *block_tables;    /* [reqs, table_stride] */
-    int64_t table_stride;
-    const int64_t *rows, *reqs;     /* [m]: 0..m-1 and each row's block table row */
-    const int64_t *seq_lens;        /* [m] context including the new token */
-    int64_t max_seq_len;
-    const float *cos_table, *sin_table;  /* [max_positions, head_dim / 2] */
-} StepInputs;
-
-typedef struct {
-    uint16_t *normed;     /* [m, hidden] */
-    float *qkv;           /* [m, q + 2 kv] */
-    uint16_t *query;      /* [m, q] rotated */
-    uint16_t *attn;       /* [m, q] */
-    float *proj;          /* [m, hidden] */
-    float *gate_up;       /* [m, 2 width] (the widest MLP or expert) */
-    uint16_t *act;        /* [m, width] */
-    uint16_t *kv_row;     /* [m, 2 kv]: one row's k and v as bf16 on their way to the cache */
-    float *attn_scratch;  /* paged_decode_attention's workspace */
-    /* Sparse layers: */
-    float *router_logits; /* [m, num_experts] */
-    int64_t *offsets;     /* [num_experts + 1] */
-    int64_t *choice_rows; /* [m * top_k] */
-    float *choice_scales; /* [m * top_k] */
-    uint16_t *gathered;   /* [m, hidden] */
-    float *expert_out;    /* [m, hidden] */
-    float *partials;      /* [threads, m, hidden] */
-} Scratch;
 
 /* act = bf16(silu(gate) * up) per row, gate and up being the halves of each gate_up row,
  * shared among the threads of the enclosing region (32 rows x 1536 is ~50k expf). */
