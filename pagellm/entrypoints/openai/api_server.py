@@ -20,12 +20,10 @@ from types import FrameType
 
 import uvicorn
 from fastapi import FastAPI
-from fastapi.staticfiles import StaticFiles
 
 from pagellm.config.engine_args import EngineArgs
 from pagellm.engine.async_llm import AsyncLLM
 from pagellm.entrypoints.anthropic.serving import MessagesServing
-from pagellm.entrypoints.dashboard import STATIC_DIR
 from pagellm.entrypoints.openai import metrics
 from pagellm.entrypoints.openai.auth import ApiKeyMiddleware
 from pagellm.entrypoints.openai.errors import install_error_handlers
@@ -126,7 +124,7 @@ def build_app(async_llm: AsyncLLM, config: ServerConfig | None = None, on_ready:
     add_batch_routes(app, batches)
     add_lora_routes(app, adapters, LORA_ADAPTER)
     app.include_router(dashboard.router)
-    app.mount("/dashboard", StaticFiles(directory=STATIC_DIR, html=True), name="dashboard")
+    dashboard.add_dashboard_page(app)
     app.include_router(tokens.router)
     return app
 

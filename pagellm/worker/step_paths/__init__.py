@@ -15,8 +15,6 @@ The native paths exist where the after-load pass gave a bf16 CPU model its kerne
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from pagellm.kernels.build import load_kernels
@@ -28,8 +26,6 @@ from pagellm.worker.step_paths.cuda_graphs import DecodeGraphs, DecodeGraphsPath
 from pagellm.worker.step_paths.native import FusedDecodePath, LayerOpsPath, MeasuredNativePath
 
 __all__ = ["StepInputs", "StepPath", "StepPaths"]
-
-logger = logging.getLogger(__name__)
 
 
 class StepPaths:

@@ -31,21 +31,20 @@ from typing import Any
 import httpx2 as httpx
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, RedirectResponse, Response, StreamingResponse
-from fastapi.staticfiles import StaticFiles
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagellm.config.engine_args import EngineArgs
 from pagellm.config.cli_args import engine_args_to_cli
-from pagellm.entrypoints.dashboard import STATIC_DIR
 from pagellm.entrypoints.openai.api_key import API_KEY_ENV
 from pagellm.entrypoints.openai.api_server import bind_socket, keep_signals_from_killing
 from pagellm.entrypoints.openai.auth import ApiKeyMiddleware
 from pagellm.entrypoints.openai.server_config import ServerConfig
 from pagellm.entrypoints.openai.errors import APIError
 from pagellm.entrypoints.openai.openapi_docs import add_route_per_method
+from pagellm.entrypoints.openai.routes.dashboard import add_dashboard_page
 from pagellm.entrypoints.openai.data_parallel.replicas import Replica, start_process_replicas, start_ray_replicas
 from pagellm.entrypoints.openai.data_parallel.router import PrefixAffinityRouter
 from pagellm.entrypoints.openai.metrics import BatchCollector
@@ -342,11 +341,7 @@ def build_router_app(
         response = await router.client.get(router.replicas[replica].url + "/v1/engine/state", timeout=10.0)
         return Response(response.content, status_code=response.status_code, media_type="application/json")
 
-    @app.get("/dashboard", include_in_schema=False)
-    async def dashboard_redirect() -> Response:
-        return RedirectResponse("/dashboard/")
-
-    app.mount("/dashboard", StaticFiles(directory=STATIC_DIR, html=True), name="dashboard")
+    add_dashboard_page(app)  # the same page; its state comes from a replica (above)
     return app
 
 
