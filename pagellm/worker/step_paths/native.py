@@ -17,6 +17,17 @@ from pagellm.worker.step_paths.base import StepInputs
 from pagellm.worker.step_paths.choice import FUSED, StepPathChoice
 
 
+def native_forward(
+    model: torch.nn.Module, layers: FusedDecode | NativeLayers, layer_ops: NativeLayers | None, step: StepInputs
+) -> torch.Tensor:  # [num_tokens, hidden_size]
+    """Embed the step's tokens, run the decoder layers natively (a float32 residual stream)
+    and round the final norm's output to the model's dtype (in C where `layer_ops` can)."""
+    inputs = step.model_inputs
+    hidden = model.embed(inputs.input_ids)
+    out = layers.run(hidden, inputs.positions, step.kv_caches, inputs.metadata)
+    return final_norm(model, out, hidden.dtype, layer_ops)
+
+
 class FusedDecodePath:
     """Steps of few tokens (decode_layer.MAX_ROWS), one native call per layer. Not with
     adapter rows: it runs the linear kernels inside C, without the adapters' products."""
@@ -30,10 +41,7 @@ class FusedDecodePath:
         return not step.has_adapters and self.fused.applies(step.num_tokens, step.kv_caches, step.model_inputs.metadata)
 
     def run(self, step: StepInputs) -> torch.Tensor:
-        inputs = step.model_inputs
-        hidden = self._model.embed(inputs.input_ids)
-        out = self.fused.run(hidden, inputs.positions, step.kv_caches, inputs.metadata)
-        return final_norm(self._model, out, hidden.dtype, self._layer_ops)
+        return native_forward(self._model, self.fused, self._layer_ops, step)
 
 
 class LayerOpsPath:
@@ -49,10 +57,7 @@ class LayerOpsPath:
         return self.layer_ops.applies(step.kv_caches)
 
     def run(self, step: StepInputs) -> torch.Tensor:
-        inputs = step.model_inputs
-        hidden = self._model.embed(inputs.input_ids)
-        out = self.layer_ops.run(hidden, inputs.positions, step.kv_caches, inputs.metadata)
-        return final_norm(self._model, out, hidden.dtype, self.layer_ops)
+        return native_forward(self._model, self.layer_ops, self.layer_ops, step)
 
 
 class MeasuredNativePath:
