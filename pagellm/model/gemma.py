@@ -19,6 +19,7 @@ from torch import nn
 
 from pagellm.attention.backend import AttentionBackend, AttentionMetadata
 from pagellm.config.model import ModelConfig
+from pagellm.kernels.linear_bindings import CpuLinearKernels
 from pagellm.model.layers import RMSNorm
 from pagellm.model.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from pagellm.model.qwen3 import Qwen3Attention
@@ -49,13 +50,14 @@ class GemmaDecoderLayer(LlamaDecoderLayer):
         attention_class: type[LlamaAttention] = LlamaAttention,
         mlp: nn.Module | None = None,
         layer: int = 0,
+        kernel: CpuLinearKernels | None = None,
     ) -> None:
         nn.Module.__init__(self)
         self.input_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = attention_class(config, tp, layer)
+        self.self_attn = attention_class(config, tp, layer, kernel)
         self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config, tp) if mlp is None else mlp
+        self.mlp = LlamaMLP(config, tp, kernel=kernel) if mlp is None else mlp
         self.post_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(

@@ -36,7 +36,9 @@ if TYPE_CHECKING:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, tp: TPGroup | None = None, layer: int = 0) -> None:
+    def __init__(
+        self, config: ModelConfig, tp: TPGroup | None = None, layer: int = 0, kernel: CpuLinearKernels | None = None
+    ) -> None:
         super().__init__()
         self.tp = tp  # o_proj is row-parallel: its partial sums are all-reduced
         self.sliding_window = config.layer_window(layer)
@@ -50,9 +52,9 @@ class LlamaAttention(nn.Module):
         self.softcap = config.attn_logit_softcapping
         # q, k and v projections fused into one matmul.
         self.qkv_proj = PackableLinear(
-            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias, kernel=kernel
         )
-        self.o_proj = PackableLinear(self.q_size, config.hidden_size, bias=config.attention_out_bias)
+        self.o_proj = PackableLinear(self.q_size, config.hidden_size, bias=config.attention_out_bias, kernel=kernel)
 
     def forward(
         self,
@@ -83,13 +85,19 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig, tp: TPGroup | None = None, intermediate_size: int | None = None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        tp: TPGroup | None = None,
+        intermediate_size: int | None = None,
+        kernel: CpuLinearKernels | None = None,
+    ) -> None:
         super().__init__()
         self.tp = tp  # down_proj is row-parallel: its partial sums are all-reduced
         self.intermediate_size = intermediate_size or config.intermediate_size
         # gate and up projections fused into one matmul.
-        self.gate_up_proj = PackableLinear(config.hidden_size, 2 * self.intermediate_size, bias=False)
-        self.down_proj = PackableLinear(self.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = PackableLinear(config.hidden_size, 2 * self.intermediate_size, bias=False, kernel=kernel)
+        self.down_proj = PackableLinear(self.intermediate_size, config.hidden_size, bias=False, kernel=kernel)
         self.gelu = config.hidden_activation == "gelu_tanh"  # GeGLU (Gemma); else SwiGLU
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -107,12 +115,13 @@ class LlamaDecoderLayer(nn.Module):
         attention_class: type[LlamaAttention] = LlamaAttention,
         mlp: nn.Module | None = None,
         layer: int = 0,
+        kernel: CpuLinearKernels | None = None,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = attention_class(config, tp, layer)
+        self.self_attn = attention_class(config, tp, layer, kernel)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config, tp) if mlp is None else mlp
+        self.mlp = LlamaMLP(config, tp, kernel=kernel) if mlp is None else mlp
 
     def forward(
         self,
@@ -157,23 +166,27 @@ class LlamaForCausalLM(nn.Module):
         backend: AttentionBackend,
         rope_freq_divisors: torch.Tensor | None = None,
         tp: TPGroup | None = None,
+        kernel: CpuLinearKernels | None = None,
     ) -> None:
+        """kernel: the CPU linear kernels every linear layer runs on (bf16 on x86-64 with
+        AVX2 or more; None: torch), each layer built with it."""
         super().__init__()
         self.config = config
+        self.cpu_linear_kernels = kernel
         self.tp = tp
         self.vocab_size = config.vocab_size if tp is None else tp.layout.vocab_size
         self.backend = backend
         self.rotary, self.local_rotary = rotary_tables(config, rope_freq_divisors)
         self.embed_tokens = PackableEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            self.layer_class(config, tp, self.attention_class, self.make_mlp(config, tp, i), i)
+            self.layer_class(config, tp, self.attention_class, self.make_mlp(config, tp, i, kernel), i, kernel)
             for i in range(config.num_hidden_layers)
         )
         self.norm = self.norm_class(config.hidden_size, config.rms_norm_eps)
         if config.tie_word_embeddings or not config.has_lm_head:
             self.lm_head = None
         else:
-            self.lm_head = PackableLinear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = PackableLinear(config.hidden_size, config.vocab_size, bias=False, kernel=kernel)
         # A sequence classifier's head (HF's `score`): tiny, applied to pooled rows only, so a
         # plain linear outside the kernel plans; replicated on every tensor-parallel rank.
         self.score = nn.Linear(config.hidden_size, config.num_labels, bias=False) if config.num_labels else None
@@ -205,14 +218,13 @@ class LlamaForCausalLM(nn.Module):
         return hidden
 
     # Set once by the after-load pass of a bf16 CPU model (model/native/after_load.py).
-    cpu_linear_kernels: CpuLinearKernels | None = None
     lm_head_plan: LinearPlan | None = None  # the measured kernel choice of the LM head (float32 logits)
     linear_choice: LinearChoice | None = None  # every linear group's plan and timings (model/linear_plans.py)
     linear_groups: list[LinearGroup] | None = None
 
-    def make_mlp(self, config: ModelConfig, tp: TPGroup | None, layer: int) -> nn.Module:
+    def make_mlp(self, config: ModelConfig, tp: TPGroup | None, layer: int, kernel: CpuLinearKernels | None = None) -> nn.Module:
         """Layer `layer`'s MLP (a family with experts returns its sparse block)."""
-        return LlamaMLP(config, tp)
+        return LlamaMLP(config, tp, kernel=kernel)
 
     def lm_head_module(self) -> PackableLinear | PackableEmbedding:
         return self.embed_tokens if self.lm_head is None else self.lm_head

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagellm.config.model import ModelConfig
+from pagellm.kernels.linear_bindings import CpuLinearKernels
 from pagellm.model.llama import LlamaForCausalLM, LlamaMLP
 from pagellm.model.packable_layers import PackableLinear
 from pagellm.model.qwen3 import Qwen3ForCausalLM
@@ -46,21 +47,21 @@ def route(
 
 
 class SparseMoeBlock(nn.Module):
-    def __init__(self, config: ModelConfig, tp: TPGroup | None = None) -> None:
+    def __init__(self, config: ModelConfig, tp: TPGroup | None = None, kernel: CpuLinearKernels | None = None) -> None:
         super().__init__()
         self.tp = tp  # every expert's down_proj is row-parallel: the summed output is all-reduced once
         self.top_k = config.num_experts_per_tok
         self.renormalize = config.norm_topk_prob
-        self.gate = PackableLinear(config.hidden_size, config.num_experts, bias=False)  # the router
+        self.gate = PackableLinear(config.hidden_size, config.num_experts, bias=False, kernel=kernel)  # the router
         # Each expert is a gated MLP of its own width; no all-reduce of its own (tp=None):
         # the block sums the experts first and all-reduces once.
         self.experts = nn.ModuleList(
-            LlamaMLP(config, None, config.expert_intermediate_size) for _ in range(config.num_experts)
+            LlamaMLP(config, None, config.expert_intermediate_size, kernel) for _ in range(config.num_experts)
         )
         self.shared_expert: LlamaMLP | None = None
         if config.shared_expert_intermediate_size:
-            self.shared_expert = LlamaMLP(config, None, config.shared_expert_intermediate_size)
-            self.shared_expert_gate = PackableLinear(config.hidden_size, 1, bias=False)  # whole on every rank
+            self.shared_expert = LlamaMLP(config, None, config.shared_expert_intermediate_size, kernel)
+            self.shared_expert_gate = PackableLinear(config.hidden_size, 1, bias=False, kernel=kernel)  # whole on every rank
 
     # CPU bf16: the experts in one C call (model/native/experts.py), handed over by the
     # after-load pass; None: the loop below.
@@ -108,8 +109,10 @@ class SparseMoeBlock(nn.Module):
 class _MixtureOfExperts:
     """What a family with sparse layers changes: its MLPs."""
 
-    def make_mlp(self, config: ModelConfig, tp: TPGroup | None, layer: int) -> nn.Module:
-        return SparseMoeBlock(config, tp) if config.is_sparse_layer(layer) else LlamaMLP(config, tp)
+    def make_mlp(self, config: ModelConfig, tp: TPGroup | None, layer: int, kernel: CpuLinearKernels | None = None) -> nn.Module:
+        if config.is_sparse_layer(layer):
+            return SparseMoeBlock(config, tp, kernel)
+        return LlamaMLP(config, tp, kernel=kernel)
 
 
 class MixtralForCausalLM(_MixtureOfExperts, LlamaForCausalLM):

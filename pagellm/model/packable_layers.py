@@ -86,9 +86,15 @@ def apply_linear(
 
 
 class PackableLinear(nn.Linear):
-    """nn.Linear (same parameters and names) that uses the kernels once they are attached."""
+    """nn.Linear (same parameters and names), built with the CPU kernels it runs on (None:
+    torch); the after-load pass hands it the plan measured for its shape."""
 
-    kernel: CpuLinearKernels | None = None
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool = True, kernel: CpuLinearKernels | None = None
+    ) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.kernel = kernel
+
     packed: PackedWeight | None = None
     plan: LinearPlan | None = None
     lora: LinearAdapters | None = None  # adapters' room, with --enable-lora (lora/slots.py)

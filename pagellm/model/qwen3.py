@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from pagellm.config.model import ModelConfig
+from pagellm.kernels.linear_bindings import CpuLinearKernels
 from pagellm.model.layers import RMSNorm, apply_rotary
 from pagellm.model.llama import LlamaAttention, LlamaForCausalLM
 from pagellm.model.tensor_parallel import TPGroup
@@ -14,8 +15,10 @@ from pagellm.model.tensor_parallel import TPGroup
 class Qwen3Attention(LlamaAttention):
     qk_norm_class: type[RMSNorm] = RMSNorm
 
-    def __init__(self, config: ModelConfig, tp: TPGroup | None = None, layer: int = 0) -> None:
-        super().__init__(config, tp, layer)
+    def __init__(
+        self, config: ModelConfig, tp: TPGroup | None = None, layer: int = 0, kernel: CpuLinearKernels | None = None
+    ) -> None:
+        super().__init__(config, tp, layer, kernel)
         # One weight of head_dim, shared by every head (so a tensor-parallel rank keeps it whole).
         self.q_norm = self.qk_norm_class(config.head_dim, config.rms_norm_eps)
         self.k_norm = self.qk_norm_class(config.head_dim, config.rms_norm_eps)

@@ -62,6 +62,9 @@ def load_model(
             weights = _sharded(weights, tp.layout)
     if weights is not None and quantization == "int8":
         weights = _int8_rows(weights)
+    # bf16 on an x86-64 CPU with AVX2 or more: every linear layer is built on the CPU kernels.
+    on_cpu_bf16 = torch.device(device).type == "cpu" and dtype == torch.bfloat16
+    kernel = cpu_linear_kernels(int8_activations) if on_cpu_bf16 else None
     previous_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -70,7 +73,7 @@ def load_model(
         # exist in float, not even for a moment.
         with torch.device("meta" if weights is not None else device):
             local_config = config if tp is None else tp.layout.local_config(config)
-            model = model_class(config)(local_config, backend, rope_freq_divisors=divisors, tp=tp)
+            model = model_class(config)(local_config, backend, rope_freq_divisors=divisors, tp=tp, kernel=kernel)
         with torch.device(device):
             model.rotary, model.local_rotary = rotary_tables(config, divisors)
     finally:
@@ -80,10 +83,8 @@ def load_model(
     else:
         model.load_weights(weights, device=device)
     model.eval()
-    if torch.device(device).type == "cpu" and dtype == torch.bfloat16:
-        kernel = cpu_linear_kernels(int8_activations)
-        if kernel is not None:
-            prepare_cpu_kernels(model, kernel)
+    if kernel is not None:
+        prepare_cpu_kernels(model)
     logger.info(
         "loaded %s (%s%s, %.1fM parameters, %s) in %.1fs; weights: %s",
         source.name,

@@ -1,8 +1,8 @@
 """Model stage: the one pass after a bf16 CPU model's weights load (the loader calls it once):
 Q4_0 / Q4_1 weights repacked for the int8-activation kernel where it runs, every linear
-layer handed the CPU kernels and the plan measured for its shape group (the LM head its
-own), each sparse layer its experts' native runner. Nothing else gives a model its kernels;
-which forward runs a step is the worker's (worker/step_paths/)."""
+layer (built on the CPU kernels) handed the plan measured for its shape group (the LM head
+its own), each sparse layer its experts' native runner. Which forward runs a step is the
+worker's (worker/step_paths/)."""
 
 from __future__ import annotations
 
@@ -17,14 +17,15 @@ from pagellm.model.native.experts import NativeExperts
 from pagellm.model.packable_layers import PackableEmbedding, PackableLinear
 
 
-def prepare_cpu_kernels(model: nn.Module, kernel: CpuLinearKernels) -> None:
-    """bf16 on an x86-64 CPU with AVX2 or more, once the weights are loaded: each linear
-    layer takes the kernel measured fastest for a step's rows (model/linear_plans.py). With
-    int8 activations on a VNNI build, the Q4_0 / Q4_1 weights are first repacked into that
-    kernel's order."""
+def prepare_cpu_kernels(model: nn.Module) -> None:
+    """A model built on the CPU kernels (bf16, x86-64 with AVX2 or more), once its weights
+    are loaded: each linear layer takes the kernel measured fastest for a step's rows
+    (model/linear_plans.py). With int8 activations on a VNNI build, the Q4_0 / Q4_1 weights
+    are first repacked into that kernel's order."""
+    kernel = model.cpu_linear_kernels
+    assert kernel is not None, "the model was built without the CPU kernels"
     if kernel.int8_reads_repacked:
         repack_for_int8_activations(model)
-    set_linear_kernels(model, kernel)
     plans = measure_linear_plans(model, kernel)
     head = model.lm_head_module()
     for group in plans.groups:
@@ -42,7 +43,8 @@ def prepare_cpu_kernels(model: nn.Module, kernel: CpuLinearKernels) -> None:
 
 
 def set_linear_kernels(model: nn.Module, kernel: CpuLinearKernels | None) -> None:
-    """Route the linear layers (and the LM head) with few rows through `kernel` (None: torch)."""
+    """Route the linear layers (and the LM head) through `kernel` instead of what they were
+    built with (None: torch): what tests and benchmarks compare."""
     model.cpu_linear_kernels = kernel
     for module in model.modules():
         if isinstance(module, PackableLinear):
