@@ -31,7 +31,7 @@ from pagellm.sampling_params import SamplingParams
 from pagellm.sim.cost_model import StepCostModel
 from pagellm.sim.speculation import SimSpeculationConfig, SimSpeculator
 from pagellm.sim.request_stream import SimRequest
-from pagellm.core.step_batch import StepBatch, batch_from_schedule
+from pagellm.core.step_batch import batch_from_schedule
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +127,6 @@ class SimulatedExecutor:
         self.tier = tier
         self.now = 0.0
         self.num_extrapolated_steps = 0
-        self.last_batch: StepBatch | None = None
 
     def clock(self) -> float:
         return self.now
@@ -135,7 +134,6 @@ class SimulatedExecutor:
     def execute_model(self, output: SchedulerOutput) -> ModelRunnerOutput:
         sampled: list[str] = []
         batch = batch_from_schedule(output, self.requests, self.block_size, sampled)
-        self.last_batch = batch
         seconds = self.predict(batch)
         if self.outside_range is not None and self.outside_range(batch):
             self.num_extrapolated_steps += 1

@@ -62,10 +62,9 @@ def build_app(async_llm: AsyncLLM, config: ServerConfig | None = None, on_ready:
     engine = async_llm.engine
     name = config.served_model_name or engine.config.source.name
     limits = config.limits
+    config.check_engine(enable_lora=engine.config.lora_config is not None)
     adapters = AdapterRegistry(name, engine.config.lora_config, engine.read_adapter, engine.adapter_checked)
     for adapter_name, adapter_path in parse_lora_modules(config.lora_modules):
-        if adapters.lora_config is None:
-            raise ConfigError("--lora-modules needs --enable-lora")
         try:
             adapters.add(adapter_name, adapter_path)
         except InvalidRequestError as e:

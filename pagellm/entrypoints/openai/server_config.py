@@ -107,14 +107,12 @@ class ServerConfig:
         )
 
     def to_cli(self) -> list[str]:
-        """The flags that give a server these settings (host, port and API key excepted:
-        each replica listens on its own port and reads the key from its environment)."""
+        """The flags that give a replica these settings (not its address, which the launcher
+        gives, nor the API key, which it reads from its environment)."""
         flags: list[str] = []
         for spec in SERVER_FLAGS:
             value = getattr(self, spec.name)
-            if spec.name in ("host", "port", "api_key", "data_parallel_size", "data_parallel_routing", "lora_modules"):
-                continue
-            if value is None or value == spec.default:
+            if not spec.replicated or value is None or value == spec.default:
                 continue
             flags += [spec.flag, json.dumps(dict(value)) if spec.name == "structured_outputs_config" else str(value)]
         for limit in fields(RequestLimits):  # each replica checks the limits
@@ -135,6 +133,7 @@ class FlagSpec:
     choices: tuple[str, ...] | None = None
     metavar: str | None = None
     nargs: str | None = None
+    replicated: bool = True  # a data-parallel replica's command line carries it (to_cli)
 
     @property
     def flag(self) -> str:
@@ -143,10 +142,10 @@ class FlagSpec:
 
 _DEFAULTS = ServerConfig()
 SERVER_FLAGS = (
-    FlagSpec("host", "address to listen on", default=_DEFAULTS.host),
-    FlagSpec("port", "port (0 = any free port)", int, _DEFAULTS.port),
+    FlagSpec("host", "address to listen on", default=_DEFAULTS.host, replicated=False),
+    FlagSpec("port", "port (0 = any free port)", int, _DEFAULTS.port, replicated=False),
     FlagSpec("served_model_name", "the model name clients use (default: the model file or folder name)"),
-    FlagSpec("api_key", f"require 'Authorization: Bearer KEY' on the API (default: ${API_KEY_ENV})"),
+    FlagSpec("api_key", f"require 'Authorization: Bearer KEY' on the API (default: ${API_KEY_ENV})", replicated=False),
     FlagSpec("max_num_queued_requests", "most requests waiting for the batch; more get 503 (default: no limit)", int),
     FlagSpec(
         "shutdown_timeout",
@@ -158,13 +157,13 @@ SERVER_FLAGS = (
         "engine replicas behind this endpoint, each with its own KV cache (and its own "
         "--tensor-parallel-size ranks); requests go by prefix-cache affinity, then load. With "
         "--distributed-executor-backend ray the replicas are placed on the Ray cluster (default: 1)",
-        int, _DEFAULTS.data_parallel_size,
+        int, _DEFAULTS.data_parallel_size, replicated=False,
     ),  # fmt: skip
     FlagSpec(
         "data_parallel_routing",
         "how the replicas are chosen: affinity = prefix-cache affinity, then load; "
         "load = the least loaded replica only (default: affinity)",
-        default=_DEFAULTS.data_parallel_routing, choices=DATA_PARALLEL_ROUTINGS,
+        default=_DEFAULTS.data_parallel_routing, choices=DATA_PARALLEL_ROUTINGS, replicated=False,
     ),  # fmt: skip
     FlagSpec(
         "reasoning_parser",
@@ -191,7 +190,7 @@ SERVER_FLAGS = (
         "lora_modules",
         "LoRA adapters to serve from the start (with --enable-lora), each as name=path or "
         "{\"name\": ..., \"path\": ...}; requests select one by its name in `model`",
-        default=[], metavar="NAME=PATH", nargs="+",
+        default=[], metavar="NAME=PATH", nargs="+", replicated=False,
     ),  # fmt: skip
     FlagSpec("data_parallel_rank", argparse.SUPPRESS, int),
 )

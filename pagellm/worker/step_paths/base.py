@@ -8,7 +8,7 @@ computes it; the model family computes, whichever path calls into it.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -25,6 +25,9 @@ class StepInputs:
     block_size: int
     device: torch.device | str
     has_adapters: bool = False  # rows under a LoRA adapter (its slots are mapped for this step)
+    # What a path found about this step, by its name: a check two paths ask for (the
+    # measured choice and the path itself) runs once.
+    checks: dict[str, bool] = field(default_factory=dict)
 
     @functools.cached_property
     def model_inputs(self) -> ModelInputs:

@@ -38,7 +38,11 @@ class FusedDecodePath:
         self._model, self.fused, self._layer_ops = model, fused, layer_ops
 
     def applies(self, step: StepInputs) -> bool:
-        return not step.has_adapters and self.fused.applies(step.num_tokens, step.kv_caches, step.model_inputs.metadata)
+        if self.name not in step.checks:
+            step.checks[self.name] = not step.has_adapters and self.fused.applies(
+                step.num_tokens, step.kv_caches, step.model_inputs.metadata
+            )
+        return step.checks[self.name]
 
     def run(self, step: StepInputs) -> torch.Tensor:
         return native_forward(self._model, self.fused, self._layer_ops, step)
