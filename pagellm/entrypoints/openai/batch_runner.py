@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -85,6 +86,16 @@ def _error_record(error: LineError) -> dict[str, Any]:
     return result_line(new_id("batch_req"), error.custom_id, None, None, {"code": error.code, "message": str(error)})
 
 
+@dataclasses.dataclass(frozen=True)
+class BatchProgress:
+    """What /metrics reports of the Batch API: lines run since start, by outcome, and the
+    batches not yet ended."""
+
+    lines_completed: int = 0
+    lines_failed: int = 0
+    batches_active: int = 0
+
+
 class BatchRunner:
     def __init__(self, store: BatchStore, call: RouteCall, max_in_flight: int) -> None:
         self.store = store
@@ -128,8 +139,8 @@ class BatchRunner:
         """The input files of the batches that have not ended (an expired one is kept for them)."""
         return {batch.input_file_id for batch in self._unfinished()}
 
-    def num_active(self) -> int:
-        return len(self._unfinished())
+    def progress(self) -> BatchProgress:
+        return BatchProgress(self.lines_done["completed"], self.lines_done["failed"], len(self._unfinished()))
 
     def get(self, batch_id: str) -> BatchObject:
         return self._live.get(batch_id) or self.store.batch(batch_id)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -27,6 +27,7 @@ from prometheus_client.registry import Collector
 
 from pagellm.engine.async_llm import AsyncLLM
 from pagellm.engine.async_requests import EngineSnapshot
+from pagellm.entrypoints.openai.batch_runner import BatchProgress
 
 
 @dataclass(frozen=True)
@@ -105,23 +106,23 @@ class ServerCollector(Collector):
 
 
 class BatchCollector(Collector):
-    """The batch runner's progress: lines done by outcome, batches not yet ended."""
+    """The Batch API's progress: lines done by outcome, batches not yet ended."""
 
-    def __init__(self, batches: Any, model_name: str) -> None:
-        self.batches = batches  # serving_batch.BatchServing (not imported: this module stays light)
+    def __init__(self, progress: Callable[[], BatchProgress], model_name: str) -> None:
+        self.progress = progress  # BatchServing.progress: read on the event loop, like the routes
         self.model_name = model_name
 
     def collect(self) -> Iterator[Metric]:
-        runner = self.batches.runner
+        progress = self.progress()
         lines = CounterMetricFamily(
             "pagellm:batch_requests", "Batch lines run since start, by outcome (completed: status 200).",
             labels=["model_name", "outcome"],
         )  # fmt: skip
-        for outcome in ("completed", "failed"):
-            lines.add_metric([self.model_name, outcome], float(runner.lines_done[outcome] if runner else 0))
+        lines.add_metric([self.model_name, "completed"], float(progress.lines_completed))
+        lines.add_metric([self.model_name, "failed"], float(progress.lines_failed))
         yield lines
         active = GaugeMetricFamily("pagellm:batches_active", "Batches not yet ended (validating to cancelling).", labels=["model_name"])
-        active.add_metric([self.model_name], float(runner.num_active() if runner else 0))
+        active.add_metric([self.model_name], float(progress.batches_active))
         yield active
 
 
@@ -156,14 +157,17 @@ class AdapterCollector(Collector):
 
 
 def make_registry(
-    async_llm: AsyncLLM, model_name: str, batches: Any = None, adapters: bool = False
+    async_llm: AsyncLLM,
+    model_name: str,
+    batch_progress: Callable[[], BatchProgress] | None = None,
+    adapters: bool = False,
 ) -> CollectorRegistry:
     """A registry of its own per app, so that several servers in one process never clash;
     adapters: the LoRA metrics too (--enable-lora)."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(ServerCollector(async_llm, model_name))
-    if batches is not None:
-        registry.register(BatchCollector(batches, model_name))
+    if batch_progress is not None:
+        registry.register(BatchCollector(batch_progress, model_name))
     if adapters:
         registry.register(AdapterCollector(async_llm, model_name))
     return registry

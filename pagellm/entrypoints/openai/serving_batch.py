@@ -21,7 +21,7 @@ from fastapi.responses import Response
 from pydantic import ValidationError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from pagellm.entrypoints.openai.batch_runner import BatchRunner, RouteCall
+from pagellm.entrypoints.openai.batch_runner import BatchProgress, BatchRunner, RouteCall
 from pagellm.entrypoints.openai.batch_store import BatchStore, DirectoryLock, default_batch_dir
 from pagellm.entrypoints.openai.errors import APIError
 from pagellm.entrypoints.openai.openapi_docs import BATCH, BATCH_CREATE, FILE_CONTENT, FILE_UPLOAD, FILES, add_route_per_method
@@ -141,6 +141,9 @@ class BatchServing:
             self.unavailable = f"The batch directory {root} cannot be used ({e.strerror or e}); pass another --batch-dir."
         if self.unavailable is not None:
             logger.warning("%s The Files and Batch API are off.", self.unavailable)
+
+    def progress(self) -> BatchProgress:
+        return self.runner.progress() if self.runner is not None else BatchProgress()
 
     def start(self, call: RouteCall, max_in_flight: int) -> None:
         if self.store is not None:

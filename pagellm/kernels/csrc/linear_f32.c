@@ -247,7 +247,7 @@ static inline __attribute__((always_inline)) void dot16_span(int type, int M, co
     const uint8_t *pairs, *high_bits = NULL;
     __m256 d8, min8;
     if (type == WEIGHT_Q4_K || type == WEIGHT_Q5_K) {
-        const uint8_t *block = row + g0 / 8 * (type == WEIGHT_Q4_K ? 144 : 176);
+        const uint8_t *block = row + g0 / 8 * (type == WEIGHT_Q4_K ? Q4_K_BLOCK_BYTES : Q5_K_BLOCK_BYTES);
         /* The 12 bytes of 6-bit scales and mins (k_scale_min's packing) as three words a, b, c,
          * each byte a lane: scales 0-3 are a's low 6 bits, mins 0-3 b's; scales 4-7 are c's
          * low nibbles with a's top 2 bits above them, mins 4-7 c's high nibbles with b's. */
@@ -321,7 +321,7 @@ static inline __attribute__((always_inline)) void dot16_span(int type, int M, co
 static inline __attribute__((always_inline)) void dot16_q6k_block(int M, const XGroups *xg, int64_t k,
                                                                   const uint8_t *row, int64_t g0,
                                                                   __m256 even[], __m256 odd[]) {
-    const uint8_t *block = row + g0 / 8 * 210;
+    const uint8_t *block = row + g0 / 8 * Q6_K_BLOCK_BYTES;
     const int64_t stride = group_sums_stride(k);
     const __m128i scale_bytes = _mm_loadu_si128((const __m128i *)(block + 192));
     const __m256 d = _mm256_set1_ps(half_to_float(block + 208));
@@ -448,17 +448,16 @@ STREAM_KERNELS(stream_q6_k, WEIGHT_Q6_K)
 STREAM_KERNELS(stream_i8_row, WEIGHT_I8_ROW)
 STREAM_KERNELS(stream_bf16, WEIGHT_BF16)
 
+/* Indexed like WEIGHT_TYPES. */
+static const stream_fn *const STREAM_KERNELS_BY_TYPE[WEIGHT_TYPE_COUNT] = {
+    [WEIGHT_INDEX_Q4_0] = stream_q4_0, [WEIGHT_INDEX_Q4_1] = stream_q4_1, [WEIGHT_INDEX_Q8_0] = stream_q8_0,
+    [WEIGHT_INDEX_Q4_K] = stream_q4_k, [WEIGHT_INDEX_Q5_K] = stream_q5_k, [WEIGHT_INDEX_Q6_K] = stream_q6_k,
+    [WEIGHT_INDEX_I8_ROW] = stream_i8_row, [WEIGHT_INDEX_BF16] = stream_bf16,
+};
+
 static const stream_fn *stream_kernels(int type) {
-    switch (type) {
-    case WEIGHT_Q4_0: return stream_q4_0;
-    case WEIGHT_Q4_1: return stream_q4_1;
-    case WEIGHT_Q8_0: return stream_q8_0;
-    case WEIGHT_Q4_K: return stream_q4_k;
-    case WEIGHT_Q5_K: return stream_q5_k;
-    case WEIGHT_Q6_K: return stream_q6_k;
-    case WEIGHT_I8_ROW: return stream_i8_row;
-    default: return stream_bf16;
-    }
+    const int index = weight_type_index(type);
+    return index >= 0 && STREAM_KERNELS_BY_TYPE[index] ? STREAM_KERNELS_BY_TYPE[index] : stream_bf16;
 }
 
 /* Weight rows per call of a stream_fn: more than 8 rows of x take several calls per block,

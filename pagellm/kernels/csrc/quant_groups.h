@@ -60,7 +60,7 @@ static inline __attribute__((always_inline)) __m256i k_group_bytes(int type, con
     const __m256i low4 = _mm256_set1_epi8(0x0F);
     if (type == WEIGHT_Q6_K) {
         const int64_t sub = g & 7, half = sub >> 2, i = sub & 3;
-        const uint8_t *block = row + (g >> 3) * 210;
+        const uint8_t *block = row + (g >> 3) * Q6_K_BLOCK_BYTES;
         const uint8_t *ql = block + 64 * half, *qh = block + 128 + 32 * half;
         const int8_t *scales = (const int8_t *)(block + 192) + 8 * half;
         const float d = half_to_float(block + 208);
@@ -75,7 +75,7 @@ static inline __attribute__((always_inline)) __m256i k_group_bytes(int type, con
         return _mm256_or_si256(u, _mm256_slli_epi16(high, 4));
     }
     const int64_t sub = g & 7;
-    const uint8_t *block = row + (g >> 3) * (type == WEIGHT_Q4_K ? 144 : 176);
+    const uint8_t *block = row + (g >> 3) * (type == WEIGHT_Q4_K ? Q4_K_BLOCK_BYTES : Q5_K_BLOCK_BYTES);
     int sc, mn;
     k_scale_min(block + 4, (int)sub, &sc, &mn);
     gs->scale_lo = gs->scale_hi = half_to_float(block) * (float)sc;

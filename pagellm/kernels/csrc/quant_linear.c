@@ -44,25 +44,12 @@
  * 16 rows 33.1 vs 25.0 ms). */
 #define QUANT_STREAMING_MAX_ROWS 8
 
-/* Elements per quantization block and its bytes. */
-static inline int64_t block_elements(int type) {
-    return (type == WEIGHT_Q4_K || type == WEIGHT_Q5_K || type == WEIGHT_Q6_K) ? 256 : 32;
-}
-
 int64_t weight_row_bytes(int type, int64_t k) {
-    switch (type) {
-    case WEIGHT_Q4_0:
-    case WEIGHT_Q4_0_VNNI: return padded_groups(k) * 18;
-    case WEIGHT_Q4_1:
-    case WEIGHT_Q4_1_VNNI: return padded_groups(k) * 20;
-    case WEIGHT_Q8_0: return k / 32 * 34;
-    case WEIGHT_Q4_K: return k / 256 * 144;
-    case WEIGHT_Q5_K: return k / 256 * 176;
-    case WEIGHT_Q6_K: return k / 256 * 210;
-    case WEIGHT_BF16: return k * 2;
-    case WEIGHT_I8_ROW: return k;
-    default: return -1;
-    }
+    const int index = weight_type_index(type);
+    if (index < 0) return -1;
+    const WeightTypeTraits *t = &WEIGHT_TYPES[index];
+    const int64_t blocks = t->padded_to_even_groups ? padded_groups(k) : k / t->block_values;
+    return blocks * t->block_bytes;
 }
 
 /* The rest of this file is the AVX-512 BF16 builds' kernels; the others take linear_f32.c's. */
@@ -300,16 +287,16 @@ STREAM_KERNELS(stream_q5_k, stream_row, WEIGHT_Q5_K)
 STREAM_KERNELS(stream_q6_k, stream_row, WEIGHT_Q6_K)
 STREAM_KERNELS(stream_i8_row, stream_row, WEIGHT_I8_ROW)
 
+/* Indexed like WEIGHT_TYPES; the types with none here are dequantized to a panel first. */
+static const stream_fn *const STREAM_KERNELS_BY_TYPE[WEIGHT_TYPE_COUNT] = {
+    [WEIGHT_INDEX_Q4_0] = stream_q4_0, [WEIGHT_INDEX_Q4_1] = stream_q4_1, [WEIGHT_INDEX_Q8_0] = stream_q8_0,
+    [WEIGHT_INDEX_Q4_K] = stream_q4_k, [WEIGHT_INDEX_Q5_K] = stream_q5_k, [WEIGHT_INDEX_Q6_K] = stream_q6_k,
+    [WEIGHT_INDEX_I8_ROW] = stream_i8_row,
+};
+
 static const stream_fn *stream_kernels(int type) {
-    switch (type) {
-    case WEIGHT_Q4_0: return stream_q4_0;
-    case WEIGHT_Q4_1: return stream_q4_1;
-    case WEIGHT_Q8_0: return stream_q8_0;
-    case WEIGHT_Q4_K: return stream_q4_k;
-    case WEIGHT_Q5_K: return stream_q5_k;
-    case WEIGHT_Q6_K: return stream_q6_k;
-    default: return stream_i8_row;
-    }
+    const int index = weight_type_index(type);
+    return index >= 0 && STREAM_KERNELS_BY_TYPE[index] ? STREAM_KERNELS_BY_TYPE[index] : stream_i8_row;
 }
 
 /* The order in which the Q4 stream kernel reads x: within each run of 4 groups (128 values),

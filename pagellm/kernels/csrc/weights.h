@@ -27,6 +27,56 @@ enum {
     WEIGHT_Q4_1_VNNI = 1003,
 };
 
+/* What the kernels need to know of each stored type, in one table: a kernel file that
+ * specialises per type keeps an array of its specialisations indexed like this table
+ * (weight_type_index), instead of a switch of its own. GGML's block layouts: values per
+ * block and the block's bytes; a Q4 row as quant_groups.h stores it has an even number of
+ * groups (padded_groups). */
+typedef struct {
+    int32_t type;
+    int32_t block_values;
+    int32_t block_bytes;
+    int32_t padded_to_even_groups;
+} WeightTypeTraits;
+
+enum {
+    WEIGHT_INDEX_Q4_0,
+    WEIGHT_INDEX_Q4_1,
+    WEIGHT_INDEX_Q8_0,
+    WEIGHT_INDEX_Q4_K,
+    WEIGHT_INDEX_Q5_K,
+    WEIGHT_INDEX_Q6_K,
+    WEIGHT_INDEX_BF16,
+    WEIGHT_INDEX_I8_ROW,
+    WEIGHT_INDEX_Q4_0_VNNI,
+    WEIGHT_INDEX_Q4_1_VNNI,
+    WEIGHT_TYPE_COUNT
+};
+
+#define Q4_K_BLOCK_BYTES 144
+#define Q5_K_BLOCK_BYTES 176
+#define Q6_K_BLOCK_BYTES 210
+
+static const WeightTypeTraits WEIGHT_TYPES[WEIGHT_TYPE_COUNT] = {
+    [WEIGHT_INDEX_Q4_0] = {WEIGHT_Q4_0, 32, 18, 1},
+    [WEIGHT_INDEX_Q4_1] = {WEIGHT_Q4_1, 32, 20, 1},
+    [WEIGHT_INDEX_Q8_0] = {WEIGHT_Q8_0, 32, 34, 0},
+    [WEIGHT_INDEX_Q4_K] = {WEIGHT_Q4_K, 256, Q4_K_BLOCK_BYTES, 0},
+    [WEIGHT_INDEX_Q5_K] = {WEIGHT_Q5_K, 256, Q5_K_BLOCK_BYTES, 0},
+    [WEIGHT_INDEX_Q6_K] = {WEIGHT_Q6_K, 256, Q6_K_BLOCK_BYTES, 0},
+    [WEIGHT_INDEX_BF16] = {WEIGHT_BF16, 1, 2, 0},
+    [WEIGHT_INDEX_I8_ROW] = {WEIGHT_I8_ROW, 1, 1, 0},
+    [WEIGHT_INDEX_Q4_0_VNNI] = {WEIGHT_Q4_0_VNNI, 32, 18, 1},
+    [WEIGHT_INDEX_Q4_1_VNNI] = {WEIGHT_Q4_1_VNNI, 32, 20, 1},
+};
+
+/* The type's row in WEIGHT_TYPES, or -1 for a type the kernels do not know. */
+static inline int weight_type_index(int type) {
+    for (int i = 0; i < WEIGHT_TYPE_COUNT; i++)
+        if (WEIGHT_TYPES[i].type == type) return i;
+    return -1;
+}
+
 #define WEIGHT_MAX_PARTS 3
 
 typedef struct {

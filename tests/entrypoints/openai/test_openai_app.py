@@ -271,3 +271,31 @@ def test_the_router_schema_has_unique_ids_too():
     ids = [op["operationId"] for path in schema["paths"].values() for op in path.values()]
     assert len(ids) == len(set(ids))
     assert set(schema["paths"]["/v1/responses/{response_id}"]) == {"get", "delete"}
+
+
+def test_the_router_serves_every_route_a_replica_serves(app_client: TestClient):
+    """The data-parallel router takes its forwarded routes from the server's route groups:
+    every path and method a replica serves (bar its adapter admin, which differs per
+    replica) is served by the router under the same operation."""
+    from fastapi.routing import APIRoute
+    from prometheus_client import CollectorRegistry
+
+    from pagellm.entrypoints.openai.data_parallel.server import build_router_app
+
+    class NoReplicas:
+        registry = CollectorRegistry()
+
+    def flat(routes):  # noqa: ANN001, ANN202 - an included router is one entry in app.routes
+        for route in routes:
+            included = getattr(route, "original_router", None)
+            yield from flat(included.routes) if included is not None else [route]
+
+    def served(app) -> dict[tuple[str, str], str]:  # noqa: ANN001
+        return {(r.path, m): r.name for r in flat(app.routes) if isinstance(r, APIRoute) for m in r.methods}
+
+    replica = served(app_client.app)
+    router = served(build_router_app(NoReplicas(), "m", None))  # type: ignore[arg-type]
+    missing = {key for key in replica if key not in router and "lora_adapter" not in key[0]}
+    assert not missing
+    routed_as_replica = {key for key in replica if router.get(key) == replica[key]}
+    assert {("/v1/responses/{response_id}", "DELETE"), ("/rerank", "POST"), ("/v1/models", "GET")} <= routed_as_replica

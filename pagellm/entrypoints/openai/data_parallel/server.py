@@ -30,8 +30,9 @@ from typing import Any
 
 import httpx2 as httpx
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
@@ -43,7 +44,7 @@ from pagellm.entrypoints.openai.api_server import bind_socket, keep_signals_from
 from pagellm.entrypoints.openai.auth import ApiKeyMiddleware
 from pagellm.entrypoints.openai.server_config import ServerConfig
 from pagellm.entrypoints.openai.errors import APIError
-from pagellm.entrypoints.openai.openapi_docs import add_route_per_method
+from pagellm.entrypoints.openai.routes import completions, embeddings, messages, responses, status, tokens
 from pagellm.entrypoints.openai.routes.dashboard import add_dashboard_page
 from pagellm.entrypoints.openai.data_parallel.replicas import Replica, start_process_replicas, start_ray_replicas
 from pagellm.entrypoints.openai.data_parallel.router import PrefixAffinityRouter
@@ -296,7 +297,7 @@ def build_router_app(
             await batches.stop()
 
     app = FastAPI(title="pagellm (data parallel)", lifespan=lifespan)
-    router.registry.register(BatchCollector(batches, name))
+    router.registry.register(BatchCollector(batches.progress, name))
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
 
@@ -315,22 +316,12 @@ def build_router_app(
     async def get_metrics() -> Response:
         return Response(await router.metrics_text(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    stateless = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/messages", "/v1/messages/count_tokens")
-    scoring = ("/v1/score", "/score", "/v1/rerank", "/rerank", "/v2/rerank")
-    for path in (*stateless, *scoring, "/tokenize", "/detokenize", "/v1/responses"):
-        app.add_api_route(path, _forwarder(router, path), methods=["POST"])
-
-    # A stored response lives in the memory of the replica that made it: its id says which.
-    async def response_by_id(response_id: str, request: Request) -> Response:
-        return await router.forward(request, f"/v1/responses/{response_id}", router.holder_of(response_id))
-
-    add_route_per_method(app, "/v1/responses/{response_id}", response_by_id, ["DELETE", "GET"])
-
-    @app.post("/v1/responses/{response_id}/cancel")
-    async def cancel_response(response_id: str, request: Request) -> Response:
-        return await router.forward(request, f"/v1/responses/{response_id}/cancel", router.holder_of(response_id))
-
-    app.add_api_route("/v1/models", _forwarder(router, "/v1/models"), methods=["GET"])
+    # The replicas' own route groups, each route forwarded as it is declared there (path,
+    # methods, schema entry): a route added to a group is routed here with no change.
+    for group in (completions, embeddings, messages, tokens, responses):
+        forward_routes(app, group.router, router)
+    # /v1/models is the replicas' (with their adapters); /health and /metrics are the router's.
+    forward_routes(app, status.router, router, only={"/v1/models"})
     add_batch_routes(app, batches)
 
     @app.get("/v1/engine/state")
@@ -345,11 +336,28 @@ def build_router_app(
     return app
 
 
-def _forwarder(router: ReplicaRouter, path: str):  # noqa: ANN202 - a FastAPI endpoint
-    async def endpoint(request: Request) -> Response:
-        return await router.forward(request, path)
+def forward_routes(app: FastAPI, group: APIRouter, router: ReplicaRouter, only: set[str] | None = None) -> None:
+    """Add each route of `group` (or those whose path is in `only`) to `app`, forwarded to
+    a replica. A route that names a stored response goes to the replica that holds it: its
+    id says which."""
 
-    return endpoint
+    async def endpoint(request: Request) -> Response:
+        return await router.forward(request, request.url.path)
+
+    async def stored_response_endpoint(response_id: str, request: Request) -> Response:
+        return await router.forward(request, request.url.path, router.holder_of(response_id))
+
+    for route in group.routes:
+        if isinstance(route, APIRoute) and (only is None or route.path in only):
+            app.add_api_route(
+                route.path,
+                stored_response_endpoint if "{response_id}" in route.path else endpoint,
+                methods=sorted(route.methods),
+                name=route.name,
+                responses=route.responses,
+                include_in_schema=route.include_in_schema,
+                operation_id=route.operation_id,
+            )
 
 
 def run_dp_server(config: ServerConfig, engine_args: EngineArgs) -> None:
