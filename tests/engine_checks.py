@@ -12,6 +12,7 @@ def assert_engine_drained(llm) -> None:  # noqa: ANN001 - pagellm.LLM
     manager = scheduler.kv_cache_manager
     assert manager.num_free_blocks == manager.num_usable_blocks
     assert not manager.request_ids_holding_blocks()
+    assert manager.state_slots.num_free == manager.state_slots.num_slots  # a hybrid model's state slots
     # The runner hears of the last finished requests in the next step's output.
     assert engine.step() == []
     assert not engine.runner.requests

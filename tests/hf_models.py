@@ -22,8 +22,8 @@ TINY_SHAPE = dict(
 def make_tiny_hf_checkpoint(
     folder: Path, arch: str = "llama", seed: int = 0, **overrides: object
 ) -> Path:
-    """Save a random tiny Llama/Qwen2/Mistral/Qwen3/Phi-3/Mixtral/Qwen3-MoE/Gemma 2/Gemma 3
-    model as an HF folder; return its path."""
+    """Save a random tiny Llama/Qwen2/Mistral/Qwen3/Phi-3/Mixtral/Qwen3-MoE/Gemma 2/Gemma 3/
+    Qwen3.5 model as an HF folder; return its path."""
     import transformers
 
     classes = {
@@ -37,6 +37,7 @@ def make_tiny_hf_checkpoint(
         "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
         "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
         "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+        "qwen3_5": (transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM),
     }
     config_cls, model_cls = classes[arch]
     shape = {**TINY_SHAPE, "rope_theta": 10000.0, "tie_word_embeddings": False}
@@ -51,6 +52,16 @@ def make_tiny_hf_checkpoint(
         shape.setdefault("pad_token_id", 0)
     if arch == "phi3":
         shape.setdefault("pad_token_id", 0)  # its default, 32000, lies outside the tiny vocabulary
+    if arch == "qwen3_5":
+        # Three linear-attention layers and a gated attention one (its own default order),
+        # GQA-like sharing of q/k heads by value heads, and heads small enough to be quick.
+        shape["num_hidden_layers"] = overrides.get("num_hidden_layers", 4)
+        shape.setdefault("head_dim", 16)
+        shape.setdefault("linear_num_key_heads", 2)
+        shape.setdefault("linear_num_value_heads", 4)
+        shape.setdefault("linear_key_head_dim", 8)
+        shape.setdefault("linear_value_head_dim", 8)
+        shape.setdefault("pad_token_id", 0)
     config = config_cls(bos_token_id=1, eos_token_id=2, **shape)
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32)
@@ -60,7 +71,8 @@ def make_tiny_hf_checkpoint(
         for name, param in model.named_parameters():
             if "norm" in name:
                 # Gemma's norms scale by (1 + w): the same spread around 1.
-                param.uniform_(-0.2, 0.2) if arch.startswith("gemma") else param.uniform_(0.8, 1.2)
+                offset = arch.startswith("gemma") or (arch == "qwen3_5" and "linear_attn.norm" not in name)
+                param.uniform_(-0.2, 0.2) if offset else param.uniform_(0.8, 1.2)
             elif "embed" in name:
                 # A tied head reads the embedding too: keep it moderate there.
                 param.normal_(0.0, 0.3 if config.tie_word_embeddings else 1.0)
@@ -107,3 +119,38 @@ def make_tiny_classifier_checkpoint(folder: Path, arch: str = "llama", seed: int
     model.save_pretrained(folder, safe_serialization=True)
     write_byte_tokenizer(folder)
     return folder
+
+
+def make_tiny_qwen3_5_multimodal(folder: Path, seed: int = 0) -> Path:
+    """A random tiny Qwen3_5ForConditionalGeneration (a one-block vision tower beside the
+    hybrid language model of make_tiny_hf_checkpoint(..., "qwen3_5")), saved as transformers
+    5.x writes it: the language model under model.language_model, the tower under model.visual."""
+    import transformers
+
+    text = {**TINY_SHAPE, "num_hidden_layers": 4, "head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+            "linear_key_head_dim": 8, "linear_value_head_dim": 8, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}  # fmt: skip
+    vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
+              "patch_size": 4, "num_position_embeddings": 16}  # fmt: skip
+    config = transformers.Qwen3_5Config(
+        text_config=text, vision_config=vision, image_token_id=250, video_token_id=251,
+        vision_start_token_id=252, vision_end_token_id=253,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = transformers.Qwen3_5ForConditionalGeneration(config).to(torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name and "visual" not in name:
+                param.uniform_(0.8, 1.2) if "linear_attn.norm" in name else param.uniform_(-0.2, 0.2)
+            elif "embed" in name:
+                param.normal_(0.0, 1.0)
+            else:
+                param.normal_(0.0, 0.15)
+    model.save_pretrained(folder, safe_serialization=True)
+    write_byte_tokenizer(folder)
+    return folder
+
+
+def load_hf_multimodal_reference(folder: Path) -> torch.nn.Module:
+    import transformers
+
+    return transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()

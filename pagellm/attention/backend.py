@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from pagellm.attention.linear_attention import LinearAttentionMetadata
+
 
 @dataclass
 class AttentionMetadata:
@@ -35,6 +37,9 @@ class AttentionMetadata:
     # A model with several KV cache groups (config/kv_layout.py): this is group 0's
     # metadata, and group_metadata[g - 1] group g's (its own slots and block tables).
     group_metadata: tuple[AttentionMetadata, ...] = ()
+    # A hybrid model: each request's recurrent-state slot and the linear-attention layers'
+    # states (attention/linear_attention.py); None for a model whose layers all attend.
+    linear: LinearAttentionMetadata | None = None
 
     @property
     def num_reqs(self) -> int:

@@ -48,9 +48,12 @@ class CacheConfig:
     # tier) and how many block writes may wait in its queue before new ones are dropped.
     kv_offload_bytes: int = 0
     kv_offload_max_pending_writes: int = 256
+    # A hybrid model's recurrent-state slots (one per running request; 0: not a hybrid).
+    num_state_slots: int = 0
 
     def __post_init__(self) -> None:
         check_int("CacheConfig", "block_size", self.block_size, 1)
+        check_int("CacheConfig", "num_state_slots", self.num_state_slots, 0)
         # Block 0 is the null block, so one more is needed to hold any token at all.
         check_int("CacheConfig", "num_gpu_blocks", self.num_gpu_blocks, 2)
         check_int("CacheConfig", "num_cpu_blocks", self.num_cpu_blocks, 0)
@@ -135,8 +138,11 @@ def kv_bytes_per_block(config: ModelConfig, block_size: int, kv_cache_dtype: str
     return kv_cache_layout(config).layers_per_block * block_size * per_token
 
 
-def decide_cache_size(budget: CacheBudget, bytes_per_block: int, memory: MemoryFacts) -> CacheSize:
-    """Device and host blocks for `budget` on a rank whose blocks take `bytes_per_block`."""
+def decide_cache_size(
+    budget: CacheBudget, bytes_per_block: int, memory: MemoryFacts, state_bytes: int = 0
+) -> CacheSize:
+    """Device and host blocks for `budget` on a rank whose blocks take `bytes_per_block`,
+    after `state_bytes` of it went to a hybrid model's recurrent-state slots."""
     num_cpu_blocks = budget.swap_space_bytes // bytes_per_block
     if budget.num_gpu_blocks_override is not None:
         num = budget.num_gpu_blocks_override
@@ -160,8 +166,10 @@ def decide_cache_size(budget: CacheBudget, bytes_per_block: int, memory: MemoryF
             if memory.available_ram_bytes is not None:
                 size = min(size, memory.available_ram_bytes // 2)
             how = f"CPU default budget ({size / GiB:.2f} GiB)"
+        if state_bytes:
+            how += f", less {state_bytes / GiB:.3g} GiB of recurrent-state slots"
         # +1: block 0 is the reserved null block and holds no tokens.
-        num = size // bytes_per_block + 1
+        num = max(size - state_bytes, 0) // bytes_per_block + 1
     if num < 2:
         raise ConfigError(f"the KV cache budget ({how}) is smaller than one block of {bytes_per_block} bytes")
     return CacheSize(num, num_cpu_blocks, (num - 1) * bytes_per_block, how)
@@ -173,6 +181,7 @@ def sized_cache_config(
     max_model_len: int,
     group_windows: tuple[int | None, ...] = (None,),
     max_step_tokens: int | None = None,
+    num_state_slots: int = 0,
 ) -> CacheConfig:
     """The cache the scheduler gets (KV cache groups with `group_windows`); one too small
     for a request of max_model_len (steps of at most max_step_tokens; None: one step) is
@@ -184,6 +193,7 @@ def sized_cache_config(
         enable_prefix_caching=budget.enable_prefix_caching,
         group_windows=group_windows,
         kv_offload_bytes=budget.kv_offload_bytes if budget.kv_offload_path else 0,
+        num_state_slots=num_state_slots,
     )
     step = max_model_len if max_step_tokens is None else max_step_tokens
     if cache_config.max_blocks_per_request(max_model_len, step) > cache_config.num_usable_gpu_blocks:

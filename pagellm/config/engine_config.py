@@ -13,6 +13,7 @@ model loads: `EngineConfig.with_cache` adds it (config/cache.py decides it).
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 
 from pagellm.config.cache import CacheBudget, CacheConfig, CacheSize, sized_cache_config
@@ -24,6 +25,8 @@ from pagellm.config.scheduler import DEFAULT_BACKGROUND_TOKEN_BUDGET, DEFAULT_MA
 from pagellm.config.speculative import SpeculativeConfig, resolve_speculative_config
 from pagellm.config.units import GiB
 from pagellm.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 # The dtypes a model may run in (the names of EngineArgs.dtype other than auto).
 MODEL_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
@@ -101,8 +104,14 @@ class EngineConfig:
         request of max_model_len checked to fit (steps of max_num_batched_tokens)."""
         return sized_cache_config(
             self.cache_budget, size, self.max_model_len, kv_cache_layout(self.model_config).windows,
-            self.scheduler_config.max_num_batched_tokens,
+            self.scheduler_config.max_num_batched_tokens, self.num_state_slots,
         )  # fmt: skip
+
+    @property
+    def num_state_slots(self) -> int:
+        """A hybrid model's recurrent-state slots: one per request that may run at once
+        (0: not a hybrid)."""
+        return self.scheduler_config.max_num_seqs if self.model_config.linear_attention is not None else 0
 
 
 def resolve_device_type(name: str, facts: DeviceFacts) -> str:
@@ -178,7 +187,7 @@ def resolve_engine_config(
 ) -> EngineConfig:
     """Every setting of the engine `args` ask for on this model and machine, but the
     KV cache's block count. Raises ConfigError where the engine cannot start."""
-    args = args.with_profile()
+    args = hybrid_model_args(args.with_profile(), model_config)
     device_type = resolve_device_type(args.device, facts)
     dtype = resolve_dtype(args.dtype, device_type, facts)
     max_model_len = resolve_max_model_len(args.max_model_len, model_config, source.name)
@@ -258,6 +267,32 @@ def resolve_engine_config(
         kv_events_file=args.kv_events_file,
         lora_config=lora_config,
     )
+
+
+def hybrid_model_args(args: EngineArgs, model_config: ModelConfig) -> EngineArgs:
+    """A hybrid model (linear-attention layers with recurrent state) runs without prefix
+    caching (a hit would need the state at the hit's boundary too) and preempts by
+    recompute (a swapped request's state is not copied to the host)."""
+    if model_config.linear_attention is None:
+        return args
+    refused = [
+        (args.tensor_parallel_size > 1, "tensor_parallel_size > 1"),
+        (args.enable_lora, "enable_lora"),
+        (args.speculative_config is not None, "speculative_config (a rejected token would stay in the state)"),
+    ]
+    for asked, what in refused:
+        if asked:
+            raise ConfigError(f"{what} is not supported yet on a hybrid model (linear-attention layers)")
+    off = []
+    if args.enable_prefix_caching:
+        off.append("prefix caching")
+    if args.preemption_mode == "swap":
+        off.append("swap preemption (recompute instead)")
+    if args.kv_offload_path:
+        off.append("the prefix cache's disk tier")
+    if off:
+        logger.warning("a hybrid model (linear attention) runs without %s", ", ".join(off))
+    return dataclasses.replace(args, enable_prefix_caching=False, preemption_mode="recompute", kv_offload_path=None)
 
 
 def background_token_budget(args: EngineArgs) -> int | None:

@@ -78,7 +78,8 @@ def kv_cache_layout(config: ModelConfig) -> KVCacheLayout:
     the least padding among layouts of at most MAX_KV_CACHE_GROUPS groups (ties: fewer
     groups)."""
     layers_by_window: dict[int | None, list[int]] = {}
-    for layer in range(config.num_hidden_layers):
+    # A hybrid's linear-attention layers keep recurrent state, not K/V: in no group.
+    for layer in config.attention_layers:
         layers_by_window.setdefault(config.layer_window(layer), []).append(layer)
     # Global layers first, then windows in ascending order: a stable, readable order.
     kinds = sorted(layers_by_window.items(), key=lambda item: -1 if item[0] is None else item[0])

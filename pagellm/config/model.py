@@ -70,6 +70,40 @@ NO_CLASSIFIER = (
 
 
 @dataclass(frozen=True)
+class LinearAttentionSpec:
+    """The linear-attention layers of a hybrid model (Qwen3.5's Gated DeltaNet): which
+    layers they are and their shapes. Such a layer keeps no KV cache: each request holds a
+    fixed-size state per layer, the last conv_kernel_size - 1 inputs of its short
+    convolution and a key x value matrix per value head."""
+
+    layers: tuple[int, ...]
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel_size: int = 4
+
+    def __post_init__(self) -> None:
+        if self.num_value_heads % self.num_key_heads:
+            raise UnsupportedModelError(
+                f"linear attention: value heads ({self.num_value_heads}) must be a multiple of "
+                f"key heads ({self.num_key_heads})"
+            )
+        if self.conv_kernel_size < 1:
+            raise UnsupportedModelError(f"linear attention: conv kernel size must be at least 1, got {self.conv_kernel_size}")
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the short convolution: q, k and v side by side."""
+        return 2 * self.num_key_heads * self.key_head_dim + self.num_value_heads * self.value_head_dim
+
+    def state_elements_per_layer(self) -> int:
+        """Elements of one request's state in one layer (conv inputs + the recurrent matrices)."""
+        conv = self.conv_dim * (self.conv_kernel_size - 1)
+        return conv + self.num_value_heads * self.key_head_dim * self.value_head_dim
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Shape and numerics of a Llama-family decoder, independent of the file format."""
 
@@ -126,6 +160,13 @@ class ModelConfig:
     num_labels: int = 0
     is_matryoshka: bool = False
     matryoshka_dimensions: tuple[int, ...] | None = None
+    # A hybrid (Qwen3.5): the layers that run linear attention instead of attention, and
+    # their shapes; None: every layer attends.
+    linear_attention: LinearAttentionSpec | None = None
+    # Attention's output is gated per element by sigmoid(a second half of q_proj) (Qwen3.5).
+    attention_output_gate: bool = False
+    # RMSNorm weights are stored as offsets from 1 (x * (1 + w): Gemma, Qwen3.5).
+    norm_weight_offset: bool = False
 
     def __post_init__(self) -> None:
         if self.hidden_activation not in HIDDEN_ACTIVATIONS:
@@ -152,8 +193,8 @@ class ModelConfig:
         """The startup report's architecture line, e.g. `Qwen3MoeForCausalLM: 48 layers;
         attention: 48 global, 32 query / 4 KV heads of 128, q/k norms; experts: 128, 8 per
         token, 768 wide, in 48 layers`."""
-        num_local = sum(self.layer_window(layer) is not None for layer in range(self.num_hidden_layers))
-        num_global = self.num_hidden_layers - num_local
+        num_local = sum(self.layer_window(layer) is not None for layer in self.attention_layers)
+        num_global = len(self.attention_layers) - num_local
         attention = f"{num_global} global"
         if num_local:
             attention = f"{num_local} local (window {self.sliding_window})" + (f" : {num_global} global" if num_global else "")
@@ -163,6 +204,15 @@ class ModelConfig:
             f"of {self.head_dim}" + (", q/k norms" if self.qk_norm else "")
             + (f", rotary on {self.rotary_dim} of {self.head_dim} dims" if self.rotary_dim != self.head_dim else ""),
         ]  # fmt: skip
+        if self.attention_output_gate:
+            parts[-1] += ", output gate"
+        spec = self.linear_attention
+        if spec is not None:
+            parts.append(
+                f"linear attention (gated delta rule): {len(spec.layers)} layers, {spec.num_key_heads} key / "
+                f"{spec.num_value_heads} value heads of {spec.key_head_dim} / {spec.value_head_dim}, "
+                f"conv {spec.conv_kernel_size}"
+            )
         if self.rope_scaling is not None:
             parts.append(f"rotary scaling: {self.rope_scaling.rope_type} x{self.rope_scaling.factor:g}")
         if self.local_rope_theta is not None:
@@ -183,6 +233,20 @@ class ModelConfig:
         elif not self.has_lm_head:
             parts.append("no LM head (embeddings only)")
         return "; ".join(parts)
+
+    def is_linear_attention_layer(self, layer: int) -> bool:
+        return self.linear_attention is not None and layer in self.linear_attention.layers
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """The layers that attend (and keep K/V in the paged cache)."""
+        return tuple(layer for layer in range(self.num_hidden_layers) if not self.is_linear_attention_layer(layer))
+
+    def state_bytes_per_request(self) -> int:
+        """Bytes of one request's recurrent state over every linear-attention layer (float32:
+        the state accumulates over the whole context, so it is kept at full precision)."""
+        spec = self.linear_attention
+        return 0 if spec is None else 4 * len(spec.layers) * spec.state_elements_per_layer()
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of layer `layer`'s attention (None: it sees the whole context)."""
@@ -209,9 +273,19 @@ class ModelConfig:
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
         q = self.num_attention_heads * self.head_dim
         kv = self.num_key_value_heads * self.head_dim
-        attention = h * (q + 2 * kv) + q * h + 2 * h + (2 * self.head_dim if self.qk_norm else 0)
+        gate = q if self.attention_output_gate else 0
+        full_attention = h * (q + gate + 2 * kv) + q * h + 2 * h + (2 * self.head_dim if self.qk_norm else 0)
+        spec = self.linear_attention
+        linear_attention = 0
+        if spec is not None:
+            value = spec.num_value_heads * spec.value_head_dim
+            linear_attention = (
+                h * (spec.conv_dim + value + 2 * spec.num_value_heads) + spec.conv_dim * spec.conv_kernel_size
+                + value * h + 2 * spec.num_value_heads + spec.value_head_dim + 2 * h
+            )  # fmt: skip
         total = 0
         for layer in range(self.num_hidden_layers):
+            attention = linear_attention if self.is_linear_attention_layer(layer) else full_attention
             if self.is_sparse_layer(layer):  # every expert and the router (and a shared expert with its gate)
                 total += attention + self.num_experts * 3 * h * self.expert_intermediate_size + self.num_experts * h
                 total += (3 * h * self.shared_expert_intermediate_size + h) if self.shared_expert_intermediate_size else 0

@@ -33,6 +33,7 @@ from pagellm.core.block_pool import NULL_BLOCK_ID, BlockPool, KVBlock
 from pagellm.core.kv_cache_integrity import check_kv_cache_integrity
 from pagellm.core.kv_swap import HostCopy, KVSwap
 from pagellm.core.kv_tier import TierCostModel, TierIndex, block_digest
+from pagellm.core.state_slots import StateSlots
 from pagellm.request import BlockHash, Request
 
 logger = logging.getLogger(__name__)
@@ -97,10 +98,15 @@ class KVCacheManager(KVSwap):
         # The prefix cache's second tier: only under prefix caching, and only for models
         # whose layers are all global (a sliding group's hit rule is not the tier's).
         self.tier: TierIndex | None = None
-        if cache_config.kv_offload_bytes and self.enable_caching and self.group_windows == (None,):
+        if (
+            cache_config.kv_offload_bytes and self.enable_caching and self.group_windows == (None,)
+            and not cache_config.num_state_slots
+        ):
             self.tier = TierIndex(cache_config.kv_offload_bytes, cache_config.kv_offload_max_pending_writes)
         self.tier_cost = TierCostModel(self.block_size)
         self._pending_offloads: list[tuple[bytes, int]] = []
+        # A hybrid model's recurrent-state slots: one for each request holding device blocks.
+        self.state_slots = StateSlots(cache_config.num_state_slots)
 
     def set_event_log(self, events: KVEventLog | None) -> None:
         """Record every block event to `events` (None: stop recording)."""
@@ -177,7 +183,8 @@ class KVCacheManager(KVSwap):
         result to allocate_slots.
         """
         assert request.request_id not in self._block_tables, "request already holds blocks"
-        if not self.enable_caching:
+        # A hybrid's hit would need its recurrent state at the hit's end too (not kept yet).
+        if not self.enable_caching or self.state_slots.enabled:
             return NO_HIT
         hashes = request.get_block_hashes(self.block_size)
         max_hit_blocks = lookup_limit = min(len(hashes), (request.num_tokens - 1) // self.block_size)
@@ -381,9 +388,14 @@ class KVCacheManager(KVSwap):
         copy_groups = self._groups_to_copy(request_id, tables)
 
         self.stats.num_allocation_attempts += 1
-        if num_new_per_group * self.num_groups + num_free_hits + len(copy_groups) > pool.num_free_blocks:
+        needs_state_slot = tables is None and self.state_slots.enabled
+        if num_new_per_group * self.num_groups + num_free_hits + len(copy_groups) > pool.num_free_blocks or (
+            needs_state_slot and not self.state_slots.num_free
+        ):
             self.stats.num_allocation_failures += 1
             return None
+        if needs_state_slot:
+            self.state_slots.allocate(request_id)
 
         if tables is not None:
             self._copy_last_blocks(request_id, tables, copy_groups)
@@ -443,6 +455,8 @@ class KVCacheManager(KVSwap):
         shared = [block_id for table in tables for block_id in table if block_id != NULL_BLOCK_ID]
         self.device_pool.touch(self.device_pool.blocks[block_id] for block_id in shared)
         self._block_tables[child.request_id] = tables
+        if self.state_slots.enabled:
+            self.state_slots.fork(parent.request_id, child.request_id)
         if self.events is not None:
             self.events.record("fork", child.request_id, shared, parent_id=parent.request_id)
         self._num_cached_blocks[child.request_id] = min(
@@ -496,6 +510,7 @@ class KVCacheManager(KVSwap):
                 self.host_pool.free(blocks[block_id] for block_id in reversed(table))
 
     def _free_device(self, request_id: str) -> None:
+        self.state_slots.free(request_id)
         self._num_cached_blocks.pop(request_id, None)
         self._copy_on_write.discard(request_id)
         tables = self._block_tables.pop(request_id, None)
@@ -526,6 +541,8 @@ class KVCacheManager(KVSwap):
             tier=self.tier,
             requests=requests,
         )
+        if self.state_slots.enabled:
+            self.state_slots.check_integrity(set(self._block_tables))
 
     def holds_blocks(self, request_id: str) -> bool:
         return request_id in self._block_tables or request_id in self._host_copies

@@ -318,6 +318,8 @@ class Scheduler(StepAccounting):
         if events is not None:
             events.record("preempt", request.request_id, mode=self.scheduler_config.preemption_mode)
         request.num_preemptions += 1
+        # A hybrid's recurrent state is not swapped (core/state_slots.py): it is recomputed.
+        allow_swap = allow_swap and not self.kv_cache_manager.state_slots.enabled
         if self.scheduler_config.preemption_mode == "swap" and request.num_computed_tokens and allow_swap:
             pairs = self.kv_cache_manager.swap_out(request)
             if pairs is not None:
@@ -484,6 +486,7 @@ class Scheduler(StepAccounting):
                         num_pending_forks=request.num_pending_forks,
                         pooling_params=request.pooling_params,
                         lora_request=request.lora_request,
+                        state_slot=self.kv_cache_manager.state_slots.slot_of(request_id),
                     )
                 )
             else:
@@ -514,6 +517,7 @@ class Scheduler(StepAccounting):
             blocks_to_offload=kv.take_pending_offloads(),
             blocks_to_load=plan.blocks_to_load,
             tier_deletions=kv.tier.take_deletions() if kv.tier is not None else [],
+            state_copies=kv.state_slots.take_pending_copies(),
         )
 
     # ------------------------------------------------------------ inspection

@@ -56,6 +56,9 @@ class NewRequestData:
     # An embedding request: the runner pools its prompt's hidden states (no sampling).
     pooling_params: PoolingParams | None = None
     lora_request: LoRARequest | None = None  # the adapter it runs under (None: the base model)
+    # A hybrid model: the row of the recurrent state the request owns (computed from zeros
+    # when num_computed_tokens is 0; a forked completion's is a copy: state_copies).
+    state_slot: int | None = None
 
 
 @dataclass
@@ -100,6 +103,9 @@ class SchedulerOutput:
     blocks_to_offload: list[tuple[bytes, int]] = field(default_factory=list)
     tier_deletions: list[bytes] = field(default_factory=list)
     blocks_to_load: list[tuple[bytes, int]] = field(default_factory=list)
+    # A hybrid model: (source, target) recurrent-state slots to copy before the step's
+    # forward (a forked completion starts from its parent's state).
+    state_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_scheduled_reqs(self) -> int:
@@ -116,6 +122,7 @@ class SchedulerOutput:
             and not self.blocks_to_offload
             and not self.tier_deletions
             and not self.blocks_to_load
+            and not self.state_copies
         )
 
 

@@ -54,12 +54,18 @@ def _log_cache(config: EngineConfig, cache_config: CacheConfig, size: CacheSize)
     model_config = config.model_config
     layout = kv_cache_layout(model_config)
     per_layer = kv_bytes_per_block(model_config, 1, config.kv_cache_dtype) // layout.layers_per_block
-    num_global = sum(model_config.layer_window(layer) is None for layer in range(model_config.num_hidden_layers))
+    attention_layers = model_config.attention_layers
+    num_global = sum(model_config.layer_window(layer) is None for layer in attention_layers)
     held = f"{per_layer * num_global} bytes per token of context in global layers"
-    if num_global < model_config.num_hidden_layers:
+    if num_global < len(attention_layers):
         held += (
-            f", {per_layer * (model_config.num_hidden_layers - num_global)} per token of the last window "
+            f", {per_layer * (len(attention_layers) - num_global)} per token of the last window "
             "in sliding-window layers"
+        )
+    if model_config.linear_attention is not None:
+        held += (
+            f"; recurrent state (float32): {model_config.state_bytes_per_request()} bytes per request in "
+            f"{len(model_config.linear_attention.layers)} linear-attention layers, {cache_config.num_state_slots} slots"
         )
     logger.info(
         "model: %s; KV cache (%s): %s; %s",

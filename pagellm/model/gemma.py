@@ -1,7 +1,7 @@
 """Model stage: Gemma 2 and Gemma 3 (text): the Llama layer with Gemma's numerics.
 
 What differs from Llama, and where it lives:
-- RMSNorm scales by (1 + w), in float32 before rounding (GemmaRMSNorm, below), and each
+- RMSNorm scales by (1 + w), in float32 before rounding (layers.OffsetRMSNorm), and each
   layer normalizes both before and after attention and the MLP (GemmaDecoderLayer).
 - GeGLU MLP (gelu-tanh), embeddings times sqrt(hidden), the attention scale from
   query_pre_attn_scalar, soft-capping of attention scores and logits (Gemma 2), the
@@ -20,24 +20,10 @@ from torch import nn
 from pagellm.attention.backend import AttentionBackend, AttentionMetadata
 from pagellm.config.model import ModelConfig
 from pagellm.kernels.linear_bindings import CpuLinearKernels
-from pagellm.model.layers import RMSNorm
+from pagellm.model.layers import OffsetRMSNorm as GemmaRMSNorm
 from pagellm.model.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from pagellm.model.qwen3 import Qwen3Attention
 from pagellm.model.tensor_parallel import TPGroup
-
-
-class GemmaRMSNorm(RMSNorm):
-    """x / rms(x) * (1 + w), all in float32, rounded once at the end (the stored weight is
-    the offset from 1; llama.cpp's files store 1 + w, the GGUF loader takes 1 off)."""
-
-    def __init__(self, hidden_size: int, eps: float) -> None:
-        super().__init__(hidden_size, eps)
-        nn.init.zeros_(self.weight)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.to(torch.float32)
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x32 * (1.0 + self.weight.float())).to(x.dtype)
 
 
 class GemmaDecoderLayer(LlamaDecoderLayer):

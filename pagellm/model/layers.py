@@ -25,6 +25,21 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
 
+class OffsetRMSNorm(RMSNorm):
+    """x / rms(x) * (1 + w), all in float32, rounded once at the end (Gemma, Qwen3.5: the
+    stored weight is the offset from 1; llama.cpp's files store 1 + w, the GGUF loader
+    takes 1 off)."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__(hidden_size, eps)
+        nn.init.zeros_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.to(torch.float32)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * (1.0 + self.weight.float())).to(x.dtype)
+
+
 def rope_inv_freq(
     head_dim: int, theta: float, scaling: RopeScaling | None
 ) -> torch.Tensor:  # [head_dim // 2] float32

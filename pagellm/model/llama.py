@@ -159,6 +159,8 @@ class LlamaForCausalLM(nn.Module):
     attention_class: type[LlamaAttention] = LlamaAttention
     layer_class: type[LlamaDecoderLayer] = LlamaDecoderLayer
     norm_class: type[RMSNorm] = RMSNorm
+    # HF names of separate projections -> (the fused parameter, its shard index).
+    stacked_params: dict[str, tuple[str, int]] = _STACKED
 
     def __init__(
         self,
@@ -272,7 +274,7 @@ class LlamaForCausalLM(nn.Module):
             if name is None:
                 continue
             parts = name.split(".")
-            stacked = _STACKED.get(parts[-2]) if len(parts) >= 2 else None
+            stacked = self.stacked_params.get(parts[-2]) if len(parts) >= 2 else None
             if stacked is not None:
                 fused_name = ".".join(parts[:-2] + [stacked[0], parts[-1]])
                 fused_parts.setdefault(fused_name, {})[stacked[1]] = tensor
@@ -285,7 +287,8 @@ class LlamaForCausalLM(nn.Module):
                 self._copy_param(params, name, tensor, device)
             loaded.add(name)
         for fused_name, shards in fused_parts.items():
-            expected = 3 if ".qkv_proj." in fused_name else 2
+            fused = fused_name.split(".")[-2]
+            expected = sum(1 for target, _ in self.stacked_params.values() if target == fused)
             if sorted(shards) != list(range(expected)):
                 raise ModelLoadError(f"checkpoint is missing part of {fused_name}")
             ordered = [shards[i] for i in range(expected)]

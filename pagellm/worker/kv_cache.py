@@ -38,15 +38,24 @@ def allocate_kv_caches(
             torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
             for _ in range(layout.layers_per_block)
         ]
-    return [tensors[layout.tensor_of_layer(layer)] for layer in range(config.num_hidden_layers)]
+    # A hybrid's linear-attention layers keep recurrent state instead (worker/recurrent_state.py).
+    return [
+        NO_KV_CACHE if config.is_linear_attention_layer(layer) else tensors[layout.tensor_of_layer(layer)]
+        for layer in range(config.num_hidden_layers)
+    ]
+
+
+# The entry of a layer without K/V (a linear-attention layer): empty, in no copy or count.
+NO_KV_CACHE = torch.empty(0)
 
 
 def distinct_tensors(kv_caches: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Each cache tensor once (layers of different groups share them), in order."""
+    """Each cache tensor once (layers of different groups share them), in order; layers
+    without K/V have none."""
     seen: set[int] = set()
     distinct = []
     for tensor in kv_caches:
-        if id(tensor) not in seen:
+        if id(tensor) not in seen and tensor.numel():
             seen.add(id(tensor))
             distinct.append(tensor)
     return distinct

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from pagellm.attention.backend import AttentionMetadata
+from pagellm.attention.linear_attention import LinearAttentionMetadata, LinearLayerState
 
 
 @dataclass(frozen=True)
@@ -17,6 +18,7 @@ class ScheduledSequence:
     start_position: int  # tokens of this request already in the cache
     block_ids: list[list[int]]  # the request's block tables, one per KV cache group (each covers the step)
     needs_logits: bool  # whether the step's last token must produce a next token
+    state_slot: int | None = None  # a hybrid model: the request's recurrent-state slot
 
 
 @dataclass
@@ -28,8 +30,13 @@ class ModelInputs:
 
 
 def prepare_model_inputs(
-    sequences: list[ScheduledSequence], block_size: int, device: torch.device | str
+    sequences: list[ScheduledSequence],
+    block_size: int,
+    device: torch.device | str,
+    linear_states: tuple[LinearLayerState, ...] = (),
 ) -> ModelInputs:
+    """The step's flat tensors; with `linear_states` (a hybrid model's recurrent state,
+    per linear-attention layer) the metadata also says each request's slot."""
     input_ids: list[int] = []
     positions: list[int] = []
     query_start_loc = [0]
@@ -58,6 +65,10 @@ def prepare_model_inputs(
         for group in range(num_groups)
     ]
     metadata[0].group_metadata = tuple(metadata[1:])
+    if linear_states:
+        slots = [seq.state_slot for seq in sequences]
+        assert all(slot is not None for slot in slots), "every request of a hybrid model holds a state slot"
+        metadata[0].linear = LinearAttentionMetadata(slots, linear_states)  # type: ignore[arg-type]
     return ModelInputs(
         input_ids=as_tensor(input_ids),
         positions=as_tensor(positions),

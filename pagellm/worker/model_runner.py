@@ -32,6 +32,7 @@ from pagellm.worker.kv_cache import allocate_kv_caches, distinct_tensors
 from pagellm.worker.kv_tier_store import TierStore
 from pagellm.worker.kv_tier_transfer import KVTierTransfer
 from pagellm.worker.model_inputs import ScheduledSequence
+from pagellm.worker.recurrent_state import allocate_linear_states, copy_slots, reset_slots
 from pagellm.worker.request_state import RunnerRequestState
 from pagellm.worker.spec_verification import SpeculativeVerifier
 from pagellm.worker.step_paths import StepInputs, StepPaths
@@ -64,6 +65,7 @@ class ModelRunner:
         lora_manager: LoRAManager | None = None,
         kv_tier_store: TierStore | None = None,
         kv_tier_host_bytes: int = 0,
+        num_state_slots: int = 0,
     ) -> None:
         self.model = model
         # With tensor parallelism only the driver (rank 0) samples; the other ranks make
@@ -87,6 +89,8 @@ class ModelRunner:
             if num_host_blocks > 0
             else []
         )
+        # A hybrid model's recurrent state: a slot per running request in each linear layer.
+        self.linear_states = allocate_linear_states(config, num_state_slots, device)
         # The prefix cache's second tier: its writes and loads (worker/kv_tier_transfer.py).
         self.kv_tier = (
             KVTierTransfer(kv_tier_store, distinct_tensors(self.kv_caches), kv_tier_host_bytes)
@@ -133,6 +137,9 @@ class ModelRunner:
         KV cache groups runs eagerly (the captured step has one group's tables)."""
         if len(kv_cache_layout(self.model.config).groups) > 1:
             logger.info("no decode graphs: the model has several KV cache groups (sliding-window layers)")
+            return
+        if self.linear_states:
+            logger.info("no decode graphs: the model has linear-attention layers (recurrent state)")
             return
         start = time.perf_counter()
         self.decode_graphs = DecodeGraphs(
@@ -187,8 +194,15 @@ class ModelRunner:
         return output
 
     def _run_step(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        # Forks' copies first: a parent that finished may have left its slot to a new request.
+        copy_slots(self.linear_states, scheduler_output.state_copies)
         for new in scheduler_output.scheduled_new_reqs:
             self._add_request(new)
+        reset_slots(
+            self.linear_states,
+            [new.state_slot for new in scheduler_output.scheduled_new_reqs
+             if new.num_computed_tokens == 0 and new.state_slot is not None],
+        )  # fmt: skip
         for cached in scheduler_output.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
             for table, new_ids in zip(state.block_ids, cached.new_block_ids, strict=True):
@@ -220,7 +234,8 @@ class ModelRunner:
             end = start + scheduler_output.num_scheduled_tokens[req_id] - len(proposal)
             sequences.append(
                 ScheduledSequence(
-                    state.token_ids[start:end] + proposal, start, state.block_ids, end == len(state.token_ids)
+                    state.token_ids[start:end] + proposal, start, state.block_ids, end == len(state.token_ids),
+                    state.state_slot,
                 )
             )
         if self.faults is not None:
@@ -243,7 +258,9 @@ class ModelRunner:
     def _forward(self, req_ids: list[str], sequences: list[ScheduledSequence]) -> tuple[torch.Tensor, list[int]]:
         """The model over the step's sequences: hidden states and each sequence's first row."""
         adapters = self._activate_adapters(req_ids, sequences)
-        step = StepInputs(sequences, self.kv_caches, self.block_size, self.device, has_adapters=adapters)
+        step = StepInputs(
+            sequences, self.kv_caches, self.block_size, self.device, has_adapters=adapters, linear_states=self.linear_states
+        )
         try:
             hidden = self.step_paths.forward(step)
         finally:
@@ -261,7 +278,7 @@ class ModelRunner:
             active = [req_id for req_id in req_ids if steps.get(req_id, 1) > step]
             states = [self.requests[req_id] for req_id in active]
             sequences = [
-                ScheduledSequence([state.token_ids[-1]], len(state.token_ids) - 1, state.block_ids, True)
+                ScheduledSequence([state.token_ids[-1]], len(state.token_ids) - 1, state.block_ids, True, state.state_slot)
                 for state in states
             ]
             hidden, _ = self._forward(active, sequences)
@@ -406,6 +423,7 @@ class ModelRunner:
             num_pending_forks=new.num_pending_forks,
             pooling_params=new.pooling_params,
             lora_request=new.lora_request,
+            state_slot=new.state_slot,
         )
         self.requests[new.req_id] = state
         if new.num_computed_tokens == 0:  # (re)started from the first position

@@ -12,6 +12,7 @@ from pagellm.config.units import GiB
 from pagellm.model.llama import LlamaForCausalLM
 from pagellm.config.kv_layout import kv_cache_layout
 from pagellm.worker.kv_cache import allocate_kv_caches, distinct_tensors
+from pagellm.worker.recurrent_state import allocate_linear_states
 from pagellm.worker.model_inputs import ScheduledSequence, prepare_model_inputs
 
 logger = logging.getLogger(__name__)
@@ -80,7 +81,7 @@ def _step_peak(
     device: torch.device,
 ) -> int:
     """Peak bytes allocated during one forward + logits over these prompts, not counting
-    the throwaway KV cache it writes."""
+    the throwaway KV cache (and a hybrid's recurrent state) it writes."""
     blocks_needed = sum(-(-n // block_size) for n in query_lens)
     kv = allocate_kv_caches(model.config, blocks_needed + 1, block_size, kv_cache_dtype, device)
     sequences, next_block = [], 1
@@ -89,16 +90,18 @@ def _step_peak(
         count = -(-n // block_size)
         # Every KV cache group writes the same blocks: only the memory is measured.
         table = list(range(next_block, next_block + count))
-        sequences.append(ScheduledSequence([0] * n, 0, [table] * num_groups, True))
+        sequences.append(ScheduledSequence([0] * n, 0, [table] * num_groups, True, len(sequences)))
         next_block += count
+    linear_states = allocate_linear_states(model.config, len(query_lens), device)  # a hybrid's: one slot each
     torch.cuda.reset_peak_memory_stats(device)
-    inputs = prepare_model_inputs(sequences, block_size, device)
+    inputs = prepare_model_inputs(sequences, block_size, device, linear_states)
     hidden = model(inputs.input_ids, inputs.positions, kv, inputs.metadata)
     if model.config.has_lm_head:
         model.compute_logits(hidden[inputs.logits_indices])
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device)
     kv_bytes = sum(t.numel() * t.element_size() for t in distinct_tensors(kv))
-    del kv, hidden, inputs
+    kv_bytes += sum(t.numel() * t.element_size() for state in linear_states for t in (state.conv, state.recurrent))
+    del kv, hidden, inputs, linear_states
     torch.cuda.empty_cache()
     return peak - kv_bytes

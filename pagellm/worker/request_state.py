@@ -28,6 +28,7 @@ class RunnerRequestState:
     matcher: Any = None  # the output constraint's llguidance matcher (driver only)
     pooling_params: PoolingParams | None = None  # an embedding request: pooled, never sampled
     lora_request: LoRARequest | None = None  # the adapter its rows run under
+    state_slot: int | None = None  # a hybrid model: its recurrent-state slot
 
     @property
     def lora_int_id(self) -> int:

@@ -152,7 +152,8 @@ class Worker:
         bytes_per_block = kv_bytes_per_block(self.model.config, budget.block_size, config.kv_cache_dtype)  # this rank's heads
         if self.draft_model is not None:  # a block holds the draft's K/V of its positions too
             bytes_per_block += kv_bytes_per_block(self.draft_model.config, budget.block_size, config.kv_cache_dtype)
-        size = decide_cache_size(budget, bytes_per_block, self._memory_facts())
+        state_bytes = config.num_state_slots * self.model.config.state_bytes_per_request()  # this rank's heads
+        size = decide_cache_size(budget, bytes_per_block, self._memory_facts(), state_bytes)
         if self.tp is None:
             return size
         num_gpu = self.tp.min_over_ranks(size.num_gpu_blocks)
@@ -196,6 +197,7 @@ class Worker:
             lora_manager=self.lora_manager,
             kv_tier_store=self._open_kv_tier(),
             kv_tier_host_bytes=self._kv_tier_host_bytes(),
+            num_state_slots=self.config.num_state_slots,
         )
         sizes = self.graph_sizes()
         if sizes:

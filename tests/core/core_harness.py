@@ -42,6 +42,7 @@ def make_scheduler(
     group_windows: tuple[int | None, ...] = (None,),
     kv_offload_bytes: int = 0,
     kv_offload_max_pending_writes: int = 256,
+    num_state_slots: int = 0,
     **balance: object,
 ) -> Scheduler:
     cache_config = CacheConfig(
@@ -52,6 +53,7 @@ def make_scheduler(
         group_windows=group_windows,
         kv_offload_bytes=kv_offload_bytes,
         kv_offload_max_pending_writes=kv_offload_max_pending_writes,
+        num_state_slots=num_state_slots,
     )
     scheduler_config = SchedulerConfig(
         max_num_seqs=max_num_seqs,
@@ -105,6 +107,7 @@ class _RunnerRequest:
     num_computed_tokens: int
     num_pending_forks: int = 0
     lora: int = 0  # the adapter its K/V is computed under (0: the base model)
+    state_slot: int | None = None  # a hybrid model's recurrent-state slot
 
 
 class FakeRunner:
@@ -129,6 +132,9 @@ class FakeRunner:
         self.device: dict[int, list[Slot | None]] = {}
         self.host: dict[int, list[Slot | None]] = {}
         self.requests: dict[str, _RunnerRequest] = {}
+        # A hybrid model's recurrent state, per slot: the tokens it has absorbed, in order
+        # (so a slot shared, lost, not reset or not copied at a fork shows as a mismatch).
+        self.states: dict[int, list[tuple[int, int]]] = {}
         self.num_steps = 0
 
     def _slot(self, state: _RunnerRequest, group: int, position: int) -> tuple[int, int]:
@@ -165,6 +171,8 @@ class FakeRunner:
             self.num_tier_loads += 1
         num_loaded = len(out.blocks_to_load) - len(failed_loads)
         report = TierReport(written, [], failed_loads, num_loaded, num_loaded * TIER_ENTRY_BYTES, 0.0)
+        for source, target in out.state_copies:  # a fork starts from its parent's state
+            self.states[target] = list(self.states[source])
         for new in out.scheduled_new_reqs:
             assert new.req_id not in self.requests, "new request the runner already holds"
             assert len(new.block_ids) == len(self.group_windows)
@@ -174,7 +182,10 @@ class FakeRunner:
                 new.num_computed_tokens,
                 new.num_pending_forks,
                 0 if new.lora_request is None else new.lora_request.lora_int_id,
+                new.state_slot,
             )
+            if new.state_slot is not None and new.num_computed_tokens == 0:
+                self.states[new.state_slot] = []
         for cached in out.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
             assert cached.num_computed_tokens == state.num_computed_tokens
@@ -224,6 +235,10 @@ class FakeRunner:
         """Positions num_computed_tokens .. end - 1 of the request: check what they read,
         write their slots."""
         start = state.num_computed_tokens
+        if state.state_slot is not None:
+            absorbed = [(state.lora, token) for token in state.token_ids[:start]]
+            assert self.states.get(state.state_slot) == absorbed, f"{request_id}'s state slot holds another history"
+            self.states[state.state_slot].extend((state.lora, token) for token in state.token_ids[start:end])
         for group, window in enumerate(self.group_windows):
             # Attention reads every earlier position its layers see through the
             # group's block table: all of them, or the first query's window on.
@@ -286,6 +301,7 @@ def assert_drained(scheduler: Scheduler) -> None:
     assert scheduler.num_running == scheduler.num_waiting == scheduler.num_swapped == 0
     kv = scheduler.kv_cache_manager
     assert not kv.request_ids_holding_blocks()
+    assert kv.state_slots.num_free == kv.state_slots.num_slots
     for pool in (kv.device_pool, kv.host_pool):
         assert pool.num_free_blocks == pool.num_usable_blocks
         assert all(block.ref_cnt == 0 for block in pool.blocks)

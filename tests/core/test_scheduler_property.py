@@ -58,6 +58,7 @@ class Setup:
     kv_offload_bytes: int = 0
     kv_offload_max_pending_writes: int = 256
     num_scheduler_steps: int = 1  # multi-step decoding (core/multi_step.py)
+    num_state_slots: int = 0  # a hybrid model's recurrent-state slots (core/state_slots.py)
 
 
 @st.composite
@@ -67,12 +68,13 @@ def setups(draw) -> Setup:
     budget = draw(st.integers(1, 24))
     if not chunked:
         budget = max(budget, max_model_len)
+    max_num_seqs = draw(st.integers(1, 6))
     return Setup(
         block_size=draw(st.sampled_from([1, 2, 4])),
         num_gpu_blocks=draw(st.integers(3, 14)),
         num_cpu_blocks=draw(st.integers(0, 16)),
         enable_prefix_caching=draw(st.booleans()),
-        max_num_seqs=draw(st.integers(1, 6)),
+        max_num_seqs=max_num_seqs,
         max_num_batched_tokens=budget,
         max_model_len=max_model_len,
         enable_chunked_prefill=chunked,
@@ -88,6 +90,8 @@ def setups(draw) -> Setup:
         kv_offload_bytes=draw(st.sampled_from([0, 30, 10_000])),
         kv_offload_max_pending_writes=draw(st.sampled_from([1, 3, 256])),
         num_scheduler_steps=draw(st.sampled_from([1, 1, 2, 4])),
+        # A hybrid model (one slot per seat, as the engine sizes it) in one setup of four.
+        num_state_slots=draw(st.sampled_from([0, 0, 0, max_num_seqs])),
     )
 
 

@@ -10,12 +10,13 @@ from typing import Any
 from safetensors import SafetensorError, safe_open
 
 from pagellm.errors import ModelLoadError, UnsupportedModelError
-from pagellm.config.model import ModelConfig, RopeScaling
+from pagellm.config.model import LinearAttentionSpec, ModelConfig, RopeScaling
 from pagellm.model.checkpoint.architectures import (
     ARCHITECTURE_BY_MODEL_TYPE,
     BASE_MODEL_ARCHITECTURES,
     CLASSIFIER_ARCHITECTURES,
     SUPPORTED_HF_ARCHITECTURES,
+    TEXT_MODEL_OF_MULTIMODAL,
 )
 
 logger = logging.getLogger(__name__)
@@ -50,6 +51,9 @@ def hf_model_config(folder: Path) -> ModelConfig:
         num_labels = len(cfg.get("id2label") or {}) or int(cfg.get("num_labels", 2))
     if arch == "Gemma3ForConditionalGeneration" or (arch is None and cfg.get("model_type") == "gemma3"):
         cfg, arch = gemma3_text_config(cfg), "Gemma3ForCausalLM"
+    multimodal = arch if arch in TEXT_MODEL_OF_MULTIMODAL else (cfg.get("model_type") if arch is None else None)
+    if multimodal in TEXT_MODEL_OF_MULTIMODAL:
+        cfg, arch = text_model_config(cfg, str(multimodal)), TEXT_MODEL_OF_MULTIMODAL[str(multimodal)]
     if arch not in SUPPORTED_HF_ARCHITECTURES:
         raise UnsupportedModelError(
             f"architecture {arch!r} in {folder / 'config.json'} is not supported; "
@@ -84,12 +88,16 @@ def hf_model_config(folder: Path) -> ModelConfig:
             attention_out_bias=(not is_qwen2) and attention_bias,
             sliding_window=sliding_window,
             sliding_window_layers=sliding_layers,
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
-            partial_rotary_factor=float(cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", "Qwen3_5ForCausalLM"),
+            partial_rotary_factor=float(
+                cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor")
+                or (0.25 if arch in HYBRID_ARCHITECTURES else 1.0)
+            ),  # fmt: skip
             local_rope_theta=local_rope_theta,
             hidden_activation=_activation(cfg),
             **_gemma(arch, cfg, hidden),
             **_experts(arch, cfg),
+            **_hybrid(arch, cfg),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=_eos_ids(cfg, folder),
             pooling_type=_sentence_transformers_pooling(folder),
@@ -196,6 +204,50 @@ def gemma3_text_config(cfg: dict[str, Any]) -> dict[str, Any]:
         if cfg.get(key) is not None:
             merged[key] = cfg[key]
     return merged
+
+
+def text_model_config(cfg: dict[str, Any], name: str) -> dict[str, Any]:
+    """The language model of a multimodal checkpoint (Qwen3.5's ConditionalGeneration): its
+    text_config, with the top-level settings that decide for the whole model."""
+    text = cfg.get("text_config")
+    if not isinstance(text, dict):
+        raise ModelLoadError(f"a {name} config.json must hold a text_config object")
+    merged = dict(text)
+    for key in ("eos_token_id", "bos_token_id", "tie_word_embeddings"):
+        if cfg.get(key) is not None:
+            merged[key] = cfg[key]
+    return merged
+
+
+# Hybrids: linear-attention layers beside gated attention (Qwen3.5).
+HYBRID_ARCHITECTURES = ("Qwen3_5ForCausalLM",)
+
+
+def _hybrid(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3.5's linear-attention layers (`layer_types`, else every `full_attention_interval`-th
+    layer attends, 4 by default), their shapes (transformers' defaults where a key is left
+    out), the gated attention and the (1 + w) norms."""
+    if arch not in HYBRID_ARCHITECTURES:
+        return {}
+    num_layers = int(cfg["num_hidden_layers"])
+    layer_types = cfg.get("layer_types")
+    if layer_types is None:
+        interval = int(cfg.get("full_attention_interval", 4))
+        layer_types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)]
+    if len(layer_types) != num_layers or not set(layer_types) <= {"full_attention", "linear_attention"}:
+        raise UnsupportedModelError(
+            f"layer_types must name full_attention or linear_attention for each of the {num_layers} layers, "
+            f"got {layer_types!r}"
+        )
+    spec = LinearAttentionSpec(
+        layers=tuple(i for i, kind in enumerate(layer_types) if kind == "linear_attention"),
+        num_key_heads=int(cfg.get("linear_num_key_heads", 16)),
+        num_value_heads=int(cfg.get("linear_num_value_heads", 32)),
+        key_head_dim=int(cfg.get("linear_key_head_dim", 128)),
+        value_head_dim=int(cfg.get("linear_value_head_dim", 128)),
+        conv_kernel_size=int(cfg.get("linear_conv_kernel_dim", 4)),
+    )
+    return {"linear_attention": spec, "attention_output_gate": True, "norm_weight_offset": True}
 
 
 def _activation(cfg: dict[str, Any]) -> str:

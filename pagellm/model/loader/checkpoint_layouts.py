@@ -62,7 +62,12 @@ _LANGUAGE_MODEL_PREFIXES = (
     ("model.language_model.", "model."),  # ... by transformers 5.x
     ("language_model.lm_head.", "lm_head."),
 )
-_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+# The vision tower (Gemma 3's; Qwen3.5's `visual`) and Qwen3.5's multi-token-prediction
+# head (`mtp.`, for speculative decoding by the model itself): not loaded.
+_VISION_PREFIXES = (
+    "vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.",
+    "model.visual.", "visual.", "mtp.", "model.mtp.",
+)  # fmt: skip
 
 
 def language_model_name(hf_name: str) -> str | None:

@@ -13,6 +13,7 @@ from typing import Protocol
 
 import torch
 
+from pagellm.attention.linear_attention import LinearLayerState
 from pagellm.worker.model_inputs import ModelInputs, ScheduledSequence, prepare_model_inputs
 
 
@@ -25,6 +26,7 @@ class StepInputs:
     block_size: int
     device: torch.device | str
     has_adapters: bool = False  # rows under a LoRA adapter (its slots are mapped for this step)
+    linear_states: tuple[LinearLayerState, ...] = ()  # a hybrid model's recurrent state, per linear layer
     # What a path found about this step, by its name: a check two paths ask for (the
     # measured choice and the path itself) runs once.
     checks: dict[str, bool] = field(default_factory=dict)
@@ -32,7 +34,7 @@ class StepInputs:
     @functools.cached_property
     def model_inputs(self) -> ModelInputs:
         """The flat tensors of the step (built once, by the first path that asks)."""
-        return prepare_model_inputs(self.sequences, self.block_size, self.device)
+        return prepare_model_inputs(self.sequences, self.block_size, self.device, self.linear_states)
 
     @functools.cached_property
     def query_starts(self) -> list[int]:

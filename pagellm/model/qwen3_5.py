@@ -1,0 +1,272 @@
+"""Model stage: Qwen3.5 (dense), a hybrid: Gated DeltaNet linear attention in most layers
+(`layer_types`: three of every four), gated full attention in the rest.
+
+What differs from Qwen3, and where it lives:
+- The linear-attention layer (GatedDeltaNet, below): one projection gives q, k, v (through a
+  short causal depthwise convolution with SiLU), an output gate z and per-head beta and
+  decay inputs; q and k are L2-normalised, the decay is exp(-exp(A_log) * softplus(a +
+  dt_bias)); the gated delta rule (attention/linear_attention.py) runs over each request's
+  recurrent state; its output passes an RMSNorm gated by SiLU(z). The state lives in the
+  worker's slots (worker/recurrent_state.py), not in the paged KV cache.
+- Full attention doubles q_proj: each head's second half gates the attention output by
+  sigmoid, element-wise. q/k norms, rotary on a share of each head (partial_rotary_factor).
+- Every RMSNorm but the gated one scales by (1 + w) (layers.OffsetRMSNorm).
+A text-only request's positions are the same on the three multimodal rotary axes, so the
+interleaved multimodal rotary is the plain one.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagellm.attention.backend import AttentionBackend, AttentionMetadata
+from pagellm.attention.linear_attention import (
+    LinearAttentionMetadata,
+    causal_conv,
+    causal_conv_steps,
+    delta_rule_chunked,
+    delta_rule_steps,
+)
+from pagellm.config.model import ModelConfig
+from pagellm.kernels.linear_bindings import CpuLinearKernels
+from pagellm.model.layers import OffsetRMSNorm, RMSNorm
+from pagellm.model.llama import LlamaForCausalLM, LlamaMLP
+from pagellm.model.packable_layers import PackableLinear
+from pagellm.model.qwen3 import Qwen3Attention
+from pagellm.model.tensor_parallel import TPGroup
+
+
+class GatedAttention(Qwen3Attention):
+    """Qwen3 attention whose output is gated element-wise by sigmoid(gate), the gate being
+    the second half of each head's q_proj rows."""
+
+    qk_norm_class: type[RMSNorm] = OffsetRMSNorm
+
+    def __init__(
+        self, config: ModelConfig, tp: TPGroup | None = None, layer: int = 0, kernel: CpuLinearKernels | None = None
+    ) -> None:
+        super().__init__(config, tp, layer, kernel)
+        # q and its gate (per head: head_dim of q, then head_dim of gate), k, v in one matmul.
+        self.qkv_proj = PackableLinear(
+            config.hidden_size, 2 * self.q_size + 2 * self.kv_size, bias=config.attention_bias, kernel=kernel
+        )
+
+    def forward(
+        self,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        hidden: torch.Tensor,  # [num_tokens, hidden_size]
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:  # [num_tokens, hidden_size]
+        num_tokens = hidden.shape[0]
+        query_and_gate, k, v = self.qkv_proj(hidden).split([2 * self.q_size, self.kv_size, self.kv_size], dim=-1)
+        query_and_gate = query_and_gate.view(num_tokens, self.num_heads, 2 * self.head_dim)
+        q, gate = query_and_gate[..., : self.head_dim], query_and_gate[..., self.head_dim :]
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = self.position_qk(q, k, cos_sin)
+        out = backend.forward(q, k, v, kv_cache, metadata.for_group(self.kv_group), self.scale, self.sliding_window, self.softcap)
+        gated = out.reshape(num_tokens, self.q_size) * torch.sigmoid(gate.reshape(num_tokens, self.q_size))
+        projected = self.o_proj(gated)
+        return projected if self.tp is None else self.tp.all_reduce(projected)
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm over each value head, times w (not 1 + w), times SiLU(gate): in float32,
+    rounded to the model's dtype after the norm and at the end, as the reference does."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:  # [..., hidden_size] each
+        x32 = x.float()
+        normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return (self.weight * normed * F.silu(gate.float())).to(x.dtype)
+
+
+def _l2_normalized(x: torch.Tensor) -> torch.Tensor:  # float32, over the last dimension
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + 1e-6)
+
+
+class GatedDeltaNet(nn.Module):
+    """A linear-attention layer: the gated delta rule over each request's recurrent state
+    (its slot in the metadata's layer state number `index`)."""
+
+    def __init__(self, config: ModelConfig, index: int, kernel: CpuLinearKernels | None = None) -> None:
+        super().__init__()
+        spec = config.linear_attention
+        assert spec is not None
+        self.index = index  # among the model's linear-attention layers
+        self.num_key_heads, self.num_value_heads = spec.num_key_heads, spec.num_value_heads
+        self.key_head_dim, self.value_head_dim = spec.key_head_dim, spec.value_head_dim
+        self.key_size = spec.num_key_heads * spec.key_head_dim
+        self.value_size = spec.num_value_heads * spec.value_head_dim
+        self.conv_dim = spec.conv_dim
+        # q, k, v (the convolution's channels), then the output gate z, then beta's and the
+        # decay's inputs (one per value head): one matmul.
+        self.in_proj = PackableLinear(
+            config.hidden_size, self.conv_dim + self.value_size + 2 * self.num_value_heads, bias=False, kernel=kernel
+        )
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, spec.conv_kernel_size, groups=self.conv_dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(self.num_value_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.num_value_heads))
+        self.norm = GatedRMSNorm(self.value_head_dim, config.rms_norm_eps)
+        self.out_proj = PackableLinear(self.value_size, config.hidden_size, bias=False, kernel=kernel)
+
+    def forward(self, hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:  # [num_tokens, hidden_size]
+        linear = metadata.linear
+        assert linear is not None, "a hybrid model's step carries its recurrent state"
+        num_tokens = hidden.shape[0]
+        mixed, z, b, a = self.in_proj(hidden).split(
+            [self.conv_dim, self.value_size, self.num_value_heads, self.num_value_heads], dim=-1
+        )
+        single, runs = _split_requests(metadata.query_start_loc, linear)
+        mixed = self._convolve(mixed, linear, single, runs)  # [num_tokens, conv_dim] float32
+        q, k, v = mixed.split([self.key_size, self.key_size, self.value_size], dim=-1)
+        q = _l2_normalized(q.reshape(num_tokens, self.num_key_heads, self.key_head_dim)) * self.key_head_dim**-0.5
+        k = _l2_normalized(k.reshape(num_tokens, self.num_key_heads, self.key_head_dim))
+        v = v.reshape(num_tokens, self.num_value_heads, self.value_head_dim)
+        if self.num_value_heads != self.num_key_heads:  # each q/k head serves consecutive value heads
+            repeats = self.num_value_heads // self.num_key_heads
+            q, k = q.repeat_interleave(repeats, dim=1), k.repeat_interleave(repeats, dim=1)
+        beta = b.float().sigmoid()  # [num_tokens, value_heads]
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # log of the decay
+        core = self._delta_rule(q, k, v, g, beta, linear, single, runs)  # [num_tokens, value_heads, value_dim]
+        gated = self.norm(core.to(hidden.dtype), z.reshape(num_tokens, self.num_value_heads, self.value_head_dim))
+        return self.out_proj(gated.reshape(num_tokens, self.value_size))
+
+    def _convolve(
+        self, mixed: torch.Tensor, linear: LinearAttentionMetadata, single: _Rows, runs: list[tuple[int, int, int]]
+    ) -> torch.Tensor:
+        state = linear.layer_states[self.index].conv
+        weight = self.conv1d.weight.squeeze(1)  # [conv_dim, kernel_size]
+        out = torch.empty(mixed.shape, dtype=torch.float32, device=mixed.device)
+        if single.rows is not None:
+            conv, new_state = causal_conv_steps(mixed[single.rows], state[single.slots], weight)
+            out[single.rows] = conv
+            state[single.slots] = new_state
+        for start, end, slot in runs:
+            out[start:end] = causal_conv(mixed[start:end], state[slot], weight)
+        return out
+
+    def _delta_rule(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        linear: LinearAttentionMetadata,
+        single: _Rows,
+        runs: list[tuple[int, int, int]],
+    ) -> torch.Tensor:
+        state = linear.layer_states[self.index].recurrent
+        out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+        if single.rows is not None:
+            rows = single.rows
+            step_out, new_state = delta_rule_steps(q[rows], k[rows], v[rows], g[rows], beta[rows], state[single.slots])
+            out[rows] = step_out
+            state[single.slots] = new_state
+        for start, end, slot in runs:
+            run_out, new_state = delta_rule_chunked(q[start:end], k[start:end], v[start:end], g[start:end], beta[start:end], state[slot])
+            out[start:end] = run_out
+            state[slot] = new_state
+        return out
+
+
+class _Rows:
+    """The requests of a step that compute one token: their rows and their state slots."""
+
+    def __init__(self, rows: list[int], slots: list[int], device: torch.device) -> None:
+        self.rows = torch.tensor(rows, device=device) if rows else None
+        self.slots = torch.tensor(slots, device=device) if slots else None
+
+
+def _split_requests(
+    query_start_loc: list[int], linear: LinearAttentionMetadata
+) -> tuple[_Rows, list[tuple[int, int, int]]]:
+    """The step's one-token requests (decode steps: computed together) and its longer runs
+    (prefill chunks: one request at a time), as (start row, end row, slot)."""
+    rows, slots, runs = [], [], []
+    for request, slot in enumerate(linear.state_slots):
+        start, end = query_start_loc[request], query_start_loc[request + 1]
+        if end - start == 1:
+            rows.append(start)
+            slots.append(slot)
+        elif end > start:
+            runs.append((start, end, slot))
+    device = linear.layer_states[0].conv.device
+    return _Rows(rows, slots, device), runs
+
+
+class HybridDecoderLayer(nn.Module):
+    """A pre-norm residual layer whose token mixer is gated attention or a GatedDeltaNet."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        tp: TPGroup | None = None,
+        attention_class: type[GatedAttention] = GatedAttention,
+        mlp: nn.Module | None = None,
+        layer: int = 0,
+        kernel: CpuLinearKernels | None = None,
+    ) -> None:
+        super().__init__()
+        self.input_layernorm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
+        spec = config.linear_attention
+        if spec is not None and layer in spec.layers:
+            self.linear_attn: GatedDeltaNet | None = GatedDeltaNet(config, spec.layers.index(layer), kernel)
+            self.self_attn: GatedAttention | None = None
+        else:
+            self.linear_attn = None
+            self.self_attn = attention_class(config, tp, layer, kernel)
+        self.post_attention_layernorm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config, tp, kernel=kernel) if mlp is None else mlp
+
+    def forward(
+        self,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        hidden: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        normed = self.input_layernorm(hidden)
+        if self.linear_attn is not None:
+            hidden = hidden + self.linear_attn(normed, metadata)
+        else:
+            assert self.self_attn is not None
+            hidden = hidden + self.self_attn(cos_sin, normed, kv_cache, metadata, backend)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class Qwen3_5ForCausalLM(LlamaForCausalLM):  # noqa: N801 - the architecture's name
+    attention_class = GatedAttention
+    layer_class = HybridDecoderLayer  # type: ignore[assignment]
+    norm_class = OffsetRMSNorm
+    # The linear-attention projections, fused into in_proj in this order.
+    stacked_params = {
+        **LlamaForCausalLM.stacked_params,
+        "in_proj_qkv": ("in_proj", 0),
+        "in_proj_z": ("in_proj", 1),
+        "in_proj_b": ("in_proj", 2),
+        "in_proj_a": ("in_proj", 3),
+    }
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        kv_caches: list[torch.Tensor],  # per layer (empty for a linear-attention layer)
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, hidden_size]
+        hidden = self.embed(input_ids)
+        cos_sin = self.rotary.lookup(positions, hidden.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden = layer(cos_sin, hidden, kv_cache, metadata, self.backend)
+        return self.norm(hidden)

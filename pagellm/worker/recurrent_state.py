@@ -1,0 +1,46 @@
+"""Worker stage: a hybrid model's recurrent state, one row (slot) per running request in
+every linear-attention layer (the slots are the scheduler's: core/state_slots.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from pagellm.attention.linear_attention import LinearLayerState
+from pagellm.config.model import ModelConfig
+
+
+def allocate_linear_states(config: ModelConfig, num_slots: int, device: torch.device | str) -> tuple[LinearLayerState, ...]:
+    """Zeroed float32 states of `num_slots` slots for each linear-attention layer of
+    `config` (one rank's heads under tensor parallelism); () for a model without any."""
+    spec = config.linear_attention
+    if spec is None or num_slots == 0:
+        return ()
+    return tuple(
+        LinearLayerState(
+            conv=torch.zeros(num_slots, spec.conv_dim, spec.conv_kernel_size - 1, device=device),
+            recurrent=torch.zeros(num_slots, spec.num_value_heads, spec.key_head_dim, spec.value_head_dim, device=device),
+        )
+        for _ in spec.layers
+    )
+
+
+def reset_slots(states: tuple[LinearLayerState, ...], slots: list[int]) -> None:
+    """The state of requests that start from their first token: zeros."""
+    if not states or not slots:
+        return
+    index = torch.tensor(slots, device=states[0].conv.device)
+    for state in states:
+        state.conv.index_fill_(0, index, 0.0)
+        state.recurrent.index_fill_(0, index, 0.0)
+
+
+def copy_slots(states: tuple[LinearLayerState, ...], pairs: list[tuple[int, int]]) -> None:
+    """(source, target) slot copies: a forked completion starts from its parent's state."""
+    if not states or not pairs:
+        return
+    device = states[0].conv.device
+    source = torch.tensor([src for src, _ in pairs], device=device)
+    target = torch.tensor([dst for _, dst in pairs], device=device)
+    for state in states:
+        state.conv.index_copy_(0, target, state.conv.index_select(0, source))
+        state.recurrent.index_copy_(0, target, state.recurrent.index_select(0, source))
