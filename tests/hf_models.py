@@ -38,6 +38,7 @@ def make_tiny_hf_checkpoint(
         "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
         "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
         "qwen3_5": (transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM),
+        "qwen3_5_moe": (transformers.Qwen3_5MoeTextConfig, transformers.Qwen3_5MoeForCausalLM),
     }
     config_cls, model_cls = classes[arch]
     shape = {**TINY_SHAPE, "rope_theta": 10000.0, "tie_word_embeddings": False}
@@ -52,7 +53,7 @@ def make_tiny_hf_checkpoint(
         shape.setdefault("pad_token_id", 0)
     if arch == "phi3":
         shape.setdefault("pad_token_id", 0)  # its default, 32000, lies outside the tiny vocabulary
-    if arch == "qwen3_5":
+    if arch.startswith("qwen3_5"):
         # Three linear-attention layers and a gated attention one (its own default order),
         # GQA-like sharing of q/k heads by value heads, and heads small enough to be quick.
         shape["num_hidden_layers"] = overrides.get("num_hidden_layers", 4)
@@ -71,7 +72,7 @@ def make_tiny_hf_checkpoint(
         for name, param in model.named_parameters():
             if "norm" in name:
                 # Gemma's norms scale by (1 + w): the same spread around 1.
-                offset = arch.startswith("gemma") or (arch == "qwen3_5" and "linear_attn.norm" not in name)
+                offset = arch.startswith("gemma") or (arch.startswith("qwen3_5") and "linear_attn.norm" not in name)
                 param.uniform_(-0.2, 0.2) if offset else param.uniform_(0.8, 1.2)
             elif "embed" in name:
                 # A tied head reads the embedding too: keep it moderate there.

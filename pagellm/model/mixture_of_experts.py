@@ -106,7 +106,7 @@ class SparseMoeBlock(nn.Module):
         return out
 
 
-class _MixtureOfExperts:
+class MixtureOfExperts:
     """What a family with sparse layers changes: its MLPs."""
 
     def make_mlp(self, config: ModelConfig, tp: TPGroup | None, layer: int, kernel: CpuLinearKernels | None = None) -> nn.Module:
@@ -115,13 +115,13 @@ class _MixtureOfExperts:
         return LlamaMLP(config, tp, kernel=kernel)
 
 
-class MixtralForCausalLM(_MixtureOfExperts, LlamaForCausalLM):
+class MixtralForCausalLM(MixtureOfExperts, LlamaForCausalLM):
     pass
 
 
-class Qwen3MoeForCausalLM(_MixtureOfExperts, Qwen3ForCausalLM):
+class Qwen3MoeForCausalLM(MixtureOfExperts, Qwen3ForCausalLM):
     pass
 
 
-class Qwen2MoeForCausalLM(_MixtureOfExperts, LlamaForCausalLM):
+class Qwen2MoeForCausalLM(MixtureOfExperts, LlamaForCausalLM):
     """Qwen2's attention (q/k/v biases) with routed experts and a shared one."""

@@ -1,4 +1,4 @@
-"""Model stage: Qwen3.5 (dense), a hybrid: Gated DeltaNet linear attention in most layers
+"""Model stage: Qwen3.5 (dense and MoE), a hybrid: Gated DeltaNet linear attention in most layers
 (`layer_types`: three of every four), gated full attention in the rest.
 
 What differs from Qwen3, and where it lives:
@@ -33,6 +33,7 @@ from pagellm.config.model import ModelConfig
 from pagellm.kernels.linear_bindings import CpuLinearKernels
 from pagellm.model.layers import OffsetRMSNorm, RMSNorm
 from pagellm.model.llama import LlamaForCausalLM, LlamaMLP
+from pagellm.model.mixture_of_experts import MixtureOfExperts
 from pagellm.model.packable_layers import PackableLinear
 from pagellm.model.qwen3 import Qwen3Attention
 from pagellm.model.tensor_parallel import TPGroup
@@ -270,3 +271,8 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):  # noqa: N801 - the architecture's n
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden = layer(cos_sin, hidden, kv_cache, metadata, self.backend)
         return self.norm(hidden)
+
+
+class Qwen3_5MoeForCausalLM(MixtureOfExperts, Qwen3_5ForCausalLM):  # noqa: N801 - the architecture's name
+    """Qwen3.5's hybrid layers with a sparse MLP in each: routed experts (softmax, top-k,
+    renormalized) and a shared expert behind a sigmoid gate."""

@@ -15,7 +15,7 @@ from pagellm.model.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from pagellm.model.llama import LlamaForCausalLM
 from pagellm.model.mixture_of_experts import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from pagellm.model.qwen3 import Qwen3ForCausalLM
-from pagellm.model.qwen3_5 import Qwen3_5ForCausalLM
+from pagellm.model.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
 
 # HF `architectures[0]` -> the class that runs it.
 MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
@@ -30,6 +30,7 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
+    "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
 }
 
 

@@ -1,5 +1,5 @@
-"""Qwen3.5 (a hybrid: Gated DeltaNet linear attention in three layers of four, gated full
-attention in the fourth) through the whole engine, against HF transformers in float32 on
+"""Qwen3.5, dense and MoE (a hybrid: Gated DeltaNet linear attention in three layers of four,
+gated full attention in the fourth) through the whole engine, against HF transformers in float32 on
 the same tiny random weights: greedy tokens equal under batching, chunked prefill that
 cuts prompts mid-block, one request at a time, recompute preemption and n > 1 forks;
 log-probabilities within 1e-4. Each feature of the family is shown to matter: switched
@@ -36,13 +36,39 @@ def make_prompts() -> list[list[int]]:
 PROMPTS = make_prompts()
 
 
+FAMILIES = {
+    "qwen3_5": {},
+    # Qwen3.5-MoE: every layer sparse, 4 experts top-2 renormalized, a shared expert behind
+    # its sigmoid gate.
+    "qwen3_5_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                    "shared_expert_intermediate_size": 48},  # fmt: skip
+}
+
+
+_BUILT: dict[str, tuple[str, object, list[list[int]]]] = {}
+
+
+def _checkpoint(arch: str, tmp_path_factory) -> tuple[str, object, list[list[int]]]:  # noqa: ANN001
+    """The family's tiny checkpoint, its HF model and HF's greedy tokens (built once)."""
+    if arch not in _BUILT:
+        folder = make_tiny_hf_checkpoint(tmp_path_factory.mktemp(arch), arch, seed=3, **FAMILIES[arch])
+        ref = load_hf_reference(folder)
+        expected = [hf_greedy(ref, p, NEW_TOKENS) for p in PROMPTS]
+        assert len({t for out in expected for t in out}) > 10, "degenerate model: the test would prove little"
+        _BUILT[arch] = (str(folder), ref, expected)
+    return _BUILT[arch]
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def hybrid(request, tmp_path_factory):
+    """Each family: the regimes that cut the work differently."""
+    return _checkpoint(request.param, tmp_path_factory)
+
+
 @pytest.fixture(scope="module")
-def hybrid(tmp_path_factory):
-    folder = make_tiny_hf_checkpoint(tmp_path_factory.mktemp("qwen3_5"), "qwen3_5", seed=3)
-    ref = load_hf_reference(folder)
-    expected = [hf_greedy(ref, p, NEW_TOKENS) for p in PROMPTS]
-    assert len({t for out in expected for t in out}) > 10, "degenerate model: the test would prove little"
-    return str(folder), ref, expected
+def dense(tmp_path_factory):
+    """The dense family alone, for what the experts do not change."""
+    return _checkpoint("qwen3_5", tmp_path_factory)
 
 
 def run(folder: str, **engine_args: object) -> tuple[LLM, list[list[int]]]:
@@ -54,12 +80,21 @@ def run(folder: str, **engine_args: object) -> tuple[LLM, list[list[int]]]:
 
 
 @pytest.mark.parametrize(
-    "engine_args",
-    [{}, {"max_num_batched_tokens": 7}, {"max_num_seqs": 1}, {"max_num_seqs": 3, "max_num_batched_tokens": 40}],
-    ids=["batched", "chunked-prefill-7", "one-at-a-time", "three-seats"],
+    "engine_args", [{}, {"max_num_batched_tokens": 7}], ids=["batched", "chunked-prefill-7"]
 )
 def test_greedy_tokens_equal_hf(hybrid, engine_args):
     folder, _, expected = hybrid
+    _, outputs = run(folder, **engine_args)
+    assert outputs == expected
+
+
+@pytest.mark.parametrize(
+    "engine_args",
+    [{"max_num_seqs": 1}, {"max_num_seqs": 3, "max_num_batched_tokens": 40}],
+    ids=["one-at-a-time", "three-seats"],
+)
+def test_greedy_tokens_equal_hf_in_other_batches(dense, engine_args):
+    folder, _, expected = dense
     _, outputs = run(folder, **engine_args)
     assert outputs == expected
 
@@ -103,8 +138,8 @@ def test_logprobs_within_1e_4_of_hf(hybrid):
                 assert math.isclose(logprob.logprob, float(row[token]), abs_tol=1e-4)
 
 
-def test_prefix_caching_asked_for_runs_without_it(hybrid, caplog):
-    folder, _, expected = hybrid
+def test_prefix_caching_asked_for_runs_without_it(dense, caplog):
+    folder, _, expected = dense
     llm = LLM(folder, max_model_len=MAX_MODEL_LEN, enable_prefix_caching=True)
     assert "runs without prefix caching" in caplog.text
     assert pagellm_greedy(llm, PROMPTS, NEW_TOKENS) == expected
@@ -117,8 +152,8 @@ def test_prefix_caching_asked_for_runs_without_it(hybrid, caplog):
     [{"tensor_parallel_size": 2}, {"enable_lora": True}, {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}],
     ids=["tp", "lora", "speculative"],
 )
-def test_what_a_hybrid_cannot_run_yet_is_refused_by_name(hybrid, args):
-    folder, _, _ = hybrid
+def test_what_a_hybrid_cannot_run_yet_is_refused_by_name(dense, args):
+    folder, _, _ = dense
     config = load_model_config(resolve_model_source(folder))
     with pytest.raises(ConfigError, match="not supported yet on a hybrid model"):
         hybrid_model_args(EngineArgs(model=folder, **args), config)
@@ -144,8 +179,8 @@ def _switch_off(ref, feature: str) -> contextlib.AbstractContextManager:  # noqa
 
 @pytest.mark.parametrize("feature", ["decay", "convolution", "partial rotary", "output gate"])
 @torch.inference_mode()
-def test_each_feature_of_the_family_changes_the_tokens(hybrid, feature):
-    folder, _, expected = hybrid
+def test_each_feature_of_the_family_changes_the_tokens(dense, feature):
+    folder, _, expected = dense
     ref = load_hf_reference(folder)
     with _switch_off(ref, feature):
         changed = [hf_greedy(ref, p, NEW_TOKENS) for p in PROMPTS[3:8]]

@@ -23,6 +23,7 @@ SUPPORTED_HF_ARCHITECTURES = (
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",  # Gemma 3 text models (gemma-3-1b; the text part of 4B+ as GGUF)
     "Qwen3_5ForCausalLM",  # Qwen3.5 / 3.6 dense: a hybrid (linear attention); the multimodal checkpoints' text part too
+    "Qwen3_5MoeForCausalLM",  # ... and its mixture of experts (35B-A3B and larger)
 )
 # A config saved without a model names no architecture; its model_type still says which.
 ARCHITECTURE_BY_MODEL_TYPE = {
@@ -37,12 +38,15 @@ ARCHITECTURE_BY_MODEL_TYPE = {
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "qwen3_5_text": "Qwen3_5ForCausalLM",
+    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
 }
 # A multimodal checkpoint whose language model runs alone (its vision tower not loaded):
 # its architecture (or model_type) -> the text model's, read from its text_config.
 TEXT_MODEL_OF_MULTIMODAL = {
     "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
     "qwen3_5": "Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
+    "qwen3_5_moe": "Qwen3_5MoeForCausalLM",
 }
 # llama.cpp's `general.architecture` -> the HF architecture it was converted from.
 ARCHITECTURE_BY_GGUF_NAME = {

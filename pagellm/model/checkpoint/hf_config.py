@@ -88,7 +88,7 @@ def hf_model_config(folder: Path) -> ModelConfig:
             attention_out_bias=(not is_qwen2) and attention_bias,
             sliding_window=sliding_window,
             sliding_window_layers=sliding_layers,
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", "Qwen3_5ForCausalLM"),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", *HYBRID_ARCHITECTURES),
             partial_rotary_factor=float(
                 cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor")
                 or (0.25 if arch in HYBRID_ARCHITECTURES else 1.0)
@@ -220,7 +220,7 @@ def text_model_config(cfg: dict[str, Any], name: str) -> dict[str, Any]:
 
 
 # Hybrids: linear-attention layers beside gated attention (Qwen3.5).
-HYBRID_ARCHITECTURES = ("Qwen3_5ForCausalLM",)
+HYBRID_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
 
 
 def _hybrid(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -330,13 +330,17 @@ def _sliding_window(arch: str, cfg: dict[str, Any]) -> tuple[int | None, tuple[i
 def _experts(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     """The mixture-of-experts fields: Mixtral's `num_local_experts`; Qwen3-MoE's and
     Qwen2-MoE's `num_experts` (`num_local_experts` as transformers 5.x writes it), their own
-    expert width, `norm_topk_prob`, the layers that keep a dense MLP, Qwen2-MoE's shared expert."""
-    if arch not in ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"):
+    expert width, `norm_topk_prob`, the layers that keep a dense MLP, Qwen2-MoE's and
+    Qwen3.5-MoE's shared expert."""
+    if arch not in ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "Qwen3_5MoeForCausalLM"):
         return {}
     num_experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
     fields: dict[str, Any] = {"num_experts": num_experts, "num_experts_per_tok": int(cfg["num_experts_per_tok"])}
-    if arch == "Qwen2MoeForCausalLM":
+    if arch in ("Qwen2MoeForCausalLM", "Qwen3_5MoeForCausalLM"):
         fields["shared_expert_intermediate_size"] = int(cfg.get("shared_expert_intermediate_size") or 0)
+    if arch == "Qwen3_5MoeForCausalLM":  # every layer sparse, the chosen experts' weights always renormalized
+        fields["moe_intermediate_size"] = int(cfg["moe_intermediate_size"])
+        fields["norm_topk_prob"] = True
     if arch in ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"):
         step = int(cfg.get("decoder_sparse_step") or 1)
         only_dense = set(cfg.get("mlp_only_layers") or [])
