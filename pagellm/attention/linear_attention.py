@@ -23,6 +23,7 @@ whose last kernel_size - 1 inputs are part of the state (`causal_conv`, `causal_
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -43,11 +44,16 @@ class LinearLayerState:
 @dataclass(frozen=True)
 class LinearAttentionMetadata:
     """Which state slot each request of the flat batch owns (request r owns rows
-    query_start_loc[r] : query_start_loc[r + 1], as in AttentionMetadata), and each
-    linear-attention layer's state, by its position among those layers."""
+    query_start_loc[r] : query_start_loc[r + 1], as in AttentionMetadata), each
+    linear-attention layer's state, by its position among those layers, and the snapshots
+    of that state the step writes."""
 
     state_slots: list[int]  # [num_reqs]
     layer_states: tuple[LinearLayerState, ...]
+    # Per request, the snapshots to write: (rows of the request before it, snapshot slot),
+    # into snapshot_states (prefix caching; core/state_snapshots.py).
+    saves: list[list[tuple[int, int]]] = dataclasses.field(default_factory=list)
+    snapshot_states: tuple[LinearLayerState, ...] = ()
 
 
 def causal_conv(

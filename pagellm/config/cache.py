@@ -22,6 +22,9 @@ from pagellm.errors import ConfigError
 KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8_e4m3", "fp8_e5m2")
 # Bytes per element of every dtype a model or its KV cache may be resolved to.
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1}
+# A hybrid model's recurrent state is kept after every this many full blocks (64 tokens of
+# 16) for prefix hits to resume from: see benchmarks/results for the measurement behind it.
+DEFAULT_STATE_SNAPSHOT_INTERVAL = 4
 # On CPU the "device" memory is the machine's RAM, shared with everything else: the KV
 # cache gets a fixed budget (like vLLM's CPU backend) rather than a fraction of all RAM.
 DEFAULT_CPU_KV_CACHE_BYTES = 4 * GiB
@@ -48,12 +51,18 @@ class CacheConfig:
     # tier) and how many block writes may wait in its queue before new ones are dropped.
     kv_offload_bytes: int = 0
     kv_offload_max_pending_writes: int = 256
-    # A hybrid model's recurrent-state slots (one per running request; 0: not a hybrid).
+    # A hybrid model's recurrent-state slots (one per running request; 0: not a hybrid), and
+    # the snapshots of that state kept for prefix hits, one after every
+    # state_snapshot_interval full blocks (core/state_snapshots.py).
     num_state_slots: int = 0
+    num_state_snapshots: int = 0
+    state_snapshot_interval: int = DEFAULT_STATE_SNAPSHOT_INTERVAL
 
     def __post_init__(self) -> None:
         check_int("CacheConfig", "block_size", self.block_size, 1)
         check_int("CacheConfig", "num_state_slots", self.num_state_slots, 0)
+        check_int("CacheConfig", "num_state_snapshots", self.num_state_snapshots, 0)
+        check_int("CacheConfig", "state_snapshot_interval", self.state_snapshot_interval, 1)
         # Block 0 is the null block, so one more is needed to hold any token at all.
         check_int("CacheConfig", "num_gpu_blocks", self.num_gpu_blocks, 2)
         check_int("CacheConfig", "num_cpu_blocks", self.num_cpu_blocks, 0)
@@ -109,6 +118,7 @@ class CacheBudget:
     kv_offload_path: str | None = None
     kv_offload_bytes: int = 0
     kv_offload_host_bytes: int | None = None  # its host-memory cache (None: the device's default)
+    state_snapshot_interval: int = DEFAULT_STATE_SNAPSHOT_INTERVAL  # a hybrid's, in blocks
 
 
 @dataclass(frozen=True)
@@ -182,6 +192,7 @@ def sized_cache_config(
     group_windows: tuple[int | None, ...] = (None,),
     max_step_tokens: int | None = None,
     num_state_slots: int = 0,
+    num_state_snapshots: int = 0,
 ) -> CacheConfig:
     """The cache the scheduler gets (KV cache groups with `group_windows`); one too small
     for a request of max_model_len (steps of at most max_step_tokens; None: one step) is
@@ -194,6 +205,8 @@ def sized_cache_config(
         group_windows=group_windows,
         kv_offload_bytes=budget.kv_offload_bytes if budget.kv_offload_path else 0,
         num_state_slots=num_state_slots,
+        num_state_snapshots=num_state_snapshots,
+        state_snapshot_interval=budget.state_snapshot_interval,
     )
     step = max_model_len if max_step_tokens is None else max_step_tokens
     if cache_config.max_blocks_per_request(max_model_len, step) > cache_config.num_usable_gpu_blocks:

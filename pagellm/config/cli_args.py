@@ -62,6 +62,9 @@ _HELP = {
     "kv_offload_bytes": "size bound of the --kv-offload-path tier in bytes (least recently used entries go first)",
     "kv_offload_host_bytes": "host memory that keeps the tier's latest blocks in front of the disk (default: 4 GiB "
     "when the KV cache is on a GPU, none on CPU)",
+    "state_snapshot_interval": "a hybrid model (linear attention) under prefix caching: keep its recurrent state "
+    "after every this many full blocks, so that a prefix hit resumes from the last one (more often: less "
+    "recomputed on a hit, more snapshot memory)",
     "scheduling_policy": "order of service: fcfs, priority, or shortest-remaining (running requests "
     "closest to finishing first)",
     "max_num_partial_prefills": "most requests given prefill tokens in one step (unset = no limit)",

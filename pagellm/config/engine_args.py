@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from pagellm.config.cache import KV_CACHE_DTYPES
+from pagellm.config.cache import DEFAULT_STATE_SNAPSHOT_INTERVAL, KV_CACHE_DTYPES
 from pagellm.config.parallel import DISTRIBUTED_EXECUTOR_BACKENDS
 from pagellm.config.scheduler import PREEMPTION_MODES, SCHEDULING_POLICIES
 from pagellm.config.speculative import resolve_speculative_config
@@ -76,6 +76,9 @@ class EngineArgs:
     kv_offload_host_bytes: int | None = None
     preemption_mode: str = "recompute"
     enable_prefix_caching: bool = True
+    # A hybrid model (linear attention): with prefix caching, its recurrent state is kept
+    # after every this many full blocks, so that a hit resumes from there.
+    state_snapshot_interval: int = DEFAULT_STATE_SNAPSHOT_INTERVAL
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"  # fcfs, priority, shortest-remaining
     # Prefill/decode balance (SchedulerConfig explains each); None = unset, and then the
@@ -130,6 +133,9 @@ class EngineArgs:
             raise ConfigError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
         if self.kv_offload_bytes <= 0 and self.kv_offload_path is not None:
             raise ConfigError(f"kv_offload_bytes must be positive, got {self.kv_offload_bytes}")
+        interval = self.state_snapshot_interval
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+            raise ConfigError(f"state_snapshot_interval must be an integer >= 1 (blocks), got {interval!r}")
         if self.kv_offload_host_bytes is not None and self.kv_offload_host_bytes < 0:
             raise ConfigError(f"kv_offload_host_bytes must be >= 0, got {self.kv_offload_host_bytes}")
         if self.kv_offload_path is not None and self.tensor_parallel_size > 1:

@@ -104,7 +104,7 @@ class EngineConfig:
         request of max_model_len checked to fit (steps of max_num_batched_tokens)."""
         return sized_cache_config(
             self.cache_budget, size, self.max_model_len, kv_cache_layout(self.model_config).windows,
-            self.scheduler_config.max_num_batched_tokens, self.num_state_slots,
+            self.scheduler_config.max_num_batched_tokens, self.num_state_slots, self.num_state_snapshots,
         )  # fmt: skip
 
     @property
@@ -112,6 +112,12 @@ class EngineConfig:
         """A hybrid model's recurrent-state slots: one per request that may run at once
         (0: not a hybrid)."""
         return self.scheduler_config.max_num_seqs if self.model_config.linear_attention is not None else 0
+
+    @property
+    def num_state_snapshots(self) -> int:
+        """A hybrid model's snapshots of recurrent state for prefix hits: as many as seats
+        (each running conversation keeps its latest; least recently used out)."""
+        return self.num_state_slots if self.cache_budget.enable_prefix_caching else 0
 
 
 def resolve_device_type(name: str, facts: DeviceFacts) -> str:
@@ -241,6 +247,7 @@ def resolve_engine_config(
         kv_offload_path=args.kv_offload_path,
         kv_offload_bytes=args.kv_offload_bytes,
         kv_offload_host_bytes=args.kv_offload_host_bytes,
+        state_snapshot_interval=args.state_snapshot_interval,
     )
     return EngineConfig(
         source=source,
@@ -270,9 +277,9 @@ def resolve_engine_config(
 
 
 def hybrid_model_args(args: EngineArgs, model_config: ModelConfig) -> EngineArgs:
-    """A hybrid model (linear-attention layers with recurrent state) runs without prefix
-    caching (a hit would need the state at the hit's boundary too) and preempts by
-    recompute (a swapped request's state is not copied to the host)."""
+    """A hybrid model (linear-attention layers with recurrent state) preempts by recompute
+    (a swapped request's state is not copied to the host) and has no disk tier (its
+    snapshots are not written there yet)."""
     if model_config.linear_attention is None:
         return args
     refused = [
@@ -284,15 +291,13 @@ def hybrid_model_args(args: EngineArgs, model_config: ModelConfig) -> EngineArgs
         if asked:
             raise ConfigError(f"{what} is not supported yet on a hybrid model (linear-attention layers)")
     off = []
-    if args.enable_prefix_caching:
-        off.append("prefix caching")
     if args.preemption_mode == "swap":
         off.append("swap preemption (recompute instead)")
     if args.kv_offload_path:
         off.append("the prefix cache's disk tier")
     if off:
         logger.warning("a hybrid model (linear attention) runs without %s", ", ".join(off))
-    return dataclasses.replace(args, enable_prefix_caching=False, preemption_mode="recompute", kv_offload_path=None)
+    return dataclasses.replace(args, preemption_mode="recompute", kv_offload_path=None)
 
 
 def background_token_budget(args: EngineArgs) -> int | None:

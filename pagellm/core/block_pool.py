@@ -132,6 +132,8 @@ class BlockPool:
         self.num_evictions = 0
         # Called with the ids of blocks whose cached content is dropped (event log).
         self.on_evict: Callable[[list[int]], None] | None = None
+        # Told each hash the cache forgets (a hybrid's state snapshot goes with its block).
+        self.on_forget: Callable[[BlockHash], None] | None = None
 
     @property
     def num_usable_blocks(self) -> int:
@@ -177,6 +179,8 @@ class BlockPool:
             return
         removed = self.cached_blocks.pop((block.cache_group, block.block_hash), None)
         assert removed is block, "a hashed block must be the one its hash maps to"
+        if self.on_forget is not None:
+            self.on_forget(block.block_hash)
         block.block_hash = None
         self.num_evictions += 1
         if self.on_evict is not None:
@@ -236,6 +240,8 @@ class BlockPool:
         for block in self.free_queue:
             if block.block_hash is not None:
                 del self.cached_blocks[block.cache_group, block.block_hash]
+                if self.on_forget is not None:
+                    self.on_forget(block.block_hash)
                 block.block_hash = None
                 dropped += 1
                 if self.on_evict is not None:

@@ -34,6 +34,7 @@ from pagellm.core.kv_cache_integrity import check_kv_cache_integrity
 from pagellm.core.kv_swap import HostCopy, KVSwap
 from pagellm.core.kv_tier import TierCostModel, TierIndex, block_digest
 from pagellm.core.state_slots import StateSlots
+from pagellm.core.state_snapshots import StateSnapshots
 from pagellm.request import BlockHash, Request
 
 logger = logging.getLogger(__name__)
@@ -50,6 +51,8 @@ class ComputedBlocks(NamedTuple):
     tier_digests: tuple[bytes, ...] = ()
     num_tier_misses: int = 0
     num_tier_skipped: int = 0
+    # A hybrid model: the snapshot of the recurrent state after the hit's last block.
+    snapshot_slot: int | None = None
 
 
 NO_HIT = ComputedBlocks([], 0)
@@ -105,8 +108,15 @@ class KVCacheManager(KVSwap):
             self.tier = TierIndex(cache_config.kv_offload_bytes, cache_config.kv_offload_max_pending_writes)
         self.tier_cost = TierCostModel(self.block_size)
         self._pending_offloads: list[tuple[bytes, int]] = []
-        # A hybrid model's recurrent-state slots: one for each request holding device blocks.
+        # A hybrid model's recurrent-state slots: one for each request holding device blocks;
+        # with prefix caching, the snapshots that let a hit resume (dropped with their block).
         self.state_slots = StateSlots(cache_config.num_state_slots)
+        self.snapshots = StateSnapshots(
+            cache_config.num_state_snapshots if self.enable_caching else 0, cache_config.state_snapshot_interval
+        )
+        if self.snapshots.enabled:
+            self.device_pool.on_forget = self.snapshots.drop
+        self._pending_restores: list[tuple[int, int]] = []
 
     def set_event_log(self, events: KVEventLog | None) -> None:
         """Record every block event to `events` (None: stop recording)."""
@@ -183,8 +193,7 @@ class KVCacheManager(KVSwap):
         result to allocate_slots.
         """
         assert request.request_id not in self._block_tables, "request already holds blocks"
-        # A hybrid's hit would need its recurrent state at the hit's end too (not kept yet).
-        if not self.enable_caching or self.state_slots.enabled:
+        if not self.enable_caching or (self.state_slots.enabled and not self.snapshots.enabled):
             return NO_HIT
         hashes = request.get_block_hashes(self.block_size)
         max_hit_blocks = lookup_limit = min(len(hashes), (request.num_tokens - 1) // self.block_size)
@@ -200,6 +209,17 @@ class KVCacheManager(KVSwap):
             max_hit_blocks = min(max_hit_blocks, len(blocks)) if self.group_windows[group] is None else max_hit_blocks
             found.append(blocks)
         num_hit = self._longest_hit(found, max_hit_blocks)
+        snapshot_slot = None
+        if self.state_slots.enabled:  # a hybrid resumes from its last snapshot within the hit
+
+            def holds(num_blocks: int) -> bool:  # every group has the blocks a hit of this length reads
+                return all(
+                    all(block is not None for block in blocks[self.num_passed_blocks(group, num_blocks * self.block_size) : num_blocks])
+                    for group, blocks in enumerate(found)
+                )  # fmt: skip
+
+            resume = self.snapshots.resume_point(hashes, num_hit, holds)
+            num_hit, snapshot_slot = resume if resume is not None else (0, None)
         tier_digests, num_misses, num_skipped = self._tier_lookup(request, hashes, num_hit, lookup_limit)
         if num_hit == 0:
             return ComputedBlocks([], 0, tier_digests, num_misses, num_skipped) if self.tier is not None else NO_HIT
@@ -214,7 +234,7 @@ class KVCacheManager(KVSwap):
                     request.adopt_cached_block_hash(index, block.block_hash)
                 table.append(block.block_id)
             tables.append(table)
-        return ComputedBlocks(tables, num_hit * self.block_size, tier_digests, num_misses, num_skipped)
+        return ComputedBlocks(tables, num_hit * self.block_size, tier_digests, num_misses, num_skipped, snapshot_slot)
 
     def _tier_lookup(
         self, request: Request, hashes: list[BlockHash], num_hit: int, max_hit_blocks: int
@@ -395,7 +415,9 @@ class KVCacheManager(KVSwap):
             self.stats.num_allocation_failures += 1
             return None
         if needs_state_slot:
-            self.state_slots.allocate(request_id)
+            state_slot = self.state_slots.allocate(request_id)
+            if new_computed_blocks is not None and new_computed_blocks.snapshot_slot is not None:
+                self._pending_restores.append((new_computed_blocks.snapshot_slot, state_slot))
 
         if tables is not None:
             self._copy_last_blocks(request_id, tables, copy_groups)
@@ -464,6 +486,20 @@ class KVCacheManager(KVSwap):
         )
         if child.num_computed_tokens % self.block_size:
             self._copy_on_write.add(child.request_id)
+
+    def take_pending_restores(self) -> list[tuple[int, int]]:
+        """(snapshot, state slot) copies of the requests admitted on a snapshot since the last call."""
+        restores, self._pending_restores = self._pending_restores, []
+        return restores
+
+    def plan_state_saves(self, request: Request, num_new_tokens: int) -> list[tuple[int, int]]:
+        """The snapshots a hybrid's request writes while it computes `num_new_tokens` more
+        (see StateSnapshots.plan_saves)."""
+        if not self.snapshots.enabled:
+            return []
+        start = request.num_computed_tokens
+        hashes = request.get_block_hashes(self.block_size)
+        return self.snapshots.plan_saves(hashes, start, start + num_new_tokens, self.block_size)
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
         """(source, target) device block copies decided since the last call."""
@@ -543,6 +579,8 @@ class KVCacheManager(KVSwap):
         )
         if self.state_slots.enabled:
             self.state_slots.check_integrity(set(self._block_tables))
+        if self.snapshots.enabled:
+            self.snapshots.check_integrity()
 
     def holds_blocks(self, request_id: str) -> bool:
         return request_id in self._block_tables or request_id in self._host_copies

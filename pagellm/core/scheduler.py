@@ -155,10 +155,14 @@ class Scheduler(StepAccounting):
         have seen them. Returns the ended ids."""
         self._finished_req_ids |= scheduler_output.finished_req_ids
         involved = [*scheduler_output.num_scheduled_tokens, *scheduler_output.preempted_req_ids, *self._loading]
+        # A hybrid's request whose state the step was to copy in (a fork, a snapshot) may lack it.
+        targets = [target for _, target in (*scheduler_output.state_copies, *scheduler_output.state_restores)]
+        involved += self.kv_cache_manager.state_slots.holders_of(targets)
         self._loading = {}
         tier = self.kv_cache_manager.tier
         if tier is not None:  # writes the runner may not have queued: the queue must not shrink
             tier.pending_writes.difference_update(digest for digest, _ in scheduler_output.blocks_to_offload)
+        self.kv_cache_manager.snapshots.end_step(failed=True)  # it may not have written its snapshots
         ended = [request_id for request_id in involved if request_id in self.requests]
         self.finish_requests(ended, RequestStatus.FINISHED_ABORTED)
         return ended
@@ -469,8 +473,15 @@ class Scheduler(StepAccounting):
     def _make_output(self, plan: StepPlan) -> SchedulerOutput:
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
+        kv = self.kv_cache_manager
+        kv.snapshots.end_step()  # the previous step's snapshots are written
+        state_saves: dict[str, list[tuple[int, int]]] = {}
         for request_id in plan.num_scheduled_tokens:
             request = self.requests[request_id]
+            if kv.snapshots.enabled and request_id not in plan.decode_steps:
+                saves = kv.plan_state_saves(request, plan.num_scheduled_tokens[request_id])
+                if saves:
+                    state_saves[request_id] = saves
             if request_id in plan.resumed_req_ids or request_id in self._unsent_req_ids:
                 self._unsent_req_ids.discard(request_id)
                 new_reqs.append(
@@ -501,7 +512,6 @@ class Scheduler(StepAccounting):
                 )
         finished, self._finished_req_ids = self._finished_req_ids, set()
         self._loading = plan.loading
-        kv = self.kv_cache_manager
         return SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached_reqs,
@@ -518,6 +528,8 @@ class Scheduler(StepAccounting):
             blocks_to_load=plan.blocks_to_load,
             tier_deletions=kv.tier.take_deletions() if kv.tier is not None else [],
             state_copies=kv.state_slots.take_pending_copies(),
+            state_restores=kv.take_pending_restores(),
+            state_saves=state_saves,
         )
 
     # ------------------------------------------------------------ inspection

@@ -106,6 +106,11 @@ class SchedulerOutput:
     # A hybrid model: (source, target) recurrent-state slots to copy before the step's
     # forward (a forked completion starts from its parent's state).
     state_copies: list[tuple[int, int]] = field(default_factory=list)
+    # ... and with prefix caching: (snapshot, state slot) copies for the requests admitted on
+    # a hit (before the forward), and per request the snapshots to write during the step,
+    # as (tokens of the request's step before it, snapshot slot).
+    state_restores: list[tuple[int, int]] = field(default_factory=list)
+    state_saves: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
 
     @property
     def num_scheduled_reqs(self) -> int:

@@ -32,6 +32,11 @@ class StateSlots:
     def slot_of(self, request_id: str) -> int | None:
         return self._slot_of.get(request_id)
 
+    def holders_of(self, slots: list[int]) -> list[str]:
+        """The requests owning these slots (a slot freed since has none)."""
+        wanted = set(slots)
+        return [request_id for request_id, slot in self._slot_of.items() if slot in wanted]
+
     def allocate(self, request_id: str) -> int:
         """A free slot for the request (which holds none); the caller checked num_free."""
         assert request_id not in self._slot_of, f"{request_id} already holds state slot {self._slot_of[request_id]}"

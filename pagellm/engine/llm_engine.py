@@ -66,7 +66,9 @@ def _log_cache(config: EngineConfig, cache_config: CacheConfig, size: CacheSize)
         held += (
             f"; recurrent state (float32): {model_config.state_bytes_per_request()} bytes per request in "
             f"{len(model_config.linear_attention.layers)} linear-attention layers, {cache_config.num_state_slots} slots"
-        )
+            + (f", {cache_config.num_state_snapshots} snapshots (one every {cache_config.state_snapshot_interval} blocks)"
+               if cache_config.num_state_snapshots else "")
+        )  # fmt: skip
     logger.info(
         "model: %s; KV cache (%s): %s; %s",
         model_config.describe(), config.kv_cache_dtype, held, layout.describe(),
@@ -223,6 +225,13 @@ class LLMEngine:
             device_ceilings(config.device_type, torch_dtype(config.dtype)),
             config.scheduler_config.max_num_seqs,
         )
+        layout = kv_cache_layout(model_config)
+        kv_per_layer = kv_bytes_per_block(model_config, 1, config.kv_cache_dtype) // layout.layers_per_block
+        num_global = sum(model_config.layer_window(layer) is None for layer in model_config.attention_layers)
+        metrics.set_cache_shape(
+            kv_per_layer * num_global, model_config.state_bytes_per_request(),
+            cache_config.num_state_slots, cache_config.num_state_snapshots,
+        )  # fmt: skip
         engine = cls(config, tokenizer, executor, grammars, metrics)
         if engine.executor_report.cpu_kernels is not None:  # bf16 CPU models
             metrics.set_cpu_kernels(engine.executor_report.cpu_kernels)

@@ -138,6 +138,15 @@ class EngineMetrics:
         """The kernel choice of a bf16 CPU model (model/linear_plans.py kernel_info), as an info metric."""
         self.prom.cpu_kernels.info(info)
 
+    def set_cache_shape(
+        self, kv_bytes_per_token: int, state_bytes_per_request: int, num_state_slots: int, num_state_snapshots: int
+    ) -> None:
+        """What the cache holds per token of context (K/V) and per request (a hybrid's state)."""
+        self.prom.kv_cache_bytes_per_token.set(kv_bytes_per_token)
+        self.prom.state_bytes_per_request.set(state_bytes_per_request)
+        self.prom.num_state_slots.set(num_state_slots)
+        self.prom.num_state_snapshots.set(num_state_snapshots)
+
     def set_utilization_model(self, cost: ModelCosts, ceilings: Ceilings, max_num_seqs: int) -> None:
         """Turn on MFU / MBU: the model's cost constants and the device's peaks."""
         self._model_cost = cost

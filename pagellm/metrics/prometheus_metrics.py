@@ -52,6 +52,16 @@ class PrometheusMetrics:
             "pagellm:cpu_kernels", "The CPU kernels in use: ISA levels and each linear group's measured choice.",
             labels, registry=reg,
         ).labels(model_name)  # fmt: skip
+        self.kv_cache_bytes_per_token = gauge(
+            "kv_cache_bytes_per_token", "KV cache bytes one token of context takes over the global attention layers."
+        )
+        self.state_bytes_per_request = gauge(
+            "state_bytes_per_request", "A hybrid model's recurrent state per request over its linear-attention layers (0: none)."
+        )
+        self.num_state_slots = gauge("num_state_slots", "A hybrid model's recurrent-state slots (one per running request).")
+        self.num_state_snapshots = gauge(
+            "num_state_snapshots", "A hybrid model's recurrent-state snapshots kept for prefix hits (capacity)."
+        )
         self.flops_ceiling = gauge("flops_ceiling", "The device's matmul ceiling used for MFU (FLOP/s).")
         self.bandwidth_ceiling = gauge("bandwidth_ceiling", "The device's memory bandwidth used for MBU (bytes/s).")
         self.estimated_flops = counter("estimated_flops", "FLOPs of the steps run (matmuls, attention, LM head).")

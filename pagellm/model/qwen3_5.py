@@ -17,6 +17,8 @@ interleaved multimodal rotary is the plain one.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -142,7 +144,7 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(gated.reshape(num_tokens, self.value_size))
 
     def _convolve(
-        self, mixed: torch.Tensor, linear: LinearAttentionMetadata, single: _Rows, runs: list[tuple[int, int, int]]
+        self, mixed: torch.Tensor, linear: LinearAttentionMetadata, single: _Rows, runs: list[_Run]
     ) -> torch.Tensor:
         state = linear.layer_states[self.index].conv
         weight = self.conv1d.weight.squeeze(1)  # [conv_dim, kernel_size]
@@ -151,8 +153,15 @@ class GatedDeltaNet(nn.Module):
             conv, new_state = causal_conv_steps(mixed[single.rows], state[single.slots], weight)
             out[single.rows] = conv
             state[single.slots] = new_state
-        for start, end, slot in runs:
-            out[start:end] = causal_conv(mixed[start:end], state[slot], weight)
+            for slot, snapshot in single.saves:  # the state after the step's token
+                linear.snapshot_states[self.index].conv[snapshot] = state[slot]
+        for run in runs:
+            history = state[run.slot].clone() if run.saves else None
+            out[run.start : run.end] = causal_conv(mixed[run.start : run.end], state[run.slot], weight)
+            if history is not None:  # the inputs before each boundary: the state there
+                inputs = torch.cat([history, mixed[run.start : run.end].t().float()], dim=1)
+                for offset, snapshot in run.saves:
+                    linear.snapshot_states[self.index].conv[snapshot] = inputs[:, offset : offset + history.shape[1]]
         return out
 
     def _delta_rule(
@@ -164,7 +173,7 @@ class GatedDeltaNet(nn.Module):
         beta: torch.Tensor,
         linear: LinearAttentionMetadata,
         single: _Rows,
-        runs: list[tuple[int, int, int]],
+        runs: list[_Run],
     ) -> torch.Tensor:
         state = linear.layer_states[self.index].recurrent
         out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
@@ -173,36 +182,58 @@ class GatedDeltaNet(nn.Module):
             step_out, new_state = delta_rule_steps(q[rows], k[rows], v[rows], g[rows], beta[rows], state[single.slots])
             out[rows] = step_out
             state[single.slots] = new_state
-        for start, end, slot in runs:
-            run_out, new_state = delta_rule_chunked(q[start:end], k[start:end], v[start:end], g[start:end], beta[start:end], state[slot])
-            out[start:end] = run_out
-            state[slot] = new_state
+            for slot, snapshot in single.saves:
+                linear.snapshot_states[self.index].recurrent[snapshot] = state[slot]
+        for run in runs:
+            # Cut at each snapshot's boundary: the state there is the one a segment ends with.
+            start, current = run.start, state[run.slot]
+            for end, snapshot in [(run.start + offset, snapshot) for offset, snapshot in run.saves] + [(run.end, None)]:
+                if end > start:
+                    part = slice(start, end)
+                    out[part], current = delta_rule_chunked(q[part], k[part], v[part], g[part], beta[part], current)
+                if snapshot is not None:
+                    linear.snapshot_states[self.index].recurrent[snapshot] = current
+                start = end
+            state[run.slot] = current
         return out
 
 
 class _Rows:
-    """The requests of a step that compute one token: their rows and their state slots."""
+    """The requests of a step that compute one token: their rows and state slots, and the
+    snapshots to take of those slots after the token, as (slot, snapshot)."""
 
-    def __init__(self, rows: list[int], slots: list[int], device: torch.device) -> None:
+    def __init__(self, rows: list[int], slots: list[int], saves: list[tuple[int, int]], device: torch.device) -> None:
         self.rows = torch.tensor(rows, device=device) if rows else None
         self.slots = torch.tensor(slots, device=device) if slots else None
+        self.saves = saves
 
 
-def _split_requests(
-    query_start_loc: list[int], linear: LinearAttentionMetadata
-) -> tuple[_Rows, list[tuple[int, int, int]]]:
+@dataclass(frozen=True)
+class _Run:
+    """A request computing several tokens (a prefill chunk): rows start .. end - 1, its
+    state slot, and the snapshots to take within it, as (rows before it, snapshot)."""
+
+    start: int
+    end: int
+    slot: int
+    saves: list[tuple[int, int]]
+
+
+def _split_requests(query_start_loc: list[int], linear: LinearAttentionMetadata) -> tuple[_Rows, list[_Run]]:
     """The step's one-token requests (decode steps: computed together) and its longer runs
-    (prefill chunks: one request at a time), as (start row, end row, slot)."""
-    rows, slots, runs = [], [], []
+    (prefill chunks: one request at a time)."""
+    rows, slots, single_saves, runs = [], [], [], []
     for request, slot in enumerate(linear.state_slots):
         start, end = query_start_loc[request], query_start_loc[request + 1]
+        saves = linear.saves[request] if linear.saves else []
         if end - start == 1:
             rows.append(start)
             slots.append(slot)
+            single_saves.extend((slot, snapshot) for _, snapshot in saves)
         elif end > start:
-            runs.append((start, end, slot))
+            runs.append(_Run(start, end, slot, sorted(saves)))
     device = linear.layer_states[0].conv.device
-    return _Rows(rows, slots, device), runs
+    return _Rows(rows, slots, single_saves, device), runs
 
 
 class HybridDecoderLayer(nn.Module):

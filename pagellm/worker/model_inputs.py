@@ -19,6 +19,8 @@ class ScheduledSequence:
     block_ids: list[list[int]]  # the request's block tables, one per KV cache group (each covers the step)
     needs_logits: bool  # whether the step's last token must produce a next token
     state_slot: int | None = None  # a hybrid model: the request's recurrent-state slot
+    # ... and the snapshots of it to write: (tokens of this sequence before it, snapshot slot).
+    state_saves: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass
@@ -34,6 +36,7 @@ def prepare_model_inputs(
     block_size: int,
     device: torch.device | str,
     linear_states: tuple[LinearLayerState, ...] = (),
+    snapshot_states: tuple[LinearLayerState, ...] = (),
 ) -> ModelInputs:
     """The step's flat tensors; with `linear_states` (a hybrid model's recurrent state,
     per linear-attention layer) the metadata also says each request's slot."""
@@ -68,7 +71,8 @@ def prepare_model_inputs(
     if linear_states:
         slots = [seq.state_slot for seq in sequences]
         assert all(slot is not None for slot in slots), "every request of a hybrid model holds a state slot"
-        metadata[0].linear = LinearAttentionMetadata(slots, linear_states)  # type: ignore[arg-type]
+        saves = [list(seq.state_saves) for seq in sequences]
+        metadata[0].linear = LinearAttentionMetadata(slots, linear_states, saves, snapshot_states)  # type: ignore[arg-type]
     return ModelInputs(
         input_ids=as_tensor(input_ids),
         positions=as_tensor(positions),

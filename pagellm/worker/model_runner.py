@@ -66,6 +66,7 @@ class ModelRunner:
         kv_tier_store: TierStore | None = None,
         kv_tier_host_bytes: int = 0,
         num_state_slots: int = 0,
+        num_state_snapshots: int = 0,
     ) -> None:
         self.model = model
         # With tensor parallelism only the driver (rank 0) samples; the other ranks make
@@ -91,6 +92,8 @@ class ModelRunner:
         )
         # A hybrid model's recurrent state: a slot per running request in each linear layer.
         self.linear_states = allocate_linear_states(config, num_state_slots, device)
+        self.snapshot_states = allocate_linear_states(config, num_state_snapshots, device)  # for prefix hits
+        self._state_saves: dict[str, list[tuple[int, int]]] = {}  # the step's snapshots to write
         # The prefix cache's second tier: its writes and loads (worker/kv_tier_transfer.py).
         self.kv_tier = (
             KVTierTransfer(kv_tier_store, distinct_tensors(self.kv_caches), kv_tier_host_bytes)
@@ -196,6 +199,8 @@ class ModelRunner:
     def _run_step(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         # Forks' copies first: a parent that finished may have left its slot to a new request.
         copy_slots(self.linear_states, scheduler_output.state_copies)
+        copy_slots(self.snapshot_states, scheduler_output.state_restores, target=self.linear_states)
+        self._state_saves = scheduler_output.state_saves
         for new in scheduler_output.scheduled_new_reqs:
             self._add_request(new)
         reset_slots(
@@ -235,7 +240,7 @@ class ModelRunner:
             sequences.append(
                 ScheduledSequence(
                     state.token_ids[start:end] + proposal, start, state.block_ids, end == len(state.token_ids),
-                    state.state_slot,
+                    state.state_slot, tuple(self._state_saves.get(req_id, ())),
                 )
             )
         if self.faults is not None:
@@ -259,8 +264,9 @@ class ModelRunner:
         """The model over the step's sequences: hidden states and each sequence's first row."""
         adapters = self._activate_adapters(req_ids, sequences)
         step = StepInputs(
-            sequences, self.kv_caches, self.block_size, self.device, has_adapters=adapters, linear_states=self.linear_states
-        )
+            sequences, self.kv_caches, self.block_size, self.device, has_adapters=adapters,
+            linear_states=self.linear_states, snapshot_states=self.snapshot_states,
+        )  # fmt: skip
         try:
             hidden = self.step_paths.forward(step)
         finally:

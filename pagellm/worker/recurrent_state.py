@@ -1,5 +1,6 @@
 """Worker stage: a hybrid model's recurrent state, one row (slot) per running request in
-every linear-attention layer (the slots are the scheduler's: core/state_slots.py)."""
+every linear-attention layer, and the snapshots of it kept for prefix hits (the slots are
+the scheduler's: core/state_slots.py, core/state_snapshots.py)."""
 
 from __future__ import annotations
 
@@ -34,13 +35,18 @@ def reset_slots(states: tuple[LinearLayerState, ...], slots: list[int]) -> None:
         state.recurrent.index_fill_(0, index, 0.0)
 
 
-def copy_slots(states: tuple[LinearLayerState, ...], pairs: list[tuple[int, int]]) -> None:
-    """(source, target) slot copies: a forked completion starts from its parent's state."""
+def copy_slots(
+    states: tuple[LinearLayerState, ...],
+    pairs: list[tuple[int, int]],
+    target: tuple[LinearLayerState, ...] | None = None,
+) -> None:
+    """(source, target) slot copies within `states` (a forked completion starts from its
+    parent's state), or from `states` into `target` (a snapshot into a request's slot)."""
     if not states or not pairs:
         return
     device = states[0].conv.device
-    source = torch.tensor([src for src, _ in pairs], device=device)
-    target = torch.tensor([dst for _, dst in pairs], device=device)
-    for state in states:
-        state.conv.index_copy_(0, target, state.conv.index_select(0, source))
-        state.recurrent.index_copy_(0, target, state.recurrent.index_select(0, source))
+    source_index = torch.tensor([src for src, _ in pairs], device=device)
+    target_index = torch.tensor([dst for _, dst in pairs], device=device)
+    for source, into in zip(states, target or states, strict=True):
+        into.conv.index_copy_(0, target_index, source.conv.index_select(0, source_index))
+        into.recurrent.index_copy_(0, target_index, source.recurrent.index_select(0, source_index))

@@ -152,7 +152,7 @@ class Worker:
         bytes_per_block = kv_bytes_per_block(self.model.config, budget.block_size, config.kv_cache_dtype)  # this rank's heads
         if self.draft_model is not None:  # a block holds the draft's K/V of its positions too
             bytes_per_block += kv_bytes_per_block(self.draft_model.config, budget.block_size, config.kv_cache_dtype)
-        state_bytes = config.num_state_slots * self.model.config.state_bytes_per_request()  # this rank's heads
+        state_bytes = (config.num_state_slots + config.num_state_snapshots) * self.model.config.state_bytes_per_request()
         size = decide_cache_size(budget, bytes_per_block, self._memory_facts(), state_bytes)
         if self.tp is None:
             return size
@@ -198,6 +198,7 @@ class Worker:
             kv_tier_store=self._open_kv_tier(),
             kv_tier_host_bytes=self._kv_tier_host_bytes(),
             num_state_slots=self.config.num_state_slots,
+            num_state_snapshots=self.config.num_state_snapshots,
         )
         sizes = self.graph_sizes()
         if sizes:

@@ -43,6 +43,8 @@ def make_scheduler(
     kv_offload_bytes: int = 0,
     kv_offload_max_pending_writes: int = 256,
     num_state_slots: int = 0,
+    num_state_snapshots: int = 0,
+    state_snapshot_interval: int = 4,
     **balance: object,
 ) -> Scheduler:
     cache_config = CacheConfig(
@@ -54,6 +56,8 @@ def make_scheduler(
         kv_offload_bytes=kv_offload_bytes,
         kv_offload_max_pending_writes=kv_offload_max_pending_writes,
         num_state_slots=num_state_slots,
+        num_state_snapshots=num_state_snapshots,
+        state_snapshot_interval=state_snapshot_interval,
     )
     scheduler_config = SchedulerConfig(
         max_num_seqs=max_num_seqs,
@@ -135,6 +139,7 @@ class FakeRunner:
         # A hybrid model's recurrent state, per slot: the tokens it has absorbed, in order
         # (so a slot shared, lost, not reset or not copied at a fork shows as a mismatch).
         self.states: dict[int, list[tuple[int, int]]] = {}
+        self.snapshots: dict[int, list[tuple[int, int]]] = {}  # ... and its snapshots for prefix hits
         self.num_steps = 0
 
     def _slot(self, state: _RunnerRequest, group: int, position: int) -> tuple[int, int]:
@@ -173,6 +178,8 @@ class FakeRunner:
         report = TierReport(written, [], failed_loads, num_loaded, num_loaded * TIER_ENTRY_BYTES, 0.0)
         for source, target in out.state_copies:  # a fork starts from its parent's state
             self.states[target] = list(self.states[source])
+        for snapshot, target in out.state_restores:  # a prefix hit resumes from a snapshot
+            self.states[target] = list(self.snapshots[snapshot])
         for new in out.scheduled_new_reqs:
             assert new.req_id not in self.requests, "new request the runner already holds"
             assert len(new.block_ids) == len(self.group_windows)
@@ -212,9 +219,13 @@ class FakeRunner:
                     state.token_ids.append(self.sample(request_id, list(state.token_ids)))
                     sampled[request_id].append(state.token_ids[-1])
                 continue
-            end = state.num_computed_tokens + num_tokens
+            start = state.num_computed_tokens
+            end = start + num_tokens
             assert num_tokens > 0 and end <= len(state.token_ids)
             self._compute(request_id, state, end)
+            for offset, snapshot in out.state_saves.get(request_id, []):
+                assert 0 < offset <= num_tokens and (start + offset) % self.block_size == 0
+                self.snapshots[snapshot] = [(state.lora, token) for token in state.token_ids[: start + offset]]
             if end == len(state.token_ids):
                 history = list(state.token_ids)
                 # n > 1: the other completions' first tokens, from the same position.

@@ -59,6 +59,8 @@ class Setup:
     kv_offload_max_pending_writes: int = 256
     num_scheduler_steps: int = 1  # multi-step decoding (core/multi_step.py)
     num_state_slots: int = 0  # a hybrid model's recurrent-state slots (core/state_slots.py)
+    num_state_snapshots: int = 0  # ... and snapshots of it for prefix hits (core/state_snapshots.py)
+    state_snapshot_interval: int = 4
 
 
 @st.composite
@@ -91,7 +93,9 @@ def setups(draw) -> Setup:
         kv_offload_max_pending_writes=draw(st.sampled_from([1, 3, 256])),
         num_scheduler_steps=draw(st.sampled_from([1, 1, 2, 4])),
         # A hybrid model (one slot per seat, as the engine sizes it) in one setup of four.
-        num_state_slots=draw(st.sampled_from([0, 0, 0, max_num_seqs])),
+        num_state_slots=(slots := draw(st.sampled_from([0, 0, 0, max_num_seqs]))),
+        num_state_snapshots=draw(st.sampled_from([1, 3, 8])) if slots else 0,
+        state_snapshot_interval=draw(st.sampled_from([1, 2, 3])),
     )
 
 

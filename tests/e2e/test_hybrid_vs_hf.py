@@ -138,13 +138,34 @@ def test_logprobs_within_1e_4_of_hf(hybrid):
                 assert math.isclose(logprob.logprob, float(row[token]), abs_tol=1e-4)
 
 
-def test_prefix_caching_asked_for_runs_without_it(dense, caplog):
+def test_prefix_caching_resumes_from_snapshots(dense):
     folder, _, expected = dense
-    llm = LLM(folder, max_model_len=MAX_MODEL_LEN, enable_prefix_caching=True)
-    assert "runs without prefix caching" in caplog.text
+    llm = LLM(folder, max_model_len=MAX_MODEL_LEN, max_num_seqs=2)
     assert pagellm_greedy(llm, PROMPTS, NEW_TOKENS) == expected
     assert pagellm_greedy(llm, PROMPTS, NEW_TOKENS) == expected
-    assert llm.engine.get_stats().num_prefix_hit_tokens == 0
+    # Each prompt of 64 tokens or more resumes the second time after its 64th (interval 4).
+    assert llm.engine.get_stats().num_prefix_hit_tokens == 64 * sum(len(p) > 64 for p in PROMPTS)
+    assert_engine_drained(llm)
+
+
+@pytest.mark.parametrize("interval,resumed", [(4, 128), (1, 176)])
+def test_a_second_turn_resumes_from_the_first_turns_snapshot(dense, interval, resumed):
+    """Turn 2 = turn 1's prompt + its answer + new text: served from the state kept after
+    the last snapshot boundary inside turn 1's cached blocks, it computes only the rest,
+    and equals HF's greedy continuation."""
+    folder, ref, _ = dense
+    turn1 = PROMPTS[-1] + PROMPTS[-2][:50]  # 150 tokens
+    answer = hf_greedy(ref, turn1, 40)
+    turn2 = turn1 + answer + PROMPTS[-3][:30]
+    # Chunks of 48 cut the prompts mid-block; snapshots are taken inside chunks.
+    llm = LLM(folder, max_model_len=MAX_MODEL_LEN * 2, max_num_batched_tokens=48, state_snapshot_interval=interval)
+    assert pagellm_greedy(llm, [turn1], 40) == [answer]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    output = llm.generate([turn2], params, use_tqdm=False)[0]
+    assert list(output.outputs[0].token_ids) == hf_greedy(ref, turn2, 16)
+    # Turn 1 computed 189 tokens (its last answer token is never fed back): 11 full blocks.
+    assert output.num_cached_tokens == resumed
+    assert_engine_drained(llm)
 
 
 @pytest.mark.parametrize(

@@ -27,6 +27,7 @@ class StepInputs:
     device: torch.device | str
     has_adapters: bool = False  # rows under a LoRA adapter (its slots are mapped for this step)
     linear_states: tuple[LinearLayerState, ...] = ()  # a hybrid model's recurrent state, per linear layer
+    snapshot_states: tuple[LinearLayerState, ...] = ()  # ... and its snapshots for prefix hits
     # What a path found about this step, by its name: a check two paths ask for (the
     # measured choice and the path itself) runs once.
     checks: dict[str, bool] = field(default_factory=dict)
@@ -34,7 +35,9 @@ class StepInputs:
     @functools.cached_property
     def model_inputs(self) -> ModelInputs:
         """The flat tensors of the step (built once, by the first path that asks)."""
-        return prepare_model_inputs(self.sequences, self.block_size, self.device, self.linear_states)
+        return prepare_model_inputs(
+            self.sequences, self.block_size, self.device, self.linear_states, self.snapshot_states
+        )
 
     @functools.cached_property
     def query_starts(self) -> list[int]:

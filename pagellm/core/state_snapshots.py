@@ -1,0 +1,105 @@
+"""Core stage: snapshots of a hybrid model's recurrent state at block boundaries, for prefix
+caching.
+
+A prefix hit on a model with linear-attention layers needs, beside the K/V of the hit's
+blocks, the recurrent state after exactly those tokens. So while a request computes, the
+state it has after every `interval` full blocks is copied into a snapshot slot (the worker
+holds the snapshots' rows, as it holds the state slots), keyed by the chained hash of the
+block that ends there: the same key as the KV block, so a snapshot names the whole token
+history before it. A new request resumes from the last snapshot at or before its longest
+KV hit; it computes from there.
+
+Snapshots are dropped when their block leaves the prefix cache, and otherwise the least
+recently used goes first when a new one needs a slot. A snapshot planned in a step is not
+reused before the step ends (the worker writes it during the step), and one planned in a
+step that failed is forgotten (it may never have been written).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+
+from pagellm.request import BlockHash
+
+
+class StateSnapshots:
+    """Which snapshot slot holds the state after which block (by the block's hash)."""
+
+    def __init__(self, num_slots: int, interval_blocks: int) -> None:
+        self.num_slots = num_slots
+        self.interval_blocks = interval_blocks
+        self._free = list(range(num_slots - 1, -1, -1))
+        self._slot_of: OrderedDict[BlockHash, int] = OrderedDict()  # least recently used first
+        self._planned: dict[BlockHash, int] = {}  # written by the step being scheduled
+        self.num_saved = 0
+        self.num_restored = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.num_slots > 0
+
+    def __len__(self) -> int:
+        return len(self._slot_of)
+
+    def resume_point(
+        self, hashes: list[BlockHash], num_hit_blocks: int, usable: Callable[[int], bool] = lambda n: True
+    ) -> tuple[int, int] | None:
+        """(blocks, snapshot slot) of the last snapshot after at most `num_hit_blocks` of
+        these blocks whose hit length is `usable` (the KV cache holds what it reads), or
+        None; it counts as used."""
+        for num_blocks in range(num_hit_blocks, 0, -1):
+            slot = self._slot_of.get(hashes[num_blocks - 1])
+            if slot is not None and usable(num_blocks):
+                self._slot_of.move_to_end(hashes[num_blocks - 1])
+                self.num_restored += 1
+                return num_blocks, slot
+        return None
+
+    def plan_saves(self, hashes: list[BlockHash], start: int, end: int, block_size: int) -> list[tuple[int, int]]:
+        """The snapshots a request computing tokens start .. end - 1 this step writes, as
+        (tokens of the step before it, slot): one after each interval-th full block the
+        step completes, where none is kept yet."""
+        saves = []
+        span = self.interval_blocks * block_size
+        for boundary in range((start // span + 1) * span, end + 1, span):
+            block_hash = hashes[boundary // block_size - 1]
+            if block_hash in self._slot_of:
+                self._slot_of.move_to_end(block_hash)
+                continue
+            slot = self._take_slot()
+            if slot is None:
+                break
+            self._slot_of[block_hash] = slot
+            self._planned[block_hash] = slot
+            saves.append((boundary - start, slot))
+            self.num_saved += 1
+        return saves
+
+    def _take_slot(self) -> int | None:
+        if self._free:
+            return self._free.pop()
+        for block_hash, slot in self._slot_of.items():  # the least recently used not being written
+            if block_hash not in self._planned:
+                del self._slot_of[block_hash]
+                return slot
+        return None
+
+    def end_step(self, failed: bool = False) -> None:
+        """The step's snapshots are written (or, when it failed, may not be: forgotten)."""
+        if failed:
+            for block_hash in list(self._planned):
+                self.drop(block_hash)
+        self._planned = {}
+
+    def drop(self, block_hash: BlockHash) -> None:
+        """Forget the snapshot after this block (its block left the prefix cache)."""
+        slot = self._slot_of.pop(block_hash, None)
+        if slot is not None:
+            self._planned.pop(block_hash, None)
+            self._free.append(slot)
+
+    def check_integrity(self) -> None:
+        owned = list(self._slot_of.values())
+        assert sorted(owned + self._free) == list(range(self.num_slots)), "a snapshot slot is lost or held twice"
+        assert all(self._slot_of.get(h) == s for h, s in self._planned.items()), "a planned snapshot is not kept"
