@@ -113,7 +113,7 @@ def main() -> None:
     parser.add_argument("--intervals", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--output", type=Path, default=Path(__file__).parent / "results" / "hybrid_prefix_reuse.json")
     args = parser.parse_args()
-    print(describe_cpu())
+    print(describe_cpu(cpu_info()))
     with tempfile.TemporaryDirectory() as tmp:
         folder = write_checkpoint(Path(tmp), args.hidden, args.layers, 256)
         results: dict[str, object] = {"cpu": cpu_info(), "args": {k: str(v) for k, v in vars(args).items()}}

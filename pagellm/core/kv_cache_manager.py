@@ -220,6 +220,8 @@ class KVCacheManager(KVSwap):
 
             resume = self.snapshots.resume_point(hashes, num_hit, holds)
             num_hit, snapshot_slot = resume if resume is not None else (0, None)
+            if num_hit:
+                self.snapshots.note_latest(request.request_id, hashes[num_hit - 1])
         tier_digests, num_misses, num_skipped = self._tier_lookup(request, hashes, num_hit, lookup_limit)
         if num_hit == 0:
             return ComputedBlocks([], 0, tier_digests, num_misses, num_skipped) if self.tier is not None else NO_HIT
@@ -499,7 +501,7 @@ class KVCacheManager(KVSwap):
             return []
         start = request.num_computed_tokens
         hashes = request.get_block_hashes(self.block_size)
-        return self.snapshots.plan_saves(hashes, start, start + num_new_tokens, self.block_size)
+        return self.snapshots.plan_saves(request.request_id, hashes, start, start + num_new_tokens, self.block_size)
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
         """(source, target) device block copies decided since the last call."""
@@ -547,6 +549,7 @@ class KVCacheManager(KVSwap):
 
     def _free_device(self, request_id: str) -> None:
         self.state_slots.free(request_id)
+        self.snapshots.forget_request(request_id)
         self._num_cached_blocks.pop(request_id, None)
         self._copy_on_write.discard(request_id)
         tables = self._block_tables.pop(request_id, None)

@@ -3,14 +3,15 @@ caching.
 
 A prefix hit on a model with linear-attention layers needs, beside the K/V of the hit's
 blocks, the recurrent state after exactly those tokens. So while a request computes, the
-state it has after every `interval` full blocks is copied into a snapshot slot (the worker
-holds the snapshots' rows, as it holds the state slots), keyed by the chained hash of the
-block that ends there: the same key as the KV block, so a snapshot names the whole token
-history before it. A new request resumes from the last snapshot at or before its longest
-KV hit; it computes from there.
+state it has at the last multiple of `interval` full blocks each step reaches is copied
+into a snapshot slot (the worker holds the snapshots' rows, as it holds the state slots),
+keyed by the chained hash of the block that ends there: the same key as the KV block, so a
+snapshot names the whole token history before it. A new request resumes from the last
+snapshot at or before its longest KV hit; it computes from there.
 
 Snapshots are dropped when their block leaves the prefix cache, and otherwise the least
-recently used goes first when a new one needs a slot. A snapshot planned in a step is not
+recently used goes first when a new one needs a slot, a request's earlier snapshots before
+anyone's latest (a conversation's next turn resumes from its latest). A snapshot planned in a step is not
 reused before the step ends (the worker writes it during the step), and one planned in a
 step that failed is forgotten (it may never have been written).
 """
@@ -32,6 +33,9 @@ class StateSnapshots:
         self._free = list(range(num_slots - 1, -1, -1))
         self._slot_of: OrderedDict[BlockHash, int] = OrderedDict()  # least recently used first
         self._planned: dict[BlockHash, int] = {}  # written by the step being scheduled
+        # Each request's latest snapshot: when it takes a later one, the earlier goes to the
+        # front of the eviction order (a conversation's next turn resumes from its last).
+        self._latest_of: dict[str, BlockHash] = {}
         self.num_saved = 0
         self.num_restored = 0
 
@@ -56,25 +60,41 @@ class StateSnapshots:
                 return num_blocks, slot
         return None
 
-    def plan_saves(self, hashes: list[BlockHash], start: int, end: int, block_size: int) -> list[tuple[int, int]]:
-        """The snapshots a request computing tokens start .. end - 1 this step writes, as
-        (tokens of the step before it, slot): one after each interval-th full block the
-        step completes, where none is kept yet."""
-        saves = []
+    def plan_saves(
+        self, request_id: str, hashes: list[BlockHash], start: int, end: int, block_size: int
+    ) -> list[tuple[int, int]]:
+        """The snapshot a request computing tokens start .. end - 1 this step writes, as
+        [(tokens of the step before it, slot)]: after the last interval-th full block the
+        step completes, where none is kept yet ([] if none). Only the last: a conversation's
+        next turn resumes from its latest, and one request writing many would evict the
+        other conversations' latest. Its earlier snapshot becomes the first to go."""
         span = self.interval_blocks * block_size
-        for boundary in range((start // span + 1) * span, end + 1, span):
-            block_hash = hashes[boundary // block_size - 1]
-            if block_hash in self._slot_of:
-                self._slot_of.move_to_end(block_hash)
-                continue
-            slot = self._take_slot()
-            if slot is None:
-                break
-            self._slot_of[block_hash] = slot
-            self._planned[block_hash] = slot
-            saves.append((boundary - start, slot))
-            self.num_saved += 1
-        return saves
+        boundary = end // span * span
+        if boundary <= start:
+            return []
+        block_hash = hashes[boundary // block_size - 1]
+        earlier = self._latest_of.get(request_id)
+        if earlier is not None and earlier != block_hash and earlier in self._slot_of:
+            self._slot_of.move_to_end(earlier, last=False)  # (a planned one stays until its step ends)
+        self._latest_of[request_id] = block_hash
+        if block_hash in self._slot_of:
+            self._slot_of.move_to_end(block_hash)
+            return []
+        slot = self._take_slot()
+        if slot is None:
+            return []
+        self._slot_of[block_hash] = slot
+        self._planned[block_hash] = slot
+        self.num_saved += 1
+        return [(boundary - start, slot)]
+
+    def note_latest(self, request_id: str, block_hash: BlockHash) -> None:
+        """The request resumes from the snapshot after this block: its latest."""
+        self._latest_of[request_id] = block_hash
+
+    def forget_request(self, request_id: str) -> None:
+        """The request holds no state any more (finished or preempted)."""
+        self._latest_of.pop(request_id, None)
 
     def _take_slot(self) -> int | None:
         if self._free:
