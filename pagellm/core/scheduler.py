@@ -202,9 +202,11 @@ class Scheduler(StepAccounting):
             self.speculator.finished(request.request_id)
         if logger.isEnabledFor(logging.DEBUG):
             cached, tier = request.num_cached_tokens, request.num_tier_tokens
+            # A hybrid's hit resumes from a snapshot of its recurrent state at the hit's end.
+            state = " and a state snapshot" if self.kv_cache_manager.snapshots.enabled else ""
             logger.debug(
-                "request %s %s: %d prompt tokens (%d from the KV cache, %d from its tier, %d computed), %d output tokens",
-                request.request_id, status.name.lower(), request.num_prompt_tokens, cached - tier, tier,
+                "request %s %s: %d prompt tokens (%d from the KV cache%s, %d from its tier, %d computed), %d output tokens",
+                request.request_id, status.name.lower(), request.num_prompt_tokens, cached - tier, state, tier,
                 request.num_prompt_tokens - cached, request.num_output_tokens,
             )  # fmt: skip
 

@@ -8,6 +8,7 @@ off in the reference, the tokens change."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import random
 from unittest import mock
@@ -149,7 +150,7 @@ def test_prefix_caching_resumes_from_snapshots(dense):
 
 
 @pytest.mark.parametrize("interval,resumed", [(4, 128), (1, 176)])
-def test_a_second_turn_resumes_from_the_first_turns_snapshot(dense, interval, resumed):
+def test_a_second_turn_resumes_from_the_first_turns_snapshot(dense, interval, resumed, caplog):
     """Turn 2 = turn 1's prompt + its answer + new text: served from the state kept after
     the last snapshot boundary inside turn 1's cached blocks, it computes only the rest,
     and equals HF's greedy continuation."""
@@ -161,10 +162,13 @@ def test_a_second_turn_resumes_from_the_first_turns_snapshot(dense, interval, re
     llm = LLM(folder, max_model_len=MAX_MODEL_LEN * 2, max_num_batched_tokens=48, state_snapshot_interval=interval)
     assert pagellm_greedy(llm, [turn1], 40) == [answer]
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    output = llm.generate([turn2], params, use_tqdm=False)[0]
+    with caplog.at_level(logging.DEBUG, logger="pagellm.core.scheduler"):
+        output = llm.generate([turn2], params, use_tqdm=False)[0]
     assert list(output.outputs[0].token_ids) == hf_greedy(ref, turn2, 16)
     # Turn 1 computed 189 tokens (its last answer token is never fed back): 11 full blocks.
     assert output.num_cached_tokens == resumed
+    line = f"{len(turn2)} prompt tokens ({resumed} from the KV cache and a state snapshot, 0 from its tier, "
+    assert line + f"{len(turn2) - resumed} computed)" in caplog.text
     assert_engine_drained(llm)
 
 
