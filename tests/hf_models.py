@@ -19,6 +19,14 @@ TINY_SHAPE = dict(
 )
 
 
+# Qwen3.5's hybrid layers at a tiny size: four layers (three linear-attention, one gated
+# attention), value heads sharing q/k heads.
+QWEN3_5_SHAPE = dict(
+    num_hidden_layers=4, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+    linear_key_head_dim=8, linear_value_head_dim=8, pad_token_id=0,
+)  # fmt: skip
+
+
 def make_tiny_hf_checkpoint(
     folder: Path, arch: str = "llama", seed: int = 0, **overrides: object
 ) -> Path:
@@ -56,13 +64,7 @@ def make_tiny_hf_checkpoint(
     if arch.startswith("qwen3_5"):
         # Three linear-attention layers and a gated attention one (its own default order),
         # GQA-like sharing of q/k heads by value heads, and heads small enough to be quick.
-        shape["num_hidden_layers"] = overrides.get("num_hidden_layers", 4)
-        shape.setdefault("head_dim", 16)
-        shape.setdefault("linear_num_key_heads", 2)
-        shape.setdefault("linear_num_value_heads", 4)
-        shape.setdefault("linear_key_head_dim", 8)
-        shape.setdefault("linear_value_head_dim", 8)
-        shape.setdefault("pad_token_id", 0)
+        shape.update({**QWEN3_5_SHAPE, **overrides})
     config = config_cls(bos_token_id=1, eos_token_id=2, **shape)
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32)
@@ -128,8 +130,7 @@ def make_tiny_qwen3_5_multimodal(folder: Path, seed: int = 0) -> Path:
     5.x writes it: the language model under model.language_model, the tower under model.visual."""
     import transformers
 
-    text = {**TINY_SHAPE, "num_hidden_layers": 4, "head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
-            "linear_key_head_dim": 8, "linear_value_head_dim": 8, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}  # fmt: skip
+    text = {**TINY_SHAPE, **QWEN3_5_SHAPE, "bos_token_id": 1, "eos_token_id": 2}
     vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
               "patch_size": 4, "num_position_embeddings": 16}  # fmt: skip
     config = transformers.Qwen3_5Config(
