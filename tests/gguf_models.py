@@ -55,6 +55,20 @@ _GEMMA_LAYER = {
     "post_feedforward_layernorm": "post_ffw_norm",
 }
 GEMMA_ARCHES = ("gemma2", "gemma3")
+QWEN35_ARCHES = ("qwen35", "qwen35moe")
+# Qwen3.5: the norm before the MLP is `post_attention_norm`; a Gated DeltaNet's tensors are
+# `attn_qkv`/`attn_gate` and `ssm_*` (llama.cpp's gguf-py constants).
+_QWEN35_LAYER = {
+    **_LAYER,
+    "post_attention_layernorm": "post_attention_norm",
+    "linear_attn.in_proj_qkv": "attn_qkv",
+    "linear_attn.in_proj_z": "attn_gate",
+    "linear_attn.in_proj_b": "ssm_beta",
+    "linear_attn.in_proj_a": "ssm_alpha",
+    "linear_attn.conv1d": "ssm_conv1d",
+    "linear_attn.norm": "ssm_norm",
+    "linear_attn.out_proj": "ssm_out",
+}
 
 
 def llama_cpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -75,23 +89,28 @@ _RANDOM_BLOCK_SCALE = {
 def write_gguf_from_hf(
     folder: Path, out: Path, cfg: dict, vocab: list[str] | None = None,
     quant_by_kind: dict[str, gguf.GGMLQuantizationType] | None = None, seed: int = 0, arch: str = "llama",
-    pooling_type: gguf.PoolingType | None = None,
+    pooling_type: gguf.PoolingType | None = None, mtp_blocks: int = 0,
 ) -> Path:
-    """Convert a tiny HF Llama (or Qwen2/Qwen3/Phi-3: `arch` as llama.cpp names it) checkpoint to a
+    """Convert a tiny HF Llama (or Qwen2/Qwen3/Phi-3/Qwen3.5: `arch` as llama.cpp names it) checkpoint to a
     GGUF file with mixed tensor types. As llama.cpp's converter does, only Llama's q/k rows
     are permuted into the interleaved rotary layout (the Qwen families rotate halves).
+    Qwen3.5's tensors are changed as its converter changes them (_qwen35_converted); with
+    `mtp_blocks`, random multi-token-prediction blocks follow the model's, as current
+    converters write them.
 
     Tensors given a K-quant type (which the gguf package cannot quantize to) are written
     as random valid blocks instead: the file is then its own model, and a reference must
     load the GGUF itself (transformers does)."""
     tensors = load_file(str(folder / "model.safetensors"))
     writer = gguf.GGUFWriter(str(out), arch)
-    writer.add_block_count(cfg["num_hidden_layers"])
+    if not (arch in QWEN35_ARCHES and mtp_blocks):
+        writer.add_block_count(cfg["num_hidden_layers"])
     if pooling_type is not None:  # an embedding model's (llama.cpp's {arch}.pooling_type)
         writer.add_pooling_type(pooling_type)
     writer.add_context_length(cfg["max_position_embeddings"])
     writer.add_embedding_length(cfg["hidden_size"])
-    writer.add_feed_forward_length(cfg["intermediate_size"])
+    if arch != "qwen35moe":  # Qwen3.5-MoE's converter writes none: no layer has a dense MLP
+        writer.add_feed_forward_length(cfg["intermediate_size"])
     writer.add_head_count(cfg["num_attention_heads"])
     writer.add_head_count_kv(cfg["num_key_value_heads"])
     if arch not in GEMMA_ARCHES:  # Gemma's: its global layers' (_add_gemma)
@@ -105,6 +124,8 @@ def write_gguf_from_hf(
     _add_rope_scaling(writer, cfg)
     if arch in GEMMA_ARCHES:
         _add_gemma(writer, cfg, arch)
+    if arch in QWEN35_ARCHES:
+        _add_qwen35(writer, cfg)
     writer.add_vocab_size(cfg["vocab_size"])
     # A byte-level vocabulary: one token per byte value (spelled as GPT-2 does).
     tokens = vocab or [_byte_char(b) for b in range(cfg["vocab_size"])]
@@ -119,11 +140,17 @@ def write_gguf_from_hf(
     types = QUANT_BY_KIND if quant_by_kind is None else quant_by_kind
     rng = np.random.default_rng(seed)
     tensors = _stack_experts(tensors, writer, cfg)
+    if arch in QWEN35_ARCHES and mtp_blocks:
+        tensors = {**tensors, **_mtp_blocks(tensors, cfg, mtp_blocks, rng)}
+        writer.add_block_count(cfg["num_hidden_layers"] + mtp_blocks)
+        writer.add_nextn_predict_layers(mtp_blocks)
     for name, value in tensors.items():
         gguf_name, kind = _gguf_name(name, arch)
         value = value.astype(np.float32)
         if arch in GEMMA_ARCHES and name.endswith("norm.weight"):
             value = value + 1.0  # llama.cpp's converter stores Gemma's norms as 1 + w
+        if arch in QWEN35_ARCHES:
+            value = _qwen35_converted(name, value, cfg)
         if kind == "attn_q" and arch == "llama":
             value = llama_cpp_permute(value, cfg["num_attention_heads"])
         elif kind == "attn_k" and arch == "llama":
@@ -178,6 +205,66 @@ def _stack_experts(tensors: dict, writer: gguf.GGUFWriter, cfg: dict) -> dict:
     return rest
 
 
+def _add_qwen35(writer: gguf.GGUFWriter, cfg: dict) -> None:
+    """The linear-attention shapes and layer pattern as llama.cpp's converter writes them."""
+    writer.add_ssm_conv_kernel(cfg["linear_conv_kernel_dim"])
+    writer.add_ssm_state_size(cfg["linear_key_head_dim"])
+    writer.add_ssm_group_count(cfg["linear_num_key_heads"])
+    writer.add_ssm_time_step_rank(cfg["linear_num_value_heads"])
+    writer.add_ssm_inner_size(cfg["linear_value_head_dim"] * cfg["linear_num_value_heads"])
+    writer.add_full_attention_interval(cfg.get("full_attention_interval", 4))
+    writer.add_rope_dimension_sections([11, 11, 10, 0])  # multimodal rotary sections: text positions ignore them
+
+
+def _qwen35_converted(hf_name: str, value: np.ndarray, cfg: dict) -> np.ndarray:
+    """What llama.cpp's qwen35 converter stores for an HF tensor: the (1 + w) norms with
+    the 1 added (not the Gated DeltaNet's own norm), A_log as -exp(A_log), the conv weights
+    squeezed to [channels, kernel], and every value-side tensor of a Gated DeltaNet with its
+    value heads reordered from grouped (head g * r + j reads key head g) to tiled
+    (head j * key_heads + g)."""
+    if hf_name.endswith("norm.weight") and not hf_name.endswith("linear_attn.norm.weight"):
+        return value + 1.0
+    if ".linear_attn." not in hf_name:
+        return value
+    key_heads, value_heads = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    value_dim, qk_channels = cfg["linear_value_head_dim"], 2 * key_heads * cfg["linear_key_head_dim"]
+
+    def tiled(rows: np.ndarray, head_size: int, axis: int = 0) -> np.ndarray:
+        moved = np.moveaxis(rows, axis, 0)
+        heads = moved.reshape(key_heads, value_heads // key_heads, head_size, *moved.shape[1:])
+        return np.moveaxis(heads.swapaxes(0, 1).reshape(moved.shape), 0, axis)
+
+    if hf_name.endswith(".A_log"):
+        return tiled(-np.exp(value), 1)
+    if hf_name.endswith(".dt_bias") or ".in_proj_b." in hf_name or ".in_proj_a." in hf_name:
+        return tiled(value, 1)
+    if ".in_proj_z." in hf_name:
+        return tiled(value, value_dim)
+    if ".in_proj_qkv." in hf_name:
+        return np.concatenate([value[:qk_channels], tiled(value[qk_channels:], value_dim)])
+    if ".conv1d." in hf_name:
+        value = value.reshape(value.shape[0], value.shape[-1])
+        return np.concatenate([value[:qk_channels], tiled(value[qk_channels:], value_dim)])
+    if ".out_proj." in hf_name:
+        return tiled(value, value_dim, axis=1)
+    return value  # the gated norm: one weight for every head
+
+
+def _mtp_blocks(tensors: dict, cfg: dict, count: int, rng: np.random.Generator) -> dict:
+    """Random multi-token-prediction blocks after the model's layers (a full-attention
+    layer's tensors and the `nextn.*` ones): a loader must leave them out."""
+    template = cfg["num_hidden_layers"] - 1  # the last layer attends
+    blocks = {}
+    for block in range(cfg["num_hidden_layers"], cfg["num_hidden_layers"] + count):
+        for name, value in tensors.items():
+            if name.startswith(f"model.layers.{template}."):
+                blocks[name.replace(f".{template}.", f".{block}.", 1)] = rng.normal(0.0, 1.0, value.shape).astype(np.float32)
+        hidden = cfg["hidden_size"]
+        blocks[f"model.layers.{block}.nextn.eh_proj.weight"] = rng.normal(0.0, 1.0, (hidden, 2 * hidden)).astype(np.float32)
+        blocks[f"model.layers.{block}.nextn.enorm.weight"] = np.ones(hidden, np.float32)
+    return blocks
+
+
 def _add_rope_scaling(writer: gguf.GGUFWriter, cfg: dict) -> None:
     """YaRN and LongRoPE as llama.cpp's converter writes them."""
     rope = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
@@ -216,8 +303,16 @@ def _gguf_name(hf_name: str, arch: str = "llama") -> tuple[str, str]:
     if hf_name == "lm_head.weight":
         return "output.weight", "output"
     _, _, layer, rest = hf_name.split(".", 3)
+    if arch in QWEN35_ARCHES:
+        if rest == "linear_attn.A_log":
+            return f"blk.{layer}.ssm_a", "ssm_a"  # no suffix: not a weight llama.cpp multiplies by
+        if rest == "linear_attn.dt_bias":
+            return f"blk.{layer}.ssm_dt.bias", "ssm_dt"
+        if rest.startswith("nextn."):
+            return f"blk.{layer}.{rest}", "nextn"
     module, suffix = rest.rsplit(".", 1)
-    kind = (_GEMMA_LAYER if arch in GEMMA_ARCHES else _LAYER)[module]
+    layers = _GEMMA_LAYER if arch in GEMMA_ARCHES else _QWEN35_LAYER if arch in QWEN35_ARCHES else _LAYER
+    kind = layers[module]
     return f"blk.{layer}.{kind}.{suffix}", kind
 
 

@@ -82,6 +82,11 @@ class LinearAttentionSpec:
     key_head_dim: int
     value_head_dim: int
     conv_kernel_size: int = 4
+    # Which q/k head each value head reads. HF's checkpoints group them (value head i reads
+    # key head i // (value heads per key head)); llama.cpp's qwen35 converter reorders the
+    # value heads so they tile instead (value head i reads key head i % key heads), and the
+    # file's value-side tensors stay in that order.
+    value_heads_tiled: bool = False
 
     def __post_init__(self) -> None:
         if self.num_value_heads % self.num_key_heads:

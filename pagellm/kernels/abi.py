@@ -15,8 +15,9 @@ from typing import Any
 
 from pagellm.errors import PagellmError
 
-# csrc/weights.h WEIGHT_MAX_PARTS: stored parts of one fused layer (q, k, v).
-MAX_PARTS = 3
+# csrc/weights.h WEIGHT_MAX_PARTS: stored parts of one fused layer (q, k, v; a Gated
+# DeltaNet's qkv, z, b and a).
+MAX_PARTS = 4
 
 
 class KernelABIError(PagellmError):

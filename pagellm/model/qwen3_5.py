@@ -107,6 +107,7 @@ class GatedDeltaNet(nn.Module):
         self.index = index  # among the model's linear-attention layers
         self.num_key_heads, self.num_value_heads = spec.num_key_heads, spec.num_value_heads
         self.key_head_dim, self.value_head_dim = spec.key_head_dim, spec.value_head_dim
+        self.value_heads_tiled = spec.value_heads_tiled
         self.key_size = spec.num_key_heads * spec.key_head_dim
         self.value_size = spec.num_value_heads * spec.value_head_dim
         self.conv_dim = spec.conv_dim
@@ -134,9 +135,12 @@ class GatedDeltaNet(nn.Module):
         q = _l2_normalized(q.reshape(num_tokens, self.num_key_heads, self.key_head_dim)) * self.key_head_dim**-0.5
         k = _l2_normalized(k.reshape(num_tokens, self.num_key_heads, self.key_head_dim))
         v = v.reshape(num_tokens, self.num_value_heads, self.value_head_dim)
-        if self.num_value_heads != self.num_key_heads:  # each q/k head serves consecutive value heads
+        if self.num_value_heads != self.num_key_heads:  # each q/k head serves several value heads
             repeats = self.num_value_heads // self.num_key_heads
-            q, k = q.repeat_interleave(repeats, dim=1), k.repeat_interleave(repeats, dim=1)
+            if self.value_heads_tiled:  # value head i reads key head i % key heads
+                q, k = q.repeat(1, repeats, 1), k.repeat(1, repeats, 1)
+            else:  # ... or i // repeats
+                q, k = q.repeat_interleave(repeats, dim=1), k.repeat_interleave(repeats, dim=1)
         beta = b.float().sigmoid()  # [num_tokens, value_heads]
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # log of the decay
         core = self._delta_rule(q, k, v, g, beta, linear, single, runs)  # [num_tokens, value_heads, value_dim]

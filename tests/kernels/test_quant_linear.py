@@ -126,18 +126,25 @@ def test_int8_rows_and_strided_x(kernel_isa):
         _check(weight.linear(x, None, 2), x, q.numpy())
 
 
-def test_parts_of_different_types_with_bias(kernel_isa):
-    """A fused qkv whose q, k and v are stored in different types, plus a bias."""
+@pytest.mark.parametrize(
+    "types,rows_per_part",
+    [
+        ((WeightType.Q4_K, WeightType.Q6_K), (48, 16)),  # a fused qkv: q, k, then v in bf16
+        ((WeightType.Q4_K, WeightType.Q8_0, WeightType.Q6_K), (40, 24, 4)),  # a Gated DeltaNet's qkv, z, b; a in bf16
+    ],
+    ids=["3-parts", "4-parts"],
+)
+def test_parts_of_different_types_with_bias(types, rows_per_part, kernel_isa):
+    """A fused projection whose parts are stored in different types, plus a bias."""
     rng = np.random.default_rng(11)
     k = 512
-    types = (WeightType.Q4_K, WeightType.Q6_K)
-    blocks = [random_blocks(t, rows, k, rng) for t, rows in zip(types, (48, 16))]
+    blocks = [random_blocks(t, rows, k, rng) for t, rows in zip(types, rows_per_part)]
     bf16_rows = torch.from_numpy(rng.standard_normal((16, k)).astype(np.float32) * 0.05).to(torch.bfloat16)
     parts = [WeightPart(t, packed(t, b, k)) for t, b in zip(types, blocks)]
     parts.append(WeightPart(WeightType.BF16, bf16_rows))
     weight = PackedWeight(parts, k)
     full = np.concatenate([reference_weight(t, b, k) for t, b in zip(types, blocks)] + [bf16_rows.double().numpy()])
-    bias = torch.from_numpy(rng.standard_normal(80).astype(np.float32)).to(torch.bfloat16)
+    bias = torch.from_numpy(rng.standard_normal(sum(rows_per_part) + 16).astype(np.float32)).to(torch.bfloat16)
     for rows in (1, 7, 40):
         x = torch.from_numpy(rng.standard_normal((rows, k)).astype(np.float32)).to(torch.bfloat16)
         _check(weight.linear(x, bias, 2), x, full, bias.double().numpy())

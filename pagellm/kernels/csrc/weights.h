@@ -77,7 +77,7 @@ static inline int weight_type_index(int type) {
     return -1;
 }
 
-#define WEIGHT_MAX_PARTS 3
+#define WEIGHT_MAX_PARTS 4
 
 typedef struct {
     int32_t type;

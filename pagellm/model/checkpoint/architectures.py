@@ -58,6 +58,8 @@ ARCHITECTURE_BY_GGUF_NAME = {
     "phi3": "Phi3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "qwen35": "Qwen3_5ForCausalLM",
+    "qwen35moe": "Qwen3_5MoeForCausalLM",
 }
 SUPPORTED_GGUF_ARCHITECTURES = tuple(ARCHITECTURE_BY_GGUF_NAME)
 # A base model (e5-mistral's MistralModel, a Qwen3Model): the family's layers, no LM head.

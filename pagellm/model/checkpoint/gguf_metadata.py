@@ -15,13 +15,15 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
-from pagellm.config.model import ModelConfig, RopeScaling
+from pagellm.config.model import LinearAttentionSpec, ModelConfig, RopeScaling
 from pagellm.errors import ModelLoadError, UnsupportedModelError
 from pagellm.model.checkpoint.architectures import SUPPORTED_GGUF_ARCHITECTURES
 
 logger = logging.getLogger(__name__)
 
 GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
+# Qwen3.5 / 3.6, dense and MoE: hybrids whose linear-attention layers llama.cpp files as `ssm_*`.
+QWEN35_ARCHITECTURES = ("qwen35", "qwen35moe")
 
 
 # llama.cpp's defaults where a Gemma file leaves a key out: the sliding pattern (all but
@@ -174,11 +176,21 @@ def gguf_model_config(reader: GGUFReader, path: Path) -> ModelConfig:
     bos = meta.raw("tokenizer.ggml.bos_token_id")
     num_layers = integer("block_count")
     gemma = _gemma_fields(meta, arch, hidden, num_heads, head_dim, num_layers) if arch in GEMMA_ARCHITECTURES else {}
+    hybrid: dict[str, Any] = {}
+    if arch in QWEN35_ARCHITECTURES:
+        # Multi-token-prediction blocks follow the model's own (not run here, skipped at load).
+        num_layers -= integer("nextn_predict_layers", 0) if meta.raw(f"{arch}.nextn_predict_layers") is not None else 0
+        hybrid = _qwen35_fields(meta, arch, num_layers)
+    feed_forward = meta.raw(f"{arch}.feed_forward_length")
+    if feed_forward is None and experts:  # Qwen3.5-MoE's files: no dense MLP anywhere
+        intermediate_size = experts["moe_intermediate_size"] or 0
+    else:
+        intermediate_size = integer("feed_forward_length")
     return ModelConfig(
         architecture=arch,
         vocab_size=vocab_size,
         hidden_size=hidden,
-        intermediate_size=integer("feed_forward_length"),
+        intermediate_size=intermediate_size,
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
@@ -191,10 +203,11 @@ def gguf_model_config(reader: GGUFReader, path: Path) -> ModelConfig:
         tie_word_embeddings="output.weight" not in names,
         attention_bias="blk.0.attn_q.bias" in names,
         attention_out_bias="blk.0.attn_output.bias" in names,
-        qk_norm="blk.0.attn_q_norm.weight" in names,
+        qk_norm=any(name.endswith(".attn_q_norm.weight") for name in names),  # a hybrid's first layer may not attend
         partial_rotary_factor=rotary_dims / head_dim,
         **experts,
         **gemma,
+        **hybrid,
         bos_token_id=meta.number("tokenizer.ggml.bos_token_id", int, minimum=0) if bos is not None else None,
         eos_token_ids=(meta.number("tokenizer.ggml.eos_token_id", int, minimum=0),) if eos is not None else (),
         pooling_type=_gguf_pooling(meta, arch),
@@ -253,6 +266,33 @@ def _gemma_fields(meta: _Metadata, arch: str, hidden: int, num_heads: int, head_
         fields["local_rope_theta"] = optional("rope.freq_base_swa", _GEMMA3_LOCAL_ROPE_BASE)
         fields["final_logit_softcapping"] = optional("final_logit_softcapping", None)
     return fields
+
+
+def _qwen35_fields(meta: _Metadata, arch: str, num_layers: int) -> dict[str, Any]:
+    """Qwen3.5's linear attention as llama.cpp's converter records it: every
+    `full_attention_interval`-th layer attends (4 when left out), the others are Gated
+    DeltaNet with the `ssm.*` shapes (`ssm.inner_size` is value heads x value head size).
+    The file keeps the value heads tiled (see LinearAttentionSpec) and the (1 + w) norms'
+    weights with the 1 added, as Gemma's."""
+
+    def integer(key: str, default: int | None = None) -> int:
+        return meta.number(f"{arch}.{key}", int, default)
+
+    interval = integer("full_attention_interval", 4)
+    value_heads = integer("ssm.time_step_rank")
+    inner_size = integer("ssm.inner_size")
+    if inner_size % value_heads:
+        raise ModelLoadError(f"GGUF metadata {arch}.ssm.inner_size {inner_size} does not split into {value_heads} value heads")
+    spec = LinearAttentionSpec(
+        layers=tuple(i for i in range(num_layers) if (i + 1) % interval),
+        num_key_heads=integer("ssm.group_count"),
+        num_value_heads=value_heads,
+        key_head_dim=integer("ssm.state_size"),
+        value_head_dim=inner_size // value_heads,
+        conv_kernel_size=integer("ssm.conv_kernel"),
+        value_heads_tiled=True,
+    )
+    return {"linear_attention": spec, "attention_output_gate": True, "norm_weight_offset": True}
 
 
 def dequantize_tensor(tensor: Any) -> np.ndarray:

@@ -22,7 +22,13 @@ from pagellm.kernels.weights import (
     pack_rows,
 )
 from pagellm.config.model import ModelConfig
-from pagellm.model.checkpoint.gguf_metadata import GEMMA_ARCHITECTURES, NOT_PARAMETERS, ROPE_FREQS_TENSOR, dequantize_tensor
+from pagellm.model.checkpoint.gguf_metadata import (
+    GEMMA_ARCHITECTURES,
+    NOT_PARAMETERS,
+    QWEN35_ARCHITECTURES,
+    ROPE_FREQS_TENSOR,
+    dequantize_tensor,
+)
 from pagellm.model.loader.checkpoint_layouts import fused_pieces, split_fused
 from pagellm.model.tensor_parallel import TPLayout, shard_blocks, shard_float
 
@@ -64,7 +70,25 @@ _GEMMA_LAYER_NAMES = {
     "post_attention_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
-_LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+# Qwen3.5's: a Gated DeltaNet's tensors are llama.cpp's `ssm_*` (its conv, decay and
+# output) and `attn_qkv`/`attn_gate` (the projections into the conv and the output gate);
+# `post_attention_norm` is the norm before the MLP.
+_QWEN35_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "attn_qkv": "linear_attn.in_proj_qkv",
+    "attn_gate": "linear_attn.in_proj_z",
+    "ssm_beta": "linear_attn.in_proj_b",
+    "ssm_alpha": "linear_attn.in_proj_a",
+    "ssm_conv1d": "linear_attn.conv1d",
+    "ssm_norm": "linear_attn.norm",
+    "ssm_out": "linear_attn.out_proj",
+}
+# Parameters llama.cpp names apart from the rule: the decay's bias, and its rate, which the
+# file holds as A = -exp(A_log) and without a suffix.
+_QWEN35_PARAMETERS = {"ssm_dt.bias": "linear_attn.dt_bias", "ssm_a": "linear_attn.A_log"}
+_LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.([a-z0-9_]+)\.(weight|bias)$")
+_LAYER_INDEX = re.compile(r"^blk\.(\d+)\.")
 
 
 def undo_rope_permutation(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -81,7 +105,7 @@ def undo_rope_permutation(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 # Tensors that may stay in their stored quantization: the linear layers and the embedding
 # (the LM head too, or the embedding when the head is tied to it).
-_KEEPABLE = re.compile(r"(_proj\.weight|embed_tokens\.weight|lm_head\.weight)$")
+_KEEPABLE = re.compile(r"(_proj\.weight|in_proj_(qkv|z|b|a)\.weight|embed_tokens\.weight|lm_head\.weight)$")
 
 
 def iter_gguf_weights(
@@ -100,6 +124,9 @@ def iter_gguf_weights(
     for tensor in reader.tensors:
         if tensor.name in NOT_PARAMETERS:
             continue
+        layer = _LAYER_INDEX.match(tensor.name)
+        if layer is not None and int(layer.group(1)) >= config.num_hidden_layers:
+            continue  # a multi-token-prediction block after the model's own (Qwen3.5's files)
         hf_name = hf_tensor_name(tensor.name, config.architecture)
         if config.architecture == "phi3" and ".mlp.up_proj." in hf_name:
             hf_name = hf_name.replace(".mlp.up_proj.", ".mlp.gate_up_proj.")  # Phi-3's ffn_up holds gate and up
@@ -135,10 +162,26 @@ def iter_gguf_weights(
                 piece = undo_rope_permutation(piece, heads)
             if not piece.flags.writeable or not piece.flags.c_contiguous:
                 piece = np.array(piece)  # unquantized tensors are read-only views of the mmap
-            if config.architecture in GEMMA_ARCHITECTURES and name.endswith("norm.weight"):
-                piece -= 1.0  # llama.cpp stores Gemma's norm weights as 1 + w
+            piece = _undo_converter_changes(name, piece, config)
             weight = torch.from_numpy(piece)
             yield name, weight if shard is None else shard_float(shard, name, weight)
+
+
+def _undo_converter_changes(hf_name: str, values: np.ndarray, config: ModelConfig) -> np.ndarray:
+    """A float tensor as the HF checkpoint held it, where llama.cpp's converter changed it:
+    Gemma's and Qwen3.5's (1 + w) norms stored with the 1 added (not the gated norm of a
+    Gated DeltaNet, a plain w), Qwen3.5's decay rate stored as -exp(A_log), its conv
+    weights without their middle axis."""
+    offset_norms = config.architecture in GEMMA_ARCHITECTURES or config.architecture in QWEN35_ARCHITECTURES
+    if offset_norms and hf_name.endswith("norm.weight") and not hf_name.endswith("linear_attn.norm.weight"):
+        values -= 1.0
+    elif hf_name.endswith(".linear_attn.A_log"):
+        if not (values < 0).all():
+            raise ModelLoadError(f"{hf_name}: llama.cpp's ssm_a holds -exp(A_log), so every value must be negative")
+        values = np.log(-values)
+    elif hf_name.endswith(".linear_attn.conv1d.weight") and values.ndim == 2:
+        values = values[:, None, :]  # [channels, 1, kernel size] as a depthwise Conv1d's
+    return values
 
 
 def _piece_name(hf_name: str, config: ModelConfig) -> str:
@@ -226,7 +269,16 @@ def hf_tensor_name(gguf_name: str, architecture: str) -> str:
     `model.layers.3.self_attn.q_proj.weight`); UnsupportedModelError for an unknown one."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
-    names = _GEMMA_LAYER_NAMES if architecture in GEMMA_ARCHITECTURES else _LAYER_NAMES
+    if architecture in QWEN35_ARCHITECTURES:
+        names = _QWEN35_LAYER_NAMES
+        layer_prefix = _LAYER_INDEX.match(gguf_name)
+        parameter = gguf_name[layer_prefix.end() :] if layer_prefix is not None else ""
+        if parameter in _QWEN35_PARAMETERS:
+            return f"model.layers.{layer_prefix.group(1)}.{_QWEN35_PARAMETERS[parameter]}"  # type: ignore[union-attr]
+    elif architecture in GEMMA_ARCHITECTURES:
+        names = _GEMMA_LAYER_NAMES
+    else:
+        names = _LAYER_NAMES
     match = _LAYER_TENSOR.match(gguf_name)
     if match is None or match.group(2) not in names:
         raise UnsupportedModelError(f"unexpected tensor {gguf_name!r} in GGUF file")
