@@ -55,7 +55,7 @@ _GEMMA_LAYER = {
     "post_feedforward_layernorm": "post_ffw_norm",
 }
 GEMMA_ARCHES = ("gemma2", "gemma3")
-QWEN35_ARCHES = ("qwen35", "qwen35moe")
+QWEN35_ARCHES = ("qwen35", "qwen35moe", "qwen3next")  # Qwen3.5's tensors, and Qwen3-Next's
 # Qwen3.5: the norm before the MLP is `post_attention_norm`; a Gated DeltaNet's tensors are
 # `attn_qkv`/`attn_gate` and `ssm_*` (llama.cpp's gguf-py constants).
 _QWEN35_LAYER = {
@@ -68,6 +68,7 @@ _QWEN35_LAYER = {
     "linear_attn.conv1d": "ssm_conv1d",
     "linear_attn.norm": "ssm_norm",
     "linear_attn.out_proj": "ssm_out",
+    "linear_attn.in_proj_ba": "ssm_ba",  # Qwen3-Next: b and a fused per key head, kept so
 }
 
 
@@ -125,7 +126,7 @@ def write_gguf_from_hf(
     if arch in GEMMA_ARCHES:
         _add_gemma(writer, cfg, arch)
     if arch in QWEN35_ARCHES:
-        _add_qwen35(writer, cfg)
+        _add_qwen35(writer, cfg, arch)
     writer.add_vocab_size(cfg["vocab_size"])
     # A byte-level vocabulary: one token per byte value (spelled as GPT-2 does).
     tokens = vocab or [_byte_char(b) for b in range(cfg["vocab_size"])]
@@ -140,6 +141,8 @@ def write_gguf_from_hf(
     types = QUANT_BY_KIND if quant_by_kind is None else quant_by_kind
     rng = np.random.default_rng(seed)
     tensors = _stack_experts(tensors, writer, cfg)
+    if arch == "qwen3next":
+        tensors = _split_qkvz(tensors, cfg)
     if arch in QWEN35_ARCHES and mtp_blocks:
         tensors = {**tensors, **_mtp_blocks(tensors, cfg, mtp_blocks, rng)}
         writer.add_block_count(cfg["num_hidden_layers"] + mtp_blocks)
@@ -150,7 +153,7 @@ def write_gguf_from_hf(
         if arch in GEMMA_ARCHES and name.endswith("norm.weight"):
             value = value + 1.0  # llama.cpp's converter stores Gemma's norms as 1 + w
         if arch in QWEN35_ARCHES:
-            value = _qwen35_converted(name, value, cfg)
+            value = _qwen35_converted(name, value, cfg, tiled=arch != "qwen3next")
         if kind == "attn_q" and arch == "llama":
             value = llama_cpp_permute(value, cfg["num_attention_heads"])
         elif kind == "attn_k" and arch == "llama":
@@ -205,7 +208,7 @@ def _stack_experts(tensors: dict, writer: gguf.GGUFWriter, cfg: dict) -> dict:
     return rest
 
 
-def _add_qwen35(writer: gguf.GGUFWriter, cfg: dict) -> None:
+def _add_qwen35(writer: gguf.GGUFWriter, cfg: dict, arch: str) -> None:
     """The linear-attention shapes and layer pattern as llama.cpp's converter writes them."""
     writer.add_ssm_conv_kernel(cfg["linear_conv_kernel_dim"])
     writer.add_ssm_state_size(cfg["linear_key_head_dim"])
@@ -213,19 +216,42 @@ def _add_qwen35(writer: gguf.GGUFWriter, cfg: dict) -> None:
     writer.add_ssm_time_step_rank(cfg["linear_num_value_heads"])
     writer.add_ssm_inner_size(cfg["linear_value_head_dim"] * cfg["linear_num_value_heads"])
     writer.add_full_attention_interval(cfg.get("full_attention_interval", 4))
-    writer.add_rope_dimension_sections([11, 11, 10, 0])  # multimodal rotary sections: text positions ignore them
+    if arch != "qwen3next":
+        writer.add_rope_dimension_sections([11, 11, 10, 0])  # multimodal rotary sections: text positions ignore them
 
 
-def _qwen35_converted(hf_name: str, value: np.ndarray, cfg: dict) -> np.ndarray:
-    """What llama.cpp's qwen35 converter stores for an HF tensor: the (1 + w) norms with
-    the 1 added (not the Gated DeltaNet's own norm), A_log as -exp(A_log), the conv weights
-    squeezed to [channels, kernel], and every value-side tensor of a Gated DeltaNet with its
-    value heads reordered from grouped (head g * r + j reads key head g) to tiled
-    (head j * key_heads + g)."""
+def _split_qkvz(tensors: dict, cfg: dict) -> dict:
+    """Qwen3-Next's in_proj_qkvz (per key head: q, k, v, z) as its converter writes it:
+    attn_qkv (all q, all k, all v) and attn_gate (z)."""
+    key_heads, key_dim = cfg["linear_num_key_heads"], cfg["linear_key_head_dim"]
+    values = cfg["linear_num_value_heads"] // key_heads * cfg["linear_value_head_dim"]
+    out = {}
+    for name, value in tensors.items():
+        if not name.endswith(".in_proj_qkvz.weight"):
+            out[name] = value
+            continue
+        groups = value.reshape(key_heads, 2 * key_dim + 2 * values, -1)
+        q, k, v, z = np.split(groups, np.cumsum([key_dim, key_dim, values]), axis=1)
+        prefix = name.removesuffix("qkvz.weight")
+        out[prefix + "qkv.weight"] = np.concatenate([part.reshape(-1, value.shape[1]) for part in (q, k, v)])
+        out[prefix + "z.weight"] = z.reshape(-1, value.shape[1])
+    return out
+
+
+def _qwen35_converted(hf_name: str, value: np.ndarray, cfg: dict, tiled: bool) -> np.ndarray:
+    """What llama.cpp's qwen35 (qwen3next) converter stores for an HF tensor: the (1 + w)
+    norms with the 1 added (not the Gated DeltaNet's own norm), A_log as -exp(A_log), the
+    conv weights squeezed to [channels, kernel], and (qwen35, `tiled`) every value-side
+    tensor of a Gated DeltaNet with its value heads reordered from grouped (head g * r + j
+    reads key head g) to tiled (head j * key_heads + g)."""
     if hf_name.endswith("norm.weight") and not hf_name.endswith("linear_attn.norm.weight"):
         return value + 1.0
     if ".linear_attn." not in hf_name:
         return value
+    if not tiled:
+        if hf_name.endswith(".A_log"):
+            return -np.exp(value)
+        return value.reshape(value.shape[0], value.shape[-1]) if ".conv1d." in hf_name else value
     key_heads, value_heads = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
     value_dim, qk_channels = cfg["linear_value_head_dim"], 2 * key_heads * cfg["linear_key_head_dim"]
 

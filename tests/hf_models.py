@@ -31,7 +31,7 @@ def make_tiny_hf_checkpoint(
     folder: Path, arch: str = "llama", seed: int = 0, **overrides: object
 ) -> Path:
     """Save a random tiny Llama/Qwen2/Mistral/Qwen3/Phi-3/Mixtral/Qwen3-MoE/Gemma 2/Gemma 3/
-    Qwen3.5 model as an HF folder; return its path."""
+    Qwen3.5/Qwen3-Next model as an HF folder; return its path."""
     import transformers
 
     classes = {
@@ -47,6 +47,7 @@ def make_tiny_hf_checkpoint(
         "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
         "qwen3_5": (transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM),
         "qwen3_5_moe": (transformers.Qwen3_5MoeTextConfig, transformers.Qwen3_5MoeForCausalLM),
+        "qwen3_next": (transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM),
     }
     config_cls, model_cls = classes[arch]
     shape = {**TINY_SHAPE, "rope_theta": 10000.0, "tie_word_embeddings": False}
@@ -61,7 +62,7 @@ def make_tiny_hf_checkpoint(
         shape.setdefault("pad_token_id", 0)
     if arch == "phi3":
         shape.setdefault("pad_token_id", 0)  # its default, 32000, lies outside the tiny vocabulary
-    if arch.startswith("qwen3_5"):
+    if arch.startswith(("qwen3_5", "qwen3_next")):
         # Three linear-attention layers and a gated attention one (its own default order),
         # GQA-like sharing of q/k heads by value heads, and heads small enough to be quick.
         shape.update({**QWEN3_5_SHAPE, **overrides})
@@ -74,7 +75,7 @@ def make_tiny_hf_checkpoint(
         for name, param in model.named_parameters():
             if "norm" in name:
                 # Gemma's norms scale by (1 + w): the same spread around 1.
-                offset = arch.startswith("gemma") or (arch.startswith("qwen3_5") and "linear_attn.norm" not in name)
+                offset = arch.startswith("gemma") or (arch.startswith(("qwen3_5", "qwen3_next")) and "linear_attn.norm" not in name)
                 param.uniform_(-0.2, 0.2) if offset else param.uniform_(0.8, 1.2)
             elif "embed" in name:
                 # A tied head reads the embedding too: keep it moderate there.

@@ -31,6 +31,8 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
     "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
+    # The same computation: its fused projections are cut apart at load (loader/checkpoint_layouts.py).
+    "Qwen3NextForCausalLM": Qwen3_5MoeForCausalLM,
 }
 
 

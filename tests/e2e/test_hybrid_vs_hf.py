@@ -1,4 +1,4 @@
-"""Qwen3.5, dense and MoE (a hybrid: Gated DeltaNet linear attention in three layers of four,
+"""Qwen3.5, dense and MoE, and Qwen3-Next (hybrids: Gated DeltaNet linear attention in three layers of four,
 gated full attention in the fourth) through the whole engine, against HF transformers in float32 on
 the same tiny random weights: greedy tokens equal under batching, chunked prefill that
 cuts prompts mid-block, one request at a time, recompute preemption and n > 1 forks;
@@ -43,6 +43,10 @@ FAMILIES = {
     # its sigmoid gate.
     "qwen3_5_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                     "shared_expert_intermediate_size": 48},  # fmt: skip
+    # Qwen3-Next: Qwen3.5-MoE's layers with q, k, v, z (and b, a) fused per key head in the
+    # checkpoint, a dense MLP in layer 1, the chosen experts' weights not renormalized.
+    "qwen3_next": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                   "shared_expert_intermediate_size": 48, "mlp_only_layers": [1], "norm_topk_prob": False},  # fmt: skip
 }
 
 

@@ -22,8 +22,9 @@ from pagellm.model.checkpoint.architectures import SUPPORTED_GGUF_ARCHITECTURES
 logger = logging.getLogger(__name__)
 
 GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
-# Qwen3.5 / 3.6, dense and MoE: hybrids whose linear-attention layers llama.cpp files as `ssm_*`.
-QWEN35_ARCHITECTURES = ("qwen35", "qwen35moe")
+# Qwen3.5 / 3.6 (dense and MoE) and Qwen3-Next: hybrids whose linear-attention layers
+# llama.cpp files as `ssm_*`.
+HYBRID_GGUF_ARCHITECTURES = ("qwen35", "qwen35moe", "qwen3next")
 
 
 # llama.cpp's defaults where a Gemma file leaves a key out: the sliding pattern (all but
@@ -177,10 +178,10 @@ def gguf_model_config(reader: GGUFReader, path: Path) -> ModelConfig:
     num_layers = integer("block_count")
     gemma = _gemma_fields(meta, arch, hidden, num_heads, head_dim, num_layers) if arch in GEMMA_ARCHITECTURES else {}
     hybrid: dict[str, Any] = {}
-    if arch in QWEN35_ARCHITECTURES:
+    if arch in HYBRID_GGUF_ARCHITECTURES:
         # Multi-token-prediction blocks follow the model's own (not run here, skipped at load).
         num_layers -= integer("nextn_predict_layers", 0) if meta.raw(f"{arch}.nextn_predict_layers") is not None else 0
-        hybrid = _qwen35_fields(meta, arch, num_layers)
+        hybrid = _hybrid_fields(meta, arch, num_layers)
     feed_forward = meta.raw(f"{arch}.feed_forward_length")
     if feed_forward is None and experts:  # Qwen3.5-MoE's files: no dense MLP anywhere
         intermediate_size = experts["moe_intermediate_size"] or 0
@@ -268,12 +269,12 @@ def _gemma_fields(meta: _Metadata, arch: str, hidden: int, num_heads: int, head_
     return fields
 
 
-def _qwen35_fields(meta: _Metadata, arch: str, num_layers: int) -> dict[str, Any]:
-    """Qwen3.5's linear attention as llama.cpp's converter records it: every
-    `full_attention_interval`-th layer attends (4 when left out), the others are Gated
+def _hybrid_fields(meta: _Metadata, arch: str, num_layers: int) -> dict[str, Any]:
+    """Qwen3.5's and Qwen3-Next's linear attention as llama.cpp's converter records it:
+    every `full_attention_interval`-th layer attends (4 when left out), the others are Gated
     DeltaNet with the `ssm.*` shapes (`ssm.inner_size` is value heads x value head size).
-    The file keeps the value heads tiled (see LinearAttentionSpec) and the (1 + w) norms'
-    weights with the 1 added, as Gemma's."""
+    A qwen35 file keeps the value heads tiled (see LinearAttentionSpec; a qwen3next one
+    grouped, as HF's), and the (1 + w) norms' weights with the 1 added, as Gemma's."""
 
     def integer(key: str, default: int | None = None) -> int:
         return meta.number(f"{arch}.{key}", int, default)
@@ -290,7 +291,7 @@ def _qwen35_fields(meta: _Metadata, arch: str, num_layers: int) -> dict[str, Any
         key_head_dim=integer("ssm.state_size"),
         value_head_dim=inner_size // value_heads,
         conv_kernel_size=integer("ssm.conv_kernel"),
-        value_heads_tiled=True,
+        value_heads_tiled=arch != "qwen3next",
     )
     return {"linear_attention": spec, "attention_output_gate": True, "norm_weight_offset": True}
 

@@ -220,7 +220,7 @@ def text_model_config(cfg: dict[str, Any], name: str) -> dict[str, Any]:
 
 
 # Hybrids: linear-attention layers beside gated attention (Qwen3.5).
-HYBRID_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
+HYBRID_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM")
 
 
 def _hybrid(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -332,20 +332,20 @@ def _experts(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     Qwen2-MoE's `num_experts` (`num_local_experts` as transformers 5.x writes it), their own
     expert width, `norm_topk_prob`, the layers that keep a dense MLP, Qwen2-MoE's and
     Qwen3.5-MoE's shared expert."""
-    if arch not in ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "Qwen3_5MoeForCausalLM"):
+    if arch not in ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM"):
         return {}
     num_experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
     fields: dict[str, Any] = {"num_experts": num_experts, "num_experts_per_tok": int(cfg["num_experts_per_tok"])}
-    if arch in ("Qwen2MoeForCausalLM", "Qwen3_5MoeForCausalLM"):
+    if arch in ("Qwen2MoeForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM"):
         fields["shared_expert_intermediate_size"] = int(cfg.get("shared_expert_intermediate_size") or 0)
     if arch == "Qwen3_5MoeForCausalLM":  # every layer sparse, the chosen experts' weights always renormalized
         fields["moe_intermediate_size"] = int(cfg["moe_intermediate_size"])
         fields["norm_topk_prob"] = True
-    if arch in ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"):
+    if arch in ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "Qwen3NextForCausalLM"):
         step = int(cfg.get("decoder_sparse_step") or 1)
         only_dense = set(cfg.get("mlp_only_layers") or [])
         fields["moe_intermediate_size"] = int(cfg["moe_intermediate_size"])
-        fields["norm_topk_prob"] = bool(cfg.get("norm_topk_prob", False))
+        fields["norm_topk_prob"] = bool(cfg.get("norm_topk_prob", arch == "Qwen3NextForCausalLM"))  # transformers' defaults
         fields["dense_mlp_layers"] = tuple(
             i for i in range(int(cfg["num_hidden_layers"])) if i in only_dense or (i + 1) % step
         )

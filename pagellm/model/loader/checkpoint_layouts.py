@@ -3,6 +3,10 @@ separate q/k/v and gate/up projections, one tensor per expert, Llama's names.
 
 - Fused projections (Phi-3's `qkv_proj` and `gate_up_proj`; llama.cpp's `attn_qkv`, and
   Phi-3's `ffn_up` holding gate and up) are cut into the separate projections.
+- Qwen3-Next's Gated DeltaNet projections, fused per key head (`in_proj_qkvz`: each key
+  head's q, k, then its value heads' v and z rows; `in_proj_ba`: its value heads' b, then
+  a rows), are regathered into Qwen3.5's separate `in_proj_qkv` (all q, all k, all v),
+  `in_proj_z`, `in_proj_b` and `in_proj_a`.
 - Stacked experts (llama.cpp's `ffn_gate_exps` [experts, rows, cols], transformers 5's
   in-memory `experts.gate_up_proj`) are cut into one tensor per expert.
 - Mixtral's names (`block_sparse_moe.experts.N.w1/w2/w3`) become `mlp.experts.N.gate_proj/
@@ -92,10 +96,43 @@ def renamed(hf_name: str) -> str:
     return hf_name[: match.start()] + f".mlp.{inner}." + hf_name[match.end() :]
 
 
+_PER_KEY_HEAD = re.compile(r"\.linear_attn\.in_proj_(qkvz|ba)\.weight$")
+
+
+def _per_key_head_pieces(name: str, config: ModelConfig) -> list[tuple[str, list[int]]] | None:
+    """(name, rows) of each projection gathered from a Qwen3-Next tensor fused per key head."""
+    match = _PER_KEY_HEAD.search(name)
+    spec = config.linear_attention
+    if match is None or spec is None:
+        return None
+    prefix = name[: match.start()] + ".linear_attn.in_proj_"
+    per_key = spec.num_value_heads // spec.num_key_heads
+    if match.group(1) == "ba":
+        sizes = {"b": per_key, "a": per_key}
+    else:
+        values = per_key * spec.value_head_dim
+        sizes = {"q": spec.key_head_dim, "k": spec.key_head_dim, "v": values, "z": values}
+    group = sum(sizes.values())
+    rows: dict[str, list[int]] = {kind: [] for kind in sizes}
+    for head in range(spec.num_key_heads):
+        start = head * group
+        for kind, size in sizes.items():
+            rows[kind] += range(start, start + size)
+            start += size
+    if "q" in rows:
+        return [(prefix + "qkv.weight", rows["q"] + rows["k"] + rows["v"]), (prefix + "z.weight", rows["z"])]
+    return [(prefix + "b.weight", rows["b"]), (prefix + "a.weight", rows["a"])]
+
+
 def split_fused(name: str, rows: Rows, config: ModelConfig) -> Iterator[tuple[str, Rows]]:
     """The tensor (renamed), or its projections when it is a fused or stacked one. A fused
     tensor whose rows do not add up to the config's sizes is left whole (the model names it)."""
     name = renamed(name)
+    gathered = _per_key_head_pieces(name, config)
+    if gathered is not None and sum(len(r) for _, r in gathered) == rows.shape[0]:  # type: ignore[attr-defined]
+        for piece, indices in gathered:
+            yield piece, rows[indices]  # type: ignore[index]
+        return
     stacked = _STACKED_EXPERTS.search(name)
     if stacked is not None and rows.ndim == 3:  # type: ignore[attr-defined]
         prefix = name[: stacked.start()]

@@ -25,7 +25,7 @@ from pagellm.config.model import ModelConfig
 from pagellm.model.checkpoint.gguf_metadata import (
     GEMMA_ARCHITECTURES,
     NOT_PARAMETERS,
-    QWEN35_ARCHITECTURES,
+    HYBRID_GGUF_ARCHITECTURES,
     ROPE_FREQS_TENSOR,
     dequantize_tensor,
 )
@@ -70,10 +70,11 @@ _GEMMA_LAYER_NAMES = {
     "post_attention_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
-# Qwen3.5's: a Gated DeltaNet's tensors are llama.cpp's `ssm_*` (its conv, decay and
-# output) and `attn_qkv`/`attn_gate` (the projections into the conv and the output gate);
-# `post_attention_norm` is the norm before the MLP.
-_QWEN35_LAYER_NAMES = {
+# Qwen3.5's and Qwen3-Next's: a Gated DeltaNet's tensors are llama.cpp's `ssm_*` (its conv,
+# decay and output) and `attn_qkv`/`attn_gate` (the projections into the conv and the output
+# gate; Qwen3-Next's b and a stay fused per key head in `ssm_ba`, and older files hold its
+# fused q, k, v and z as `ssm_in`); `post_attention_norm` is the norm before the MLP.
+_HYBRID_LAYER_NAMES = {
     **_LAYER_NAMES,
     "post_attention_norm": "post_attention_layernorm",
     "attn_qkv": "linear_attn.in_proj_qkv",
@@ -83,10 +84,12 @@ _QWEN35_LAYER_NAMES = {
     "ssm_conv1d": "linear_attn.conv1d",
     "ssm_norm": "linear_attn.norm",
     "ssm_out": "linear_attn.out_proj",
+    "ssm_ba": "linear_attn.in_proj_ba",
+    "ssm_in": "linear_attn.in_proj_qkvz",
 }
 # Parameters llama.cpp names apart from the rule: the decay's bias, and its rate, which the
 # file holds as A = -exp(A_log) and without a suffix.
-_QWEN35_PARAMETERS = {"ssm_dt.bias": "linear_attn.dt_bias", "ssm_a": "linear_attn.A_log"}
+_HYBRID_PARAMETERS = {"ssm_dt.bias": "linear_attn.dt_bias", "ssm_a": "linear_attn.A_log"}
 _LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.([a-z0-9_]+)\.(weight|bias)$")
 _LAYER_INDEX = re.compile(r"^blk\.(\d+)\.")
 
@@ -105,7 +108,7 @@ def undo_rope_permutation(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 # Tensors that may stay in their stored quantization: the linear layers and the embedding
 # (the LM head too, or the embedding when the head is tied to it).
-_KEEPABLE = re.compile(r"(_proj\.weight|in_proj_(qkv|z|b|a)\.weight|embed_tokens\.weight|lm_head\.weight)$")
+_KEEPABLE = re.compile(r"(_proj\.weight|in_proj_(qkvz|qkv|z|ba|b|a)\.weight|embed_tokens\.weight|lm_head\.weight)$")
 
 
 def iter_gguf_weights(
@@ -172,7 +175,7 @@ def _undo_converter_changes(hf_name: str, values: np.ndarray, config: ModelConfi
     Gemma's and Qwen3.5's (1 + w) norms stored with the 1 added (not the gated norm of a
     Gated DeltaNet, a plain w), Qwen3.5's decay rate stored as -exp(A_log), its conv
     weights without their middle axis."""
-    offset_norms = config.architecture in GEMMA_ARCHITECTURES or config.architecture in QWEN35_ARCHITECTURES
+    offset_norms = config.architecture in GEMMA_ARCHITECTURES or config.architecture in HYBRID_GGUF_ARCHITECTURES
     if offset_norms and hf_name.endswith("norm.weight") and not hf_name.endswith("linear_attn.norm.weight"):
         values -= 1.0
     elif hf_name.endswith(".linear_attn.A_log"):
@@ -269,12 +272,12 @@ def hf_tensor_name(gguf_name: str, architecture: str) -> str:
     `model.layers.3.self_attn.q_proj.weight`); UnsupportedModelError for an unknown one."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
-    if architecture in QWEN35_ARCHITECTURES:
-        names = _QWEN35_LAYER_NAMES
+    if architecture in HYBRID_GGUF_ARCHITECTURES:
+        names = _HYBRID_LAYER_NAMES
         layer_prefix = _LAYER_INDEX.match(gguf_name)
         parameter = gguf_name[layer_prefix.end() :] if layer_prefix is not None else ""
-        if parameter in _QWEN35_PARAMETERS:
-            return f"model.layers.{layer_prefix.group(1)}.{_QWEN35_PARAMETERS[parameter]}"  # type: ignore[union-attr]
+        if parameter in _HYBRID_PARAMETERS:
+            return f"model.layers.{layer_prefix.group(1)}.{_HYBRID_PARAMETERS[parameter]}"  # type: ignore[union-attr]
     elif architecture in GEMMA_ARCHITECTURES:
         names = _GEMMA_LAYER_NAMES
     else:
