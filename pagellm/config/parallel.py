@@ -42,6 +42,9 @@ def tp_split_error(config: ModelConfig, size: int) -> str | None:
         return f"each expert's intermediate size {config.expert_intermediate_size} does not split over TP={size}"
     if config.shared_expert_intermediate_size % size:
         return f"the shared expert's intermediate size {config.shared_expert_intermediate_size} does not split over TP={size}"
+    spec = config.linear_attention
+    if spec is not None and spec.num_key_heads % size:  # each rank keeps whole key heads and their value heads
+        return f"linear attention's {spec.num_key_heads} key heads do not split over TP={size}"
     return None
 
 
@@ -74,8 +77,12 @@ def rank_model_config(config: ModelConfig, size: int) -> ModelConfig:
     if size == 1:
         return config
     check_tp_size(config, size)
+    spec = config.linear_attention
     return dataclasses.replace(
         config,
+        linear_attention=None if spec is None else dataclasses.replace(
+            spec, num_key_heads=spec.num_key_heads // size, num_value_heads=spec.num_value_heads // size
+        ),
         num_attention_heads=config.num_attention_heads // size,
         num_key_value_heads=kv_heads_per_rank(config.num_key_value_heads, size),
         intermediate_size=config.intermediate_size // size,

@@ -21,13 +21,18 @@ class StepCost:
 
 
 def step_cost(model: ModelCosts, batch: StepBatch) -> StepCost:
-    """FLOPs of the matmuls and attention; bytes of weights (once) plus KV read and written."""
+    """FLOPs of the matmuls, attention and a hybrid's recurrence; bytes of weights (once)
+    plus KV read and written, and each computed request's recurrent state read and written."""
     flops = (
-        model.linear_flops_per_token * batch.num_tokens
+        (model.linear_flops_per_token + model.recurrent_flops_per_token) * batch.num_tokens
         + model.attention_flops_per_pair * batch.attention_pairs
         + model.lm_head_flops_per_row * batch.num_sampled_tokens
     )
-    moved = model.step_weight_bytes_for(batch.num_tokens) + model.kv_bytes_per_token * (batch.context_tokens + batch.num_tokens)
+    moved = (
+        model.step_weight_bytes_for(batch.num_tokens)
+        + model.kv_bytes_per_token * (batch.context_tokens + batch.num_tokens)
+        + 2 * model.state_bytes_per_request * batch.num_reqs
+    )
     return StepCost(flops, moved)
 
 

@@ -1,9 +1,13 @@
-"""Model stage: the FLOPs and bytes of one step of a Llama-family model (with or without experts).
+"""Model stage: the FLOPs and bytes of one step of a Llama-family model (with or without
+experts, or a hybrid with linear-attention layers).
 
 Counted as the roofline cost model (sim/roofline.py) and the engine's live MFU / MBU
 (metrics/utilization.py) both need them: weight matmuls per computed token, attention
 per (query, key) pair, the LM head per sampled row, and the bytes of the weights (read
-once per step, whatever the batch) and of the KV cache per token.
+once per step, whatever the batch) and of the KV cache per token. A hybrid's attention
+and KV cache are its attending layers'; its linear-attention layers add the gated delta
+rule and the short convolution per token, and read and write each request's recurrent
+state once per step.
 """
 
 from __future__ import annotations
@@ -29,6 +33,11 @@ class ModelCosts:
     # The layers' attention spans: (window, share of the layers); None is the whole context.
     # Attention pairs and KV reads of a sliding layer stop at its window.
     layer_windows: tuple[tuple[int | None, float], ...] = ((None, 1.0),)
+    # A hybrid's linear-attention layers: the recurrence and convolution per computed token
+    # (the projections are in linear_flops_per_token), and one request's float32 state,
+    # which a step reads and writes for every request it computes.
+    recurrent_flops_per_token: float = 0.0
+    state_bytes_per_request: float = 0.0
 
     @classmethod
     def from_config(
@@ -38,10 +47,21 @@ class ModelCosts:
         q = config.num_attention_heads * config.head_dim
         kv = config.num_key_value_heads * config.head_dim
         layers = config.num_hidden_layers
+        attending = config.attention_layers
         # 2 FLOPs (multiply + add) per weight per token: a mixture of experts computes with
         # its router and the top_k experts a token is sent to, and holds all of them.
         sparse = sum(config.is_sparse_layer(layer) for layer in range(layers))
-        attention_params = layers * (h * (q + 2 * kv) + q * h)
+        gate = q if config.attention_output_gate else 0
+        attention_params = len(attending) * (h * (q + gate + 2 * kv) + q * h)
+        recurrent_flops = 0.0
+        spec = config.linear_attention
+        if spec is not None:  # the Gated DeltaNets' input and output projections
+            value = spec.num_value_heads * spec.value_head_dim
+            attention_params += len(spec.layers) * (h * (spec.conv_dim + value + 2 * spec.num_value_heads) + value * h)
+            # Per token and value head: decay, read (k S), write (k outer delta) and query
+            # (q S) of the key x value state, ~7 FLOPs per element; the depthwise conv.
+            per_token = 7 * spec.num_value_heads * spec.key_head_dim * spec.value_head_dim
+            recurrent_flops = len(spec.layers) * (per_token + 2 * spec.conv_kernel_size * spec.conv_dim)
         # A shared expert (Qwen2-MoE) and its gate run for every token: dense weights.
         shared_params = sparse * (3 * h * config.shared_expert_intermediate_size + h) if config.shared_expert_intermediate_size else 0
         dense_mlp_params = (layers - sparse) * 3 * h * config.intermediate_size + shared_params
@@ -52,7 +72,7 @@ class ModelCosts:
         head_params = config.vocab_size * h
         kv_bytes = dtype_bytes if kv_dtype_bytes is None else kv_dtype_bytes
         windows: dict[int | None, int] = {}
-        for layer in range(layers):
+        for layer in attending:
             windows[config.layer_window(layer)] = windows.get(config.layer_window(layer), 0) + 1
         return cls(
             linear_flops_per_token=2.0 * (attention_params + dense_mlp_params + active_expert_params),
@@ -60,12 +80,14 @@ class ModelCosts:
             lm_head_flops_per_row=2.0 * head_params,
             lm_head_weight_bytes=float(head_params * dtype_bytes),
             # Scores (q . k) and the weighted sum of values: 2 MACs per head dimension.
-            attention_flops_per_pair=4.0 * layers * config.num_attention_heads * config.head_dim,
-            kv_bytes_per_token=2.0 * layers * kv * kv_bytes,
+            attention_flops_per_pair=4.0 * len(attending) * config.num_attention_heads * config.head_dim,
+            kv_bytes_per_token=2.0 * len(attending) * kv * kv_bytes,
             weight_bytes=float(config.num_parameters() * dtype_bytes),
             expert_weight_bytes=float(expert_params * dtype_bytes),
             expert_share_per_token=config.num_experts_per_tok / config.num_experts if config.num_experts else 0.0,
-            layer_windows=tuple((window, count / layers) for window, count in windows.items()),
+            layer_windows=tuple((window, count / len(attending)) for window, count in windows.items()) or ((None, 1.0),),
+            recurrent_flops_per_token=float(recurrent_flops),
+            state_bytes_per_request=float(config.state_bytes_per_request()),
         )
 
     def linear_bytes_read(self, num_tokens: int) -> float:

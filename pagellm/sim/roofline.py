@@ -8,6 +8,8 @@ run one after the other, so their times add:
   per step, which is why a small decode batch is memory-bound and a large one is not;
 - attention: (query, key) pairs; reads the cached KV of every request and writes the
   new tokens' KV;
+- a hybrid's linear-attention layers: the recurrence per computed token; reads and
+  writes each computed request's recurrent state (float32, fixed size);
 - the LM head, only for rows that are sampled;
 - host <-> device copies of swapped blocks over the host link;
 - a fixed per-step overhead (CPU work the GPU waits for: scheduling, input preparation,
@@ -59,12 +61,13 @@ class StepTime(NamedTuple):
     overhead_s: float
     memory_bound: bool  # the weight matmuls were limited by bandwidth, not FLOPs
     comm_s: float = 0.0  # tensor-parallel all-reduces and logits gather
+    recurrent_s: float = 0.0  # a hybrid's linear-attention recurrence and state traffic
 
     @property
     def total_s(self) -> float:
         return (
             self.linear_s + self.attention_s + self.lm_head_s + self.swap_s + self.overhead_s
-            + self.comm_s
+            + self.comm_s + self.recurrent_s
         )  # fmt: skip
 
 
@@ -97,6 +100,8 @@ class RooflineCostModel:
         self._attention_s_per_pair = costs.attention_flops_per_pair / self._flops
         self._kv_s_per_token = costs.kv_bytes_per_token / self._bandwidth
         self._swap_s_per_token = costs.kv_bytes_per_token / gpu.host_link_bandwidth
+        self._recurrent_s_per_token = costs.recurrent_flops_per_token / self._flops
+        self._state_s_per_request = 2.0 * costs.state_bytes_per_request / self._bandwidth  # read and written
 
     @property
     def name(self) -> str:
@@ -129,6 +134,7 @@ class RooflineCostModel:
             self.params.step_overhead_s,
             linear_compute_s < linear_memory_s,
             self.comm.seconds(num_tokens, rows) if self.comm is not None else 0.0,
+            max(num_tokens * self._recurrent_s_per_token, batch.num_reqs * self._state_s_per_request),
         )
 
     def predict(self, batch: StepBatch) -> float:
