@@ -177,11 +177,13 @@ def decide_cache_size(
                 size = min(size, memory.available_ram_bytes // 2)
             how = f"CPU default budget ({size / GiB:.2f} GiB)"
         if state_bytes:
-            how += f", less {state_bytes / GiB:.3g} GiB of recurrent-state slots"
+            how += f", less {state_bytes / GiB:.3g} GiB of recurrent-state slots and snapshots"
         # +1: block 0 is the reserved null block and holds no tokens.
         num = max(size - state_bytes, 0) // bytes_per_block + 1
     if num < 2:
-        raise ConfigError(f"the KV cache budget ({how}) is smaller than one block of {bytes_per_block} bytes")
+        # A hybrid's state slots (one per seat, and as many snapshots) scale with max_num_seqs.
+        fewer = "; lower max_num_seqs (a recurrent-state slot and snapshot per seat)" if state_bytes else ""
+        raise ConfigError(f"the KV cache budget ({how}) is smaller than one block of {bytes_per_block} bytes{fewer}")
     return CacheSize(num, num_cpu_blocks, (num - 1) * bytes_per_block, how)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pagellm.errors import ConfigError
-from pagellm.config.model import ModelConfig, RopeScaling
+from pagellm.config.model import LinearAttentionSpec, ModelConfig, RopeScaling
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,29 @@ def _preset(name: str, repo: str, architecture: str, **shape: object) -> ModelPr
         if key not in ("rms_norm_eps", "rope_scaling", "qk_norm", "norm_topk_prob", "sliding_window_layers")
     )
     return ModelPreset(name, config, 2, f"huggingface.co/{repo} config.json: {fields}, bfloat16")
+
+
+def _hybrid_preset(
+    name: str, repo: str, architecture: str, linear: dict[str, int], **shape: object
+) -> ModelPreset:
+    """A Qwen3.5 / Qwen3-Next hybrid: every `full_attention_interval`-th layer attends (gated,
+    q/k norms, rotary on a quarter of each head), the others are Gated DeltaNets shaped by
+    the config's `linear_*` keys (named so in the source)."""
+    layers = int(shape["num_hidden_layers"])  # type: ignore[call-overload]
+    interval = linear.pop("full_attention_interval")
+    spec = LinearAttentionSpec(
+        layers=tuple(i for i in range(layers) if (i + 1) % interval),
+        num_key_heads=linear["linear_num_key_heads"], num_value_heads=linear["linear_num_value_heads"],
+        key_head_dim=linear["linear_key_head_dim"], value_head_dim=linear["linear_value_head_dim"],
+        conv_kernel_size=linear["linear_conv_kernel_dim"],
+    )  # fmt: skip
+    preset = _preset(
+        name, repo, architecture, **shape, linear_attention=spec, attention_output_gate=True, norm_weight_offset=True,
+        qk_norm=True, partial_rotary_factor=0.25,
+    )  # fmt: skip
+    described = ", ".join(f"{key}={value}" for key, value in {"full_attention_interval": interval, **linear}.items())
+    source = preset.source.split(", linear_attention=")[0] + f", {described}, partial_rotary_factor=0.25, bfloat16"
+    return ModelPreset(preset.name, preset.config, preset.dtype_bytes, source)
 
 
 # Llama 3.1's long-context rotary scaling, as its config.json has it.
@@ -126,6 +149,38 @@ MODEL_PRESETS: dict[str, ModelPreset] = {
             num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
             head_dim=128, max_position_embeddings=32768, tie_word_embeddings=False,
             attention_bias=True, rms_norm_eps=1e-6,
+        ),
+        # Hybrids: Gated DeltaNet linear attention in three layers of four (a fixed-size
+        # state per request), gated full attention in the fourth. Qwen3.5-35B-A3B's config
+        # has no intermediate_size (every layer sparse): the expert width stands in.
+        _hybrid_preset(
+            "Qwen3.5-27B", "Qwen/Qwen3.5-27B", "Qwen3_5ForCausalLM",
+            {"full_attention_interval": 4, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128,
+             "linear_value_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 48},
+            vocab_size=248320, hidden_size=5120, intermediate_size=17408,
+            num_hidden_layers=64, num_attention_heads=24, num_key_value_heads=4,
+            head_dim=256, max_position_embeddings=262144, tie_word_embeddings=False,
+            rope_theta=10000000.0, rms_norm_eps=1e-6,
+        ),
+        _hybrid_preset(
+            "Qwen3.5-35B-A3B", "Qwen/Qwen3.5-35B-A3B", "Qwen3_5MoeForCausalLM",
+            {"full_attention_interval": 4, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128,
+             "linear_value_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 32},
+            vocab_size=248320, hidden_size=2048, intermediate_size=512,
+            num_hidden_layers=40, num_attention_heads=16, num_key_value_heads=2,
+            head_dim=256, max_position_embeddings=262144, tie_word_embeddings=False,
+            num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+            norm_topk_prob=True, rope_theta=10000000.0, rms_norm_eps=1e-6,
+        ),
+        _hybrid_preset(
+            "Qwen3-Next-80B-A3B", "Qwen/Qwen3-Next-80B-A3B-Instruct", "Qwen3NextForCausalLM",
+            {"full_attention_interval": 4, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128,
+             "linear_value_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 32},
+            vocab_size=151936, hidden_size=2048, intermediate_size=5120,
+            num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=2,
+            head_dim=256, max_position_embeddings=262144, tie_word_embeddings=False,
+            num_experts=512, num_experts_per_tok=10, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+            norm_topk_prob=True, rope_theta=10000000.0, rms_norm_eps=1e-6,
         ),
         _preset(
             "SmolLM2-135M", "HuggingFaceTB/SmolLM2-135M", "LlamaForCausalLM",

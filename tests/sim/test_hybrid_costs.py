@@ -91,3 +91,43 @@ def test_tensor_parallelism_splits_whole_key_heads_and_their_value_heads():
     assert (share.num_key_heads, share.num_value_heads) == (1, 2)
     wide = dataclasses.replace(HYBRID, num_attention_heads=4, num_key_value_heads=4, intermediate_size=16)
     assert "key heads do not split over TP=4" in tp_split_error(wide, 4)
+
+
+# --- the hybrid presets -----------------------------------------------------------------
+
+
+def test_hybrid_presets_match_their_names_and_state_by_hand():
+    from pagellm.sim.model_presets import get_model_preset
+
+    dense, moe, following = (get_model_preset(n).config for n in ("Qwen3.5-27B", "Qwen3.5-35B-A3B", "Qwen3-Next-80B-A3B"))
+    assert dense.num_parameters() == pytest.approx(27e9, rel=0.01)
+    assert moe.num_parameters() == pytest.approx(35e9, rel=0.015) and following.num_parameters() == pytest.approx(80e9, rel=0.01)
+    for config in (moe, following):  # the "A3B": the projections a token uses, the embedding and the head
+        costs = ModelCosts.from_config(config, 2)
+        assert 3e9 < costs.linear_flops_per_token / 2 + 2 * config.vocab_size * config.hidden_size < 4e9
+    # Qwen3.5-27B: 48 Gated DeltaNets, each holding per request the conv's last 3 inputs of
+    # 2 x 16 x 128 + 48 x 128 = 10240 channels and 48 value heads' 128 x 128 state, float32.
+    assert dense.state_bytes_per_request() == 48 * (3 * 10240 + 48 * 128 * 128) * 4
+    # ... and 16 attending layers' K and V: 2 x 16 x 4 heads x 256 x 2 bytes per token.
+    assert ModelCosts.from_config(dense, 2).kv_bytes_per_token == 2 * 16 * 4 * 256 * 2
+
+
+def test_simulated_engine_sizes_the_cache_after_one_slot_and_snapshot_per_seat():
+    from pagellm import EngineArgs
+    from pagellm.errors import ConfigError
+    from pagellm.sim.gpu_presets import get_gpu_preset
+    from pagellm.sim.model_presets import get_model_preset
+    from pagellm.sim.target import resolve_engine_config, roofline_target
+
+    target = roofline_target("Qwen3.5-35B-A3B", get_gpu_preset("H200"), RooflineParams())
+    state = get_model_preset("Qwen3.5-35B-A3B").config.state_bytes_per_request()
+    block = ModelCosts.from_config(target.model_config, 2).kv_bytes_per_block(16)
+    few, many = (resolve_engine_config(target, EngineArgs(max_num_seqs=n)).kv for n in (32, 64))
+    # 32 more seats: 32 more slots and snapshots, and 32 more rows of float32 logits at peak.
+    logits = 32 * target.model_config.vocab_size * 4
+    assert few.num_gpu_blocks - many.num_gpu_blocks == pytest.approx((2 * 32 * state + logits) / block, abs=1)
+    assert "recurrent-state slots and snapshots" in many.how
+    # 256 seats' states do not fit next to the weights on an H100: the error says what to lower.
+    with pytest.raises(ConfigError, match="lower max_num_seqs"):
+        resolve_engine_config(roofline_target("Qwen3.5-35B-A3B", get_gpu_preset("H100-SXM"), RooflineParams()),
+                              EngineArgs(max_num_seqs=256))  # fmt: skip
