@@ -138,6 +138,14 @@ class CacheSize:
     num_cpu_blocks: int
     kv_cache_bytes: int
     how: str  # how the size was decided, for the start-up log
+    num_state_slots: int = 0  # a hybrid's recurrent-state slots (seats), each with its snapshot
+
+
+# The most of the cache budget a hybrid's recurrent states (a slot and a snapshot per seat)
+# may take before the seats are cut: the rest holds the attending layers' KV. A 1B-class
+# hybrid's state is ~20 MiB per request, so 256 seats' worth would exceed the CPU's
+# default budget on their own.
+MAX_STATE_SHARE = 0.5
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, kv_cache_dtype: str) -> int:
@@ -149,10 +157,13 @@ def kv_bytes_per_block(config: ModelConfig, block_size: int, kv_cache_dtype: str
 
 
 def decide_cache_size(
-    budget: CacheBudget, bytes_per_block: int, memory: MemoryFacts, state_bytes: int = 0
+    budget: CacheBudget, bytes_per_block: int, memory: MemoryFacts, state_bytes_per_seat: int = 0, max_seats: int = 0
 ) -> CacheSize:
     """Device and host blocks for `budget` on a rank whose blocks take `bytes_per_block`,
-    after `state_bytes` of it went to a hybrid model's recurrent-state slots."""
+    after a hybrid model's recurrent states (`state_bytes_per_seat` for each of up to
+    `max_seats` running requests) took their part: all the seats where they fit in
+    MAX_STATE_SHARE of the budget, else as many as do (at least one)."""
+    seats = max_seats
     num_cpu_blocks = budget.swap_space_bytes // bytes_per_block
     if budget.num_gpu_blocks_override is not None:
         num = budget.num_gpu_blocks_override
@@ -176,15 +187,21 @@ def decide_cache_size(
             if memory.available_ram_bytes is not None:
                 size = min(size, memory.available_ram_bytes // 2)
             how = f"CPU default budget ({size / GiB:.2f} GiB)"
-        if state_bytes:
-            how += f", less {state_bytes / GiB:.3g} GiB of recurrent-state slots and snapshots"
+        if state_bytes_per_seat and max_seats:
+            seats = min(max_seats, int(MAX_STATE_SHARE * size) // state_bytes_per_seat)
+            if seats < 1:
+                raise ConfigError(
+                    f"the KV cache budget ({how}) cannot hold one request's recurrent state "
+                    f"({state_bytes_per_seat / GiB:.3g} GiB) in {MAX_STATE_SHARE:.0%} of it"
+                )
+            how += f", less {seats * state_bytes_per_seat / GiB:.3g} GiB of recurrent states for {seats} requests"
+            if seats < max_seats:
+                how += f" (not {max_seats}: more would take over {MAX_STATE_SHARE:.0%} of the budget)"
         # +1: block 0 is the reserved null block and holds no tokens.
-        num = max(size - state_bytes, 0) // bytes_per_block + 1
+        num = max(size - seats * state_bytes_per_seat, 0) // bytes_per_block + 1
     if num < 2:
-        # A hybrid's state slots (one per seat, and as many snapshots) scale with max_num_seqs.
-        fewer = "; lower max_num_seqs (a recurrent-state slot and snapshot per seat)" if state_bytes else ""
-        raise ConfigError(f"the KV cache budget ({how}) is smaller than one block of {bytes_per_block} bytes{fewer}")
-    return CacheSize(num, num_cpu_blocks, (num - 1) * bytes_per_block, how)
+        raise ConfigError(f"the KV cache budget ({how}) is smaller than one block of {bytes_per_block} bytes")
+    return CacheSize(num, num_cpu_blocks, (num - 1) * bytes_per_block, how, seats if state_bytes_per_seat else 0)
 
 
 def sized_cache_config(

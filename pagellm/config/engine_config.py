@@ -96,16 +96,31 @@ class EngineConfig:
         return self.scheduler_config.max_model_len
 
     def with_cache(self, cache_config: CacheConfig) -> EngineConfig:
-        """This config with the cache sized (sized_cache below)."""
-        return dataclasses.replace(self, cache_config=cache_config)
+        """This config with the cache sized (sized_cache below); a hybrid's seats cut to its
+        recurrent-state slots where the budget held fewer than max_num_seqs."""
+        scheduler = self.scheduler_config
+        if self.model_config.linear_attention is not None and cache_config.num_state_slots < scheduler.max_num_seqs:
+            scheduler = dataclasses.replace(scheduler, max_num_seqs=cache_config.num_state_slots)
+        return dataclasses.replace(self, cache_config=cache_config, scheduler_config=scheduler)
 
     def sized_cache(self, size: CacheSize) -> CacheConfig:
         """The cache of `size` blocks for this engine: the model's KV cache groups, and a
-        request of max_model_len checked to fit (steps of max_num_batched_tokens)."""
+        request of max_model_len checked to fit (steps of max_num_batched_tokens); a
+        hybrid's state slots (and as many snapshots, with prefix caching) as `size` chose."""
+        slots = min(size.num_state_slots, self.num_state_slots) if size.num_state_slots else self.num_state_slots
+        snapshots = slots if self.num_state_snapshots else 0
         return sized_cache_config(
             self.cache_budget, size, self.max_model_len, kv_cache_layout(self.model_config).windows,
-            self.scheduler_config.max_num_batched_tokens, self.num_state_slots, self.num_state_snapshots,
+            self.scheduler_config.max_num_batched_tokens, slots, snapshots,
         )  # fmt: skip
+
+    @property
+    def states_per_seat(self) -> int:
+        """A hybrid's recurrent states per running request: its slot, and its snapshot with
+        prefix caching (0: not a hybrid)."""
+        if not self.num_state_slots:
+            return 0
+        return 2 if self.num_state_snapshots else 1
 
     @property
     def num_state_slots(self) -> int:

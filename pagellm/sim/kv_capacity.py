@@ -82,11 +82,14 @@ def simulated_cache_size(
     budget: CacheBudget,
     memory: MemoryFacts,
     tensor_parallel_size: int = 1,
-    num_state_entries: int = 0,
+    states_per_seat: int = 0,
+    max_seats: int = 0,
 ) -> CacheSize:
     """The engine's sizing (config/cache.py) of one GPU's share of the model; a hybrid's
-    recurrent-state slots and snapshots (`num_state_entries` of them) come off the budget
-    first, as in the engine's worker."""
+    recurrent states (`states_per_seat`, a slot and its snapshot, for up to `max_seats`
+    requests) come off the budget first, as in the engine's worker."""
     share = rank_model_config(config, tensor_parallel_size)
-    state_bytes = num_state_entries * share.state_bytes_per_request()
-    return decide_cache_size(budget, kv_bytes_per_block(share, budget.block_size, kv_cache_dtype), memory, state_bytes)
+    return decide_cache_size(
+        budget, kv_bytes_per_block(share, budget.block_size, kv_cache_dtype), memory,
+        states_per_seat * share.state_bytes_per_request(), max_seats,
+    )  # fmt: skip

@@ -159,7 +159,7 @@ def resolve_engine_config(target: SimTarget, args: EngineArgs) -> SimEngineConfi
     try:
         kv = simulated_cache_size(
             target.model_config, config.kv_cache_dtype, config.cache_budget, memory_facts(target, config),
-            target.tensor_parallel_size, config.num_state_slots + config.num_state_snapshots,
+            target.tensor_parallel_size, config.states_per_seat, config.num_state_slots,
         )  # fmt: skip
         cache_config = config.sized_cache(kv)
     except ConfigError as e:
@@ -184,7 +184,7 @@ def tp_sizes_that_fit(target: SimTarget, config: EngineConfig) -> list[int]:
         try:
             kv = simulated_cache_size(
                 target.model_config, config.kv_cache_dtype, config.cache_budget, memory, tp,
-                config.num_state_slots + config.num_state_snapshots,
+                config.states_per_seat, config.num_state_slots,
             )  # fmt: skip
             config.sized_cache(kv)
         except ConfigError:

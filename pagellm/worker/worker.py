@@ -83,6 +83,8 @@ class Worker:
         self, config: EngineConfig, rank: int, device: torch.device, grammars: GrammarCompiler | None = None
     ) -> None:
         self.config = config
+        # A hybrid's recurrent-state slots: max_num_seqs until cache_size() says how many fit.
+        self._num_state_slots = config.num_state_slots
         # Structured outputs' compiler (the engine's, shared with its input checks): only
         # the driver, which samples, holds one.
         self.grammars = grammars
@@ -152,8 +154,11 @@ class Worker:
         bytes_per_block = kv_bytes_per_block(self.model.config, budget.block_size, config.kv_cache_dtype)  # this rank's heads
         if self.draft_model is not None:  # a block holds the draft's K/V of its positions too
             bytes_per_block += kv_bytes_per_block(self.draft_model.config, budget.block_size, config.kv_cache_dtype)
-        state_bytes = (config.num_state_slots + config.num_state_snapshots) * self.model.config.state_bytes_per_request()
-        size = decide_cache_size(budget, bytes_per_block, self._memory_facts(), state_bytes)
+        size = decide_cache_size(
+            budget, bytes_per_block, self._memory_facts(),
+            config.states_per_seat * self.model.config.state_bytes_per_request(), config.num_state_slots,
+        )  # fmt: skip
+        self._num_state_slots = size.num_state_slots if config.num_state_slots else 0
         if self.tp is None:
             return size
         num_gpu = self.tp.min_over_ranks(size.num_gpu_blocks)
@@ -197,8 +202,8 @@ class Worker:
             lora_manager=self.lora_manager,
             kv_tier_store=self._open_kv_tier(),
             kv_tier_host_bytes=self._kv_tier_host_bytes(),
-            num_state_slots=self.config.num_state_slots,
-            num_state_snapshots=self.config.num_state_snapshots,
+            num_state_slots=self._num_state_slots,
+            num_state_snapshots=self._num_state_slots if self.config.num_state_snapshots else 0,
         )
         sizes = self.graph_sizes()
         if sizes:

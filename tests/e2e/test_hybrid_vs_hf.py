@@ -113,6 +113,19 @@ def test_preemption_recomputes_the_state(hybrid, mode):
     assert stats.num_preemptions_recompute > 0 and stats.num_preemptions_swap == 0
 
 
+def test_seats_are_cut_to_the_states_half_the_budget_holds(dense, caplog):
+    """Each running request's state (5376 bytes here) and its snapshot come off the cache
+    budget: 100 kB holds them for 4 requests in its half, so the engine runs 4 at a time
+    (not the default 256), and gives HF's tokens."""
+    folder, _, expected = dense
+    with caplog.at_level(logging.INFO, logger="pagellm"):
+        llm, outputs = run(folder, kv_cache_memory_bytes=100_000, max_model_len=128)
+    assert outputs == expected
+    assert llm.engine.config.scheduler_config.max_num_seqs == llm.engine.config.cache_config.num_state_slots == 4
+    assert llm.engine.config.cache_config.num_state_snapshots == 4
+    assert "recurrent states for 4 requests (not 256: more would take over 50% of the budget)" in caplog.text
+
+
 def test_forked_completions_start_from_the_parents_state(hybrid):
     folder, _, expected = hybrid
     llm = LLM(folder, max_model_len=MAX_MODEL_LEN)

@@ -81,7 +81,8 @@ def test_simulated_capacity_takes_the_state_slots_and_snapshots_off_the_budget()
     memory = MemoryFacts(device_total_bytes=10_000_000, used_bytes=1_000_000, used_how="test")
     block = kv_bytes_per_block(HYBRID, 16, "bfloat16")
     plain = simulated_cache_size(HYBRID, "bfloat16", budget, memory)
-    with_state = simulated_cache_size(HYBRID, "bfloat16", budget, memory, num_state_entries=512)
+    with_state = simulated_cache_size(HYBRID, "bfloat16", budget, memory, states_per_seat=2, max_seats=256)
+    assert with_state.num_state_slots == 256
     assert plain.num_gpu_blocks - with_state.num_gpu_blocks == pytest.approx(512 * STATE_BYTES / block, abs=1)
 
 
@@ -114,7 +115,6 @@ def test_hybrid_presets_match_their_names_and_state_by_hand():
 
 def test_simulated_engine_sizes_the_cache_after_one_slot_and_snapshot_per_seat():
     from pagellm import EngineArgs
-    from pagellm.errors import ConfigError
     from pagellm.sim.gpu_presets import get_gpu_preset
     from pagellm.sim.model_presets import get_model_preset
     from pagellm.sim.target import resolve_engine_config, roofline_target
@@ -126,8 +126,14 @@ def test_simulated_engine_sizes_the_cache_after_one_slot_and_snapshot_per_seat()
     # 32 more seats: 32 more slots and snapshots, and 32 more rows of float32 logits at peak.
     logits = 32 * target.model_config.vocab_size * 4
     assert few.num_gpu_blocks - many.num_gpu_blocks == pytest.approx((2 * 32 * state + logits) / block, abs=1)
-    assert "recurrent-state slots and snapshots" in many.how
-    # 256 seats' states do not fit next to the weights on an H100: the error says what to lower.
-    with pytest.raises(ConfigError, match="lower max_num_seqs"):
-        resolve_engine_config(roofline_target("Qwen3.5-35B-A3B", get_gpu_preset("H100-SXM"), RooflineParams()),
-                              EngineArgs(max_num_seqs=256))  # fmt: skip
+    assert "of recurrent states for 64 requests" in many.how and many.num_state_slots == 64
+    # 256 seats' states would take more than half of what an H100 has left next to the
+    # weights: the seats are cut to what half of it holds, and the engine runs that many.
+    h100 = roofline_target("Qwen3.5-35B-A3B", get_gpu_preset("H100-SXM"), RooflineParams())
+    resolved = resolve_engine_config(h100, EngineArgs(max_num_seqs=256, max_model_len=32768))
+    seats = resolved.kv.num_state_slots
+    assert 0 < seats < 256 and "(not 256: more would take over 50% of the budget)" in resolved.kv.how
+    assert resolved.engine_config.scheduler_config.max_num_seqs == resolved.cache_config.num_state_slots == seats
+    assert resolved.cache_config.num_state_snapshots == seats
+    budget = (resolved.kv.num_gpu_blocks - 1) * block + 2 * seats * state  # the KV and the states: the whole budget
+    assert 2 * seats * state <= 0.5 * budget < 2 * (seats + 1) * state + block
