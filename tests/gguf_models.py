@@ -216,8 +216,10 @@ def _add_qwen35(writer: gguf.GGUFWriter, cfg: dict, arch: str) -> None:
     writer.add_ssm_time_step_rank(cfg["linear_num_value_heads"])
     writer.add_ssm_inner_size(cfg["linear_value_head_dim"] * cfg["linear_num_value_heads"])
     writer.add_full_attention_interval(cfg.get("full_attention_interval", 4))
-    if arch != "qwen3next":
-        writer.add_rope_dimension_sections([11, 11, 10, 0])  # multimodal rotary sections: text positions ignore them
+    if arch != "qwen3next":  # multimodal rotary sections (text positions ignore them): Qwen3.5's, or within a tiny head's
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        pairs = int(head_dim * (cfg.get("rope_parameters") or {}).get("partial_rotary_factor", 0.25)) // 2
+        writer.add_rope_dimension_sections([11, 11, 10, 0] if pairs >= 32 else [pairs - pairs // 2, pairs // 2, 0, 0])
 
 
 def _split_qkvz(tensors: dict, cfg: dict) -> dict:

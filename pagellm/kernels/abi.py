@@ -158,6 +158,13 @@ SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
         c_void_p, c_int64, c_void_p, c_void_p,  # ranges int64 [k, 3], k, pieces int64 [slots, 3, 4], piece counts int32 [slots]
         c_void_p, c_int,  # scratch float32, num threads
     ]),
+    # gated_delta.c: a Gated DeltaNet's decode step (model/native/gated_delta.py).
+    "gated_delta_decode": (None, [
+        c_void_p, c_void_p, c_void_p, c_void_p,  # mixed [R, conv dim], b, a [R, value heads], conv weight [conv dim, kernel]
+        c_void_p, c_void_p, c_void_p, c_void_p, c_void_p,  # conv states, states, slots int64 [R], A_log, dt_bias
+        c_int64, c_int64, c_int64, c_int64, c_int64, c_int64,  # R, key heads, value heads, key dim, value dim, kernel
+        c_int, c_void_p, c_void_p, c_int,  # value heads tiled, out [R, value heads, value dim], scratch [R, conv dim], threads
+    ]),
     "bf16_to_fp8_rows": (None, [c_void_p, c_void_p, c_int64, c_int]),  # src, dst, n, fp8 element type
     "silu_mul_rows": (None, [c_void_p, c_void_p, c_int64, c_int64, c_int]),  # gate_up f32, act bf16, m, inter, threads
     # logits, dtype, row stride, vocab, bitmask, words, row index, n

@@ -17,6 +17,7 @@ interleaved multimodal rotary is the plain one.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -24,18 +25,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagellm.attention.backend import AttentionBackend, AttentionMetadata
-from pagellm.attention.linear_attention import (
-    LinearAttentionMetadata,
-    causal_conv,
-    causal_conv_steps,
-    delta_rule_chunked,
-    delta_rule_steps,
-)
+from pagellm.attention.linear_attention import LinearAttentionMetadata, causal_conv, delta_rule_chunked
 from pagellm.config.model import ModelConfig
 from pagellm.kernels.linear_bindings import CpuLinearKernels
 from pagellm.model.layers import OffsetRMSNorm, RMSNorm
 from pagellm.model.llama import LlamaForCausalLM, LlamaMLP
 from pagellm.model.mixture_of_experts import MixtureOfExperts
+from pagellm.model.native.gated_delta import DecodeShape, l2_normalized, process_decode_choice
 from pagellm.model.packable_layers import PackableLinear
 from pagellm.model.qwen3 import Qwen3Attention
 from pagellm.model.tensor_parallel import TPGroup
@@ -92,10 +88,6 @@ class GatedRMSNorm(nn.Module):
         return (self.weight * normed * F.silu(gate.float())).to(x.dtype)
 
 
-def _l2_normalized(x: torch.Tensor) -> torch.Tensor:  # float32, over the last dimension
-    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + 1e-6)
-
-
 class GatedDeltaNet(nn.Module):
     """A linear-attention layer: the gated delta rule over each request's recurrent state
     (its slot in the metadata's layer state number `index`)."""
@@ -121,6 +113,10 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(self.num_value_heads))
         self.norm = GatedRMSNorm(self.value_head_dim, config.rms_norm_eps)
         self.out_proj = PackableLinear(self.value_size, config.hidden_size, bias=False, kernel=kernel)
+        self.shape = DecodeShape(spec.num_key_heads, spec.num_value_heads, spec.key_head_dim, spec.value_head_dim,
+                                 spec.value_heads_tiled)  # fmt: skip
+        # Decode steps: PyTorch's or one native call, whichever is measured faster here.
+        self.decode_choice = process_decode_choice()
 
     def forward(self, hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:  # [num_tokens, hidden_size]
         linear = metadata.linear
@@ -130,10 +126,52 @@ class GatedDeltaNet(nn.Module):
             [self.conv_dim, self.value_size, self.num_value_heads, self.num_value_heads], dim=-1
         )
         single, runs = _split_requests(metadata.query_start_loc, linear)
-        mixed = self._convolve(mixed, linear, single, runs)  # [num_tokens, conv_dim] float32
-        q, k, v = mixed.split([self.key_size, self.key_size, self.value_size], dim=-1)
-        q = _l2_normalized(q.reshape(num_tokens, self.num_key_heads, self.key_head_dim)) * self.key_head_dim**-0.5
-        k = _l2_normalized(k.reshape(num_tokens, self.num_key_heads, self.key_head_dim))
+        core = torch.empty(num_tokens, self.num_value_heads, self.value_head_dim, dtype=torch.float32, device=hidden.device)
+        if single.rows is not None:  # decode steps, together
+            core[single.rows] = self._decode(mixed[single.rows], b[single.rows], a[single.rows], linear, single)
+        if runs:  # prefill chunks, one request at a time
+            self._prefill(mixed, b, a, linear, runs, core)
+        gated = self.norm(core.to(hidden.dtype), z.reshape(num_tokens, self.num_value_heads, self.value_head_dim))
+        return self.out_proj(gated.reshape(num_tokens, self.value_size))
+
+    def _decode(
+        self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, linear: LinearAttentionMetadata, single: _Rows
+    ) -> torch.Tensor:  # [rows, value_heads, value_dim] float32
+        states = linear.layer_states[self.index]
+        out = self.decode_choice.step(
+            self.shape, mixed, b, a, self.conv1d.weight.squeeze(1), states.conv, states.recurrent, single.slots,
+            self.A_log, self.dt_bias,
+        )  # fmt: skip
+        snapshots = linear.snapshot_states[self.index] if single.saves else None
+        for slot, snapshot in single.saves:  # the state after the step's token
+            assert snapshots is not None
+            snapshots.conv[snapshot] = states.conv[slot]
+            snapshots.recurrent[snapshot] = states.recurrent[slot]
+        return out
+
+    def _prefill(
+        self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, linear: LinearAttentionMetadata,
+        runs: list[_Run], core: torch.Tensor,
+    ) -> None:  # fmt: skip
+        """The runs' rows of `core`: each request's tokens through the conv and the chunked delta rule."""
+        if sum(run.end - run.start for run in runs) < mixed.shape[0]:  # decodes too: the runs' rows alone
+            rows = torch.cat([torch.arange(run.start, run.end, device=mixed.device) for run in runs])
+            offset, packed = 0, []
+            for run in runs:
+                packed.append(dataclasses.replace(run, start=offset, end=offset + run.end - run.start))
+                offset += run.end - run.start
+            core[rows] = self._prefill_rows(mixed[rows], b[rows], a[rows], linear, packed)
+        else:
+            core[:] = self._prefill_rows(mixed, b, a, linear, runs)
+
+    def _prefill_rows(
+        self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, linear: LinearAttentionMetadata, runs: list[_Run]
+    ) -> torch.Tensor:  # [num_tokens, value_heads, value_dim] float32: the runs cover every row
+        conv = self._convolve(mixed, linear, runs)  # [num_tokens, conv_dim] float32
+        num_tokens = conv.shape[0]
+        q, k, v = conv.split([self.key_size, self.key_size, self.value_size], dim=-1)
+        q = l2_normalized(q.reshape(num_tokens, self.num_key_heads, self.key_head_dim)) * self.key_head_dim**-0.5
+        k = l2_normalized(k.reshape(num_tokens, self.num_key_heads, self.key_head_dim))
         v = v.reshape(num_tokens, self.num_value_heads, self.value_head_dim)
         if self.num_value_heads != self.num_key_heads:  # each q/k head serves several value heads
             repeats = self.num_value_heads // self.num_key_heads
@@ -143,22 +181,12 @@ class GatedDeltaNet(nn.Module):
                 q, k = q.repeat_interleave(repeats, dim=1), k.repeat_interleave(repeats, dim=1)
         beta = b.float().sigmoid()  # [num_tokens, value_heads]
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # log of the decay
-        core = self._delta_rule(q, k, v, g, beta, linear, single, runs)  # [num_tokens, value_heads, value_dim]
-        gated = self.norm(core.to(hidden.dtype), z.reshape(num_tokens, self.num_value_heads, self.value_head_dim))
-        return self.out_proj(gated.reshape(num_tokens, self.value_size))
+        return self._delta_rule(q, k, v, g, beta, linear, runs)
 
-    def _convolve(
-        self, mixed: torch.Tensor, linear: LinearAttentionMetadata, single: _Rows, runs: list[_Run]
-    ) -> torch.Tensor:
+    def _convolve(self, mixed: torch.Tensor, linear: LinearAttentionMetadata, runs: list[_Run]) -> torch.Tensor:
         state = linear.layer_states[self.index].conv
         weight = self.conv1d.weight.squeeze(1)  # [conv_dim, kernel_size]
         out = torch.empty(mixed.shape, dtype=torch.float32, device=mixed.device)
-        if single.rows is not None:
-            conv, new_state = causal_conv_steps(mixed[single.rows], state[single.slots], weight)
-            out[single.rows] = conv
-            state[single.slots] = new_state
-            for slot, snapshot in single.saves:  # the state after the step's token
-                linear.snapshot_states[self.index].conv[snapshot] = state[slot]
         for run in runs:
             history = state[run.slot].clone() if run.saves else None
             out[run.start : run.end] = causal_conv(mixed[run.start : run.end], state[run.slot], weight)
@@ -176,18 +204,10 @@ class GatedDeltaNet(nn.Module):
         g: torch.Tensor,
         beta: torch.Tensor,
         linear: LinearAttentionMetadata,
-        single: _Rows,
         runs: list[_Run],
     ) -> torch.Tensor:
         state = linear.layer_states[self.index].recurrent
         out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
-        if single.rows is not None:
-            rows = single.rows
-            step_out, new_state = delta_rule_steps(q[rows], k[rows], v[rows], g[rows], beta[rows], state[single.slots])
-            out[rows] = step_out
-            state[single.slots] = new_state
-            for slot, snapshot in single.saves:
-                linear.snapshot_states[self.index].recurrent[snapshot] = state[slot]
         for run in runs:
             # Cut at each snapshot's boundary: the state there is the one a segment ends with.
             start, current = run.start, state[run.slot]

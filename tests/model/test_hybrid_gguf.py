@@ -131,3 +131,25 @@ def test_a_decay_rate_that_is_not_negative_is_refused_by_name(family, tmp_path):
         file.write(np.ones(tensor.n_elements, dtype=np.float32).tobytes())
     with pytest.raises(ModelLoadError, match=r"layers\.1\.linear_attn\.A_log.*must be negative"):
         LLM(str(broken), dtype="float32", max_model_len=160)
+
+
+def test_llama_cpp_reads_the_file_as_transformers_runs_the_weights(family, monkeypatch):
+    """The file layout checked by llama.cpp itself where llama-cpp-python is installed
+    (benchmarks install it; CI does not): its greedy tokens on the file equal HF's."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    path, folder, expected = family
+    original = gguf.GGUFWriter.add_token_merges
+    monkeypatch.setattr(gguf.GGUFWriter, "add_token_merges", lambda self, merges: original(self, ["Ġ Ġ"]))  # llama.cpp wants some
+    cfg = json.loads((folder / "config.json").read_text())
+    arch = gguf.GGUFReader(path).fields["general.architecture"].contents()
+    # Without the random MTP block (not a complete one: llama.cpp would refuse it).
+    file = write_gguf_from_hf(folder, path.with_name("llama_cpp.gguf"), cfg, quant_by_kind={}, arch=arch)
+    llm = llama_cpp.Llama(str(file), n_ctx=256, n_threads=2, verbose=False)
+    for prompt, want in zip(PROMPTS, expected, strict=True):
+        llm.reset()
+        llm.eval(prompt)
+        tokens = []
+        for _ in range(NEW_TOKENS):
+            tokens.append(int(llm.sample(temp=0.0)))
+            llm.eval([tokens[-1]])
+        assert tokens == want

@@ -1,0 +1,112 @@
+/* Model stage, CPU: one decode step of a Gated DeltaNet layer (model/qwen3_5.py) for every
+ * decoding request of a step, on each request's recurrent-state slot in place.
+ *
+ * In PyTorch a decode step gathers the slots' states, decays them, reads them (k S),
+ * writes the update, reads them again (q S) and scatters them back: about seven passes
+ * over a state that is 64 KiB per value head, 1 MiB per request and layer at Qwen3.5's
+ * shapes, so at 32 requests the step streams hundreds of MiB. Here each (request, value
+ * head) reads its key x value matrix once to predict (k S), then updates it and reads the
+ * output (q S) in a second pass that finds it in the core's cache: one read and one write
+ * from memory. The short convolution, the q/k L2 norms and the gates come first, in one
+ * pass per request.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "float_mode.h"
+
+static inline float silu(float x) { return x / (1.0f + expf(-x)); }
+
+/* torch.nn.functional.softplus (beta 1, threshold 20). */
+static inline float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
+
+/* Scale each of `heads` vectors of `dim` to unit length as the model's _l2_normalized
+ * (x * rsqrt(sum(x^2) + 1e-6)), times `scale`. */
+static void l2_normalize(float *x, int64_t heads, int64_t dim, float scale) {
+    for (int64_t h = 0; h < heads; h++) {
+        float *v = x + h * dim;
+        float sum = 0.0f;
+        for (int64_t i = 0; i < dim; i++) sum += v[i] * v[i];
+        const float factor = scale / sqrtf(sum + 1e-6f);
+        for (int64_t i = 0; i < dim; i++) v[i] *= factor;
+    }
+}
+
+/* rows: R decoding requests; slots: their state slots (int64 [R]).
+ * mixed: [R, conv_dim] float32, the input projection's q | k | v channels before the conv;
+ * b, a: [R, value_heads] float32, beta's and the decay's inputs.
+ * conv_weight: [conv_dim, kernel] float32; conv_states: [slots, conv_dim, kernel - 1]
+ * float32 (the last inputs, oldest first; replaced); states: [slots, value_heads,
+ * key_dim, value_dim] float32 (updated). a_log, dt_bias: [value_heads] float32.
+ * tiled: value head p reads key head p % key_heads (else p / (value_heads / key_heads)).
+ * out: [R, value_heads, value_dim] float32; scratch: [R, conv_dim] float32. */
+void gated_delta_decode(const float *mixed, const float *b, const float *a, const float *conv_weight,
+                        float *conv_states, float *states, const int64_t *slots, const float *a_log,
+                        const float *dt_bias, int64_t rows, int64_t key_heads, int64_t value_heads, int64_t key_dim,
+                        int64_t value_dim, int64_t kernel, int tiled, float *out, float *scratch, int num_threads) {
+    const int64_t conv_dim = 2 * key_heads * key_dim + value_heads * value_dim;
+    const int64_t history = kernel - 1;
+    const int64_t per_key = value_heads / key_heads;
+#pragma omp parallel num_threads(num_threads)
+    {
+        const unsigned float_mode = subnormals_flushed();
+        /* The conv step, SiLU, and the q/k norms, one request at a time. */
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            float *conv_state = conv_states + slots[r] * conv_dim * history;
+            const float *x = mixed + r * conv_dim;
+            float *y = scratch + r * conv_dim;
+            for (int64_t c = 0; c < conv_dim; c++) {
+                float *past = conv_state + c * history;
+                const float *w = conv_weight + c * kernel;
+                float sum = w[history] * x[c];
+                for (int64_t j = 0; j < history; j++) sum += w[j] * past[j];
+                if (history > 0) {
+                    memmove(past, past + 1, (size_t)(history - 1) * sizeof(float));
+                    past[history - 1] = x[c];
+                }
+                y[c] = silu(sum);
+            }
+            l2_normalize(y, key_heads, key_dim, 1.0f / sqrtf((float)key_dim));
+            l2_normalize(y + key_heads * key_dim, key_heads, key_dim, 1.0f);
+        }
+        /* The delta rule, one (request, value head) at a time. */
+#pragma omp for schedule(static) collapse(2)
+        for (int64_t r = 0; r < rows; r++) {
+            for (int64_t p = 0; p < value_heads; p++) {
+                const int64_t key_head = tiled ? p % key_heads : p / per_key;
+                const float *y = scratch + r * conv_dim;
+                const float *q = y + key_head * key_dim;
+                const float *k = y + (key_heads + key_head) * key_dim;
+                const float *v = y + 2 * key_heads * key_dim + p * value_dim;
+                const float beta = 1.0f / (1.0f + expf(-b[r * value_heads + p]));
+                const float decay = expf(-expf(a_log[p]) * softplus(a[r * value_heads + p] + dt_bias[p]));
+                float *s = states + ((slots[r] * value_heads + p) * key_dim) * value_dim;
+                float predicted[value_dim], written[value_dim], o[value_dim];
+                memset(predicted, 0, sizeof(predicted));
+                memset(o, 0, sizeof(o));
+                for (int64_t i = 0; i < key_dim; i++) {
+                    const float ki = k[i];
+                    const float *row = s + i * value_dim;
+                    for (int64_t j = 0; j < value_dim; j++) predicted[j] += ki * row[j];
+                }
+                for (int64_t j = 0; j < value_dim; j++) written[j] = beta * (v[j] - decay * predicted[j]);
+                for (int64_t i = 0; i < key_dim; i++) {
+                    const float ki = k[i], qi = q[i];
+                    float *row = s + i * value_dim;
+                    for (int64_t j = 0; j < value_dim; j++) {
+                        const float updated = decay * row[j] + ki * written[j];
+                        row[j] = updated;
+                        o[j] += qi * updated;
+                    }
+                }
+                memcpy(out + (r * value_heads + p) * value_dim, o, sizeof(o));
+            }
+        }
+        float_mode_restore(float_mode);
+    }
+}

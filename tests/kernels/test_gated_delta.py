@@ -1,0 +1,72 @@
+"""csrc/gated_delta.c: a Gated DeltaNet's decode step in one call, against the PyTorch step
+(the model's own functions, themselves checked against a float64 reference in
+tests/attention/test_linear_attention.py), on every kernel build this CPU runs: the outputs,
+the conv states and the recurrent states of the requests' slots, and no other slot touched."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagellm.kernels.build import load_kernels
+from pagellm.model.native.gated_delta import DecodeChoice, DecodeShape, NativeDecode, torch_decode
+
+NUM_SLOTS = 7
+
+
+def inputs(shape: DecodeShape, rows: int, kernel: int, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+
+    def randn(*size: int, scale: float = 1.0) -> torch.Tensor:
+        return torch.randn(*size, generator=g) * scale
+
+    slots = torch.randperm(NUM_SLOTS, generator=g)[:rows]
+    return [
+        randn(rows, shape.conv_dim),  # mixed
+        randn(rows, shape.value_heads),  # b
+        randn(rows, shape.value_heads, scale=2.0),  # a
+        randn(shape.conv_dim, kernel, scale=0.5),  # conv weight
+        randn(NUM_SLOTS, shape.conv_dim, kernel - 1),  # conv states
+        randn(NUM_SLOTS, shape.value_heads, shape.key_dim, shape.value_dim, scale=0.3),  # states
+        slots,
+        randn(shape.value_heads).abs(),  # A_log
+        randn(shape.value_heads),  # dt_bias
+    ]
+
+
+@pytest.mark.parametrize(
+    "heads,tiled,kernel,rows",
+    [((2, 4, 8, 8), False, 4, 3), ((2, 4, 8, 8), True, 4, 5), ((4, 4, 16, 32), False, 4, 1),
+     ((16, 32, 128, 128), True, 4, 2), ((1, 3, 4, 6), False, 1, 4)],
+    ids=["grouped", "tiled", "one-per-key", "qwen3.5-shaped", "no-conv-history"],
+)  # fmt: skip
+def test_native_step_equals_the_torch_step(heads, tiled, kernel, rows, kernel_isa):
+    library = load_kernels()
+    assert library is not None and library.isa_level.name == kernel_isa
+    shape = DecodeShape(*heads, tiled=tiled)
+    args = inputs(shape, rows, kernel, seed=rows)
+    ours, reference = [list(args) for _ in range(2)]
+    ours[4], ours[5] = args[4].clone(), args[5].clone()
+    reference[4], reference[5] = args[4].clone(), args[5].clone()
+    for _ in range(3):  # three steps in a row: each continues from the states the last left
+        out = NativeDecode(library, 2)(shape, *ours)
+        expected = torch_decode(shape, *reference)
+        torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(ours[4], reference[4], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ours[5], reference[5], rtol=1e-4, atol=1e-5)
+    untouched = [s for s in range(NUM_SLOTS) if s not in args[6].tolist()]
+    assert torch.equal(ours[5][untouched], args[5][untouched]) and torch.equal(ours[4][untouched], args[4][untouched])
+
+
+def test_the_choice_is_measured_per_batch_size_and_leaves_the_states_to_the_step(kernel_isa):
+    shape = DecodeShape(2, 4, 8, 8, tiled=False)
+    choice = DecodeChoice.for_this_machine()
+    assert choice.native is not None
+    args = inputs(shape, 3, 4, seed=1)
+    before = [args[4].clone(), args[5].clone()]
+    reference = list(args)
+    reference[4], reference[5] = before[0].clone(), before[1].clone()
+    out = choice.step(shape, *args)  # measures (on copies), then runs the step once
+    torch.testing.assert_close(out, torch_decode(shape, *reference), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(args[5], reference[5], rtol=1e-4, atol=1e-5)
+    assert set(choice._chosen) == {(shape, 4)}  # 3 rows: the bucket of 4
