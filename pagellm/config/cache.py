@@ -57,10 +57,14 @@ class CacheConfig:
     num_state_slots: int = 0
     num_state_snapshots: int = 0
     state_snapshot_interval: int = DEFAULT_STATE_SNAPSHOT_INTERVAL
+    # Host slots for the state of requests swapped out (swap preemption; 0: none, a
+    # hybrid's preempted requests are recomputed).
+    num_host_state_slots: int = 0
 
     def __post_init__(self) -> None:
         check_int("CacheConfig", "block_size", self.block_size, 1)
         check_int("CacheConfig", "num_state_slots", self.num_state_slots, 0)
+        check_int("CacheConfig", "num_host_state_slots", self.num_host_state_slots, 0)
         check_int("CacheConfig", "num_state_snapshots", self.num_state_snapshots, 0)
         check_int("CacheConfig", "state_snapshot_interval", self.state_snapshot_interval, 1)
         # Block 0 is the null block, so one more is needed to hold any token at all.
@@ -212,6 +216,7 @@ def sized_cache_config(
     max_step_tokens: int | None = None,
     num_state_slots: int = 0,
     num_state_snapshots: int = 0,
+    num_host_state_slots: int = 0,
 ) -> CacheConfig:
     """The cache the scheduler gets (KV cache groups with `group_windows`); one too small
     for a request of max_model_len (steps of at most max_step_tokens; None: one step) is
@@ -226,6 +231,7 @@ def sized_cache_config(
         num_state_slots=num_state_slots,
         num_state_snapshots=num_state_snapshots,
         state_snapshot_interval=budget.state_snapshot_interval,
+        num_host_state_slots=num_host_state_slots,
     )
     step = max_model_len if max_step_tokens is None else max_step_tokens
     if cache_config.max_blocks_per_request(max_model_len, step) > cache_config.num_usable_gpu_blocks:

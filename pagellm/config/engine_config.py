@@ -111,8 +111,13 @@ class EngineConfig:
         snapshots = slots if self.num_state_snapshots else 0
         return sized_cache_config(
             self.cache_budget, size, self.max_model_len, kv_cache_layout(self.model_config).windows,
-            self.scheduler_config.max_num_batched_tokens, slots, snapshots,
+            self.scheduler_config.max_num_batched_tokens, slots, snapshots, self.host_state_slots(slots),
         )  # fmt: skip
+
+    def host_state_slots(self, num_state_slots: int) -> int:
+        """A hybrid's host slots for swapped-out requests' states: one per device slot under
+        swap preemption (host memory besides swap_space), none otherwise."""
+        return num_state_slots if self.scheduler_config.preemption_mode == "swap" else 0
 
     @property
     def states_per_seat(self) -> int:
@@ -292,9 +297,9 @@ def resolve_engine_config(
 
 
 def hybrid_model_args(args: EngineArgs, model_config: ModelConfig) -> EngineArgs:
-    """A hybrid model (linear-attention layers with recurrent state) preempts by recompute
-    (a swapped request's state is not copied to the host) and has no disk tier (its
-    snapshots are not written there yet)."""
+    """A hybrid model (linear-attention layers with recurrent state) has no disk tier (its
+    snapshots are not written there yet); tensor parallelism, LoRA and speculative decoding
+    are refused."""
     if model_config.linear_attention is None:
         return args
     refused = [
@@ -305,14 +310,9 @@ def hybrid_model_args(args: EngineArgs, model_config: ModelConfig) -> EngineArgs
     for asked, what in refused:
         if asked:
             raise ConfigError(f"{what} is not supported yet on a hybrid model (linear-attention layers)")
-    off = []
-    if args.preemption_mode == "swap":
-        off.append("swap preemption (recompute instead)")
     if args.kv_offload_path:
-        off.append("the prefix cache's disk tier")
-    if off:
-        logger.warning("a hybrid model (linear attention) runs without %s", ", ".join(off))
-    return dataclasses.replace(args, preemption_mode="recompute", kv_offload_path=None)
+        logger.warning("a hybrid model (linear attention) runs without the prefix cache's disk tier")
+    return dataclasses.replace(args, kv_offload_path=None)
 
 
 def background_token_budget(args: EngineArgs) -> int | None:

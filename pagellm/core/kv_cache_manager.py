@@ -32,6 +32,7 @@ from pagellm.core.kv_events import KVEventLog
 from pagellm.core.block_pool import NULL_BLOCK_ID, BlockPool, KVBlock
 from pagellm.core.kv_cache_integrity import check_kv_cache_integrity
 from pagellm.core.kv_swap import HostCopy, KVSwap
+from pagellm.core.scheduler_output import StateSwaps
 from pagellm.core.kv_tier import TierCostModel, TierIndex, block_digest
 from pagellm.core.state_slots import StateSlots
 from pagellm.core.state_snapshots import StateSnapshots
@@ -117,6 +118,9 @@ class KVCacheManager(KVSwap):
         if self.snapshots.enabled:
             self.device_pool.on_forget = self.snapshots.drop
         self._pending_restores: list[tuple[int, int]] = []
+        # Swap preemption of a hybrid: a swapped-out request's state waits in a host slot.
+        self.host_state_slots = StateSlots(cache_config.num_host_state_slots)
+        self._pending_state_swaps: StateSwaps = StateSwaps([], [])
 
     def set_event_log(self, events: KVEventLog | None) -> None:
         """Record every block event to `events` (None: stop recording)."""
@@ -489,6 +493,11 @@ class KVCacheManager(KVSwap):
         if child.num_computed_tokens % self.block_size:
             self._copy_on_write.add(child.request_id)
 
+    def take_pending_state_swaps(self) -> StateSwaps:
+        """The state slot copies of the swaps decided since the last call."""
+        swaps, self._pending_state_swaps = self._pending_state_swaps, StateSwaps([], [])
+        return swaps
+
     def take_pending_restores(self) -> list[tuple[int, int]]:
         """(snapshot, state slot) copies of the requests admitted on a snapshot since the last call."""
         restores, self._pending_restores = self._pending_restores, []
@@ -541,6 +550,7 @@ class KVCacheManager(KVSwap):
     def free(self, request: Request) -> None:
         """Release every block the request holds, on device and on host."""
         self._free_device(request.request_id)
+        self.host_state_slots.free(request.request_id)
         copy = self._host_copies.pop(request.request_id, None)
         if copy is not None:
             blocks = self.host_pool.blocks
@@ -548,6 +558,10 @@ class KVCacheManager(KVSwap):
                 self.host_pool.free(blocks[block_id] for block_id in reversed(table))
 
     def _free_device(self, request_id: str) -> None:
+        slot = self.state_slots.slot_of(request_id)
+        if slot is not None:  # a copy into the slot not made yet is dropped with it
+            self._pending_restores = [(src, dst) for src, dst in self._pending_restores if dst != slot]
+            self._pending_state_swaps.into[:] = [(src, dst) for src, dst in self._pending_state_swaps.into if dst != slot]
         self.state_slots.free(request_id)
         self.snapshots.forget_request(request_id)
         self._num_cached_blocks.pop(request_id, None)
@@ -582,6 +596,8 @@ class KVCacheManager(KVSwap):
         )
         if self.state_slots.enabled:
             self.state_slots.check_integrity(set(self._block_tables))
+        if self.host_state_slots.enabled:
+            self.host_state_slots.check_integrity(set(self._host_copies))
         if self.snapshots.enabled:
             self.snapshots.check_integrity()
 

@@ -15,10 +15,12 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from pagellm.config.units import cdiv
 from pagellm.core.block_pool import NULL_BLOCK_ID, BlockPool
+from pagellm.core.scheduler_output import StateSwaps
 from pagellm.request import Request
 
 if TYPE_CHECKING:
     from pagellm.core.kv_events import KVEventLog
+    from pagellm.core.state_slots import StateSlots
 
 
 class HostCopy(NamedTuple):
@@ -42,6 +44,10 @@ class KVSwap:
     _block_tables: dict[str, list[list[int]]]
     _host_copies: dict[str, HostCopy]
     _num_cached_blocks: dict[str, int]
+    state_slots: StateSlots
+    host_state_slots: StateSlots
+    _pending_state_swaps: StateSwaps
+    _pending_restores: list[tuple[int, int]]
 
     def swap_out(self, request: Request) -> list[tuple[int, int]] | None:
         """Move the request's computed KV to host blocks and free its device blocks.
@@ -59,6 +65,14 @@ class KVSwap:
         num_live = sum(map(len, live))
         if num_live > self.host_pool.num_free_blocks:
             return None
+        if self.state_slots.enabled:  # a hybrid's state goes to a host slot, or nothing moves
+            device_slot = self.state_slots.slot_of(request_id)
+            # Swap-outs are copied first in a step: a slot a copy fills later in the same
+            # step (a fork's, a snapshot's) does not hold the request's state yet.
+            filling = self.state_slots.awaits_copy(request_id) or any(dst == device_slot for _, dst in self._pending_restores)
+            if not self.host_state_slots.num_free or device_slot is None or filling:
+                return None
+            self._pending_state_swaps.out.append((device_slot, self.host_state_slots.allocate(request_id)))
         host_tables = [[block.block_id for block in self.host_pool.allocate(len(ids))] for ids in live]
         device_ids = [b for ids in live for b in ids]
         host_ids = [b for ids in host_tables for b in ids]
@@ -79,6 +93,8 @@ class KVSwap:
             num_host = len(copy.block_ids[group]) if copy else 0
             num_skipped = copy.num_skipped[group] if copy else 0
             num_needed += max(num_host, num_blocks - num_skipped)
+        if self.state_slots.enabled and not self.state_slots.num_free:
+            return False
         return num_needed <= self.device_pool.num_free_blocks
 
     def swap_in(self, request: Request) -> list[tuple[int, int]] | None:
@@ -94,9 +110,14 @@ class KVSwap:
         assert copy is not None, f"{request} is not swapped out"
         assert request_id not in self._block_tables, f"{request} holds device blocks"
         num_blocks = sum(map(len, copy.block_ids))
-        if num_blocks > self.device_pool.num_free_blocks:
+        if num_blocks > self.device_pool.num_free_blocks or (self.state_slots.enabled and not self.state_slots.num_free):
             return None
         del self._host_copies[request_id]
+        if self.state_slots.enabled:  # its state back from its host slot into a device one
+            host_slot = self.host_state_slots.slot_of(request_id)
+            assert host_slot is not None, f"{request} was swapped out without its state"
+            self.host_state_slots.free(request_id)
+            self._pending_state_swaps.into.append((host_slot, self.state_slots.allocate(request_id)))
         tables: list[list[int]] = []
         pairs: list[tuple[int, int]] = []
         host_blocks = self.host_pool.blocks

@@ -156,7 +156,8 @@ class Scheduler(StepAccounting):
         self._finished_req_ids |= scheduler_output.finished_req_ids
         involved = [*scheduler_output.num_scheduled_tokens, *scheduler_output.preempted_req_ids, *self._loading]
         # A hybrid's request whose state the step was to copy in (a fork, a snapshot) may lack it.
-        targets = [target for _, target in (*scheduler_output.state_copies, *scheduler_output.state_restores)]
+        swaps = scheduler_output.state_swaps
+        targets = [target for _, target in (*scheduler_output.state_copies, *scheduler_output.state_restores, *swaps.into)]
         involved += self.kv_cache_manager.state_slots.holders_of(targets)
         self._loading = {}
         tier = self.kv_cache_manager.tier
@@ -324,8 +325,9 @@ class Scheduler(StepAccounting):
         if events is not None:
             events.record("preempt", request.request_id, mode=self.scheduler_config.preemption_mode)
         request.num_preemptions += 1
-        # A hybrid's recurrent state is not swapped (core/state_slots.py): it is recomputed.
-        allow_swap = allow_swap and not self.kv_cache_manager.state_slots.enabled
+        # A hybrid's recurrent state swaps only where the host holds slots for it.
+        kv = self.kv_cache_manager
+        allow_swap = allow_swap and (not kv.state_slots.enabled or kv.host_state_slots.enabled)
         if self.scheduler_config.preemption_mode == "swap" and request.num_computed_tokens and allow_swap:
             pairs = self.kv_cache_manager.swap_out(request)
             if pairs is not None:
@@ -531,6 +533,7 @@ class Scheduler(StepAccounting):
             tier_deletions=kv.tier.take_deletions() if kv.tier is not None else [],
             state_copies=kv.state_slots.take_pending_copies(),
             state_restores=kv.take_pending_restores(),
+            state_swaps=kv.take_pending_state_swaps(),
             state_saves=state_saves,
         )
 

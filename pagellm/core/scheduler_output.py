@@ -73,6 +73,14 @@ class CachedRequestData:
     num_kept_block_ids: int | None = None
 
 
+class StateSwaps(NamedTuple):
+    """A hybrid model's recurrent-state copies of the swaps decided in a step: (device
+    slot, host slot) of each request swapped out, (host slot, device slot) of each back in."""
+
+    out: list[tuple[int, int]]
+    into: list[tuple[int, int]]
+
+
 @dataclass
 class SchedulerOutput:
     """What to run in one step."""
@@ -111,6 +119,10 @@ class SchedulerOutput:
     # as (tokens of the request's step before it, snapshot slot).
     state_restores: list[tuple[int, int]] = field(default_factory=list)
     state_saves: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+    # Swap preemption of a hybrid: the states of the requests swapped out (device slot ->
+    # host slot), copied before anything else, and of those swapped in (host -> device),
+    # after the forks' copies.
+    state_swaps: StateSwaps = field(default_factory=lambda: StateSwaps([], []))
 
     @property
     def num_scheduled_reqs(self) -> int:

@@ -57,6 +57,11 @@ class StateSlots:
             self._pending_copies = [(src, dst) for src, dst in self._pending_copies if dst != slot]
             self._free.append(slot)
 
+    def awaits_copy(self, request_id: str) -> bool:
+        """Whether the request's slot is still to be filled by a fork's copy this step."""
+        slot = self._slot_of.get(request_id)
+        return slot is not None and any(dst == slot for _, dst in self._pending_copies)
+
     def take_pending_copies(self) -> list[tuple[int, int]]:
         """(source, target) slot copies decided since the last call."""
         copies, self._pending_copies = self._pending_copies, []

@@ -67,6 +67,7 @@ class ModelRunner:
         kv_tier_host_bytes: int = 0,
         num_state_slots: int = 0,
         num_state_snapshots: int = 0,
+        num_host_state_slots: int = 0,
     ) -> None:
         self.model = model
         # With tensor parallelism only the driver (rank 0) samples; the other ranks make
@@ -93,6 +94,7 @@ class ModelRunner:
         # A hybrid model's recurrent state: a slot per running request in each linear layer.
         self.linear_states = allocate_linear_states(config, num_state_slots, device)
         self.snapshot_states = allocate_linear_states(config, num_state_snapshots, device)  # for prefix hits
+        self.host_states = allocate_linear_states(config, num_host_state_slots, "cpu")  # swapped-out requests'
         self._state_saves: dict[str, list[tuple[int, int]]] = {}  # the step's snapshots to write
         # The prefix cache's second tier: its writes and loads (worker/kv_tier_transfer.py).
         self.kv_tier = (
@@ -197,8 +199,13 @@ class ModelRunner:
         return output
 
     def _run_step(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        # Forks' copies first: a parent that finished may have left its slot to a new request.
+        # Swap-outs first (their slots may be the step's to reuse), then forks' copies (a
+        # parent that finished may have left its slot to a new request), then what fills
+        # the step's new slots: swap-ins, snapshots, zeros.
+        swaps = scheduler_output.state_swaps
+        copy_slots(self.linear_states, swaps.out, target=self.host_states)
         copy_slots(self.linear_states, scheduler_output.state_copies)
+        copy_slots(self.host_states, swaps.into, target=self.linear_states)
         copy_slots(self.snapshot_states, scheduler_output.state_restores, target=self.linear_states)
         self._state_saves = scheduler_output.state_saves
         for new in scheduler_output.scheduled_new_reqs:

@@ -41,12 +41,13 @@ def copy_slots(
     target: tuple[LinearLayerState, ...] | None = None,
 ) -> None:
     """(source, target) slot copies within `states` (a forked completion starts from its
-    parent's state), or from `states` into `target` (a snapshot into a request's slot)."""
+    parent's state), or from `states` into `target` (a snapshot into a request's slot, a
+    state to or from the host slots of swapped-out requests: either may be on the host)."""
     if not states or not pairs:
         return
-    device = states[0].conv.device
-    source_index = torch.tensor([src for src, _ in pairs], device=device)
-    target_index = torch.tensor([dst for _, dst in pairs], device=device)
-    for source, into in zip(states, target or states, strict=True):
-        into.conv.index_copy_(0, target_index, source.conv.index_select(0, source_index))
-        into.recurrent.index_copy_(0, target_index, source.recurrent.index_select(0, source_index))
+    source_index = torch.tensor([src for src, _ in pairs], device=states[0].conv.device)
+    into_states = target or states
+    target_index = torch.tensor([dst for _, dst in pairs], device=into_states[0].conv.device)
+    for source, into in zip(states, into_states, strict=True):
+        into.conv.index_copy_(0, target_index, source.conv.index_select(0, source_index).to(into.conv.device))
+        into.recurrent.index_copy_(0, target_index, source.recurrent.index_select(0, source_index).to(into.recurrent.device))

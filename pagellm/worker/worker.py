@@ -204,6 +204,7 @@ class Worker:
             kv_tier_host_bytes=self._kv_tier_host_bytes(),
             num_state_slots=self._num_state_slots,
             num_state_snapshots=self._num_state_slots if self.config.num_state_snapshots else 0,
+            num_host_state_slots=self.config.host_state_slots(self._num_state_slots),
         )
         sizes = self.graph_sizes()
         if sizes:

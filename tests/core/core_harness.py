@@ -45,6 +45,7 @@ def make_scheduler(
     num_state_slots: int = 0,
     num_state_snapshots: int = 0,
     state_snapshot_interval: int = 4,
+    num_host_state_slots: int | None = None,  # None: one per state slot under swap preemption
     **balance: object,
 ) -> Scheduler:
     cache_config = CacheConfig(
@@ -58,6 +59,8 @@ def make_scheduler(
         num_state_slots=num_state_slots,
         num_state_snapshots=num_state_snapshots,
         state_snapshot_interval=state_snapshot_interval,
+        num_host_state_slots=(num_state_slots if preemption_mode == "swap" else 0)
+        if num_host_state_slots is None else num_host_state_slots,
     )
     scheduler_config = SchedulerConfig(
         max_num_seqs=max_num_seqs,
@@ -140,6 +143,7 @@ class FakeRunner:
         # (so a slot shared, lost, not reset or not copied at a fork shows as a mismatch).
         self.states: dict[int, list[tuple[int, int]]] = {}
         self.snapshots: dict[int, list[tuple[int, int]]] = {}  # ... and its snapshots for prefix hits
+        self.host_states: dict[int, list[tuple[int, int]]] = {}  # ... and the swapped-out requests'
         self.num_steps = 0
 
     def _slot(self, state: _RunnerRequest, group: int, position: int) -> tuple[int, int]:
@@ -159,6 +163,8 @@ class FakeRunner:
             written.append((digest, TIER_ENTRY_BYTES))
         for device_id, host_id in out.blocks_to_swap_out:
             self.host[host_id] = list(self.device[device_id])
+        for source, host in out.state_swaps.out:  # as the runner: before anything reuses the slot
+            self.host_states[host] = list(self.states[source])
         for source_id, target_id in out.blocks_to_copy:  # copy-on-write of a forked request
             self.device[target_id] = list(self.device.get(source_id, [None] * self.block_size))
         for host_id, device_id in out.blocks_to_swap_in:
@@ -178,6 +184,8 @@ class FakeRunner:
         report = TierReport(written, [], failed_loads, num_loaded, num_loaded * TIER_ENTRY_BYTES, 0.0)
         for source, target in out.state_copies:  # a fork starts from its parent's state
             self.states[target] = list(self.states[source])
+        for host, target in out.state_swaps.into:  # a swapped-in request's state comes back
+            self.states[target] = list(self.host_states[host])
         for snapshot, target in out.state_restores:  # a prefix hit resumes from a snapshot
             self.states[target] = list(self.snapshots[snapshot])
         for new in out.scheduled_new_reqs:

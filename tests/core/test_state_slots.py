@@ -2,6 +2,7 @@
 with a slot, gives it back when it finishes or is preempted, and a forked completion gets
 its own slot filled from its parent's (the fake runner checks every slot's history)."""
 
+import pytest
 from core_harness import FakeRunner, assert_drained, make_request, make_scheduler, run_to_completion, step
 
 from pagellm.core.state_slots import StateSlots
@@ -22,19 +23,29 @@ def test_admission_waits_for_a_slot_and_finishing_frees_it():
     assert_drained(scheduler)
 
 
-def test_recompute_preemption_frees_the_slot_and_a_swap_mode_recomputes():
-    # Too few blocks for both: one is preempted; in swap mode too it is recomputed (its
-    # state is not swapped), and it starts again from zeros in whatever slot it gets.
+@pytest.mark.parametrize("host_slots", [None, 0], ids=["host-slots", "no-host-slots"])
+def test_swap_preemption_moves_the_state_to_a_host_slot_and_back(host_slots):
+    # Too few blocks for both: one is swapped out, its state copied to a host slot with its
+    # KV and back into a device slot (the fake runner checks every slot's token history);
+    # without host slots for the state, the request is recomputed from zeros instead.
     scheduler = make_scheduler(num_state_slots=2, max_num_seqs=2, num_gpu_blocks=7, num_cpu_blocks=16,
-                               preemption_mode="swap", enable_prefix_caching=False)  # fmt: skip
+                               preemption_mode="swap", enable_prefix_caching=False, num_host_state_slots=host_slots)  # fmt: skip
     runner = FakeRunner(4)
     scheduler.add_request(make_request("a", 8, max_tokens=12))
     scheduler.add_request(make_request("b", 8, max_tokens=12))
     results = run_to_completion(scheduler, runner)
     assert any(r.output.preempted_req_ids for r in results)
-    assert not any(r.output.blocks_to_swap_out for r in results)
-    assert scheduler.make_stats().num_preemptions_recompute > 0
+    swaps_out = [pair for r in results for pair in r.output.state_swaps.out]
+    swaps_in = [pair for r in results for pair in r.output.state_swaps.into]
+    stats = scheduler.make_stats()
+    if host_slots is None:
+        assert swaps_out and len(swaps_in) == len(swaps_out) and stats.num_preemptions_swap == len(swaps_out)
+        assert all(r.output.blocks_to_swap_out for r in results if r.output.state_swaps.out)
+    else:
+        assert not swaps_out and not any(r.output.blocks_to_swap_out for r in results)
+        assert stats.num_preemptions_recompute > 0
     assert_drained(scheduler)
+    assert scheduler.kv_cache_manager.host_state_slots.num_free == scheduler.kv_cache_manager.host_state_slots.num_slots
 
 
 def test_a_fork_copies_its_parents_state():
