@@ -158,7 +158,7 @@ SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
         c_void_p, c_int64, c_void_p, c_void_p,  # ranges int64 [k, 3], k, pieces int64 [slots, 3, 4], piece counts int32 [slots]
         c_void_p, c_int,  # scratch float32, num threads
     ]),
-    # gated_delta.c: a Gated DeltaNet's decode step (model/native/gated_delta.py).
+    # gated_delta.c: a Gated DeltaNet's decode step (attention/gated_delta_decode.py).
     "gated_delta_decode": (None, [
         c_void_p, c_void_p, c_void_p, c_void_p,  # mixed [R, conv dim], b, a [R, value heads], conv weight [conv dim, kernel]
         c_void_p, c_void_p, c_void_p, c_void_p, c_void_p,  # conv states, states, slots int64 [R], A_log, dt_bias

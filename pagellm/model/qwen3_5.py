@@ -31,7 +31,7 @@ from pagellm.kernels.linear_bindings import CpuLinearKernels
 from pagellm.model.layers import OffsetRMSNorm, RMSNorm
 from pagellm.model.llama import LlamaForCausalLM, LlamaMLP
 from pagellm.model.mixture_of_experts import MixtureOfExperts
-from pagellm.model.native.gated_delta import DecodeShape, l2_normalized, process_decode_choice
+from pagellm.attention.gated_delta_decode import DecodeShape, l2_normalized, process_decode_choice
 from pagellm.model.packable_layers import PackableLinear
 from pagellm.model.qwen3 import Qwen3Attention
 from pagellm.model.tensor_parallel import TPGroup

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pagellm.kernels.build import load_kernels
-from pagellm.model.native.gated_delta import DecodeChoice, DecodeShape, NativeDecode, torch_decode
+from pagellm.attention.gated_delta_decode import DecodeChoice, DecodeShape, NativeDecode, torch_decode
 
 NUM_SLOTS = 7
 

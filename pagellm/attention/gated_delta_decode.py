@@ -1,6 +1,6 @@
-"""Model stage, CPU: a Gated DeltaNet's decode step in one native call (csrc/gated_delta.c):
-the conv step, the q/k norms, the gates and the delta rule of every decoding request, on
-its state slot in place.
+"""Attention stage: CPU: a Gated DeltaNet's decode step in one native call
+(kernels/csrc/gated_delta.c): the conv step, the q/k norms, the gates and the delta rule of
+every decoding request, on its state slot in place.
 
 Whether it runs is measured, not assumed: the first decode step of each batch size (up to
 a power of two) times it against the PyTorch step (attention/linear_attention.py) on
