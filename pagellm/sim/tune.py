@@ -162,10 +162,14 @@ def run_grid(
     jobs: int = 1,
     on_point_done: Callable[[], object] | None = None,
 ) -> list[TunePoint]:
-    """Simulate every point, on `jobs` processes (forked: they inherit the workload);
-    on_point_done is called once per finished point (a progress bar). Results keep the
-    order of `points`."""
-    if jobs <= 1 or len(points) <= 1 or "fork" not in _start_methods():
+    """Simulate every point, on `jobs` processes; on_point_done is called once per finished
+    point (a progress bar). Results keep the order of `points`.
+
+    The processes are spawned, not forked, and given `simulate_point` (picklable) once
+    each: a child forked from a process with other threads (a server's, a test runner's)
+    can inherit a lock that one of them held, and then waits on it forever; this hung the
+    test suite (two children blocked allocating their first block pool)."""
+    if jobs <= 1 or len(points) <= 1:
         results = []
         for point in points:
             results.append(simulate_point(point))
@@ -174,34 +178,29 @@ def run_grid(
         return results
     import multiprocessing
 
+    found: dict[int, TunePoint] = {}
+    context = multiprocessing.get_context("spawn")
+    with context.Pool(min(jobs, len(points)), initializer=_set_point_function, initargs=(simulate_point,)) as pool:
+        # Unordered, so that progress counts points as they finish, not in grid order.
+        for index, result in pool.imap_unordered(_simulate_in_child, enumerate(points), chunksize=1):
+            found[index] = result
+            if on_point_done is not None:
+                on_point_done()
+    return [found[i] for i in range(len(points))]
+
+
+_POINT_FUNCTION: Callable[[dict[str, Any]], TunePoint] | None = None  # a worker process's
+
+
+def _set_point_function(simulate_point: Callable[[dict[str, Any]], TunePoint]) -> None:
     global _POINT_FUNCTION
     _POINT_FUNCTION = simulate_point
-    try:
-        found: dict[int, TunePoint] = {}
-        with multiprocessing.get_context("fork").Pool(min(jobs, len(points))) as pool:
-            # Unordered, so that progress counts points as they finish, not in grid order.
-            for index, result in pool.imap_unordered(_simulate_in_child, enumerate(points), chunksize=1):
-                found[index] = result
-                if on_point_done is not None:
-                    on_point_done()
-        return [found[i] for i in range(len(points))]
-    finally:
-        _POINT_FUNCTION = None
-
-
-_POINT_FUNCTION: Callable[[dict[str, Any]], TunePoint] | None = None
 
 
 def _simulate_in_child(item: tuple[int, dict[str, Any]]) -> tuple[int, TunePoint]:
     assert _POINT_FUNCTION is not None
     index, point = item
     return index, _POINT_FUNCTION(point)
-
-
-def _start_methods() -> list[str]:
-    import multiprocessing
-
-    return multiprocessing.get_all_start_methods()
 
 
 def default_jobs() -> int:

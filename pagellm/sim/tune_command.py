@@ -156,7 +156,7 @@ def run_tune(args: argparse.Namespace) -> dict[str, Any]:
 
 
 class _PointSimulator:
-    """Simulates one grid point (picklable state, so forked workers can run it).
+    """Simulates one grid point (picklable state, so spawned workers can run it).
 
     `targets` maps each tensor-parallel size to its target, or to why there is none;
     a point's tensor_parallel_size / data_parallel_size knobs pick the target and the

@@ -111,11 +111,15 @@ def test_tune_end_to_end(tmp_path, capsys):
     ]
 
 
+def point_of(knobs: dict) -> object:  # module level: the spawned workers unpickle it
+    return point(knobs["max_num_seqs"], 1.0, 1.0)
+
+
 @pytest.mark.parametrize("jobs", [1, 2])
 def test_run_grid_reports_each_point_done_and_keeps_the_grid_order(jobs):
     from pagellm.sim.tune import run_grid
 
     points = [{"max_num_seqs": n} for n in (8, 1, 4, 2)]
     done = []
-    results = run_grid(points, lambda knobs: point(knobs["max_num_seqs"], 1.0, 1.0), jobs, lambda: done.append(1))
+    results = run_grid(points, point_of, jobs, lambda: done.append(1))
     assert seqs_of(results) == [8, 1, 4, 2] and len(done) == 4
