@@ -34,7 +34,7 @@ from typing import Any
 
 import gguf
 import numpy as np
-from quant_1b import SPEC_KEY, block_scale, file_spec, run_throughput, vocabulary
+from quant_1b import SPEC_KEY, add_vocabulary, block_scale, file_spec, run_throughput
 
 from pagellm.bench.machine import cpu_info, describe_cpu
 from pagellm.bench.quant_blocks import random_blocks
@@ -120,14 +120,7 @@ def write_gguf(path: Path, spec: dict[str, Any]) -> None:
     writer.add_full_attention_interval(4)
     writer.add_vocab_size(spec["vocab"])
     writer.add_string(SPEC_KEY, json.dumps(spec, sort_keys=True))
-    tokens, merges = vocabulary(spec["vocab"])
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_types([1] * len(tokens))
-    writer.add_token_merges(merges)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
+    add_vocabulary(writer, spec["vocab"])
     plan = tensor_plan(spec)
     for name, type_name, shape in plan:
         if type_name == "F32":

@@ -154,6 +154,18 @@ def vocabulary(size: int) -> tuple[list[str], list[str]]:
     return tokens, [f"{p[0]} {p[1]}" for p in pairs]
 
 
+def add_vocabulary(writer: gguf.GGUFWriter, size: int) -> None:
+    """The byte-level vocabulary (vocabulary() above) as llama.cpp's "gpt2" tokenizer, BOS 1, EOS 2."""
+    tokens, merges = vocabulary(size)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * len(tokens))
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+
+
 def write_gguf(path: Path, spec: dict[str, Any]) -> None:
     plan = tensor_plan(spec)
     for name, type_name, rows, k in plan:
@@ -185,14 +197,7 @@ def write_gguf(path: Path, spec: dict[str, Any]) -> None:
         if spec.get("arch") == "qwen3moe":
             writer.add_expert_feed_forward_length(spec["intermediate"])
     writer.add_string(SPEC_KEY, json.dumps(spec, sort_keys=True))
-    tokens, merges = vocabulary(spec["vocab"])
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_types([1] * len(tokens))
-    writer.add_token_merges(merges)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
+    add_vocabulary(writer, spec["vocab"])
     # Tensor infos first, then each tensor's bytes generated and written one at a time.
     for name, type_name, rows, k in plan:
         if type_name == "F32":

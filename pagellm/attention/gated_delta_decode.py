@@ -48,6 +48,33 @@ class DecodeShape:
         return 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
 
 
+def rule_inputs(
+    shape: DecodeShape,
+    conv: torch.Tensor,  # [tokens, conv dim] float32: after the convolution
+    b: torch.Tensor,  # [tokens, value heads]
+    a: torch.Tensor,
+    a_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+) -> tuple[torch.Tensor, ...]:
+    """The delta rule's inputs from the convolved channels and the gates' projections:
+    q (L2-normalized and scaled) and k (L2-normalized) per value head, v, the log of the
+    decay g = -exp(A_log) * softplus(a + dt_bias), and beta = sigmoid(b)."""
+    tokens = conv.shape[0]
+    key_size = shape.key_heads * shape.key_dim
+    q, k, v = conv.split([key_size, key_size, shape.value_heads * shape.value_dim], dim=-1)
+    q = l2_normalized(q.reshape(tokens, shape.key_heads, shape.key_dim)) * shape.key_dim**-0.5
+    k = l2_normalized(k.reshape(tokens, shape.key_heads, shape.key_dim))
+    v = v.reshape(tokens, shape.value_heads, shape.value_dim)
+    if shape.value_heads != shape.key_heads:  # each q/k head serves several value heads
+        repeats = shape.value_heads // shape.key_heads
+        if shape.tiled:  # value head i reads key head i % key heads
+            q, k = q.repeat(1, repeats, 1), k.repeat(1, repeats, 1)
+        else:  # ... or i // repeats
+            q, k = q.repeat_interleave(repeats, dim=1), k.repeat_interleave(repeats, dim=1)
+    g = -a_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+    return q, k, v, g, b.float().sigmoid()
+
+
 def torch_decode(
     shape: DecodeShape,
     mixed: torch.Tensor,  # [R, conv dim]
@@ -61,21 +88,8 @@ def torch_decode(
     dt_bias: torch.Tensor,
 ) -> torch.Tensor:  # [R, value heads, value dim] float32; the slots' states updated
     """The PyTorch decode step (the model's own functions): the reference and the fallback."""
-    rows = mixed.shape[0]
     conv, conv_states[slots] = causal_conv_steps(mixed, conv_states[slots], conv_weight)
-    key_size = shape.key_heads * shape.key_dim
-    q, k, v = conv.split([key_size, key_size, shape.value_heads * shape.value_dim], dim=-1)
-    q = l2_normalized(q.reshape(rows, shape.key_heads, shape.key_dim)) * shape.key_dim**-0.5
-    k = l2_normalized(k.reshape(rows, shape.key_heads, shape.key_dim))
-    v = v.reshape(rows, shape.value_heads, shape.value_dim)
-    if shape.value_heads != shape.key_heads:
-        repeats = shape.value_heads // shape.key_heads
-        if shape.tiled:
-            q, k = q.repeat(1, repeats, 1), k.repeat(1, repeats, 1)
-        else:
-            q, k = q.repeat_interleave(repeats, dim=1), k.repeat_interleave(repeats, dim=1)
-    beta = b.float().sigmoid()
-    g = -a_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+    q, k, v, g, beta = rule_inputs(shape, conv, b, a, a_log, dt_bias)
     out, states[slots] = delta_rule_steps(q, k, v, g, beta, states[slots])
     return out
 

@@ -31,7 +31,7 @@ from pagellm.kernels.linear_bindings import CpuLinearKernels
 from pagellm.model.layers import OffsetRMSNorm, RMSNorm
 from pagellm.model.llama import LlamaForCausalLM, LlamaMLP
 from pagellm.model.mixture_of_experts import MixtureOfExperts
-from pagellm.attention.gated_delta_decode import DecodeShape, l2_normalized, process_decode_choice
+from pagellm.attention.gated_delta_decode import DecodeShape, process_decode_choice, rule_inputs
 from pagellm.model.packable_layers import PackableLinear
 from pagellm.model.qwen3 import Qwen3Attention
 from pagellm.model.tensor_parallel import TPGroup
@@ -97,10 +97,7 @@ class GatedDeltaNet(nn.Module):
         spec = config.linear_attention
         assert spec is not None
         self.index = index  # among the model's linear-attention layers
-        self.num_key_heads, self.num_value_heads = spec.num_key_heads, spec.num_value_heads
-        self.key_head_dim, self.value_head_dim = spec.key_head_dim, spec.value_head_dim
-        self.value_heads_tiled = spec.value_heads_tiled
-        self.key_size = spec.num_key_heads * spec.key_head_dim
+        self.num_value_heads, self.value_head_dim = spec.num_value_heads, spec.value_head_dim
         self.value_size = spec.num_value_heads * spec.value_head_dim
         self.conv_dim = spec.conv_dim
         # q, k, v (the convolution's channels), then the output gate z, then beta's and the
@@ -168,19 +165,7 @@ class GatedDeltaNet(nn.Module):
         self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, linear: LinearAttentionMetadata, runs: list[_Run]
     ) -> torch.Tensor:  # [num_tokens, value_heads, value_dim] float32: the runs cover every row
         conv = self._convolve(mixed, linear, runs)  # [num_tokens, conv_dim] float32
-        num_tokens = conv.shape[0]
-        q, k, v = conv.split([self.key_size, self.key_size, self.value_size], dim=-1)
-        q = l2_normalized(q.reshape(num_tokens, self.num_key_heads, self.key_head_dim)) * self.key_head_dim**-0.5
-        k = l2_normalized(k.reshape(num_tokens, self.num_key_heads, self.key_head_dim))
-        v = v.reshape(num_tokens, self.num_value_heads, self.value_head_dim)
-        if self.num_value_heads != self.num_key_heads:  # each q/k head serves several value heads
-            repeats = self.num_value_heads // self.num_key_heads
-            if self.value_heads_tiled:  # value head i reads key head i % key heads
-                q, k = q.repeat(1, repeats, 1), k.repeat(1, repeats, 1)
-            else:  # ... or i // repeats
-                q, k = q.repeat_interleave(repeats, dim=1), k.repeat_interleave(repeats, dim=1)
-        beta = b.float().sigmoid()  # [num_tokens, value_heads]
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # log of the decay
+        q, k, v, g, beta = rule_inputs(self.shape, conv, b, a, self.A_log, self.dt_bias)
         return self._delta_rule(q, k, v, g, beta, linear, runs)
 
     def _convolve(self, mixed: torch.Tensor, linear: LinearAttentionMetadata, runs: list[_Run]) -> torch.Tensor:
