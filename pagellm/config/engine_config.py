@@ -297,9 +297,8 @@ def resolve_engine_config(
 
 
 def hybrid_model_args(args: EngineArgs, model_config: ModelConfig) -> EngineArgs:
-    """A hybrid model (linear-attention layers with recurrent state) has no disk tier (its
-    snapshots are not written there yet); tensor parallelism, LoRA and speculative decoding
-    are refused."""
+    """A hybrid model (linear-attention layers with recurrent state): tensor parallelism,
+    LoRA and speculative decoding are refused."""
     if model_config.linear_attention is None:
         return args
     refused = [
@@ -310,9 +309,7 @@ def hybrid_model_args(args: EngineArgs, model_config: ModelConfig) -> EngineArgs
     for asked, what in refused:
         if asked:
             raise ConfigError(f"{what} is not supported yet on a hybrid model (linear-attention layers)")
-    if args.kv_offload_path:
-        logger.warning("a hybrid model (linear attention) runs without the prefix cache's disk tier")
-    return dataclasses.replace(args, kv_offload_path=None)
+    return args
 
 
 def background_token_budget(args: EngineArgs) -> int | None:

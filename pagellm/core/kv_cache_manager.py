@@ -13,10 +13,11 @@ needs the blocks its window has passed: after each step they are freed and their
 become NULL_BLOCK_ID (always a run at the table's start), so a long request holds a window
 of blocks in its sliding groups and all of them in its global ones.
 
-With a second tier (core/kv_tier.py; models whose layers are all global), every block
+With a second tier (core/kv_tier.py; models without sliding-window layers), every block
 registered in the prefix cache is also queued for writing to the tier, and a lookup that
 misses the device cache continues in the tier: the blocks found there are allocated
-fresh and loaded (allocate_for_load) before the request computes anything.
+fresh and loaded (allocate_for_load) before the request computes anything. A hybrid's
+snapshots go there too (core/kv_tier_access.py).
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Iterable
-from typing import NamedTuple
 
 from pagellm.config import CacheConfig
 from pagellm.config.units import cdiv
@@ -33,7 +33,9 @@ from pagellm.core.block_pool import NULL_BLOCK_ID, BlockPool, KVBlock
 from pagellm.core.kv_cache_integrity import check_kv_cache_integrity
 from pagellm.core.kv_swap import HostCopy, KVSwap
 from pagellm.core.scheduler_output import StateSwaps
-from pagellm.core.kv_tier import TierCostModel, TierIndex, block_digest
+from pagellm.core.kv_tier import TierCostModel, TierIndex
+from pagellm.core.kv_cache_records import NO_HIT, ComputedBlocks, KVCacheStats
+from pagellm.core.kv_tier_access import KVTierAccess, TierLookup
 from pagellm.core.state_slots import StateSlots
 from pagellm.core.state_snapshots import StateSnapshots
 from pagellm.request import BlockHash, Request
@@ -41,40 +43,9 @@ from pagellm.request import BlockHash, Request
 logger = logging.getLogger(__name__)
 
 
-class ComputedBlocks(NamedTuple):
-    """Prefix-cache hit of a request about to be admitted."""
-
-    blocks: list[list[int]]  # per KV cache group, the cached device blocks in table order ([]: no hit)
-    num_computed_tokens: int  # tokens whose KV those blocks already hold
-    # The second tier: digests of the blocks after the device hit found there (to load),
-    # and of the blocks looked up after them that neither tier holds (misses); or, when
-    # the cost rule says computing beats loading, how many were found but not taken.
-    tier_digests: tuple[bytes, ...] = ()
-    num_tier_misses: int = 0
-    num_tier_skipped: int = 0
-    # A hybrid model: the snapshot of the recurrent state after the hit's last block.
-    snapshot_slot: int | None = None
-
-
-NO_HIT = ComputedBlocks([], 0)
-
-
-@dataclasses.dataclass
-class KVCacheStats:
-    """Cumulative counters since the manager was created."""
-
-    num_prefix_query_tokens: int = 0  # tokens of admitted requests looked up
-    num_prefix_hit_tokens: int = 0  # of those, tokens found in the cache
-    num_allocation_attempts: int = 0
-    num_allocation_failures: int = 0
-    num_swapped_out_blocks: int = 0
-    num_swapped_in_blocks: int = 0
-    num_window_freed_blocks: int = 0  # blocks sliding groups let go of while their requests ran
-
-
-class KVCacheManager(KVSwap):
+class KVCacheManager(KVSwap, KVTierAccess):
     """Block tables of the requests that hold blocks, on device or on host (swap_out and
-    swap_in: core/kv_swap.py)."""
+    swap_in: core/kv_swap.py), and the prefix cache's tier (core/kv_tier_access.py)."""
 
     def __init__(self, cache_config: CacheConfig, max_model_len: int) -> None:
         self.block_size = cache_config.block_size
@@ -100,15 +71,16 @@ class KVCacheManager(KVSwap):
         self.stats = KVCacheStats()
         self.events: KVEventLog | None = None
         # The prefix cache's second tier: only under prefix caching, and only for models
-        # whose layers are all global (a sliding group's hit rule is not the tier's).
+        # without sliding windows (a sliding group's hit rule is not the tier's).
         self.tier: TierIndex | None = None
-        if (
-            cache_config.kv_offload_bytes and self.enable_caching and self.group_windows == (None,)
-            and not cache_config.num_state_slots
-        ):
+        if cache_config.kv_offload_bytes and self.enable_caching and self.group_windows == (None,):
             self.tier = TierIndex(cache_config.kv_offload_bytes, cache_config.kv_offload_max_pending_writes)
         self.tier_cost = TierCostModel(self.block_size)
-        self._pending_offloads: list[tuple[bytes, int]] = []
+        self._pending_offloads: list[tuple[bytes, int]] = []  # (digest, device block)
+        self._pending_loads: list[tuple[bytes, int]] = []
+        self._pending_state_offloads: list[tuple[bytes, int]] = []  # (tier key, snapshot slot)
+        self._pending_state_loads: list[tuple[bytes, int]] = []  # (tier key, state slot)
+        self._adapter_snapshots: set[BlockHash] = set()  # planned this step by requests under an adapter
         # A hybrid model's recurrent-state slots: one for each request holding device blocks;
         # with prefix caching, the snapshots that let a hit resume (dropped with their block).
         self.state_slots = StateSlots(cache_config.num_state_slots)
@@ -213,22 +185,13 @@ class KVCacheManager(KVSwap):
             max_hit_blocks = min(max_hit_blocks, len(blocks)) if self.group_windows[group] is None else max_hit_blocks
             found.append(blocks)
         num_hit = self._longest_hit(found, max_hit_blocks)
-        snapshot_slot = None
         if self.state_slots.enabled:  # a hybrid resumes from its last snapshot within the hit
-
-            def holds(num_blocks: int) -> bool:  # every group has the blocks a hit of this length reads
-                return all(
-                    all(block is not None for block in blocks[self.num_passed_blocks(group, num_blocks * self.block_size) : num_blocks])
-                    for group, blocks in enumerate(found)
-                )  # fmt: skip
-
-            resume = self.snapshots.resume_point(hashes, num_hit, holds)
-            num_hit, snapshot_slot = resume if resume is not None else (0, None)
-            if num_hit:
-                self.snapshots.note_latest(request.request_id, hashes[num_hit - 1])
-        tier_digests, num_misses, num_skipped = self._tier_lookup(request, hashes, num_hit, lookup_limit)
-        if num_hit == 0:
-            return ComputedBlocks([], 0, tier_digests, num_misses, num_skipped) if self.tier is not None else NO_HIT
+            lookup = self._hybrid_lookup(request, hashes, found, num_hit, lookup_limit)
+        else:
+            lookup = self._tier_lookup(request, hashes, num_hit, lookup_limit)
+        num_hit = lookup.num_hit_blocks
+        if num_hit == 0 and not lookup.digests and lookup.state_key is None:
+            return ComputedBlocks([], 0, (), lookup.num_misses, lookup.num_skipped) if self.tier is not None else NO_HIT
         tables: list[list[int]] = []
         for group, blocks in enumerate(found):
             skipped = self.num_passed_blocks(group, num_hit * self.block_size)
@@ -240,25 +203,33 @@ class KVCacheManager(KVSwap):
                     request.adopt_cached_block_hash(index, block.block_hash)
                 table.append(block.block_id)
             tables.append(table)
-        return ComputedBlocks(tables, num_hit * self.block_size, tier_digests, num_misses, num_skipped, snapshot_slot)
+        return ComputedBlocks(
+            tables, num_hit * self.block_size, lookup.digests, lookup.num_misses, lookup.num_skipped,
+            lookup.snapshot_slot, lookup.state_key,
+        )  # fmt: skip
 
-    def _tier_lookup(
-        self, request: Request, hashes: list[BlockHash], num_hit: int, max_hit_blocks: int
-    ) -> tuple[tuple[bytes, ...], int, int]:
-        """The run of blocks after the device hit that the tier holds, the blocks looked up
-        after it that it lacks, and (cost rule) how many found were not taken."""
-        if self.tier is None or request.lora_request is not None or num_hit >= max_hit_blocks:
-            return (), 0, 0
-        digests: list[bytes] = []
-        for index in range(num_hit, max_hit_blocks):
-            digest = block_digest(hashes[index])
-            if digest not in self.tier:
-                break
-            digests.append(digest)
-        num_misses = max_hit_blocks - num_hit - len(digests)
-        if digests and not self.tier_cost.loading_pays():
-            return (), num_misses, len(digests)
-        return tuple(digests), num_misses, 0
+    def _hybrid_lookup(
+        self, request: Request, hashes: list[BlockHash], found: list[list[KVBlock | None]], num_hit: int, max_hit_blocks: int
+    ) -> TierLookup:
+        """Where a hybrid's request resumes: after its last snapshot within the device hit,
+        or further on with the tier's blocks and snapshots (core/kv_tier_access.py)."""
+
+        def holds(num_blocks: int) -> bool:  # every group has the blocks a hit of this length reads
+            return all(
+                all(block is not None for block in blocks[self.num_passed_blocks(group, num_blocks * self.block_size) : num_blocks])
+                for group, blocks in enumerate(found)
+            )  # fmt: skip
+
+        resume = self.snapshots.resume_point(hashes, num_hit, holds)
+        device_resume, device_slot = resume if resume is not None else (0, None)
+        tiered = self._hybrid_tier_lookup(request, hashes, num_hit, device_resume, max_hit_blocks)
+        if tiered is None or not tiered.digests and tiered.state_key is None:
+            misses, skipped = (tiered.num_misses, tiered.num_skipped) if tiered is not None else (0, 0)
+            tiered = TierLookup((), misses, skipped, device_resume, device_slot)
+        end = tiered.num_hit_blocks + len(tiered.digests)
+        if end:
+            self.snapshots.claim(request.request_id, hashes[end - 1])
+        return tiered
 
     def _longest_hit(self, found: list[list[KVBlock | None]], max_hit_blocks: int) -> int:
         """The most blocks h <= max_hit_blocks such that every sliding group has the
@@ -300,61 +271,13 @@ class KVCacheManager(KVSwap):
                 block_id = table[index]
                 if block_id != NULL_BLOCK_ID and self.device_pool.cache_block(blocks[block_id], hashes[index], group):
                     newly_cached.append(block_id)
-                    if self.tier is not None and request.lora_request is None:
-                        digest = block_digest(hashes[index])
-                        if self.tier.offer_write(digest):
-                            self._pending_offloads.append((digest, block_id))
+                    self._offer_block(request, hashes[index], block_id)
         self._num_cached_blocks[request_id] = num_full
         if self.events is not None and newly_cached:
             self.events.record("cache", request_id, newly_cached)
 
     def reset_prefix_cache(self) -> int:
         return self.device_pool.reset_prefix_cache()
-
-    def take_pending_offloads(self) -> list[tuple[bytes, int]]:
-        """(digest, device block) of blocks to write to the tier, decided since the last
-        call. The runner copies them before anything of the next step writes a block."""
-        offloads, self._pending_offloads = self._pending_offloads, []
-        return offloads
-
-    def allocate_for_load(self, request: Request, computed: ComputedBlocks) -> list[tuple[bytes, int]] | None:
-        """Admit a request whose prefix continues in the tier: take its device hit and fresh
-        blocks for the tier's part, to be loaded. Returns (digest, device block) loads, or
-        None when the pool lacks room (nothing changed). No slots for new tokens: the
-        request computes from the next step on, once the loads are verified."""
-        assert self.tier is not None and computed.tier_digests and self.num_groups == 1
-        request_id = request.request_id
-        assert request_id not in self._block_tables, "request already holds blocks"
-        pool = self.device_pool
-        hit_table = computed.blocks[0] if computed.blocks else []
-        hit_blocks = [pool.blocks[i] for i in hit_table]
-        num_free_hits = sum(1 for block in hit_blocks if block.ref_cnt == 0)
-        num_load = len(computed.tier_digests)
-        self.stats.num_allocation_attempts += 1
-        if num_load + num_free_hits > pool.num_free_blocks:
-            self.stats.num_allocation_failures += 1
-            return None
-        pool.touch(hit_blocks)
-        load_ids = [block.block_id for block in pool.allocate(num_load)]
-        self._block_tables[request_id] = [list(hit_table) + load_ids]
-        self._num_cached_blocks[request_id] = len(hit_table)
-        self.tier.touch(computed.tier_digests)
-        tier_stats = self.tier.stats
-        tier_stats.num_hit_blocks += num_load
-        tier_stats.num_miss_blocks += computed.num_tier_misses
-        self.stats.num_prefix_query_tokens += request.num_tokens
-        self.stats.num_prefix_hit_tokens += computed.num_computed_tokens
-        if self.events is not None:
-            if hit_blocks:
-                self.events.record("cache_hit", request_id, hit_table)
-            self.events.record("allocate", request_id, load_ids)
-        return list(zip(computed.tier_digests, load_ids, strict=True))
-
-    def count_tier_lookup(self, computed: ComputedBlocks) -> None:
-        """An admission that loads nothing from the tier: count its misses and skips."""
-        if self.tier is not None:
-            self.tier.stats.num_miss_blocks += computed.num_tier_misses
-            self.tier.stats.num_skipped_blocks += computed.num_tier_skipped
 
     # ------------------------------------------------------------- allocation
 
@@ -510,7 +433,10 @@ class KVCacheManager(KVSwap):
             return []
         start = request.num_computed_tokens
         hashes = request.get_block_hashes(self.block_size)
-        return self.snapshots.plan_saves(request.request_id, hashes, start, start + num_new_tokens, self.block_size)
+        saves = self.snapshots.plan_saves(request.request_id, hashes, start, start + num_new_tokens, self.block_size)
+        if saves and request.lora_request is not None:  # kept out of the tier (end_snapshot_step)
+            self._adapter_snapshots.update(hashes[(start + offset) // self.block_size - 1] for offset, _ in saves)
+        return saves
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
         """(source, target) device block copies decided since the last call."""

@@ -13,11 +13,17 @@ parent's digest and the token ids), not by the in-process BlockHash: the digest 
 same in every process, so a restarted engine finds its entries again. Blocks computed
 under a LoRA adapter never enter the tier (adapter ids are only unique in one process).
 
-Cost rule: loading a block is worth it only while it takes less time than computing
-its tokens. The runner measures each load batch (seconds per block read and checked)
-and the engine each step's prefill rate (seconds per prompt token computed);
-TierCostModel keeps a moving average of both and the lookup stops using the tier while
-reading a block is measured slower than computing block_size tokens.
+A hybrid model (linear-attention layers) also writes its recurrent-state snapshots
+(core/state_snapshots.py) to the tier, each under `state_key` of the digest of the block it
+follows: a conversation resumes after a restart from the stored state and the KV before
+it, without recomputing its history.
+
+Cost rule: loading is worth it only while it takes less time than computing the tokens
+it saves. The runner measures each load batch (seconds per byte read and checked) and
+the engine each step's prefill rate (seconds per prompt token computed); TierCostModel
+keeps a moving average of both and the lookup stops using the tier while reading what a
+hit needs is measured slower than computing the tokens it saves (a block's KV saves its
+block_size tokens; a hybrid's snapshot saves the whole history before it).
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ logger = logging.getLogger(__name__)
 
 DIGEST_BYTES = 16
 ROOT_DIGEST = bytes(DIGEST_BYTES)
+STATE_KEY_PERSON = b"pagellm-state"
 
 
 def block_digest(block_hash: BlockHash) -> bytes:
@@ -58,6 +65,12 @@ def block_digest(block_hash: BlockHash) -> bytes:
     return digest
 
 
+def state_key(digest: bytes) -> bytes:
+    """The tier key of the recurrent-state snapshot after the block of `digest` (never
+    equal to a block's digest, so both kinds share one index)."""
+    return hashlib.blake2b(digest, digest_size=DIGEST_BYTES, person=STATE_KEY_PERSON).digest()
+
+
 @dataclasses.dataclass
 class TierStats:
     """Cumulative counters since the engine started (blocks unless said)."""
@@ -68,6 +81,7 @@ class TierStats:
     num_loaded_blocks: int = 0  # loaded and verified
     num_failed_loads: int = 0  # missing, truncated or corrupt when read: computed instead
     num_written_blocks: int = 0
+    num_written_states: int = 0  # a hybrid's snapshots written (beside the blocks)
     num_dropped_writes: int = 0  # the write queue was full: the block was not offloaded
     num_failed_writes: int = 0
     num_evicted_blocks: int = 0  # removed to keep the tier within its size bound
@@ -75,39 +89,42 @@ class TierStats:
     bytes_written: int = 0
     load_seconds: float = 0.0  # summed wall time of the load batches
     num_load_batches: int = 0
+    num_loaded_states: int = 0  # a hybrid's snapshots loaded and verified (beside the blocks)
 
 
 class TierReport(NamedTuple):
     """What the runner did for the tier in one step (ModelRunnerOutput.kv_tier)."""
 
-    written: list[tuple[bytes, int]]  # (digest, bytes on disk) of writes finished since the last report
+    written: list[tuple[bytes, int]]  # (key, bytes on disk) of writes finished since the last report
     failed_writes: list[bytes]
-    failed_loads: list[bytes]  # of this step's loads; every other load of the step succeeded
-    num_loaded: int
-    bytes_read: int
+    failed_loads: list[bytes]  # of this step's loads (blocks or states); every other one succeeded
+    num_loaded: int  # blocks
+    bytes_read: int  # from the disk
     load_seconds: float  # wall time of this step's load batch (0.0 without loads)
+    bytes_loaded: int = 0  # every entry the batch handled, from the disk or the host cache
+    num_loaded_states: int = 0
 
 
 class TierCostModel:
-    """Moving averages of a block's read time and a prompt token's compute time.
+    """Moving averages of the read time of a byte of the tier and a prompt token's compute time.
 
-    Loading pays while reading a block is faster than computing its tokens. While it
-    does not, one lookup in `probe_every` loads anyway, so the read time keeps being
-    measured: one slow read (a cold disk cache, a busy disk) never turns the tier off
-    for good."""
+    Loading pays while reading what a hit needs is faster than computing the tokens it
+    saves. While it does not, one lookup in `probe_every` loads anyway, so the read time
+    keeps being measured: one slow read (a cold disk cache, a busy disk) never turns the
+    tier off for good."""
 
     def __init__(self, block_size: int, smoothing: float = 0.2, probe_every: int = 16) -> None:
         self.block_size = block_size
         self.smoothing = smoothing
         self.probe_every = probe_every
-        self.read_seconds_per_block: float | None = None
+        self.read_seconds_per_byte: float | None = None
         self.compute_seconds_per_token: float | None = None
         self._loading_pays: bool | None = None  # the last verdict logged
         self._num_skipped = 0  # lookups computed instead since the last probe
 
-    def observe_read(self, num_blocks: int, seconds: float) -> None:
-        if num_blocks > 0 and seconds > 0:
-            self.read_seconds_per_block = self._average(self.read_seconds_per_block, seconds / num_blocks)
+    def observe_read(self, num_bytes: int, seconds: float) -> None:
+        if num_bytes > 0 and seconds > 0:
+            self.read_seconds_per_byte = self._average(self.read_seconds_per_byte, seconds / num_bytes)
 
     def observe_compute(self, num_prompt_tokens: int, seconds: float) -> None:
         """A step that computed `num_prompt_tokens` prompt positions in `seconds`; steps of
@@ -118,15 +135,16 @@ class TierCostModel:
     def _average(self, old: float | None, new: float) -> float:
         return new if old is None else old + self.smoothing * (new - old)
 
-    def loading_pays(self) -> bool:
-        """Whether to load a lookup's tier hits: True until both times were measured,
-        then while reading is faster, and for every `probe_every`-th lookup otherwise."""
-        read, compute = self.read_seconds_per_block, self.compute_seconds_per_token
-        pays = read is None or compute is None or read < compute * self.block_size
+    def loading_pays(self, num_bytes: int, num_tokens: int) -> bool:
+        """Whether to load a lookup's tier hit (`num_bytes` to read, saving the compute of
+        `num_tokens`): True until both times were measured, then while reading is faster,
+        and for every `probe_every`-th lookup otherwise."""
+        read, compute = self.read_seconds_per_byte, self.compute_seconds_per_token
+        pays = read is None or compute is None or read * num_bytes < compute * num_tokens
         if pays != self._loading_pays and read is not None and compute is not None:
             logger.info(
-                "prefix-cache tier: reading a block takes %.3f ms, computing its %d tokens %.3f ms: %s",
-                read * 1e3, self.block_size, compute * self.block_size * 1e3,
+                "prefix-cache tier: reading %d bytes takes %.3f ms, computing the %d tokens they hold %.3f ms: %s",
+                num_bytes, read * num_bytes * 1e3, num_tokens, compute * num_tokens * 1e3,
                 "loading hits from the tier" if pays else
                 f"computing instead of loading (the tier is slower; one lookup in {self.probe_every} still loads)",
             )  # fmt: skip
@@ -152,6 +170,7 @@ class TierIndex:
         self._entries: OrderedDict[bytes, int] = OrderedDict()  # digest -> bytes on disk
         self.num_bytes = 0
         self.pending_writes: set[bytes] = set()
+        self._pending_states: set[bytes] = set()  # the snapshots among them
         self._deletions: list[bytes] = []  # decided, not yet sent to the runner
         self.stats = TierStats()
 
@@ -160,6 +179,10 @@ class TierIndex:
 
     def __contains__(self, digest: bytes) -> bool:
         return digest in self._entries
+
+    def entry_bytes(self, digest: bytes) -> int:
+        """Bytes on disk of an entry the tier holds."""
+        return self._entries[digest]
 
     def seed(self, entries: Iterable[tuple[bytes, int]]) -> None:
         """Entries found on disk at start, least recently used first."""
@@ -173,16 +196,24 @@ class TierIndex:
             if digest in self._entries:
                 self._entries.move_to_end(digest)
 
-    def offer_write(self, digest: bytes) -> bool:
-        """Whether a newly cached block should be written: not in the tier yet and room in
-        the write queue (a full queue drops it, counted)."""
+    def offer_write(self, digest: bytes, state: bool = False) -> bool:
+        """Whether a newly cached block (or a snapshot: `state`) should be written: not in
+        the tier yet and room in the write queue (a full queue drops it, counted)."""
         if digest in self._entries or digest in self.pending_writes:
             return False
         if len(self.pending_writes) >= self.max_pending_writes:
             self.stats.num_dropped_writes += 1
             return False
         self.pending_writes.add(digest)
+        if state:
+            self._pending_states.add(digest)
         return True
+
+    def cancel_writes(self, digests: Iterable[bytes]) -> None:
+        """Writes the runner never queued (their step failed): the queue must not shrink."""
+        for digest in digests:
+            self.pending_writes.discard(digest)
+            self._pending_states.discard(digest)
 
     def apply_report(self, report: TierReport) -> None:
         """The runner's news: finished and failed writes, failed loads."""
@@ -190,17 +221,23 @@ class TierIndex:
         for digest, num_bytes in report.written:
             self.pending_writes.discard(digest)
             self._add(digest, num_bytes)
-            stats.num_written_blocks += 1
+            if digest in self._pending_states:
+                self._pending_states.discard(digest)
+                stats.num_written_states += 1
+            else:
+                stats.num_written_blocks += 1
             stats.bytes_written += num_bytes
         for digest in report.failed_writes:
             self.pending_writes.discard(digest)
+            self._pending_states.discard(digest)
             stats.num_failed_writes += 1
         for digest in report.failed_loads:
             self.forget(digest)
         stats.num_failed_loads += len(report.failed_loads)
         stats.num_loaded_blocks += report.num_loaded
+        stats.num_loaded_states += report.num_loaded_states
         stats.bytes_read += report.bytes_read
-        if report.num_loaded or report.failed_loads:
+        if report.num_loaded or report.num_loaded_states or report.failed_loads:
             stats.load_seconds += report.load_seconds
             stats.num_load_batches += 1
         self._evict_over_capacity()
@@ -233,6 +270,7 @@ class TierIndex:
         assert self.num_bytes == sum(self._entries.values()), "the tier's byte count drifted"
         assert self.num_bytes <= self.capacity_bytes, "the tier is over its size bound"
         assert len(self.pending_writes) <= self.max_pending_writes, "more writes in flight than the queue holds"
+        assert self._pending_states <= self.pending_writes, "a snapshot write is counted but not in flight"
 
 
-__all__ = ["DIGEST_BYTES", "TierCostModel", "TierIndex", "TierReport", "TierStats", "block_digest"]
+__all__ = ["DIGEST_BYTES", "TierCostModel", "TierIndex", "TierReport", "TierStats", "block_digest", "state_key"]

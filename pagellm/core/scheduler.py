@@ -20,6 +20,7 @@ from collections.abc import Iterable
 
 from pagellm.config import CacheConfig, SchedulerConfig
 from pagellm.core.kv_cache_manager import NO_HIT, ComputedBlocks, KVCacheManager
+from pagellm.core.kv_tier_access import TierLoad
 from pagellm.core.multi_step import can_run_several, decode_steps
 from pagellm.core.prefill_balance import prefill_chunk_size, prefill_token_cap, remaining_work
 from pagellm.core.scheduler_integrity import check_scheduler_integrity
@@ -68,9 +69,9 @@ class Scheduler(StepAccounting):
         # Forked completions, and requests whose prefix was loaded from the tier, that
         # the runner has not been told about yet.
         self._unsent_req_ids: set[str] = set()
-        # Requests admitted with loads from the prefix cache's tier in the step being run:
-        # id -> the digests loaded, in table order (they compute once the loads are checked).
-        self._loading: dict[str, list[bytes]] = {}
+        # Requests admitted with loads from the prefix cache's tier in the step being run
+        # (they compute once the loads are checked).
+        self._loading: dict[str, TierLoad] = {}
         self.last_step_prefill_tokens = 0  # prompt positions the last executed step computed
         # Tokens computed, split by position: prompt positions (prefill) and output
         # positions fed back (decode).
@@ -120,6 +121,12 @@ class Scheduler(StepAccounting):
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def has_unsent_tier_work(self) -> bool:
+        """Blocks or snapshots to write to the prefix cache's tier that no step carried
+        yet: an engine going idle runs one more (empty) step for them, so a restart finds
+        the last conversation's end."""
+        return self.kv_cache_manager.has_unsent_tier_work()
+
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
 
@@ -162,8 +169,9 @@ class Scheduler(StepAccounting):
         self._loading = {}
         tier = self.kv_cache_manager.tier
         if tier is not None:  # writes the runner may not have queued: the queue must not shrink
-            tier.pending_writes.difference_update(digest for digest, _ in scheduler_output.blocks_to_offload)
-        self.kv_cache_manager.snapshots.end_step(failed=True)  # it may not have written its snapshots
+            offloads = (*scheduler_output.blocks_to_offload, *scheduler_output.states_to_offload)
+            tier.cancel_writes(key for key, _ in offloads)
+        self.kv_cache_manager.end_snapshot_step(failed=True)  # it may not have written its snapshots
         ended = [request_id for request_id in involved if request_id in self.requests]
         self.finish_requests(ended, RequestStatus.FINISHED_ABORTED)
         return ended
@@ -296,7 +304,10 @@ class Scheduler(StepAccounting):
             while block_ids is None:
                 victim = self._choose_victim()
                 victim_index = self.running.index(victim)
-                self._preempt(victim, plan)
+                # A victim scheduled earlier in this step (background work goes first) may
+                # have copy-on-write blocks still to fill (the runner swaps out before it
+                # copies): it is recomputed, not swapped.
+                self._preempt(victim, plan, allow_swap=victim.request_id not in plan.num_scheduled_tokens)
                 if victim is request:
                     break
                 if victim_index < index:
@@ -437,7 +448,7 @@ class Scheduler(StepAccounting):
             # Prompt logprobs need the logits of every prompt position, mean or CLS
             # pooling their hidden states.
             computed = NO_HIT
-        if computed.tier_digests:
+        if computed.tier_digests or computed.state_key is not None:
             return self._admit_loading(request, plan, computed)
         gap = request.num_tokens - computed.num_computed_tokens
         num_tokens = self._num_tokens_to_schedule(gap, plan, request)
@@ -463,22 +474,21 @@ class Scheduler(StepAccounting):
         loaded correctly (see StepAccounting._finish_loads)."""
         if request.background and self._pauses_background(plan):
             return False
-        loads = self.kv_cache_manager.allocate_for_load(request, computed)
-        if loads is None:
+        load = self.kv_cache_manager.allocate_for_load(request, computed)
+        if load is None:
             return False
         self.waiting.remove(request)
         request.num_computed_tokens = computed.num_computed_tokens
         request.status = RequestStatus.RUNNING
         self.running.append(request)
-        plan.loading[request.request_id] = [digest for digest, _ in loads]
-        plan.blocks_to_load.extend(loads)
+        plan.loading[request.request_id] = load
         return True
 
     def _make_output(self, plan: StepPlan) -> SchedulerOutput:
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
         kv = self.kv_cache_manager
-        kv.snapshots.end_step()  # the previous step's snapshots are written
+        kv.end_snapshot_step()  # the previous step's snapshots are written
         state_saves: dict[str, list[tuple[int, int]]] = {}
         for request_id in plan.num_scheduled_tokens:
             request = self.requests[request_id]
@@ -516,6 +526,7 @@ class Scheduler(StepAccounting):
                 )
         finished, self._finished_req_ids = self._finished_req_ids, set()
         self._loading = plan.loading
+        blocks_to_load, states_to_load = kv.take_pending_loads()
         return SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached_reqs,
@@ -529,7 +540,9 @@ class Scheduler(StepAccounting):
             scheduled_spec_decode_tokens=plan.spec_tokens,
             decode_steps=plan.decode_steps,
             blocks_to_offload=kv.take_pending_offloads(),
-            blocks_to_load=plan.blocks_to_load,
+            blocks_to_load=blocks_to_load,
+            states_to_offload=kv.take_pending_state_offloads(),
+            states_to_load=states_to_load,
             tier_deletions=kv.tier.take_deletions() if kv.tier is not None else [],
             state_copies=kv.state_slots.take_pending_copies(),
             state_restores=kv.take_pending_restores(),

@@ -4,7 +4,7 @@ Plain dataclasses of ints and lists, never tensors, so that a runner could live 
 another process. How a runner reads a SchedulerOutput, in this order:
 
 1. Drop the state of every request in `finished_req_ids` and `preempted_req_ids`.
-2. Copy `blocks_to_offload` out (to the prefix cache's tier), then `blocks_to_swap_out`
+2. Copy `blocks_to_offload` and `states_to_offload` out (to the prefix cache's tier), then `blocks_to_swap_out`
    (device -> host), then `blocks_to_copy` (device -> device,
    copy-on-write of forked requests), then `blocks_to_swap_in` (host -> device), all
    before the forward pass. (A block swapped out may be reused as a copy target in the
@@ -111,6 +111,11 @@ class SchedulerOutput:
     blocks_to_offload: list[tuple[bytes, int]] = field(default_factory=list)
     tier_deletions: list[bytes] = field(default_factory=list)
     blocks_to_load: list[tuple[bytes, int]] = field(default_factory=list)
+    # ... and a hybrid's snapshots, by tier key (core/kv_tier.state_key): (key, snapshot
+    # slot) to write there (copied before the forward pass takes new snapshots), and (key,
+    # state slot) to load into the slot of a request admitted to load (done when the step returns).
+    states_to_offload: list[tuple[bytes, int]] = field(default_factory=list)
+    states_to_load: list[tuple[bytes, int]] = field(default_factory=list)
     # A hybrid model: (source, target) recurrent-state slots to copy before the step's
     # forward (a forked completion starts from its parent's state).
     state_copies: list[tuple[int, int]] = field(default_factory=list)
@@ -139,7 +144,10 @@ class SchedulerOutput:
             and not self.blocks_to_offload
             and not self.tier_deletions
             and not self.blocks_to_load
+            and not self.states_to_offload
+            and not self.states_to_load
             and not self.state_copies
+            and not self.state_restores
         )
 
 

@@ -43,6 +43,8 @@ class SchedulerStats:
     num_tier_skipped_blocks: int = 0
     num_tier_failed_loads: int = 0
     num_tier_written_blocks: int = 0
+    num_tier_written_states: int = 0  # a hybrid model's snapshots (core/kv_tier_access.py)
+    num_tier_loaded_states: int = 0
     num_tier_dropped_writes: int = 0
     num_tier_bytes_read: int = 0
     num_tier_bytes_written: int = 0
@@ -73,6 +75,8 @@ def kv_cache_fields(kv: KVCacheManager) -> dict[str, Any]:
             num_tier_skipped_blocks=tier.num_skipped_blocks,
             num_tier_failed_loads=tier.num_failed_loads,
             num_tier_written_blocks=tier.num_written_blocks,
+            num_tier_written_states=tier.num_written_states,
+            num_tier_loaded_states=tier.num_loaded_states,
             num_tier_dropped_writes=tier.num_dropped_writes,
             num_tier_bytes_read=tier.bytes_read,
             num_tier_bytes_written=tier.bytes_written,

@@ -46,19 +46,34 @@ class StateSnapshots:
     def __len__(self) -> int:
         return len(self._slot_of)
 
+    @property
+    def num_planned(self) -> int:
+        """Snapshots planned in the step being run (written when it ends)."""
+        return len(self._planned)
+
     def resume_point(
         self, hashes: list[BlockHash], num_hit_blocks: int, usable: Callable[[int], bool] = lambda n: True
     ) -> tuple[int, int] | None:
         """(blocks, snapshot slot) of the last snapshot after at most `num_hit_blocks` of
         these blocks whose hit length is `usable` (the KV cache holds what it reads), or
-        None; it counts as used."""
+        None. Nothing changes until the caller `claim`s it."""
         for num_blocks in range(num_hit_blocks, 0, -1):
             slot = self._slot_of.get(hashes[num_blocks - 1])
             if slot is not None and usable(num_blocks):
-                self._slot_of.move_to_end(hashes[num_blocks - 1])
-                self.num_restored += 1
                 return num_blocks, slot
         return None
+
+    def slot_of(self, block_hash: BlockHash) -> int | None:
+        """The slot of the snapshot after this block (None: none kept)."""
+        return self._slot_of.get(block_hash)
+
+    def claim(self, request_id: str, block_hash: BlockHash) -> None:
+        """A request resumes from the state after this block: its snapshot (if kept here)
+        counts as used, and it is the request's latest."""
+        if block_hash in self._slot_of:
+            self._slot_of.move_to_end(block_hash)
+            self.num_restored += 1
+        self._latest_of[request_id] = block_hash
 
     def plan_saves(
         self, request_id: str, hashes: list[BlockHash], start: int, end: int, block_size: int
@@ -88,10 +103,6 @@ class StateSnapshots:
         self.num_saved += 1
         return [(boundary - start, slot)]
 
-    def note_latest(self, request_id: str, block_hash: BlockHash) -> None:
-        """The request resumes from the snapshot after this block: its latest."""
-        self._latest_of[request_id] = block_hash
-
     def forget_request(self, request_id: str) -> None:
         """The request holds no state any more (finished or preempted)."""
         self._latest_of.pop(request_id, None)
@@ -105,12 +116,15 @@ class StateSnapshots:
                 return slot
         return None
 
-    def end_step(self, failed: bool = False) -> None:
-        """The step's snapshots are written (or, when it failed, may not be: forgotten)."""
+    def end_step(self, failed: bool = False) -> list[tuple[BlockHash, int]]:
+        """The step's snapshots are written (returned, (block hash, slot)), or, when it
+        failed, may not be: forgotten."""
+        planned, self._planned = self._planned, {}
         if failed:
-            for block_hash in list(self._planned):
+            for block_hash in planned:
                 self.drop(block_hash)
-        self._planned = {}
+            return []
+        return list(planned.items())
 
     def drop(self, block_hash: BlockHash) -> None:
         """Forget the snapshot after this block (its block left the prefix cache)."""

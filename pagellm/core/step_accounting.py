@@ -12,6 +12,7 @@ apart so that deciding a step and accounting for one are each read on their own.
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 from pagellm.core.parallel_sampling import make_child_request
@@ -22,7 +23,11 @@ from pagellm.request import Request, RequestStatus
 if TYPE_CHECKING:
     from pagellm.config import CacheConfig
     from pagellm.core.kv_cache_manager import KVCacheManager
+    from pagellm.core.kv_tier_access import TierLoad
+    from pagellm.core.request_queue import RequestQueue
     from pagellm.core.speculator_interface import Speculator
+
+logger = logging.getLogger(__name__)
 
 
 class StepAccounting:
@@ -39,7 +44,8 @@ class StepAccounting:
     _arrival_index: dict[str, int]
     _next_arrival_index: int
     _unsent_req_ids: set[str]
-    _loading: dict[str, list[bytes]]
+    waiting: RequestQueue
+    _loading: dict[str, TierLoad]
     _num_prefill_tokens: int
     _num_decode_tokens: int
 
@@ -55,10 +61,13 @@ class StepAccounting:
         report = runner_output.kv_tier
         if kv.tier is not None and report is not None:
             kv.tier.apply_report(report)
-            kv.tier_cost.observe_read(report.num_loaded + len(report.failed_loads), report.load_seconds)
+            kv.tier_cost.observe_read(report.bytes_loaded, report.load_seconds)
         if self._loading:
             # No report: the runner loaded nothing (it always reports a step with loads).
-            failed = set(report.failed_loads) if report is not None else {d for d, _ in scheduler_output.blocks_to_load}
+            failed = (
+                set(report.failed_loads) if report is not None
+                else {key for key, _ in (*scheduler_output.blocks_to_load, *scheduler_output.states_to_load)}
+            )  # fmt: skip
             self._finish_loads(failed)
         progress: list[RequestProgress] = []
         finished: list[Request] = []
@@ -197,17 +206,30 @@ class StepAccounting:
 
     def _finish_loads(self, failed: set[bytes]) -> None:
         """The loads of the step just run are done: each loading request counts as
-        computed the blocks up to its first failed load (the rest it computes)."""
+        computed the blocks up to its first failed load (the rest it computes). A
+        hybrid's request needs the state at the end of its loads: when any of its loads
+        failed it goes back to the waiting queue, to be looked up again (the failed
+        entries are gone from the tier)."""
         loading, self._loading = self._loading, {}
         kv = self.kv_cache_manager
-        for request_id, digests in loading.items():
+        block_size = self.cache_config.block_size
+        for request_id, load in loading.items():
             request = self.requests.get(request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # aborted meanwhile
+            digests = load.block_digests
             num_loaded = next((i for i, digest in enumerate(digests) if digest in failed), len(digests))
-            request.num_computed_tokens += num_loaded * self.cache_config.block_size
+            if kv.state_slots.enabled and (num_loaded < len(digests) or load.state_key in failed):
+                logger.info("request %s: its prefix failed to load from the tier; looked up again", request_id)
+                self.running.remove(request)
+                kv.free(request)
+                request.num_computed_tokens = 0
+                request.status = RequestStatus.WAITING
+                self.waiting.add(request)
+                continue
+            request.num_computed_tokens += num_loaded * block_size
             if request.num_preemptions == 0:
                 request.num_cached_tokens = request.num_computed_tokens
-                request.num_tier_tokens = num_loaded * self.cache_config.block_size
+                request.num_tier_tokens = num_loaded * block_size
             kv.cache_blocks(request, request.num_computed_tokens)
             self._unsent_req_ids.add(request_id)

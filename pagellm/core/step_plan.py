@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from pagellm.core.kv_tier_access import TierLoad
 from pagellm.request import Request
 
 
@@ -31,10 +32,8 @@ class StepPlan:
     # step (and that request's first token) is as fast as without it.
     pause_background: bool | None = None  # None: not decided yet (Scheduler._pauses_background)
     background_budget: int | None = None  # tokens background requests may still take (None: any)
-    # The prefix cache's tier: requests admitted to load their prefix this step (id ->
-    # digests in table order) and the (digest, device block) loads.
-    loading: dict[str, list[bytes]] = dataclasses.field(default_factory=dict)
-    blocks_to_load: list[tuple[bytes, int]] = dataclasses.field(default_factory=list)
+    # The prefix cache's tier: requests admitted to load their prefix this step.
+    loading: dict[str, TierLoad] = dataclasses.field(default_factory=dict)
     # LoRA: the adapters of the requests scheduled so far, each with its request count.
     adapters: dict[int, int] = dataclasses.field(default_factory=dict)
 

@@ -350,7 +350,18 @@ class LLMEngine:
         )
         if self.kv_events is not None:
             self.kv_events.flush()
+        if not self.scheduler.has_unfinished_requests() and self.scheduler.has_unsent_tier_work():
+            self._flush_tier()
         return result.outputs
+
+    def _flush_tier(self) -> None:
+        """The engine goes idle with blocks or snapshots the tier should hold that no step
+        sent yet (those of the steps just run): an empty step sends them, so a restart
+        finds the end of the last conversation too."""
+        record = self.core.step()
+        if record.failed:
+            logger.warning("the step sending the last writes to the prefix-cache tier failed: %r", record.error)
+            self.scheduler.fail_step(record.scheduler_output)
 
     def _fail_step(self, scheduler_output: SchedulerOutput, error: Exception) -> list[RequestOutput]:
         """A step raised (model forward, sampler, detokenizer, grammar): end the requests

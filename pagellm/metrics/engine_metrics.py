@@ -43,6 +43,8 @@ _MIRRORED_COUNTERS = {
     "num_tier_skipped_blocks": "kv_tier_skipped_blocks",
     "num_tier_failed_loads": "kv_tier_failed_loads",
     "num_tier_written_blocks": "kv_tier_written_blocks",
+    "num_tier_written_states": "kv_tier_written_states",
+    "num_tier_loaded_states": "kv_tier_loaded_states",
     "num_tier_dropped_writes": "kv_tier_dropped_writes",
     "num_tier_bytes_read": "kv_tier_read_bytes",
     "num_tier_bytes_written": "kv_tier_written_bytes",

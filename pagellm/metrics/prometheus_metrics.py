@@ -89,6 +89,12 @@ class PrometheusMetrics:
         )
         self.kv_tier_failed_loads = counter("kv_tier_failed_loads", "Tier entries found missing, truncated or corrupt when read.")
         self.kv_tier_written_blocks = counter("kv_tier_written_blocks", "Blocks written to the tier.")
+        self.kv_tier_written_states = counter(
+            "kv_tier_written_states", "A hybrid model's recurrent-state snapshots written to the tier."
+        )
+        self.kv_tier_loaded_states = counter(
+            "kv_tier_loaded_states", "A hybrid model's recurrent-state snapshots loaded from the tier and verified."
+        )
         self.kv_tier_dropped_writes = counter("kv_tier_dropped_writes", "Blocks not written: the tier's write queue was full.")
         self.kv_tier_read_bytes = counter("kv_tier_read_bytes", "Bytes read from the tier.")
         self.kv_tier_written_bytes = counter("kv_tier_written_bytes", "Bytes written to the tier.")

@@ -139,7 +139,10 @@ def simulate(
     tier = None
     if cache.kv_offload_bytes:
         entry_bytes = engine_config.kv.kv_cache_bytes // cache.num_usable_gpu_blocks
-        tier = SimTier(read_bytes_per_s=target.tier_read_bytes_per_s, entry_bytes=entry_bytes)
+        tier = SimTier(
+            read_bytes_per_s=target.tier_read_bytes_per_s, entry_bytes=entry_bytes,
+            state_entry_bytes=target.model_config.state_bytes_per_request(),
+        )  # fmt: skip
     result = run_replicas(
         engine_config.scheduler_config, cache, target.cost_model, requests, data_parallel_size, speculation, tier
     )

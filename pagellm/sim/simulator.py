@@ -60,6 +60,7 @@ class SimTier:
 
     read_bytes_per_s: float
     entry_bytes: int  # one block's K/V (and the entry's few header bytes, ignored)
+    state_entry_bytes: int = 0  # a hybrid model's snapshot of one request's recurrent state
 
 
 @dataclass(frozen=True)
@@ -154,9 +155,11 @@ class SimulatedExecutor:
         tier = self.tier
         assert tier is not None
         written = [(digest, tier.entry_bytes) for digest, _ in output.blocks_to_offload]
-        num_loads = len(output.blocks_to_load)
-        load_seconds = num_loads * tier.entry_bytes / tier.read_bytes_per_s
-        report = TierReport(written, [], [], num_loads, num_loads * tier.entry_bytes, load_seconds)
+        written += [(key, tier.state_entry_bytes) for key, _ in output.states_to_offload]
+        num_loads, num_state_loads = len(output.blocks_to_load), len(output.states_to_load)
+        num_bytes = num_loads * tier.entry_bytes + num_state_loads * tier.state_entry_bytes
+        load_seconds = num_bytes / tier.read_bytes_per_s
+        report = TierReport(written, [], [], num_loads, num_bytes, load_seconds, num_bytes, num_state_loads)
         return report, max(seconds, load_seconds)
 
 

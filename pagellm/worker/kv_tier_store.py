@@ -3,7 +3,9 @@
 Layout under the directory the user gives (--kv-offload-path):
 
     DIR/<identity key>/identity.json     what wrote these entries (TierIdentity)
-    DIR/<identity key>/<digest hex>.kv   one block: entry header + K/V bytes
+    DIR/<identity key>/<digest hex>.kv   one block: entry header + K/V bytes, or a hybrid
+                                         model's recurrent-state snapshot (keyed by
+                                         core/kv_tier.state_key): entry header + state bytes
 
 The identity key is a digest of the identity, so engines of different models, dtypes,
 KV cache dtypes, block sizes or formats never read each other's entries (each finds
@@ -12,7 +14,9 @@ its own folder, and logs the others it ignores). An entry file is
     magic (8 bytes) | block digest (16) | payload length (u64) | CRC-32 of payload (u32) | 4 zero bytes | payload
 
 and the payload is the block's K and V of every cache tensor, [tensors, 2, block_size,
-kv_heads, head_dim] in the KV cache's dtype. Writes go to a temporary file that is
+kv_heads, head_dim] in the KV cache's dtype; a snapshot's (another magic) is, layer by
+layer, the conv state then the recurrent state of every linear-attention layer, float32
+(worker/recurrent_state.py). Writes go to a temporary file that is
 renamed over the entry when complete, so a writer killed mid-write leaves only a
 temporary file (removed at the next start), never a partial entry under an entry's
 name; a torn or flipped entry (a crash of the machine, a bad disk) fails its length or
@@ -38,6 +42,7 @@ logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 ENTRY_MAGIC = b"PGLMKVT1"
+STATE_MAGIC = b"PGLMSTT1"
 ENTRY_HEADER = struct.Struct("<8s16sQI4x")
 ENTRY_SUFFIX = ".kv"
 TEMP_PREFIX = ".tmp-"
@@ -67,14 +72,23 @@ class TierIdentity:
     head_dim: int
     element_bytes: int
     format_version: int = FORMAT_VERSION
+    state_payload_bytes: int = 0  # a hybrid model's snapshot (0: not a hybrid)
 
     @property
     def payload_bytes(self) -> int:
         return self.num_tensors * 2 * self.block_size * self.num_kv_heads * self.head_dim * self.element_bytes
 
+    def fields(self) -> dict[str, object]:
+        """What identity.json holds (and the key digests): a model without recurrent
+        state leaves its 0 out, so its folder is the one it had before snapshots existed."""
+        fields = dataclasses.asdict(self)
+        if not self.state_payload_bytes:
+            del fields["state_payload_bytes"]
+        return fields
+
     @property
     def key(self) -> str:
-        text = json.dumps(dataclasses.asdict(self), sort_keys=True)
+        text = json.dumps(self.fields(), sort_keys=True)
         return hashlib.blake2b(text.encode(), digest_size=12).hexdigest()
 
     def describe(self) -> str:
@@ -99,6 +113,7 @@ class TierIdentity:
             num_kv_heads=model_config.num_key_value_heads,
             head_dim=model_config.head_dim,
             element_bytes=element_bytes,
+            state_payload_bytes=model_config.state_bytes_per_request(),
         )
 
 
@@ -146,9 +161,14 @@ class TierStore:
     def entry_bytes(self) -> int:
         return ENTRY_HEADER.size + self.identity.payload_bytes
 
+    @property
+    def state_entry_bytes(self) -> int:
+        """Bytes of a snapshot's entry (0: the model keeps no recurrent state)."""
+        return ENTRY_HEADER.size + self.identity.state_payload_bytes if self.identity.state_payload_bytes else 0
+
     def _claim_folder(self) -> None:
         identity_path = self.folder / IDENTITY_FILE
-        mine = dataclasses.asdict(self.identity)
+        mine = self.identity.fields()
         if identity_path.exists():
             try:
                 found = json.loads(identity_path.read_text())
@@ -184,7 +204,7 @@ class TierStore:
                 stat = path.stat()
             except (ValueError, OSError):
                 continue
-            if len(digest) != DIGEST_BYTES or stat.st_size != self.entry_bytes:
+            if len(digest) != DIGEST_BYTES or stat.st_size not in (self.entry_bytes, self.state_entry_bytes):
                 logger.info("prefix-cache tier: removing %s (truncated or foreign)", path)
                 path.unlink(missing_ok=True)
                 continue
@@ -197,9 +217,10 @@ class TierStore:
     def path_of(self, digest: bytes) -> Path:
         return self.folder / (digest.hex() + ENTRY_SUFFIX)
 
-    def write(self, digest: bytes, payload: memoryview) -> int:
-        """Store a block (atomically); returns the bytes on disk."""
-        header = ENTRY_HEADER.pack(ENTRY_MAGIC, digest, payload.nbytes, zlib.crc32(payload))
+    def write(self, digest: bytes, payload: memoryview, state: bool = False) -> int:
+        """Store a block, or a snapshot (`state`), atomically; returns the bytes on disk."""
+        magic = STATE_MAGIC if state else ENTRY_MAGIC
+        header = ENTRY_HEADER.pack(magic, digest, payload.nbytes, zlib.crc32(payload))
         self._write_atomically(self.path_of(digest), header, payload)
         return len(header) + payload.nbytes
 
@@ -215,26 +236,28 @@ class TierStore:
             temp.unlink(missing_ok=True)
             raise
 
-    def read(self, digest: bytes) -> bytearray:
-        """A block's entry (header and payload), checked; raises TierEntryError (and
-        removes the file) if it is missing, truncated or corrupt."""
-        data = bytearray(self.entry_bytes)
-        self.read_into(digest, memoryview(data))
+    def read(self, digest: bytes, state: bool = False) -> bytearray:
+        """A block's (or a snapshot's) entry, header and payload, checked; raises
+        TierEntryError (and removes the file) if it is missing, truncated or corrupt."""
+        data = bytearray(self.state_entry_bytes if state else self.entry_bytes)
+        self.read_into(digest, memoryview(data), state)
         return data
 
-    def read_into(self, digest: bytes, out: memoryview) -> None:
-        """Read and check a block's entry into `out` (entry_bytes long); raises
-        TierEntryError (and removes the file) if it is missing, truncated or corrupt."""
+    def read_into(self, digest: bytes, out: memoryview, state: bool = False) -> None:
+        """Read and check a block's entry (a snapshot's: `state`) into `out`, as long as
+        the entry; raises TierEntryError (and removes the file) if it is missing,
+        truncated or corrupt."""
         path = self.path_of(digest)
+        expected = self.state_entry_bytes if state else self.entry_bytes
         try:
             with open(path, "rb") as handle:
                 size = os.fstat(handle.fileno()).st_size
-                num_read = handle.readinto(out) if size == self.entry_bytes else 0
+                num_read = handle.readinto(out) if size == expected else 0
         except FileNotFoundError as error:
             raise TierEntryError(f"{path.name} is missing") from error
         except OSError as error:
             raise TierEntryError(f"{path.name} cannot be read: {error}") from error
-        problem = f"has {size} bytes, not {self.entry_bytes}" if num_read != self.entry_bytes else self._check(out, digest)
+        problem = f"has {size} bytes, not {expected}" if num_read != expected else self._check(out, digest, state)
         if problem is not None:
             path.unlink(missing_ok=True)
             raise TierEntryError(f"{path.name} {problem}; removed")
@@ -243,9 +266,10 @@ class TierStore:
         except OSError:
             pass
 
-    def _check(self, data: memoryview, digest: bytes) -> str | None:
+    def _check(self, data: memoryview, digest: bytes, state: bool) -> str | None:
         magic, stored_digest, length, crc = ENTRY_HEADER.unpack_from(data)
-        if magic != ENTRY_MAGIC or stored_digest != digest or length != self.identity.payload_bytes:
+        expected = (STATE_MAGIC, self.identity.state_payload_bytes) if state else (ENTRY_MAGIC, self.identity.payload_bytes)
+        if (magic, length) != expected or stored_digest != digest:
             return "has a foreign header"
         if zlib.crc32(data[ENTRY_HEADER.size :]) != crc:
             return "fails its checksum"

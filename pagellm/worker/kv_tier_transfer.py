@@ -14,6 +14,10 @@ Loads: the blocks to load go to a loader thread that reads and checks each entry
 copies it into its device block while the step's forward pass runs (no request of the
 step reads those blocks: their request computes from the next step on). The step waits
 for the loads before it returns, so no load is ever in flight across steps.
+
+A hybrid model's snapshots travel the same way: written from their snapshot slot, loaded
+into the state slot of the request that resumes from them (no request of the step reads
+that slot either).
 """
 
 from __future__ import annotations
@@ -27,8 +31,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from pagellm.attention.linear_attention import LinearLayerState
 from pagellm.core.kv_tier import TierReport
 from pagellm.worker.kv_tier_store import ENTRY_HEADER, TierEntryError, TierStore
+from pagellm.worker.recurrent_state import load_state_rows, state_rows
 
 logger = logging.getLogger(__name__)
 
@@ -78,14 +84,25 @@ class LoadResult:
     def __init__(self) -> None:
         self.failed: list[bytes] = []
         self.num_loaded = 0
+        self.num_loaded_states = 0
         self.num_from_host = 0  # of those, found in the host-memory cache
-        self.bytes_read = 0
+        self.bytes_read = 0  # from the disk
+        self.bytes_loaded = 0  # every entry handled, from the disk or the host cache
         self.seconds = 0.0
 
 
 class KVTierTransfer:
-    def __init__(self, store: TierStore, cache_tensors: list[torch.Tensor], host_cache_bytes: int = 0) -> None:
+    def __init__(
+        self,
+        store: TierStore,
+        cache_tensors: list[torch.Tensor],
+        host_cache_bytes: int = 0,
+        states: tuple[LinearLayerState, ...] = (),
+        snapshots: tuple[LinearLayerState, ...] = (),
+    ) -> None:
         self.store = store
+        self.states = states  # a hybrid's state slots (loads go there) and snapshots (written from)
+        self.snapshots = snapshots
         self.host = HostBlockCache(host_cache_bytes) if host_cache_bytes > 0 else None
         self.num_host_hits = 0  # loads served from host memory since start
         self.tensors = cache_tensors  # each distinct KV cache tensor once, in layer order
@@ -99,12 +116,21 @@ class KVTierTransfer:
 
     # ----------------------------------------------------------------- writes
 
-    def offload(self, blocks: list[tuple[bytes, int]], deletions: list[bytes]) -> None:
-        """Queue deletions, then copy `blocks` (digest, device block) out and queue them."""
+    def offload(
+        self, blocks: list[tuple[bytes, int]], deletions: list[bytes], snapshots: list[tuple[bytes, int]] = ()
+    ) -> None:
+        """Queue deletions, then copy `blocks` (digest, device block) and `snapshots` (key,
+        snapshot slot) out and queue them."""
         for digest in deletions:
             if self.host is not None:
                 self.host.drop(digest)
             self._queue.put(("delete", digest, None))
+        if snapshots:
+            rows = state_rows(self.snapshots, [slot for _, slot in snapshots])
+            for (key, _), row in zip(snapshots, rows, strict=True):
+                if self.host is not None:
+                    self.host.put(key, row.clone())
+                self._queue.put(("write_state", key, row))
         if not blocks:
             return
         index = torch.tensor([block_id for _, block_id in blocks], device=self.tensors[0].device)
@@ -129,10 +155,10 @@ class KVTierTransfer:
                 if kind == "delete":
                     self.store.delete(digest)
                     continue
-                num_bytes = self.store.write(digest, memoryview(row.numpy()))
+                num_bytes = self.store.write(digest, memoryview(row.numpy()), state=kind == "write_state")
             except OSError as error:
                 logger.warning("prefix-cache tier: %s of %s failed: %s", kind, digest.hex(), error)
-                if kind == "write":
+                if kind != "delete":
                     with self._lock:
                         self._failed_writes.append(digest)
                 continue
@@ -147,15 +173,27 @@ class KVTierTransfer:
 
     # ------------------------------------------------------------------ loads
 
-    def start_loads(self, loads: list[tuple[bytes, int]]) -> Future[LoadResult] | None:
-        if not loads:
+    def start_loads(
+        self, loads: list[tuple[bytes, int]], state_loads: list[tuple[bytes, int]] = ()
+    ) -> Future[LoadResult] | None:
+        """Start loading blocks (digest, device block) and snapshots (key, state slot)."""
+        if not loads and not state_loads:
             return None
-        return self._loader.submit(self._load, loads)
+        return self._loader.submit(self._load, loads, list(state_loads))
 
     @torch.inference_mode()
-    def _load(self, loads: list[tuple[bytes, int]]) -> LoadResult:
+    def _load(self, loads: list[tuple[bytes, int]], state_loads: list[tuple[bytes, int]]) -> LoadResult:
         result = LoadResult()
         started = time.perf_counter()
+        self._load_blocks(loads, result)
+        if state_loads:
+            self._load_states(state_loads, result)
+        result.seconds = time.perf_counter() - started
+        return result
+
+    def _load_blocks(self, loads: list[tuple[bytes, int]], result: LoadResult) -> None:
+        if not loads:
+            return
         # Every entry read straight into one buffer, then one copy per cache tensor.
         entry_bytes = self.store.entry_bytes
         buffer = torch.empty((len(loads), entry_bytes), dtype=torch.uint8)
@@ -178,6 +216,7 @@ class KVTierTransfer:
                 if self.host is not None:
                     self.host.put(digest, buffer[row, ENTRY_HEADER.size :].clone())
             loaded_ids.append(block_id)
+        result.bytes_loaded += len(loads) * entry_bytes
         if loaded_ids:
             first = self.tensors[0]
             shape = (len(loaded_ids), len(self.tensors), first.shape[0], *first.shape[2:])
@@ -187,8 +226,33 @@ class KVTierTransfer:
                 # [n, 2, block_size, heads, dim] -> [2, n, ...]: the blocks along dim 1.
                 tensor.index_copy_(1, index, blocks[:, layer].transpose(0, 1).to(tensor.device))
             result.num_loaded = len(loaded_ids)
-        result.seconds = time.perf_counter() - started
-        return result
+
+    def _load_states(self, loads: list[tuple[bytes, int]], result: LoadResult) -> None:
+        entry_bytes = self.store.state_entry_bytes
+        buffer = torch.empty((len(loads), entry_bytes), dtype=torch.uint8)
+        flat = memoryview(buffer.numpy().reshape(-1))
+        loaded_slots: list[int] = []
+        for key, slot in loads:
+            row = len(loaded_slots)
+            cached = self.host.get(key) if self.host is not None else None
+            if cached is not None:
+                buffer[row, ENTRY_HEADER.size :].copy_(cached)
+                result.num_from_host += 1
+            else:
+                try:
+                    self.store.read_into(key, flat[row * entry_bytes : (row + 1) * entry_bytes], state=True)
+                except TierEntryError as error:
+                    logger.warning("prefix-cache tier: %s; the request's history is looked up again", error)
+                    result.failed.append(key)
+                    continue
+                result.bytes_read += entry_bytes
+                if self.host is not None:
+                    self.host.put(key, buffer[row, ENTRY_HEADER.size :].clone())
+            loaded_slots.append(slot)
+        result.bytes_loaded += len(loads) * entry_bytes
+        if loaded_slots:
+            load_state_rows(self.states, loaded_slots, buffer[: len(loaded_slots), ENTRY_HEADER.size :])
+            result.num_loaded_states = len(loaded_slots)
 
     def report(self, loading: Future[LoadResult] | None) -> TierReport:
         """This step's report: its loads (waited for) and the writes finished since the last."""
@@ -197,7 +261,10 @@ class KVTierTransfer:
         with self._lock:
             written, self._written = self._written, []
             failed_writes, self._failed_writes = self._failed_writes, []
-        return TierReport(written, failed_writes, result.failed, result.num_loaded, result.bytes_read, result.seconds)
+        return TierReport(
+            written, failed_writes, result.failed, result.num_loaded, result.bytes_read, result.seconds,
+            result.bytes_loaded, result.num_loaded_states,
+        )  # fmt: skip
 
     def close(self) -> None:
         if not self._writer.is_alive():

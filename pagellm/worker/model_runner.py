@@ -98,7 +98,9 @@ class ModelRunner:
         self._state_saves: dict[str, list[tuple[int, int]]] = {}  # the step's snapshots to write
         # The prefix cache's second tier: its writes and loads (worker/kv_tier_transfer.py).
         self.kv_tier = (
-            KVTierTransfer(kv_tier_store, distinct_tensors(self.kv_caches), kv_tier_host_bytes)
+            KVTierTransfer(
+                kv_tier_store, distinct_tensors(self.kv_caches), kv_tier_host_bytes, self.linear_states, self.snapshot_states
+            )
             if kv_tier_store is not None
             else None
         )
@@ -187,9 +189,11 @@ class ModelRunner:
         # Blocks to offload may be reused by this step's copies or loads: out first. Loads
         # start after the copies (a block a swap-out reads may be a load's target) and
         # run beside the forward pass, which reads none of their blocks.
-        self.kv_tier.offload(scheduler_output.blocks_to_offload, scheduler_output.tier_deletions)
+        self.kv_tier.offload(
+            scheduler_output.blocks_to_offload, scheduler_output.tier_deletions, scheduler_output.states_to_offload
+        )
         self._copy_blocks_for(scheduler_output)
-        loading = self.kv_tier.start_loads(scheduler_output.blocks_to_load)
+        loading = self.kv_tier.start_loads(scheduler_output.blocks_to_load, scheduler_output.states_to_load)
         try:
             output = self._run_step(scheduler_output)
         finally:

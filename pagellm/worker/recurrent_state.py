@@ -51,3 +51,28 @@ def copy_slots(
     for source, into in zip(states, into_states, strict=True):
         into.conv.index_copy_(0, target_index, source.conv.index_select(0, source_index).to(into.conv.device))
         into.recurrent.index_copy_(0, target_index, source.recurrent.index_select(0, source_index).to(into.recurrent.device))
+
+
+def state_rows(states: tuple[LinearLayerState, ...], slots: list[int]) -> torch.Tensor:
+    """The states of `slots` as bytes on the host, one row per slot: layer by layer, the
+    conv state then the recurrent state (the prefix-cache tier's snapshot payload)."""
+    index = torch.tensor(slots, device=states[0].conv.device)
+    parts = [
+        part.index_select(0, index).reshape(len(slots), -1)
+        for state in states
+        for part in (state.conv, state.recurrent)
+    ]
+    return torch.cat(parts, dim=1).cpu().view(torch.uint8)
+
+
+def load_state_rows(states: tuple[LinearLayerState, ...], slots: list[int], rows: torch.Tensor) -> None:
+    """Write `rows` (state_rows' layout, bytes on the host) into the states of `slots`."""
+    values = rows.view(torch.float32)
+    index = torch.tensor(slots, device=states[0].conv.device)
+    offset = 0
+    for state in states:
+        for part in (state.conv, state.recurrent):
+            width = part[0].numel()
+            piece = values[:, offset : offset + width].reshape(len(slots), *part.shape[1:])
+            part.index_copy_(0, index, piece.to(part.device))
+            offset += width

@@ -128,10 +128,11 @@ class FakeRunner:
         fail_load: Callable[[bytes], bool] = lambda digest: False,
     ) -> None:
         self.block_size = block_size
-        # The prefix cache's tier: digest -> the slots of the block written there. Every
-        # write finishes within its step (reported as TIER_ENTRY_BYTES each); a load for
-        # which fail_load says True fails (a corrupt entry: removed).
-        self.tier: dict[bytes, list[Slot | None]] = {}
+        # The prefix cache's tier: digest -> the slots of the block written there (or, for a
+        # hybrid's snapshot, its key -> the history it holds). Every write finishes within
+        # its step (reported as TIER_ENTRY_BYTES each); a load for which fail_load says
+        # True fails (a corrupt entry: removed).
+        self.tier: dict[bytes, list] = {}
         self.fail_load = fail_load
         self.num_tier_loads = 0
         self.group_windows = group_windows
@@ -161,6 +162,9 @@ class FakeRunner:
         for digest, block_id in out.blocks_to_offload:
             self.tier[digest] = list(self.device.get(block_id, [None] * self.block_size))
             written.append((digest, TIER_ENTRY_BYTES))
+        for key, snapshot in out.states_to_offload:  # before this step's saves reuse the slot
+            self.tier[key] = list(self.snapshots[snapshot])
+            written.append((key, TIER_ENTRY_BYTES))
         for device_id, host_id in out.blocks_to_swap_out:
             self.host[host_id] = list(self.device[device_id])
         for source, host in out.state_swaps.out:  # as the runner: before anything reuses the slot
@@ -181,13 +185,26 @@ class FakeRunner:
             self.device[device_id] = list(self.tier[digest])
             self.num_tier_loads += 1
         num_loaded = len(out.blocks_to_load) - len(failed_loads)
-        report = TierReport(written, [], failed_loads, num_loaded, num_loaded * TIER_ENTRY_BYTES, 0.0)
         for source, target in out.state_copies:  # a fork starts from its parent's state
             self.states[target] = list(self.states[source])
         for host, target in out.state_swaps.into:  # a swapped-in request's state comes back
             self.states[target] = list(self.host_states[host])
         for snapshot, target in out.state_restores:  # a prefix hit resumes from a snapshot
             self.states[target] = list(self.snapshots[snapshot])
+        num_states = 0
+        for key, target in out.states_to_load:  # ... or from one in the tier
+            if key not in self.tier or self.fail_load(key):
+                failed_loads.append(key)
+                self.tier.pop(key, None)
+                self.states[target] = [(-1, -1)]  # a torn copy
+                continue
+            self.states[target] = list(self.tier[key])
+            num_states += 1
+        num_entries = num_loaded + num_states
+        report = TierReport(
+            written, [], failed_loads, num_loaded, num_entries * TIER_ENTRY_BYTES, 0.0,
+            (num_entries + len(failed_loads)) * TIER_ENTRY_BYTES, num_states,
+        )  # fmt: skip
         for new in out.scheduled_new_reqs:
             assert new.req_id not in self.requests, "new request the runner already holds"
             assert len(new.block_ids) == len(self.group_windows)

@@ -63,18 +63,22 @@ def test_index_bound_evicts_least_recently_used_and_queue_drops() -> None:
 
 def test_cost_rule_follows_the_measurements() -> None:
     cost = TierCostModel(block_size=16, smoothing=1.0)
-    assert cost.loading_pays(), "until measured, loading is tried"
-    cost.observe_read(num_blocks=10, seconds=0.010)  # 1 ms a block
+    block = (1000, 16)  # a block of 1000 bytes holding 16 tokens
+    assert cost.loading_pays(*block), "until measured, loading is tried"
+    cost.observe_read(num_bytes=10_000, seconds=0.010)  # 1 ms for a block's bytes
     cost.observe_compute(num_prompt_tokens=4, seconds=1.0)  # a decode-sized step says nothing
     assert cost.compute_seconds_per_token is None
     cost.observe_compute(num_prompt_tokens=1000, seconds=0.5)  # 0.5 ms a token: 8 ms a block
-    assert cost.loading_pays()
-    cost.observe_read(num_blocks=1, seconds=0.020)  # 20 ms a block
-    verdicts = [cost.loading_pays() for _ in range(2 * cost.probe_every)]
+    assert cost.loading_pays(*block)
+    cost.observe_read(num_bytes=1000, seconds=0.020)  # 20 ms a block
+    verdicts = [cost.loading_pays(*block) for _ in range(2 * cost.probe_every)]
     # Computed instead, but one lookup in probe_every still loads, to measure again.
     assert verdicts.count(True) == 2 and verdicts[cost.probe_every - 1] and verdicts[-1]
-    cost.observe_read(num_blocks=4, seconds=0.004)  # the probe read fast: loading pays again
-    assert all(cost.loading_pays() for _ in range(3))
+    # A hybrid's snapshot beside the block: 1000 bytes more to read (40 ms), but the 80
+    # tokens of history before the block are saved too (48 ms).
+    assert cost.loading_pays(2000, 96)
+    cost.observe_read(num_bytes=4000, seconds=0.004)  # the probe read fast: loading pays again
+    assert all(cost.loading_pays(*block) for _ in range(3))
 
 
 def test_an_evicted_prefix_is_loaded_back_in_a_step_of_its_own() -> None:
@@ -147,7 +151,7 @@ def test_the_cost_rule_computes_instead_of_loading() -> None:
     serve(scheduler, runner, make_request("b", 30, max_tokens=2))
     cost = scheduler.kv_cache_manager.tier_cost
     cost.observe_compute(1000, 0.001)  # 1 us a token
-    cost.observe_read(1, 1.0)  # 1 s a block
+    cost.observe_read(1, 1.0)  # 1 s a byte
     again = make_request("a2", list(first.prompt_token_ids) + [5], max_tokens=2)
     scheduler.add_request(again)
     result = step(scheduler, runner)

@@ -199,3 +199,28 @@ def test_no_admission_in_a_step_that_preempted(new_scheduler) -> None:
     assert [r.request_id for r in scheduler.waiting] == ["b", "tiny"]
     run_until_done(scheduler, runner)
     assert_drained(scheduler)
+
+
+def test_a_background_victim_scheduled_this_step_is_recomputed_not_swapped() -> None:
+    """A forked background completion given copy-on-write blocks earlier in the step, then
+    chosen as the victim (background work goes first): its new blocks are only filled by
+    the step's copies, which the runner makes after the swap-outs, so swapping it out
+    would save blocks not written yet (found by the property test)."""
+    from core_harness import make_scheduler, run_to_completion
+
+    scheduler = make_scheduler(
+        block_size=2, num_gpu_blocks=10, num_cpu_blocks=3, enable_prefix_caching=False, max_num_seqs=4,
+        max_num_batched_tokens=4, max_model_len=4, enable_chunked_prefill=False, preemption_mode="swap",
+        group_windows=(None, 1, 1),
+    )  # fmt: skip
+    runner = FakeRunner(2, group_windows=(None, 1, 1))  # it checks every position read
+    for index in range(3):
+        scheduler.add_request(make_request(f"r{index}", [10], max_tokens=1))
+    scheduler.add_request(make_request("background", [10], max_tokens=2, n=2, background=True))
+    step(scheduler, runner)
+    step(scheduler, runner)  # the background request runs and forks
+    scheduler.add_request(make_request("late", [10], max_tokens=2, n=2))
+    results = run_to_completion(scheduler, runner)
+    preempted = [r.output for r in results if "background#1" in r.output.preempted_req_ids]
+    assert preempted and not preempted[0].blocks_to_swap_out, "preempted by recompute"
+    assert_drained(scheduler)

@@ -13,6 +13,7 @@ lost, repeated or reordered by preemption), and the scheduler is drained.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import zlib
 from dataclasses import dataclass
@@ -212,6 +213,43 @@ def record_forks(scheduler, requests: list[Request]) -> None:  # noqa: ANN001 - 
 )
 @given(setup=setups(), data=st.data())
 def test_random_workloads_finish_and_keep_invariants(setup: Setup, data) -> None:
+    run_workload(setup, data)
+
+
+@st.composite
+def hybrid_tier_setups(draw) -> Setup:
+    """A hybrid model with prefix caching and the tier, on a device cache small enough that
+    prefixes leave it and come back from the tier (snapshots and blocks)."""
+    setup = draw(setups())
+    max_num_seqs = draw(st.integers(1, 4))
+    max_model_len = draw(st.integers(16, 40))
+    return dataclasses.replace(
+        setup,
+        max_num_batched_tokens=setup.max_num_batched_tokens if setup.enable_chunked_prefill else max_model_len,
+        enable_prefix_caching=True,
+        group_windows=(None,),
+        max_num_seqs=max_num_seqs,
+        num_gpu_blocks=draw(st.integers(6, 14)),
+        max_model_len=max_model_len,
+        kv_offload_bytes=draw(st.sampled_from([60, 10_000])),
+        num_state_slots=max_num_seqs,
+        num_state_snapshots=draw(st.sampled_from([1, 3, 8])),
+    )
+
+
+@settings(
+    max_examples=int(os.environ.get("PAGELLM_CORE_EXAMPLES", "600")) // 3,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(setup=hybrid_tier_setups(), data=st.data())
+def test_hybrid_workloads_with_the_tier_finish_and_keep_invariants(setup: Setup, data) -> None:
+    run_workload(setup, data)
+
+
+def run_workload(setup: Setup, data) -> None:  # noqa: ANN001 - hypothesis' data
+    """Random arrivals, steps, aborts, stops and failed steps; then everything finishes
+    with correct outputs and every block, slot and snapshot comes back."""
     scheduler = make_scheduler(**setup.__dict__)
     record_forks(scheduler, requests := [])
     runner = FakeRunner(

@@ -11,6 +11,7 @@ import contextlib
 import logging
 import math
 import random
+from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -21,8 +22,10 @@ from reference import hf_greedy, pagellm_greedy
 
 from pagellm import LLM, EngineArgs, SamplingParams
 from pagellm.config.engine_config import hybrid_model_args
+from pagellm.core.kv_tier import block_digest, state_key
 from pagellm.errors import ConfigError
 from pagellm.model.loader import load_model_config, resolve_model_source
+from pagellm.request import Request
 
 NEW_TOKENS = 24
 MAX_MODEL_LEN = 160
@@ -193,6 +196,77 @@ def test_a_second_turn_resumes_from_the_first_turns_snapshot(dense, interval, re
     line = f"{len(turn2)} prompt tokens ({resumed} from the KV cache and a state snapshot, 0 from its tier, "
     assert line + f"{len(turn2) - resumed} computed)" in caplog.text
     assert_engine_drained(llm)
+
+
+def _two_turns(ref) -> tuple[list[int], list[int], list[int]]:  # noqa: ANN001
+    turn1 = PROMPTS[-1] + PROMPTS[-2][:50]  # 150 tokens
+    answer = hf_greedy(ref, turn1, 40)
+    return turn1, answer, turn1 + answer + PROMPTS[-3][:30]
+
+
+def _tier_engine(folder: str, tier: Path) -> LLM:
+    return LLM(folder, max_model_len=MAX_MODEL_LEN * 2, max_num_batched_tokens=48, kv_offload_path=str(tier))
+
+
+def _first_turn_on_disk(folder: str, ref, tier: Path) -> tuple[list[int], list[int]]:  # noqa: ANN001
+    """Turn 1 served by an engine that then shuts down; returns (turn 1 + its answer, turn 2)."""
+    turn1, answer, turn2 = _two_turns(ref)
+    llm = _tier_engine(folder, tier)
+    assert pagellm_greedy(llm, [turn1], 40) == [answer]
+    stats = llm.engine.get_stats()
+    # Turn 1 computed 189 tokens: 11 full blocks, and snapshots after 64 and 128 tokens.
+    assert stats.num_tier_written_blocks == 11 and stats.num_tier_written_states == 2
+    llm.shutdown()
+    return turn1 + answer, turn2
+
+
+def test_a_conversation_resumes_after_a_restart_from_the_disk_tier(dense, tmp_path, caplog):
+    """The engine of turn 1 shuts down; a new one on the same --kv-offload-path finds turn
+    1's blocks and its last snapshot there (nothing on its device), loads them and computes
+    only from the snapshot on: turn 2 equals HF's greedy continuation."""
+    folder, ref, _ = dense
+    _, turn2 = _first_turn_on_disk(folder, ref, tmp_path / "tier")
+    llm = _tier_engine(folder, tmp_path / "tier")
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    with caplog.at_level(logging.DEBUG, logger="pagellm.core.scheduler"):
+        output = llm.generate([turn2], params, use_tqdm=False)[0]
+    assert list(output.outputs[0].token_ids) == hf_greedy(ref, turn2, 16)
+    assert output.num_cached_tokens == 128
+    line = f"{len(turn2)} prompt tokens (0 from the KV cache and a state snapshot, 128 from its tier, "
+    assert line + f"{len(turn2) - 128} computed)" in caplog.text
+    stats = llm.engine.get_stats()
+    assert stats.num_tier_loaded_states == 1 and stats.num_tier_hit_blocks == 8 and stats.num_tier_failed_loads == 0
+    assert stats.num_prefill_tokens == len(turn2) - 128
+    assert_engine_drained(llm)
+    llm.shutdown()
+
+
+def test_a_corrupt_or_truncated_snapshot_is_recomputed_never_trusted(dense, tmp_path):
+    """The snapshot after 128 tokens cut short, the one after 64 with a flipped byte: the
+    new engine's scan drops the short file; the other fails its checksum when loaded and
+    is removed, the request is looked up again, finds no other snapshot and computes its
+    whole prompt, and still equals HF; the snapshots it takes on the way replace the bad files."""
+    folder, ref, _ = dense
+    history, turn2 = _first_turn_on_disk(folder, ref, tmp_path / "tier")
+    [store] = [path for path in (tmp_path / "tier").iterdir() if path.is_dir()]
+    hashes = Request("turn1", history, SamplingParams()).get_block_hashes(16)
+    late, early = (store / f"{state_key(block_digest(hashes[n - 1])).hex()}.kv" for n in (8, 4))
+    good_late = late.read_bytes()
+    late.write_bytes(good_late[:-100])
+    data = bytearray(early.read_bytes())
+    data[-7] ^= 0x10
+    early.write_bytes(bytes(data))
+    llm = _tier_engine(folder, tmp_path / "tier")
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    output = llm.generate([turn2], params, use_tqdm=False)[0]
+    assert list(output.outputs[0].token_ids) == hf_greedy(ref, turn2, 16)
+    assert output.num_cached_tokens == 0
+    stats = llm.engine.get_stats()
+    assert stats.num_tier_failed_loads == 1 and stats.num_tier_loaded_states == 0
+    assert_engine_drained(llm)
+    llm.shutdown()
+    # Turn 2 computed the history again, and its snapshots replaced the bad files.
+    assert late.read_bytes() == good_late and early.read_bytes() != bytes(data)
 
 
 @pytest.mark.parametrize(
