@@ -13,7 +13,10 @@ engine setting runs the same conversations in one process:
   - prefix caching off;
   - prefix caching with snapshots every 1, 2, 4 and 8 blocks (`--intervals`), snapshot
     slots fixed by the seats (`--max-num-seqs`), so a shorter interval keeps more
-    snapshots per conversation and fewer conversations.
+    snapshots per conversation and fewer conversations;
+  - the default interval with the disk tier (`--kv-offload-path` in a temporary folder),
+    the engine shut down and started again before every round of turns: each returning
+    turn finds its history only on disk (blocks and snapshot), as after a restart.
 Reports, per setting, the time to first token (adding a turn to its first token) of turn 2
 and of the last turn (medians over conversations), the prompt tokens computed, and the
 snapshots' memory; the TTFT ratios against prefix caching off. Prints the CPU and one JSON
@@ -73,14 +76,23 @@ def serve_turn(llm: LLM, prompt: list[int], answer_tokens: int) -> tuple[float, 
     return ttft, answer, cached
 
 
-def run(folder: Path, args: argparse.Namespace, **engine_args: object) -> dict[str, object]:
-    llm = LLM(str(folder), max_model_len=args.turns * (args.turn_tokens + args.answer_tokens) + 64,
-              max_num_seqs=args.max_num_seqs, **engine_args)  # fmt: skip
+def run(folder: Path, args: argparse.Namespace, restart: bool = False, **engine_args: object) -> dict[str, object]:
+    """The conversations on one engine (or, `restart`, on a new one for every round of turns)."""
+
+    def start() -> LLM:
+        return LLM(str(folder), max_model_len=args.turns * (args.turn_tokens + args.answer_tokens) + 64,
+                   max_num_seqs=args.max_num_seqs, **engine_args)  # fmt: skip
+
+    llm = start()
     rng = random.Random(1)
     histories: list[list[int]] = [[] for _ in range(args.conversations)]
     ttfts: list[list[float]] = [[] for _ in range(args.turns)]
-    computed = reused = 0
+    computed = reused = loaded_states = 0
     for turn in range(args.turns):
+        if restart and turn:
+            loaded_states += llm.engine.get_stats().num_tier_loaded_states
+            llm.shutdown()
+            llm = start()
         for conversation, history in enumerate(histories):
             prompt = history + [rng.randrange(3, 250) for _ in range(args.turn_tokens)]
             ttft, answer, cached = serve_turn(llm, prompt, args.answer_tokens)
@@ -90,6 +102,8 @@ def run(folder: Path, args: argparse.Namespace, **engine_args: object) -> dict[s
             histories[conversation] = prompt + answer
     manager = llm.engine.scheduler.kv_cache_manager
     state_bytes = llm.engine.config.model_config.state_bytes_per_request()
+    loaded_states += llm.engine.get_stats().num_tier_loaded_states
+    llm.shutdown()
     return {
         "turn_ttft_p50_s": [statistics.median(t) for t in ttfts],
         "prompt_tokens_computed": computed,
@@ -98,6 +112,7 @@ def run(folder: Path, args: argparse.Namespace, **engine_args: object) -> dict[s
         "snapshots_restored": manager.snapshots.num_restored,
         "snapshot_bytes": manager.snapshots.num_slots * state_bytes,
         "state_bytes_per_request": state_bytes,
+        "snapshots_loaded_from_disk": loaded_states,
     }
 
 
@@ -111,6 +126,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--max-num-seqs", type=int, default=8, help="seats: also the snapshot slots")
     parser.add_argument("--intervals", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--no-restart", action="store_true", help="skip the disk-tier setting restarted every turn")
     parser.add_argument("--output", type=Path, default=Path(__file__).parent / "results" / "hybrid_prefix_reuse.json")
     args = parser.parse_args()
     print(describe_cpu(cpu_info()))
@@ -123,13 +139,18 @@ def main() -> None:
             on = run(folder, args, state_snapshot_interval=interval)
             on["ttft_ratio_by_turn"] = [a / b for a, b in zip(on["turn_ttft_p50_s"], off["turn_ttft_p50_s"], strict=True)]  # type: ignore[arg-type]
             results[f"snapshots_every_{interval}"] = on
-    print(f"{'setting':<22}{'turn 2 TTFT':>12}{'last TTFT':>11}{'ratio t2':>10}{'ratio last':>11}{'computed':>10}{'snap MiB':>10}")
+        if not args.no_restart:
+            with tempfile.TemporaryDirectory() as tier:
+                restarted = run(folder, args, restart=True, kv_offload_path=tier)
+            restarted["ttft_ratio_by_turn"] = [a / b for a, b in zip(restarted["turn_ttft_p50_s"], off["turn_ttft_p50_s"], strict=True)]  # type: ignore[arg-type]
+            results["disk_tier_restarted_every_turn"] = restarted
+    print(f"{'setting':<32}{'turn 2 TTFT':>12}{'last TTFT':>11}{'ratio t2':>10}{'ratio last':>11}{'computed':>10}{'snap MiB':>10}")
     for name, row in results.items():
         if not isinstance(row, dict) or "turn_ttft_p50_s" not in row:
             continue
         ttft = row["turn_ttft_p50_s"]
         ratio = row.get("ttft_ratio_by_turn") or [1.0] * len(ttft)
-        print(f"{name:<22}{ttft[1]:>12.3f}{ttft[-1]:>11.3f}{ratio[1]:>10.2f}{ratio[-1]:>11.2f}"
+        print(f"{name:<32}{ttft[1]:>12.3f}{ttft[-1]:>11.3f}{ratio[1]:>10.2f}{ratio[-1]:>11.2f}"
               f"{row['prompt_tokens_computed']:>10}{row['snapshot_bytes'] / 2**20:>10.1f}")  # fmt: skip
     print(json.dumps(results))
     args.output.parent.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,7 @@
 """Attention stage: CPU: a Gated DeltaNet's decode step in one native call
 (kernels/csrc/gated_delta.c): the conv step, the q/k norms, the gates and the delta rule of
-every decoding request, on its state slot in place.
+every decoding request, on its state slot in place. (On an NVIDIA GPU the step is
+attention/triton_gated_delta.py's.)
 
 Whether it runs is measured, not assumed: the first decode step of each batch size (up to
 a power of two) times it against the PyTorch step (attention/linear_attention.py) on
@@ -14,12 +15,11 @@ import functools
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from pagellm.attention.linear_attention import causal_conv_steps, delta_rule_steps
+from pagellm.attention.linear_attention import DecodeShape, causal_conv_steps, delta_rule_steps
 from pagellm.kernels.build import load_kernels
 
 logger = logging.getLogger(__name__)
@@ -30,22 +30,6 @@ _TRIALS = 3
 
 def l2_normalized(x: torch.Tensor) -> torch.Tensor:  # float32, over the last dimension
     return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + 1e-6)
-
-
-@dataclass(frozen=True)
-class DecodeShape:
-    """The shapes of one Gated DeltaNet that a decode step needs (tiled: value head i reads
-    key head i % key heads, else i // (value heads / key heads))."""
-
-    key_heads: int
-    value_heads: int
-    key_dim: int
-    value_dim: int
-    tiled: bool = False
-
-    @property
-    def conv_dim(self) -> int:
-        return 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
 
 
 def rule_inputs(
@@ -149,6 +133,10 @@ class DecodeChoice:
 
     def step(self, shape: DecodeShape, *args: torch.Tensor) -> torch.Tensor:
         mixed, states = args[0], args[5]
+        if mixed.device.type == "cuda":  # the Triton kernels (attention/triton_gated_delta.py)
+            from pagellm.attention.triton_gated_delta import triton_decode
+
+            return triton_decode(shape, *args)
         if self.native is None or mixed.device.type != "cpu" or states.dtype != torch.float32:
             return torch_decode(shape, *args)
         key = (shape, 1 << max(mixed.shape[0] - 1, 0).bit_length())

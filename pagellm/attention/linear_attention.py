@@ -56,6 +56,23 @@ class LinearAttentionMetadata:
     snapshot_states: tuple[LinearLayerState, ...] = ()
 
 
+
+@dataclass(frozen=True)
+class DecodeShape:
+    """The shapes of one Gated DeltaNet that a decode step needs (tiled: value head i reads
+    key head i % key heads, else i // (value heads / key heads))."""
+
+    key_heads: int
+    value_heads: int
+    key_dim: int
+    value_dim: int
+    tiled: bool = False
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
+
+
 def causal_conv(
     x: torch.Tensor,  # [num_tokens, channels]: one request's tokens
     conv_state: torch.Tensor,  # [channels, kernel_size - 1] float32, read and then replaced

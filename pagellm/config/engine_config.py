@@ -297,12 +297,11 @@ def resolve_engine_config(
 
 
 def hybrid_model_args(args: EngineArgs, model_config: ModelConfig) -> EngineArgs:
-    """A hybrid model (linear-attention layers with recurrent state): tensor parallelism,
-    LoRA and speculative decoding are refused."""
+    """A hybrid model (linear-attention layers with recurrent state): LoRA and speculative
+    decoding are refused."""
     if model_config.linear_attention is None:
         return args
     refused = [
-        (args.tensor_parallel_size > 1, "tensor_parallel_size > 1"),
         (args.enable_lora, "enable_lora"),
         (args.speculative_config is not None, "speculative_config (a rejected token would stay in the state)"),
     ]

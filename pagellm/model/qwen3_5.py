@@ -90,12 +90,16 @@ class GatedRMSNorm(nn.Module):
 
 class GatedDeltaNet(nn.Module):
     """A linear-attention layer: the gated delta rule over each request's recurrent state
-    (its slot in the metadata's layer state number `index`)."""
+    (its slot in the metadata's layer state number `index`). Under tensor parallelism
+    `config` holds this rank's heads, and out_proj's partial sums are all-reduced."""
 
-    def __init__(self, config: ModelConfig, index: int, kernel: CpuLinearKernels | None = None) -> None:
+    def __init__(
+        self, config: ModelConfig, index: int, kernel: CpuLinearKernels | None = None, tp: TPGroup | None = None
+    ) -> None:
         super().__init__()
         spec = config.linear_attention
         assert spec is not None
+        self.tp = tp
         self.index = index  # among the model's linear-attention layers
         self.num_value_heads, self.value_head_dim = spec.num_value_heads, spec.value_head_dim
         self.value_size = spec.num_value_heads * spec.value_head_dim
@@ -129,7 +133,8 @@ class GatedDeltaNet(nn.Module):
         if runs:  # prefill chunks, one request at a time
             self._prefill(mixed, b, a, linear, runs, core)
         gated = self.norm(core.to(hidden.dtype), z.reshape(num_tokens, self.num_value_heads, self.value_head_dim))
-        return self.out_proj(gated.reshape(num_tokens, self.value_size))
+        projected = self.out_proj(gated.reshape(num_tokens, self.value_size))
+        return projected if self.tp is None else self.tp.all_reduce(projected)
 
     def _decode(
         self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, linear: LinearAttentionMetadata, single: _Rows
@@ -261,7 +266,7 @@ class HybridDecoderLayer(nn.Module):
         self.input_layernorm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
         spec = config.linear_attention
         if spec is not None and layer in spec.layers:
-            self.linear_attn: GatedDeltaNet | None = GatedDeltaNet(config, spec.layers.index(layer), kernel)
+            self.linear_attn: GatedDeltaNet | None = GatedDeltaNet(config, spec.layers.index(layer), kernel, tp)
             self.self_attn: GatedAttention | None = None
         else:
             self.linear_attn = None

@@ -12,7 +12,13 @@ Each of the `size` ranks holds:
   down_proj);
 - a slice of the vocabulary (rows of the embedding and of the LM head), padded so that
   every rank holds the same number of rows;
-- full copies of the norms.
+- full copies of the norms;
+- in a hybrid's linear-attention layers (Qwen3.5), a slice of the key heads and of the
+  value heads that read them: their rows of the q, k and v parts of in_proj_qkv and of the
+  convolution, of in_proj_z, in_proj_b, in_proj_a, A_log and dt_bias, and the matching
+  columns of out_proj (row-parallel); each rank keeps the recurrent state of its heads.
+  In llama.cpp's tiled value-head order (value head i reads key head i % key heads) a
+  rank's value heads are a strided set: each split is then several pieces of rows.
 
 qkv and gate_up are column-parallel (no communication), o_proj and down_proj are
 row-parallel (their partial sums are all-reduced), the embedding is all-reduced (each
@@ -48,6 +54,16 @@ class TPLayout:
     vocab_size: int  # the full vocabulary (logits are trimmed to it)
     vocab_per_rank: int  # rows of the padded vocabulary on each rank
     head_dim: int
+    q_rows_per_head: int = 0  # head_dim, twice that where q_proj holds the output gate too
+    # Linear attention (0: none): the full model's key / value heads, this rank's share of
+    # each, their dims, and whether value heads tile over key heads (llama.cpp's order).
+    linear_key_heads: int = 0
+    linear_value_heads: int = 0
+    linear_key_heads_per_rank: int = 0
+    linear_value_heads_per_rank: int = 0
+    linear_key_dim: int = 0
+    linear_value_dim: int = 0
+    linear_value_heads_tiled: bool = False
 
     @classmethod
     def of(cls, config: ModelConfig, rank: int, size: int) -> TPLayout:
@@ -68,6 +84,8 @@ class TPLayout:
             vocab_size=config.vocab_size,
             vocab_per_rank=share.vocab_size,
             head_dim=config.head_dim,
+            q_rows_per_head=config.head_dim * (2 if config.attention_output_gate else 1),
+            **_linear_fields(config, size),
         )
 
     @property
@@ -85,7 +103,8 @@ class TPLayout:
         hd = self.head_dim
         kind = _kind(hf_name)
         if kind == "q_proj":
-            return range(self.rank * self.num_heads * hd, (self.rank + 1) * self.num_heads * hd)
+            width = self.num_heads * self.q_rows_per_head
+            return range(self.rank * width, (self.rank + 1) * width)
         if kind in ("k_proj", "v_proj"):
             return range(self.first_kv_head * hd, (self.first_kv_head + self.num_kv_heads) * hd)
         if kind in ("gate_proj", "up_proj"):
@@ -106,6 +125,47 @@ class TPLayout:
             return range(self.rank * size, (self.rank + 1) * size)
         return None
 
+    def out_pieces(self, hf_name: str) -> list[range] | None:
+        """Rows this rank keeps of a column-parallel tensor, as pieces in order (None: all)."""
+        kind = _linear_kind(hf_name)
+        if kind is None:
+            rows = self.out_rows(hf_name)
+            return None if rows is None else [rows]
+        if kind in ("in_proj_qkv", "conv1d"):  # q, k, v channels side by side
+            key_width = self.linear_key_heads * self.linear_key_dim
+            keys = self._key_heads(self.linear_key_dim)
+            return [keys, range(key_width + keys.start, key_width + keys.stop), *self._value_heads(self.linear_value_dim, 2 * key_width)]
+        if kind == "in_proj_z":
+            return self._value_heads(self.linear_value_dim)
+        if kind in ("in_proj_b", "in_proj_a", "A_log", "dt_bias"):
+            return self._value_heads(1)
+        return None  # out_proj: row-parallel
+
+    def in_pieces(self, hf_name: str) -> list[range] | None:
+        """Columns this rank keeps of a row-parallel weight, as pieces in order (None: all)."""
+        if _linear_kind(hf_name) == "out_proj":
+            return self._value_heads(self.linear_value_dim)
+        columns = self.in_columns(hf_name)
+        return None if columns is None else [columns]
+
+    def _key_heads(self, width: int) -> range:
+        start = self.rank * self.linear_key_heads_per_rank
+        return range(start * width, (start + self.linear_key_heads_per_rank) * width)
+
+    def _value_heads(self, width: int, offset: int = 0) -> list[range]:
+        """This rank's value heads' `width` rows each (after `offset`): in HF's grouped order
+        a run; tiled, one run per value head that each key head has."""
+        per_rank = self.linear_value_heads_per_rank
+        if not self.linear_value_heads_tiled:
+            start = offset + self.rank * per_rank * width
+            return [range(start, start + per_rank * width)]
+        keys = self.linear_key_heads_per_rank
+        first_key = self.rank * keys
+        return [
+            range(offset + (group * self.linear_key_heads + first_key) * width, offset + (group * self.linear_key_heads + first_key + keys) * width)
+            for group in range(self.linear_value_heads // self.linear_key_heads)
+        ]
+
     def _mlp_width(self, hf_name: str) -> int:
         if ".shared_expert." in hf_name:
             return self.shared_expert_intermediate_size
@@ -124,15 +184,43 @@ def _kind(hf_name: str) -> str | None:
     return match.group(1) if match else None
 
 
+_LINEAR_KIND = re.compile(r"\.linear_attn\.(?:(in_proj_qkv|in_proj_z|in_proj_b|in_proj_a|conv1d|out_proj)\.weight|(A_log|dt_bias))$")
+
+
+def _linear_kind(hf_name: str) -> str | None:
+    """Which part of a linear-attention layer a tensor is (None: not one)."""
+    match = _LINEAR_KIND.search(hf_name)
+    return None if match is None else match.group(1) or match.group(2)
+
+
+def _linear_fields(config: ModelConfig, size: int) -> dict[str, object]:
+    spec = config.linear_attention
+    if spec is None:
+        return {}
+    return {
+        "linear_key_heads": spec.num_key_heads,
+        "linear_value_heads": spec.num_value_heads,
+        "linear_key_heads_per_rank": spec.num_key_heads // size,
+        "linear_value_heads_per_rank": spec.num_value_heads // size,
+        "linear_key_dim": spec.key_head_dim,
+        "linear_value_dim": spec.value_head_dim,
+        "linear_value_heads_tiled": spec.value_heads_tiled,
+    }
+
+
 Array = TypeVar("Array", torch.Tensor, np.ndarray)
 
 
 def shard_rows(layout: TPLayout, hf_name: str, rows: Array) -> Array:
     """The rank's rows of a tensor (all of it where the tensor is not column-parallel);
     rows past the end (the padded vocabulary) are zeros."""
-    keep = layout.out_rows(hf_name)
-    if keep is None:
+    pieces = layout.out_pieces(hf_name)
+    if pieces is None:
         return rows
+    if len(pieces) > 1:
+        parts = [rows[piece.start : piece.stop] for piece in pieces]
+        return torch.cat(parts) if isinstance(rows, torch.Tensor) else np.concatenate(parts)  # type: ignore[return-value]
+    [keep] = pieces
     part = rows[keep.start : min(keep.stop, rows.shape[0])]
     missing = keep.stop - max(keep.start, min(keep.stop, rows.shape[0]))
     if missing > 0:
@@ -149,9 +237,9 @@ def shard_float(layout: TPLayout, hf_name: str, tensor: torch.Tensor) -> torch.T
     if layout.drops_bias(hf_name):
         return torch.zeros_like(tensor)
     tensor = shard_rows(layout, hf_name, tensor)
-    columns = layout.in_columns(hf_name)
-    if columns is not None:
-        tensor = tensor[:, columns.start : columns.stop]
+    pieces = layout.in_pieces(hf_name)
+    if pieces is not None:
+        tensor = torch.cat([tensor[:, piece.start : piece.stop] for piece in pieces], dim=1)
     return tensor.contiguous()
 
 
@@ -161,13 +249,13 @@ def shard_blocks(
     """The rank's share of quantized rows (uint8 [rows, bytes of blocks] as a GGUF stores
     them), or None where a column split would cut a quantization block."""
     blocks = shard_rows(layout, hf_name, blocks)
-    columns = layout.in_columns(hf_name)
-    if columns is None:
+    pieces = layout.in_pieces(hf_name)
+    if pieces is None:
         return blocks
-    if columns.start % block_elements or columns.stop % block_elements:
+    if any(piece.start % block_elements or piece.stop % block_elements for piece in pieces):
         return None
-    start, stop = columns.start // block_elements * block_bytes, columns.stop // block_elements * block_bytes
-    return np.ascontiguousarray(blocks[:, start:stop])
+    parts = [blocks[:, piece.start // block_elements * block_bytes : piece.stop // block_elements * block_bytes] for piece in pieces]
+    return np.ascontiguousarray(np.concatenate(parts, axis=1))
 
 
 class TPGroup(Protocol):

@@ -166,6 +166,11 @@ class TierStore:
         """Bytes of a snapshot's entry (0: the model keeps no recurrent state)."""
         return ENTRY_HEADER.size + self.identity.state_payload_bytes if self.identity.state_payload_bytes else 0
 
+    @property
+    def _entry_sizes(self) -> set[int]:
+        """The sizes an entry file may have: a block's, and a snapshot's where there are any."""
+        return {self.entry_bytes, self.state_entry_bytes} - {0}
+
     def _claim_folder(self) -> None:
         identity_path = self.folder / IDENTITY_FILE
         mine = self.identity.fields()
@@ -204,7 +209,7 @@ class TierStore:
                 stat = path.stat()
             except (ValueError, OSError):
                 continue
-            if len(digest) != DIGEST_BYTES or stat.st_size not in (self.entry_bytes, self.state_entry_bytes):
+            if len(digest) != DIGEST_BYTES or stat.st_size not in self._entry_sizes:
                 logger.info("prefix-cache tier: removing %s (truncated or foreign)", path)
                 path.unlink(missing_ok=True)
                 continue

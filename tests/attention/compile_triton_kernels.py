@@ -17,6 +17,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from pagellm.attention import triton_gated_delta as delta_kernels
 from pagellm.attention import triton_kernels as kernels
 from pagellm.attention.triton_backend import TritonTuning, _next_power_of_2
 
@@ -90,6 +91,25 @@ def main() -> None:
                      output_stride_head="i32"),
                 dict(NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=8, BLOCK_D=head_dim),
             )  # fmt: skip
+    # The Gated DeltaNet decode step (attention/triton_gated_delta.py): Qwen3.5-27B's layer
+    # (16 key / 48 value heads of 128, tiled as llama.cpp orders them) and Qwen3-Next's.
+    for key_heads, value_heads, tiled in ((16, 48, True), (16, 32, False)):
+        channels = 2 * key_heads * 128 + value_heads * 128
+        for dtype in ("bf16", "fp16", "fp32"):
+            compile_one(
+                delta_kernels.conv_step_kernel,
+                dict(mixed_ptr=f"*{dtype}", weight_ptr="*fp32", conv_states_ptr="*fp32", slots_ptr="*i64",
+                     out_ptr="*fp32", mixed_stride="i32"),
+                dict(CHANNELS=channels, KERNEL=4, BLOCK_C=1024),
+            )  # fmt: skip
+            shared = compile_one(
+                delta_kernels.delta_rule_step_kernel,
+                dict(conv_ptr="*fp32", b_ptr=f"*{dtype}", a_ptr=f"*{dtype}", a_log_ptr="*fp32", dt_bias_ptr="*fp32",
+                     states_ptr="*fp32", slots_ptr="*i64", out_ptr="*fp32", gate_stride="i32", scale="fp32"),
+                dict(KEY_HEADS=key_heads, VALUE_HEADS=value_heads, KEY_DIM=128, VALUE_DIM=128, TILED=tiled,
+                     BLOCK_K=128, BLOCK_V=64),
+            )  # fmt: skip
+            print(f"gated delta decode {dtype} heads {key_heads}/{value_heads}x128: shared {shared} B")
     print("all kernels compiled for sm_90")
 
 

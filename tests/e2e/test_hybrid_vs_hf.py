@@ -107,6 +107,17 @@ def test_greedy_tokens_equal_hf_in_other_batches(dense, engine_args):
     assert outputs == expected
 
 
+def test_tensor_parallel_2_splits_the_linear_heads_and_equals_hf(hybrid):
+    """Two ranks, each with half the attention and linear-attention heads (and the recurrent
+    state of its heads), its share of the experts' width: HF's tokens, under chunked prefill."""
+    folder, _, expected = hybrid
+    llm, outputs = run(folder, tensor_parallel_size=2, max_num_batched_tokens=24)
+    assert outputs == expected
+    spec = llm.engine.config.model_config.linear_attention
+    assert spec is not None and llm.engine.runner.model.config.linear_attention.num_key_heads == spec.num_key_heads // 2
+    llm.shutdown()
+
+
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption_recomputes_or_swaps_the_state(hybrid, mode):
     """Recompute rebuilds a preempted request's state from its tokens; swap copies it to a
@@ -271,14 +282,24 @@ def test_a_corrupt_or_truncated_snapshot_is_recomputed_never_trusted(dense, tmp_
 
 @pytest.mark.parametrize(
     "args",
-    [{"tensor_parallel_size": 2}, {"enable_lora": True}, {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}],
-    ids=["tp", "lora", "speculative"],
+    [{"enable_lora": True}, {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}],
+    ids=["lora", "speculative"],
 )
 def test_what_a_hybrid_cannot_run_yet_is_refused_by_name(dense, args):
     folder, _, _ = dense
     config = load_model_config(resolve_model_source(folder))
     with pytest.raises(ConfigError, match="not supported yet on a hybrid model"):
         hybrid_model_args(EngineArgs(model=folder, **args), config)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_a_gpu_the_triton_decode_step_gives_hfs_tokens(hybrid):
+    """On an NVIDIA GPU the decode steps of the linear-attention layers run in the Triton
+    kernels (attention/triton_gated_delta.py; checked under the interpreter on CPU)."""
+    folder, _, expected = hybrid
+    _, outputs = run(folder, device="cuda", dtype="float32", enforce_eager=True, max_num_batched_tokens=24)
+    assert outputs == expected
 
 
 def _switch_off(ref, feature: str) -> contextlib.AbstractContextManager:  # noqa: ANN001

@@ -8,31 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gated_delta_inputs import NUM_SLOTS, decode_inputs
+
 from pagellm.kernels.build import load_kernels
 from pagellm.attention.gated_delta_decode import DecodeChoice, DecodeShape, NativeDecode, torch_decode
-
-NUM_SLOTS = 7
-
-
-def inputs(shape: DecodeShape, rows: int, kernel: int, seed: int) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-
-    def randn(*size: int, scale: float = 1.0) -> torch.Tensor:
-        return torch.randn(*size, generator=g) * scale
-
-    slots = torch.randperm(NUM_SLOTS, generator=g)[:rows]
-    return [
-        randn(rows, shape.conv_dim),  # mixed
-        randn(rows, shape.value_heads),  # b
-        randn(rows, shape.value_heads, scale=2.0),  # a
-        randn(shape.conv_dim, kernel, scale=0.5),  # conv weight
-        randn(NUM_SLOTS, shape.conv_dim, kernel - 1),  # conv states
-        randn(NUM_SLOTS, shape.value_heads, shape.key_dim, shape.value_dim, scale=0.3),  # states
-        slots,
-        randn(shape.value_heads).abs(),  # A_log
-        randn(shape.value_heads),  # dt_bias
-    ]
-
 
 @pytest.mark.parametrize(
     "heads,tiled,kernel,rows",
@@ -44,7 +23,7 @@ def test_native_step_equals_the_torch_step(heads, tiled, kernel, rows, kernel_is
     library = load_kernels()
     assert library is not None and library.isa_level.name == kernel_isa
     shape = DecodeShape(*heads, tiled=tiled)
-    args = inputs(shape, rows, kernel, seed=rows)
+    args = decode_inputs(shape, rows, kernel, seed=rows)
     ours, reference = [list(args) for _ in range(2)]
     ours[4], ours[5] = args[4].clone(), args[5].clone()
     reference[4], reference[5] = args[4].clone(), args[5].clone()
@@ -62,7 +41,7 @@ def test_the_choice_is_measured_per_batch_size_and_leaves_the_states_to_the_step
     shape = DecodeShape(2, 4, 8, 8, tiled=False)
     choice = DecodeChoice.for_this_machine()
     assert choice.native is not None
-    args = inputs(shape, 3, 4, seed=1)
+    args = decode_inputs(shape, 3, 4, seed=1)
     before = [args[4].clone(), args[5].clone()]
     reference = list(args)
     reference[4], reference[5] = before[0].clone(), before[1].clone()

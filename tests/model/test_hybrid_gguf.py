@@ -80,6 +80,15 @@ def test_tokens_equal_hf_under_batching_and_chunked_prefill(family):
     assert pagellm_greedy(llm, PROMPTS, NEW_TOKENS) == expected
 
 
+def test_tensor_parallel_2_splits_the_files_value_heads(family):
+    """Each of two ranks keeps one key head and the value heads that read it: in a qwen35
+    file's tiled order heads 0 and 2 (rank 0) and 1 and 3 (rank 1), a strided set of rows
+    and of out_proj's columns; HF's tokens all the same."""
+    path, _, expected = family
+    with LLM(str(path), dtype="float32", max_model_len=160, tensor_parallel_size=2) as llm:
+        assert pagellm_greedy(llm, PROMPTS, NEW_TOKENS) == expected
+
+
 def test_the_value_head_order_matters(family, monkeypatch):
     """Paired the other way (a qwen35 file's tiled value heads as grouped, a qwen3next
     file's grouped ones as tiled), the file gives other tokens."""

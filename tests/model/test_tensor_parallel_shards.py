@@ -41,6 +41,31 @@ def test_layout_splits_heads_and_replicates_kv_heads_below_the_degree():
     assert (local.num_attention_heads, local.num_key_value_heads, local.intermediate_size) == (2, 1, 128)
 
 
+@pytest.mark.parametrize("tiled", [False, True], ids=["grouped", "tiled"])
+def test_a_hybrids_linear_heads_split_with_their_value_heads(tiled):
+    """2 key heads of 4 dims, 4 value heads of 3 dims, over 2 ranks: rank 1 keeps key head 1
+    and the value heads that read it (2 and 3 grouped; 1 and 3 tiled), in each part of the
+    fused q/k/v rows and the conv, z, b, a, A_log, dt_bias, and out_proj's columns; the
+    gated q_proj's rows are two head_dims a head."""
+    from pagellm.config.model import LinearAttentionSpec
+
+    spec = LinearAttentionSpec((0,), num_key_heads=2, num_value_heads=4, key_head_dim=4, value_head_dim=3, value_heads_tiled=tiled)
+    rank1 = TPLayout.of(config(linear_attention=spec, attention_output_gate=True), 1, 2)
+    heads = [(6, 12)] if not tiled else [(3, 6), (9, 12)]  # value-head rows of width 3
+    layer = "model.layers.0.linear_attn."
+    assert rank1.out_pieces(layer + "in_proj_qkv.weight") == [range(4, 8), range(12, 16)] + [range(16 + a, 16 + b) for a, b in heads]
+    assert rank1.out_pieces(layer + "conv1d.weight") == rank1.out_pieces(layer + "in_proj_qkv.weight")
+    assert rank1.out_pieces(layer + "in_proj_z.weight") == [range(a, b) for a, b in heads]
+    single = [range(2, 4)] if not tiled else [range(1, 2), range(3, 4)]
+    for name in ("in_proj_b.weight", "in_proj_a.weight", "A_log", "dt_bias"):
+        assert rank1.out_pieces(layer + name) == single, name
+    assert rank1.in_pieces(layer + "out_proj.weight") == [range(a, b) for a, b in heads]
+    assert rank1.out_pieces(layer + "norm.weight") is None and rank1.in_pieces(layer + "norm.weight") is None
+    weight = torch.arange(12 * 5.0).reshape(12, 5)  # out_proj: [hidden, value heads x dim], transposed here
+    assert torch.equal(shard_float(rank1, layer + "out_proj.weight", weight.t()), torch.cat([weight[a:b] for a, b in heads]).t())
+    assert rank1.out_rows("model.layers.1.self_attn.q_proj.weight") == range(4 * 64, 8 * 64)
+
+
 def test_a_degree_that_does_not_split_names_the_ones_that_do():
     cfg = config(num_attention_heads=9, num_key_value_heads=3, intermediate_size=1536, hidden_size=576, head_dim=64)
     assert valid_tp_sizes(cfg) == [1, 3]  # 9 splits the heads but not the 1536-wide MLP
