@@ -101,9 +101,9 @@ def test_embeddings_beside_generation_survive_preemption(checkpoint, mode):
     preempted: list[str] = []
     original = engine.scheduler._preempt
 
-    def record(request, plan):  # noqa: ANN001, ANN202
+    def record(request, plan, **kwargs):  # noqa: ANN001, ANN003, ANN202
         preempted.append(request.request_id)
-        return original(request, plan)
+        return original(request, plan, **kwargs)
 
     engine.scheduler._preempt = record
     generator = torch.Generator().manual_seed(2)
