@@ -85,6 +85,9 @@ def test_tensor_parallel_2_splits_the_files_value_heads(family):
     file's tiled order heads 0 and 2 (rank 0) and 1 and 3 (rank 1), a strided set of rows
     and of out_proj's columns; HF's tokens all the same."""
     path, _, expected = family
+    config = load_model_config(ModelSource("gguf", path, "m"))
+    if config.num_experts or not config.linear_attention.value_heads_tiled:
+        pytest.skip("the dense qwen35 file shows the tiled split; grouped heads and experts split as in the HF folders' test")
     with LLM(str(path), dtype="float32", max_model_len=160, tensor_parallel_size=2) as llm:
         assert pagellm_greedy(llm, PROMPTS, NEW_TOKENS) == expected
 
