@@ -54,7 +54,9 @@ class LinearAttentionMetadata:
     # into snapshot_states (prefix caching; core/state_snapshots.py).
     saves: list[list[tuple[int, int]]] = dataclasses.field(default_factory=list)
     snapshot_states: tuple[LinearLayerState, ...] = ()
-
+    # What the first linear-attention layer of the step works out from the above for all of
+    # them (which rows decode, which run a prefill chunk), by name.
+    per_step: dict[str, object] = dataclasses.field(default_factory=dict)
 
 
 @dataclass(frozen=True)

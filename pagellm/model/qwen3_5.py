@@ -126,12 +126,17 @@ class GatedDeltaNet(nn.Module):
         mixed, z, b, a = self.in_proj(hidden).split(
             [self.conv_dim, self.value_size, self.num_value_heads, self.num_value_heads], dim=-1
         )
-        single, runs = _split_requests(metadata.query_start_loc, linear)
-        core = torch.empty(num_tokens, self.num_value_heads, self.value_head_dim, dtype=torch.float32, device=hidden.device)
-        if single.rows is not None:  # decode steps, together
-            core[single.rows] = self._decode(mixed[single.rows], b[single.rows], a[single.rows], linear, single)
-        if runs:  # prefill chunks, one request at a time
-            self._prefill(mixed, b, a, linear, runs, core)
+        split = linear.per_step.get("split")
+        if split is None:  # once per step, for every layer
+            split = linear.per_step["split"] = _split_requests(metadata.query_start_loc, linear)
+        single, runs = split  # type: ignore[misc]
+        if not runs and single.slots is not None and single.slots.shape[0] == num_tokens:  # decode steps: every row, in order
+            core = self._decode(mixed, b, a, linear, single)
+        else:
+            core = torch.empty(num_tokens, self.num_value_heads, self.value_head_dim, dtype=torch.float32, device=hidden.device)
+            if single.rows is not None:  # decode steps, together
+                core[single.rows] = self._decode(mixed[single.rows], b[single.rows], a[single.rows], linear, single)
+            self._prefill(mixed, b, a, linear, runs, core)  # prefill chunks, one request at a time
         gated = self.norm(core.to(hidden.dtype), z.reshape(num_tokens, self.num_value_heads, self.value_head_dim))
         projected = self.out_proj(gated.reshape(num_tokens, self.value_size))
         return projected if self.tp is None else self.tp.all_reduce(projected)
@@ -140,16 +145,26 @@ class GatedDeltaNet(nn.Module):
         self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, linear: LinearAttentionMetadata, single: _Rows
     ) -> torch.Tensor:  # [rows, value_heads, value_dim] float32
         states = linear.layer_states[self.index]
+        conv_weight, a_log, dt_bias = self._float32_parameters()
         out = self.decode_choice.step(
-            self.shape, mixed, b, a, self.conv1d.weight.squeeze(1), states.conv, states.recurrent, single.slots,
-            self.A_log, self.dt_bias,
-        )  # fmt: skip
+            self.shape, mixed, b, a, conv_weight, states.conv, states.recurrent, single.slots, a_log, dt_bias
+        )
         snapshots = linear.snapshot_states[self.index] if single.saves else None
         for slot, snapshot in single.saves:  # the state after the step's token
             assert snapshots is not None
             snapshots.conv[snapshot] = states.conv[slot]
             snapshots.recurrent[snapshot] = states.recurrent[slot]
         return out
+
+    def _float32_parameters(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The conv weight [conv_dim, kernel], A_log and dt_bias as the decode step reads them
+        (float32, contiguous), made once: the weights do not change after loading."""
+        cached = getattr(self, "_float32_cache", None)
+        source = (self.conv1d.weight, self.A_log, self.dt_bias)
+        if cached is None or any(p.data_ptr() != ptr for p, ptr in zip(source, cached[1], strict=True)):
+            made = tuple(p.detach().float().contiguous() for p in (self.conv1d.weight.squeeze(1), self.A_log, self.dt_bias))
+            cached = self._float32_cache = (made, tuple(p.data_ptr() for p in source))
+        return cached[0]  # type: ignore[return-value]
 
     def _prefill(
         self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, linear: LinearAttentionMetadata,
