@@ -165,6 +165,10 @@ SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
         c_int64, c_int64, c_int64, c_int64, c_int64, c_int64,  # R, key heads, value heads, key dim, value dim, kernel
         c_int, c_void_p, c_void_p, c_int,  # value heads tiled, out [R, value heads, value dim], scratch [R, conv dim], threads
     ]),
+    "causal_conv_run": (None, [
+        c_void_p, c_int, c_int64, c_int64, c_int64,  # x [tokens, channels] bf16 or float32 (flag), row stride, tokens, channels
+        c_void_p, c_void_p, c_int64, c_void_p, c_int,  # weight [channels, kernel], conv state [channels, kernel - 1], kernel, out, threads
+    ]),
     "bf16_to_fp8_rows": (None, [c_void_p, c_void_p, c_int64, c_int]),  # src, dst, n, fp8 element type
     "silu_mul_rows": (None, [c_void_p, c_void_p, c_int64, c_int64, c_int]),  # gate_up f32, act bf16, m, inter, threads
     # logits, dtype, row stride, vocab, bitmask, words, row index, n

@@ -25,13 +25,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagellm.attention.backend import AttentionBackend, AttentionMetadata
-from pagellm.attention.linear_attention import LinearAttentionMetadata, causal_conv, delta_rule_chunked
+from pagellm.attention.linear_attention import LinearAttentionMetadata, delta_rule_chunked
 from pagellm.config.model import ModelConfig
 from pagellm.kernels.linear_bindings import CpuLinearKernels
 from pagellm.model.layers import OffsetRMSNorm, RMSNorm
 from pagellm.model.llama import LlamaForCausalLM, LlamaMLP
 from pagellm.model.mixture_of_experts import MixtureOfExperts
 from pagellm.attention.gated_delta_decode import DecodeShape, process_decode_choice, rule_inputs
+from pagellm.attention.gated_delta_prefill import process_conv_choice
 from pagellm.model.packable_layers import PackableLinear
 from pagellm.model.qwen3 import Qwen3Attention
 from pagellm.model.tensor_parallel import TPGroup
@@ -116,8 +117,10 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = PackableLinear(self.value_size, config.hidden_size, bias=False, kernel=kernel)
         self.shape = DecodeShape(spec.num_key_heads, spec.num_value_heads, spec.key_head_dim, spec.value_head_dim,
                                  spec.value_heads_tiled)  # fmt: skip
-        # Decode steps: PyTorch's or one native call, whichever is measured faster here.
+        # Decode steps and prefill runs' convolutions: PyTorch's or one native call,
+        # whichever is measured faster here.
         self.decode_choice = process_decode_choice()
+        self.conv_choice = process_conv_choice()
 
     def forward(self, hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:  # [num_tokens, hidden_size]
         linear = metadata.linear
@@ -190,11 +193,13 @@ class GatedDeltaNet(nn.Module):
 
     def _convolve(self, mixed: torch.Tensor, linear: LinearAttentionMetadata, runs: list[_Run]) -> torch.Tensor:
         state = linear.layer_states[self.index].conv
-        weight = self.conv1d.weight.squeeze(1)  # [conv_dim, kernel_size]
+        weight = self._float32_parameters()[0]  # [conv_dim, kernel_size]
+        if len(runs) == 1 and not runs[0].saves and runs[0].end - runs[0].start == mixed.shape[0]:
+            return self.conv_choice.run(mixed, state[runs[0].slot], weight)  # one request's rows: no copy
         out = torch.empty(mixed.shape, dtype=torch.float32, device=mixed.device)
         for run in runs:
             history = state[run.slot].clone() if run.saves else None
-            out[run.start : run.end] = causal_conv(mixed[run.start : run.end], state[run.slot], weight)
+            out[run.start : run.end] = self.conv_choice.run(mixed[run.start : run.end], state[run.slot], weight)
             if history is not None:  # the inputs before each boundary: the state there
                 inputs = torch.cat([history, mixed[run.start : run.end].t().float()], dim=1)
                 for offset, snapshot in run.saves:

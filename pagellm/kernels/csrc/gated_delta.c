@@ -9,14 +9,20 @@
  * output (q S) in a second pass that finds it in the core's cache: one read and one write
  * from memory. The short convolution, the q/k L2 norms and the gates come first, in one
  * pass per request.
+ *
+ * causal_conv_run is a prefill run's short convolution (one request's tokens, continuing
+ * from its conv state) with SiLU, in one pass over the tokens: PyTorch's depthwise conv1d
+ * and the concatenation and transposes around it stream the run's channels several times.
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
 
+#include "bf16.h"
 #include "float_mode.h"
 
 static inline float silu(float x) { return x / (1.0f + expf(-x)); }
@@ -109,4 +115,57 @@ void gated_delta_decode(const float *mixed, const float *b, const float *a, cons
         }
         float_mode_restore(float_mode);
     }
+}
+
+/* One request's run of `tokens` through the causal depthwise convolution, continuing from
+ * the inputs its state holds, then SiLU.
+ * x: [tokens, channels] with row stride x_stride, bfloat16 (x_f32 0) or float32;
+ * weight: [channels, kernel] float32; conv_state: [channels, kernel - 1] float32 (the last
+ * inputs, oldest first; replaced by the run's last ones); out: [tokens, channels] float32.
+ * Token t's output is sum_j weight[c, j] * input(t - (kernel - 1) + j), the inputs before
+ * the run coming from the state. Threads take tokens; each token's loops run along the
+ * channels (contiguous), so that they vectorize, SiLU's exp included. */
+static inline float conv_input(const void *x, int x_f32, int64_t at) {
+    return x_f32 ? ((const float *)x)[at] : bf16_to_float(((const uint16_t *)x)[at]);
+}
+
+void causal_conv_run(const void *x, int x_f32, int64_t x_stride, int64_t tokens, int64_t channels,
+                     const float *weight, float *conv_state, int64_t kernel, float *out, int num_threads) {
+    const int64_t history = kernel - 1;
+    float *taps = malloc((size_t)(kernel * channels) * sizeof(float)); /* [kernel, channels] */
+    if (taps == NULL) return;
+    for (int64_t c = 0; c < channels; c++)
+        for (int64_t j = 0; j < kernel; j++) taps[j * channels + c] = weight[c * kernel + j];
+#pragma omp parallel num_threads(num_threads)
+    {
+        const unsigned float_mode = subnormals_flushed();
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tokens; t++) {
+            float *o = out + t * channels;
+            const float *current = taps + history * channels;
+            for (int64_t c = 0; c < channels; c++) o[c] = current[c] * conv_input(x, x_f32, t * x_stride + c);
+            for (int64_t j = 0; j < history; j++) {
+                const int64_t source = t - history + j;
+                const float *w = taps + j * channels;
+                if (source >= 0) {
+                    for (int64_t c = 0; c < channels; c++) o[c] += w[c] * conv_input(x, x_f32, source * x_stride + c);
+                } else { /* before the run: from the state */
+                    for (int64_t c = 0; c < channels; c++) o[c] += w[c] * conv_state[c * history + history + source];
+                }
+            }
+            for (int64_t c = 0; c < channels; c++) o[c] = o[c] / (1.0f + expf(-o[c]));
+        }
+        float_mode_restore(float_mode);
+    }
+    /* The new state, once every read of the old one is done: the last `history` inputs (for
+     * a run shorter than that, the old state's later entries first; entry j reads entry
+     * tokens + j >= j, not yet overwritten). */
+    for (int64_t c = 0; c < channels; c++) {
+        float *past = conv_state + c * history;
+        for (int64_t j = 0; j < history; j++) {
+            const int64_t source = tokens - history + j;
+            past[j] = source >= 0 ? conv_input(x, x_f32, source * x_stride + c) : past[history + source];
+        }
+    }
+    free(taps);
 }
