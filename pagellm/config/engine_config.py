@@ -13,7 +13,6 @@ model loads: `EngineConfig.with_cache` adds it (config/cache.py decides it).
 from __future__ import annotations
 
 import dataclasses
-import logging
 from dataclasses import dataclass
 
 from pagellm.config.cache import CacheBudget, CacheConfig, CacheSize, sized_cache_config
@@ -25,8 +24,6 @@ from pagellm.config.scheduler import DEFAULT_BACKGROUND_TOKEN_BUDGET, DEFAULT_MA
 from pagellm.config.speculative import SpeculativeConfig, resolve_speculative_config
 from pagellm.config.units import GiB
 from pagellm.errors import ConfigError
-
-logger = logging.getLogger(__name__)
 
 # The dtypes a model may run in (the names of EngineArgs.dtype other than auto).
 MODEL_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
