@@ -216,8 +216,14 @@ class TierStore:
             found.append((stat.st_mtime, digest, stat.st_size))
         found.sort()
         if found:
-            logger.info("prefix-cache tier: %d blocks found in %s", len(found), self.folder)
+            logger.info("prefix-cache tier: %s found in %s", self.describe_entries([size for _, _, size in found]), self.folder)
         return [(digest, size) for _, digest, size in found]
+
+    def describe_entries(self, sizes: list[int]) -> str:
+        """'N blocks' (and 'and M snapshots' for a hybrid model's) of entries of these sizes."""
+        snapshots = sum(1 for size in sizes if size == self.state_entry_bytes) if self.state_entry_bytes else 0
+        text = f"{len(sizes) - snapshots} blocks of {self.entry_bytes} bytes"
+        return text + (f" and {snapshots} snapshots of {self.state_entry_bytes} bytes" if self.state_entry_bytes else "")
 
     def path_of(self, digest: bytes) -> Path:
         return self.folder / (digest.hex() + ENTRY_SUFFIX)

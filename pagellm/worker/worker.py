@@ -227,8 +227,9 @@ class Worker:
         element_bytes = torch.empty((), dtype=self.kv_cache_dtype).element_size()
         store = TierStore(path, TierIdentity.for_engine(self.config, element_bytes))
         logger.info(
-            "prefix-cache tier: %s, at most %.2f GiB, %d blocks of %d bytes found",
-            store.folder, self.config.cache_budget.kv_offload_bytes / GiB, len(store.entries), store.entry_bytes,
+            "prefix-cache tier: %s, at most %.2f GiB, %s found",
+            store.folder, self.config.cache_budget.kv_offload_bytes / GiB,
+            store.describe_entries([size for _, size in store.entries]),
         )  # fmt: skip
         return store
 
