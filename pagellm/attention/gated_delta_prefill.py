@@ -1,7 +1,10 @@
-"""Attention stage: CPU: a Gated DeltaNet prefill run's short convolution (one request's
-tokens through the causal depthwise conv, continuing from its conv state, then SiLU) in one
-native call (kernels/csrc/gated_delta.c causal_conv_run) instead of PyTorch's conv1d and
-the concatenation and transposes around it.
+"""Attention stage: a Gated DeltaNet prefill run's short convolution and delta rule.
+
+CPU: the short convolution (one request's tokens through the causal depthwise conv,
+continuing from its conv state, then SiLU) in one native call (kernels/csrc/gated_delta.c
+causal_conv_run) instead of PyTorch's conv1d and the concatenation and transposes around
+it. GPU: the rule token after token in Triton (attention/triton_gated_delta.py), elsewhere
+the chunked form in PyTorch (`prefill_delta_rule`).
 
 Whether it runs is measured, not assumed: the first run of each (channels, kernel) and
 token count (rounded up to a power of two) times it against attention/linear_attention.py's
@@ -18,7 +21,7 @@ from collections.abc import Callable
 
 import torch
 
-from pagellm.attention.linear_attention import causal_conv
+from pagellm.attention.linear_attention import causal_conv, delta_rule_chunked
 from pagellm.kernels.build import load_kernels
 
 logger = logging.getLogger(__name__)
@@ -99,10 +102,27 @@ class ConvChoice:
         return candidates[name]
 
 
+def prefill_delta_rule(
+    q: torch.Tensor,  # [num_tokens, heads, key_dim] float32, normalized and scaled
+    k: torch.Tensor,  # [num_tokens, heads, key_dim] float32, normalized
+    v: torch.Tensor,  # [num_tokens, heads, value_dim] float32
+    g: torch.Tensor,  # [num_tokens, heads]: log of the decay
+    beta: torch.Tensor,  # [num_tokens, heads]
+    state: torch.Tensor,  # [heads, key_dim, value_dim] float32: before the first token
+) -> tuple[torch.Tensor, torch.Tensor]:  # outputs [num_tokens, heads, value_dim], the state after
+    """One request's run through the rule: Triton's recurrent kernel on a GPU (the state
+    updated in place), the chunked form in PyTorch elsewhere."""
+    if state.device.type == "cuda" and state.is_contiguous():
+        from pagellm.attention.triton_gated_delta import triton_delta_rule_run
+
+        return triton_delta_rule_run(q, k, v, g, beta, state)
+    return delta_rule_chunked(q, k, v, g, beta, state)
+
+
 @functools.cache
 def process_conv_choice() -> ConvChoice:
     """The one choice every Gated DeltaNet of this process shares."""
     return ConvChoice.for_this_machine()
 
 
-__all__ = ["ConvChoice", "NativeConv", "process_conv_choice"]
+__all__ = ["ConvChoice", "NativeConv", "prefill_delta_rule", "process_conv_choice"]

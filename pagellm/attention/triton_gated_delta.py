@@ -12,8 +12,12 @@ Two kernels, so that no program reads a conv state another one is rewriting:
   exp(-exp(A_log) * softplus(a + dt_bias)) and beta = sigmoid(b), then the rule on that
   value head's [key_dim, value block] tile of the state: decay, predict v from k, write
   beta * (v - prediction) along k, read out along q.
+- `delta_rule_run`: a prefill run of one request (its q, k, v, decay and beta already
+  computed, per value head), token after token in one program per (value head, block of
+  value dims) that keeps its [key_dim, value block] tile of the state in registers for the
+  whole run: the recurrent form of the rule, on the GPU in place of the chunked one.
 
-Both run under Triton's interpreter (TRITON_INTERPRET=1) on CPU tensors, which is how the
+All run under Triton's interpreter (TRITON_INTERPRET=1) on CPU tensors, which is how the
 CPU test suite checks them against the PyTorch step.
 """
 
@@ -108,6 +112,67 @@ def delta_rule_step_kernel(
     tl.store(out_ptr + (row * VALUE_HEADS + head) * VALUE_DIM + dims, out, mask=value_mask)
 
 
+@triton.jit
+def delta_rule_run_kernel(
+    q_ptr,  # [T, HEADS, KEY_DIM] float32: L2-normalised and scaled, one per value head
+    k_ptr,  # [T, HEADS, KEY_DIM] float32: L2-normalised
+    v_ptr,  # [T, HEADS, VALUE_DIM] float32
+    g_ptr,  # [T, HEADS] float32: log of the decay
+    beta_ptr,  # [T, HEADS] float32
+    state_ptr,  # [HEADS, KEY_DIM, VALUE_DIM] float32, updated in place
+    out_ptr,  # [T, HEADS, VALUE_DIM] float32
+    tokens,
+    HEADS: tl.constexpr,
+    KEY_DIM: tl.constexpr,
+    VALUE_DIM: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    head = tl.program_id(0)
+    dims = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    keys = tl.arange(0, BLOCK_K)
+    key_mask, value_mask = keys < KEY_DIM, dims < VALUE_DIM
+    tile = state_ptr + (head * KEY_DIM + keys[:, None]) * VALUE_DIM + dims[None, :]
+    tile_mask = key_mask[:, None] & value_mask[None, :]
+    state = tl.load(tile, mask=tile_mask, other=0.0)
+    for t in range(tokens):
+        q = tl.load(q_ptr + (t * HEADS + head) * KEY_DIM + keys, mask=key_mask, other=0.0)
+        k = tl.load(k_ptr + (t * HEADS + head) * KEY_DIM + keys, mask=key_mask, other=0.0)
+        v = tl.load(v_ptr + (t * HEADS + head) * VALUE_DIM + dims, mask=value_mask, other=0.0)
+        decay = tl.exp(tl.load(g_ptr + t * HEADS + head))
+        beta = tl.load(beta_ptr + t * HEADS + head)
+        state = state * decay
+        predicted = tl.sum(state * k[:, None], axis=0)
+        written = beta * (v - predicted)
+        state += k[:, None] * written[None, :]
+        out = tl.sum(state * q[:, None], axis=0)
+        tl.store(out_ptr + (t * HEADS + head) * VALUE_DIM + dims, out, mask=value_mask)
+    tl.store(tile, state, mask=tile_mask)
+
+
+def triton_delta_rule_run(
+    q: torch.Tensor,  # [num_tokens, heads, key_dim] float32, normalized and scaled
+    k: torch.Tensor,  # [num_tokens, heads, key_dim] float32, normalized
+    v: torch.Tensor,  # [num_tokens, heads, value_dim] float32
+    g: torch.Tensor,  # [num_tokens, heads]: log of the decay
+    beta: torch.Tensor,  # [num_tokens, heads]
+    state: torch.Tensor,  # [heads, key_dim, value_dim] float32, contiguous: updated in place
+) -> tuple[torch.Tensor, torch.Tensor]:  # outputs [num_tokens, heads, value_dim], the state after
+    """attention/linear_attention.delta_rule_chunked's result, token after token in Triton."""
+    tokens, heads, key_dim = q.shape
+    value_dim = v.shape[-1]
+    assert state.is_contiguous() and state.dtype == torch.float32
+    q, k, v, g, beta = (t.float().contiguous() for t in (q, k, v, g, beta))
+    out = torch.empty(tokens, heads, value_dim, dtype=torch.float32, device=v.device)
+    block_v = min(64, triton.next_power_of_2(value_dim))
+    if tokens:
+        delta_rule_run_kernel[(heads, triton.cdiv(value_dim, block_v))](
+            q, k, v, g, beta, state, out, tokens, HEADS=heads, KEY_DIM=key_dim, VALUE_DIM=value_dim,
+            BLOCK_K=triton.next_power_of_2(key_dim), BLOCK_V=block_v,
+        )  # fmt: skip
+    return out, state
+
+
 def triton_decode(
     shape: DecodeShape,
     mixed: torch.Tensor,  # [R, conv dim]
@@ -145,4 +210,4 @@ def triton_decode(
     return out
 
 
-__all__ = ["conv_step_kernel", "delta_rule_step_kernel", "triton_decode"]
+__all__ = ["conv_step_kernel", "delta_rule_run_kernel", "delta_rule_step_kernel", "triton_decode", "triton_delta_rule_run"]

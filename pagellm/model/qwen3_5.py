@@ -25,14 +25,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagellm.attention.backend import AttentionBackend, AttentionMetadata
-from pagellm.attention.linear_attention import LinearAttentionMetadata, delta_rule_chunked
+from pagellm.attention.linear_attention import LinearAttentionMetadata
 from pagellm.config.model import ModelConfig
 from pagellm.kernels.linear_bindings import CpuLinearKernels
 from pagellm.model.layers import OffsetRMSNorm, RMSNorm
 from pagellm.model.llama import LlamaForCausalLM, LlamaMLP
 from pagellm.model.mixture_of_experts import MixtureOfExperts
 from pagellm.attention.gated_delta_decode import DecodeShape, process_decode_choice, rule_inputs
-from pagellm.attention.gated_delta_prefill import process_conv_choice
+from pagellm.attention.gated_delta_prefill import prefill_delta_rule, process_conv_choice
 from pagellm.model.packable_layers import PackableLinear
 from pagellm.model.qwen3 import Qwen3Attention
 from pagellm.model.tensor_parallel import TPGroup
@@ -224,7 +224,7 @@ class GatedDeltaNet(nn.Module):
             for end, snapshot in [(run.start + offset, snapshot) for offset, snapshot in run.saves] + [(run.end, None)]:
                 if end > start:
                     part = slice(start, end)
-                    out[part], current = delta_rule_chunked(q[part], k[part], v[part], g[part], beta[part], current)
+                    out[part], current = prefill_delta_rule(q[part], k[part], v[part], g[part], beta[part], current)
                 if snapshot is not None:
                     linear.snapshot_states[self.index].recurrent[snapshot] = current
                 start = end

@@ -110,6 +110,13 @@ def main() -> None:
                      BLOCK_K=128, BLOCK_V=64),
             )  # fmt: skip
             print(f"gated delta decode {dtype} heads {key_heads}/{value_heads}x128: shared {shared} B")
+        shared = compile_one(
+            delta_kernels.delta_rule_run_kernel,
+            dict(q_ptr="*fp32", k_ptr="*fp32", v_ptr="*fp32", g_ptr="*fp32", beta_ptr="*fp32", state_ptr="*fp32",
+                 out_ptr="*fp32", tokens="i32"),
+            dict(HEADS=value_heads, KEY_DIM=128, VALUE_DIM=128, BLOCK_K=128, BLOCK_V=64),
+        )  # fmt: skip
+        print(f"gated delta prefill run heads {value_heads}x128: shared {shared} B")
     print("all kernels compiled for sm_90")
 
 

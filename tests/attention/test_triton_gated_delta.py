@@ -48,3 +48,30 @@ def test_bfloat16_projection_slices_as_the_model_passes_them():
     reference[4], reference[5] = args[4].clone(), args[5].clone()
     torch.testing.assert_close(triton_decode(shape, *ours), torch_decode(shape, *reference), rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(ours[5], reference[5], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("tokens,dims", [(1, (4, 8, 8)), (70, (3, 8, 16)), (19, (2, 12, 80))], ids=["one", "past-a-chunk", "odd-dims"])
+def test_triton_prefill_run_equals_the_chunked_rule(tokens, dims):
+    """A prefill run token after token in Triton: the chunked form's outputs and final state
+    (attention/linear_attention.delta_rule_chunked, itself checked against float64)."""
+    from pagellm.attention.linear_attention import delta_rule_chunked
+    from pagellm.attention.triton_gated_delta import triton_delta_rule_run
+
+    heads, key_dim, value_dim = dims
+    g = torch.Generator().manual_seed(tokens)
+
+    def unit(*size: int) -> torch.Tensor:
+        x = torch.randn(*size, generator=g)
+        return x / x.norm(dim=-1, keepdim=True)
+
+    q, k = unit(tokens, heads, key_dim) * key_dim**-0.5, unit(tokens, heads, key_dim)
+    v = torch.randn(tokens, heads, value_dim, generator=g)
+    decay_log = -torch.rand(tokens, heads, generator=g)
+    beta = torch.rand(tokens, heads, generator=g)
+    state = torch.randn(heads, key_dim, value_dim, generator=g) * 0.3
+    expected, expected_state = delta_rule_chunked(q, k, v, decay_log, beta, state.clone())
+    ours_state = state.clone()
+    out, returned = triton_delta_rule_run(q, k, v, decay_log, beta, ours_state)
+    assert returned is ours_state  # in place
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(ours_state, expected_state, rtol=1e-4, atol=1e-4)
