@@ -185,42 +185,51 @@ class KVTierTransfer:
     def _load(self, loads: list[tuple[bytes, int]], state_loads: list[tuple[bytes, int]]) -> LoadResult:
         result = LoadResult()
         started = time.perf_counter()
-        self._load_blocks(loads, result)
+        if loads:
+            self._load_blocks(loads, result)
         if state_loads:
             self._load_states(state_loads, result)
         result.seconds = time.perf_counter() - started
         return result
 
-    def _load_blocks(self, loads: list[tuple[bytes, int]], result: LoadResult) -> None:
-        if not loads:
-            return
-        # Every entry read straight into one buffer, then one copy per cache tensor.
-        entry_bytes = self.store.entry_bytes
+    def _read_entries(
+        self, loads: list[tuple[bytes, int]], result: LoadResult, state: bool
+    ) -> tuple[torch.Tensor, list[int]]:
+        """Every entry of `loads` (key, target) read and checked into one buffer (a row
+        each, from the host cache where it has them); returns the buffer's payloads and the
+        targets of the rows that loaded, in order (a failed entry is counted and skipped)."""
+        entry_bytes = self.store.state_entry_bytes if state else self.store.entry_bytes
         buffer = torch.empty((len(loads), entry_bytes), dtype=torch.uint8)
         flat = memoryview(buffer.numpy().reshape(-1))
-        loaded_ids: list[int] = []
-        for digest, block_id in loads:
-            row = len(loaded_ids)
-            cached = self.host.get(digest) if self.host is not None else None
+        targets: list[int] = []
+        for key, target in loads:
+            row = len(targets)
+            cached = self.host.get(key) if self.host is not None else None
             if cached is not None:
                 buffer[row, ENTRY_HEADER.size :].copy_(cached)
                 result.num_from_host += 1
             else:
                 try:
-                    self.store.read_into(digest, flat[row * entry_bytes : (row + 1) * entry_bytes])
+                    self.store.read_into(key, flat[row * entry_bytes : (row + 1) * entry_bytes], state=state)
                 except TierEntryError as error:
-                    logger.warning("prefix-cache tier: %s; the block is computed instead", error)
-                    result.failed.append(digest)
+                    instead = "the request's history is looked up again" if state else "the block is computed instead"
+                    logger.warning("prefix-cache tier: %s; %s", error, instead)
+                    result.failed.append(key)
                     continue
                 result.bytes_read += entry_bytes
                 if self.host is not None:
-                    self.host.put(digest, buffer[row, ENTRY_HEADER.size :].clone())
-            loaded_ids.append(block_id)
+                    self.host.put(key, buffer[row, ENTRY_HEADER.size :].clone())
+            targets.append(target)
         result.bytes_loaded += len(loads) * entry_bytes
+        return buffer[: len(targets), ENTRY_HEADER.size :], targets
+
+    def _load_blocks(self, loads: list[tuple[bytes, int]], result: LoadResult) -> None:
+        # Every entry read straight into one buffer, then one copy per cache tensor.
+        payloads, loaded_ids = self._read_entries(loads, result, state=False)
         if loaded_ids:
             first = self.tensors[0]
             shape = (len(loaded_ids), len(self.tensors), first.shape[0], *first.shape[2:])
-            blocks = buffer[: len(loaded_ids), ENTRY_HEADER.size :].view(first.dtype).view(shape)
+            blocks = payloads.view(first.dtype).view(shape)
             index = torch.tensor(loaded_ids, device=first.device)
             for layer, tensor in enumerate(self.tensors):
                 # [n, 2, block_size, heads, dim] -> [2, n, ...]: the blocks along dim 1.
@@ -228,30 +237,9 @@ class KVTierTransfer:
             result.num_loaded = len(loaded_ids)
 
     def _load_states(self, loads: list[tuple[bytes, int]], result: LoadResult) -> None:
-        entry_bytes = self.store.state_entry_bytes
-        buffer = torch.empty((len(loads), entry_bytes), dtype=torch.uint8)
-        flat = memoryview(buffer.numpy().reshape(-1))
-        loaded_slots: list[int] = []
-        for key, slot in loads:
-            row = len(loaded_slots)
-            cached = self.host.get(key) if self.host is not None else None
-            if cached is not None:
-                buffer[row, ENTRY_HEADER.size :].copy_(cached)
-                result.num_from_host += 1
-            else:
-                try:
-                    self.store.read_into(key, flat[row * entry_bytes : (row + 1) * entry_bytes], state=True)
-                except TierEntryError as error:
-                    logger.warning("prefix-cache tier: %s; the request's history is looked up again", error)
-                    result.failed.append(key)
-                    continue
-                result.bytes_read += entry_bytes
-                if self.host is not None:
-                    self.host.put(key, buffer[row, ENTRY_HEADER.size :].clone())
-            loaded_slots.append(slot)
-        result.bytes_loaded += len(loads) * entry_bytes
+        payloads, loaded_slots = self._read_entries(loads, result, state=True)
         if loaded_slots:
-            load_state_rows(self.states, loaded_slots, buffer[: len(loaded_slots), ENTRY_HEADER.size :])
+            load_state_rows(self.states, loaded_slots, payloads)
             result.num_loaded_states = len(loaded_slots)
 
     def report(self, loading: Future[LoadResult] | None) -> TierReport:

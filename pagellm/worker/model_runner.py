@@ -32,7 +32,7 @@ from pagellm.worker.kv_cache import allocate_kv_caches, distinct_tensors
 from pagellm.worker.kv_tier_store import TierStore
 from pagellm.worker.kv_tier_transfer import KVTierTransfer
 from pagellm.worker.model_inputs import ScheduledSequence
-from pagellm.worker.recurrent_state import allocate_linear_states, copy_slots, reset_slots
+from pagellm.worker.recurrent_state import allocate_linear_states, fill_state_slots
 from pagellm.worker.request_state import RunnerRequestState
 from pagellm.worker.spec_verification import SpeculativeVerifier
 from pagellm.worker.step_paths import StepInputs, StepPaths
@@ -203,22 +203,10 @@ class ModelRunner:
         return output
 
     def _run_step(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        # Swap-outs first (their slots may be the step's to reuse), then forks' copies (a
-        # parent that finished may have left its slot to a new request), then what fills
-        # the step's new slots: swap-ins, snapshots, zeros.
-        swaps = scheduler_output.state_swaps
-        copy_slots(self.linear_states, swaps.out, target=self.host_states)
-        copy_slots(self.linear_states, scheduler_output.state_copies)
-        copy_slots(self.host_states, swaps.into, target=self.linear_states)
-        copy_slots(self.snapshot_states, scheduler_output.state_restores, target=self.linear_states)
+        fill_state_slots(self.linear_states, self.snapshot_states, self.host_states, scheduler_output)
         self._state_saves = scheduler_output.state_saves
         for new in scheduler_output.scheduled_new_reqs:
             self._add_request(new)
-        reset_slots(
-            self.linear_states,
-            [new.state_slot for new in scheduler_output.scheduled_new_reqs
-             if new.num_computed_tokens == 0 and new.state_slot is not None],
-        )  # fmt: skip
         for cached in scheduler_output.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
             for table, new_ids in zip(state.block_ids, cached.new_block_ids, strict=True):

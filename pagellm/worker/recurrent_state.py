@@ -8,6 +8,7 @@ import torch
 
 from pagellm.attention.linear_attention import LinearLayerState
 from pagellm.config.model import ModelConfig
+from pagellm.core.scheduler_output import SchedulerOutput
 
 
 def allocate_linear_states(config: ModelConfig, num_slots: int, device: torch.device | str) -> tuple[LinearLayerState, ...]:
@@ -51,6 +52,31 @@ def copy_slots(
     for source, into in zip(states, into_states, strict=True):
         into.conv.index_copy_(0, target_index, source.conv.index_select(0, source_index).to(into.conv.device))
         into.recurrent.index_copy_(0, target_index, source.recurrent.index_select(0, source_index).to(into.recurrent.device))
+
+
+def fill_state_slots(
+    states: tuple[LinearLayerState, ...],
+    snapshots: tuple[LinearLayerState, ...],
+    host: tuple[LinearLayerState, ...],
+    scheduler_output: SchedulerOutput,
+) -> None:
+    """A step's state copies, before its forward pass, in the one order that keeps a slot
+    freed and reused in the step right: swap-outs first (their slots may be the step's to
+    reuse), then forks' copies (a parent that finished may have left its slot to a new
+    request), then what fills the step's new slots: swap-ins, snapshots, zeros for the
+    requests that start at their first token."""
+    if not states:
+        return
+    swaps = scheduler_output.state_swaps
+    copy_slots(states, swaps.out, target=host)
+    copy_slots(states, scheduler_output.state_copies)
+    copy_slots(host, swaps.into, target=states)
+    copy_slots(snapshots, scheduler_output.state_restores, target=states)
+    reset_slots(
+        states,
+        [new.state_slot for new in scheduler_output.scheduled_new_reqs
+         if new.num_computed_tokens == 0 and new.state_slot is not None],
+    )  # fmt: skip
 
 
 def state_rows(states: tuple[LinearLayerState, ...], slots: list[int]) -> torch.Tensor:

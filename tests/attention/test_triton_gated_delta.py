@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gated_delta_inputs import NUM_SLOTS, decode_inputs
+from gated_delta_inputs import assert_steps_match_torch, decode_inputs
 
 from pagellm.attention.gated_delta_decode import DecodeShape, torch_decode
 from pagellm.attention.triton_gated_delta import triton_decode
@@ -22,17 +22,7 @@ from pagellm.attention.triton_gated_delta import triton_decode
 def test_triton_step_equals_the_torch_step(heads, tiled, kernel, rows):
     shape = DecodeShape(*heads, tiled=tiled)
     args = decode_inputs(shape, rows, kernel, seed=rows)
-    ours, reference = [list(args) for _ in range(2)]
-    ours[4], ours[5] = args[4].clone(), args[5].clone()
-    reference[4], reference[5] = args[4].clone(), args[5].clone()
-    for _ in range(3):  # three steps in a row: each continues from the states the last left
-        out = triton_decode(shape, *ours)
-        expected = torch_decode(shape, *reference)
-        torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(ours[4], reference[4], rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(ours[5], reference[5], rtol=1e-4, atol=1e-5)
-    untouched = [s for s in range(NUM_SLOTS) if s not in args[6].tolist()]
-    assert torch.equal(ours[5][untouched], args[5][untouched]) and torch.equal(ours[4][untouched], args[4][untouched])
+    assert_steps_match_torch(triton_decode, shape, args)
 
 
 def test_bfloat16_projection_slices_as_the_model_passes_them():

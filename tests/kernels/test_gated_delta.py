@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gated_delta_inputs import NUM_SLOTS, decode_inputs
+from gated_delta_inputs import assert_steps_match_torch, decode_inputs
 
 from pagellm.kernels.build import load_kernels
 from pagellm.attention.gated_delta_decode import DecodeChoice, DecodeShape, NativeDecode, torch_decode
@@ -24,17 +24,7 @@ def test_native_step_equals_the_torch_step(heads, tiled, kernel, rows, kernel_is
     assert library is not None and library.isa_level.name == kernel_isa
     shape = DecodeShape(*heads, tiled=tiled)
     args = decode_inputs(shape, rows, kernel, seed=rows)
-    ours, reference = [list(args) for _ in range(2)]
-    ours[4], ours[5] = args[4].clone(), args[5].clone()
-    reference[4], reference[5] = args[4].clone(), args[5].clone()
-    for _ in range(3):  # three steps in a row: each continues from the states the last left
-        out = NativeDecode(library, 2)(shape, *ours)
-        expected = torch_decode(shape, *reference)
-        torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(ours[4], reference[4], rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(ours[5], reference[5], rtol=1e-4, atol=1e-5)
-    untouched = [s for s in range(NUM_SLOTS) if s not in args[6].tolist()]
-    assert torch.equal(ours[5][untouched], args[5][untouched]) and torch.equal(ours[4][untouched], args[4][untouched])
+    assert_steps_match_torch(NativeDecode(library, 2), shape, args)
 
 
 def test_the_choice_is_measured_per_batch_size_and_leaves_the_states_to_the_step(kernel_isa):
