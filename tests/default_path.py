@@ -23,6 +23,7 @@ on other models (quantized GGUF files) with an HF reference loaded from the same
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import random
 from collections.abc import Iterator, Sequence
@@ -555,3 +556,20 @@ def check_same_schedule(run: ScenarioRun, float32_run: ScenarioRun) -> None:
         f"{run.scenario.name}: {run.dtype} scheduled differently from {float32_run.dtype}: "
         f"{run.facts} != {float32_run.facts}"
     )
+
+
+@torch.inference_mode()
+def hf_bf16_worst_logprob_error(reference: torch.nn.Module, completions) -> float:
+    """The largest |log p(HF bf16) - log p(HF float32)| of an emitted token over the same
+    sequences: how far bf16 alone moves this model, routing flips included."""
+    bf16 = copy.deepcopy(reference).to(torch.bfloat16)
+    worst = 0.0
+    for completion in completions:
+        ids = completion.prompt + completion.token_ids
+        sequence = torch.tensor([ids[:-1]])
+        f32 = torch.log_softmax(reference(sequence).logits[0].double(), -1)
+        b16 = torch.log_softmax(bf16(sequence).logits[0].double(), -1)
+        for i, token in enumerate(completion.token_ids):
+            position = len(completion.prompt) - 1 + i
+            worst = max(worst, abs(float(f32[position, token] - b16[position, token])))
+    return worst

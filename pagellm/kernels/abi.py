@@ -138,6 +138,26 @@ SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
         c_void_p, c_void_p, c_void_p, c_void_p,  # slots, query out (bf16), key cache, value cache
         c_int, c_int,  # cache element type (ELEMENT_TYPES), num threads
     ]),
+    # hybrid_layer_ops.c: the elementwise stages of Qwen3.5's layers (model/native/hybrid_layers.py).
+    "scaled_rms_norm_residual": (None, [
+        c_void_p, c_void_p, c_void_p, c_float,  # hidden float32 (updated), delta float32 or None, scale float32, eps
+        c_void_p, c_int64, c_int64, c_int,  # out bf16, m, hidden size, num threads
+    ]),
+    "gated_rms_norm_rows": (None, [
+        c_void_p, c_void_p, c_int64, c_void_p, c_float,  # core float32, z float32, z row stride, weight float32, eps
+        c_void_p, c_int64, c_int64, c_int64, c_int,  # out bf16, m, heads, head dim, num threads
+    ]),
+    "gated_query_store": (None, [
+        c_void_p, c_int64, c_int64, c_void_p, c_void_p, c_void_p,  # qkv float32, m, row stride, positions, cos, sin
+        c_int, c_int, c_int, c_int,  # num heads, num kv heads, head dim, rotary dim
+        c_void_p, c_void_p, c_float,  # q scale, k scale (float32 [head dim]), eps
+        c_void_p, c_void_p, c_void_p, c_void_p,  # slots, query out (bf16), key cache, value cache
+        c_int, c_int,  # cache element type (ELEMENT_TYPES), num threads
+    ]),
+    "sigmoid_gate_rows": (None, [
+        c_void_p, c_void_p, c_int64, c_int64, c_int, c_int,  # attn bf16, qkv float32, its row stride, m, heads, head dim
+        c_void_p, c_int,  # out bf16, num threads
+    ]),
     # moe_experts.c: one mixture-of-experts layer's experts (model/native/experts.py).
     "moe_experts_bf16": (None, [
         c_void_p, c_int64, c_int64, c_int64, c_int64,  # x bf16 [m, hidden], m, hidden, expert width, experts

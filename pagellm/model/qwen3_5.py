@@ -123,12 +123,25 @@ class GatedDeltaNet(nn.Module):
         self.conv_choice = process_conv_choice()
 
     def forward(self, hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:  # [num_tokens, hidden_size]
+        num_tokens = hidden.shape[0]
+        mixed, z, b, a = self.split_projection(self.in_proj(hidden))
+        core = self.mix(mixed, b, a, metadata)
+        gated = self.norm(core.to(hidden.dtype), z.reshape(num_tokens, self.num_value_heads, self.value_head_dim))
+        projected = self.out_proj(gated.reshape(num_tokens, self.value_size))
+        return projected if self.tp is None else self.tp.all_reduce(projected)
+
+    def split_projection(self, projected: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """in_proj's output as the conv's channels, the output gate z, beta's and the decay's inputs."""
+        return projected.split([self.conv_dim, self.value_size, self.num_value_heads, self.num_value_heads], dim=-1)
+
+    def mix(
+        self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:  # [num_tokens, value_heads, value_dim] float32
+        """The token mixing: the conv and the gated delta rule over each request's state (its
+        slot updated), the snapshots the step asks for taken."""
         linear = metadata.linear
         assert linear is not None, "a hybrid model's step carries its recurrent state"
-        num_tokens = hidden.shape[0]
-        mixed, z, b, a = self.in_proj(hidden).split(
-            [self.conv_dim, self.value_size, self.num_value_heads, self.num_value_heads], dim=-1
-        )
+        num_tokens = mixed.shape[0]
         split = linear.per_step.get("split")
         if split is None:  # once per step, for every layer
             split = linear.per_step["split"] = _split_requests(metadata.query_start_loc, linear)
@@ -136,13 +149,11 @@ class GatedDeltaNet(nn.Module):
         if not runs and single.slots is not None and single.slots.shape[0] == num_tokens:  # decode steps: every row, in order
             core = self._decode(mixed, b, a, linear, single)
         else:
-            core = torch.empty(num_tokens, self.num_value_heads, self.value_head_dim, dtype=torch.float32, device=hidden.device)
+            core = torch.empty(num_tokens, self.num_value_heads, self.value_head_dim, dtype=torch.float32, device=mixed.device)
             if single.rows is not None:  # decode steps, together
                 core[single.rows] = self._decode(mixed[single.rows], b[single.rows], a[single.rows], linear, single)
             self._prefill(mixed, b, a, linear, runs, core)  # prefill chunks, one request at a time
-        gated = self.norm(core.to(hidden.dtype), z.reshape(num_tokens, self.num_value_heads, self.value_head_dim))
-        projected = self.out_proj(gated.reshape(num_tokens, self.value_size))
-        return projected if self.tp is None else self.tp.all_reduce(projected)
+        return core
 
     def _decode(
         self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, linear: LinearAttentionMetadata, single: _Rows

@@ -9,10 +9,7 @@ decode step (worker/step_paths/choice.py), so each is forced in turn: the one-ca
 native layer ops (the same norms in C, the experts' block called as a module, its experts
 in one C call, csrc/moe_experts.c)."""
 
-import copy
-
 import pytest
-import torch
 from hf_models import load_hf_reference
 
 import default_path as dp
@@ -66,25 +63,8 @@ def test_bf16_agrees_with_hf_float32(family, name, decode_path, monkeypatch):
         assert all(rows > MAX_ROWS for rows in run.paths.native_layers_decode), run.paths
         assert run.paths.fused_decode or name == "parallel_sampling", run.paths  # that one decodes 24 at a time
     result = dp.teacher_forced(reference, run.completions)
-    calibrated = hf_bf16_worst_logprob_error(reference, run.completions) if "moe" in folder else None
+    calibrated = dp.hf_bf16_worst_logprob_error(reference, run.completions) if "moe" in folder else None
     dp.check_against_reference(result, NUM_LAYERS, name, reference_bf16_worst=calibrated)
-
-
-@torch.inference_mode()
-def hf_bf16_worst_logprob_error(reference: torch.nn.Module, completions) -> float:
-    """The largest |log p(HF bf16) - log p(HF float32)| of an emitted token over the same
-    sequences: how far bf16 alone moves this model, routing flips included."""
-    bf16 = copy.deepcopy(reference).to(torch.bfloat16)
-    worst = 0.0
-    for completion in completions:
-        ids = completion.prompt + completion.token_ids
-        sequence = torch.tensor([ids[:-1]])
-        f32 = torch.log_softmax(reference(sequence).logits[0].double(), -1)
-        b16 = torch.log_softmax(bf16(sequence).logits[0].double(), -1)
-        for i, token in enumerate(completion.token_ids):
-            position = len(completion.prompt) - 1 + i
-            worst = max(worst, abs(float(f32[position, token] - b16[position, token])))
-    return worst
 
 
 def test_linear_layers_take_the_measured_kernels(family):

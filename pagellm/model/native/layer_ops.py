@@ -28,6 +28,7 @@ returns bf16, which is widened for the float32 stages.
 from __future__ import annotations
 
 import ctypes
+from typing import Protocol
 
 import torch
 
@@ -70,6 +71,11 @@ class NativeLayers:
         """Whether a step over these caches runs here (its embeddings are bf16: every
         parameter is, supports())."""
         return kv_caches[0].dtype in CACHE_DTYPES and kv_caches[0].is_contiguous()
+
+    @staticmethod
+    def computes_norm(norm: torch.nn.Module) -> bool:
+        """Whether rms_norm() computes this norm (a plain RMSNorm)."""
+        return type(norm) is RMSNorm
 
     def rms_norm(self, hidden: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
         """bf16 RMSNorm of float32 rows (the final norm), as layer_rows.h rounds it."""
@@ -139,9 +145,17 @@ class NativeLayers:
         return hidden
 
 
-def final_norm(model: torch.nn.Module, hidden: torch.Tensor, dtype: torch.dtype, layer_ops: NativeLayers | None) -> torch.Tensor:
+class FinalNorm(Protocol):
+    """The layer ops' native final norm (NativeLayers, hybrid_layers.HybridLayers)."""
+
+    def computes_norm(self, norm: torch.nn.Module) -> bool: ...
+
+    def rms_norm(self, hidden: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor: ...
+
+
+def final_norm(model: torch.nn.Module, hidden: torch.Tensor, dtype: torch.dtype, layer_ops: FinalNorm | None) -> torch.Tensor:
     """The final norm of a native path's float32 residual stream, rounded to `dtype` once
-    (in C where it is a plain RMSNorm and the output bf16: one call for eight torch ops)."""
-    if type(model.norm) is RMSNorm and dtype is torch.bfloat16 and layer_ops is not None:
+    (in C where the layer ops compute that norm and the output is bf16: one call for eight torch ops)."""
+    if dtype is torch.bfloat16 and layer_ops is not None and layer_ops.computes_norm(model.norm):
         return layer_ops.rms_norm(hidden, model.norm)
     return model.norm(hidden).to(dtype)

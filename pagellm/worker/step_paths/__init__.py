@@ -6,7 +6,7 @@ runs on the first that applies:
   cuda graphs   decode-only steps of captured sizes, replayed (GPU)       cuda_graphs.py
   measured      a step both native paths can run: the faster one, timed    native.py, choice.py
   fused         few tokens: the one-call decode layer (CPU bf16)           native.py
-  layers        any step: the layer ops (CPU bf16)                         native.py
+  layers        any step: the layer ops (CPU bf16; Llama or hybrid layers) native.py
   eager         any step: the model's own forward                          base.py
 
 The native paths exist where the after-load pass gave a bf16 CPU model its kernels
@@ -19,6 +19,7 @@ import torch
 
 from pagellm.kernels.build import load_kernels
 from pagellm.model.native.fused_decode import FusedDecode
+from pagellm.model.native.hybrid_layers import HybridLayers
 from pagellm.model.native.layer_ops import NativeLayers
 from pagellm.worker.step_paths.base import EagerPath, StepInputs, StepPath
 from pagellm.worker.step_paths.choice import StepPathChoice, forced_path
@@ -42,7 +43,11 @@ class StepPaths:
         paths: list[StepPath] = []
         library = load_kernels() if model.cpu_linear_kernels is not None else None
         if library is not None:
-            layer_ops = NativeLayers(library, model) if NativeLayers.supports(model) else None
+            layer_ops: NativeLayers | HybridLayers | None = None
+            if NativeLayers.supports(model):
+                layer_ops = NativeLayers(library, model)
+            elif HybridLayers.supports(model):
+                layer_ops = HybridLayers(library, model)
             # The one-call layer has no point to all-reduce at: tensor-parallel ranks run the layer ops.
             fused = FusedDecode(library, model) if model.tp is None and FusedDecode.supports(model) else None
             fused_path = None if fused is None else FusedDecodePath(model, fused, layer_ops)

@@ -12,13 +12,17 @@ import time
 import torch
 
 from pagellm.model.native.fused_decode import FusedDecode
+from pagellm.model.native.hybrid_layers import HybridLayers
 from pagellm.model.native.layer_ops import NativeLayers, final_norm
 from pagellm.worker.step_paths.base import StepInputs
 from pagellm.worker.step_paths.choice import FUSED, StepPathChoice
 
 
 def native_forward(
-    model: torch.nn.Module, layers: FusedDecode | NativeLayers, layer_ops: NativeLayers | None, step: StepInputs
+    model: torch.nn.Module,
+    layers: FusedDecode | NativeLayers | HybridLayers,
+    layer_ops: NativeLayers | HybridLayers | None,
+    step: StepInputs,
 ) -> torch.Tensor:  # [num_tokens, hidden_size]
     """Embed the step's tokens, run the decoder layers natively (a float32 residual stream)
     and round the final norm's output to the model's dtype (in C where `layer_ops` can)."""
@@ -50,11 +54,11 @@ class FusedDecodePath:
 
 class LayerOpsPath:
     """Any step: each layer's linear layers through their measured kernels (adapters added
-    by the layers), three native calls between them."""
+    by the layers), a few native calls between them (the Llama layer's, or a hybrid's)."""
 
     name = "layers"
 
-    def __init__(self, model: torch.nn.Module, layer_ops: NativeLayers) -> None:
+    def __init__(self, model: torch.nn.Module, layer_ops: NativeLayers | HybridLayers) -> None:
         self._model, self.layer_ops = model, layer_ops
 
     def applies(self, step: StepInputs) -> bool:
