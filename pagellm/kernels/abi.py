@@ -81,14 +81,38 @@ class Scratch(ctypes.Structure):
             "normed", "qkv", "query", "attn", "proj", "gate_up", "act", "kv_row", "attn_scratch",
             # sparse layers
             "router_logits", "offsets", "choice_rows", "choice_scales", "gathered", "expert_out", "partials",
+            # hybrid layers' Gated DeltaNet
+            "mixer_conv", "mixer_core",
         )
+    ]  # fmt: skip
+
+
+class LinearMixer(ctypes.Structure):
+    """csrc/layer_structs.h LinearMixer: a Gated DeltaNet's weights (in_proj and out_proj as
+    Weight*, the rest float32) and the worker's state slots it updates."""
+
+    _fields_ = [(name, c_void_p) for name in (
+        "in_proj", "out_proj", "conv_weight", "a_log", "dt_bias", "norm_weight", "conv_states", "states",
+    )] + [(name, c_int64) for name in ("key_heads", "value_heads", "key_dim", "value_dim", "kernel")] + [
+        ("tiled", c_int),
+    ]  # fmt: skip
+
+
+class HybridLayer(ctypes.Structure):
+    """csrc/layer_structs.h HybridLayer: a Qwen3.5 layer: its LayerWeights (gated attention's
+    projections, the MLP or experts), the float32 (1 + w) scales of its norms, its mixer or NULL."""
+
+    _fields_ = [
+        ("layer", LayerWeights), ("input_scale", c_void_p), ("post_scale", c_void_p), ("q_scale", c_void_p),
+        ("k_scale", c_void_p), ("mixer", ctypes.POINTER(LinearMixer)), ("rotary_dim", c_int),
     ]  # fmt: skip
 
 
 # Every structure Python fills, by its C name.
 STRUCTS: dict[str, type[ctypes.Structure]] = {
     "WeightPart": WeightPart, "Weight": Weight, "Experts": Experts, "LayerWeights": LayerWeights,
-    "LayerShape": LayerShape, "StepInputs": StepInputs, "Scratch": Scratch,
+    "LayerShape": LayerShape, "StepInputs": StepInputs, "Scratch": Scratch, "LinearMixer": LinearMixer,
+    "HybridLayer": HybridLayer,
 }  # fmt: skip
 
 # name -> (restype, argtypes) of every function Python calls.
@@ -124,6 +148,9 @@ SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "gather_rows_bf16": (None, [c_void_p, c_void_p, c_int64, c_int64, c_void_p]),  # part*, ids, count, k, out
     # hidden, LayerWeights*, key cache, value cache, LayerShape*, StepInputs*, Scratch*
     "decode_layer_bf16": (None, [c_void_p] * 7),
+    # hybrid_decode_layer.c: hidden, HybridLayer*, key cache, value cache, LayerShape*, StepInputs*, Scratch*,
+    # state slots int64 [m]
+    "hybrid_decode_layer_bf16": (None, [c_void_p] * 8),
     # layer_ops.c: the elementwise stages of a layer (model/native/layer_ops.py), float32
     # residual stream, bf16 matmul inputs.
     "rms_norm_residual": (None, [

@@ -159,7 +159,7 @@ class GatedDeltaNet(nn.Module):
         self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, linear: LinearAttentionMetadata, single: _Rows
     ) -> torch.Tensor:  # [rows, value_heads, value_dim] float32
         states = linear.layer_states[self.index]
-        conv_weight, a_log, dt_bias = self._float32_parameters()
+        conv_weight, a_log, dt_bias = self.float32_parameters()
         out = self.decode_choice.step(
             self.shape, mixed, b, a, conv_weight, states.conv, states.recurrent, single.slots, a_log, dt_bias
         )
@@ -170,7 +170,7 @@ class GatedDeltaNet(nn.Module):
             snapshots.recurrent[snapshot] = states.recurrent[slot]
         return out
 
-    def _float32_parameters(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def float32_parameters(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The conv weight [conv_dim, kernel], A_log and dt_bias as the decode step reads them
         (float32, contiguous), made once: the weights do not change after loading."""
         cached = getattr(self, "_float32_cache", None)
@@ -204,7 +204,7 @@ class GatedDeltaNet(nn.Module):
 
     def _convolve(self, mixed: torch.Tensor, linear: LinearAttentionMetadata, runs: list[_Run]) -> torch.Tensor:
         state = linear.layer_states[self.index].conv
-        weight = self._float32_parameters()[0]  # [conv_dim, kernel_size]
+        weight = self.float32_parameters()[0]  # [conv_dim, kernel_size]
         if len(runs) == 1 and not runs[0].saves and runs[0].end - runs[0].start == mixed.shape[0]:
             return self.conv_choice.run(mixed, state[runs[0].slot], weight)  # one request's rows: no copy
         out = torch.empty(mixed.shape, dtype=torch.float32, device=mixed.device)

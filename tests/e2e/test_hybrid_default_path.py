@@ -1,6 +1,7 @@
-"""Qwen3.5's hybrid layers on the default CPU path (bfloat16 through the hybrid layer ops,
-model/native/hybrid_layers.py: the linear layers on their measured kernels, the Gated
-DeltaNet's native step, csrc/hybrid_layer_ops.c between them) against HF transformers in
+"""Qwen3.5's hybrid layers on the default CPU path (bfloat16: the one-call hybrid decode layer,
+model/native/hybrid_decode.py, for small decode steps, and the hybrid layer ops,
+model/native/hybrid_layers.py, for the rest: the linear layers on their measured kernels,
+the Gated DeltaNet's native step, csrc/hybrid_layer_ops.c between them) against HF transformers in
 float32, judged as tests/default_path.py judges bf16: teacher-forced top-1 agreement and
 log-probability bounds from bf16 rounding, under every scheduling regime of the standard
 scenarios (batching, chunked prefill, recompute and swap preemption, prefix caching with
@@ -10,11 +11,16 @@ tests/e2e/test_hybrid_vs_hf.py holds float32 to HF's tokens exactly; this file i
 user on a CPU gets by default."""
 
 import dataclasses
+import random
 
 import pytest
+import torch
+from engine_checks import assert_engine_drained
 from hf_models import load_hf_reference
 
 import default_path as dp
+from pagellm import LLM, SamplingParams
+from pagellm.kernels.decode_layer import MAX_ROWS
 
 # Three Gated DeltaNet layers and a gated attention one (Qwen3.5's order); head size 64 so
 # the bf16 attention specialisation runs, rotary on a quarter of each head.
@@ -55,18 +61,86 @@ def _family(arch: str, tmp_path_factory) -> tuple[str, object]:  # noqa: ANN001
     return _BUILT[arch]
 
 
-CASES = [("qwen3_5", name) for name in SCENARIOS] + [("qwen3_5_moe", name) for name in MOE_SCENARIOS]
+# Both CPU step paths run these layers and a measured choice decides which takes a small
+# decode step, so each is forced in turn: the one-call hybrid layer (every regime) and the
+# hybrid layer ops (which also run every prefill and larger decode step under either).
+CASES = (
+    [("qwen3_5", name, "fused") for name in SCENARIOS]
+    + [("qwen3_5_moe", name, "fused") for name in MOE_SCENARIOS]
+    + [("qwen3_5", name, "layers") for name in ("plain", "swap_preemption", "prefix_caching")]
+    + [("qwen3_5_moe", "plain", "layers")]
+)
 
 
-@pytest.mark.parametrize("arch,name", CASES, ids=[f"{a}-{n}" for a, n in CASES])
-def test_bf16_agrees_with_hf_float32(arch, name, tmp_path_factory):
+@pytest.mark.parametrize("arch,name,decode_path", CASES, ids=[f"{a}-{n}-{p}" for a, n, p in CASES])
+def test_bf16_agrees_with_hf_float32(arch, name, decode_path, tmp_path_factory, monkeypatch):
     folder, reference = _family(arch, tmp_path_factory)
+    monkeypatch.setenv("PAGELLM_DECODE_PATH", decode_path)
+    if decode_path == "fused":
+        # The one-call layer takes a step only where every linear's measured kernel is a
+        # native one; the streaming kernel everywhere keeps this case what it tests.
+        monkeypatch.setenv("PAGELLM_LINEAR_KERNEL", "streaming")
     scenario = SCENARIOS[name]
     run = dp.run_scenario(folder, scenario, "bfloat16")
     dp.check_native_paths(run)
-    assert run.paths is not None and run.paths.native_layers_decode, "no decode step took the hybrid layer ops"
+    assert run.paths is not None
+    if decode_path == "layers":
+        assert not run.paths.fused_decode and run.paths.native_layers_decode, run.paths
+    else:  # every decode step of <= MAX_ROWS requests took the one-call layer
+        assert all(rows > MAX_ROWS for rows in run.paths.native_layers_decode), run.paths
+        assert run.paths.fused_decode or name == "parallel_sampling", run.paths  # that one decodes 24 at a time
     result = dp.teacher_forced(reference, run.completions)
     # Routing can flip under bf16 rounding: HF's own bf16 run calibrates the bound.
     calibrated = dp.hf_bf16_worst_logprob_error(reference, run.completions) if "moe" in arch else None
     dp.check_against_reference(result, NUM_LAYERS, f"{arch} {name}", reference_bf16_worst=calibrated)
     dp.check_same_schedule(run, dp.run_scenario(folder, scenario, "float32"))
+
+
+def test_a_second_turn_resumes_from_snapshots_the_one_call_layer_took(tmp_path_factory, monkeypatch):
+    """Turn 1's decode steps run on the one-call layer and cross two snapshot boundaries (at
+    32 and 48 tokens, one snapshot per block): the layer copies each request's state after
+    its token into the snapshot. Turn 2 (turn 1 + its answer + new text) resumes from the
+    one at 48 and must still agree with HF float32, as a fresh prefill would."""
+    folder, reference = _family("qwen3_5", tmp_path_factory)
+    monkeypatch.setenv("PAGELLM_DECODE_PATH", "fused")
+    monkeypatch.setenv("PAGELLM_LINEAR_KERNEL", "streaming")
+    rng = random.Random(11)
+    turn1 = [rng.randrange(3, 256) for _ in range(20)]
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, logprobs=0)
+    llm = LLM(folder, dtype="bfloat16", max_model_len=160, state_snapshot_interval=1, disable_log_stats=True)
+    with dp.count_native_paths(llm) as paths:
+        saved = _check_snapshots_equal_the_states(llm.engine.runner.step_paths.get("fused").fused)
+        answer = list(llm.generate([turn1], params, use_tqdm=False)[0].outputs[0].token_ids)
+        assert paths is not None and len(paths.fused_decode) == 29, paths  # every decode of turn 1
+        assert len(saved) == 2  # at 32 and 48 tokens
+        # One new token: the resumed state reaches the first answer token through the conv's
+        # three-token history (the tiny model's decay forgets its recurrent state within ten).
+        turn2 = turn1 + answer + [rng.randrange(3, 256)]
+        output = llm.generate([turn2], params, use_tqdm=False)[0]
+    # Turn 1 computed 49 tokens (its last answer token is never fed back): 3 full blocks.
+    assert output.num_cached_tokens == 48
+    completion = output.outputs[0]
+    result = dp.teacher_forced(reference, [dp.Completion(turn2, list(completion.token_ids), completion.logprobs, True)])
+    dp.check_against_reference(result, NUM_LAYERS, "second turn")
+    assert_engine_drained(llm)
+
+
+def _check_snapshots_equal_the_states(fused) -> list[int]:  # noqa: ANN001
+    """Wrap the one-call layer's run: after each step, every snapshot it was asked to write
+    must hold exactly its request's state (conv and recurrent, every Gated DeltaNet layer).
+    Returns the snapshots checked (filled as steps run)."""
+    run, checked = fused.run, []
+
+    def run_and_check(hidden, positions, kv_caches, metadata):  # noqa: ANN001, ANN202
+        out = run(hidden, positions, kv_caches, metadata)
+        linear = metadata.linear
+        for slot, saves in zip(linear.state_slots, linear.saves or (), strict=False):
+            for _, snapshot in saves:
+                for state, kept in zip(linear.layer_states, linear.snapshot_states, strict=True):
+                    assert torch.equal(kept.conv[snapshot], state.conv[slot])
+                    assert torch.equal(kept.recurrent[snapshot], state.recurrent[slot])
+                checked.append(snapshot)
+        return out
+
+    fused.run = run_and_check
+    return checked

@@ -51,6 +51,17 @@ static const AbiEntry ABI_ENTRIES[] = {
     ABI_FIELD(Scratch, kv_row), ABI_FIELD(Scratch, attn_scratch), ABI_FIELD(Scratch, router_logits),
     ABI_FIELD(Scratch, offsets), ABI_FIELD(Scratch, choice_rows), ABI_FIELD(Scratch, choice_scales),
     ABI_FIELD(Scratch, gathered), ABI_FIELD(Scratch, expert_out), ABI_FIELD(Scratch, partials),
+    ABI_FIELD(Scratch, mixer_conv), ABI_FIELD(Scratch, mixer_core),
+
+    ABI_SIZE(LinearMixer), ABI_FIELD(LinearMixer, in_proj), ABI_FIELD(LinearMixer, out_proj),
+    ABI_FIELD(LinearMixer, conv_weight), ABI_FIELD(LinearMixer, a_log), ABI_FIELD(LinearMixer, dt_bias),
+    ABI_FIELD(LinearMixer, norm_weight), ABI_FIELD(LinearMixer, conv_states), ABI_FIELD(LinearMixer, states),
+    ABI_FIELD(LinearMixer, key_heads), ABI_FIELD(LinearMixer, value_heads), ABI_FIELD(LinearMixer, key_dim),
+    ABI_FIELD(LinearMixer, value_dim), ABI_FIELD(LinearMixer, kernel), ABI_FIELD(LinearMixer, tiled),
+
+    ABI_SIZE(HybridLayer), ABI_FIELD(HybridLayer, layer), ABI_FIELD(HybridLayer, input_scale),
+    ABI_FIELD(HybridLayer, post_scale), ABI_FIELD(HybridLayer, q_scale), ABI_FIELD(HybridLayer, k_scale),
+    ABI_FIELD(HybridLayer, mixer), ABI_FIELD(HybridLayer, rotary_dim),
 
     {NULL, 0},
 };

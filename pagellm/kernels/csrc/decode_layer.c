@@ -51,6 +51,58 @@ static void silu_and_mul(const float *gate_up, uint16_t *act, int64_t m, int64_t
     }
 }
 
+/* The MLP half of a layer, after its post-attention norm: scratch->normed (bf16 [m, hidden])
+ * through the gated MLP, or the routed experts (plus the shared expert where the layer has
+ * one), summed into scratch->proj (float32 [m, hidden], the layer's delta). Inside a region;
+ * ends with proj complete. decode_layer_bf16 and hybrid_decode_layer.c's layer share it. */
+void layer_mlp_in_region(const LayerWeights *w, const LayerShape *s, int64_t m, const Scratch *scratch, int t, int nt) {
+    const int64_t h = s->hidden;
+    const Experts *experts = w->experts;
+    if (experts != NULL) { /* routed experts: their weighted sum into proj */
+        const int64_t num_experts = experts->num_experts;
+#pragma omp for schedule(static)
+        for (int64_t index = 0; index < m * num_experts; index++) {
+            const uint16_t *x = scratch->normed + (index / num_experts) * h;
+            const float *router = experts->router + (index % num_experts) * h;
+            float logit = 0.0f;
+            for (int64_t i = 0; i < h; i++) logit += bf16_to_float(x[i]) * router[i];
+            scratch->router_logits[index] = logit;
+        }
+#pragma omp single
+        route_rows(scratch->router_logits, m, num_experts, experts->top_k, experts->renormalize, scratch->offsets,
+                   scratch->choice_rows, scratch->choice_scales);
+        const MoeScratch moe = {scratch->gathered, scratch->gate_up, scratch->act, scratch->expert_out,
+                               scratch->partials};
+        moe_experts_in_region(scratch->normed, m, h, experts->width, num_experts, experts->gate_up, experts->down,
+                              scratch->offsets, scratch->choice_rows, scratch->choice_scales, experts->impls,
+                              scratch->proj, &moe, t, nt);
+    }
+    if (w->gate_up != NULL) { /* the MLP, or the shared expert */
+        const int64_t width = w->mlp_width;
+        /* A dense MLP's output is the layer's delta; a shared expert's is added to the routed sum. */
+        float *mlp_out = experts != NULL ? scratch->expert_out : scratch->proj;
+        linear_weight_part(scratch->normed, h, w->gate_up, NULL, scratch->gate_up, 2 * width, 1, m, h,
+                           s->linear_impl[2], t, nt);
+#pragma omp barrier
+        silu_and_mul(scratch->gate_up, scratch->act, m, width);
+        linear_weight_part(scratch->act, width, w->down, NULL, mlp_out, h, 1, m, width, s->linear_impl[3], t, nt);
+#pragma omp barrier
+        if (experts != NULL) {
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < m; r++) {
+                float scale = 1.0f;
+                if (experts->shared_gate != NULL) {
+                    float logit = 0.0f;
+                    for (int64_t i = 0; i < h; i++)
+                        logit += bf16_to_float(scratch->normed[r * h + i]) * experts->shared_gate[i];
+                    scale = 1.0f / (1.0f + expf(-logit));
+                }
+                for (int64_t i = 0; i < h; i++) scratch->proj[r * h + i] += scale * mlp_out[r * h + i];
+            }
+        }
+    }
+}
+
 /* hidden: [m, hidden] float32 (the residual stream), updated in place to the layer's output; the caches are the
  * layer's [blocks, block_size, kv_heads, head_dim] K and V, of element type s->cache_type. One parallel region for the
  * whole layer: each thread streams its share of every weight matrix, with barriers
@@ -101,50 +153,7 @@ void decode_layer_bf16(float *hidden, const LayerWeights *w, void *key_cache, vo
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < m; r++)  /* residual add, then the norm */
             rms_norm_row(hidden + r * h, scratch->proj + r * h, w->post_norm, s->eps, scratch->normed + r * h, h);
-        const Experts *experts = w->experts;
-        if (experts != NULL) { /* routed experts: their weighted sum into proj */
-            const int64_t num_experts = experts->num_experts;
-#pragma omp for schedule(static)
-            for (int64_t index = 0; index < m * num_experts; index++) {
-                const uint16_t *x = scratch->normed + (index / num_experts) * h;
-                const float *router = experts->router + (index % num_experts) * h;
-                float logit = 0.0f;
-                for (int64_t i = 0; i < h; i++) logit += bf16_to_float(x[i]) * router[i];
-                scratch->router_logits[index] = logit;
-            }
-#pragma omp single
-            route_rows(scratch->router_logits, m, num_experts, experts->top_k, experts->renormalize, scratch->offsets,
-                       scratch->choice_rows, scratch->choice_scales);
-            const MoeScratch moe = {scratch->gathered, scratch->gate_up, scratch->act, scratch->expert_out,
-                                   scratch->partials};
-            moe_experts_in_region(scratch->normed, m, h, experts->width, num_experts, experts->gate_up, experts->down,
-                                  scratch->offsets, scratch->choice_rows, scratch->choice_scales, experts->impls,
-                                  scratch->proj, &moe, t, nt);
-        }
-        if (w->gate_up != NULL) { /* the MLP, or the shared expert */
-            const int64_t width = w->mlp_width;
-            /* A dense MLP's output is the layer's delta; a shared expert's is added to the routed sum. */
-            float *mlp_out = experts != NULL ? scratch->expert_out : scratch->proj;
-            linear_weight_part(scratch->normed, h, w->gate_up, NULL, scratch->gate_up, 2 * width, 1, m, h,
-                               s->linear_impl[2], t, nt);
-#pragma omp barrier
-            silu_and_mul(scratch->gate_up, scratch->act, m, width);
-            linear_weight_part(scratch->act, width, w->down, NULL, mlp_out, h, 1, m, width, s->linear_impl[3], t, nt);
-#pragma omp barrier
-            if (experts != NULL) {
-#pragma omp for schedule(static)
-                for (int64_t r = 0; r < m; r++) {
-                    float scale = 1.0f;
-                    if (experts->shared_gate != NULL) {
-                        float logit = 0.0f;
-                        for (int64_t i = 0; i < h; i++)
-                            logit += bf16_to_float(scratch->normed[r * h + i]) * experts->shared_gate[i];
-                        scale = 1.0f / (1.0f + expf(-logit));
-                    }
-                    for (int64_t i = 0; i < h; i++) scratch->proj[r * h + i] += scale * mlp_out[r * h + i];
-                }
-            }
-        }
+        layer_mlp_in_region(w, s, m, scratch, t, nt);
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < m * h; i++) hidden[i] += scratch->proj[i];
         float_mode_restore(float_mode);

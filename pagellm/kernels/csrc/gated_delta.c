@@ -24,6 +24,7 @@
 
 #include "bf16.h"
 #include "float_mode.h"
+#include "kernels.h"
 
 static inline float silu(float x) { return x / (1.0f + expf(-x)); }
 
@@ -43,76 +44,92 @@ static void l2_normalize(float *x, int64_t heads, int64_t dim, float scale) {
 }
 
 /* rows: R decoding requests; slots: their state slots (int64 [R]).
- * mixed: [R, conv_dim] float32, the input projection's q | k | v channels before the conv;
- * b, a: [R, value_heads] float32, beta's and the decay's inputs.
+ * mixed: [R, conv_dim] float32 rows of `mixed_stride`, the input projection's q | k | v
+ * channels before the conv; b, a: [R, value_heads] float32 rows of `gate_stride`, beta's
+ * and the decay's inputs.
  * conv_weight: [conv_dim, kernel] float32; conv_states: [slots, conv_dim, kernel - 1]
  * float32 (the last inputs, oldest first; replaced); states: [slots, value_heads,
  * key_dim, value_dim] float32 (updated). a_log, dt_bias: [value_heads] float32.
  * tiled: value head p reads key head p % key_heads (else p / (value_heads / key_heads)).
- * out: [R, value_heads, value_dim] float32; scratch: [R, conv_dim] float32. */
+ * out: [R, value_heads, value_dim] float32; scratch: [R, conv_dim] float32.
+ * Inside a parallel region (kernels.h); every thread calls it, and it ends with the
+ * states and out complete (the worksharing loops' barriers). */
+void gated_delta_decode_in_region(const float *mixed, int64_t mixed_stride, const float *b, const float *a,
+                                  int64_t gate_stride, const float *conv_weight, float *conv_states, float *states,
+                                  const int64_t *slots, const float *a_log, const float *dt_bias, int64_t rows,
+                                  int64_t key_heads, int64_t value_heads, int64_t key_dim, int64_t value_dim,
+                                  int64_t kernel, int tiled, float *out, float *scratch) {
+    const int64_t conv_dim = 2 * key_heads * key_dim + value_heads * value_dim;
+    const int64_t history = kernel - 1;
+    const int64_t per_key = value_heads / key_heads;
+    /* The conv step, SiLU, and the q/k norms, one request at a time. */
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        float *conv_state = conv_states + slots[r] * conv_dim * history;
+        const float *x = mixed + r * mixed_stride;
+        float *y = scratch + r * conv_dim;
+        for (int64_t c = 0; c < conv_dim; c++) {
+            float *past = conv_state + c * history;
+            const float *w = conv_weight + c * kernel;
+            float sum = w[history] * x[c];
+            for (int64_t j = 0; j < history; j++) sum += w[j] * past[j];
+            if (history > 0) {
+                memmove(past, past + 1, (size_t)(history - 1) * sizeof(float));
+                past[history - 1] = x[c];
+            }
+            y[c] = silu(sum);
+        }
+        l2_normalize(y, key_heads, key_dim, 1.0f / sqrtf((float)key_dim));
+        l2_normalize(y + key_heads * key_dim, key_heads, key_dim, 1.0f);
+    }
+    /* The delta rule, one (request, value head) at a time. */
+#pragma omp for schedule(static) collapse(2)
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t p = 0; p < value_heads; p++) {
+            const int64_t key_head = tiled ? p % key_heads : p / per_key;
+            const float *y = scratch + r * conv_dim;
+            const float *q = y + key_head * key_dim;
+            const float *k = y + (key_heads + key_head) * key_dim;
+            const float *v = y + 2 * key_heads * key_dim + p * value_dim;
+            const float beta = 1.0f / (1.0f + expf(-b[r * gate_stride + p]));
+            const float decay = expf(-expf(a_log[p]) * softplus(a[r * gate_stride + p] + dt_bias[p]));
+            float *s = states + ((slots[r] * value_heads + p) * key_dim) * value_dim;
+            float predicted[value_dim], written[value_dim], o[value_dim];
+            memset(predicted, 0, sizeof(predicted));
+            memset(o, 0, sizeof(o));
+            for (int64_t i = 0; i < key_dim; i++) {
+                const float ki = k[i];
+                const float *row = s + i * value_dim;
+                for (int64_t j = 0; j < value_dim; j++) predicted[j] += ki * row[j];
+            }
+            for (int64_t j = 0; j < value_dim; j++) written[j] = beta * (v[j] - decay * predicted[j]);
+            for (int64_t i = 0; i < key_dim; i++) {
+                const float ki = k[i], qi = q[i];
+                float *row = s + i * value_dim;
+                for (int64_t j = 0; j < value_dim; j++) {
+                    const float updated = decay * row[j] + ki * written[j];
+                    row[j] = updated;
+                    o[j] += qi * updated;
+                }
+            }
+            memcpy(out + (r * value_heads + p) * value_dim, o, sizeof(o));
+        }
+    }
+}
+
+/* The decode step of every decoding request as one call (attention/gated_delta_decode.py):
+ * contiguous mixed [R, conv_dim] and b, a [R, value_heads]; the rest as above. */
 void gated_delta_decode(const float *mixed, const float *b, const float *a, const float *conv_weight,
                         float *conv_states, float *states, const int64_t *slots, const float *a_log,
                         const float *dt_bias, int64_t rows, int64_t key_heads, int64_t value_heads, int64_t key_dim,
                         int64_t value_dim, int64_t kernel, int tiled, float *out, float *scratch, int num_threads) {
     const int64_t conv_dim = 2 * key_heads * key_dim + value_heads * value_dim;
-    const int64_t history = kernel - 1;
-    const int64_t per_key = value_heads / key_heads;
 #pragma omp parallel num_threads(num_threads)
     {
         const unsigned float_mode = subnormals_flushed();
-        /* The conv step, SiLU, and the q/k norms, one request at a time. */
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; r++) {
-            float *conv_state = conv_states + slots[r] * conv_dim * history;
-            const float *x = mixed + r * conv_dim;
-            float *y = scratch + r * conv_dim;
-            for (int64_t c = 0; c < conv_dim; c++) {
-                float *past = conv_state + c * history;
-                const float *w = conv_weight + c * kernel;
-                float sum = w[history] * x[c];
-                for (int64_t j = 0; j < history; j++) sum += w[j] * past[j];
-                if (history > 0) {
-                    memmove(past, past + 1, (size_t)(history - 1) * sizeof(float));
-                    past[history - 1] = x[c];
-                }
-                y[c] = silu(sum);
-            }
-            l2_normalize(y, key_heads, key_dim, 1.0f / sqrtf((float)key_dim));
-            l2_normalize(y + key_heads * key_dim, key_heads, key_dim, 1.0f);
-        }
-        /* The delta rule, one (request, value head) at a time. */
-#pragma omp for schedule(static) collapse(2)
-        for (int64_t r = 0; r < rows; r++) {
-            for (int64_t p = 0; p < value_heads; p++) {
-                const int64_t key_head = tiled ? p % key_heads : p / per_key;
-                const float *y = scratch + r * conv_dim;
-                const float *q = y + key_head * key_dim;
-                const float *k = y + (key_heads + key_head) * key_dim;
-                const float *v = y + 2 * key_heads * key_dim + p * value_dim;
-                const float beta = 1.0f / (1.0f + expf(-b[r * value_heads + p]));
-                const float decay = expf(-expf(a_log[p]) * softplus(a[r * value_heads + p] + dt_bias[p]));
-                float *s = states + ((slots[r] * value_heads + p) * key_dim) * value_dim;
-                float predicted[value_dim], written[value_dim], o[value_dim];
-                memset(predicted, 0, sizeof(predicted));
-                memset(o, 0, sizeof(o));
-                for (int64_t i = 0; i < key_dim; i++) {
-                    const float ki = k[i];
-                    const float *row = s + i * value_dim;
-                    for (int64_t j = 0; j < value_dim; j++) predicted[j] += ki * row[j];
-                }
-                for (int64_t j = 0; j < value_dim; j++) written[j] = beta * (v[j] - decay * predicted[j]);
-                for (int64_t i = 0; i < key_dim; i++) {
-                    const float ki = k[i], qi = q[i];
-                    float *row = s + i * value_dim;
-                    for (int64_t j = 0; j < value_dim; j++) {
-                        const float updated = decay * row[j] + ki * written[j];
-                        row[j] = updated;
-                        o[j] += qi * updated;
-                    }
-                }
-                memcpy(out + (r * value_heads + p) * value_dim, o, sizeof(o));
-            }
-        }
+        gated_delta_decode_in_region(mixed, conv_dim, b, a, value_heads, conv_weight, conv_states, states, slots, a_log,
+                                     dt_bias, rows, key_heads, value_heads, key_dim, value_dim, kernel, tiled, out,
+                                     scratch);
         float_mode_restore(float_mode);
     }
 }

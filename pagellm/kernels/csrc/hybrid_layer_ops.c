@@ -8,22 +8,13 @@
  * decode time. The precision is layer_rows.h's: a float32 residual stream and float32 linear
  * outputs, bf16 only where a matrix multiplication reads, each bf16 value rounded once.
  */
-#include <math.h>
 #include <stdint.h>
-#include <string.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
 
-#include "bf16.h"
 #include "float_mode.h"
-#include "fp8.h"
-
-static inline float inverse_rms(const float *x, int64_t n, float eps) {
-    float sum = 0.0f;
-    for (int64_t i = 0; i < n; i++) sum += x[i] * x[i];
-    return 1.0f / sqrtf(sum / (float)n + eps);
-}
+#include "hybrid_rows.h"
 
 /* hidden += delta (when delta is not NULL), then out = bf16(scale * hidden * rsqrt(mean(hidden^2) + eps)).
  * scale is float32 [h]: Qwen3.5's norms scale by 1 + w, the sum taken in float32 as the
@@ -34,13 +25,8 @@ void scaled_rms_norm_residual(float *hidden, const float *delta, const float *sc
     {
         const unsigned float_mode = subnormals_flushed();
 #pragma omp for schedule(static)
-        for (int64_t r = 0; r < m; r++) {
-            float *row = hidden + r * h;
-            if (delta != NULL)
-                for (int64_t i = 0; i < h; i++) row[i] += delta[r * h + i];
-            const float inverse = inverse_rms(row, h, eps);
-            for (int64_t i = 0; i < h; i++) out[r * h + i] = float_to_bf16(scale[i] * (row[i] * inverse));
-        }
+        for (int64_t r = 0; r < m; r++)
+            scaled_rms_norm_row(hidden + r * h, delta != NULL ? delta + r * h : NULL, scale, eps, out + r * h, h);
         float_mode_restore(float_mode);
     }
 }
@@ -58,63 +44,32 @@ void gated_rms_norm_rows(const float *core, const float *z, int64_t z_stride, co
 #pragma omp for schedule(static)
         for (int64_t index = 0; index < total; index++) {
             const int64_t r = index / heads, head = index % heads;
-            const float *x = core + index * dim;
-            const float *gate = z + r * z_stride + head * dim;
-            uint16_t *y = out + index * dim;
-            const float inverse = inverse_rms(x, dim, eps);
-            for (int64_t i = 0; i < dim; i++)
-                y[i] = float_to_bf16(weight[i] * (x[i] * inverse) * (gate[i] / (1.0f + expf(-gate[i]))));
+            gated_rms_norm_head(core + index * dim, z + r * z_stride + head * dim, weight, eps, out + index * dim, dim);
         }
         float_mode_restore(float_mode);
     }
 }
 
-/* One head in place: x = scale * x * rsqrt(mean(x^2) + eps), then its first 2 * half
- * values rotated (half-split, HF layout) by cos/sin [half]; written to out as bf16. */
-static void norm_rotate_head(float *x, int head_dim, const float *scale, float eps, const float *cos, const float *sin,
-                             int half, uint16_t *out) {
-    const float inverse = inverse_rms(x, head_dim, eps);
-    for (int i = 0; i < head_dim; i++) x[i] = scale[i] * (x[i] * inverse);
-    for (int i = 0; i < half; i++) {
-        out[i] = float_to_bf16(x[i] * cos[i] - x[i + half] * sin[i]);
-        out[i + half] = float_to_bf16(x[i + half] * cos[i] + x[i] * sin[i]);
-    }
-    for (int i = 2 * half; i < head_dim; i++) out[i] = float_to_bf16(x[i]);
-}
-
 /* Gated attention's q, k and v from each float32 row of its projection (row stride
- * `stride`): [q head 0 | gate head 0 | q head 1 | gate head 1 | ... | k | v]. q and k are
- * normalized per head (q_scale, k_scale: float32 [head_dim], 1 + w) and their first
- * rotary_dim values rotated (cos/sin tables: [positions, rotary_dim / 2]); q goes to query
- * ([m, num_heads * head_dim] bf16), k and v to the caches at the row's slot (a slot < 0 is
- * skipped; caches [blocks * block_size, num_kv_heads * head_dim] of cache_type, fp8.h). The
- * gates stay in qkv for sigmoid_gate_rows. */
+ * `stride`), as hybrid_rows.h gated_query_store_row: q to query ([m, num_heads * head_dim]
+ * bf16), k and v to the caches ([blocks * block_size, num_kv_heads * head_dim] of
+ * cache_type) at the row's slot; cos/sin tables [positions, rotary_dim / 2]. */
 void gated_query_store(float *qkv, int64_t m, int64_t stride, const int64_t *positions, const float *cos_table,
                        const float *sin_table, int num_heads, int num_kv_heads, int head_dim, int rotary_dim,
                        const float *q_scale, const float *k_scale, float eps, const int64_t *slots, uint16_t *query,
                        void *key_cache, void *value_cache, int cache_type, int num_threads) {
     const int64_t kv_size = (int64_t)num_kv_heads * head_dim;
-    const int64_t k_offset = 2 * (int64_t)num_heads * head_dim;
     const int half = rotary_dim / 2;
 #pragma omp parallel num_threads(num_threads)
     {
         const unsigned float_mode = subnormals_flushed();
         uint16_t kv_row[2 * kv_size];
 #pragma omp for schedule(static)
-        for (int64_t r = 0; r < m; r++) {
-            float *row = qkv + r * stride;
-            const float *cos = cos_table + positions[r] * half, *sin = sin_table + positions[r] * half;
-            for (int h = 0; h < num_heads; h++)
-                norm_rotate_head(row + (int64_t)h * 2 * head_dim, head_dim, q_scale, eps, cos, sin, half,
-                                 query + r * num_heads * head_dim + (int64_t)h * head_dim);
-            if (slots[r] < 0) continue;
-            for (int h = 0; h < num_kv_heads; h++)
-                norm_rotate_head(row + k_offset + (int64_t)h * head_dim, head_dim, k_scale, eps, cos, sin, half,
-                                 kv_row + (int64_t)h * head_dim);
-            for (int64_t i = 0; i < kv_size; i++) kv_row[kv_size + i] = float_to_bf16(row[k_offset + kv_size + i]);
-            store_bf16_row(key_cache, slots[r] * kv_size, kv_row, kv_size, cache_type);
-            store_bf16_row(value_cache, slots[r] * kv_size, kv_row + kv_size, kv_size, cache_type);
-        }
+        for (int64_t r = 0; r < m; r++)
+            gated_query_store_row(qkv + r * stride, num_heads, num_kv_heads, head_dim, half,
+                                  cos_table + positions[r] * half, sin_table + positions[r] * half, q_scale, k_scale,
+                                  eps, query + r * num_heads * head_dim, slots[r], key_cache, value_cache, cache_type,
+                                  kv_row);
         float_mode_restore(float_mode);
     }
 }
@@ -129,13 +84,7 @@ void sigmoid_gate_rows(const uint16_t *attn, const float *qkv, int64_t stride, i
     {
         const unsigned float_mode = subnormals_flushed();
 #pragma omp for schedule(static)
-        for (int64_t r = 0; r < m; r++)
-            for (int h = 0; h < num_heads; h++) {
-                const float *gate = qkv + r * stride + (int64_t)h * 2 * head_dim + head_dim;
-                const int64_t base = r * q_size + (int64_t)h * head_dim;
-                for (int i = 0; i < head_dim; i++)
-                    out[base + i] = float_to_bf16(bf16_to_float(attn[base + i]) / (1.0f + expf(-gate[i])));
-            }
+        for (int64_t r = 0; r < m; r++) sigmoid_gate_row(attn + r * q_size, qkv + r * stride, num_heads, head_dim, out + r * q_size);
         float_mode_restore(float_mode);
     }
 }

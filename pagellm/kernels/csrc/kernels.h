@@ -6,6 +6,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "layer_structs.h"
 #include "weights.h"
 
 /* The builds without AVX-512 BF16 (build.py's avx2 and avx512 levels) compute the linear
@@ -148,5 +149,16 @@ void moe_experts_in_region(const uint16_t *x, int64_t m, int64_t hidden, int64_t
                            const MoeScratch *scratch, int t, int nt);
 void route_rows(const float *logits, int64_t m, int64_t num_experts, int top_k, int renormalize, int64_t *offsets,
                 int64_t *rows, float *scales);
+
+/* gated_delta.c: a Gated DeltaNet's decode step of every decoding request, inside a region
+ * (see there). */
+void gated_delta_decode_in_region(const float *mixed, int64_t mixed_stride, const float *b, const float *a,
+                                  int64_t gate_stride, const float *conv_weight, float *conv_states, float *states,
+                                  const int64_t *slots, const float *a_log, const float *dt_bias, int64_t rows,
+                                  int64_t key_heads, int64_t value_heads, int64_t key_dim, int64_t value_dim,
+                                  int64_t kernel, int tiled, float *out, float *scratch);
+
+/* decode_layer.c: the MLP half of a layer (scratch->normed -> scratch->proj), inside a region. */
+void layer_mlp_in_region(const LayerWeights *w, const LayerShape *s, int64_t m, const Scratch *scratch, int t, int nt);
 
 #endif

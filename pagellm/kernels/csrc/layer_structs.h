@@ -73,6 +73,32 @@ typedef struct {
     uint16_t *gathered;   /* [m, hidden] */
     float *expert_out;    /* [m, hidden] */
     float *partials;      /* [threads, m, hidden] */
+    /* Hybrid layers' Gated DeltaNet (hybrid_decode_layer.c): */
+    float *mixer_conv;    /* [m, conv_dim]: the convolved q | k | v */
+    float *mixer_core;    /* [m, value_heads * value_dim]: the delta rule's output */
 } Scratch;
+
+/* A Gated DeltaNet (Qwen3.5's linear attention) as hybrid_decode_layer.c computes it. */
+typedef struct {
+    const Weight *in_proj;       /* [conv_dim + value + 2 value_heads, hidden]: q | k | v, z, b, a */
+    const Weight *out_proj;      /* [hidden, value] */
+    const float *conv_weight;    /* [conv_dim, kernel] */
+    const float *a_log, *dt_bias; /* [value_heads] */
+    const float *norm_weight;    /* [value_dim]: the gated norm's */
+    float *conv_states;          /* [slots, conv_dim, kernel - 1]: the worker's state slots */
+    float *states;               /* [slots, value_heads, key_dim, value_dim] */
+    int64_t key_heads, value_heads, key_dim, value_dim, kernel;
+    int tiled;                   /* value head p reads key head p % key_heads (else p / (value_heads / key_heads)) */
+} LinearMixer;
+
+/* A hybrid decoder layer (Qwen3.5): a Gated DeltaNet or gated attention, then the MLP or experts. */
+typedef struct {
+    LayerWeights layer;          /* gated attention's qkv (q and its gate interleaved per head) and o, the MLP or
+                                    experts; its bf16 norms are not read (the scales below are) */
+    const float *input_scale, *post_scale; /* [hidden] float32: 1 + w of the layer's norms */
+    const float *q_scale, *k_scale;        /* [head_dim] float32: 1 + w (gated attention) */
+    const LinearMixer *mixer;              /* the Gated DeltaNet, or NULL (gated attention) */
+    int rotary_dim;
+} HybridLayer;
 
 #endif

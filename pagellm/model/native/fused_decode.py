@@ -62,21 +62,21 @@ def _longest_query(metadata: AttentionMetadata) -> int:
     return max(starts[r + 1] - starts[r] for r in range(metadata.num_reqs))
 
 
-def _is_sparse(layer: torch.nn.Module) -> bool:
+def is_sparse(layer: torch.nn.Module) -> bool:
     """Whether a layer's MLP is a mixture of experts (model/mixture_of_experts.py SparseMoeBlock)."""
     return hasattr(layer.mlp, "experts")
 
 
-def _mlp_linears(layer: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module] | None:
+def mlp_linears(layer: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module] | None:
     """The gated MLP the layer runs over all its rows: its own, a sparse layer's shared expert, or None."""
-    mlp = layer.mlp.shared_expert if _is_sparse(layer) else layer.mlp
+    mlp = layer.mlp.shared_expert if is_sparse(layer) else layer.mlp
     return None if mlp is None else (mlp.gate_up_proj, mlp.down_proj)
 
 
 def _layer_impls(layer: torch.nn.Module, rows: int) -> tuple[int, int, int, int] | None:
     """The native kernels of a layer's attention projections and its MLP (a sparse layer's
     shared expert; 0 where it has none) at `rows` rows (None: one is oneDNN)."""
-    mlp = _mlp_linears(layer)
+    mlp = mlp_linears(layer)
     linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, *(mlp or ()))
     impls = [native_impl(linear, rows) for linear in linears]
     return None if None in impls else (*impls, 0, 0)[:4]  # type: ignore[return-value]
@@ -91,7 +91,7 @@ def _native_expert_rows(table: torch.Tensor) -> int:
     return len(pairs)
 
 
-class _SparseLayer:
+class SparseLayer:
     """What the C layer reads of a sparse layer, kept alive as long as the FusedDecode."""
 
     def __init__(self, block: torch.nn.Module) -> None:
@@ -137,11 +137,11 @@ class FusedDecode:
             model.layers[0].self_attn.scale, self._num_threads, ELEMENT_TYPES[torch.bfloat16],
         )  # fmt: skip
         # The Weight structures live as long as their layers (PackableLinear keeps them).
-        self._sparse = [_SparseLayer(layer.mlp) if _is_sparse(layer) else None for layer in model.layers]
+        self._sparse = [SparseLayer(layer.mlp) if is_sparse(layer) else None for layer in model.layers]
         self._layers = []
         widths = [1]
         for layer, sparse in zip(model.layers, self._sparse, strict=True):
-            attention, mlp = layer.self_attn, _mlp_linears(layer)
+            attention, mlp = layer.self_attn, mlp_linears(layer)
             q_norm, k_norm = qk_norms(attention)
             mlp_width = 0 if mlp is None else mlp[1].in_features
             widths += [mlp_width] + ([] if sparse is None else [sparse.width])
@@ -195,7 +195,7 @@ class FusedDecode:
             computes_llama_layers(model)
             and all(p.dtype is torch.bfloat16 and p.device.type == "cpu" and p.is_contiguous() for p in params)
             and config.hidden_activation == "silu"
-            and all(_SparseLayer.supports(layer.mlp) for layer in model.layers if _is_sparse(layer))
+            and all(SparseLayer.supports(layer.mlp) for layer in model.layers if is_sparse(layer))
             # Qwen3's q/k norms are plain RMSNorms over float32 heads (csrc/layer_rows.h).
             and all(type(getattr(layer.self_attn, "q_norm", None)) in (type(None), RMSNorm) for layer in model.layers)
             # One KV cache group; a window only while every context fits in it (applies()).

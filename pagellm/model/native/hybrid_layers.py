@@ -42,7 +42,7 @@ from pagellm.model.llama import LlamaMLP
 from pagellm.model.qwen3_5 import GatedAttention, GatedDeltaNet, GatedRMSNorm, HybridDecoderLayer
 
 
-def _offset_scale(norm: torch.nn.Module) -> torch.Tensor:
+def offset_scale(norm: torch.nn.Module) -> torch.Tensor:
     """An OffsetRMSNorm's factor 1 + w in float32, as its forward computes it."""
     return (1.0 + norm.weight.detach().float()).contiguous()
 
@@ -51,11 +51,11 @@ class _LayerNorms:
     """A layer's norm factors as the native calls read them (float32), made once at load."""
 
     def __init__(self, layer: HybridDecoderLayer) -> None:
-        self.input = _offset_scale(layer.input_layernorm)
-        self.post_attention = _offset_scale(layer.post_attention_layernorm)
+        self.input = offset_scale(layer.input_layernorm)
+        self.post_attention = offset_scale(layer.post_attention_layernorm)
         attention = layer.self_attn
-        self.q = None if attention is None else _offset_scale(attention.q_norm)
-        self.k = None if attention is None else _offset_scale(attention.k_norm)
+        self.q = None if attention is None else offset_scale(attention.q_norm)
+        self.k = None if attention is None else offset_scale(attention.k_norm)
         mixer = layer.linear_attn
         self.gated = None if mixer is None else mixer.norm.weight.detach().float().contiguous()
 
@@ -68,7 +68,7 @@ class HybridLayers:
         self._model = model
         self._num_threads = torch.get_num_threads()
         self._norms = [_LayerNorms(layer) for layer in model.layers]
-        self._final_scale = _offset_scale(model.norm)
+        self._final_scale = offset_scale(model.norm)
         self._eps = model.config.rms_norm_eps
         # The attention layers' caches (a linear-attention layer has none).
         self._attention_layers = [i for i, layer in enumerate(model.layers) if layer.self_attn is not None]

@@ -5,7 +5,7 @@ runs on the first that applies:
 
   cuda graphs   decode-only steps of captured sizes, replayed (GPU)       cuda_graphs.py
   measured      a step both native paths can run: the faster one, timed    native.py, choice.py
-  fused         few tokens: the one-call decode layer (CPU bf16)           native.py
+  fused         few tokens: the one-call decode layer (CPU bf16; Llama or hybrid) native.py
   layers        any step: the layer ops (CPU bf16; Llama or hybrid layers) native.py
   eager         any step: the model's own forward                          base.py
 
@@ -19,6 +19,7 @@ import torch
 
 from pagellm.kernels.build import load_kernels
 from pagellm.model.native.fused_decode import FusedDecode
+from pagellm.model.native.hybrid_decode import HybridFusedDecode
 from pagellm.model.native.hybrid_layers import HybridLayers
 from pagellm.model.native.layer_ops import NativeLayers
 from pagellm.worker.step_paths.base import EagerPath, StepInputs, StepPath
@@ -49,7 +50,11 @@ class StepPaths:
             elif HybridLayers.supports(model):
                 layer_ops = HybridLayers(library, model)
             # The one-call layer has no point to all-reduce at: tensor-parallel ranks run the layer ops.
-            fused = FusedDecode(library, model) if model.tp is None and FusedDecode.supports(model) else None
+            fused: FusedDecode | HybridFusedDecode | None = None
+            if model.tp is None and FusedDecode.supports(model):
+                fused = FusedDecode(library, model)
+            elif HybridFusedDecode.supports(model):
+                fused = HybridFusedDecode(library, model)
             fused_path = None if fused is None else FusedDecodePath(model, fused, layer_ops)
             layers_path = None if layer_ops is None else LayerOpsPath(model, layer_ops)
             if fused_path is not None and layers_path is not None:

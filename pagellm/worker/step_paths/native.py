@@ -12,6 +12,7 @@ import time
 import torch
 
 from pagellm.model.native.fused_decode import FusedDecode
+from pagellm.model.native.hybrid_decode import HybridFusedDecode
 from pagellm.model.native.hybrid_layers import HybridLayers
 from pagellm.model.native.layer_ops import NativeLayers, final_norm
 from pagellm.worker.step_paths.base import StepInputs
@@ -20,7 +21,7 @@ from pagellm.worker.step_paths.choice import FUSED, StepPathChoice
 
 def native_forward(
     model: torch.nn.Module,
-    layers: FusedDecode | NativeLayers | HybridLayers,
+    layers: FusedDecode | HybridFusedDecode | NativeLayers | HybridLayers,
     layer_ops: NativeLayers | HybridLayers | None,
     step: StepInputs,
 ) -> torch.Tensor:  # [num_tokens, hidden_size]
@@ -38,7 +39,9 @@ class FusedDecodePath:
 
     name = FUSED
 
-    def __init__(self, model: torch.nn.Module, fused: FusedDecode, layer_ops: NativeLayers | None) -> None:
+    def __init__(
+        self, model: torch.nn.Module, fused: FusedDecode | HybridFusedDecode, layer_ops: NativeLayers | HybridLayers | None
+    ) -> None:
         self._model, self.fused, self._layer_ops = model, fused, layer_ops
 
     def applies(self, step: StepInputs) -> bool:
