@@ -212,6 +212,11 @@ SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
         c_int64, c_int64, c_int64, c_int64, c_int64, c_int64,  # R, key heads, value heads, key dim, value dim, kernel
         c_int, c_void_p, c_void_p, c_int,  # value heads tiled, out [R, value heads, value dim], scratch [R, conv dim], threads
     ]),
+    "gated_delta_prefill_run": (None, [
+        c_void_p, c_void_p, c_void_p, c_void_p, c_void_p,  # q, k [tokens, heads, key dim], v, g, beta float32
+        c_void_p, c_int64, c_int64, c_int64, c_int64,  # state [heads, key dim, value dim] (updated), tokens, heads, dims
+        c_void_p, c_int,  # out [tokens, heads, value dim], threads
+    ]),
     "causal_conv_run": (None, [
         c_void_p, c_int, c_int64, c_int64, c_int64,  # x [tokens, channels] bf16 or float32 (flag), row stride, tokens, channels
         c_void_p, c_void_p, c_int64, c_void_p, c_int,  # weight [channels, kernel], conv state [channels, kernel - 1], kernel, out, threads

@@ -231,15 +231,14 @@ class GatedDeltaNet(nn.Module):
         out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
         for run in runs:
             # Cut at each snapshot's boundary: the state there is the one a segment ends with.
-            start, current = run.start, state[run.slot]
+            start, current = run.start, state[run.slot]  # updated in place
             for end, snapshot in [(run.start + offset, snapshot) for offset, snapshot in run.saves] + [(run.end, None)]:
                 if end > start:
                     part = slice(start, end)
-                    out[part], current = prefill_delta_rule(q[part], k[part], v[part], g[part], beta[part], current)
+                    out[part] = prefill_delta_rule(q[part], k[part], v[part], g[part], beta[part], current)
                 if snapshot is not None:
                     linear.snapshot_states[self.index].recurrent[snapshot] = current
                 start = end
-            state[run.slot] = current
         return out
 
 

@@ -76,3 +76,58 @@ def test_the_prefill_conv_choice_is_measured_per_size_and_runs_once(kernel_isa):
     torch.testing.assert_close(out, causal_conv(x, reference, weight), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(state, reference, rtol=0, atol=0)
     assert set(choice._chosen) == {(24, 4, 8)}  # 6 tokens: the bucket of 8
+
+
+def _rule_run_inputs(tokens: int, heads: int, key_dim: int, value_dim: int, seed: int) -> list[torch.Tensor]:
+    """A run's q, k (unit length, q scaled), v, g (log decay), beta and the state before it."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.nn.functional.normalize(torch.randn(tokens, heads, key_dim, generator=g), dim=-1) * key_dim**-0.5
+    k = torch.nn.functional.normalize(torch.randn(tokens, heads, key_dim, generator=g), dim=-1)
+    v = torch.randn(tokens, heads, value_dim, generator=g)
+    decay = -torch.rand(tokens, heads, generator=g) * 2
+    beta = torch.rand(tokens, heads, generator=g)
+    state = torch.randn(heads, key_dim, value_dim, generator=g) * 0.3
+    return [q, k, v, decay, beta, state]
+
+
+@pytest.mark.parametrize(
+    "tokens,heads,key_dim,value_dim",
+    [(70, 4, 16, 32), (1, 2, 8, 8), (65, 3, 12, 24), (17, 16, 128, 128)],
+    ids=["past-a-chunk", "one-token", "value-dim-not-a-block", "qwen3.5-shaped"],
+)
+def test_native_prefill_rule_equals_the_chunked_and_the_stepped_rule(tokens, heads, key_dim, value_dim, kernel_isa):
+    """csrc/gated_delta.c gated_delta_prefill_run against PyTorch's chunked form
+    (attention/linear_attention.py, itself checked against a float64 reference) and the
+    token-by-token steps: equal outputs and final state, the state updated in place."""
+    from pagellm.attention.gated_delta_prefill import NativeDeltaRule
+    from pagellm.attention.linear_attention import delta_rule_chunked, delta_rule_steps
+
+    library = load_kernels()
+    assert library is not None and library.isa_level.name == kernel_isa
+    q, k, v, decay, beta, state = _rule_run_inputs(tokens, heads, key_dim, value_dim, seed=tokens + value_dim)
+    expected, expected_state = delta_rule_chunked(q, k, v, decay, beta, state.clone())
+    ours_state = state.clone()
+    out, returned = NativeDeltaRule(library, 2)(q, k, v, decay, beta, ours_state)
+    assert returned is ours_state
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(ours_state, expected_state, rtol=1e-4, atol=1e-5)
+    stepped, current = [], state.unsqueeze(0)
+    for t in range(tokens):
+        o, current = delta_rule_steps(q[t : t + 1], k[t : t + 1], v[t : t + 1], decay[t : t + 1], beta[t : t + 1], current)
+        stepped.append(o)
+    torch.testing.assert_close(out, torch.cat(stepped), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(ours_state, current[0], rtol=1e-4, atol=1e-5)
+
+
+def test_the_prefill_rule_choice_is_measured_per_size_and_updates_the_state_once(kernel_isa):
+    from pagellm.attention.gated_delta_prefill import DeltaRuleChoice
+    from pagellm.attention.linear_attention import delta_rule_chunked
+
+    choice = DeltaRuleChoice.for_this_machine()
+    assert choice.native is not None
+    q, k, v, decay, beta, state = _rule_run_inputs(6, 2, 8, 16, seed=3)
+    expected, expected_state = delta_rule_chunked(q, k, v, decay, beta, state.clone())
+    out, _ = choice.run(q, k, v, decay, beta, state)  # measures on copies of the state, then runs once
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(state, expected_state, rtol=1e-4, atol=1e-5)
+    assert set(choice._chosen) == {(2, 8, 16, 8)}  # 6 tokens: the bucket of 8

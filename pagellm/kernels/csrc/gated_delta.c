@@ -134,6 +134,68 @@ void gated_delta_decode(const float *mixed, const float *b, const float *a, cons
     }
 }
 
+/* Value columns a prefill run's work item keeps: its [key_dim, 32] slice of a head's state
+ * is 16 KiB at key_dim 128, resident in L1 for the whole run, and each row's multiply-adds
+ * run in two (AVX-512) or four (AVX2) independent vectors. 32 measured 1.3x 16 columns
+ * (their one chain of dependent multiply-adds per column bounds the loop) and as fast as
+ * 64 (Zen 4, Qwen3.5's 16 heads of 128 x 128, 64-512 tokens: ~55 GFLOP/s on 2 cores). */
+#define RUN_VALUE_BLOCK 32
+
+/* One request's run of `tokens` through the gated delta rule, token after token (the
+ * recurrent form, as the decode step), from the state before the first token.
+ * q, k: [tokens, heads, key_dim] float32 (q L2-normalized and scaled, k L2-normalized, one
+ * per value head); v: [tokens, heads, value_dim]; g: [tokens, heads], the log of the decay;
+ * beta: [tokens, heads]; state: [heads, key_dim, value_dim] float32, updated to the state
+ * after the last token; out: [tokens, heads, value_dim].
+ * Each (head, block of 32 value columns) is one work item that carries its slice of the
+ * state through every token: the slice is read from and written to memory once per run,
+ * and each token costs two passes over it in L1 (predict k S, then update and read q S).
+ * PyTorch's chunked form instead solves a triangular system per 64 tokens and head in a
+ * few dozen small operations. */
+void gated_delta_prefill_run(const float *q, const float *k, const float *v, const float *g, const float *beta,
+                             float *state, int64_t tokens, int64_t heads, int64_t key_dim, int64_t value_dim,
+                             float *out, int num_threads) {
+    const int64_t blocks = (value_dim + RUN_VALUE_BLOCK - 1) / RUN_VALUE_BLOCK;
+#pragma omp parallel num_threads(num_threads)
+    {
+        const unsigned float_mode = subnormals_flushed();
+        float slice[key_dim][RUN_VALUE_BLOCK]; /* 16 KiB at key_dim 128: on the thread's stack */
+#pragma omp for schedule(static) collapse(2)
+        for (int64_t p = 0; p < heads; p++) {
+            for (int64_t block = 0; block < blocks; block++) {
+                const int64_t j0 = block * RUN_VALUE_BLOCK;
+                const int64_t width = value_dim - j0 < RUN_VALUE_BLOCK ? value_dim - j0 : RUN_VALUE_BLOCK;
+                float *s = state + p * key_dim * value_dim + j0;
+                for (int64_t i = 0; i < key_dim; i++)
+                    for (int64_t j = 0; j < RUN_VALUE_BLOCK; j++) slice[i][j] = j < width ? s[i * value_dim + j] : 0.0f;
+                for (int64_t t = 0; t < tokens; t++) {
+                    const int64_t at = t * heads + p;
+                    const float *kt = k + at * key_dim, *qt = q + at * key_dim, *vt = v + at * value_dim + j0;
+                    const float decay = expf(g[at]), bt = beta[at];
+                    float predicted[RUN_VALUE_BLOCK] = {0}, written[RUN_VALUE_BLOCK], o[RUN_VALUE_BLOCK] = {0};
+                    for (int64_t i = 0; i < key_dim; i++)
+                        for (int64_t j = 0; j < RUN_VALUE_BLOCK; j++) predicted[j] += kt[i] * slice[i][j];
+                    for (int64_t j = 0; j < RUN_VALUE_BLOCK; j++)
+                        written[j] = j < width ? bt * (vt[j] - decay * predicted[j]) : 0.0f;
+                    for (int64_t i = 0; i < key_dim; i++) {
+                        const float ki = kt[i], qi = qt[i];
+                        for (int64_t j = 0; j < RUN_VALUE_BLOCK; j++) {
+                            const float updated = decay * slice[i][j] + ki * written[j];
+                            slice[i][j] = updated;
+                            o[j] += qi * updated;
+                        }
+                    }
+                    float *ot = out + at * value_dim + j0;
+                    for (int64_t j = 0; j < width; j++) ot[j] = o[j];
+                }
+                for (int64_t i = 0; i < key_dim; i++)
+                    for (int64_t j = 0; j < width; j++) s[i * value_dim + j] = slice[i][j];
+            }
+        }
+        float_mode_restore(float_mode);
+    }
+}
+
 /* One request's run of `tokens` through the causal depthwise convolution, continuing from
  * the inputs its state holds, then SiLU.
  * x: [tokens, channels] with row stride x_stride, bfloat16 (x_f32 0) or float32;
