@@ -7,8 +7,10 @@ Each engine lives in its own process, loaded once and warmed up (pagellm also ru
 steps' measurements there). Then they take turns, one request each (a prompt of --prompt
 token ids, --tokens greedy output tokens, end of sequence ignored), A B A B ..., while the
 other process waits idle; each burst is timed inside its process from the request to its
-last token (prefill included). The figure is the median of the pairs' ratios of output
-tokens per second, with each side's median; llama.cpp runs through llama-cpp-python's Llama
+last token (prefill included), and again as a 1-token request, whose time (prefill and the
+first token) taken off gives the decode alone. The figures are the medians of the pairs'
+ratios: output tokens per second of the whole request, of the decode alone, and the speed
+of the first token (llama.cpp's time over pagellm's); llama.cpp runs through llama-cpp-python's Llama
 class with the threads pagellm uses (torch.get_num_threads()).
 
 `bench throughput` (benchmarks/hybrid_decode.py) runs each engine for half a minute in
@@ -34,15 +36,20 @@ def _pagellm_worker(path: str, prompt: list[int], tokens: int, commands: Any, re
     from pagellm import LLM, SamplingParams
 
     llm = LLM(model=path, dtype="bfloat16", max_model_len=len(prompt) + tokens + 16, enable_prefix_caching=False)
-    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     request = {"prompt_token_ids": prompt}
-    for _ in range(3):  # warm-up: the kernels' and the step paths' first-step measurements
-        llm.generate([request], params, use_tqdm=False)
-    results.put(("ready", torch.get_num_threads()))
-    while commands.get() == "go":
+
+    def burst(count: int) -> float:
+        params = SamplingParams(max_tokens=count, temperature=0.0, ignore_eos=True)
         start = time.perf_counter()
         output = llm.generate([request], params, use_tqdm=False)[0]
-        results.put(("burst", len(output.outputs[0].token_ids) / (time.perf_counter() - start)))
+        assert len(output.outputs[0].token_ids) == count
+        return time.perf_counter() - start
+
+    for _ in range(3):  # warm-up: the kernels' and the step paths' first-step measurements
+        burst(tokens)
+    results.put(("ready", torch.get_num_threads()))
+    while commands.get() == "go":
+        results.put(("burst", (burst(1), burst(tokens))))
 
 
 def _llamacpp_worker(path: str, prompt: list[int], tokens: int, threads: int, commands: Any, results: Any) -> None:
@@ -51,22 +58,21 @@ def _llamacpp_worker(path: str, prompt: list[int], tokens: int, threads: int, co
     llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=len(prompt) + tokens + 16,
                 n_batch=512, verbose=False)  # fmt: skip
 
-    def burst() -> int:
+    def burst(count: int) -> float:
         llm.reset()
-        count = 0
+        start = time.perf_counter()
+        made = 0
         for _ in llm.generate(prompt, top_k=1, temp=0.0, reset=True):
-            count += 1
-            if count == tokens:
+            made += 1
+            if made == count:
                 break
-        return count
+        return time.perf_counter() - start
 
     for _ in range(3):
-        burst()
+        burst(tokens)
     results.put(("ready", threads))
     while commands.get() == "go":
-        start = time.perf_counter()
-        count = burst()
-        results.put(("burst", count / (time.perf_counter() - start)))
+        results.put(("burst", (burst(1), burst(tokens))))
 
 
 def main() -> int:
@@ -89,24 +95,34 @@ def main() -> int:
     )
     workers["llamacpp"].start()
     assert queues["llamacpp"][1].get()[0] == "ready"
+    # Per burst: output tok/s of the whole request, and of its decode alone ((tokens - 1) over
+    # the time beyond a 1-token request's: prefill and first token).
     rates: dict[str, list[float]] = {"pagellm": [], "llamacpp": []}
+    decode: dict[str, list[float]] = {"pagellm": [], "llamacpp": []}
+    first: dict[str, list[float]] = {"pagellm": [], "llamacpp": []}
     for index in range(args.pairs):
         order = ("pagellm", "llamacpp") if index % 2 == 0 else ("llamacpp", "pagellm")  # neither always first
         for name in order:
             commands, results = queues[name]
             commands.put("go")
-            kind, rate = results.get()
+            kind, (one, whole) = results.get()
             assert kind == "burst"
-            rates[name].append(rate)
+            rates[name].append(args.tokens / whole)
+            decode[name].append((args.tokens - 1) / max(whole - one, 1e-9))
+            first[name].append(one)
     for name, (commands, _) in queues.items():
         commands.put("stop")
         workers[name].join()
     ratios = [a / b for a, b in zip(rates["pagellm"], rates["llamacpp"], strict=True)]
+    decode_ratios = [a / b for a, b in zip(decode["pagellm"], decode["llamacpp"], strict=True)]
+    first_ratios = [b / a for a, b in zip(first["pagellm"], first["llamacpp"], strict=True)]
     record = {
         "cpu": describe_cpu(cpu_info()), "model": args.model, "threads": threads, "prompt_tokens": args.prompt,
         "output_tokens": args.tokens, "pagellm_tok_s": rates["pagellm"], "llamacpp_tok_s": rates["llamacpp"],
         "ratio_median": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
         "pagellm_median": statistics.median(rates["pagellm"]), "llamacpp_median": statistics.median(rates["llamacpp"]),
+        "decode_tok_s": decode, "decode_ratio_median": statistics.median(decode_ratios),
+        "first_token_s": first, "first_token_speed_ratio_median": statistics.median(first_ratios),
     }  # fmt: skip
     print(json.dumps(record, indent=1))
     if args.out:
