@@ -154,3 +154,21 @@ def _check_snapshots_equal_the_states(fused) -> list[int]:  # noqa: ANN001
 
     fused.run = run_and_check
     return checked
+
+
+def test_tensor_parallel_ranks_run_the_hybrid_layer_ops(tmp_path_factory):
+    """Two ranks in bf16: each runs its half of the heads through the hybrid layer ops, the
+    out_proj / o_proj / down partial sums all-reduced there, under chunked prefill."""
+    folder, reference = _family("qwen3_5", tmp_path_factory)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 256) for _ in range(n)] for n in (5, 17, 40, 70)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=0)
+    llm = LLM(folder, dtype="bfloat16", tensor_parallel_size=2, max_model_len=128, max_num_batched_tokens=24,
+              disable_log_stats=True)  # fmt: skip
+    assert llm.engine.runner.step_paths.names == ["layers", "eager"]
+    with dp.count_native_paths(llm) as paths:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert paths is not None and paths.native_layers_decode and paths.native_layers_prefill
+    completions = [dp.Completion(p, list(o.outputs[0].token_ids), o.outputs[0].logprobs, True) for p, o in zip(prompts, outputs)]
+    dp.check_against_reference(dp.teacher_forced(reference, completions), NUM_LAYERS, "tensor parallel")
+    llm.shutdown()
