@@ -37,6 +37,9 @@ SCENARIOS = {
             ("hf", "bfloat16", ["--hf-batch-sizes", "32", "64"]),
             ("llamacpp", "gguf", ["--llamacpp-parallel", "64"]),
             ("llamacpp", "bfloat16", ["--llamacpp-parallel", "64", "--llamacpp-weights", "bfloat16"]),
+            # OpenVINO GenAI's ContinuousBatchingPipeline on the same GGUF, its defaults, in its
+            # own environment (installed on first use: pagellm/bench/peers.py).
+            ("openvino", "gguf", []),
         ],
     ),
     "prefill-only": (
@@ -54,6 +57,7 @@ SCENARIOS = {
             ("pagellm", "float32", []),
             ("llamacpp", "gguf", ["--llamacpp-parallel", "1"]),
             ("llamacpp", "bfloat16", ["--llamacpp-parallel", "1", "--llamacpp-weights", "bfloat16"]),
+            ("openvino", "gguf", []),
         ],
     ),
     "large-batch-decode": (
@@ -66,7 +70,7 @@ SCENARIOS = {
 def run_one(workload: list[str], backend: str, dtype: str, extra: list[str], result_file: Path, label: str) -> dict:
     command = [sys.executable, "-m", "pagellm.entrypoints.cli", "bench", "throughput", "--backend", backend,
                *workload, *extra, "--result-file", str(result_file), "--json"]  # fmt: skip
-    if backend != "llamacpp":
+    if backend not in ("llamacpp", "openvino"):  # those run the GGUF as stored
         command += ["--dtype", dtype]
     print("$", " ".join(command[1:]), flush=True)
     proc = subprocess.run(command, capture_output=True, text=True)
@@ -118,7 +122,7 @@ def render(results: dict[str, list[dict]], machine: str, cpu: dict, measured: st
                 reference = best_pagellm.get(DEQUANTIZED[3], best_any)
             elif r["dtype"] == "bfloat16":  # HF in bf16 against pagellm's default bf16 path
                 reference = best_pagellm.get(AS_STORED[3], best_any)
-            elif r["backend"] == "llamacpp":  # the GGUF as stored against pagellm's default
+            elif r["backend"] in ("llamacpp", "openvino"):  # the GGUF as stored against pagellm's default
                 reference = best_pagellm.get(AS_STORED[3], best_any)
             else:
                 reference = best_pagellm.get(r["dtype"], best_any)

@@ -22,6 +22,7 @@ import torch
 
 from pagellm.bench.agreement import check_agreement, describe_agreement
 from pagellm.bench.backends import BackendResult, run_hf, run_pagellm
+from pagellm.bench.peers import PEERS, peer_settings, run_peer
 from pagellm.bench.ceiling import model_matmul_ceiling, workload_flops
 from pagellm.bench.machine import cpu_info, describe_cpu
 from pagellm.errors import PagellmError
@@ -64,6 +65,11 @@ def run_bench_throughput(args: argparse.Namespace) -> dict[str, Any]:
         result = run_pagellm(requests, args.model, args.dtype, engine_args, repeats=args.repeats, show_progress=True)
     elif args.backend == "hf":
         result = run_hf(requests, source.path, args.dtype, args.hf_batch_sizes)
+    elif args.backend in PEERS:
+        spec = PEERS[args.backend]
+        if spec.takes_gguf and source.format != "gguf":
+            raise PagellmError(f"the {args.backend} backend runs a GGUF model")
+        result = run_peer(spec, requests, source.path, repeats=args.repeats, settings=peer_settings(args.peer_setting))
     else:
         from pagellm.bench.llamacpp_backend import run_llamacpp_isolated
 
@@ -153,7 +159,7 @@ def make_record(
         "model": model,
         "backend": result.backend,
         # llama.cpp runs the GGUF's own (quantized) weights unless asked for a float copy.
-        "dtype": _llamacpp_dtype(args) if result.backend == "llamacpp" else args.dtype,
+        "dtype": _llamacpp_dtype(args) if result.backend == "llamacpp" else "gguf" if result.backend in PEERS else args.dtype,
         "workload": {
             "kind": args.workload, "num_requests": num_requests,
             "prompt_len": list(args.prompt_len), "output_len": list(args.output_len), "seed": args.seed,

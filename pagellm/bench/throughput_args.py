@@ -11,7 +11,7 @@ from pagellm.bench.agreement import DEFAULT_CHECK_REQUESTS, DEFAULT_CHECK_TOKENS
 from pagellm.workload.command_output import add_output_args
 from pagellm.workload.synthetic import add_workload_args
 
-BACKENDS = ("pagellm", "hf", "llamacpp")
+BACKENDS = ("pagellm", "hf", "llamacpp", "openvino")  # openvino: bench/peers.py, its own environment
 
 
 def add_bench_throughput_parser(bench_commands: "argparse._SubParsersAction") -> None:
@@ -56,6 +56,14 @@ def add_bench_throughput_parser(bench_commands: "argparse._SubParsersAction") ->
     p.add_argument(
         "--num-scheduler-steps", type=int, default=1,
         help="pagellm: decode steps per engine step while every running request decodes (multi-step decoding)",
+    )
+    p.add_argument(
+        "--peer-setting",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a setting of a peer backend (openvino: cache_size_gb, max_num_batched_tokens, max_num_seqs, "
+        "dynamic_split_fuse, threads); repeatable; unset ones keep the peer's defaults",
     )
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)

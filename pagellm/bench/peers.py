@@ -1,0 +1,151 @@
+"""Bench stage: peer engines that run in virtual environments of their own (OpenVINO GenAI),
+installed on demand, and one request list run on them in a child process.
+
+A peer's pins conflict with pagellm's (and with other peers'), so it never enters
+pagellm's dependencies: `peer_python(name)` makes `<PAGELLM_PEER_ENVS or
+~/.cache/pagellm/peers>/<name>` with `python -m venv` and pip-installs the peer's packages
+there the first time (a network is needed once; offline, the error says what to install
+where). The run itself is a runner script of bench/peer_runners/ executed by that
+environment's Python: it imports nothing of pagellm, reads the request list from a JSON
+file and writes the outputs to another. A runner that crashes, exits with an error or
+writes nothing is reported as that backend's failure (PagellmError naming the signal, the
+exit status and the last lines it printed), so the other backends of a comparison still
+print their figures.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pagellm.bench.backends import BackendResult, median_run
+from pagellm.errors import PagellmError
+from pagellm.workload.synthetic import BenchRequest
+
+RUNNERS = Path(__file__).resolve().parent / "peer_runners"
+ENVS_VARIABLE = "PAGELLM_PEER_ENVS"
+# Lines of a failed runner's output quoted in the error.
+_TAIL_LINES = 8
+
+
+@dataclass(frozen=True)
+class PeerSpec:
+    """A peer engine: the packages its environment installs, its runner script, and the
+    model format it takes."""
+
+    name: str
+    packages: tuple[str, ...]
+    runner: str
+    takes_gguf: bool
+
+
+PEERS = {
+    "openvino": PeerSpec("openvino", ("openvino-genai>=2026.4,<2027",), "openvino_runner.py", takes_gguf=True),
+}
+
+
+def peer_settings(pairs: list[str]) -> dict[str, Any]:
+    """--peer-setting KEY=VALUE pairs as a dict (numbers as numbers, true/false as booleans)."""
+    settings: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, text = pair.partition("=")
+        if not sep or not key:
+            raise PagellmError(f"--peer-setting {pair!r}: expected KEY=VALUE")
+        value: Any = text
+        if text.lower() in ("true", "false"):
+            value = text.lower() == "true"
+        else:
+            try:
+                value = int(text)
+            except ValueError:
+                try:
+                    value = float(text)
+                except ValueError:
+                    value = text
+        settings[key] = value
+    return settings
+
+
+def envs_root() -> Path:
+    return Path(os.environ.get(ENVS_VARIABLE) or Path.home() / ".cache" / "pagellm" / "peers")
+
+
+def peer_python(spec: PeerSpec, install: bool = True) -> Path:
+    """The Python of the peer's environment, made and installed on first use (`install`)."""
+    env = envs_root() / spec.name
+    python = env / "bin" / "python"
+    marker = env / "pagellm-installed.json"
+    if marker.exists() and json.loads(marker.read_text()).get("packages") == list(spec.packages):
+        return python
+    if not install:
+        raise PagellmError(f"{spec.name} is not installed in {env} (pip install {' '.join(spec.packages)} there)")
+    steps = [[sys.executable, "-m", "venv", "--clear", str(env)], [str(python), "-m", "pip", "install", "-q", *spec.packages]]
+    for step in steps:
+        done = subprocess.run(step, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise PagellmError(
+                f"installing {spec.name} into {env} failed ({' '.join(step[:4])} ...): {_tail(done.stderr + done.stdout)}"
+            )
+    marker.write_text(json.dumps({"packages": list(spec.packages)}))
+    return python
+
+
+def run_peer(
+    spec: PeerSpec,
+    requests: list[BenchRequest],
+    model_path: Path,
+    repeats: int = 1,
+    settings: dict[str, Any] | None = None,
+    python: Path | None = None,
+    runner: Path | None = None,
+) -> BackendResult:
+    """The request list on the peer (its environment's Python, or `python`; its runner, or
+    `runner`: tests), in a child process; the median of `repeats` timed runs."""
+    python = python or peer_python(spec)
+    runner = runner or RUNNERS / spec.runner
+    with tempfile.TemporaryDirectory(prefix=f"pagellm-{spec.name}-") as folder:
+        job, result = Path(folder) / "job.json", Path(folder) / "result.json"
+        job.write_text(json.dumps({
+            "model": str(model_path), "repeats": repeats, "settings": settings or {},
+            "requests": [[list(r.prompt_token_ids), r.output_len] for r in requests],
+        }))  # fmt: skip
+        done = subprocess.run([str(python), str(runner), str(job), str(result)], capture_output=True, text=True)
+        if done.returncode < 0:
+            raise PagellmError(
+                f"{spec.name} crashed: its process was killed by signal {signal.Signals(-done.returncode).name}"
+                f"{_quoted(done)}"
+            )
+        if done.returncode != 0:
+            raise PagellmError(f"{spec.name}'s process exited with status {done.returncode}{_quoted(done)}")
+        if not result.exists():
+            raise PagellmError(f"{spec.name}'s process wrote no result{_quoted(done)}")
+        outcome = json.loads(result.read_text())
+    output_token_ids = [list(ids) for ids in outcome["output_token_ids"]]
+    produced = sum(len(ids) for ids in output_token_ids)
+    expected = sum(r.output_len for r in requests)
+    if len(output_token_ids) != len(requests) or produced != expected:
+        raise PagellmError(f"{spec.name} produced {produced} tokens for {len(output_token_ids)} requests, "
+                           f"{expected} for {len(requests)} were asked for")  # fmt: skip
+    runs = [float(r) for r in outcome["elapsed_runs_s"]]
+    return BackendResult(
+        spec.name, median_run(runs), produced, sum(len(r.prompt_token_ids) for r in requests),
+        settings={**outcome.get("settings", {}), "version": outcome.get("version", "?"),
+                  "elapsed_runs_s": [round(r, 4) for r in runs]},
+        output_token_ids=output_token_ids,
+    )  # fmt: skip
+
+
+def _tail(text: str) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return " | ".join(lines[-_TAIL_LINES:]) or "(no output)"
+
+
+def _quoted(done: subprocess.CompletedProcess) -> str:
+    return f": {_tail(done.stderr + done.stdout)}"
