@@ -58,6 +58,7 @@ def run_bench_throughput(args: argparse.Namespace) -> dict[str, Any]:
             "quantization": getattr(args, "quantization", "auto"),
             "int8_activations": getattr(args, "int8_activations", False),
             "num_scheduler_steps": getattr(args, "num_scheduler_steps", 1),
+            "kv_cache_dtype": getattr(args, "kv_cache_dtype", "auto"),
         }  # fmt: skip
         if args.max_num_batched_tokens:
             engine_args["max_num_batched_tokens"] = args.max_num_batched_tokens

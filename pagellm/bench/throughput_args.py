@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from pagellm.config.cache import KV_CACHE_DTYPES
 from pagellm.config.engine_args import QUANTIZATION_CHOICES
 
 from pagellm.bench.agreement import DEFAULT_CHECK_REQUESTS, DEFAULT_CHECK_TOKENS
@@ -65,6 +66,8 @@ def add_bench_throughput_parser(bench_commands: "argparse._SubParsersAction") ->
         help="a setting of a peer backend (openvino: cache_size_gb, max_num_batched_tokens, max_num_seqs, "
         "dynamic_split_fuse, threads); repeatable; unset ones keep the peer's defaults",
     )
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="pagellm's KV cache element type (auto: the model's dtype)")  # fmt: skip
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=2048)
