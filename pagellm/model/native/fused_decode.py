@@ -32,12 +32,14 @@ kernels/decode_layer.py.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 
 import torch
 
 from pagellm.attention.backend import AttentionMetadata
 from pagellm.attention.kv_cache_dtype import ELEMENT_TYPES
 from pagellm.config.kv_layout import kv_cache_layout
+from pagellm.config.model import ModelConfig
 from pagellm.kernels.decode_layer import (
     CACHE_DTYPES,
     MAX_ROWS,
@@ -122,13 +124,71 @@ class SparseLayer:
         )
 
 
+class DecodeScratch:
+    """The one-call layers' working memory (csrc/layer_structs.h Scratch) for steps of up to
+    MAX_ROWS rows: sized once at load, the attention's workspace grown to a step's longest
+    context. Column widths: the layer's projection output (float32), the query, the attention
+    output (the wider of q and a mixer's value), the widest MLP or expert, the K/V row; a
+    hybrid's Gated DeltaNet also takes its convolved channels and its output (`mixer`)."""
+
+    def __init__(
+        self, config: ModelConfig, projection: int, q_size: int, attn_width: int, kv_size: int, mlp_width: int,
+        num_threads: int, segment_rows: int, mixer: tuple[int, int] | None = None,
+    ) -> None:  # fmt: skip
+        hidden = config.hidden_size
+        num_experts = max(config.num_experts, 1)
+        top_k = max(config.num_experts_per_tok, 1)
+
+        def rows(columns: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+            return torch.empty(MAX_ROWS, columns, dtype=dtype)
+
+        f32 = torch.float32
+        self._buffers = [
+            rows(hidden), rows(projection, f32), rows(q_size), rows(attn_width), rows(hidden, f32),
+            rows(2 * mlp_width, f32), rows(mlp_width), rows(2 * kv_size),
+        ]  # fmt: skip
+        self._moe_buffers = [
+            rows(num_experts, f32), torch.empty(num_experts + 1, dtype=torch.int64), rows(top_k, torch.int64),
+            rows(top_k, f32), rows(hidden), rows(hidden, f32), rows(num_threads * hidden, f32),
+        ]  # fmt: skip
+        self._mixer_buffers = [] if mixer is None else [rows(mixer[0], f32), rows(mixer[1], f32)]
+        self._workspace_per_context = num_threads * segment_rows  # floats per head and context token
+        self._attention_workspace = torch.empty(0, dtype=torch.float32)
+
+    def struct(self, max_seq_len: int, num_heads: int) -> Scratch:
+        """The Scratch of a step whose longest context is `max_seq_len` (the workspace grown to it)."""
+        needed = self._workspace_per_context * max_seq_len * num_heads
+        if self._attention_workspace.numel() < needed:
+            self._attention_workspace = torch.empty(2 * needed, dtype=torch.float32)
+        return Scratch(
+            *(b.data_ptr() for b in self._buffers), self._attention_workspace.data_ptr(),
+            *(b.data_ptr() for b in self._moe_buffers), *(b.data_ptr() for b in self._mixer_buffers),
+        )  # fmt: skip
+
+
+def impls_by_rows(
+    layers: list[torch.nn.Module], layer_impls: Callable[[torch.nn.Module, int], tuple[int, int, int, int] | None],
+    sparse: list[SparseLayer | None],
+) -> list[list[tuple[int, int, int, int]] | None]:  # fmt: skip
+    """Each layer's measured native kernels per row count 1..MAX_ROWS (index 0 unused; layers
+    of a GGUF may store different types); a row count where some linear of some layer is
+    planned on oneDNN, or where an expert could receive a row count planned on oneDNN, is
+    not taken (None)."""
+    expert_rows = min((layer.native_rows for layer in sparse if layer is not None), default=MAX_ROWS)
+    table: list[list[tuple[int, int, int, int]] | None] = [None]
+    for rows in range(1, MAX_ROWS + 1):
+        per_layer = [layer_impls(layer, rows) for layer in layers]
+        taken = rows <= expert_rows and all(impls is not None for impls in per_layer)
+        table.append(per_layer if taken else None)  # type: ignore[arg-type]
+    return table
+
+
 class FusedDecode:
     """Runs a step of <= MAX_ROWS tokens through the native layer, for one model."""
 
     def __init__(self, library: ctypes.CDLL, model: torch.nn.Module) -> None:
         config = model.config
         self._run_layer = library.decode_layer_bf16
-        self._segment_rows = library.attention_segment_rows()  # attention workspace per thread
         self._model = model
         self._num_threads = torch.get_num_threads()
         self._shape = LayerShape(
@@ -156,33 +216,11 @@ class FusedDecode:
             ))  # fmt: skip
         q_size = config.num_attention_heads * config.head_dim
         kv_size = config.num_key_value_heads * config.head_dim
-        width = max(widths)
-        num_experts = max(config.num_experts, 1)
-        top_k = max(config.num_experts_per_tok, 1)
-
-        def scratch(columns: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-            return torch.empty(MAX_ROWS, columns, dtype=dtype)
-
-        f32 = torch.float32
-        self._buffers = [
-            scratch(config.hidden_size), scratch(q_size + 2 * kv_size, f32), scratch(q_size), scratch(q_size),
-            scratch(config.hidden_size, f32), scratch(2 * width, f32), scratch(width), scratch(2 * kv_size),
-        ]  # fmt: skip
-        self._moe_buffers = [
-            scratch(num_experts, f32), torch.empty(num_experts + 1, dtype=torch.int64), scratch(top_k, torch.int64),
-            scratch(top_k, f32), scratch(config.hidden_size), scratch(config.hidden_size, f32),
-            scratch(self._num_threads * config.hidden_size, f32),
-        ]  # fmt: skip
-        # Each layer's measured choice per row count (layers of a GGUF may store different
-        # types); a row count where some linear of some layer is planned on oneDNN, or where
-        # an expert could receive a row count planned on oneDNN, is not taken (None).
-        expert_rows = min((sparse.native_rows for sparse in self._sparse if sparse is not None), default=MAX_ROWS)
-        self._impls: list[list[tuple[int, int, int, int]] | None] = [None]
-        for rows in range(1, MAX_ROWS + 1):
-            per_layer = [_layer_impls(layer, rows) for layer in model.layers]
-            taken = rows <= expert_rows and all(impls is not None for impls in per_layer)
-            self._impls.append(per_layer if taken else None)
-        self._attention_workspace = torch.empty(0, dtype=torch.float32)
+        self._scratch = DecodeScratch(
+            config, q_size + 2 * kv_size, q_size, q_size, kv_size, max(widths), self._num_threads,
+            library.attention_segment_rows(),
+        )  # fmt: skip
+        self._impls = impls_by_rows(list(model.layers), _layer_impls, self._sparse)
         self._rotary = model.rotary
         self._window = model.config.sliding_window
 
@@ -243,9 +281,7 @@ class FusedDecode:
             seq_lens = positions.to(torch.int64) + 1
         max_seq_len = max(metadata.seq_lens)
         shape = self._shape
-        needed = self._num_threads * max_seq_len * shape.num_heads * self._segment_rows
-        if self._attention_workspace.numel() < needed:
-            self._attention_workspace = torch.empty(2 * needed, dtype=torch.float32)
+        scratch = self._scratch.struct(max_seq_len, shape.num_heads)
         shape.block_size = kv_caches[0].shape[2]
         shape.cache_type = ELEMENT_TYPES[kv_caches[0].dtype]
         tables = metadata.block_tables
@@ -253,10 +289,6 @@ class FusedDecode:
             m, positions.data_ptr(), metadata.slot_mapping.data_ptr(), tables.data_ptr(), tables.stride(0),
             rows.data_ptr(), reqs.data_ptr(), seq_lens.data_ptr(), max_seq_len,
             self._rotary.cos_cache.data_ptr(), self._rotary.sin_cache.data_ptr(),
-        )  # fmt: skip
-        scratch = Scratch(
-            *(b.data_ptr() for b in self._buffers), self._attention_workspace.data_ptr(),
-            *(b.data_ptr() for b in self._moe_buffers),
         )  # fmt: skip
         hidden = hidden.to(torch.float32).contiguous()
         hidden_ptr = hidden.data_ptr()

@@ -31,12 +31,11 @@ from pagellm.kernels.decode_layer import (
     MAX_ROWS,
     LayerShape,
     LayerWeights,
-    Scratch,
     StepInputs,
     data_ptr_or_null,
     native_impl,
 )
-from pagellm.model.native.fused_decode import SparseLayer, is_sparse, mlp_linears
+from pagellm.model.native.fused_decode import DecodeScratch, SparseLayer, impls_by_rows, is_sparse, mlp_linears
 from pagellm.model.native.hybrid_layers import HybridLayers, offset_scale
 
 
@@ -75,7 +74,6 @@ class HybridFusedDecode:
     def __init__(self, library: ctypes.CDLL, model: torch.nn.Module) -> None:
         config = model.config
         self._run_layer = library.hybrid_decode_layer_bf16
-        self._segment_rows = library.attention_segment_rows()
         self._num_threads = torch.get_num_threads()
         attention = next(layer.self_attn for layer in model.layers if layer.self_attn is not None)
         self._kv_group = attention.kv_group
@@ -116,31 +114,11 @@ class HybridFusedDecode:
         value_size = spec.num_value_heads * spec.value_head_dim
         conv_dim = model.layers[spec.layers[0]].linear_attn.conv_dim
         projection = max(2 * q_size + 2 * kv_size, conv_dim + value_size + 2 * spec.num_value_heads)
-        width = max(widths)
-        num_experts = max(config.num_experts, 1)
-        top_k = max(config.num_experts_per_tok, 1)
-
-        def scratch(columns: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-            return torch.empty(MAX_ROWS, columns, dtype=dtype)
-
-        f32 = torch.float32
-        self._buffers = [
-            scratch(config.hidden_size), scratch(projection, f32), scratch(q_size), scratch(max(q_size, value_size)),
-            scratch(config.hidden_size, f32), scratch(2 * width, f32), scratch(width), scratch(2 * kv_size),
-        ]  # fmt: skip
-        self._moe_buffers = [
-            scratch(num_experts, f32), torch.empty(num_experts + 1, dtype=torch.int64), scratch(top_k, torch.int64),
-            scratch(top_k, f32), scratch(config.hidden_size), scratch(config.hidden_size, f32),
-            scratch(self._num_threads * config.hidden_size, f32),
-        ]  # fmt: skip
-        self._mixer_buffers = [scratch(conv_dim, f32), scratch(value_size, f32)]
-        expert_rows = min((sparse.native_rows for sparse in self._sparse if sparse is not None), default=MAX_ROWS)
-        self._impls: list[list[tuple[int, int, int, int]] | None] = [None]
-        for rows in range(1, MAX_ROWS + 1):
-            per_layer = [_layer_impls(layer, rows) for layer in model.layers]
-            taken = rows <= expert_rows and all(impls is not None for impls in per_layer)
-            self._impls.append(per_layer if taken else None)
-        self._attention_workspace = torch.empty(0, dtype=torch.float32)
+        self._scratch = DecodeScratch(
+            config, projection, q_size, max(q_size, value_size), kv_size, max(widths), self._num_threads,
+            library.attention_segment_rows(), mixer=(conv_dim, value_size),
+        )  # fmt: skip
+        self._impls = impls_by_rows(list(model.layers), _layer_impls, self._sparse)
         self._rotary = model.rotary
         self._attention_layers = [i for i, layer in enumerate(model.layers) if layer.self_attn is not None]
 
@@ -191,9 +169,7 @@ class HybridFusedDecode:
         state_slots = torch.tensor(linear.state_slots, dtype=torch.int64)
         max_seq_len = max(group.seq_lens)
         shape = self._shape
-        needed = self._num_threads * max_seq_len * shape.num_heads * self._segment_rows
-        if self._attention_workspace.numel() < needed:
-            self._attention_workspace = torch.empty(2 * needed, dtype=torch.float32)
+        scratch = self._scratch.struct(max_seq_len, shape.num_heads)
         attention_cache = kv_caches[self._attention_layers[0]]
         shape.block_size = attention_cache.shape[2]
         shape.cache_type = ELEMENT_TYPES[attention_cache.dtype]
@@ -202,10 +178,6 @@ class HybridFusedDecode:
             m, positions.data_ptr(), group.slot_mapping.data_ptr(), tables.data_ptr(), tables.stride(0),
             rows.data_ptr(), rows.data_ptr(), seq_lens.data_ptr(), max_seq_len,
             self._rotary.cos_cache.data_ptr(), self._rotary.sin_cache.data_ptr(),
-        )  # fmt: skip
-        scratch = Scratch(
-            *(b.data_ptr() for b in self._buffers), self._attention_workspace.data_ptr(),
-            *(b.data_ptr() for b in self._moe_buffers), *(b.data_ptr() for b in self._mixer_buffers),
         )  # fmt: skip
         states = iter(linear.layer_states)
         for mixer in self._mixers:  # the worker's state tensors, as this step hands them
