@@ -58,10 +58,15 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="a GGUF file or HF folder (default: the embedded SmolLM2)")
     parser.add_argument("--tokens", type=int, default=48, help="greedy tokens generated per prompt")
     parser.add_argument("--output", default="benchmarks/results/precision.json")
+    parser.add_argument("--int8-activations", action="store_true", help="pagellm's int8-activation kernels")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="pagellm's KV cache element type")
     args = parser.parse_args()
     model_path = Path(args.model) if args.model else default_model_path()
 
-    llm = LLM(str(model_path), dtype="bfloat16", disable_log_stats=True)
+    llm = LLM(
+        str(model_path), dtype="bfloat16", disable_log_stats=True,
+        int8_activations=args.int8_activations, kv_cache_dtype=args.kv_cache_dtype,
+    )  # fmt: skip
     tokenizer = llm.get_tokenizer()
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=True) for p in PROMPTS]
     generated = llm.generate(
@@ -101,6 +106,8 @@ def main() -> None:
         "cpu": cpu_info(),
         "model": model_path.name,
         "linear_kernel": os.environ.get("PAGELLM_LINEAR_KERNEL", "auto"),
+        "int8_activations": args.int8_activations,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "prompts": len(PROMPTS),
         "decode_positions": len(decode),
         "prefill_positions": len(prefill),

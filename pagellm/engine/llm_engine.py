@@ -28,6 +28,7 @@ from pagellm.engine.core import EngineCore, StepRecord
 from pagellm.engine.device_probe import probe_device_facts
 from pagellm.metrics.ceilings import device_ceilings
 from pagellm.metrics.engine_metrics import EngineMetrics, MetricsSnapshot
+from pagellm.metrics.resident_memory import StartupMemory, return_freed_heap
 from pagellm.model.costs import ModelCosts
 from pagellm.engine.input_processor import InputProcessor, PromptInput
 from pagellm.engine.output_processor import OutputProcessor
@@ -194,9 +195,11 @@ class LLMEngine:
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
         """Wiring: load the model's config and tokenizer, probe the machine, resolve every
         setting (config/), start the ranks, size the KV cache from what they measured."""
+        memory = StartupMemory()
         source = resolve_model_source(args.model)
         model_config = load_model_config(source)
         tokenizer = load_tokenizer(source, model_config)
+        memory.mark("tokenizer and checkpoint metadata")
         speculative_config = resolve_speculative_config(args.speculative_config)
         draft = None
         if speculative_config is not None and speculative_config.model is not None:
@@ -206,11 +209,14 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         grammars = GrammarCompiler(tokenizer, model_config.vocab_size)
         executor = create_executor(config, grammars)
+        memory.mark("model (weights, kernels, the largest step's buffers)")
         try:
             size = executor.cache_size()
             cache_config = config.sized_cache(size)
             _log_cache(config, cache_config, size)
             executor.init_cache(cache_config.num_gpu_blocks, cache_config.num_cpu_blocks)
+            return_freed_heap()
+            memory.mark("KV cache (reserved; its pages become resident as blocks are first used)")
         except BaseException:
             executor.shutdown()
             raise
@@ -235,6 +241,9 @@ class LLMEngine:
         engine = cls(config, tokenizer, executor, grammars, metrics)
         if engine.executor_report.cpu_kernels is not None:  # bf16 CPU models
             metrics.set_cpu_kernels(engine.executor_report.cpu_kernels)
+        breakdown = memory.describe()
+        if breakdown is not None:
+            logger.info("memory: %s", breakdown)
         return engine
 
     # ------------------------------------------------------------------ requests

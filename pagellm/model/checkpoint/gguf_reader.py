@@ -7,6 +7,7 @@ vocabulary's ~100k strings takes the reader about a second, so one reader is kep
 
 from __future__ import annotations
 
+import mmap
 import os
 import threading
 from collections import OrderedDict
@@ -79,3 +80,17 @@ def open_gguf(path: Path) -> GGUFReader:
         while len(_READERS) > _READERS_KEPT:
             _READERS.popitem(last=False)
     return reader
+
+
+def release_resident_pages(reader: GGUFReader) -> None:
+    """Drop the file's pages from this process's resident memory (they stay in the page
+    cache). Once the weights are copied out (repacked or dequantized), nothing reads the
+    mapping but the odd metadata lookup, which pages back in what it reads; without this
+    the whole file (94 MiB for SmolLM2) stays in the RSS beside the copies."""
+    mapping = getattr(reader.data, "_mmap", None)  # np.memmap's mmap object
+    if mapping is None or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    try:
+        mapping.madvise(mmap.MADV_DONTNEED)
+    except (OSError, ValueError):
+        pass

@@ -82,6 +82,8 @@ def load_model(
         _fill_random(model)
     else:
         model.load_weights(weights, device=device)
+        if source.format == "gguf":
+            gguf_reader.release_resident_pages(reader)
     model.eval()
     if kernel is not None:
         prepare_cpu_kernels(model)
