@@ -151,23 +151,6 @@ def test_parts_of_different_types_with_bias(types, rows_per_part, kernel_isa):
     assert weight.nbytes == sum(b.nbytes for b in blocks) + bf16_rows.numel() * 2
 
 
-@pytest.mark.parametrize("threads", [1, 2, 3])
-def test_quantized_parts_share_panels_across_part_boundaries(threads, kernel_isa):
-    # Without a bf16 part the GEMM path splits the stacked rows of every part between the
-    # threads, and a panel of 64 rows may hold the end of one part and the start of the next
-    # (a fused qkv: q 72 rows, k 40, v 40 here, in three types), with a bias over all of them.
-    rng = np.random.default_rng(12)
-    k = 256
-    types, rows_per_part = (WeightType.Q4_1, WeightType.Q8_0, WeightType.Q4_0), (72, 40, 40)
-    blocks = [random_blocks(t, rows, k, rng) for t, rows in zip(types, rows_per_part)]
-    weight = PackedWeight([WeightPart(t, packed(t, b, k)) for t, b in zip(types, blocks)], k)
-    full = np.concatenate([reference_weight(t, b, k) for t, b in zip(types, blocks)])
-    bias = torch.from_numpy(rng.standard_normal(sum(rows_per_part)).astype(np.float32)).to(torch.bfloat16)
-    for rows in (17, 40):
-        x = torch.from_numpy(rng.standard_normal((rows, k)).astype(np.float32)).to(torch.bfloat16)
-        _check(weight.linear(x, bias, threads), x, full, bias.double().numpy())
-
-
 @pytest.mark.parametrize("weight_type", QUANT_TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
 def test_nan_or_inf_in_x_is_not_hidden(weight_type, bad, kernel_isa):

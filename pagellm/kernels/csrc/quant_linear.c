@@ -469,93 +469,52 @@ static void dequantize_part_rows(const WeightPart *p, int64_t row0, int64_t coun
     }
 }
 
-/* Rows [row0, row0 + count) of the stacked weight (its parts one after another along n) as
- * bf16 rows: a panel may span two parts (a fused qkv layer's k and v parts are 192 rows
- * on a 135M model, too few to fill the panels of both threads on their own). */
-static void dequantize_weight_rows(const Weight *w, int64_t row0, int64_t count, int64_t k, uint16_t *out) {
-    int64_t start = 0;
-    for (int i = 0; i < w->num_parts && count > 0; i++) {
-        const WeightPart *p = &w->parts[i];
-        const int64_t end = start + p->rows;
-        if (row0 < end) {
-            const int64_t take = end - row0 < count ? end - row0 : count;
-            dequantize_part_rows(p, row0 - start, take, k, out);
-            out += take * k;
-            row0 += take;
-            count -= take;
-        }
-        start = end;
-    }
-}
-
-/* Brings the stored bytes of rows [row0, row0 + count) of the stacked weight into L2. */
-static void prefetch_weight_rows(const Weight *w, int64_t row0, int64_t count) {
-    int64_t start = 0;
-    for (int i = 0; i < w->num_parts && count > 0; i++) {
-        const WeightPart *p = &w->parts[i];
-        const int64_t end = start + p->rows;
-        if (row0 < end) {
-            const int64_t take = end - row0 < count ? end - row0 : count;
-            const char *from = (const char *)(p->data + (row0 - start) * p->row_bytes);
-            for (int64_t offset = 0; offset < take * p->row_bytes; offset += 64) _mm_prefetch(from + offset, _MM_HINT_T1);
-            row0 += take;
-            count -= take;
-        }
-        start = end;
-    }
-}
-
-/* Thread t of nt's share for m > STREAMING_MAX_ROWS, every part of a quantized weight at
- * once: the threads split the stacked rows, and a panel of them at a time is dequantized
- * into this thread's buffer (kept within L2) and multiplied by the bf16 GEMM. Splitting
- * each part on its own left a fused qkv layer's 192-row parts as a 64- and a 32-row panel
- * per thread, and the narrow tiles those take ran that layer at half the MLP's rate (a
- * 960 x 576 Q4_1 qkv at 48 rows: 168 against 364 GFLOP/s). */
-static void quant_gemm_weight(const uint16_t *x, int64_t x_stride, const Weight *w, const uint16_t *bias, void *out,
-                              int64_t out_stride, int out_f32, int64_t m, int64_t k, int impl, int t, int nt) {
-    int64_t rows = 0;
-    for (int i = 0; i < w->num_parts; i++) rows += w->parts[i].rows;
+/* Thread t of nt's share for m > STREAMING_MAX_ROWS: a panel of W's rows at a time is
+ * dequantized into this thread's buffer (kept within L2) and multiplied by the bf16 GEMM. */
+static void quant_gemm_part(const uint16_t *x, int64_t x_stride, const WeightPart *p, const uint16_t *bias,
+                            void *out, int64_t out_stride, int out_f32, int64_t m, int64_t k, int impl, int t,
+                            int nt) {
     int64_t begin, end;
-    thread_share(rows, 16, t, nt, &begin, &end);
+    thread_share(p->rows, 16, t, nt, &begin, &end);
     const int64_t panel = k <= 2048 ? 64 : (k <= 4096 ? 32 : 16);
     uint16_t *buffer = grow_buffer((void **)&panel_buffer, &panel_capacity, sizeof(uint16_t) * (size_t)(panel * k));
     for (int64_t n = begin; n < end; n += panel) {
         const int64_t count = end - n < panel ? end - n : panel;
-        dequantize_weight_rows(w, n, count, k, buffer);
-        /* The next panel's stored rows are read into L2 while this panel is multiplied,
-         * so that dequantizing them does not wait on memory (measured: the dequantization
-         * of a 1B-sized layer's weights took 1.55 ms from memory, 0.81 ms from cache). */
+        dequantize_part_rows(p, n, count, k, buffer);
+        /* The next panel's stored rows (contiguous) are read into L2 while this panel is
+         * multiplied, so that dequantizing them does not wait on memory (measured: the
+         * dequantization of a 1B-sized layer's weights took 1.55 ms from memory, 0.81 ms
+         * from cache). */
         const int64_t next = n + count, next_count = end - next < panel ? end - next : panel;
-        if (next_count > 0) prefetch_weight_rows(w, next, next_count);
+        if (next_count > 0) {
+            const char *from = (const char *)(p->data + next * p->row_bytes);
+            for (int64_t offset = 0; offset < next_count * p->row_bytes; offset += 64)
+                _mm_prefetch(from + offset, _MM_HINT_T1);
+        }
         void *panel_out = out_at(out, n, out_f32);
         const uint16_t *panel_bias = bias ? bias + n : NULL;
         if (impl == LINEAR_AMX && gemm_amx_part(x, x_stride, buffer, panel_bias, panel_out, out_stride, out_f32, m,
                                                 count, k, 0, 1))
             continue;
         if (m <= STREAMING_MAX_ROWS) /* few rows: the panel streams from L2 */
-            small_linear_bf16_part(x, x_stride, buffer, panel_bias, panel_out, out_stride, out_f32, m, count, k, 0, 1);
+            small_linear_bf16_part(x, x_stride, buffer, bias ? bias + n : NULL, panel_out, out_stride, out_f32, m,
+                                   count, k, 0, 1);
         else
-            gemm_bf16_part(x, x_stride, buffer, panel_bias, panel_out, out_stride, out_f32, m, count, k, 0, 1);
+            gemm_bf16_part(x, x_stride, buffer, bias ? bias + n : NULL, panel_out, out_stride, out_f32, m, count, k,
+                           0, 1);
     }
 }
-
 /* Thread t of nt's share of out = x W^T (+ bias) for any Weight, inside a parallel region;
  * impl (kernels.h LINEAR_*) names the streaming or the panel/GEMM kernels, or leaves them
  * to the row count. */
 void linear_weight_part(const uint16_t *x, int64_t x_stride, const Weight *w, const uint16_t *bias, void *out,
                         int64_t out_stride, int out_f32, int64_t m, int64_t k, int impl, int t, int nt) {
-    const int stream = impl_streams(impl) || (impl == LINEAR_BY_ROWS && m <= QUANT_STREAMING_MAX_ROWS);
-    int any_bf16 = 0;
-    for (int i = 0; i < w->num_parts; i++) any_bf16 |= w->parts[i].type == WEIGHT_BF16;
-    if (!stream && !any_bf16) {
-        quant_gemm_weight(x, x_stride, w, bias, out, out_stride, out_f32, m, k, impl, t, nt);
-        return;
-    }
     int64_t offset = 0;
     for (int i = 0; i < w->num_parts; i++) {
         const WeightPart *p = &w->parts[i];
         const uint16_t *part_bias = bias ? bias + offset : NULL;
         void *part_out = out_at(out, offset, out_f32);
+        const int stream = impl_streams(impl) || (impl == LINEAR_BY_ROWS && m <= QUANT_STREAMING_MAX_ROWS);
         if (p->type == WEIGHT_BF16)
             linear_bf16_part(x, x_stride, (const uint16_t *)p->data, part_bias, part_out, out_stride, out_f32, m,
                              p->rows, k, impl, t, nt);
@@ -564,9 +523,8 @@ void linear_weight_part(const uint16_t *x, int64_t x_stride, const Weight *w, co
             quant_int8_stream_part(x, x_stride, p, part_bias, part_out, out_stride, out_f32, m, k, t, nt);
         else if (stream)
             quant_stream_part(x, x_stride, p, part_bias, part_out, out_stride, out_f32, m, k, t, nt);
-        else /* a quantized part beside a bf16 one */
-            quant_gemm_weight(x, x_stride, &(Weight){.num_parts = 1, .parts = {*p}}, part_bias, part_out, out_stride,
-                              out_f32, m, k, impl, t, nt);
+        else
+            quant_gemm_part(x, x_stride, p, part_bias, part_out, out_stride, out_f32, m, k, impl, t, nt);
         offset += p->rows;
     }
 }
