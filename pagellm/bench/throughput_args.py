@@ -12,7 +12,8 @@ from pagellm.bench.agreement import DEFAULT_CHECK_REQUESTS, DEFAULT_CHECK_TOKENS
 from pagellm.workload.command_output import add_output_args
 from pagellm.workload.synthetic import add_workload_args
 
-BACKENDS = ("pagellm", "hf", "llamacpp", "openvino")  # openvino: bench/peers.py, its own environment
+# openvino, vllm: bench/peers.py, each in its own environment.
+BACKENDS = ("pagellm", "hf", "llamacpp", "openvino", "vllm")
 
 
 def add_bench_throughput_parser(bench_commands: "argparse._SubParsersAction") -> None:
@@ -64,7 +65,10 @@ def add_bench_throughput_parser(bench_commands: "argparse._SubParsersAction") ->
         default=[],
         metavar="KEY=VALUE",
         help="a setting of a peer backend (openvino: cache_size_gb, max_num_batched_tokens, max_num_seqs, "
-        "dynamic_split_fuse, threads); repeatable; unset ones keep the peer's defaults",
+        "dynamic_split_fuse, threads; vllm: dtype, max_num_batched_tokens, max_num_seqs, max_model_len, "
+        "enforce_eager, kv_cache_space_gb, threads_bind, reserved_cpus, threads, preload_iomp); repeatable; "
+        "unset ones keep the peer's defaults (vllm: but a 4 GiB KV cache, no core kept for a frontend, "
+        "Intel OpenMP preloaded)",
     )
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                    help="pagellm's KV cache element type (auto: the model's dtype)")  # fmt: skip

@@ -150,8 +150,9 @@ def test_json_prints_the_record_instead_of_the_table(folder, tmp_path, monkeypat
     assert set(record) == {
         "bench", "time", "machine", "cpu", "model", "backend", "dtype", "workload", "settings", "sweep",
         "elapsed_s", "output_tokens", "prompt_tokens", "requests_per_s", "output_tok_s", "total_tok_s",
-        "achieved_gflop_s", "matmul_ceiling_gflop_s", "fraction_of_ceiling", "agreement",
+        "achieved_gflop_s", "matmul_ceiling_gflop_s", "fraction_of_ceiling", "peak_rss_bytes", "agreement",
     }  # fmt: skip
+    assert record["peak_rss_bytes"] > 0  # pagellm ran in this process: its peak so far
     # The flags: --json off and results appended to bench-results/ unless told otherwise.
     args = build_parser().parse_args(["bench", "throughput"])
     assert args.json is False and args.result_file == "bench-results/throughput.jsonl"

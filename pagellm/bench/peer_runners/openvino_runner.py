@@ -8,7 +8,7 @@ IN: {"model": GGUF path, "requests": [[prompt ids, output length], ...], "repeat
 "settings": {"cache_size_gb": ..., "max_num_batched_tokens": ..., "max_num_seqs": ...,
 "dynamic_split_fuse": ..., "threads": ...}}; settings left out keep OpenVINO's defaults.
 OUT: {"elapsed_runs_s": [...], "output_token_ids": [[...], ...], "settings": {...},
-"version": ...}. Every request goes into OpenVINO's ContinuousBatchingPipeline at once
+"version": ..., "peak_rss": {"self_bytes": ..., "children_bytes": ...}}. Every request goes into OpenVINO's ContinuousBatchingPipeline at once
 (greedy, end of sequence ignored), and the pipeline steps until all are done: the
 engine schedules them itself, as pagellm's LLM.generate does.
 """
@@ -16,6 +16,7 @@ engine schedules them itself, as pagellm's LLM.generate does.
 from __future__ import annotations
 
 import json
+import resource
 import sys
 import time
 
@@ -70,8 +71,17 @@ def main() -> int:
     }  # fmt: skip
     with open(sys.argv[2], "w") as sink:
         json.dump({"elapsed_runs_s": runs, "output_token_ids": outputs, "settings": settings,
-                   "version": ov_genai.__version__}, sink)  # fmt: skip
+                   "version": ov_genai.__version__, "peak_rss": peak_rss()}, sink)  # fmt: skip
     return 0
+
+
+def peak_rss() -> dict:
+    """The peak resident memory of this process and of its largest reaped child (OpenVINO
+    runs in this process; a child would be a compiler or the like), in bytes."""
+    return {
+        "self_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # KiB on Linux
+        "children_bytes": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024,
+    }
 
 
 if __name__ == "__main__":
