@@ -150,6 +150,23 @@ def test_reset_prefix_cache_forgets_free_cached_blocks_only() -> None:
     assert_all_free(pool)
 
 
+def test_reset_blocks_are_reused_before_never_used_ones() -> None:
+    # On a CPU a never-written block costs resident memory the first time it is written:
+    # after a reset, the blocks whose content was dropped come back first (the most
+    # recently freed at the head), as free() queues blocks that hold nothing reusable.
+    pool = BlockPool(10, enable_caching=True)
+    used = pool.allocate(4)
+    for index, block in enumerate(used):
+        pool.cache_block(block, key(index))
+    pool.free(used)  # cached: queued at the tail, behind the 5 never-used blocks
+    assert pool.allocate(1)[0] not in used  # before a reset a never-used block comes first
+    assert pool.reset_prefix_cache() == 4
+    again = pool.allocate(4)
+    assert [b.block_id for b in again] == [b.block_id for b in reversed(used)]
+    assert all(b.block_hash is None for b in again)
+    pool.check_integrity()
+
+
 @pytest.mark.parametrize(
     "corrupt, message",
     [
