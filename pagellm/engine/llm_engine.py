@@ -6,7 +6,6 @@ followed by output processing (detokenize, stop strings) and the metrics.
 
 from __future__ import annotations
 
-import gc
 import itertools
 import logging
 import threading
@@ -245,12 +244,6 @@ class LLMEngine:
         breakdown = memory.describe()
         if breakdown is not None:
             logger.info("memory: %s", breakdown)
-        # What the start built (the vocabulary, the checkpoint's metadata, modules: some
-        # hundreds of thousands of objects) lives as long as the engine; frozen, the
-        # collector's full passes no longer walk it during steps (they took 2.6% of a
-        # 36-request decode run's CPU time in perf on SmolLM2).
-        gc.collect()
-        gc.freeze()
         return engine
 
     # ------------------------------------------------------------------ requests

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import signal
@@ -178,6 +179,14 @@ def run_server(server_config: ServerConfig, engine_args: EngineArgs) -> None:
     )
     server = uvicorn.Server(config)
     keep_signals_from_killing()
+    # What the start built (the vocabulary, the checkpoint's metadata, modules: some hundreds
+    # of thousands of objects) lives as long as this process; frozen, the collector's full
+    # passes no longer walk it during steps (2.6% -> 1.4% of a 36-request decode run's CPU
+    # time in perf on SmolLM2). Only here, where one engine lives until exit: in a process
+    # that makes and drops engines (LLM in a notebook, a test worker) frozen objects that
+    # later become unreachable cycles are never collected (a test worker grew to 10 GB).
+    gc.collect()
+    gc.freeze()
     engine_died = asyncio.run(_serve(server, async_llm, sock, server_config.shutdown_timeout, app.state.batches))
     if engine_died:
         # Non-zero, so that an orchestrator (systemd, Kubernetes) restarts the server.
