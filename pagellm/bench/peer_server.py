@@ -25,6 +25,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from pagellm.bench.peers import output_tail
 from pagellm.errors import PagellmError
 
 logger = logging.getLogger(__name__)
@@ -124,9 +125,7 @@ class PeerServer:
         return [str(m.get("id")) for m in payload.get("data") or [] if isinstance(m, dict)]
 
     def output_tail(self) -> str:
-        text = Path(self._log.name).read_text(errors="replace")
-        lines = [line for line in text.strip().splitlines() if line.strip()]
-        return " | ".join(lines[-_TAIL_LINES:]) or "(no output)"
+        return output_tail(Path(self._log.name).read_text(errors="replace"), _TAIL_LINES)
 
     def peak_rss_bytes(self) -> int:
         """The peak resident set of the server and each process it started, summed (an

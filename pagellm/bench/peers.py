@@ -108,9 +108,8 @@ def peer_python(spec: PeerSpec, install: bool = True) -> Path:
     for step in steps:
         done = subprocess.run(step, capture_output=True, text=True)
         if done.returncode != 0:
-            raise PagellmError(
-                f"installing {spec.name} into {env} failed ({' '.join(step[:4])} ...): {_tail(done.stderr + done.stdout)}"
-            )
+            tail = output_tail(done.stderr + done.stdout)
+            raise PagellmError(f"installing {spec.name} into {env} failed ({' '.join(step[:4])} ...): {tail}")
     marker.write_text(json.dumps(installed))
     return python
 
@@ -206,10 +205,11 @@ def _run_in_own_session(command: list[str], folder: Path) -> subprocess.Complete
         return subprocess.CompletedProcess(command, process.returncode, stdout.read(), stderr.read())
 
 
-def _tail(text: str) -> str:
+def output_tail(text: str, count: int = _TAIL_LINES) -> str:
+    """The last `count` non-blank lines of a process's output, on one line (for an error)."""
     lines = [line for line in text.strip().splitlines() if line.strip()]
-    return " | ".join(lines[-_TAIL_LINES:]) or "(no output)"
+    return " | ".join(lines[-count:]) or "(no output)"
 
 
 def _quoted(done: subprocess.CompletedProcess) -> str:
-    return f": {_tail(done.stderr + done.stdout)}"
+    return f": {output_tail(done.stderr + done.stdout)}"
