@@ -16,8 +16,9 @@ from typing import Any
 import tokenizers
 from tokenizers import processors
 
-from pagellm.errors import ChatTemplateError
+from pagellm.errors import ChatTemplateError, InvalidRequestError
 from pagellm.tokenizer.chat_template import render_chat_template
+from pagellm.tokenizer.unicode_text import lone_surrogate, surrogate_message
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +54,14 @@ def bos_eos_post_processor(
     single = [*before, "$A", *after]
     pair = [*before, "$A", *after, *before, "$B:1", *after]
     return processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
+
+
+def _check_text(text: object) -> None:
+    """The backend refuses a str with a lone surrogate as a TypeError: name it as bad input."""
+    if isinstance(text, str):
+        index = lone_surrogate(text)
+        if index is not None:
+            raise InvalidRequestError(surrogate_message("the prompt", text, index), parameter="prompt")
 
 
 class Tokenizer:
@@ -172,15 +181,29 @@ class Tokenizer:
 
         Special tokens written in the text (like `<|im_start|>`) become their ids either way.
         """
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        try:
+            return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        except TypeError:
+            _check_text(text)
+            raise
 
     def encode_pair(self, first: str, second: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of a text pair as one sequence (a cross-encoder's input): the
         post-processor's pair template, as HF's `tokenizer(first, second)`."""
-        return self.backend.encode(first, second, add_special_tokens=add_special_tokens).ids
+        try:
+            return self.backend.encode(first, second, add_special_tokens=add_special_tokens).ids
+        except TypeError:
+            _check_text(first)
+            _check_text(second)
+            raise
 
     def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
-        encodings = self.backend.encode_batch(list(texts), add_special_tokens=add_special_tokens)
+        try:
+            encodings = self.backend.encode_batch(list(texts), add_special_tokens=add_special_tokens)
+        except TypeError:
+            for text in texts:
+                _check_text(text)
+            raise
         return [encoding.ids for encoding in encodings]
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:

@@ -181,3 +181,17 @@ def test_corrupt_tokenizer_config(tmp_path: Path, trained_backend: BackendTokeni
     (folder / "tokenizer_config.json").write_text("{not json", encoding="utf-8")
     with pytest.raises(ModelLoadError, match="not readable JSON"):
         tokenizer_from_hf_folder(folder)
+
+
+def test_a_lone_surrogate_is_bad_input_not_a_type_error(folder: Path) -> None:
+    from pagellm.errors import InvalidRequestError
+
+    tokenizer = tokenizer_from_hf_folder(folder)
+    for encode in (
+        lambda: tokenizer.encode("ok \ud83d"),
+        lambda: tokenizer.encode_pair("fine", "\udfff!"),
+        lambda: tokenizer.encode_batch(["fine", "x\ud800"]),
+    ):
+        with pytest.raises(InvalidRequestError, match=r"lone UTF-16 surrogate \(U\+D[0-9A-F]{3}\) at character"):
+            encode()
+    assert tokenizer.encode("\U0001f600") == tokenizer.encode("\ud83d\ude00".encode("utf-16", "surrogatepass").decode("utf-16"))

@@ -27,7 +27,7 @@ from pagellm.engine.async_llm import AsyncLLM
 from pagellm.entrypoints.anthropic.serving import MessagesServing
 from pagellm.entrypoints.openai import metrics
 from pagellm.entrypoints.openai.auth import ApiKeyMiddleware
-from pagellm.entrypoints.openai.errors import install_error_handlers
+from pagellm.entrypoints.openai.errors import UnhandledErrorMiddleware, install_error_handlers
 from pagellm.entrypoints.openai.openapi_docs import LORA_ADAPTER, ServerBounds, install_openapi
 from pagellm.entrypoints.openai.reasoning import REASONING_FORMATS
 from pagellm.entrypoints.openai.request_limits import BodySizeLimitMiddleware
@@ -50,6 +50,7 @@ from pagellm.entrypoints.openai.serving_lora import AdapterRegistry, add_lora_ro
 from pagellm.entrypoints.openai.serving_responses import ResponsesServing
 from pagellm.entrypoints.openai.serving_score import ScoreServing
 from pagellm.entrypoints.openai.serving_tokens import TokenServing
+from pagellm.entrypoints.openai.text_encoding import TextEncodingMiddleware
 from pagellm.errors import ConfigError, InvalidRequestError
 
 logger = logging.getLogger(__name__)
@@ -110,6 +111,10 @@ def build_app(async_llm: AsyncLLM, config: ServerConfig | None = None, on_ready:
         empty_text_has_tokens=bool(context.tokenizer.encode("")),
     )
     install_openapi(app, bounds)
+    # Innermost first: the size limit bounds what the encoding check buffers, and a bug's
+    # 500 is answered inside every other layer.
+    app.add_middleware(UnhandledErrorMiddleware)
+    app.add_middleware(TextEncodingMiddleware)
     app.add_middleware(
         BodySizeLimitMiddleware, max_bytes=limits.max_request_body_bytes, max_upload_bytes=limits.max_batch_file_bytes
     )

@@ -16,6 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagellm.engine.async_requests import EngineDeadError, EngineOverloadedError
 from pagellm.entrypoints.anthropic.errors import anthropic_error_response, is_messages_path
@@ -123,6 +124,36 @@ def _allowed_methods(request: Request) -> list[str]:
         if regex is not None and route_methods and regex.match(request.url.path):
             methods |= set(route_methods)
     return sorted(methods)
+
+
+class UnhandledErrorMiddleware:
+    """A bug's 500, answered inside the app. Starlette answers an exception no handler
+    takes in its outermost layer and then raises it again, so that the server logs
+    "Exception in ASGI application" and closes the connection: a keep-alive client's next
+    request on it fails. Here the 500 is answered (and the traceback logged once) and the
+    connection stays usable; an exception after the answer started still ends it, since
+    the answer is broken."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracked_send(message: Message) -> None:
+            nonlocal started
+            started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked_send)
+        except Exception as exc:
+            if started:
+                raise
+            await to_api_error(exc).response(scope.get("path", ""))(scope, receive, send)
 
 
 def install_error_handlers(app: FastAPI) -> None:

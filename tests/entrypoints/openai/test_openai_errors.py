@@ -305,3 +305,57 @@ def test_tokenize_takes_a_prompt_or_messages_not_both(server):
     assert post(server, "/tokenize", {"prompt": "hi", "messages": None, "unknown": 1}).status_code == 200
     for body in ({}, {"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}):
         assert_error(post(server, "/tokenize", body), 400, None, "exactly one of 'prompt' and 'messages'")
+
+
+# ------------------------------------------------------------------------ text that is not Unicode
+
+LONE = "ab\ud800cd"  # what a JavaScript client sends when it cuts a string inside an emoji
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", {"prompt": LONE, "max_tokens": 2}, "prompt"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": LONE}], "max_tokens": 2}, "messages"),
+        ("/v1/messages", {"messages": [{"role": "user", "content": LONE}], "max_tokens": 2}, "messages"),
+        ("/tokenize", {"prompt": LONE}, "prompt"),
+        ("/v1/embeddings", {"input": [LONE]}, "input"),
+        ("/v1/responses", {"input": LONE, "max_output_tokens": 2}, "input"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "user": LONE}, "user"),  # never tokenized
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "stop": ["x", "\udc00"]}, "stop"),
+    ],
+)
+def test_a_lone_surrogate_is_a_400_and_the_connection_stays_usable(server, model_name, path, body, param):
+    import http.client
+    import json
+
+    host, port = server.base_url.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=60)
+    headers = {**server.headers(), "Content-Type": "application/json"}
+    try:
+        # json.dumps escapes the surrogate as \ud800, as a JavaScript client's JSON.stringify does.
+        connection.request("POST", path, body=json.dumps({"model": model_name, **body}), headers=headers)
+        response = connection.getresponse()
+        answer = json.loads(response.read())
+        assert response.status == 400, answer
+        if path == "/v1/messages":
+            assert answer["type"] == "error" and answer["error"]["type"] == "invalid_request_error"
+            message = answer["error"]["message"]
+        else:
+            assert answer["error"]["param"] == param, answer
+            message = answer["error"]["message"]
+        assert "lone UTF-16 surrogate (U+D" in message and "at character" in message, message
+        # The same keep-alive connection serves the next request.
+        connection.request("POST", "/tokenize", body=json.dumps({"model": model_name, "prompt": "hi"}), headers=headers)
+        again = connection.getresponse()
+        assert again.status == 200 and json.loads(again.read())["count"] == 2
+    finally:
+        connection.close()
+
+
+def test_surrogate_pairs_and_escaped_backslashes_are_valid_text(server, model_name):
+    # An emoji escaped as a pair, and the six characters \ud800 written with an escaped backslash.
+    content = b'{"model": "%s", "prompt": "\\ud83d\\ude00 \\\\ud800"}' % model_name.encode()
+    tokens = post(server, "/tokenize", content=content)
+    assert tokens.status_code == 200, tokens.text
+    assert tokens.json()["tokens"] == list("😀 \\ud800".encode())  # the tiny model's tokens are bytes
