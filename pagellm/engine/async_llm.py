@@ -22,18 +22,19 @@ import queue
 import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from pagellm.config.engine_args import EngineArgs
 from pagellm.engine.async_requests import EngineDeadError, EngineOverloadedError, EngineSnapshot, NewRequest, OutputStream
 from pagellm.engine.engine_thread import EngineThread
-from pagellm.engine.input_processor import PromptInput
+from pagellm.engine.input_processor import PromptInput, TokenizedPrompt
 from pagellm.engine.llm_engine import LLMEngine
-from pagellm.errors import PagellmError
+from pagellm.errors import InvalidRequestError, PagellmError
 from pagellm.executor.base import WorkerDiedError
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
+from pagellm.tokenizer.tokenizer import LONG_TEXT_CHARS
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +58,13 @@ class _QueryCommand:
 @dataclass
 class _AbortCommand:
     request_ids: list[str] | None  # None: every request in flight
+
+
+@dataclass
+class _RejectedCommand:
+    """A request refused before it reached the engine: counted in its metrics."""
+
+    reason: str
 
 
 @dataclass
@@ -180,6 +188,16 @@ class AsyncLLM:
         # finds them cached: a new schema never stalls the requests running.
         for constraint in {r.params.structured_outputs for r in requests} - {None}:
             await asyncio.to_thread(self.engine.grammars.compile, constraint)
+        # Text prompts are encoded here too, for the same reason.
+        try:
+            requests = [
+                replace(r, prompt=TokenizedPrompt(r.prompt, await self.tokenize(r.prompt)))
+                if isinstance(r.prompt, str) and r.prompt else r
+                for r in requests
+            ]  # fmt: skip
+        except InvalidRequestError as e:
+            self._send(_RejectedCommand(e.parameter or "invalid"))  # counted as the engine counts its own
+            raise
         stream = OutputStream(self, [r.request_id for r in requests])
         command = _AddCommand(list(requests), stream, loop.create_future())
         self._send(command)
@@ -191,6 +209,19 @@ class AsyncLLM:
             self.abort(stream.request_ids)
             raise
         return stream
+
+    async def tokenize(
+        self, text: str, add_special_tokens: bool = True, parameter: str = "prompt", within_context: bool = True
+    ) -> list[int]:
+        """The token ids of `text`, encoded without holding up the event loop or the
+        engine thread: a long text on a worker thread (the tokenizer releases the GIL for
+        it). With `within_context`, a text sure to exceed the context is refused before it
+        is encoded (InvalidRequestError naming `parameter`)."""
+        if within_context:
+            self.engine.input_processor.check_length(text, parameter)
+        if len(text) <= LONG_TEXT_CHARS:  # a thread hop would cost more than the encoding
+            return self.engine.tokenizer.encode(text, add_special_tokens)
+        return await asyncio.to_thread(self.engine.tokenizer.encode, text, add_special_tokens)
 
     async def generate(
         self,
@@ -303,6 +334,8 @@ class AsyncLLM:
             self._route(self.engine.abort_request(request_ids))
         elif isinstance(command, _AddCommand):
             self._add(command)
+        elif isinstance(command, _RejectedCommand):
+            self.engine.metrics.request_rejected(command.reason)
         elif isinstance(command, _QueryCommand):
             try:
                 value, error = command.fn(self.engine), None

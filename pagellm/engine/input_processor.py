@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from pagellm.errors import InvalidRequestError
 from pagellm.lora.request import LoRARequest
@@ -12,7 +13,17 @@ from pagellm.request import Request
 from pagellm.sampling_params import SamplingParams
 from pagellm.tokenizer import Tokenizer
 
-PromptInput = str | Sequence[int]
+
+@dataclass(frozen=True)
+class TokenizedPrompt:
+    """A text prompt already encoded by this engine's tokenizer (AsyncLLM encodes off the
+    engine thread, so that a long prompt never holds up a step)."""
+
+    text: str | None  # None: not reported back (a chat prompt rendered from messages)
+    token_ids: list[int]
+
+
+PromptInput = str | Sequence[int] | TokenizedPrompt
 
 
 class InputProcessor:
@@ -23,9 +34,15 @@ class InputProcessor:
 
     def tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
         """(prompt text or None, prompt token ids), validated."""
+        if isinstance(prompt, TokenizedPrompt):
+            ids = prompt.token_ids
+            if not ids or min(ids) < 0 or max(ids) >= self.vocab_size:
+                raise InvalidRequestError("the prompt's token ids are not this tokenizer's", "prompt")
+            return prompt.text, ids
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("the prompt is empty", "prompt")
+            self.check_length(prompt)
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, Sequence):
             raise InvalidRequestError(
@@ -45,6 +62,17 @@ class InputProcessor:
                     f"prompt token id {token} is out of range [0, {self.vocab_size})", "prompt"
                 )
         return None, token_ids
+
+    def check_length(self, text: str, parameter: str = "prompt") -> None:
+        """Refuse a text sure to be longer than the context before encoding it (encoding
+        megabytes takes seconds; the tokenizer's bound on tokens per character is exact)."""
+        at_least = self.tokenizer.min_tokens(text)
+        if at_least > self.max_model_len:
+            raise InvalidRequestError(
+                f"the {parameter} has {len(text)} characters, so at least {at_least} tokens, "
+                f"but max_model_len is {self.max_model_len}",
+                parameter,
+            )
 
     def make_request(
         self,

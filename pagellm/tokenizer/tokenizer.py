@@ -9,6 +9,7 @@ generation config lists. The builders in `gguf_tokenizer` and `hf_tokenizer` mak
 from __future__ import annotations
 
 import copy
+import json
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -56,6 +57,40 @@ def bos_eos_post_processor(
     return processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
 
 
+# Longer texts are encoded by the backend's batch call, which releases the GIL (short ones
+# by its single call, which holds it but costs less).
+LONG_TEXT_CHARS = 16384
+
+# Normalizers and pre-tokenizers that keep every character (_longest_token_chars).
+_KEEPING_NORMALIZERS = {"Prepend", "Replace"}
+_KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Digits", "Split", "Punctuation"}
+
+
+def _keeps_characters(component: Mapping[str, Any] | None, keeping: set[str]) -> bool:
+    if component is None:
+        return True
+    kind = component.get("type")
+    if kind == "Sequence":
+        parts = component.get("normalizers") or component.get("pretokenizers") or []
+        return all(_keeps_characters(part, keeping) for part in parts)
+    if kind == "Replace" and not component.get("content"):
+        return False  # replacing with nothing deletes
+    if kind in ("Split", "Punctuation") and component.get("behavior") == "Removed":
+        return False
+    return kind in keeping
+
+
+def _longest_token_chars(backend: tokenizers.Tokenizer) -> int:
+    spec = json.loads(backend.to_str())
+    model = spec.get("model") or {}
+    if model.get("type") != "BPE" or (model.get("unk_token") and model.get("fuse_unk") and not model.get("byte_fallback")):
+        return 0
+    if not (_keeps_characters(spec.get("normalizer"), _KEEPING_NORMALIZERS)
+            and _keeps_characters(spec.get("pre_tokenizer"), _KEEPING_PRE_TOKENIZERS)):  # fmt: skip
+        return 0
+    return max((len(token) for token in backend.get_vocab(with_added_tokens=True)), default=0)
+
+
 def _check_text(text: object) -> None:
     """The backend refuses a str with a lone surrogate as a TypeError: name it as bad input."""
     if isinstance(text, str):
@@ -99,6 +134,7 @@ class Tokenizer:
         self.chat_template = chat_template
         self.named_chat_templates: Mapping[str, str] = dict(named_chat_templates or {})
         self.clean_up_spaces = clean_up_spaces
+        self._longest_chars: int | None = None  # _longest_token_chars, computed on first use
         # Highest id + 1 rather than the number of entries: a vocabulary with a duplicated
         # token has a gap, and the model's embedding still has a row for it. A builder that
         # knows the full count (a GGUF token list) passes it as `vocab_size`.
@@ -180,17 +216,42 @@ class Tokenizer:
         """Token ids of `text`; with `add_special_tokens`, BOS/EOS as the model asks.
 
         Special tokens written in the text (like `<|im_start|>`) become their ids either way.
+        A long text is encoded without holding the GIL (the backend's single `encode` holds
+        it throughout: seconds for megabytes, during which no other Python thread runs).
         """
         try:
+            if len(text) > LONG_TEXT_CHARS:
+                return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
             return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
         except TypeError:
             _check_text(text)
             raise
 
+    def min_tokens(self, text: str) -> int:
+        """A number of tokens `text` is sure to have at least (0 where this tokenizer can
+        give no bound): lets a prompt far over the context be refused without encoding it.
+        """
+        longest = self._longest_token_chars()
+        return -(-len(text) // longest) if longest else 0
+
+    def _longest_token_chars(self) -> int:
+        """The most characters of text one token can stand for, or 0 where that is not
+        bounded. A BPE token's spelling has a character per byte (byte-level) or per
+        character (SentencePiece's ▁ spelling, byte fallback's <0x..> longer still) of what
+        it stands for, so no token covers more characters than its spelling has, provided
+        nothing before the model removes or merges characters: a normalizer that strips or
+        composes, a pre-tokenizer that removes what it splits on, or a model that fuses a
+        run of unknown characters into one token."""
+        if self._longest_chars is None:
+            self._longest_chars = _longest_token_chars(self.backend)
+        return self._longest_chars
+
     def encode_pair(self, first: str, second: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of a text pair as one sequence (a cross-encoder's input): the
         post-processor's pair template, as HF's `tokenizer(first, second)`."""
         try:
+            if len(first) + len(second) > LONG_TEXT_CHARS:  # encode's comment
+                return self.backend.encode_batch([(first, second)], add_special_tokens=add_special_tokens)[0].ids
             return self.backend.encode(first, second, add_special_tokens=add_special_tokens).ids
         except TypeError:
             _check_text(first)

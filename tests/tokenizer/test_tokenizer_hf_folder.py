@@ -195,3 +195,29 @@ def test_a_lone_surrogate_is_bad_input_not_a_type_error(folder: Path) -> None:
         with pytest.raises(InvalidRequestError, match=r"lone UTF-16 surrogate \(U\+D[0-9A-F]{3}\) at character"):
             encode()
     assert tokenizer.encode("\U0001f600") == tokenizer.encode("\ud83d\ude00".encode("utf-16", "surrogatepass").decode("utf-16"))
+
+
+def test_min_tokens_is_a_bound_where_the_tokenizer_keeps_every_character(tmp_path: Path, trained_backend: BackendTokenizer) -> None:
+    from tokenizers import normalizers
+
+    from pagellm.tokenizer.tokenizer import LONG_TEXT_CHARS
+
+    tokenizer = tokenizer_from_hf_folder(_write_folder(tmp_path / "bpe", trained_backend, _config()))
+    texts = [*TEXTS, " " * 5000, "=" * 300, "\U0001f600" * 100, CORPUS[2] * 50, "ab" * LONG_TEXT_CHARS]
+    for text in texts:
+        tokens = tokenizer.encode(text, add_special_tokens=False)
+        assert tokenizer.min_tokens(text) <= len(tokens), text[:40]
+    assert tokenizer.min_tokens("x" * 10_000) > 0  # a real bound, not a shrug
+    # The long text went through the batch call (GIL released): the same ids as the single one.
+    assert tokenizer.encode("ab" * LONG_TEXT_CHARS) == trained_backend.encode("ab" * LONG_TEXT_CHARS).ids
+    # A normalizer that strips, or a pre-tokenizer that drops what it splits on, can make a
+    # long text few tokens: no bound there.
+    for change in (
+        lambda b: setattr(b, "normalizer", normalizers.Strip()),
+        lambda b: setattr(b, "pre_tokenizer", pre_tokenizers.Whitespace()),
+        lambda b: setattr(b, "normalizer", normalizers.Replace(" ", "")),
+    ):
+        backend = _train_backend()
+        change(backend)
+        other = tokenizer_from_hf_folder(_write_folder(tmp_path / str(id(change)), backend, _config()))
+        assert other.min_tokens(" " * 10_000) == 0

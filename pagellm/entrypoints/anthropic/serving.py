@@ -158,16 +158,16 @@ class MessagesServing:
                 "characters each.", param="stop_sequences",
             )  # fmt: skip
 
-    def count_tokens(self, body: CountTokensRequest) -> Response:
+    async def count_tokens(self, body: CountTokensRequest) -> Response:
         self._check_limits(body)
-        prepared = self.chat.prepare(chat_request(body), "count", check_limits=False)
+        prepared = await self.chat.prepare(chat_request(body), "count", check_limits=False)
         return JSONResponse(CountTokensResponse(input_tokens=len(prepared.prompt_ids)).model_dump())
 
     async def create(self, body: MessagesRequest, raw: Request) -> Response:
         arrival_time = time.time()
         message_id = f"msg_{uuid.uuid4().hex}"
         self._check_limits(body)
-        prepared = self.chat.prepare(chat_request(body), message_id, check_limits=False)
+        prepared = await self.chat.prepare(chat_request(body), message_id, check_limits=False)
         stream = await self.context.add_requests(
             [prepared.new_request(message_id, 0, arrival_time)], prepared.constraint_field
         )

@@ -49,7 +49,7 @@ def add_limit_args(parser: argparse.ArgumentParser) -> None:
         "max_stop_string_length": "longest stop string, in characters",
         "max_logit_bias_entries": "most logit_bias entries in a request",
         "max_messages": "most messages in a chat request",
-        "max_message_chars": "most characters of content in one chat message",
+        "max_message_chars": "most characters of content in one chat message, and in one text prompt or input",
         "max_stored_responses": "most responses kept in memory for GET /v1/responses/{id} and previous_response_id "
         "(the oldest is evicted first)",
         "max_batch_file_bytes": "largest file POST /v1/files takes, in bytes (the body limit there)",

@@ -245,6 +245,12 @@ def _add_bounds(schemas: dict[str, Any], bounds: ServerBounds) -> None:
             for form in _variants(prop):
                 if form.get("type") == "array" and form.get("items", {}).get("type") == "string":
                     form["items"]["minLength"] = 1
+    # A text prompt or input has the character limit of a message (request_limits.py).
+    for prop in (completion["prompt"], embedding["input"]):
+        _bound(prop, "string", maxLength=limits.max_message_chars)
+        for form in _variants(prop):
+            if form.get("type") == "array" and form.get("items", {}).get("type") == "string":
+                form["items"]["maxLength"] = limits.max_message_chars
     _token_ids(completion["prompt"], max_id)
     for form in _variants(completion["prompt"]):
         if form.get("type") == "array":

@@ -2,7 +2,7 @@
 flags), checked before a request costs anything, each refusal a 4xx naming the field:
 the body's size (413, checked as the bytes arrive, before any parsing), the number of
 prompts in one completions request, n, stop strings (how many, how long), logit_bias
-entries, chat messages (how many, how long). The prompt's tokens and max_tokens are
+entries, chat messages (how many, how long) and the characters of a text prompt or input. The prompt's tokens and max_tokens are
 bounded by max_model_len, logprobs by the engine's --max-logprobs.
 """
 
@@ -42,12 +42,21 @@ def check_sampling(limits: RequestLimits, body: SamplingFields) -> None:
         )  # fmt: skip
 
 
-def check_completion(limits: RequestLimits, body: CompletionRequest, num_prompts: int) -> None:
+def check_completion(limits: RequestLimits, body: CompletionRequest, prompts: list[str | list[int]]) -> None:
     check_sampling(limits, body)
-    if num_prompts > limits.max_prompts_per_request:
+    if len(prompts) > limits.max_prompts_per_request:
         raise APIError(
-            400, f"the request has {num_prompts} prompts; at most {limits.max_prompts_per_request}.", param="prompt"
+            400, f"the request has {len(prompts)} prompts; at most {limits.max_prompts_per_request}.", param="prompt"
         )
+    for prompt in prompts:
+        check_text_length(limits, prompt, "prompt")
+
+
+def check_text_length(limits: RequestLimits, text: object, param: str) -> None:
+    """A text prompt or input is bounded as a chat message's content is (--max-message-chars):
+    checked before it is encoded."""
+    if isinstance(text, str) and len(text) > limits.max_message_chars:
+        raise APIError(400, f"{param} has {len(text)} characters; at most {limits.max_message_chars}.", param=param)
 
 
 def check_chat(limits: RequestLimits, body: ChatCompletionRequest) -> None:

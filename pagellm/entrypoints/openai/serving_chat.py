@@ -17,6 +17,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from pagellm.engine.async_requests import NewRequest, OutputStream
+from pagellm.engine.input_processor import TokenizedPrompt
 from pagellm.entrypoints.openai.errors import APIError, to_api_error
 from pagellm.entrypoints.openai.request_limits import check_chat
 from pagellm.entrypoints.openai.logprobs import chat_logprobs
@@ -139,7 +140,8 @@ class PreparedChat:
     adapter: LoRARequest | None = None  # the LoRA adapter `model` names
 
     def new_request(self, request_id: str, priority: int, arrival_time: float) -> NewRequest:
-        return NewRequest(request_id, self.prompt_ids, self.params, priority, arrival_time, lora_request=self.adapter)
+        prompt = TokenizedPrompt(None, self.prompt_ids)
+        return NewRequest(request_id, prompt, self.params, priority, arrival_time, lora_request=self.adapter)
 
 
 class ChatServing:
@@ -175,7 +177,7 @@ class ChatServing:
         fields["logprobs"] = (body.top_logprobs or 0) if body.logprobs else None
         return make_sampling_params(fields), constraint_field
 
-    def prepare(self, body: ChatCompletionRequest, response_id: str, check_limits: bool = True) -> PreparedChat:
+    async def prepare(self, body: ChatCompletionRequest, response_id: str, check_limits: bool = True) -> PreparedChat:
         """Everything but running it: the checks, the sampling parameters, the prompt.
         Other APIs that are chat underneath (Responses, Anthropic's Messages) call this too;
         one that checks the request limits on its own body passes check_limits=False."""
@@ -203,14 +205,14 @@ class ChatServing:
             tools,
             split,
         )
-        prompt_ids = context.tokenizer.encode(prompt, add_special_tokens=False)
+        prompt_ids = await context.async_llm.tokenize(prompt, add_special_tokens=False)
         return PreparedChat(job, prompt_ids, params, constraint_field, adapter)
 
     async def create(self, body: ChatCompletionRequest, raw: Request) -> Response:
         arrival_time = time.time()  # queueing in the server counts toward latency
         context = self.context
         response_id = new_request_id("chatcmpl")
-        prepared = self.prepare(body, response_id)
+        prepared = await self.prepare(body, response_id)
         job = prepared.job
         stream = await context.add_requests(
             [prepared.new_request(response_id, body.priority, arrival_time)],

@@ -107,7 +107,7 @@ class CompletionServing:
         context = self.context
         adapter = context.check_model(body.model)
         prompts = normalize_prompts(body.prompt)
-        check_completion(context.limits, body, len(prompts))
+        check_completion(context.limits, body, prompts)
         params, constraint_field = self._sampling_params(body)
         response_id = new_request_id("cmpl")
         engine_ids = [f"{response_id}-{i}" for i in range(len(prompts))]

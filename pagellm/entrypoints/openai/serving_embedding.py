@@ -21,6 +21,7 @@ from pagellm.config.model import ModelConfig
 from pagellm.engine.async_requests import NewRequest
 from pagellm.entrypoints.openai.errors import APIError
 from pagellm.entrypoints.openai.protocol import EmbeddingData, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage
+from pagellm.entrypoints.openai.request_limits import check_text_length
 from pagellm.entrypoints.openai.serving_common import ServingContext, collect_finals, new_request_id
 from pagellm.entrypoints.openai.serving_completion import normalize_prompts
 from pagellm.entrypoints.openai.streaming import cancel_on_disconnect
@@ -56,6 +57,8 @@ class EmbeddingServing:
         limit = context.limits.max_prompts_per_request
         if len(inputs) > limit:
             raise APIError(400, f"the request has {len(inputs)} inputs; at most {limit}.", param="input")
+        for item in inputs:
+            check_text_length(context.limits, item, "input")
         try:
             params = PoolingParams(normalize=body.normalize, dimensions=body.dimensions)
         except InvalidRequestError as e:

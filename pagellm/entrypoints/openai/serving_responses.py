@@ -157,7 +157,7 @@ class ResponsesServing:
         rank = self.context.data_parallel_rank
         response_id = _new_id("resp" if rank is None else f"resp_r{rank}")
         self._check_limits(body)
-        prepared = self.chat.prepare(chat_request(body, system + conversation), response_id, check_limits=False)
+        prepared = await self.chat.prepare(chat_request(body, system + conversation), response_id, check_limits=False)
         if body.max_output_tokens is None:  # no limit but the context (chat's default is 16)
             prepared = dataclasses.replace(prepared, params=dataclasses.replace(prepared.params, max_tokens=None))
         entry = StoredResponse(self._response_object(body, response_id), conversation)

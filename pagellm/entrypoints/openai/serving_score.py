@@ -9,6 +9,8 @@ query against each document and answers them most relevant first, `top_n` of the
 
 from __future__ import annotations
 
+import asyncio
+
 import time
 
 from fastapi import Request
@@ -27,6 +29,7 @@ from pagellm.entrypoints.openai.protocol_score import (
     ScoreRequest,
     ScoreResponse,
 )
+from pagellm.entrypoints.openai.request_limits import check_text_length
 from pagellm.entrypoints.openai.serving_common import ServingContext, collect_finals, new_request_id
 from pagellm.entrypoints.openai.streaming import cancel_on_disconnect
 from pagellm.entrypoints.scoring import plan_scoring
@@ -90,8 +93,14 @@ class ScoreServing:
         arrival_time = time.time()
         context = self.context
         engine = context.async_llm.engine
+        for texts, field in ((text_1, first_field), (text_2, second_field)):
+            for text in [texts] if isinstance(texts, str) else texts:
+                check_text_length(context.limits, text, field)
         try:
-            plan = plan_scoring(engine.model_config, context.tokenizer, text_1, text_2, first_field, second_field)
+            # A cross-encoder's pairs are encoded here: on a worker thread, off the event loop.
+            plan = await asyncio.to_thread(
+                plan_scoring, engine.model_config, context.tokenizer, text_1, text_2, first_field, second_field
+            )
         except InvalidRequestError as e:
             raise APIError(400, str(e), param=e.parameter) from None
         limit = context.limits.max_prompts_per_request

@@ -9,8 +9,8 @@ from pagellm.entrypoints.openai.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from pagellm.entrypoints.openai.request_limits import check_messages
-from pagellm.entrypoints.openai.serving_chat import chat_prompt_ids
+from pagellm.entrypoints.openai.request_limits import check_messages, check_text_length
+from pagellm.entrypoints.openai.serving_chat import chat_prompt_text
 from pagellm.entrypoints.openai.serving_common import ServingContext
 
 
@@ -18,16 +18,18 @@ class TokenServing:
     def __init__(self, context: ServingContext) -> None:
         self.context = context
 
-    def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
+    async def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
+        """Counting tokens is what /tokenize is for: a text longer than the context is
+        counted, not refused (within the character limit of a message)."""
         context = self.context
         context.check_model(body.model)
         if isinstance(body, TokenizeChatRequest):
             check_messages(context.limits, body.messages)
-            token_ids = chat_prompt_ids(context.tokenizer, body.messages)
+            text, add_special_tokens, param = chat_prompt_text(context.tokenizer, body.messages), False, "prompt"
         else:
-            token_ids = context.tokenizer.encode(
-                body.prompt, add_special_tokens=body.add_special_tokens
-            )
+            check_text_length(context.limits, body.prompt, "prompt")
+            text, add_special_tokens, param = body.prompt, body.add_special_tokens, "prompt"
+        token_ids = await context.async_llm.tokenize(text, add_special_tokens, param, within_context=False)
         return TokenizeResponse(
             count=len(token_ids), max_model_len=context.max_model_len, tokens=token_ids
         )

@@ -45,12 +45,20 @@ def test_each_limit_is_a_400_naming_its_field(limited):
         ("/chat/completions", {**chat, "messages": [{"role": "user", "content": "hi"}] * 3}, "messages"),
         ("/chat/completions", {**chat, "messages": [{"role": "user", "content": "x" * 51}]}, "messages"),
         ("/chat/completions", {**chat, "n": 3}, "n"),
+        # A text prompt or input has a message's character limit.
+        ("/completions", {**completion, "prompt": "x" * 51}, "prompt"),
+        ("/completions", {**completion, "prompt": ["x", "x" * 51]}, "prompt"),
+        ("/embeddings", {"input": "x" * 51}, "input"),
+        ("/embeddings", {"input": ["x" * 51]}, "input"),
     ]
     for path, body, field in refused:
         assert_error(post(limited, path, body), 400, field)
     # At the limits, served.
     assert post(limited, "/completions", {**completion, "prompt": ["a", "b"], "n": 2, "stop": ["ab", "cd"]}).status_code == 200
     assert post(limited, "/chat/completions", {**chat, "messages": [{"role": "user", "content": "x" * 50}]}).status_code == 200
+    assert post(limited, "/completions", {**completion, "prompt": "x" * 50}).status_code == 200
+    tokenize = limited.base_url + "/tokenize"
+    assert_error(httpx2.post(tokenize, json={"prompt": "x" * 51}, headers=limited.headers(), timeout=60), 400, "prompt")
 
 
 def test_a_body_over_the_limit_is_413(limited):

@@ -19,4 +19,4 @@ async def create_message(body: MessagesRequest, raw: Request) -> Response:
 
 @router.post("/v1/messages/count_tokens", responses=COUNT_TOKENS)
 async def count_message_tokens(body: CountTokensRequest, raw: Request) -> Response:
-    return services_of(raw).messages.count_tokens(body)
+    return await services_of(raw).messages.count_tokens(body)

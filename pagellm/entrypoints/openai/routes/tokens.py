@@ -13,7 +13,7 @@ router = APIRouter()
 
 @router.post("/tokenize", responses=TOKENS)
 async def tokenize(body: TokenizeRequest, raw: Request) -> TokenizeResponse:
-    return services_of(raw).tokens.tokenize(body)
+    return await services_of(raw).tokens.tokenize(body)
 
 
 @router.post("/detokenize", responses=TOKENS)
