@@ -134,6 +134,7 @@ def render_chat_template(
     messages: Any,
     *,
     add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
     special_tokens: Mapping[str, str | None] | None = None,
     **extra: Any,
 ) -> str:
@@ -141,7 +142,16 @@ def render_chat_template(
 
     `special_tokens` (bos_token, eos_token, ...) and `extra` (tools, documents, options such
     as enable_thinking) become template variables, as Hugging Face passes them.
+    `continue_final_message`: the last message (an assistant's prefill) is left open, so
+    that the model continues its text rather than answering it in a turn of its own.
     """
+    if continue_final_message:
+        if add_generation_prompt:
+            raise InvalidRequestError(
+                "continue_final_message continues the last message; add_generation_prompt would open a new one: "
+                "set at most one of them", parameter="continue_final_message",
+            )  # fmt: skip
+        return _continued(template, messages, special_tokens, extra)
     if template is None:
         raise ChatTemplateError(
             "this model has no chat template, so chat messages cannot be turned into a prompt; "
@@ -164,3 +174,34 @@ def render_chat_template(
         # Templates index into messages freely; a message missing what the template expects
         # surfaces as a Python error raised inside the template.
         raise ChatTemplateError(f"the chat template failed to render these messages: {e!r}") from None
+
+
+def _final_text(messages: Any) -> str:
+    final = messages[-1] if isinstance(messages, list) and messages else None
+    content = final.get("content") if isinstance(final, Mapping) else None
+    if not isinstance(content, str) or not content.strip():
+        raise InvalidRequestError(
+            "continue_final_message needs a last message with text to continue", parameter="messages"
+        )
+    return content
+
+
+def _continued(template: str | None, messages: Any, special_tokens: Mapping[str, str | None] | None, extra: Any) -> str:
+    """The conversation rendered closed, then cut right after the last message's text: what
+    the template writes after it (an end-of-turn token, a newline) is what the model must
+    not see. Templates often strip a message's outer spaces; then the cut comes after the
+    stripped text."""
+    final = _final_text(messages)
+    rendered = render_chat_template(
+        template, messages, add_generation_prompt=False, special_tokens=special_tokens, **extra
+    )
+    stripped = final.strip()
+    at = rendered.rfind(stripped)
+    if at < 0:
+        raise InvalidRequestError(
+            "the chat template does not write the last message's text as it is, so it cannot be continued",
+            parameter="messages",
+        )
+    kept = final.lstrip()
+    end = at + len(kept) if rendered[at : at + len(kept)] == kept else at + len(stripped)
+    return rendered[:end]

@@ -293,6 +293,7 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         tokenize: bool = False,
         *,
+        continue_final_message: bool = False,
         chat_template: str | None = None,
         **extra: Any,
     ) -> str | list[int]:
@@ -300,6 +301,8 @@ class Tokenizer:
 
         The template writes any BOS itself, so tokenizing adds no special tokens (as HF does).
         `extra` (tools=..., enable_thinking=...) is passed to the template.
+        `continue_final_message`: the last message is left open for the model to continue
+        (an assistant's prefill); add_generation_prompt must then be False.
         """
         template = self._resolve_template(chat_template)
         if template is None:
@@ -317,6 +320,7 @@ class Tokenizer:
             template,
             messages,
             add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
             special_tokens=special_tokens,
             **extra,
         )

@@ -215,3 +215,40 @@ def test_messages_are_not_modified() -> None:
     messages = [dict(USER)]
     render_chat_template("{% for m in messages %}{% set _ = m %}{{ m.content }}{% endfor %}", messages)
     assert messages == [USER]
+
+
+PREFILLS = [
+    [USER, {"role": "assistant", "content": "The capital of France is"}],
+    [SYSTEM, USER, {"role": "assistant", "content": "Paris.  "}],  # trailing spaces the template keeps
+    [USER, ASSISTANT, USER_2, {"role": "assistant", "content": "\u65e5\u672c\u306e\u9996\u90fd\u306f"}],
+]
+
+
+@pytest.mark.parametrize("messages", PREFILLS)
+def test_a_continued_final_message_matches_hf(smollm, hf_smollm, messages: list[dict[str, Any]]) -> None:
+    ours = smollm.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True)
+    expected = hf_smollm.apply_chat_template(messages, tokenize=False, continue_final_message=True)
+    assert ours == expected
+    assert ours.endswith(messages[-1]["content"])  # left open: no end-of-turn after the prefill
+
+
+@pytest.mark.parametrize("name", ["indented blocks (trim_blocks + lstrip_blocks)", "whitespace control"])
+def test_a_continued_final_message_under_other_templates_matches_hf(name: str) -> None:
+    chat_template_utils = pytest.importorskip("transformers.utils.chat_template_utils")
+    messages = [*TRICKY_MESSAGES, {"role": "assistant", "content": "a2 \u00e9 "}]  # a trailing space the second strips
+    (expected,), _ = chat_template_utils.render_jinja_template(
+        [messages], chat_template=TRICKY_TEMPLATES[name], continue_final_message=True
+    )
+    assert render_chat_template(TRICKY_TEMPLATES[name], messages, add_generation_prompt=False, continue_final_message=True) == expected
+
+
+def test_continuing_needs_text_to_continue_and_no_new_turn() -> None:
+    template = TRICKY_TEMPLATES["whitespace control"]
+    with pytest.raises(InvalidRequestError, match="set at most one"):
+        render_chat_template(template, [USER, ASSISTANT], add_generation_prompt=True, continue_final_message=True)
+    for final in ({"role": "assistant", "content": "  "}, {"role": "assistant", "content": None, "tool_calls": []}):
+        with pytest.raises(InvalidRequestError, match="needs a last message with text"):
+            render_chat_template(template, [USER, final], add_generation_prompt=False, continue_final_message=True)
+    hidden = "{% for m in messages %}{% if m.role != 'assistant' %}{{ m.content }}{% endif %}{% endfor %}"
+    with pytest.raises(InvalidRequestError, match="does not write the last message"):
+        render_chat_template(hidden, [USER, ASSISTANT], add_generation_prompt=False, continue_final_message=True)

@@ -79,6 +79,18 @@ def chat_messages(body: CountTokensRequest) -> list[dict[str, Any]]:
 
 def chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
     fields: dict[str, Any] = {"model": body.model, "messages": chat_messages(body)}
+    final = body.messages[-1] if body.messages else None
+    if final is not None and final.role == "assistant":
+        # A prefill: the model continues the assistant's text ("The capital of France is"
+        # is answered " Paris."), its answer holding only what it adds. An empty one
+        # leaves the turn to the model, as an absent one does.
+        content = final.content
+        prefill = content if isinstance(content, str) else _text([b for b in content if isinstance(b, TextBlock)])
+        if prefill != prefill.rstrip():
+            raise APIError(400, "final assistant content cannot end with trailing whitespace", param="messages")
+        fields["continue_final_message"] = bool(prefill)
+        if not prefill and fields["messages"][-1] == {"role": "assistant", "content": ""}:
+            fields["messages"].pop()
     if isinstance(body, MessagesRequest):
         fields.update(
             max_tokens=body.max_tokens, stop=body.stop_sequences or None, temperature=body.temperature, top_p=body.top_p,

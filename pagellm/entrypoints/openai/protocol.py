@@ -259,6 +259,11 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: NumLogprobs | None = None
     # Passed to the chat template (e.g. Qwen3's enable_thinking).
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: whether the prompt opens the assistant's turn (by default it does, unless the
+    # last message is continued), and whether the last message (an assistant's prefill) is
+    # left open for the model to continue.
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool = False
 
 
 class TokenizeFields(RequestModel):
@@ -272,6 +277,8 @@ class TokenizeCompletionRequest(TokenizeFields):
 
 class TokenizeChatRequest(TokenizeFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool | None = None  # as in a chat request
+    continue_final_message: bool = False
 
 
 def _tokenize_form(body: Any) -> str | None:

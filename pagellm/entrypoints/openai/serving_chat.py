@@ -101,9 +101,15 @@ def chat_prompt_text(
     if tools.kind != "none" or _has_tool_turns(dicts):
         dicts, tool_extra = prompt_messages(dicts, request, tools, template_takes_tools(tokenizer))
         extra.update(tool_extra)
-    for reserved in ("add_generation_prompt", "messages", "tokenize", "chat_template"):
-        extra.pop(reserved, None)  # the server's own arguments (it opens the assistant's turn itself)
-    text = tokenizer.apply_chat_template(dicts, add_generation_prompt=True, **extra)
+    for reserved in ("add_generation_prompt", "continue_final_message", "messages", "tokenize", "chat_template"):
+        extra.pop(reserved, None)  # the server's own arguments (the request's fields say them)
+    continue_final = request is not None and request.continue_final_message
+    add_generation_prompt = not continue_final
+    if request is not None and request.add_generation_prompt is not None:
+        add_generation_prompt = request.add_generation_prompt
+    text = tokenizer.apply_chat_template(
+        dicts, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final, **extra
+    )
     assert isinstance(text, str)
     return text
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pagellm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
     TokenizeChatRequest,
@@ -25,7 +26,11 @@ class TokenServing:
         context.check_model(body.model)
         if isinstance(body, TokenizeChatRequest):
             check_messages(context.limits, body.messages)
-            text, add_special_tokens, param = chat_prompt_text(context.tokenizer, body.messages), False, "prompt"
+            chat = ChatCompletionRequest(
+                messages=body.messages, add_generation_prompt=body.add_generation_prompt,
+                continue_final_message=body.continue_final_message,
+            )  # fmt: skip
+            text, add_special_tokens, param = chat_prompt_text(context.tokenizer, body.messages, chat), False, "prompt"
         else:
             check_text_length(context.limits, body.prompt, "prompt")
             text, add_special_tokens, param = body.prompt, body.add_special_tokens, "prompt"

@@ -166,3 +166,27 @@ def test_errors_are_in_anthropics_shape(claude, server, model_name):
         assert httpx2.post(server.base_url + "/v1/messages", json=body, headers=headers, timeout=60).status_code == 200
     raw = httpx2.post(server.base_url + "/v1/messages", content=b"{not json", headers={"x-api-key": API_KEY}, timeout=60)
     assert raw.status_code == 400 and json.loads(raw.text)["type"] == "error"
+
+
+def test_an_assistant_prefill_is_continued(claude, model_name, offline_llm):
+    """The last assistant turn is left open and the answer holds only what the model adds:
+    the reference is the offline API on the prompt written out by hand (the tiny template's
+    turns, the prefill's turn not closed)."""
+    messages = [{"role": "user", "content": "What is the capital of France?"}, {"role": "assistant", "content": "The capital is"}]
+    result = claude.messages.create(model=model_name, max_tokens=10, extra_body=GREEDY, messages=messages)
+    expected = greedy_offline(offline_llm, "<user>What is the capital of France?\n<assistant>The capital is", 10)
+    assert result.content[0].text == expected.outputs[0].text
+    assert result.usage.input_tokens == len(expected.prompt_token_ids)
+    # Streamed, the same text; count_tokens counts the open turn.
+    with claude.messages.stream(model=model_name, max_tokens=10, extra_body=GREEDY, messages=messages) as stream:
+        assert "".join(stream.text_stream) == expected.outputs[0].text
+    counted = claude.messages.count_tokens(model=model_name, messages=messages)
+    assert counted.input_tokens == len(expected.prompt_token_ids)
+    # As Anthropic's API: a prefill may not end in whitespace; an empty one leaves the turn to the model.
+    with pytest.raises(anthropic.BadRequestError, match="trailing whitespace"):
+        claude.messages.create(model=model_name, max_tokens=4, messages=[messages[0], {"role": "assistant", "content": "It is "}])
+    empty = claude.messages.create(
+        model=model_name, max_tokens=6, extra_body=GREEDY, messages=[messages[0], {"role": "assistant", "content": ""}]
+    )
+    fresh = greedy_offline(offline_llm, "<user>What is the capital of France?\n<assistant>", 6)
+    assert empty.content[0].text == fresh.outputs[0].text

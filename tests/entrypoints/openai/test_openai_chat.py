@@ -123,3 +123,30 @@ def test_chat_logprobs(client, model_name, offline_llm):
     streamed_entries = [e for c in streamed if c.choices and c.choices[0].logprobs
                         for e in c.choices[0].logprobs.content]
     assert [e.logprob for e in streamed_entries] == pytest.approx(expected, abs=1e-4)
+
+
+def test_continue_final_message_continues_an_assistant_prefill(client, model_name, offline_llm, server):
+    """vLLM's continue_final_message: the last assistant turn is left open (the reference:
+    the offline API on the prompt written out by hand), and /tokenize says the same prompt."""
+    import httpx2
+
+    messages = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "My colour is"}]
+    extra = {"continue_final_message": True}
+    result = client.chat.completions.create(model=model_name, messages=messages, max_tokens=8, temperature=0, extra_body=extra)
+    expected = greedy_offline(offline_llm, "<user>Name a colour.\n<assistant>My colour is", 8)
+    assert result.choices[0].message.content == expected.outputs[0].text
+    assert result.usage.prompt_tokens == len(expected.prompt_token_ids)
+    tokens = httpx2.post(
+        server.base_url + "/tokenize", json={"messages": messages, **extra}, headers=server.headers(), timeout=60
+    ).json()["tokens"]
+    assert tokens == expected.prompt_token_ids
+    # Without it, the prefill is a closed turn and a new one opens (OpenAI's behaviour).
+    closed = client.chat.completions.create(model=model_name, messages=messages, max_tokens=8, temperature=0)
+    reference = greedy_offline(offline_llm, "<user>Name a colour.\n<assistant>My colour is\n<assistant>", 8)
+    assert closed.choices[0].message.content == reference.outputs[0].text
+    import openai
+
+    with pytest.raises(openai.BadRequestError, match="at most one"):
+        client.chat.completions.create(
+            model=model_name, messages=messages, max_tokens=2, extra_body={**extra, "add_generation_prompt": True}
+        )
