@@ -111,6 +111,6 @@ class StructuredOutputsParams:
 
 def _canonical_json(value: Any, parameter: str) -> str:
     try:
-        return json.dumps(value, sort_keys=True, separators=(",", ":"))
+        return json.dumps(value, separators=(",", ":"))
     except (TypeError, ValueError) as e:
         raise InvalidRequestError(f"the JSON schema cannot be serialized: {e}", parameter) from None

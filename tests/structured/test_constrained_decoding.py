@@ -169,7 +169,19 @@ def test_params_take_exactly_one_constraint():
         StructuredOutputsParams(json="{not json")
     with pytest.raises(InvalidRequestError, match="list of strings"):
         StructuredOutputsParams(choice="yes")
-    assert StructuredOutputsParams(json={"b": 1, "a": 2}).key == StructuredOutputsParams(json='{"a": 2, "b": 1}').key
+    # The text's spacing does not make another grammar; the order of the keys does (properties
+    # are generated in the schema's order, as OpenAI's structured outputs do).
+    assert StructuredOutputsParams(json={"a": 2, "b": 1}).key == StructuredOutputsParams(json='{"a":  2,\n "b": 1}').key
+    assert StructuredOutputsParams(json={"b": 1, "a": 2}).key != StructuredOutputsParams(json='{"a": 2, "b": 1}').key
+
+
+def test_properties_are_generated_in_the_schemas_order(smollm2_path):
+    llm = LLM(str(smollm2_path), max_model_len=256)
+    properties = {"zeta": {"type": "integer"}, "alpha": {"type": "string", "maxLength": 8}}
+    for order in (["zeta", "alpha"], ["alpha", "zeta"]):
+        schema = {"type": "object", "properties": {k: properties[k] for k in order}, "required": order, "additionalProperties": False}
+        text = llm.generate(["A JSON object: "], constrained(json=schema, max_tokens=40), use_tqdm=False)[0].outputs[0].text
+        assert list(json.loads(text)) == order, text
 
 
 def test_metrics_count_compiles_cache_hits_and_mask_time(smollm2_path):
