@@ -86,6 +86,20 @@ class CountTokensRequest(RequestModel):
     tool_choice: ToolChoice | None = None
 
 
+class JsonOutputFormat(RequestModel):
+    """Structured outputs: the answer is JSON that the schema accepts."""
+
+    type: Literal["json_schema"]
+    json_schema: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(RequestModel):
+    format: JsonOutputFormat | None = None
+    # A hint to reasoning models of how hard to think; this server has no such knob, and
+    # refuses it rather than ignore it (serving.py).
+    effort: str | None = None
+
+
 class MessagesRequest(CountTokensRequest):
     max_tokens: PositiveInt
     stop_sequences: list[Annotated[str, Field(min_length=1)]] | None = None
@@ -96,6 +110,10 @@ class MessagesRequest(CountTokensRequest):
     metadata: Metadata | None = None
     # vLLM's extension (as on the chat endpoint): an output constraint (json, regex, choice, grammar).
     structured_outputs: StructuredOutputsFields | None = None
+    # Anthropic's structured outputs: output_config.format (the current SDKs' messages.parse),
+    # and output_format, the same under its beta name.
+    output_config: OutputConfig | None = None
+    output_format: JsonOutputFormat | None = None
 
 
 class Usage(OpenAIModel):

@@ -39,6 +39,7 @@ from pagellm.entrypoints.openai.protocol import ChatCompletionRequest
 from pagellm.entrypoints.openai.serving_chat import ChatServing, PreparedChat
 from pagellm.entrypoints.openai.serving_common import ServingContext, collect_finals
 from pagellm.entrypoints.openai.streaming import EventStreamResponse, cancel_on_disconnect
+from pagellm.entrypoints.openai.tool_calls import salvage_json_object
 from pagellm.outputs import CompletionOutput, RequestOutput
 
 
@@ -77,6 +78,24 @@ def chat_messages(body: CountTokensRequest) -> list[dict[str, Any]]:
     return messages
 
 
+def _structured_outputs(body: MessagesRequest) -> dict[str, Any] | None:
+    """The output constraint: Anthropic's output_config.format (or its beta name,
+    output_format), or vLLM's structured_outputs; one of them at most."""
+    config = body.output_config
+    if config is not None and config.effort is not None:
+        raise APIError(400, "output_config.effort is not supported by this server.", param="output_config")
+    formats = [f for f in (config.format if config else None, body.output_format) if f is not None]
+    given = len(formats) + (body.structured_outputs is not None)
+    if given > 1:
+        raise APIError(
+            400, "give one output constraint: output_config.format, output_format or structured_outputs.",
+            param="output_config",
+        )  # fmt: skip
+    if formats:
+        return {"json": formats[0].json_schema}
+    return body.structured_outputs.model_dump(by_alias=True, exclude_none=True) if body.structured_outputs else None
+
+
 def chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
     fields: dict[str, Any] = {"model": body.model, "messages": chat_messages(body)}
     final = body.messages[-1] if body.messages else None
@@ -95,8 +114,7 @@ def chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
         fields.update(
             max_tokens=body.max_tokens, stop=body.stop_sequences or None, temperature=body.temperature, top_p=body.top_p,
             top_k=body.top_k, user=body.metadata.user_id if body.metadata else None,
-            structured_outputs=body.structured_outputs.model_dump(by_alias=True, exclude_none=True)
-            if body.structured_outputs else None,
+            structured_outputs=_structured_outputs(body),
         )  # fmt: skip
     if body.tools:
         fields["tools"] = [
@@ -124,19 +142,21 @@ def _tool_use_id(call_id: str) -> str:
 
 
 def _input_object(arguments: str) -> dict[str, Any]:
+    """A call's input; of a call cut short by max_tokens, what its arguments say so far."""
     try:
         value = json.loads(arguments)
     except ValueError:
-        return {}
+        return salvage_json_object(arguments) or {}
     return value if isinstance(value, dict) else {}
 
 
 def _stop(completion: CompletionOutput, has_calls: bool) -> tuple[str, str | None]:
-    """(stop_reason, stop_sequence) of a finished completion."""
-    if has_calls:
-        return "tool_use", None
+    """(stop_reason, stop_sequence) of a finished completion: cut by max_tokens says so
+    first, even inside a call (whose input then holds what it says so far)."""
     if completion.finish_reason == "length":
         return "max_tokens", None
+    if has_calls:
+        return "tool_use", None
     if isinstance(completion.stop_reason, str):
         return "stop_sequence", completion.stop_reason
     return "end_turn", None

@@ -286,16 +286,16 @@ class ChatServing:
         self, job: _Job, completion: CompletionOutput
     ) -> tuple[str | None, str | None, list[ToolCall]]:
         """A finished completion's reasoning (with --reasoning-parser), content and tool
-        calls, parsed from the text after the reasoning (a call cut short by max_tokens is
-        returned as the text it is)."""
+        calls, parsed from the text after the reasoning. A forced call ("required", named)
+        cut short by max_tokens is a call with its arguments as far as they got, never
+        text; with "auto", what was cut is the text it is."""
         reasoning, text = None, completion.text
         if job.reasoning is not None:
             reasoning, text = job.reasoning.split(completion.text)
         if job.tools.kind == "none" or completion.finish_reason not in ("stop", "length"):
             return reasoning, text, []
-        if completion.finish_reason == "length" and job.tools.kind != "required":
+        if completion.finish_reason == "length" and job.tools.kind == "auto":
             return reasoning, text, []
-        # A "required" array cut by max_tokens still carries its whole calls.
         return reasoning, *parse_tool_calls(text or "", job.tools, job.body)
 
     def _delta_choice(

@@ -148,10 +148,13 @@ def parse_tool_calls(text: str, mode: ToolMode, request: ChatCompletionRequest) 
         assert mode.name is not None
         return None, [ToolCall(id=new_call_id(), function=FunctionCall(name=mode.name, arguments=text))]
     if mode.kind == "required":
-        calls = complete_array_items(text)
-        if not calls:
-            return text, []  # cut short by max_tokens before one call was whole
-        return None, [_call(c["name"], c["arguments"]) for c in calls]
+        # The constraint allows nothing but the calls: never text, even cut short.
+        items, rest = complete_array_items(text)
+        calls = [_call(c["name"], c["arguments"]) for c in items]
+        cut = _PARTIAL_CALL.match(rest)
+        if cut is not None:  # cut by max_tokens inside a call whose name is whole
+            calls.append(ToolCall(id=new_call_id(), function=FunctionCall(name=json.loads(f'"{cut[1]}"'), arguments=cut[2])))
+        return None, calls
     if mode.kind != "auto":
         return text, []
     names = {t.function.name for t in request.tools or []}
@@ -169,24 +172,73 @@ def parse_tool_calls(text: str, mode: ToolMode, request: ChatCompletionRequest) 
     return rest or None, calls
 
 
-def complete_array_items(text: str) -> list[Any]:
+def complete_array_items(text: str) -> tuple[list[Any], str]:
     """The whole items of a JSON array, which may be cut off after any of them (the
-    constraint guarantees the rest is well formed)."""
+    constraint guarantees the rest is well formed), and the text of the item it was cut
+    in ("" when none)."""
     decoder = json.JSONDecoder()
     items: list[Any] = []
     position = text.find("[") + 1
     if position == 0:
-        return items
+        return items, ""
     while True:
         while position < len(text) and text[position] in " \n\r\t,":
             position += 1
         if position >= len(text) or text[position] == "]":
-            return items
+            return items, ""
         try:
             item, position = decoder.raw_decode(text, position)
         except ValueError:
-            return items
+            return items, text[position:]
         items.append(item)
+
+
+def salvage_json_object(text: str) -> dict[str, Any] | None:
+    """What a JSON object cut short says so far: the longest prefix that parses once its
+    open strings' members are dropped and its brackets closed (None: not even "{"). A
+    number or literal at the cut may be incomplete, so it is dropped too."""
+    closers = _closers_by_end(text)
+    for end in range(len(text), 0, -1):
+        closing = closers[end]
+        if closing is None:  # inside a string
+            continue
+        if text[end - 1] in _SCALAR_CHARS and (end == len(text) or text[end] in _SCALAR_CHARS):
+            continue  # a number or literal that may go on
+        try:
+            value = json.loads(text[:end] + closing)
+        except ValueError:
+            continue
+        return value if isinstance(value, dict) else None
+    return None
+
+
+_SCALAR_CHARS = frozenset("0123456789+-.eEtruefalsn")
+# A call of the "required" array as the constraint writes it (no free whitespace), cut
+# after its name: the name's JSON string body, and the arguments' text so far.
+_PARTIAL_CALL = re.compile(r'\{"name": "((?:[^"\\]|\\.)*)", "arguments": (.*)', re.DOTALL)
+
+
+def _closers_by_end(text: str) -> list[str | None]:
+    """For each prefix length, the brackets that close it (None inside a string)."""
+    closers: list[str | None] = [""]
+    stack: list[str] = []
+    in_string = escaped = False
+    for char in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif char == "\\":
+                escaped = True
+            elif char == '"':
+                in_string = False
+        elif char == '"':
+            in_string = True
+        elif char in "{[":
+            stack.append("}" if char == "{" else "]")
+        elif char in "}]" and stack:
+            stack.pop()
+        closers.append(None if in_string else "".join(reversed(stack)))
+    return closers
 
 
 def _call(name: str, arguments: Any) -> ToolCall:

@@ -190,3 +190,49 @@ def test_an_assistant_prefill_is_continued(claude, model_name, offline_llm):
     )
     fresh = greedy_offline(offline_llm, "<user>What is the capital of France?\n<assistant>", 6)
     assert empty.content[0].text == fresh.outputs[0].text
+
+
+@pytest.mark.parametrize(
+    ("choice", "max_tokens"),  # cut inside the arguments (a named tool's output is its arguments alone)
+    [({"type": "any"}, 14), ({"type": "tool", "name": "get_weather"}, 4)],
+)
+def test_a_forced_tool_use_cut_by_max_tokens_is_a_tool_use_block(smol_claude, choice, max_tokens):
+    """Never the call's JSON as text: a tool_use block whose input holds what the cut
+    arguments say so far, stop_reason max_tokens; streamed the same."""
+    request = {
+        "model": "smol", "max_tokens": max_tokens, "tools": [WEATHER], "tool_choice": choice, "extra_body": GREEDY,
+        "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+    }  # fmt: skip
+    whole = smol_claude.messages.create(**request)
+    with smol_claude.messages.stream(**request) as stream:
+        streamed = stream.get_final_message()
+    for message in (whole, streamed):
+        assert message.stop_reason == "max_tokens"
+        assert [block.type for block in message.content] == ["tool_use"], message.content
+        assert message.content[0].name == "get_weather" and set(message.content[0].input) <= {"city"}
+    assert whole.content[0].input == streamed.content[0].input
+
+
+def test_structured_output_through_the_sdks_parse(smol_claude):
+    """The current SDK's messages.parse(output_format=...) sends output_config.format: the
+    answer is JSON of that schema, parsed by the SDK itself."""
+    import pydantic
+
+    class City(pydantic.BaseModel):
+        name: str = pydantic.Field(max_length=20)
+        is_capital: bool
+
+    request = {"model": "smol", "max_tokens": 60, "messages": [{"role": "user", "content": "Describe Paris as JSON."}]}
+    parsed = smol_claude.messages.parse(output_format=City, extra_body=GREEDY, **request)
+    assert isinstance(parsed.parsed_output, City) and parsed.stop_reason == "end_turn"
+    # The raw field and its beta name alike; the keys come in the schema's order.
+    schema = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "boolean"}}, "required": ["b", "a"], "additionalProperties": False}
+    for extra in ({"output_config": {"format": {"type": "json_schema", "schema": schema}}}, {"output_format": {"type": "json_schema", "schema": schema}}):
+        text = smol_claude.messages.create(**request, extra_body={**GREEDY, **extra}).content[0].text
+        assert list(json.loads(text)) == ["b", "a"], text
+    with pytest.raises(anthropic.BadRequestError, match="one output constraint"):
+        smol_claude.messages.create(
+            **request, extra_body={"output_format": {"type": "json_schema", "schema": schema}, "structured_outputs": {"json": schema}}
+        )
+    with pytest.raises(anthropic.BadRequestError, match="effort"):
+        smol_claude.messages.create(**request, extra_body={"output_config": {"effort": "high"}})

@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from pagellm.entrypoints.openai.protocol import ChatCompletionRequest
-from pagellm.entrypoints.openai.tool_calls import complete_array_items, parse_tool_calls, tool_mode
+from pagellm.entrypoints.openai.tool_calls import complete_array_items, parse_tool_calls, salvage_json_object, tool_mode
 
 WEATHER = {
     "type": "object",
@@ -48,7 +48,8 @@ def test_required_calls_validate(smol):
         model="smol", messages=QUESTION, tools=TOOLS, tool_choice="required", max_tokens=120, temperature=0
     ).choices[0]
     assert several.finish_reason in ("tool_calls", "length") and several.message.tool_calls
-    for call in one.message.tool_calls + several.message.tool_calls:
+    whole = several.message.tool_calls[: -1 if several.finish_reason == "length" else None]  # the last may be cut
+    for call in one.message.tool_calls + whole:
         assert call.id.startswith("call_") and call.type == "function"
         check_call(call.function.name, call.function.arguments)
 
@@ -119,9 +120,64 @@ def test_auto_parses_hermes_tool_calls():
 
 
 def test_a_cut_array_keeps_its_whole_items():
-    assert complete_array_items('[{"a": 1}, {"b": [2, 3]}, {"c"') == [{"a": 1}, {"b": [2, 3]}]
-    assert complete_array_items('[{"a": 1}]') == [{"a": 1}]
-    assert complete_array_items('[{"a"') == [] and complete_array_items("") == []
+    assert complete_array_items('[{"a": 1}, {"b": [2, 3]}, {"c"') == ([{"a": 1}, {"b": [2, 3]}], '{"c"')
+    assert complete_array_items('[{"a": 1}]') == ([{"a": 1}], "")
+    assert complete_array_items('[{"a"') == ([], '{"a"') and complete_array_items("") == ([], "")
+
+
+def test_a_required_call_cut_short_is_a_call_never_text():
+    """OpenAI's answer to a forced call cut by max_tokens: the call, its arguments as far
+    as they got, finish_reason "length"; cut before the name is whole, no call and no text."""
+    request = ChatCompletionRequest(messages=QUESTION, tools=TOOLS, tool_choice="required")
+    mode = tool_mode(request)
+    assert parse_tool_calls('[{"name": "get_wea', mode, request) == (None, [])
+    assert parse_tool_calls("", mode, request) == (None, [])
+    content, calls = parse_tool_calls('[{"name": "get_time", "arguments": {"timezone": "UTC"}}, {"name": "get_weather", "arguments": {"ci', mode, request)
+    assert content is None and [c.function.name for c in calls] == ["get_time", "get_weather"]
+    assert calls[0].function.arguments == '{"timezone": "UTC"}' and calls[1].function.arguments == '{"ci'
+
+
+@pytest.mark.parametrize(
+    ("cut", "salvaged"),
+    [
+        ('{"city": "Par', {}),
+        ('{"city": "Paris", "unit": "cel', {"city": "Paris"}),
+        ('{"city": "Paris", "unit"', {"city": "Paris"}),
+        ('{"n": 12', {}),  # the number may go on
+        ('{"n": 12, "m": [1, 2, {"x": "a\\"b"}, 3', {"n": 12, "m": [1, 2, {"x": 'a"b'}]}),
+        ('{"a": {"b": true}, "c": nul', {"a": {"b": True}}),
+        ("", None),
+        ('[1, 2', None),
+    ],
+)
+def test_what_a_cut_object_says_so_far(cut, salvaged):
+    assert salvage_json_object(cut) == salvaged
+
+
+@pytest.mark.parametrize(
+    ("tool_choice", "max_tokens"),  # cut inside the arguments (a named function's output is its arguments alone)
+    [("required", 20), ({"type": "function", "function": {"name": "get_weather"}}, 4)],
+)
+def test_forced_calls_cut_by_max_tokens_come_back_as_calls(smol, tool_choice, max_tokens):
+    for stream in (False, True):
+        kwargs = {"model": "smol", "messages": QUESTION, "tools": TOOLS, "tool_choice": tool_choice, "max_tokens": max_tokens}
+        if stream:
+            chunks = [c for c in smol.chat.completions.create(**kwargs, stream=True) if c.choices]
+            content = "".join(c.choices[0].delta.content or "" for c in chunks)
+            calls = [call for c in chunks for call in c.choices[0].delta.tool_calls or []]
+            if len(calls) > 1:  # a named function's arguments stream in pieces after its opening
+                assert {call.index for call in calls} == {0}
+                calls[0].function.arguments = "".join(call.function.arguments or "" for call in calls)
+                calls = calls[:1]
+            finish = chunks[-1].choices[0].finish_reason
+        else:
+            choice = smol.chat.completions.create(**kwargs).choices[0]
+            content, calls, finish = choice.message.content or "", choice.message.tool_calls, choice.finish_reason
+        assert content == "" and finish == "length"
+        assert len(calls) == 1 and calls[0].function.name in SCHEMAS
+        assert calls[0].function.arguments.startswith("{")  # as far as it got
+        with pytest.raises(ValueError):
+            json.loads(calls[0].function.arguments)
 
 
 def test_tokenize_takes_a_conversation_with_tool_turns(smol_server):
