@@ -14,13 +14,14 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagellm.engine.async_requests import EngineDeadError, EngineOverloadedError
 from pagellm.entrypoints.anthropic.errors import anthropic_error_response, is_messages_path
 from pagellm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
+from pagellm.entrypoints.openai.streaming import ClientDisconnected
 from pagellm.errors import ChatTemplateError, InvalidRequestError, PagellmError, RequestFailedError
 
 logger = logging.getLogger(__name__)
@@ -176,6 +177,14 @@ def install_error_handlers(app: FastAPI) -> None:
             response.headers["Allow"] = ", ".join(_allowed_methods(request))
         return response
 
+    async def on_client_gone(request: Request, exc: Exception) -> Response:
+        # Not an error of the server's: the client stopped waiting (its timeout) and its
+        # engine requests were aborted. Nobody reads this answer; 499 is nginx's word for it.
+        logger.info("%s %s: the client disconnected before the answer; its requests were aborted",
+                    request.method, request.url.path)  # fmt: skip
+        return Response(status_code=499)
+
+    app.add_exception_handler(ClientDisconnected, on_client_gone)
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(PagellmError, on_api_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)

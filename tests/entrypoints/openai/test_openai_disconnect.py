@@ -104,6 +104,10 @@ async def start_then_leave(server, model: str) -> None:  # noqa: ANN001
 
 def test_abandoned_non_streaming_request_is_aborted(server, model_name):
     aborted_before = get_metrics(server.base_url).get(ABORTED, 0)
+    log_before = len(server.log_lines)
     asyncio.run(start_then_leave(server, model_name))
     metrics = wait_until(lambda: engine_drained(server.base_url), timeout_s=60)
     assert metrics[ABORTED] - aborted_before == 1
+    # A client's timeout is not the server's error: one line, no traceback.
+    log = wait_until(lambda: (text := "".join(server.log_lines[log_before:])) if "the client disconnected" in text else "")
+    assert "Traceback" not in log and "ERROR" not in log and "Exception in ASGI application" not in log, log
