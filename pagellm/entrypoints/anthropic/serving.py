@@ -228,7 +228,7 @@ class MessagesServing:
     def _message(self, message_id: str, prepared: PreparedChat, output: RequestOutput) -> MessageResponse:
         blocks, stop_reason, stop_sequence = self._blocks(prepared, output.outputs[0])
         return MessageResponse(
-            id=message_id, model=self.context.served_model_name, content=blocks, stop_reason=stop_reason,
+            id=message_id, model=self.context.model_name(prepared.adapter), content=blocks, stop_reason=stop_reason,
             stop_sequence=stop_sequence, usage=self._usage(output),
         )  # fmt: skip
 
@@ -237,7 +237,7 @@ class MessagesServing:
             return f"event: {kind}\ndata: {json.dumps({'type': kind, **fields}, ensure_ascii=False)}\n\n"
 
         start = {
-            "id": message_id, "type": "message", "role": "assistant", "model": self.context.served_model_name,
+            "id": message_id, "type": "message", "role": "assistant", "model": self.context.model_name(prepared.adapter),
             "content": [], "stop_reason": None, "stop_sequence": None,
             "usage": {"input_tokens": len(prepared.prompt_ids), "output_tokens": 0},
         }  # fmt: skip

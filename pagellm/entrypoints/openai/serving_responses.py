@@ -160,7 +160,7 @@ class ResponsesServing:
         prepared = await self.chat.prepare(chat_request(body, system + conversation), response_id, check_limits=False)
         if body.max_output_tokens is None:  # no limit but the context (chat's default is 16)
             prepared = dataclasses.replace(prepared, params=dataclasses.replace(prepared.params, max_tokens=None))
-        entry = StoredResponse(self._response_object(body, response_id), conversation)
+        entry = StoredResponse(self._response_object(body, response_id, self.context.model_name(prepared.adapter)), conversation)
         stream = await self.context.add_requests(
             [prepared.new_request(response_id, body.priority, arrival_time)],
             prepared.constraint_field,
@@ -202,11 +202,12 @@ class ResponsesServing:
                     param="input",
                 )  # fmt: skip
 
-    def _response_object(self, body: ResponsesRequest, response_id: str) -> ResponseObject:
+    def _response_object(self, body: ResponsesRequest, response_id: str, model: str) -> ResponseObject:
+        """The response as it starts; `model` is the name it answers under (a LoRA adapter's)."""
         text_format = body.text.format if body.text is not None and body.text.format is not None else None
         choice = body.tool_choice
         return ResponseObject(
-            id=response_id, created_at=int(time.time()), status="in_progress", model=self.context.served_model_name,
+            id=response_id, created_at=int(time.time()), status="in_progress", model=model,
             output=[], instructions=body.instructions, max_output_tokens=body.max_output_tokens,
             temperature=body.temperature, top_p=body.top_p,
             tools=[tool.model_dump(exclude_none=True) for tool in body.tools or []],

@@ -77,6 +77,18 @@ def test_an_adapter_named_at_start_answers_as_offline(client, offline):
     assert chat.model == "sql"
 
 
+def test_every_api_answers_under_the_adapters_name(server, client):
+    """Messages and Responses, whole and streamed, name the adapter that answered."""
+    message = {"model": "sql", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]}
+    assert _post(server, "/v1/messages", message).json()["model"] == "sql"
+    streamed = _post(server, "/v1/messages", {**message, "stream": True}).text
+    assert '"model": "sql"' in streamed and '"model": "base"' not in streamed
+    response = {"model": "sql", "input": "hi", "max_output_tokens": 3}
+    assert _post(server, "/v1/responses", response).json()["model"] == "sql"
+    events = [e for e in client.responses.create(model="sql", input="hi", max_output_tokens=3, stream=True) if hasattr(e, "response")]
+    assert events and all(e.response.model == "sql" for e in events)
+
+
 def test_metrics_count_requests_per_adapter_and_slot_traffic(server, client):
     import re
 
