@@ -236,12 +236,16 @@ class MessagesServing:
         def event(kind: str, **fields: Any) -> str:
             return f"event: {kind}\ndata: {json.dumps({'type': kind, **fields}, ensure_ascii=False)}\n\n"
 
-        start = {
-            "id": message_id, "type": "message", "role": "assistant", "model": self.context.model_name(prepared.adapter),
-            "content": [], "stop_reason": None, "stop_sequence": None,
-            "usage": {"input_tokens": len(prepared.prompt_ids), "output_tokens": 0},
-        }  # fmt: skip
-        yield event("message_start", message=start)
+        def start(output: RequestOutput) -> str:
+            # Sent with the first output, when the prompt's cached tokens are known: the
+            # usage splits them from the computed ones as the whole answer's does.
+            usage = self._usage(output).model_dump()
+            message = {
+                "id": message_id, "type": "message", "role": "assistant", "model": self.context.model_name(prepared.adapter),
+                "content": [], "stop_reason": None, "stop_sequence": None, "usage": {**usage, "output_tokens": 0},
+            }  # fmt: skip
+            return event("message_start", message=message)
+
         # With tools the text may turn out to be calls, with a reasoning parser thinking:
         # then the blocks are sent once the output is known.
         streams_text = prepared.job.tools.kind == "none" and prepared.job.reasoning is None
@@ -249,6 +253,8 @@ class MessagesServing:
             opened = False
             final: RequestOutput | None = None
             async for output in stream:
+                if final is None:
+                    yield start(output)
                 final = output
                 delta = output.outputs[0].delta_text
                 if streams_text and delta:
@@ -277,8 +283,8 @@ class MessagesServing:
                     yield event("content_block_delta", index=index, delta={"type": "input_json_delta", "partial_json": json.dumps(block["input"])})
                 yield event("content_block_stop", index=index)
                 index += 1
-            usage = self._usage(final)
-            yield event("message_delta", delta={"stop_reason": stop_reason, "stop_sequence": stop_sequence}, usage={"output_tokens": usage.output_tokens})
+            usage = self._usage(final)  # the whole usage, as the API's current message_delta has it
+            yield event("message_delta", delta={"stop_reason": stop_reason, "stop_sequence": stop_sequence}, usage=usage.model_dump())
             yield event("message_stop")
         except Exception as error:  # noqa: BLE001 - the status is sent: report in the stream
             api = to_api_error(error)

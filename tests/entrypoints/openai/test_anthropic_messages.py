@@ -82,6 +82,15 @@ def test_a_streamed_message_adds_up_to_the_same(claude, model_name):
         streamed = "".join(stream.text_stream)
         final = stream.get_final_message()
     assert streamed == whole.content[0].text == final.content[0].text
+    # The prompt (a whole block of it) is cached by now: streamed usage splits it as the whole answer's does.
+    again = claude.messages.create(**kwargs).usage
+    assert again.cache_read_input_tokens > 0
+    with claude.messages.stream(**kwargs) as stream:
+        streamed_usage = stream.get_final_message().usage
+    assert events[0].message.usage.input_tokens + events[0].message.usage.cache_read_input_tokens == again.input_tokens + again.cache_read_input_tokens
+    assert (streamed_usage.input_tokens, streamed_usage.cache_read_input_tokens, streamed_usage.output_tokens) == (
+        again.input_tokens, again.cache_read_input_tokens, again.output_tokens
+    )
 
 
 def test_stop_sequences_and_multi_turn(claude, model_name, offline_llm):
@@ -176,7 +185,7 @@ def test_an_assistant_prefill_is_continued(claude, model_name, offline_llm):
     result = claude.messages.create(model=model_name, max_tokens=10, extra_body=GREEDY, messages=messages)
     expected = greedy_offline(offline_llm, "<user>What is the capital of France?\n<assistant>The capital is", 10)
     assert result.content[0].text == expected.outputs[0].text
-    assert result.usage.input_tokens == len(expected.prompt_token_ids)
+    assert result.usage.input_tokens + result.usage.cache_read_input_tokens == len(expected.prompt_token_ids)
     # Streamed, the same text; count_tokens counts the open turn.
     with claude.messages.stream(model=model_name, max_tokens=10, extra_body=GREEDY, messages=messages) as stream:
         assert "".join(stream.text_stream) == expected.outputs[0].text
