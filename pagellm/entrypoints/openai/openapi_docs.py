@@ -126,6 +126,7 @@ BATCH_CREATE = {
 }
 TOKENS = {**BODY, **AUTH, **UNKNOWN_MODEL}
 READ = {**AUTH}
+MODEL_BY_ID = {**AUTH, 404: _error("No served model or loaded adapter has this name.")}
 LORA_ADAPTER = {
     200: {"description": "The adapter loaded (or unloaded)."},
     **BODY,

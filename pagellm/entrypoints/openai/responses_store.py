@@ -22,6 +22,7 @@ class StoredResponse:
     response: ResponseObject
     conversation: list[dict[str, Any]]  # chat messages, this response's output included once done
     tools: list[dict[str, Any]] = field(default_factory=list)  # chat-shaped tools it was offered
+    input_items: list[dict[str, Any]] = field(default_factory=list)  # its request's input, as GET .../input_items lists it
     task: asyncio.Task[None] | None = None  # a background response still running
 
 

@@ -83,6 +83,32 @@ def input_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
     return messages
 
 
+def listed_input_items(body: ResponsesRequest) -> list[dict[str, Any]]:
+    """The request's input as OpenAI lists it back (GET /v1/responses/{id}/input_items):
+    each item with an id, text as input_text parts (an assistant's as output_text)."""
+    if isinstance(body.input, str):
+        return [_input_message_item("user", [body.input])]
+    items: list[dict[str, Any]] = []
+    for item in body.input:
+        if isinstance(item, InputMessage):
+            texts = [item.content] if isinstance(item.content, str) else [part.text for part in item.content]
+            items.append(_input_message_item(item.role, texts))
+        elif isinstance(item, FunctionCallItem):
+            items.append({
+                "type": "function_call", "id": item.id or _new_id("fc"), "call_id": item.call_id, "name": item.name,
+                "arguments": item.arguments, "status": item.status or "completed",
+            })  # fmt: skip
+        elif isinstance(item, FunctionCallOutputItem):
+            items.append({"type": "function_call_output", "id": _new_id("fco"), "call_id": item.call_id, "output": item.output, "status": "completed"})
+    return items
+
+
+def _input_message_item(role: str, texts: list[str]) -> dict[str, Any]:
+    kind = "output_text" if role == "assistant" else "input_text"
+    content = [{"type": kind, "text": text, **({"annotations": []} if kind == "output_text" else {})} for text in texts]
+    return {"type": "message", "id": _new_id("msg"), "role": role, "status": "completed", "content": content}
+
+
 def chat_request(body: ResponsesRequest, messages: list[dict[str, Any]]) -> ChatCompletionRequest:
     """The chat request the response runs as."""
     fields: dict[str, Any] = {
@@ -160,7 +186,10 @@ class ResponsesServing:
         prepared = await self.chat.prepare(chat_request(body, system + conversation), response_id, check_limits=False)
         if body.max_output_tokens is None:  # no limit but the context (chat's default is 16)
             prepared = dataclasses.replace(prepared, params=dataclasses.replace(prepared.params, max_tokens=None))
-        entry = StoredResponse(self._response_object(body, response_id, self.context.model_name(prepared.adapter)), conversation)
+        entry = StoredResponse(
+            self._response_object(body, response_id, self.context.model_name(prepared.adapter)), conversation,
+            input_items=listed_input_items(body),
+        )  # fmt: skip
         stream = await self.context.add_requests(
             [prepared.new_request(response_id, body.priority, arrival_time)],
             prepared.constraint_field,
@@ -344,6 +373,30 @@ class ResponsesServing:
         if entry is None:
             raise _not_found(response_id)
         return JSONResponse(self._dump(entry))
+
+    def input_items(self, response_id: str, limit: int, order: str, after: str | None, before: str | None) -> Response:
+        """A stored response's input items, a page of them as OpenAI's list does: `order`
+        asc or desc (the default), `after` / `before` an item id the page starts after or
+        ends before, at most `limit` (1-100) items."""
+        entry = self.store.get(response_id)
+        if entry is None:
+            raise _not_found(response_id)
+        if not 1 <= limit <= 100:
+            raise APIError(400, f"limit must be between 1 and 100, got {limit}.", param="limit")
+        if order not in ("asc", "desc"):
+            raise APIError(400, f"order must be asc or desc, got {order!r}.", param="order")
+        items = entry.input_items if order == "asc" else entry.input_items[::-1]
+        ids = [item["id"] for item in items]
+        for name, cursor in (("after", after), ("before", before)):
+            if cursor is not None and cursor not in ids:
+                raise APIError(400, f"{name}: no input item {cursor!r} in response {response_id!r}.", param=name)
+        start = ids.index(after) + 1 if after is not None else 0
+        end = ids.index(before) if before is not None else len(items)
+        page = items[start:end][:limit]
+        return JSONResponse({
+            "object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": start + len(page) < end,
+        })  # fmt: skip
 
     def delete(self, response_id: str) -> Response:
         if not self.store.delete(response_id):

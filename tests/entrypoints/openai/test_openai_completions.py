@@ -20,6 +20,10 @@ def test_models_lists_the_served_model(client, model_name, server):
     assert [m.id for m in models] == [model_name]
     raw = httpx2.get(server.api_url + "/models", headers=server.headers()).json()
     assert raw["data"][0]["max_model_len"] == 16384
+    # The SDK's models.retrieve: the same card; an unknown name is the API's 404.
+    assert client.models.retrieve(model_name).model_dump() == models[0].model_dump()
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.models.retrieve("org/no-such-model")
 
 
 def test_greedy_completion_equals_offline(client, model_name, offline_llm):

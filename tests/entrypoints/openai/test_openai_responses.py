@@ -87,6 +87,35 @@ def test_the_streaming_helper_gives_the_final_parsed_response(smol):
     assert isinstance(json.loads(final.output_text)["n"], int)
 
 
+def test_input_items_list_a_responses_input(client, model_name):
+    """The SDK's responses.input_items.list: the request's items with ids, newest first by
+    default, paged by limit / after / before."""
+    items = [
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "input_text", "text": "Weather?"}]},
+        {"type": "function_call", "call_id": "c1", "name": "weather", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+        {"role": "user", "content": "Thanks."},
+    ]
+    response = client.responses.create(model=model_name, input=items, max_output_tokens=2)
+    listed = client.responses.input_items.list(response.id, order="asc")
+    kinds = [(item.type, getattr(item, "role", None)) for item in listed.data]
+    assert kinds == [("message", "developer"), ("message", "user"), ("function_call", None), ("function_call_output", None), ("message", "user")]
+    assert listed.data[1].content[0].text == "Weather?" and listed.data[3].output == "sunny"
+    ids = [item.id for item in listed.data]
+    assert len(set(ids)) == 5 and all(ids)
+    newest_first = client.responses.input_items.list(response.id)
+    assert [item.id for item in newest_first.data] == ids[::-1]
+    page = client.responses.input_items.list(response.id, order="asc", limit=2, after=ids[0])
+    assert [item.id for item in page.data] == ids[1:3] and page.has_more
+    before = client.responses.input_items.list(response.id, order="asc", extra_query={"before": ids[2]})
+    assert [item.id for item in before.data] == ids[:2]
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list("resp_nosuch")
+    with pytest.raises(openai.BadRequestError):
+        client.responses.input_items.list(response.id, limit=0)
+
+
 def test_previous_response_id_continues_the_conversation(client, model_name, offline_llm, server):
     first = client.responses.create(model=model_name, input="Name a colour.", max_output_tokens=8, temperature=0)
     second = client.responses.create(

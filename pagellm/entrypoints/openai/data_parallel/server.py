@@ -320,8 +320,8 @@ def build_router_app(
     # methods, schema entry): a route added to a group is routed here with no change.
     for group in (completions, embeddings, messages, tokens, responses):
         forward_routes(app, group.router, router)
-    # /v1/models is the replicas' (with their adapters); /health and /metrics are the router's.
-    forward_routes(app, status.router, router, only={"/v1/models"})
+    # /v1/models (and one by name) is the replicas' (with their adapters); /health and /metrics are the router's.
+    forward_routes(app, status.router, router, only={"/v1/models", "/v1/models/{model:path}"})
     add_batch_routes(app, batches)
 
     @app.get("/v1/engine/state")

@@ -27,6 +27,13 @@ async def response_by_id(response_id: str, raw: Request) -> Response:
 add_route_per_method(router, "/v1/responses/{response_id}", response_by_id, ["DELETE", "GET"], responses=RESPONSE_BY_ID)
 
 
+@router.get("/v1/responses/{response_id}/input_items", responses=RESPONSE_BY_ID)
+async def list_input_items(
+    response_id: str, raw: Request, limit: int = 20, order: str = "desc", after: str | None = None, before: str | None = None
+) -> Response:
+    return services_of(raw).responses.input_items(response_id, limit, order, after, before)
+
+
 @router.post("/v1/responses/{response_id}/cancel", responses=RESPONSE_BY_ID)
 async def cancel_response(response_id: str, raw: Request) -> Response:
     return await services_of(raw).responses.cancel(response_id)

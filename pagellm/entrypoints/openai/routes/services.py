@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
@@ -35,6 +36,7 @@ class Services:
     scores: ScoreServing
     tokens: TokenServing
     metrics_registry: Any  # prometheus_client CollectorRegistry
+    created: int = field(default_factory=lambda: int(time.time()))  # when the models came to be served
 
 
 def services_of(request: Request) -> Services:

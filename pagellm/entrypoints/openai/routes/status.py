@@ -6,8 +6,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from pagellm.entrypoints.openai import metrics
-from pagellm.entrypoints.openai.errors import to_api_error
-from pagellm.entrypoints.openai.openapi_docs import HEALTH, METRICS, READ
+from pagellm.entrypoints.openai.errors import APIError, to_api_error
+from pagellm.entrypoints.openai.openapi_docs import HEALTH, METRICS, MODEL_BY_ID, READ
 from pagellm.entrypoints.openai.protocol import ModelCard, ModelList
 from pagellm.entrypoints.openai.routes.services import services_of
 
@@ -28,14 +28,30 @@ async def get_metrics(request: Request) -> Response:
     return Response(body, media_type=content_type)
 
 
-@router.get("/v1/models", responses=READ)
-async def list_models(request: Request) -> ModelList:
+def _model_cards(request: Request) -> list[ModelCard]:
     services = services_of(request)
     name, max_model_len = services.name, services.context.max_model_len
     # No file path in `root`: clients need not learn the server's file layout.
-    cards = [ModelCard(id=name, root=name, max_model_len=max_model_len)]
+    cards = [ModelCard(id=name, created=services.created, root=name, max_model_len=max_model_len)]
     cards += [
-        ModelCard(id=adapter, root=adapter, parent=name, max_model_len=max_model_len)
+        ModelCard(id=adapter, created=services.created, root=adapter, parent=name, max_model_len=max_model_len)
         for adapter in services.adapters.names()
     ]
-    return ModelList(data=cards)
+    return cards
+
+
+@router.get("/v1/models", responses=READ)
+async def list_models(request: Request) -> ModelList:
+    return ModelList(data=_model_cards(request))
+
+
+@router.get("/v1/models/{model:path}", responses=MODEL_BY_ID)
+async def retrieve_model(model: str, request: Request) -> ModelCard:
+    """One served model (or LoRA adapter) by name: the SDKs' models.retrieve. A name may
+    hold slashes (org/model), hence the path converter."""
+    cards = _model_cards(request)
+    for card in cards:
+        if card.id == model:
+            return card
+    served = ", ".join(f"`{card.id}`" for card in cards)
+    raise APIError(404, f"The model `{model}` does not exist; this server serves {served}.", param="model", code="model_not_found")
