@@ -15,14 +15,20 @@ from pagellm.structured_outputs_params import StructuredOutputsParams
 # Bounds shared with the HTTP server's validation and error messages.
 MAX_LOGIT_BIAS = 100.0
 PENALTY_RANGE = (-2.0, 2.0)
-REPETITION_PENALTY_MAX = 2.0  # in (0, REPETITION_PENALTY_MAX]
+REPETITION_PENALTY_MAX = 2.0  # in [REPETITION_PENALTY_MIN, REPETITION_PENALTY_MAX]
+# Below it, a positive logit divided by the penalty overflows float32 (and the penalty itself
+# may round to 0): the distribution would be infinities, not a sharper one.
+REPETITION_PENALTY_MIN = 0.01
+# A temperature below this is greedy: logits divided by it are so far apart that sampling
+# picks the most likely token anyway, and a smaller one overflows float32 (1e-40 is 0 there).
+GREEDY_BELOW_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How to sample one request's tokens, with vLLM's names and defaults.
 
-    temperature 0 means greedy. top_k 0 or -1 means "all tokens". `stop` strings end the
+    temperature 0 (or below GREEDY_BELOW_TEMPERATURE) means greedy. top_k 0 or -1 means "all tokens". `stop` strings end the
     completion when they appear in its text (cut from the output unless
     include_stop_str_in_output). `logprobs` asks for the top-k log-probabilities at
     each sampled position (the sampled token always included); `prompt_logprobs` the
@@ -63,6 +69,8 @@ class SamplingParams:
         if self.logit_bias is not None:
             object.__setattr__(self, "logit_bias", _normalize_logit_bias(self.logit_bias))
         self._validate()
+        if 0.0 < self.temperature < GREEDY_BELOW_TEMPERATURE:
+            object.__setattr__(self, "temperature", 0.0)
 
     def _validate(self) -> None:
         def fail(name: str, message: str) -> None:
@@ -90,8 +98,11 @@ class SamplingParams:
             if not low <= value <= high:
                 fail(name, f"must be in [{low}, {high}], got {value}.")
         _check_number("repetition_penalty", self.repetition_penalty)
-        if not 0.0 < self.repetition_penalty <= REPETITION_PENALTY_MAX:
-            fail("repetition_penalty", f"must be in (0, {REPETITION_PENALTY_MAX}], got {self.repetition_penalty}.")
+        if not REPETITION_PENALTY_MIN <= self.repetition_penalty <= REPETITION_PENALTY_MAX:
+            fail(
+                "repetition_penalty",
+                f"must be in [{REPETITION_PENALTY_MIN}, {REPETITION_PENALTY_MAX}], got {self.repetition_penalty}.",
+            )
         if self.seed is not None:
             _check_int("seed", self.seed)
         if self.max_tokens is not None:

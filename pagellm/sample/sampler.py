@@ -149,9 +149,10 @@ def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
         ranks = torch.arange(vocab, device=device).unsqueeze(0)
         drop = ranks >= top_k.unsqueeze(1)
         sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
-        # Keep the smallest prefix whose mass reaches top_p (the first token always).
+        # Keep the smallest prefix whose mass reaches top_p, the first token always (a
+        # top_p that float32 rounds to 0 would otherwise drop every token).
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        drop |= mass_before >= top_p.unsqueeze(1)
+        drop |= (mass_before >= top_p.unsqueeze(1)) & (ranks > 0)
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
     probs = logits.softmax(dim=-1)

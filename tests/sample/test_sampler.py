@@ -49,6 +49,19 @@ def test_min_p_drops_tokens_below_a_fraction_of_the_best():
     assert set(tokens) == {0, 1, 2, 3}
 
 
+def test_extreme_values_the_schema_accepts_are_exact():
+    """A temperature float32 cannot divide by is greedy; a top_p it rounds to 0 keeps the
+    best token alone (both gave NaN probabilities, so garbage tokens)."""
+    shuffled = LOGITS[[3, 0, 5, 1, 7, 2, 6, 4]]  # the best token is 1
+    for params in (SamplingParams(temperature=1e-40), SamplingParams(top_p=5e-324), SamplingParams(temperature=1e-6, top_p=1e-300)):
+        assert set(draws(shuffled, params, count=200)) == {1}, params
+    assert SamplingParams(temperature=1e-40).is_greedy and not SamplingParams(temperature=1e-4).is_greedy
+    from pagellm.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="repetition_penalty must be in"):
+        SamplingParams(repetition_penalty=1e-300)
+
+
 @pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
 def test_temperature_sampling_matches_the_distribution(temperature):
     count = 20000

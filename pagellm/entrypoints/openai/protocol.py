@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, model_validator
 
 from pagellm.entrypoints.openai.limits_config import MAX_N
-from pagellm.sampling_params import MAX_LOGIT_BIAS, PENALTY_RANGE, REPETITION_PENALTY_MAX
+from pagellm.sampling_params import MAX_LOGIT_BIAS, PENALTY_RANGE, REPETITION_PENALTY_MAX, REPETITION_PENALTY_MIN
 
 MAX_LOGPROBS = 20  # alternatives per position
 # Integers a JSON number carries exactly in every client (JavaScript's safe integers):
@@ -132,7 +132,7 @@ class SamplingFields(RequestModel):
     # vLLM's extra sampling fields.
     top_k: TopK | None = None
     min_p: float | None = Field(None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(None, gt=0.0, le=REPETITION_PENALTY_MAX)
+    repetition_penalty: float | None = Field(None, ge=REPETITION_PENALTY_MIN, le=REPETITION_PENALTY_MAX)
     min_tokens: NonNegativeInt | None = None
     ignore_eos: bool = False
     priority: SafeInt = 0
