@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
 from pagellm.config.cache import DEFAULT_STATE_SNAPSHOT_INTERVAL, KV_CACHE_DTYPES
@@ -138,6 +139,8 @@ class EngineArgs:
             raise ConfigError(f"state_snapshot_interval must be an integer >= 1 (blocks), got {interval!r}")
         if self.kv_offload_host_bytes is not None and self.kv_offload_host_bytes < 0:
             raise ConfigError(f"kv_offload_host_bytes must be >= 0, got {self.kv_offload_host_bytes}")
+        if self.kv_offload_path is not None and os.path.exists(self.kv_offload_path) and not os.path.isdir(self.kv_offload_path):
+            raise ConfigError(f"kv_offload_path {self.kv_offload_path} is a file; it must be a directory (made if missing)")
         if self.kv_offload_path is not None and self.tensor_parallel_size > 1:
             raise ConfigError(
                 "kv_offload_path (the prefix cache's disk tier) does not work with tensor_parallel_size > 1 yet"

@@ -35,6 +35,7 @@ import zlib
 from pathlib import Path
 
 from pagellm.config.engine_config import EngineConfig
+from pagellm.errors import ConfigError
 from pagellm.config.kv_layout import kv_cache_layout
 from pagellm.core.kv_tier import DIGEST_BYTES
 
@@ -152,7 +153,10 @@ class TierStore:
         self.identity = identity
         self.root = Path(root)
         self.folder = self.root / identity.key
-        self.folder.mkdir(parents=True, exist_ok=True)
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # a file where the folder should be, no permission, a read-only disk
+            raise ConfigError(f"kv_offload_path {self.root}: cannot make the tier's folder there: {e.strerror or e}") from None
         self._temp_counter = 0
         self._claim_folder()
         self.entries = self._scan()  # (digest, bytes) found at start, least recently used first

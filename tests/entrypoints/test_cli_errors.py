@@ -60,3 +60,14 @@ def test_folder_without_checkpoint(tmp_path):
 def test_bad_sampling_flags(flag, value):
     result = run_cli("generate", "hi", flag, value)
     assert_one_line_error(result, flag.strip("-").replace("-", "_"))
+
+
+def test_a_kv_offload_path_that_is_not_a_folder(tmp_path):
+    folder = make_tiny_hf_checkpoint(tmp_path / "model", "llama")
+    a_file = tmp_path / "tier"
+    a_file.write_text("not a folder")
+    result = run_cli("generate", "hi", "--model", str(folder), "--kv-offload-path", str(a_file))
+    assert_one_line_error(result, "kv_offload_path", "must be a directory")
+    # Under a file: the folder cannot be made there (NotADirectoryError before).
+    result = run_cli("generate", "hi", "--model", str(folder), "--kv-offload-path", str(a_file / "below"))
+    assert_one_line_error(result, "kv_offload_path", "cannot make the tier's folder")
