@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import math
 import logging
 import queue
 import threading
@@ -358,7 +359,8 @@ class AsyncLLM:
                 command,
                 EngineOverloadedError(
                     f"The server is overloaded: {num_waiting} requests are already waiting "
-                    f"(--max-num-queued-requests={limit}). Retry later."
+                    f"(--max-num-queued-requests={limit}). Retry later.",
+                    self._retry_after_s(num_waiting),
                 ),
             )
             return
@@ -384,6 +386,16 @@ class AsyncLLM:
         for request_id in added:
             self._streams[request_id] = command.stream
         self._deliveries.append(functools.partial(_resolve, command.accepted, None))
+
+    def _retry_after_s(self, num_waiting: int) -> int:
+        """When a refused request may find room: the waiting ones start as running ones
+        finish, max_num_seqs at a time, each taking about the recent mean request time
+        (1 to 60 s: the range clients honour; 1 before any request has finished)."""
+        mean_s = self.engine.metrics.recent_mean("e2e")
+        if mean_s is None:
+            return 1
+        seats = self.engine.config.scheduler_config.max_num_seqs
+        return max(1, min(60, math.ceil(mean_s * num_waiting / seats)))
 
     def _reject(self, command: _AddCommand, error: BaseException) -> None:
         self._deliveries.append(functools.partial(_resolve, command.accepted, error))

@@ -28,7 +28,12 @@ class EngineDeadError(PagellmError):
 
 
 class EngineOverloadedError(PagellmError):
-    """Too many requests are already waiting; the caller should retry later."""
+    """Too many requests are already waiting; the caller should retry in about
+    `retry_after_s` seconds (the server's Retry-After)."""
+
+    def __init__(self, message: str, retry_after_s: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 @dataclass(frozen=True)

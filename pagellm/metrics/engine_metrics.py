@@ -9,6 +9,7 @@ for the offline API.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import time
@@ -161,6 +162,12 @@ class EngineMetrics:
 
     def request_added(self, request_id: str, num_prompt_tokens: int, arrival: float) -> None:
         self._timings[request_id] = _RequestTiming(arrival, num_prompt_tokens)
+
+    def recent_mean(self, latency: str, count: int = 100) -> float | None:
+        """The mean of the last `count` values of a latency (ttft, e2e, ...), None before any."""
+        values = self._latencies[latency]
+        recent = list(itertools.islice(reversed(values), count))
+        return sum(recent) / len(recent) if recent else None
 
     def request_rejected(self, reason: str) -> None:
         self.rejected[reason] = self.rejected.get(reason, 0) + 1

@@ -204,3 +204,22 @@ def test_constraints_compile_before_they_reach_the_engine_thread(async_llm):
     outputs = run(main())
     # The byte tokenizer: the first three ids are the constrained bytes (then EOS).
     assert outputs[-1].finished and re.fullmatch(r"[ab]{3}", bytes(outputs[-1].outputs[0].token_ids[:3]).decode())
+
+
+def test_retry_after_grows_with_the_queue_and_the_recent_request_time():
+    """The overloaded answer's Retry-After: waiting requests over seats, times the recent
+    mean request time, in 1-60 s."""
+    from types import SimpleNamespace
+
+    from pagellm.engine.async_llm import AsyncLLM
+
+    def estimate(mean_s, waiting: int, seats: int = 4) -> int:
+        fake = SimpleNamespace(engine=SimpleNamespace(
+            metrics=SimpleNamespace(recent_mean=lambda name: mean_s),
+            config=SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=seats)),
+        ))  # fmt: skip
+        return AsyncLLM._retry_after_s(fake, waiting)  # type: ignore[arg-type]
+
+    assert estimate(None, 10) == 1
+    assert estimate(2.0, 8) == 4 and estimate(2.0, 9) == 5
+    assert estimate(0.01, 1) == 1 and estimate(100.0, 100) == 60

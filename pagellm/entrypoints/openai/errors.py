@@ -41,13 +41,15 @@ class APIError(Exception):
     """An error to answer with; raised anywhere in a handler."""
 
     def __init__(
-        self, status: int, message: str, param: str | None = None, code: str | None = None
-    ) -> None:
+        self, status: int, message: str, param: str | None = None, code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:  # fmt: skip
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.headers = headers or {}
 
     def body(self) -> ErrorResponse:
         error_type = _TYPE_BY_STATUS.get(self.status, "invalid_request_error")
@@ -58,8 +60,11 @@ class APIError(Exception):
     def response(self, path: str = "") -> JSONResponse:
         """The answer; on the Messages API's paths in Anthropic's shape."""
         if is_messages_path(path):
-            return anthropic_error_response(self.status, self.message)
-        return JSONResponse(self.body().model_dump(mode="json"), status_code=self.status)
+            response = anthropic_error_response(self.status, self.message)
+        else:
+            response = JSONResponse(self.body().model_dump(mode="json"), status_code=self.status)
+        response.headers.update(self.headers)
+        return response
 
 
 def to_api_error(exc: BaseException) -> APIError:
@@ -70,8 +75,8 @@ def to_api_error(exc: BaseException) -> APIError:
         return APIError(400, str(exc), param=exc.parameter)
     if isinstance(exc, ChatTemplateError):
         return APIError(400, str(exc), param="messages")
-    if isinstance(exc, EngineOverloadedError):
-        return APIError(503, str(exc), code="overloaded")
+    if isinstance(exc, EngineOverloadedError):  # clients' retries wait as long as Retry-After says
+        return APIError(503, str(exc), code="overloaded", headers={"Retry-After": str(exc.retry_after_s)})
     if isinstance(exc, EngineDeadError):
         return APIError(503, f"The engine is not running: {exc}", code="engine_dead")
     if isinstance(exc, RequestFailedError):  # logged with its traceback by the engine

@@ -128,6 +128,8 @@ def test_a_burst_past_the_queue_limit_gets_503s(small_server, model_name, offlin
         error = response.json()["error"]
         assert error["code"] == "overloaded"
         assert "max-num-queued-requests" in error["message"]
+        # The clients' retries wait this long (1-60 s; 1 before any request finished).
+        assert 1 <= int(response.headers["Retry-After"]) <= 60
     for i, response in answers.items():
         assert response.status_code == 200, response.text
         expected = greedy_offline(offline_llm, f"burst {i}", 8).outputs[0].text

@@ -194,7 +194,7 @@ class ReplicaRouter:
             return StreamingResponse(
                 self._relay(upstream, index),
                 status_code=upstream.status_code,
-                headers={k: v for k, v in upstream.headers.items() if k.lower() in ("content-type", "cache-control")},
+                headers={k: v for k, v in upstream.headers.items() if k.lower() in ("content-type", "cache-control", "retry-after")},
             )
 
     async def _relay(self, upstream: httpx.Response, index: int) -> AsyncIterator[bytes]:
