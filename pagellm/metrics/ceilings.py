@@ -14,9 +14,14 @@ import time
 
 import torch
 
+from pagellm.kernels.cpu_load import others_share, read_load
 from pagellm.metrics.utilization import Ceilings
 
 logger = logging.getLogger(__name__)
+
+# The share of the CPUs other processes may take while the peaks are measured before the
+# measurement is called disturbed.
+DISTURBED_SHARE = 0.25
 
 
 def _sync(device: torch.device) -> None:
@@ -87,14 +92,24 @@ def device_ceilings(device: str, dtype: torch.dtype) -> Ceilings:
     if override:
         flops, moved = (float(x) for x in override.split(","))
         return Ceilings(flops, moved, "PAGELLM_DEVICE_CEILINGS")
+    before = read_load()
     flops = model_matmul_ceiling(dtype, seconds=0.25, size=1024 if device == "cpu" else 4096, device=device) * 1e9
     # 64 MiB (twice the largest L3 of a CPU this runs on) measures memory, not cache, and keeps
     # the copy's two buffers (a transient 128 MiB of the start's peak RSS) small.
     moved = measure_bandwidth(seconds=0.15, megabytes=64 if device == "cpu" else 1024, device=device)
+    others = others_share(before, read_load()) if device == "cpu" else None
     logger.info(
         "device ceilings (measured): %.0f GFLOP/s %s matmul, %.1f GB/s memory copy",
         flops / 1e9,
         str(dtype).removeprefix("torch."),
         moved / 1e9,
     )
+    if others is not None and others > DISTURBED_SHARE:
+        # Peaks measured on a busy machine read low, and utilization against them high;
+        # the engine raises a ceiling to any rate it achieves (EngineMetrics).
+        logger.warning(
+            "other processes used %.0f%% of the CPUs while the device ceilings were measured: the ceilings may "
+            "read low and utilization high until the engine's own rates correct them", 100 * others,
+        )  # fmt: skip
+        return Ceilings(flops, moved, "measured under load")
     return Ceilings(flops, moved, "measured")

@@ -359,14 +359,28 @@ class EngineMetrics:
         }
 
     def _window_utilization(self, delta: dict[str, float]) -> dict[str, float]:
-        """MFU / MBU over a window: its estimated work over its busy step time."""
-        if self.ceilings is None or delta["busy_seconds"] <= 0:
+        """MFU / MBU over a window: its estimated work over its busy step time. A rate
+        above a ceiling means the ceiling read low (measured while the machine was busy):
+        the ceiling rises to that rate, so utilization never reads above 100%."""
+        ceilings = self.ceilings
+        if ceilings is None or delta["busy_seconds"] <= 0:
             return {}
         seconds = delta["busy_seconds"]
-        return {
-            "mfu": delta["flops"] / seconds / self.ceilings.flops_per_s,
-            "mbu": delta["bytes"] / seconds / self.ceilings.bytes_per_s,
-        }
+        flops_per_s, bytes_per_s = delta["flops"] / seconds, delta["bytes"] / seconds
+        if flops_per_s > ceilings.flops_per_s or bytes_per_s > ceilings.bytes_per_s:
+            raised = Ceilings(
+                max(ceilings.flops_per_s, flops_per_s), max(ceilings.bytes_per_s, bytes_per_s),
+                f"{ceilings.source}, raised to achieved rates",
+            )  # fmt: skip
+            logger.warning(
+                "the engine ran faster than the device ceilings measured at start (%.0f GFLOP/s, %.1f GB/s: "
+                "measured on a busy machine?); they are now %.0f GFLOP/s and %.1f GB/s",
+                ceilings.flops_per_s / 1e9, ceilings.bytes_per_s / 1e9, raised.flops_per_s / 1e9, raised.bytes_per_s / 1e9,
+            )  # fmt: skip
+            self.ceilings = ceilings = raised
+            self.prom.flops_ceiling.set(raised.flops_per_s)
+            self.prom.bandwidth_ceiling.set(raised.bytes_per_s)
+        return {"mfu": flops_per_s / ceilings.flops_per_s, "mbu": bytes_per_s / ceilings.bytes_per_s}
 
     def _append_series_point(self, now: float, stats: SchedulerStats) -> None:
         window = self._series_window

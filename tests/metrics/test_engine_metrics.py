@@ -246,3 +246,27 @@ def test_abort_on_an_idle_engine_updates_the_gauges(folder):
     engine.abort_request("a")
     assert sample(llm, "pagellm:num_requests_running") == 0
     assert sample(llm, "pagellm:request_success_total", finished_reason="abort") == 1
+
+
+def test_a_ceiling_that_read_low_is_raised_and_utilization_never_exceeds_one(folder, tmp_path, caplog):
+    """Ceilings measured on a busy machine (here: set far too low) would print 'compute
+    937%': the engine raises them to the rates it achieves, says so once, and utilization
+    stays at most 100% in the stats line, the series and the gauges."""
+    from pagellm.metrics.utilization import Ceilings
+
+    llm = LLM(folder, max_model_len=128, log_stats_interval=1e-6)
+    metrics = llm.engine.metrics
+    metrics.series_interval = 1e-6
+    metrics.ceilings = Ceilings(1.0, 1.0, "measured")  # 1 FLOP/s, 1 B/s: any step beats them
+    with caplog.at_level(logging.INFO, logger="pagellm.metrics.engine_metrics"):
+        run(llm)
+    raised = [r for r in caplog.records if "ran faster than the device ceilings" in r.getMessage()]
+    assert raised and raised[0].levelno == logging.WARNING
+    assert metrics.ceilings.flops_per_s > 1.0 and "raised" in metrics.ceilings.source
+    for point in metrics.series:
+        if "mfu" in point:
+            assert point["mfu"] <= 1.0 + 1e-9 and point["mbu"] <= 1.0 + 1e-9
+    percents = [int(p.rstrip("%")) for r in caplog.records if r.getMessage().startswith("bound: ")
+                for p in r.getMessage().split() if p.endswith("%")]  # fmt: skip
+    assert percents and max(percents) <= 100
+    llm.engine.close()

@@ -74,3 +74,23 @@ def test_hints():
     assert "more concurrent requests" in Utilization(mfu=0.1, mbu=0.8).hint(num_running=2, num_waiting=0, max_num_seqs=256)
     assert "compute-bound" in Utilization(mfu=0.7, mbu=0.2).hint(num_running=64, num_waiting=0, max_num_seqs=256)
     assert Utilization(mfu=0.2, mbu=0.3).hint(num_running=4, num_waiting=0, max_num_seqs=256) is None
+
+
+def test_ceilings_measured_on_a_busy_machine_are_flagged(monkeypatch, caplog):
+    import logging
+
+    import torch
+
+    from pagellm.metrics import ceilings
+
+    monkeypatch.delenv("PAGELLM_DEVICE_CEILINGS", raising=False)
+    monkeypatch.setattr(ceilings, "model_matmul_ceiling", lambda *args, **kwargs: 100.0)
+    monkeypatch.setattr(ceilings, "measure_bandwidth", lambda *args, **kwargs: 1e10)
+    measure = ceilings.device_ceilings.__wrapped__  # not the per-process cache
+    monkeypatch.setattr(ceilings, "others_share", lambda before, after: 0.05)
+    assert measure("cpu", torch.bfloat16).source == "measured"
+    monkeypatch.setattr(ceilings, "others_share", lambda before, after: 0.8)
+    with caplog.at_level(logging.WARNING, logger="pagellm.metrics.ceilings"):
+        busy = measure("cpu", torch.bfloat16)
+    assert busy.source == "measured under load" and busy.flops_per_s == 100e9
+    assert any("other processes used 80% of the CPUs" in r.getMessage() for r in caplog.records)
