@@ -68,10 +68,28 @@ class Tool(RequestModel):
     type: Literal["custom"] | None = None
 
 
-class ToolChoice(RequestModel):
-    type: Literal["auto", "any", "tool", "none"]
-    name: str | None = None
+class ToolChoiceMode(RequestModel):
+    type: Literal["auto", "any", "none"]
     disable_parallel_tool_use: bool = False
+
+
+class ToolChoiceTool(RequestModel):
+    """A named tool: the schema says the name is needed (a null one is refused by it)."""
+
+    type: Literal["tool"]
+    name: str = Field(min_length=1)
+    disable_parallel_tool_use: bool = False
+
+
+def _tool_choice_kind(choice: Any) -> str | None:
+    kind = choice.get("type") if isinstance(choice, dict) else getattr(choice, "type", None)
+    return "tool" if kind == "tool" else "mode"
+
+
+ToolChoice = Annotated[
+    Annotated[ToolChoiceMode, Tag("mode")] | Annotated[ToolChoiceTool, Tag("tool")],
+    Discriminator(_tool_choice_kind),
+]
 
 
 class Metadata(RequestModel):

@@ -30,6 +30,7 @@ from pagellm.entrypoints.anthropic.protocol import (
     MessageResponse,
     MessagesRequest,
     TextBlock,
+    ToolChoiceTool,
     ToolResultBlock,
     ToolUseBlock,
     Usage,
@@ -123,9 +124,7 @@ def chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
         ]
     choice = body.tool_choice
     if choice is not None:
-        if choice.type == "tool":
-            if not choice.name:
-                raise APIError(400, "tool_choice of type tool needs a name.", param="tool_choice")
+        if isinstance(choice, ToolChoiceTool):
             fields["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
         else:
             fields["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}[choice.type]

@@ -166,6 +166,7 @@ def install_openapi(app: FastAPI, bounds: ServerBounds) -> None:
             for name in ("HTTPValidationError", "ValidationError"):
                 schemas.pop(name, None)
             _add_bounds(schemas, bounds)
+            _add_form_rules(schemas)
             if bounds.api_key:
                 _add_bearer_auth(schema)
             app.openapi_schema = schema
@@ -198,6 +199,13 @@ def _bound(prop: dict[str, Any], form_type: str, **keywords: Any) -> None:
     for form in _variants(prop):
         if form.get("type") == form_type:
             form.update(keywords)
+
+
+def _add_form_rules(schemas: dict[str, Any]) -> None:
+    """Rules across a form's fields: a file's expiry anchor needs its seconds."""
+    for schema in schemas.values():
+        if "expires_after[anchor]" in schema.get("properties", {}):
+            schema["dependentRequired"] = {"expires_after[anchor]": ["expires_after[seconds]"]}
 
 
 def _token_ids(prop: dict[str, Any], max_id: int) -> None:

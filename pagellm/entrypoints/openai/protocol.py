@@ -109,9 +109,10 @@ class StructuredOutputsFields(RequestModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
     json_: dict[str, Any] | str | None = Field(None, alias="json")
     json_object: bool | None = None
-    regex: str | None = None
+    # An empty regex or grammar constrains to nothing: refused, as the schema says.
+    regex: str | None = Field(None, min_length=1)
     choice: list[str] | None = Field(None, min_length=1)
-    grammar: str | None = None
+    grammar: str | None = Field(None, min_length=1)
 
 
 class SamplingFields(RequestModel):

@@ -180,9 +180,13 @@ class BatchServing:
         self, content: bytes, filename: str | None, purpose: str, anchor: str | None = None, seconds: int | None = None
     ) -> FileObject:
         """A new file; `anchor` and `seconds` are OpenAI's `expires_after` (form fields
-        expires_after[anchor], expires_after[seconds]), both or neither."""
+        expires_after[anchor], expires_after[seconds]): seconds alone takes the only anchor
+        there is (created_at); an anchor alone says no lifetime and is refused, as the
+        schema says (dependentRequired)."""
         store, _ = self._ready()
         lifetime = None
+        if seconds is not None and anchor is None:
+            anchor = "created_at"
         if anchor is not None or seconds is not None:
             try:
                 lifetime = ExpiresAfter(anchor=anchor, seconds=seconds).seconds  # type: ignore[arg-type]

@@ -175,6 +175,12 @@ def test_errors_are_in_anthropics_shape(claude, server, model_name):
         assert httpx2.post(server.base_url + "/v1/messages", json=body, headers=headers, timeout=60).status_code == 200
     raw = httpx2.post(server.base_url + "/v1/messages", content=b"{not json", headers={"x-api-key": API_KEY}, timeout=60)
     assert raw.status_code == 400 and json.loads(raw.text)["type"] == "error"
+    # A named tool needs its name: the published schema says so, and the request is refused.
+    named = {**body, "tools": [WEATHER], "tool_choice": {"type": "tool", "name": None}}
+    refused = httpx2.post(server.base_url + "/v1/messages", json=named, headers={"x-api-key": API_KEY}, timeout=60)
+    assert refused.status_code == 400 and "tool_choice" in refused.json()["error"]["message"]
+    schema = httpx2.get(server.base_url + "/openapi.json", timeout=60).json()["components"]["schemas"]
+    assert schema["ToolChoiceTool"]["required"] == ["type", "name"]
 
 
 def test_an_assistant_prefill_is_continued(claude, model_name, offline_llm):

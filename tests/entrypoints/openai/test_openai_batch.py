@@ -182,8 +182,12 @@ def test_the_files_and_batches_errors(bclient, batch_server):
         with pytest.raises(openai.BadRequestError):
             bclient.files.create(file=("e.jsonl", b"{}\n"), purpose="batch",
                                  expires_after={"anchor": "created_at", "seconds": seconds})  # fmt: skip
+    # Seconds alone take the only anchor there is; an anchor alone (no lifetime) is refused,
+    # as the published schema says (dependentRequired).
+    seconds_only = bclient.files.create(file=("e.jsonl", b"{}\n"), purpose="batch", extra_body={"expires_after[seconds]": "3600"})
+    assert seconds_only.expires_at == seconds_only.created_at + 3600
     with pytest.raises(openai.BadRequestError) as half:
-        bclient.files.create(file=("e.jsonl", b"{}\n"), purpose="batch", extra_body={"expires_after[seconds]": "3600"})
+        bclient.files.create(file=("e.jsonl", b"{}\n"), purpose="batch", extra_body={"expires_after[anchor]": "created_at"})
     assert half.value.body["param"] == "expires_after"
     with pytest.raises(openai.BadRequestError):
         bclient.batches.create(input_file_id=expiring.id, endpoint="/v1/completions", completion_window="24h",

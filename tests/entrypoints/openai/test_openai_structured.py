@@ -96,3 +96,15 @@ def test_bad_constraints_are_400s_naming_the_field(smol, extra, field):
     assert error.value.body["param"] == field and field in error.value.body["message"], error.value.body
     # The server serves on.
     assert smol.chat.completions.create(model="smol", messages=ask("hi"), max_tokens=2).choices[0].message.content is not None
+
+
+def test_an_empty_regex_or_grammar_is_refused_as_the_schema_says():
+    import pydantic
+
+    from pagellm.entrypoints.openai.protocol import StructuredOutputsFields
+
+    schema = StructuredOutputsFields.model_json_schema(by_alias=True)["properties"]
+    for field in ("regex", "grammar"):
+        assert {"type": "string", "minLength": 1} in schema[field]["anyOf"]
+        with pytest.raises(pydantic.ValidationError):
+            StructuredOutputsFields.model_validate({field: ""})
