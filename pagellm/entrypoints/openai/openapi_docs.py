@@ -125,6 +125,7 @@ BATCH_CREATE = {
     **_BATCH_OFF,
 }
 TOKENS = {**BODY, **AUTH, **UNKNOWN_MODEL}
+INPUT_TOKENS = {200: {"description": "The prompt's tokens: {object, input_tokens}."}, **BODY, **AUTH, **UNKNOWN_MODEL}
 READ = {**AUTH}
 MODEL_BY_ID = {**AUTH, 404: _error("No served model or loaded adapter has this name.")}
 LORA_ADAPTER = {

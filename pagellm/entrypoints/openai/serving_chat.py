@@ -214,6 +214,12 @@ class ChatServing:
         prompt_ids = await context.async_llm.tokenize(prompt, add_special_tokens=False)
         return PreparedChat(job, prompt_ids, params, constraint_field, adapter)
 
+    async def count_input_tokens(self, body: ChatCompletionRequest) -> Response:
+        """POST /v1/chat/completions/input_tokens: the prompt this request would run with
+        (template, tools, a continued final message), counted without running it."""
+        prepared = await self.prepare(body, "count")
+        return JSONResponse({"object": "chat.completion.input_tokens", "input_tokens": len(prepared.prompt_ids)})
+
     async def create(self, body: ChatCompletionRequest, raw: Request) -> Response:
         arrival_time = time.time()  # queueing in the server counts toward latency
         context = self.context

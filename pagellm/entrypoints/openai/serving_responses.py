@@ -170,15 +170,7 @@ class ResponsesServing:
             raise APIError(400, "background responses must be stored (store: true) to be polled.", param="background")
         if body.background and body.stream:
             raise APIError(400, "background and stream together are not supported: poll GET /v1/responses/{id}.", param="stream")
-        conversation: list[dict[str, Any]] = []
-        if body.previous_response_id is not None:
-            previous = self.store.get(body.previous_response_id)
-            if previous is None:
-                raise _not_found(body.previous_response_id, "previous_response_id")
-            if previous.response.status not in FINISHED:
-                raise APIError(400, f"Previous response '{body.previous_response_id}' is still running.", param="previous_response_id")
-            conversation = list(previous.conversation)
-        conversation += input_messages(body)
+        conversation = self._conversation(body)
         system = [{"role": "system", "content": body.instructions}] if body.instructions else []
         rank = self.context.data_parallel_rank
         response_id = _new_id("resp" if rank is None else f"resp_r{rank}")
@@ -230,6 +222,26 @@ class ResponsesServing:
                     400, f"input[{index}] has {length} characters of content; at most {limits.max_message_chars}.",
                     param="input",
                 )  # fmt: skip
+
+    def _conversation(self, body: ResponsesRequest) -> list[dict[str, Any]]:
+        """The conversation the request continues (previous_response_id's), then its input."""
+        conversation: list[dict[str, Any]] = []
+        if body.previous_response_id is not None:
+            previous = self.store.get(body.previous_response_id)
+            if previous is None:
+                raise _not_found(body.previous_response_id, "previous_response_id")
+            if previous.response.status not in FINISHED:
+                raise APIError(400, f"Previous response '{body.previous_response_id}' is still running.", param="previous_response_id")
+            conversation = list(previous.conversation)
+        return conversation + input_messages(body)
+
+    async def count_input_tokens(self, body: ResponsesRequest) -> Response:
+        """POST /v1/responses/input_tokens: the prompt this request would run with, counted
+        (instructions, the previous response's conversation, tools), as OpenAI answers it."""
+        system = [{"role": "system", "content": body.instructions}] if body.instructions else []
+        self._check_limits(body)
+        prepared = await self.chat.prepare(chat_request(body, system + self._conversation(body)), "count", check_limits=False)
+        return JSONResponse({"object": "response.input_tokens", "input_tokens": len(prepared.prompt_ids)})
 
     def _response_object(self, body: ResponsesRequest, response_id: str, model: str) -> ResponseObject:
         """The response as it starts; `model` is the name it answers under (a LoRA adapter's)."""

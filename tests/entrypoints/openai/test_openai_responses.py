@@ -216,3 +216,28 @@ def test_bad_requests_are_400_with_the_field(server, body, param):
     assert error["message"] and error["type"] == "invalid_request_error"
     if param is not None:
         assert error["param"] == param
+
+
+def test_input_tokens_are_counted_for_every_body(client, model_name, server, offline_llm):
+    """Responses (the SDK's responses.input_tokens.count), chat and Messages count the
+    prompt each would run with, equal to the usage a real run reports."""
+    first = client.responses.create(model=model_name, input="Name a colour.", max_output_tokens=4, temperature=0)
+    request = {"model": model_name, "input": "Another one.", "instructions": "Be terse.", "previous_response_id": first.id}
+    counted = client.responses.input_tokens.count(**request)
+    assert counted.object == "response.input_tokens"
+    ran = client.responses.create(**request, max_output_tokens=2)
+    assert counted.input_tokens == ran.usage.input_tokens
+    messages = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Name a colour."}]
+    chat_count = httpx2.post(
+        server.api_url + "/chat/completions/input_tokens", json={"model": model_name, "messages": messages},
+        headers=server.headers(), timeout=60,
+    ).json()  # fmt: skip
+    chat_run = client.chat.completions.create(model=model_name, messages=messages, max_tokens=1)
+    assert chat_count == {"object": "chat.completion.input_tokens", "input_tokens": chat_run.usage.prompt_tokens}
+    anthropic_count = httpx2.post(
+        server.base_url + "/v1/messages/count_tokens", json={"model": model_name, "system": "Be terse.", "messages": messages[1:]},
+        headers=server.headers(), timeout=60,
+    ).json()  # fmt: skip
+    assert anthropic_count["input_tokens"] == chat_run.usage.prompt_tokens
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_tokens.count(model=model_name, input="x", previous_response_id="resp_nosuch")

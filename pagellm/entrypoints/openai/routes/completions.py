@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from pagellm.entrypoints.openai.openapi_docs import CHAT, COMPLETION
+from pagellm.entrypoints.openai.openapi_docs import CHAT, COMPLETION, INPUT_TOKENS
 from pagellm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from pagellm.entrypoints.openai.routes.services import services_of
 
@@ -20,3 +20,8 @@ async def create_completion(body: CompletionRequest, raw: Request) -> Response:
 @router.post("/v1/chat/completions", responses=CHAT)
 async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Response:
     return await services_of(raw).chat.create(body, raw)
+
+
+@router.post("/v1/chat/completions/input_tokens", responses=INPUT_TOKENS)
+async def count_chat_input_tokens(body: ChatCompletionRequest, raw: Request) -> Response:
+    return await services_of(raw).chat.count_input_tokens(body)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from pagellm.entrypoints.openai.openapi_docs import RESPONSE_BY_ID, RESPONSES, add_route_per_method
+from pagellm.entrypoints.openai.openapi_docs import INPUT_TOKENS, RESPONSE_BY_ID, RESPONSES, add_route_per_method
 from pagellm.entrypoints.openai.protocol_responses import ResponsesRequest
 from pagellm.entrypoints.openai.routes.services import services_of
 
@@ -15,6 +15,11 @@ router = APIRouter()
 @router.post("/v1/responses", responses=RESPONSES)
 async def create_response(body: ResponsesRequest, raw: Request) -> Response:
     return await services_of(raw).responses.create(body, raw)
+
+
+@router.post("/v1/responses/input_tokens", responses=INPUT_TOKENS)
+async def count_response_input_tokens(body: ResponsesRequest, raw: Request) -> Response:
+    return await services_of(raw).responses.count_input_tokens(body)
 
 
 async def response_by_id(response_id: str, raw: Request) -> Response:
