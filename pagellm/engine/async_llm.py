@@ -21,6 +21,7 @@ import math
 import logging
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
@@ -108,6 +109,7 @@ class AsyncLLM:
         self._engine_thread = engine_thread
         # Owned by the engine thread.
         self._streams: dict[str, OutputStream] = {}
+        self._last_progress = time.monotonic()  # stalled_for: the last step completed, or work arrived
         # Commands taken off the queue and not yet applied (answered if the loop dies).
         self._taken: deque[object] = deque()
         self._deliveries: list[Callable[[], None]] = []
@@ -171,6 +173,15 @@ class AsyncLLM:
         if self._thread is not None and not self._thread.is_alive():
             return EngineDeadError("the engine thread has exited")
         return None
+
+    def stalled_for(self) -> float | None:
+        """Seconds since the engine last made progress (a step completed, or work arrived
+        at an idle engine) while requests are in flight; None when none are. A health check
+        compares it with its limit: a step that never returns shows here, readable from any
+        thread."""
+        if not self._streams:
+            return None
+        return time.monotonic() - self._last_progress
 
     @property
     def snapshot(self) -> EngineSnapshot:
@@ -303,7 +314,10 @@ class AsyncLLM:
     def _loop_forever(self) -> None:
         engine = self.engine
         while True:
-            self._taken.extend(self._next_commands(block=not engine.has_unfinished_requests()))
+            idle = not engine.has_unfinished_requests()
+            self._taken.extend(self._next_commands(block=idle))
+            if idle:
+                self._last_progress = time.monotonic()  # new work: its first step starts now
             while self._taken:
                 command = self._taken[0]
                 if command is _STOP:
@@ -315,6 +329,7 @@ class AsyncLLM:
                 self._taken.popleft()
             if engine.has_unfinished_requests():
                 self._route(engine.step())
+                self._last_progress = time.monotonic()
             self._snapshot = self._make_snapshot()
             self._flush()
 

@@ -6,6 +6,7 @@ production. Its value is a comma-separated list of:
     rate=R      every step with work raises with probability R (seed=S seeds the draws)
     steps=A:B   the A-th, B-th, ... step with work raises (counted from 1)
     request=T   a step that computes a request whose id contains T raises
+    hang=A:S    the A-th step with work blocks for S seconds before it runs (a stuck kernel)
 
 The fault is raised inside the model runner just before the forward pass, after the
 runner took in the step's new requests and blocks, as a failing kernel would.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import os
 import random
+import time
 from dataclasses import dataclass
 
 from pagellm.core.scheduler_output import SchedulerOutput
@@ -33,6 +35,7 @@ class FaultInjector:
     steps: frozenset[int] = frozenset()
     request: str | None = None
     seed: int = 0
+    hang: tuple[int, float] | None = None  # (step, seconds)
 
     def __post_init__(self) -> None:
         self._random = random.Random(self.seed)
@@ -55,17 +58,22 @@ class FaultInjector:
                     settings["steps"] = frozenset(int(step) for step in value.split(":") if step)
                 elif key == "request":
                     settings["request"] = value
+                elif key == "hang":
+                    step, _, seconds = value.partition(":")
+                    settings["hang"] = (int(step), float(seconds))
                 else:
                     raise ValueError(f"unknown key {key!r}")
             except ValueError as e:
-                raise ConfigError(f"{ENV_VAR}={spec!r}: {e} (rate=R, seed=S, steps=A:B, request=TEXT)") from None
+                raise ConfigError(f"{ENV_VAR}={spec!r}: {e} (rate=R, seed=S, steps=A:B, request=TEXT, hang=STEP:SECONDS)") from None
         return cls(**settings)  # type: ignore[arg-type]
 
     def check(self, scheduler_output: SchedulerOutput) -> None:
-        """Raise InjectedFault if this step is one to fail."""
+        """Block (hang=) or raise InjectedFault where this step is one the settings name."""
         if not scheduler_output.num_scheduled_tokens:
             return
         self.num_steps += 1
+        if self.hang is not None and self.num_steps == self.hang[0]:
+            time.sleep(self.hang[1])
         failing = self.num_steps in self.steps or (self.rate > 0 and self._random.random() < self.rate)
         if self.request is not None:
             failing |= any(self.request in req_id for req_id in scheduler_output.num_scheduled_tokens)

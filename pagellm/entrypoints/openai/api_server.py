@@ -81,6 +81,7 @@ def build_app(async_llm: AsyncLLM, config: ServerConfig | None = None, on_ready:
         async_llm, name, context, adapters, CompletionServing(context), chat, ResponsesServing(context, chat),
         MessagesServing(context, chat), EmbeddingServing(context), ScoreServing(context), TokenServing(context),
         metrics.make_registry(async_llm, name, batches.progress, adapters=adapters.lora_config is not None),
+        health_stall_seconds=config.health_stall_seconds,
     )  # fmt: skip
 
     @contextlib.asynccontextmanager

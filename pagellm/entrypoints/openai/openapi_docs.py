@@ -134,7 +134,7 @@ LORA_ADAPTER = {
     **AUTH,
     404: _error("unload: no adapter of that name is loaded."),
 }
-HEALTH = {503: _error("The engine has stopped.")}
+HEALTH = {503: _error("The engine has stopped (engine_dead), or has completed no step for --health-stall-seconds while requests are in flight (engine_stalled).")}
 METRICS = {200: {"description": "Prometheus text format."}}
 
 

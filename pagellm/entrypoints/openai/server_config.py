@@ -53,6 +53,10 @@ class ServerConfig:
     api_key: str | None = None  # None: the API is open
     max_num_queued_requests: int | None = None
     shutdown_timeout: float = 5.0
+    # /health fails when requests are in flight and the engine has completed no step for
+    # this long (0: never). Generous: one prefill step of a large model on a small CPU
+    # takes minutes.
+    health_stall_seconds: float = 300.0
     data_parallel_size: int = 1
     data_parallel_routing: str = "affinity"
     reasoning_parser: str | None = None
@@ -71,6 +75,8 @@ class ServerConfig:
             raise ConfigError(f"--port must be in [0, 65535], got {self.port}")
         if self.shutdown_timeout < 0:
             raise ConfigError(f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout}")
+        if self.health_stall_seconds < 0:
+            raise ConfigError(f"--health-stall-seconds must be >= 0, got {self.health_stall_seconds}")
         if self.data_parallel_size < 1:
             raise ConfigError(f"--data-parallel-size must be at least 1, got {self.data_parallel_size}")
         if self.data_parallel_routing not in DATA_PARALLEL_ROUTINGS:
@@ -151,6 +157,12 @@ SERVER_FLAGS = (
         "shutdown_timeout",
         "seconds in-flight requests get to finish after SIGINT/SIGTERM before they are aborted (default: 5)",
         float, _DEFAULTS.shutdown_timeout,
+    ),  # fmt: skip
+    FlagSpec(
+        "health_stall_seconds",
+        "GET /health answers 503 (engine_stalled) when requests are in flight and no engine step "
+        "has completed for this many seconds; 0 turns the check off (default: 300)",
+        float, _DEFAULTS.health_stall_seconds,
     ),  # fmt: skip
     FlagSpec(
         "data_parallel_size",

@@ -55,3 +55,30 @@ def test_steps_failing_over_and_over_stop_the_server(tiny_model, monkeypatch):
         assert "engine step(s) failed in a row" in server.log
     finally:
         server.stop()
+
+
+def test_a_step_that_hangs_fails_health_until_it_returns(tiny_model, monkeypatch):
+    """A step blocked for 5 s (a stuck kernel) against --health-stall-seconds 1: /health
+    turns 503 engine_stalled while it hangs, 200 again once steps complete, and the request
+    it held up is answered."""
+    import threading
+
+    monkeypatch.setenv(ENV_VAR, "hang=2:5")
+    server = ServerProcess(["--model", tiny_model, "--max-model-len", "256", "--health-stall-seconds", "1"])
+    try:
+        assert httpx2.get(server.base_url + "/health", timeout=30).status_code == 200  # idle: no stall
+        answers: list[httpx2.Response] = []
+        request = threading.Thread(target=lambda: answers.append(completion(server, max_tokens=6)))
+        request.start()
+
+        def health() -> httpx2.Response:
+            return httpx2.get(server.base_url + "/health", timeout=30)
+
+        stalled = wait_until(lambda: (r := health()).status_code == 503 and r, timeout_s=30)
+        error = stalled.json()["error"]
+        assert error["code"] == "engine_stalled" and "--health-stall-seconds 1" in error["message"]
+        wait_until(lambda: health().status_code == 200, timeout_s=30)
+        request.join(60)
+        assert answers and answers[0].status_code == 200, answers
+    finally:
+        assert server.stop() == 0, server.log

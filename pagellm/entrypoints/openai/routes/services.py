@@ -36,6 +36,7 @@ class Services:
     scores: ScoreServing
     tokens: TokenServing
     metrics_registry: Any  # prometheus_client CollectorRegistry
+    health_stall_seconds: float = 0.0  # --health-stall-seconds (0: no stall check)
     created: int = field(default_factory=lambda: int(time.time()))  # when the models came to be served
 
 

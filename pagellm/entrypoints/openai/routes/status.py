@@ -16,9 +16,21 @@ router = APIRouter()
 
 @router.get("/health", responses=HEALTH)
 async def health(request: Request) -> Response:
-    error = services_of(request).async_llm.dead_error
+    """200 while the engine serves; 503 naming why when its thread died, or when requests
+    are in flight and no step has completed for --health-stall-seconds (a step that hangs:
+    a stuck kernel, a collective that never returns). It recovers with the next step."""
+    services = services_of(request)
+    error = services.async_llm.dead_error
     if error is not None:
         return to_api_error(error).response()
+    limit = services.health_stall_seconds
+    stalled = services.async_llm.stalled_for()
+    if limit and stalled is not None and stalled > limit:
+        message = (
+            f"The engine has completed no step for {stalled:.0f} s while requests are in flight "
+            f"(--health-stall-seconds {limit:g})."
+        )
+        return APIError(503, message, code="engine_stalled").response()
     return JSONResponse({"status": "ok"})
 
 
