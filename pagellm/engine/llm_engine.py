@@ -239,6 +239,7 @@ class LLMEngine:
             cache_config.num_state_slots, cache_config.num_state_snapshots,
         )  # fmt: skip
         engine = cls(config, tokenizer, executor, grammars, metrics)
+        metrics.set_memory(dict(engine.executor_report.memory), config.device_type)
         if engine.executor_report.cpu_kernels is not None:  # bf16 CPU models
             metrics.set_cpu_kernels(engine.executor_report.cpu_kernels)
         breakdown = memory.describe()

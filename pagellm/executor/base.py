@@ -16,6 +16,7 @@ from pagellm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagellm.errors import PagellmError
 from pagellm.config.cache import CacheSize
 from pagellm.model.linear_plans import kernel_info
+from pagellm.worker.memory_report import memory_by_component
 from pagellm.worker.model_runner import ModelRunner
 from pagellm.worker.worker import Worker
 
@@ -36,6 +37,7 @@ class ExecutorReport:
     # used first (None: the runner opened no store).
     kv_tier_entries: tuple[tuple[bytes, int], ...] | None = None
     step_paths: tuple[str, ...] = ()  # how its steps may run (worker/step_paths/), first tried first
+    memory: tuple[tuple[str, int], ...] = ()  # (component, bytes): worker/memory_report.py
 
 
 class Executor(ABC):
@@ -61,6 +63,7 @@ class Executor(ABC):
             cpu_kernels=kernel_info(runner.model),
             kv_tier_entries=None if tier is None else tuple(tier.store.entries),
             step_paths=tuple(runner.step_paths.names),
+            memory=tuple(memory_by_component(runner).items()),
         )
 
     @abstractmethod

@@ -14,12 +14,14 @@ import json
 import logging
 import time
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from pagellm.core.scheduler_output import SchedulerOutput
 from pagellm.core.scheduler_stats import SchedulerStats
 from pagellm.core.step_batch import StepBatch
+from pagellm.metrics.memory_metrics import MemoryCollector
 from pagellm.metrics.prometheus_metrics import PrometheusMetrics
 from pagellm.metrics.spec_decode_stats import SpecDecodeStats
 from pagellm.metrics.utilization import Ceilings, Utilization, step_cost
@@ -105,6 +107,8 @@ class EngineMetrics:
         reservoir_size: int = 10000,
     ) -> None:
         self.prom = PrometheusMetrics(model_name)
+        self.memory = MemoryCollector(model_name)
+        self.prom.registry.register(self.memory)
         self.log_stats_interval = log_stats_interval
         self.series_interval = series_interval
         self.series: deque[dict[str, Any]] = deque(maxlen=max_series_points)
@@ -136,6 +140,10 @@ class EngineMetrics:
         now = time.monotonic()
         self._series_window = _Window(now, self._totals(None))
         self._log_window = _Window(now, self._totals(None))
+
+    def set_memory(self, components: Mapping[str, int], device_type: str) -> None:
+        """Rank 0's memory by component (worker/memory_report.py), for pagellm:memory_bytes."""
+        self.memory.set_components(components, device_type)
 
     def set_cpu_kernels(self, info: dict[str, str]) -> None:
         """The kernel choice of a bf16 CPU model (model/linear_plans.py kernel_info), as an info metric."""

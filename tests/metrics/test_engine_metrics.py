@@ -270,3 +270,30 @@ def test_a_ceiling_that_read_low_is_raised_and_utilization_never_exceeds_one(fol
                 for p in r.getMessage().split() if p.endswith("%")]  # fmt: skip
     assert percents and max(percents) <= 100
     llm.engine.close()
+
+
+def test_memory_by_component(folder):
+    """pagellm:memory_bytes: the weights, the KV cache and the rest, each from its own
+    source (the checkpoint's tensors, the cache's shape), beside the resident set."""
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from pagellm.config.cache import kv_bytes_per_block
+
+    llm = LLM(folder, max_model_len=128)
+    run(llm)
+    text = generate_latest(llm.engine.metrics.prom.registry).decode()
+    values = {s.labels["component"]: s.value for f in text_string_to_metric_families(text)
+              if f.name == "pagellm:memory_bytes" for s in f.samples}  # fmt: skip
+    config = llm.engine.config
+    model = llm.engine.executor.runner.model
+    # The tiny checkpoint's float32 parameters, counted independently of the report.
+    assert values["weights"] == sum(p.numel() * p.element_size() for p in model.parameters())
+    blocks = config.cache_config.num_gpu_blocks
+    assert values["kv_cache"] == blocks * kv_bytes_per_block(config.model_config, config.cache_config.block_size, config.kv_cache_dtype)
+    # On a CPU the cache is in host memory already (no swap space); no recurrent layers, no tier.
+    assert values["kv_swap_space"] == 0 and values["recurrent_state"] == 0 and values["tier_host_cache"] == 0
+    assert values["process_resident"] > values["weights"]
+    assert 0 < values["kv_cache_resident"] <= values["kv_cache"]  # the blocks written so far
+    assert values["activations_and_other"] > 0
+    llm.engine.close()
