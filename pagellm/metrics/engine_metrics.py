@@ -21,7 +21,6 @@ from typing import Any
 from pagellm.core.scheduler_output import SchedulerOutput
 from pagellm.core.scheduler_stats import SchedulerStats
 from pagellm.core.step_batch import StepBatch
-from pagellm.metrics.memory_metrics import MemoryCollector
 from pagellm.metrics.prometheus_metrics import PrometheusMetrics
 from pagellm.metrics.spec_decode_stats import SpecDecodeStats
 from pagellm.metrics.utilization import Ceilings, Utilization, step_cost
@@ -107,8 +106,6 @@ class EngineMetrics:
         reservoir_size: int = 10000,
     ) -> None:
         self.prom = PrometheusMetrics(model_name)
-        self.memory = MemoryCollector(model_name)
-        self.prom.registry.register(self.memory)
         self.log_stats_interval = log_stats_interval
         self.series_interval = series_interval
         self.series: deque[dict[str, Any]] = deque(maxlen=max_series_points)
@@ -143,7 +140,7 @@ class EngineMetrics:
 
     def set_memory(self, components: Mapping[str, int], device_type: str) -> None:
         """Rank 0's memory by component (worker/memory_report.py), for pagellm:memory_bytes."""
-        self.memory.set_components(components, device_type)
+        self.prom.memory.set_components(components, device_type)
 
     def set_cpu_kernels(self, info: dict[str, str]) -> None:
         """The kernel choice of a bf16 CPU model (model/linear_plans.py kernel_info), as an info metric."""

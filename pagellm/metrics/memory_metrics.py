@@ -52,12 +52,10 @@ class MemoryCollector(Collector):
         self.device_type = device_type
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        if not self.static:
-            return
         family = GaugeMetricFamily(
             "pagellm:memory_bytes", "Memory by component, in bytes (rank 0; see docs/observability.md).",
             labels=["model_name", "component"],
         )  # fmt: skip
-        for component, value in memory_components(self.static, self.device_type).items():
+        for component, value in (memory_components(self.static, self.device_type) if self.static else {}).items():
             family.add_metric([self.model_name, component], float(value))
         yield family

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
+from pagellm.metrics.memory_metrics import MemoryCollector
+
 _LATENCY_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0,
@@ -36,6 +38,8 @@ class PrometheusMetrics:
                 f"pagellm:{name}", doc, labels, buckets=buckets, registry=reg
             ).labels(model_name)
 
+        self.memory = MemoryCollector(model_name)  # pagellm:memory_bytes, by component
+        reg.register(self.memory)
         self.num_requests_running = gauge("num_requests_running", "Requests in the running set.")
         self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting for admission.")
         self.num_requests_swapped = gauge("num_requests_swapped", "Requests swapped out to host memory.")
