@@ -43,6 +43,24 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
+@dataclass(frozen=True)
+class RequestMetrics:
+    """One finished request's timings and counts (times: time.time() seconds); on the
+    final RequestOutput. Counts are over all its completions."""
+
+    arrival_time: float
+    first_scheduled_time: float | None  # None: never computed (aborted while waiting)
+    first_token_time: float | None
+    finished_time: float
+    num_prompt_tokens: int
+    num_cached_tokens: int  # prompt tokens the prefix cache served, those of its tier included
+    num_tier_cached_tokens: int  # of those, loaded from the prefix cache's disk tier
+    num_generation_tokens: int
+    num_preemptions: int
+    num_draft_tokens: int = 0  # speculative decoding: proposed tokens checked
+    num_accepted_tokens: int = 0  # ... and accepted
+
+
 @dataclass
 class RequestOutput:
     """The state of a request after a step: the completion(s) so far, or the final ones."""
@@ -61,6 +79,7 @@ class RequestOutput:
     # An embedding request (LLM.embed, /v1/embeddings): its pooled embedding, once
     # finished (its one completion is empty, finish_reason "stop").
     embedding: list[float] | None = None
+    metrics: RequestMetrics | None = None  # once finished
 
 
 @dataclass

@@ -25,7 +25,7 @@ from pagellm.core.kv_tier_access import TierLoad
 from pagellm.core.multi_step import can_run_several, decode_steps
 from pagellm.core.prefill_balance import prefill_chunk_size, prefill_token_cap, remaining_work
 from pagellm.core.scheduler_integrity import check_scheduler_integrity
-from pagellm.core.scheduler_stats import SchedulerStats, by_adapter, kv_cache_fields
+from pagellm.core.scheduler_stats import FinishedRequestStats, SchedulerStats, by_adapter, kv_cache_fields
 from pagellm.core.speculator_interface import Speculator
 from pagellm.core.step_accounting import StepAccounting
 from pagellm.core.step_admission import StepAdmission
@@ -68,6 +68,7 @@ class Scheduler(StepAccounting, StepAdmission):
         self.swapped = RequestQueue(sort_key)
         self.running: list[Request] = []  # admission order
         self._finished_req_ids: set[str] = set()
+        self._finished_stats: list[FinishedRequestStats] = []  # take_finished_stats
         # Forked completions, and requests whose prefix was loaded from the tier, that
         # the runner has not been told about yet.
         self._unsent_req_ids: set[str] = set()
@@ -201,8 +202,16 @@ class Scheduler(StepAccounting, StepAdmission):
                 self.swapped.remove(request)
             self._release(request, status)
 
+    def take_finished_stats(self) -> list[FinishedRequestStats]:
+        """What the requests finished since the last call went through (metrics' per-request timings)."""
+        stats, self._finished_stats = self._finished_stats, []
+        return stats
+
     def _release(self, request: Request, status: RequestStatus) -> None:
         """Free a finished request, already out of its queue."""
+        self._finished_stats.append(FinishedRequestStats(
+            request.parent_request_id or request.request_id, request.num_preemptions, request.num_tier_tokens,
+        ))  # fmt: skip
         self.kv_cache_manager.free(request)
         request.status = status
         del self.requests[request.request_id]

@@ -11,6 +11,15 @@ from pagellm.request import Request
 
 
 @dataclasses.dataclass(frozen=True)
+class FinishedRequestStats:
+    """What one finished request (one completion of an n > 1 request) went through."""
+
+    request_id: str  # the request's own id (a completion's parent's)
+    num_preemptions: int
+    num_tier_tokens: int  # prompt tokens loaded from the prefix cache's tier when first admitted
+
+
+@dataclasses.dataclass(frozen=True)
 class SchedulerStats:
     """A snapshot: queue sizes and usage now, counters cumulative since start."""
 

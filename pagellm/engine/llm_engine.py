@@ -308,6 +308,7 @@ class LLMEngine:
             RequestStatus.FINISHED_ABORTED,
         )
         outputs = [o for o in (self.output_processor.abort(rid) for rid in ids) if o is not None]
+        self.metrics.record_finished_stats(self.scheduler.take_finished_stats())
         self.metrics.record_outputs(outputs, time.time())
         # Gauges otherwise move only when the engine steps; an idle engine would keep
         # showing the aborted requests.
@@ -325,6 +326,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one iteration; returns the requests that progressed (or finished)."""
         started = time.perf_counter()
+        started_wall = time.time()
         self.num_steps += 1
         if self.kv_events is not None:
             self.kv_events.step = self.num_steps
@@ -350,6 +352,7 @@ class LLMEngine:
         if self.speculator is not None:
             self.speculator.observe_step(scheduler_output.total_num_scheduled_tokens, time.perf_counter() - started)
             self.metrics.record_speculation(*self.speculator.take_new())
+        self.metrics.record_finished_stats(self.scheduler.take_finished_stats())
         self.metrics.record_step(
             scheduler_output,
             result.outputs,
@@ -357,6 +360,7 @@ class LLMEngine:
             time.time(),
             work=record.batch,
             step_seconds=time.perf_counter() - started,
+            started=started_wall,
         )
         if self.kv_events is not None:
             self.kv_events.flush()
@@ -398,6 +402,7 @@ class LLMEngine:
             )
             outputs.append(output)
         self.metrics.record_failed_step(len(outputs))
+        self.metrics.record_finished_stats(self.scheduler.take_finished_stats())
         self.metrics.record_outputs(outputs, time.time())
         self.metrics.update_scheduler_metrics(self.scheduler.make_stats())
         return outputs

@@ -19,13 +19,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagellm.core.scheduler_output import SchedulerOutput
-from pagellm.core.scheduler_stats import SchedulerStats
+from pagellm.core.scheduler_stats import FinishedRequestStats, SchedulerStats
 from pagellm.core.step_batch import StepBatch
 from pagellm.metrics.prometheus_metrics import PrometheusMetrics
 from pagellm.metrics.spec_decode_stats import SpecDecodeStats
 from pagellm.metrics.utilization import Ceilings, Utilization, step_cost
 from pagellm.model.costs import ModelCosts
-from pagellm.outputs import RequestOutput
+from pagellm.outputs import RequestMetrics, RequestOutput
 from pagellm.workload.latency import percentile
 
 logger = logging.getLogger(__name__)
@@ -60,6 +60,10 @@ class _RequestTiming:
     first_scheduled: float | None = None
     first_token: float | None = None
     last_token: dict[int, float] = field(default_factory=dict)  # per completion index
+    num_preemptions: int = 0  # over its completions (the scheduler's FinishedRequestStats)
+    num_tier_tokens: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -168,6 +172,22 @@ class EngineMetrics:
     def request_added(self, request_id: str, num_prompt_tokens: int, arrival: float) -> None:
         self._timings[request_id] = _RequestTiming(arrival, num_prompt_tokens)
 
+    def _timing_of(self, scheduler_id: str) -> _RequestTiming | None:
+        """A request's timing by its id or, for completion i >= 1 of an n > 1 request, by
+        its scheduler id (request.child_request_id: the parent's id, '#', i)."""
+        timing = self._timings.get(scheduler_id)
+        if timing is None and "#" in scheduler_id:
+            timing = self._timings.get(scheduler_id.rpartition("#")[0])
+        return timing
+
+    def record_finished_stats(self, stats: list[FinishedRequestStats]) -> None:
+        """What the scheduler says of requests it finished (preemptions, tier hits)."""
+        for finished in stats:
+            timing = self._timings.get(finished.request_id)
+            if timing is not None:
+                timing.num_preemptions += finished.num_preemptions
+                timing.num_tier_tokens = max(timing.num_tier_tokens, finished.num_tier_tokens)
+
     def recent_mean(self, latency: str, count: int = 100) -> float | None:
         """The mean of the last `count` values of a latency (ttft, e2e, ...), None before any."""
         values = self._latencies[latency]
@@ -211,6 +231,11 @@ class EngineMetrics:
                     self._observe("prefill_time", prom.request_prefill_time, now - timing.first_scheduled)
             if output.finished:
                 del self._timings[output.request_id]
+                output.metrics = RequestMetrics(
+                    timing.arrival, timing.first_scheduled, timing.first_token, now, timing.num_prompt_tokens,
+                    output.num_cached_tokens, timing.num_tier_tokens, sum(len(c.token_ids) for c in output.outputs),
+                    timing.num_preemptions, timing.num_draft_tokens, timing.num_accepted_tokens,
+                )  # fmt: skip
                 self._observe("e2e", prom.e2e_request_latency, now - timing.arrival)
                 if timing.first_token is not None:
                     self._observe("decode_time", prom.request_decode_time, now - timing.first_token)
@@ -236,6 +261,7 @@ class EngineMetrics:
         now: float,
         work: StepBatch | None = None,
         step_seconds: float = 0.0,
+        started: float | None = None,
     ) -> None:
         """`work` (the step's batch) and `step_seconds` (the whole step: schedule, forward, update) feed the
         MFU / MBU estimates when a utilization model is set."""
@@ -255,8 +281,10 @@ class EngineMetrics:
             for request_id in scheduled:
                 timing = self._timings.get(request_id)
                 if timing is not None and timing.first_scheduled is None:
-                    timing.first_scheduled = now
-                    self._observe("queue_time", prom.request_queue_time, now - timing.arrival)
+                    # Scheduled when the step began (`started`): its forward is prefill time.
+                    timing.first_scheduled = now if started is None else started
+                    self._observe("queue_time", prom.request_queue_time, timing.first_scheduled - timing.arrival)
+        self._record_speculation_by_request(scheduler_output, outputs)
         self.record_outputs(outputs, now)
         self.update_scheduler_metrics(stats)
         active = bool(scheduled) or stats.num_waiting > 0
@@ -267,6 +295,22 @@ class EngineMetrics:
             self._append_series_point(monotonic, stats)
         if self.log_stats_interval and monotonic - self._log_window.start >= self.log_stats_interval:
             self._log_stats_line(monotonic, stats)
+
+    def _record_speculation_by_request(self, scheduler_output: SchedulerOutput, outputs: list[RequestOutput]) -> None:
+        """Each request's draft tokens checked this step and those accepted (the tokens it
+        gained beyond the one a step always yields)."""
+        drafts = scheduler_output.scheduled_spec_decode_tokens
+        if not drafts:
+            return
+        gained = {
+            output.request_id if completion.index == 0 else f"{output.request_id}#{completion.index}": len(completion.delta_token_ids)
+            for output in outputs for completion in output.outputs
+        }  # fmt: skip
+        for scheduler_id, proposed in drafts.items():
+            timing = self._timing_of(scheduler_id)
+            if timing is not None and proposed:
+                timing.num_draft_tokens += len(proposed)
+                timing.num_accepted_tokens += max(0, gained.get(scheduler_id, 0) - 1)
 
     def record_structured_outputs(self, compile_seconds: list[float], cache_hits: int, mask_seconds: float) -> None:
         """Constraints compiled and found cached since the last call; this step's mask time

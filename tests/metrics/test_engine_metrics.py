@@ -297,3 +297,29 @@ def test_memory_by_component(folder):
     assert 0 < values["kv_cache_resident"] <= values["kv_cache"]  # the blocks written so far
     assert values["activations_and_other"] > 0
     llm.engine.close()
+
+
+def test_each_finished_request_carries_its_own_timings_and_counts(folder):
+    """RequestOutput.metrics: per request, the counts the engine's totals add up to
+    (preemptions here, forced by a tiny cache), and times in order."""
+    llm = LLM(folder, max_model_len=64, num_gpu_blocks_override=7, enable_prefix_caching=False)
+    outputs = run(llm, prompts=[[7] * 20] * 6, max_tokens=[30] * 6)
+    stats = llm.get_metrics().scheduler
+    per_request = [output.metrics for output in outputs]
+    assert all(m is not None for m in per_request)
+    assert sum(m.num_preemptions for m in per_request) == stats.num_preemptions_recompute > 0
+    for m in per_request:
+        assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
+        assert m.num_prompt_tokens == 20 and m.num_generation_tokens == 30 and m.num_cached_tokens == 0
+
+
+def test_speculation_is_counted_per_request(smollm2_path):
+    """ngram speculation on a repetitive prompt: each request's drafts and accepted tokens
+    add up to the engine's totals."""
+    llm = LLM(str(smollm2_path), max_model_len=256, speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3})
+    prompt = "one two three four one two three four one two three four one two"
+    outputs = llm.generate([prompt, prompt + " three"], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    spec = llm.get_metrics().spec_decode
+    assert spec.num_proposed_tokens > 0
+    assert sum(o.metrics.num_draft_tokens for o in outputs) == spec.num_proposed_tokens
+    assert sum(o.metrics.num_accepted_tokens for o in outputs) == spec.num_accepted_tokens

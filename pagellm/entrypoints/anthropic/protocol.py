@@ -132,6 +132,7 @@ class MessagesRequest(CountTokensRequest):
     # and output_format, the same under its beta name.
     output_config: OutputConfig | None = None
     output_format: JsonOutputFormat | None = None
+    timings: bool = False  # pagellm's, as on the chat endpoint: the answer carries `timings`
 
 
 class Usage(OpenAIModel):

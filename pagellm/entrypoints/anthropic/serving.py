@@ -38,7 +38,7 @@ from pagellm.entrypoints.anthropic.protocol import (
 from pagellm.entrypoints.openai.errors import APIError, to_api_error
 from pagellm.entrypoints.openai.protocol import ChatCompletionRequest
 from pagellm.entrypoints.openai.serving_chat import ChatServing, PreparedChat
-from pagellm.entrypoints.openai.serving_common import ServingContext, collect_finals
+from pagellm.entrypoints.openai.serving_common import ServingContext, collect_finals, timings_of, with_timings
 from pagellm.entrypoints.openai.streaming import EventStreamResponse, cancel_on_disconnect
 from pagellm.entrypoints.openai.tool_calls import salvage_json_object
 from pagellm.outputs import CompletionOutput, RequestOutput
@@ -115,7 +115,7 @@ def chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
         fields.update(
             max_tokens=body.max_tokens, stop=body.stop_sequences or None, temperature=body.temperature, top_p=body.top_p,
             top_k=body.top_k, user=body.metadata.user_id if body.metadata else None,
-            structured_outputs=_structured_outputs(body),
+            structured_outputs=_structured_outputs(body), timings=body.timings,
         )  # fmt: skip
     if body.tools:
         fields["tools"] = [
@@ -205,7 +205,10 @@ class MessagesServing:
         if body.stream:
             return EventStreamResponse(self._events(message_id, prepared, stream), on_close=stream.cancel)
         finals = await cancel_on_disconnect(raw, collect_finals(stream))
-        return JSONResponse(self._message(message_id, prepared, finals[message_id]).model_dump(mode="json"))
+        answer = self._message(message_id, prepared, finals[message_id]).model_dump(mode="json")
+        if self.context.wants_timings(body):
+            answer = with_timings(answer, [finals[message_id]])
+        return JSONResponse(answer)
 
     def _blocks(self, prepared: PreparedChat, completion: CompletionOutput) -> tuple[list[dict[str, Any]], str, str | None]:
         reasoning, content, calls = self.chat.content_and_calls(prepared.job, completion)
@@ -283,7 +286,8 @@ class MessagesServing:
                 yield event("content_block_stop", index=index)
                 index += 1
             usage = self._usage(final)  # the whole usage, as the API's current message_delta has it
-            yield event("message_delta", delta={"stop_reason": stop_reason, "stop_sequence": stop_sequence}, usage=usage.model_dump())
+            timings = {"timings": timings_of(final)} if self.context.wants_timings(prepared.job.body) else {}
+            yield event("message_delta", delta={"stop_reason": stop_reason, "stop_sequence": stop_sequence}, usage=usage.model_dump(), **timings)
             yield event("message_stop")
         except Exception as error:  # noqa: BLE001 - the status is sent: report in the stream
             api = to_api_error(error)

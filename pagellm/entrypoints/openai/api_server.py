@@ -73,8 +73,9 @@ def build_app(async_llm: AsyncLLM, config: ServerConfig | None = None, on_ready:
             raise ConfigError(f"--lora-modules {adapter_name}={adapter_path}: {e}") from None
     reasoning = REASONING_FORMATS[config.reasoning_parser] if config.reasoning_parser else None
     context = ServingContext(
-        async_llm, name, limits, reasoning, config.structured_outputs_in_reasoning, config.data_parallel_rank, adapters
-    )
+        async_llm, name, limits, reasoning, config.structured_outputs_in_reasoning, config.data_parallel_rank, adapters,
+        per_request_metrics=config.enable_per_request_metrics,
+    )  # fmt: skip
     chat = ChatServing(context)
     batches = BatchServing(batch_dir_for(config.batch_dir, name), limits.max_batch_file_bytes)
     services = Services(

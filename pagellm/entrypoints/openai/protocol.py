@@ -137,6 +137,9 @@ class SamplingFields(RequestModel):
     min_tokens: NonNegativeInt | None = None
     ignore_eos: bool = False
     priority: SafeInt = 0
+    # pagellm's: the answer carries `timings` (llama.cpp's names: queue, prefill and decode
+    # time, cached tokens by source, preemptions, speculation), as --enable-per-request-metrics does.
+    timings: bool = False
     stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False

@@ -126,6 +126,7 @@ class ResponsesRequest(RequestModel):
     truncation: Literal["disabled"] | None = None
     seed: SafeInt | None = None
     priority: SafeInt = 0
+    timings: bool = False  # pagellm's, as on the chat endpoint: the response carries `timings`
     # vLLM's extension (as on the chat endpoint): an output constraint (json, regex, choice, grammar).
     structured_outputs: StructuredOutputsFields | None = None
 

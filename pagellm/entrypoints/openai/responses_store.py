@@ -23,6 +23,7 @@ class StoredResponse:
     conversation: list[dict[str, Any]]  # chat messages, this response's output included once done
     tools: list[dict[str, Any]] = field(default_factory=list)  # chat-shaped tools it was offered
     input_items: list[dict[str, Any]] = field(default_factory=list)  # its request's input, as GET .../input_items lists it
+    timings: dict[str, Any] | None = None  # serving_common.timings_of, when asked for
     task: asyncio.Task[None] | None = None  # a background response still running
 
 

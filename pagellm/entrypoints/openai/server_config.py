@@ -57,6 +57,7 @@ class ServerConfig:
     # this long (0: never). Generous: one prefill step of a large model on a small CPU
     # takes minutes.
     health_stall_seconds: float = 300.0
+    enable_per_request_metrics: bool = False  # every answer carries `timings`
     data_parallel_size: int = 1
     data_parallel_routing: str = "affinity"
     reasoning_parser: str | None = None
@@ -120,6 +121,9 @@ class ServerConfig:
             value = getattr(self, spec.name)
             if not spec.replicated or value is None or value == spec.default:
                 continue
+            if spec.action == "store_true":  # a switch: on, since it is not its default
+                flags.append(spec.flag)
+                continue
             flags += [spec.flag, json.dumps(dict(value)) if spec.name == "structured_outputs_config" else str(value)]
         for limit in fields(RequestLimits):  # each replica checks the limits
             value = getattr(self.limits, limit.name)
@@ -139,6 +143,7 @@ class FlagSpec:
     choices: tuple[str, ...] | None = None
     metavar: str | None = None
     nargs: str | None = None
+    action: str | None = None  # "store_true": a switch
     replicated: bool = True  # a data-parallel replica's command line carries it (to_cli)
 
     @property
@@ -163,6 +168,13 @@ SERVER_FLAGS = (
         "GET /health answers 503 (engine_stalled) when requests are in flight and no engine step "
         "has completed for this many seconds; 0 turns the check off (default: 300)",
         float, _DEFAULTS.health_stall_seconds,
+    ),  # fmt: skip
+    FlagSpec(
+        "enable_per_request_metrics",
+        "every answer carries `timings`: queue, prefill and decode time, time to first token, mean "
+        "inter-token latency, cached tokens by source, preemptions, speculative acceptance (a request "
+        "asks for them alone with \"timings\": true)",
+        default=False, action="store_true",
     ),  # fmt: skip
     FlagSpec(
         "data_parallel_size",
@@ -213,7 +225,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     """A flag per ServerConfig field, in field order."""
     for spec in SERVER_FLAGS:
         options: dict[str, Any] = {"default": spec.default, "help": spec.help}
-        for key in ("type", "choices", "metavar", "nargs"):
+        for key in ("type", "choices", "metavar", "nargs", "action"):
             if getattr(spec, key) is not None:
                 options[key] = getattr(spec, key)
         parser.add_argument(spec.flag, **options)

@@ -7,6 +7,7 @@ template writes any BOS itself. One engine request carries all n choices.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -45,6 +46,7 @@ from pagellm.entrypoints.openai.serving_common import (
     new_request_id,
     continuous_usage,
     usage_of,
+    with_timings,
 )
 from pagellm.entrypoints.openai.streaming import (
     SSE_DONE,
@@ -233,7 +235,10 @@ class ChatServing:
         if body.stream:
             return EventStreamResponse(self._stream(job, stream), on_close=stream.cancel)
         finals = await cancel_on_disconnect(raw, collect_finals(stream))
-        return JSONResponse(self._response(job, finals[response_id]).model_dump(mode="json"))
+        answer = self._response(job, finals[response_id]).model_dump(mode="json")
+        if context.wants_timings(body):
+            answer = with_timings(answer, [finals[response_id]])
+        return JSONResponse(answer)
 
     def _logprobs(
         self, job: _Job, token_ids: list[int], positions: list[PositionLogprobs] | None
@@ -279,7 +284,9 @@ class ChatServing:
                     if (choice := self._delta_choice(job, completion, splitters.get(completion.index)))
                 ]
                 if choices:
-                    yield self._chunk(job, choices, continuous_usage(body, [output]))
+                    # The last chunk carries the timings, when asked for.
+                    timed = [output] if output.finished and self.context.wants_timings(body) else []
+                    yield self._chunk(job, choices, continuous_usage(body, [output]), timed)
             if body.stream_options is not None and body.stream_options.include_usage:
                 yield self._chunk(job, [], usage_of([latest] if latest else []))
         except Exception as e:  # noqa: BLE001 - the status is sent: report in the stream
@@ -358,8 +365,12 @@ class ChatServing:
         return {"role": "assistant", "content": None, "tool_calls": [call]}
 
     @staticmethod
-    def _chunk(job: _Job, choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> str:
+    def _chunk(
+        job: _Job, choices: list[ChatChunkChoice], usage: UsageInfo | None = None, timed: list[RequestOutput] | None = None
+    ) -> str:
         chunk = ChatCompletionChunk(
             id=job.response_id, model=job.model, choices=choices, usage=usage
         )
+        if timed:
+            return sse_event(json.dumps(with_timings(chunk.model_dump(mode="json"), timed), ensure_ascii=False))
         return sse_event(chunk.model_dump_json())

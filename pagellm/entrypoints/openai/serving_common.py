@@ -6,7 +6,7 @@ import contextvars
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pagellm.engine.async_llm import AsyncLLM
 from pagellm.engine.async_requests import NewRequest, OutputStream
@@ -40,6 +40,11 @@ class ServingContext:
     structured_outputs_in_reasoning: bool = False
     data_parallel_rank: int | None = None  # this server is that replica of a data-parallel one
     adapters: AdapterRegistry | None = None  # LoRA adapters served by name (serving_lora.py)
+    per_request_metrics: bool = False  # --enable-per-request-metrics: every answer carries `timings`
+
+    def wants_timings(self, body: object) -> bool:
+        """Whether this answer carries `timings`: the server flag, or the request's own `timings: true`."""
+        return self.per_request_metrics or bool(getattr(body, "timings", False))
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -93,6 +98,52 @@ class ServingContext:
                     f"token id {token_id} is out of range [0, {self.vocab_size}).",
                     param=param,
                 )
+
+
+def timings_of(output: RequestOutput) -> dict[str, float | int | None] | None:
+    """A finished request's timings, as llama.cpp's server names them (cache_n, prompt_n,
+    prompt_ms, predicted_n, predicted_ms and their per-token and per-second rates,
+    draft_n, draft_n_accepted) and the rest of its life: queue_ms, ttft_ms, total_ms,
+    cache_n_tier (of cache_n, from the prefix cache's disk tier), preemptions. Decode time
+    runs from the first token to the last, so its per-token figure is the mean inter-token
+    latency. None before the request finished."""
+    metrics = output.metrics
+    if metrics is None:
+        return None
+
+    def ms(start: float | None, end: float | None) -> float | None:
+        return None if start is None or end is None else round(1000 * (end - start), 3)
+
+    prompt_n = metrics.num_prompt_tokens - metrics.num_cached_tokens
+    prompt_ms = ms(metrics.first_scheduled_time, metrics.first_token_time)
+    predicted_n = metrics.num_generation_tokens
+    predicted_ms = ms(metrics.first_token_time, metrics.finished_time)
+    gaps = max(predicted_n - 1, 0)  # tokens after the first, which prefill yields
+    return {
+        "cache_n": metrics.num_cached_tokens,
+        "cache_n_tier": metrics.num_tier_cached_tokens,
+        "prompt_n": prompt_n,
+        "prompt_ms": prompt_ms,
+        "prompt_per_token_ms": round(prompt_ms / prompt_n, 3) if prompt_ms is not None and prompt_n else None,
+        "prompt_per_second": round(1000 * prompt_n / prompt_ms, 3) if prompt_ms else None,
+        "predicted_n": predicted_n,
+        "predicted_ms": predicted_ms,
+        "predicted_per_token_ms": round(predicted_ms / gaps, 3) if predicted_ms is not None and gaps else None,
+        "predicted_per_second": round(1000 * gaps / predicted_ms, 3) if predicted_ms else None,
+        "queue_ms": ms(metrics.arrival_time, metrics.first_scheduled_time),
+        "ttft_ms": ms(metrics.arrival_time, metrics.first_token_time),
+        "total_ms": ms(metrics.arrival_time, metrics.finished_time),
+        "preemptions": metrics.num_preemptions,
+        "draft_n": metrics.num_draft_tokens,
+        "draft_n_accepted": metrics.num_accepted_tokens,
+    }
+
+
+def with_timings(answer: dict[str, Any], outputs: list[RequestOutput]) -> dict[str, Any]:
+    """`answer` with its `timings`: one request's object, or a list in the requests' order."""
+    timings = [timings_of(output) for output in outputs]
+    answer["timings"] = timings[0] if len(timings) == 1 else timings
+    return answer
 
 
 def new_request_id(prefix: str) -> str:

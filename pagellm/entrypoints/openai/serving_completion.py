@@ -7,6 +7,7 @@ as one group, so either all run or the request fails as a whole.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -36,6 +37,7 @@ from pagellm.entrypoints.openai.serving_common import (
     continuous_usage,
     new_request_id,
     usage_of,
+    with_timings,
 )
 from pagellm.entrypoints.openai.streaming import (
     SSE_DONE,
@@ -122,7 +124,10 @@ class CompletionServing:
         if body.stream:
             return EventStreamResponse(self._stream(job, stream), on_close=stream.cancel)
         finals = await cancel_on_disconnect(raw, collect_finals(stream))
-        return JSONResponse(self._response(job, finals).model_dump(mode="json"))
+        answer = self._response(job, finals).model_dump(mode="json")
+        if context.wants_timings(body):
+            answer = with_timings(answer, [finals[rid] for rid in engine_ids])
+        return JSONResponse(answer)
 
     # -------------------------------------------------------------- whole answer
 
@@ -202,7 +207,9 @@ class CompletionServing:
                         )
                     )
                 if choices:
-                    yield self._chunk(job, choices, continuous_usage(body, latest.values(), job.prompt_only))
+                    # A request's last chunk carries its timings, when asked for.
+                    timed = [output] if output.finished and self.context.wants_timings(body) else []
+                    yield self._chunk(job, choices, continuous_usage(body, latest.values(), job.prompt_only), timed)
             if body.stream_options is not None and body.stream_options.include_usage:
                 yield self._chunk(job, [], usage_of(latest.values(), job.prompt_only))
         except Exception as e:  # noqa: BLE001 - the status is sent: report in the stream
@@ -234,9 +241,11 @@ class CompletionServing:
 
     @staticmethod
     def _chunk(
-        job: _Job, choices: list[CompletionChoice], usage: UsageInfo | None = None
+        job: _Job, choices: list[CompletionChoice], usage: UsageInfo | None = None, timed: list[RequestOutput] | None = None
     ) -> str:
         chunk = CompletionResponse(
             id=job.response_id, model=job.model, choices=choices, usage=usage
         )
+        if timed:
+            return sse_event(json.dumps(with_timings(chunk.model_dump(mode="json"), timed), ensure_ascii=False))
         return sse_event(chunk.model_dump_json())

@@ -42,7 +42,7 @@ from pagellm.entrypoints.openai.protocol_responses import (
 )
 from pagellm.entrypoints.openai.responses_store import ResponseStore, StoredResponse
 from pagellm.entrypoints.openai.serving_chat import ChatServing, PreparedChat
-from pagellm.entrypoints.openai.serving_common import ServingContext, collect_finals
+from pagellm.entrypoints.openai.serving_common import ServingContext, collect_finals, timings_of
 from pagellm.entrypoints.openai.streaming import EventStreamResponse, cancel_on_disconnect
 from pagellm.outputs import RequestOutput
 
@@ -114,7 +114,7 @@ def chat_request(body: ResponsesRequest, messages: list[dict[str, Any]]) -> Chat
     fields: dict[str, Any] = {
         "model": body.model, "messages": messages, "max_completion_tokens": body.max_output_tokens,
         "temperature": body.temperature, "top_p": body.top_p, "seed": body.seed, "priority": body.priority,
-        "user": body.user, "parallel_tool_calls": body.parallel_tool_calls,
+        "user": body.user, "parallel_tool_calls": body.parallel_tool_calls, "timings": body.timings,
         "structured_outputs": body.structured_outputs.model_dump(by_alias=True, exclude_none=True)
         if body.structured_outputs else None,
     }  # fmt: skip
@@ -261,7 +261,10 @@ class ResponsesServing:
 
     @staticmethod
     def _dump(entry: StoredResponse) -> dict[str, Any]:
-        return entry.response.model_dump(mode="json")
+        answer = entry.response.model_dump(mode="json")
+        if entry.timings is not None:  # asked for, and finished
+            answer["timings"] = entry.timings
+        return answer
 
     def _output(self, prepared: PreparedChat, output: RequestOutput) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         """The output items of a finished completion, and the assistant turn it adds to the conversation."""
@@ -298,6 +301,8 @@ class ResponsesServing:
             input_tokens_details={"cached_tokens": output.num_cached_tokens}, output_tokens_details={"reasoning_tokens": 0},
         )  # fmt: skip
         entry.conversation = [*entry.conversation, turn]
+        if self.context.wants_timings(prepared.job.body):
+            entry.timings = timings_of(output)
 
     async def _run_background(self, entry: StoredResponse, prepared: PreparedChat, stream: OutputStream) -> None:
         entry.response.status = "in_progress"
