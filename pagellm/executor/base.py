@@ -16,7 +16,7 @@ from pagellm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagellm.errors import PagellmError
 from pagellm.config.cache import CacheSize
 from pagellm.model.linear_plans import kernel_info
-from pagellm.worker.memory_report import memory_by_component
+from pagellm.worker.memory_report import memory_by_component, weight_bytes_by_format
 from pagellm.worker.model_runner import ModelRunner
 from pagellm.worker.worker import Worker
 
@@ -38,6 +38,7 @@ class ExecutorReport:
     kv_tier_entries: tuple[tuple[bytes, int], ...] | None = None
     step_paths: tuple[str, ...] = ()  # how its steps may run (worker/step_paths/), first tried first
     memory: tuple[tuple[str, int], ...] = ()  # (component, bytes): worker/memory_report.py
+    weight_formats: tuple[tuple[str, int], ...] = ()  # (how held, bytes): "Q4_1 as stored", "bfloat16", ...
 
 
 class Executor(ABC):
@@ -64,6 +65,7 @@ class Executor(ABC):
             kv_tier_entries=None if tier is None else tuple(tier.store.entries),
             step_paths=tuple(runner.step_paths.names),
             memory=tuple(memory_by_component(runner).items()),
+            weight_formats=tuple(weight_bytes_by_format(runner.model).items()),
         )
 
     @abstractmethod

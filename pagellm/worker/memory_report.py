@@ -35,13 +35,23 @@ def storage_bytes(values: Iterable[Any], seen: set[int] | None = None) -> int:
     return total
 
 
-def weight_bytes(model: nn.Module) -> int:
-    """The weights as held: a model that reports them by format (packed blocks included)
-    says so itself; otherwise its parameters' and buffers' storages."""
+def weight_bytes_by_format(model: nn.Module) -> dict[str, int]:
+    """The weights by how they are held: a model that reports them so (packed blocks
+    included) says so itself; otherwise its parameters' and buffers' storages, by dtype."""
     by_format = getattr(model, "weight_bytes_by_format", None)
     if callable(by_format):
-        return sum(by_format().values())
-    return storage_bytes([*model.parameters(), *model.buffers()])
+        return by_format()
+    totals: dict[str, int] = {}
+    seen: set[int] = set()
+    for tensor in [*model.parameters(), *model.buffers()]:
+        key = str(tensor.dtype).removeprefix("torch.")
+        totals[key] = totals.get(key, 0) + storage_bytes([tensor], seen)
+    return totals
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """The weights as held, in bytes (weight_bytes_by_format's total)."""
+    return sum(weight_bytes_by_format(model).values())
 
 
 def memory_by_component(runner: Any) -> dict[str, int]:

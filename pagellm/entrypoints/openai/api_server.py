@@ -25,13 +25,14 @@ from fastapi import FastAPI
 from pagellm.config.engine_args import EngineArgs
 from pagellm.engine.async_llm import AsyncLLM
 from pagellm.entrypoints.anthropic.serving import MessagesServing
+from pagellm.entrypoints.ollama.serving import OllamaServing
 from pagellm.entrypoints.openai import metrics
 from pagellm.entrypoints.openai.auth import ApiKeyMiddleware
 from pagellm.entrypoints.openai.errors import UnhandledErrorMiddleware, install_error_handlers
 from pagellm.entrypoints.openai.openapi_docs import LORA_ADAPTER, ServerBounds, install_openapi
 from pagellm.entrypoints.openai.reasoning import REASONING_FORMATS
 from pagellm.entrypoints.openai.request_limits import BodySizeLimitMiddleware
-from pagellm.entrypoints.openai.routes import completions, dashboard, embeddings, messages, responses, status, tokens
+from pagellm.entrypoints.openai.routes import completions, dashboard, embeddings, messages, ollama, responses, status, tokens
 from pagellm.entrypoints.openai.routes.services import Services
 from pagellm.entrypoints.openai.server_config import ServerConfig
 from pagellm.entrypoints.openai.serving_batch import (
@@ -81,6 +82,7 @@ def build_app(async_llm: AsyncLLM, config: ServerConfig | None = None, on_ready:
     services = Services(
         async_llm, name, context, adapters, CompletionServing(context), chat, ResponsesServing(context, chat),
         MessagesServing(context, chat), EmbeddingServing(context), ScoreServing(context), TokenServing(context),
+        OllamaServing(context, chat),
         metrics.make_registry(async_llm, name, batches.progress, adapters=adapters.lora_config is not None),
         health_stall_seconds=config.health_stall_seconds,
     )  # fmt: skip
@@ -126,7 +128,7 @@ def build_app(async_llm: AsyncLLM, config: ServerConfig | None = None, on_ready:
     if config.api_key:  # added last: runs first, so that no body is read for a bad key
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
     # In this order: the schema lists the paths as they are added.
-    for group in (status, completions, responses, messages, embeddings):
+    for group in (status, completions, responses, messages, embeddings, ollama):
         app.include_router(group.router)
     add_batch_routes(app, batches)
     add_lora_routes(app, adapters, LORA_ADAPTER)

@@ -61,6 +61,8 @@ class APIError(Exception):
         """The answer; on the Messages API's paths in Anthropic's shape."""
         if is_messages_path(path):
             response = anthropic_error_response(self.status, self.message)
+        elif path.startswith("/api/"):  # Ollama's API: {"error": "..."}
+            response = JSONResponse({"error": self.message}, status_code=self.status)
         else:
             response = JSONResponse(self.body().model_dump(mode="json"), status_code=self.status)
         response.headers.update(self.headers)

@@ -127,6 +127,9 @@ BATCH_CREATE = {
 TOKENS = {**BODY, **AUTH, **UNKNOWN_MODEL}
 INPUT_TOKENS = {200: {"description": "The prompt's tokens: {object, input_tokens}."}, **BODY, **AUTH, **UNKNOWN_MODEL}
 READ = {**AUTH}
+OLLAMA = {
+    **BODY, **AUTH, 404: _error("Ollama's: no served model or adapter of that name ({\"error\": \"...\"})."),
+}  # fmt: skip
 MODEL_BY_ID = {**AUTH, 404: _error("No served model or loaded adapter has this name.")}
 LORA_ADAPTER = {
     200: {"description": "The adapter loaded (or unloaded)."},

@@ -44,7 +44,7 @@ from pagellm.entrypoints.openai.api_server import bind_socket, keep_signals_from
 from pagellm.entrypoints.openai.auth import ApiKeyMiddleware
 from pagellm.entrypoints.openai.server_config import ServerConfig
 from pagellm.entrypoints.openai.errors import APIError
-from pagellm.entrypoints.openai.routes import completions, embeddings, messages, responses, status, tokens
+from pagellm.entrypoints.openai.routes import completions, embeddings, messages, ollama, responses, status, tokens
 from pagellm.entrypoints.openai.routes.dashboard import add_dashboard_page
 from pagellm.entrypoints.openai.data_parallel.replicas import Replica, start_process_replicas, start_ray_replicas
 from pagellm.entrypoints.openai.data_parallel.router import PrefixAffinityRouter
@@ -318,7 +318,7 @@ def build_router_app(
 
     # The replicas' own route groups, each route forwarded as it is declared there (path,
     # methods, schema entry): a route added to a group is routed here with no change.
-    for group in (completions, embeddings, messages, tokens, responses):
+    for group in (completions, embeddings, messages, tokens, responses, ollama):
         forward_routes(app, group.router, router)
     # /v1/models (and one by name) is the replicas' (with their adapters); /health and /metrics are the router's.
     forward_routes(app, status.router, router, only={"/v1/models", "/v1/models/{model:path}"})

@@ -10,6 +10,7 @@ from fastapi import Request
 
 from pagellm.engine.async_llm import AsyncLLM
 from pagellm.entrypoints.anthropic.serving import MessagesServing
+from pagellm.entrypoints.ollama.serving import OllamaServing
 from pagellm.entrypoints.openai.serving_chat import ChatServing
 from pagellm.entrypoints.openai.serving_common import ServingContext
 from pagellm.entrypoints.openai.serving_completion import CompletionServing
@@ -35,6 +36,7 @@ class Services:
     embeddings: EmbeddingServing
     scores: ScoreServing
     tokens: TokenServing
+    ollama: OllamaServing
     metrics_registry: Any  # prometheus_client CollectorRegistry
     health_stall_seconds: float = 0.0  # --health-stall-seconds (0: no stall check)
     created: int = field(default_factory=lambda: int(time.time()))  # when the models came to be served
