@@ -114,8 +114,8 @@ class JsonOutputFormat(RequestModel):
 class OutputConfig(RequestModel):
     format: JsonOutputFormat | None = None
     # A hint to reasoning models of how hard to think; this server has no such knob, and
-    # refuses it rather than ignore it (serving.py).
-    effort: str | None = None
+    # refuses it rather than ignore it: only null is valid, as the schema says.
+    effort: None = None
 
 
 class MessagesRequest(CountTokensRequest):

@@ -83,8 +83,6 @@ def _structured_outputs(body: MessagesRequest) -> dict[str, Any] | None:
     """The output constraint: Anthropic's output_config.format (or its beta name,
     output_format), or vLLM's structured_outputs; one of them at most."""
     config = body.output_config
-    if config is not None and config.effort is not None:
-        raise APIError(400, "output_config.effort is not supported by this server.", param="output_config")
     formats = [f for f in (config.format if config else None, body.output_format) if f is not None]
     given = len(formats) + (body.structured_outputs is not None)
     if given > 1:

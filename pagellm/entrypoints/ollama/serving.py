@@ -28,7 +28,7 @@ from pydantic import ValidationError
 
 from pagellm.engine.async_requests import NewRequest, OutputStream
 from pagellm.engine.input_processor import TokenizedPrompt
-from pagellm.entrypoints.ollama.protocol import ChatRequest, EmbedRequest, GenerateRequest, Message, Options, ShowRequest
+from pagellm.entrypoints.ollama.protocol import OllamaChatRequest, OllamaEmbedRequest, OllamaGenerateRequest, OllamaMessage, OllamaOptions, OllamaShowRequest
 from pagellm.entrypoints.openai.errors import APIError, to_api_error
 from pagellm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from pagellm.entrypoints.openai.sampling import common_sampling_fields, make_sampling_params, structured_outputs
@@ -88,10 +88,8 @@ def _done_reason(finish_reason: str | None) -> str:
     return {"length": "length", "abort": "stop"}.get(finish_reason or "stop", "stop")
 
 
-def _sampling_fields(options: Options, response_format: Any, model: str) -> dict[str, Any]:
+def _sampling_fields(options: OllamaOptions, response_format: Any, model: str) -> dict[str, Any]:
     """Chat / completion request fields (vLLM's names) from Ollama's options and format."""
-    if options.mirostat or options.tfs_z != 1.0 or options.typical_p != 1.0:
-        raise APIError(400, "options: mirostat, tfs_z and typical_p samplers are not supported by this server.", param="options")
     fields: dict[str, Any] = {
         "model": model, "temperature": options.temperature, "top_p": options.top_p, "top_k": options.top_k,
         "min_p": options.min_p, "seed": options.seed, "stop": options.stop or None,
@@ -106,14 +104,12 @@ def _sampling_fields(options: Options, response_format: Any, model: str) -> dict
     return {key: value for key, value in fields.items() if value is not None}
 
 
-def _chat_messages(messages: list[Message]) -> list[dict[str, Any]]:
+def _chat_messages(messages: list[OllamaMessage]) -> list[dict[str, Any]]:
     """Ollama's messages as chat messages: a call gets an id, and the tool result that
     follows it answers the latest call of that function."""
     converted: list[dict[str, Any]] = []
     call_ids: dict[str, str] = {}
     for index, message in enumerate(messages):
-        if message.images:
-            raise APIError(400, f"messages[{index}]: images are not supported by this server.", param="messages")
         turn: dict[str, Any] = {"role": message.role, "content": message.content}
         if message.tool_calls:
             calls = []
@@ -185,8 +181,8 @@ class OllamaServing:
             models.append(entry)
         return JSONResponse({"models": models})
 
-    def show(self, body: ShowRequest) -> Response:
-        name, _ = self.resolve(body.model or body.name)
+    def show(self, body: OllamaShowRequest) -> Response:
+        name, _ = self.resolve(body.model)
         engine = self.context.async_llm.engine
         config = engine.model_config
         architecture = _family(config.architecture)
@@ -213,12 +209,12 @@ class OllamaServing:
 
     # -------------------------------------------------------------------- chat
 
-    def _chat_request(self, body: ChatRequest | GenerateRequest, messages: list[dict[str, Any]], name: str) -> ChatCompletionRequest:
+    def _chat_request(self, body: OllamaChatRequest | OllamaGenerateRequest, messages: list[dict[str, Any]], name: str) -> ChatCompletionRequest:
         fields = _sampling_fields(body.options, body.format, name)
         fields["messages"] = messages
         tools = getattr(body, "tools", None)
         if tools:
-            fields["tools"] = tools
+            fields["tools"] = [tool.model_dump(exclude_none=True) for tool in tools]
         if body.think and self.context.reasoning is None:
             raise APIError(400, f"model '{body.model}' does not support thinking (start the server with --reasoning-parser)", param="think")
         try:
@@ -228,9 +224,11 @@ class OllamaServing:
             where = ".".join(str(part) for part in first["loc"])
             raise APIError(400, f"invalid request: {where}: {first['msg']}", param=where) from None
 
-    async def chat_completion(self, body: ChatRequest, raw: Request) -> Response:
+    async def chat_completion(self, body: OllamaChatRequest, raw: Request) -> Response:
         arrival_time = time.time()
         name, _ = self.resolve(body.model)
+        if not body.messages:  # Ollama's way to load a model: nothing to answer
+            return self._loaded(body, {"message": {"role": "assistant", "content": ""}})
         request = self._chat_request(body, _chat_messages(body.messages), name)
         request_id = new_request_id("ollama")
         prepared = await self.chat.prepare(request, request_id)
@@ -254,18 +252,12 @@ class OllamaServing:
 
     # ---------------------------------------------------------------- generate
 
-    async def generate(self, body: GenerateRequest, raw: Request) -> Response:
+    async def generate(self, body: OllamaGenerateRequest, raw: Request) -> Response:
         arrival_time = time.time()
         name, adapter = self.resolve(body.model)
-        if body.images:
-            raise APIError(400, "images are not supported by this server.", param="images")
-        if body.suffix:
-            raise APIError(400, "suffix (fill-in-the-middle) is not supported by this server.", param="suffix")
-        if body.template:
-            raise APIError(400, "template is not supported: the model's own chat template is used (or raw).", param="template")
         request_id = new_request_id("ollama")
         if not body.prompt and not body.context:  # Ollama's way to load a model: nothing to generate
-            return self._loaded(body, name)
+            return self._loaded(body, {"response": ""})
         if body.raw:
             stream, new_text = await self._generate_raw(body, name, adapter, request_id, arrival_time)
         else:
@@ -294,7 +286,7 @@ class OllamaServing:
         return await self._answer(body, raw, stream, request_id, fields)
 
     async def _generate_raw(
-        self, body: GenerateRequest, name: str, adapter: LoRARequest | None, request_id: str, arrival_time: float
+        self, body: OllamaGenerateRequest, name: str, adapter: LoRARequest | None, request_id: str, arrival_time: float
     ) -> tuple[OutputStream, Any]:
         fields = _sampling_fields(body.options, body.format, name)
         fields["prompt"] = body.prompt or " "
@@ -320,15 +312,15 @@ class OllamaServing:
 
         return stream, new_text
 
-    def _loaded(self, body: GenerateRequest, name: str) -> Response:
-        answer = {"model": body.model, "created_at": _now(), "response": "", "done": True, "done_reason": "load"}
+    def _loaded(self, body: OllamaChatRequest | OllamaGenerateRequest, fields: dict[str, Any]) -> Response:
+        answer = {"model": body.model, "created_at": _now(), **fields, "done": True, "done_reason": "load"}
         if body.stream:
             return StreamingResponse(iter([json.dumps(answer) + "\n"]), media_type=NDJSON)
         return JSONResponse(answer)
 
     # ------------------------------------------------------------------ embed
 
-    async def embed(self, body: EmbedRequest, raw: Request) -> Response:
+    async def embed(self, body: OllamaEmbedRequest, raw: Request) -> Response:
         arrival_time = time.time()
         name, adapter = self.resolve(body.model)
         inputs = [body.input] if isinstance(body.input, str) else body.input
@@ -356,7 +348,7 @@ class OllamaServing:
     # ------------------------------------------------------------- answering
 
     async def _answer(
-        self, body: ChatRequest | GenerateRequest, raw: Request, stream: OutputStream, request_id: str, fields: Any
+        self, body: OllamaChatRequest | OllamaGenerateRequest, raw: Request, stream: OutputStream, request_id: str, fields: Any
     ) -> Response:
         """The whole answer, or Ollama's stream of pieces ending with the done object."""
         if not body.stream:
@@ -364,13 +356,13 @@ class OllamaServing:
             return JSONResponse(self._done(body, finals[request_id], fields))
         return NDJSONResponse(self._pieces(body, stream, fields), on_close=stream.cancel)
 
-    def _done(self, body: ChatRequest | GenerateRequest, output: RequestOutput, fields: Any) -> dict[str, Any]:
+    def _done(self, body: OllamaChatRequest | OllamaGenerateRequest, output: RequestOutput, fields: Any) -> dict[str, Any]:
         return {
             "model": body.model, "created_at": _now(), **fields(output, False), "done": True,
             "done_reason": _done_reason(output.outputs[0].finish_reason), **_counts(output),
         }  # fmt: skip
 
-    async def _pieces(self, body: ChatRequest | GenerateRequest, stream: OutputStream, fields: Any) -> AsyncIterator[str]:
+    async def _pieces(self, body: OllamaChatRequest | OllamaGenerateRequest, stream: OutputStream, fields: Any) -> AsyncIterator[str]:
         """Text as it comes, then the done object: with only what did not stream (text held
         back to be parsed for calls or thinking comes whole there)."""
         streamed = False

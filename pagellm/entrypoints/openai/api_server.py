@@ -113,6 +113,7 @@ def build_app(async_llm: AsyncLLM, config: ServerConfig | None = None, on_ready:
         api_key=bool(config.api_key),
         embedding_dimensions=embedding_dimensions(engine.model_config),
         empty_text_has_tokens=bool(context.tokenizer.encode("")),
+        thinking=reasoning is not None,
     )
     install_openapi(app, bounds)
     # Innermost first: the size limit bounds what the encoding check buffers, and a bug's

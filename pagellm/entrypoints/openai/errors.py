@@ -126,12 +126,18 @@ def _flat_routes(routes: Iterable[Any]) -> Iterator[Any]:
 
 
 def _allowed_methods(request: Request) -> list[str]:
-    methods: set[str] = set()
+    """The methods of the routes on the path; a path that is a route of its own (POST
+    /v1/responses/input_tokens) is that route's, not also a parametric one's it matches
+    (GET /v1/responses/{response_id})."""
+    exact: set[str] = set()
+    matching: set[str] = set()
     for route in _flat_routes(request.app.router.routes):
         regex, route_methods = getattr(route, "path_regex", None), getattr(route, "methods", None)
         if regex is not None and route_methods and regex.match(request.url.path):
-            methods |= set(route_methods)
-    return sorted(methods)
+            matching |= set(route_methods)
+            if getattr(route, "path", None) == request.url.path:
+                exact |= set(route_methods)
+    return sorted(exact or matching)
 
 
 class UnhandledErrorMiddleware:

@@ -31,6 +31,7 @@ from pagellm.entrypoints.openai.protocol import (
     EmbeddingResponse,
     ErrorResponse,
 )
+from pagellm.entrypoints.ollama.protocol import OllamaError
 
 
 def _error(description: str) -> dict[str, Any]:
@@ -127,8 +128,21 @@ BATCH_CREATE = {
 TOKENS = {**BODY, **AUTH, **UNKNOWN_MODEL}
 INPUT_TOKENS = {200: {"description": "The prompt's tokens: {object, input_tokens}."}, **BODY, **AUTH, **UNKNOWN_MODEL}
 READ = {**AUTH}
+def _ollama_error(description: str) -> dict[str, Any]:
+    return {"model": OllamaError, "description": description}
+
+
+OLLAMA_READ = {401: _ollama_error("Missing or wrong API key (when the server has one).")}
 OLLAMA = {
-    **BODY, **AUTH, 404: _error("Ollama's: no served model or adapter of that name ({\"error\": \"...\"})."),
+    400: _ollama_error("An invalid body or field."), 413: _ollama_error("The body is larger than --max-request-body-bytes."),
+    **OLLAMA_READ, 404: _ollama_error("No served model or adapter of that name."),
+    500: _ollama_error("The engine step computing the request failed."),
+    503: _ollama_error("Too many requests waiting, or the engine has stopped."),
+}  # fmt: skip
+OLLAMA_GENERATED = {
+    200: {"description": "The answer (JSON), or with stream (the default) one JSON object per line, the last with done.",
+          "content": {"application/json": {}, "application/x-ndjson": {"schema": {"type": "string"}}}},
+    **OLLAMA,
 }  # fmt: skip
 MODEL_BY_ID = {**AUTH, 404: _error("No served model or loaded adapter has this name.")}
 LORA_ADAPTER = {
@@ -155,6 +169,7 @@ class ServerBounds:
     embedding_dimensions: tuple[int, ...] = ()
     # Whether "" becomes any token (a tokenizer that adds BOS): if not, text is minLength 1.
     empty_text_has_tokens: bool = True
+    thinking: bool = False  # --reasoning-parser: Ollama's `think` can be honoured
 
 
 def install_openapi(app: FastAPI, bounds: ServerBounds) -> None:
@@ -205,6 +220,16 @@ def _bound(prop: dict[str, Any], form_type: str, **keywords: Any) -> None:
             form.update(keywords)
 
 
+def _add_ollama_bounds(schemas: dict[str, Any], bounds: ServerBounds) -> None:
+    """Ollama's bodies: `context` ids below the vocabulary, num_predict within the context;
+    `think` only where a reasoning parser can honour it."""
+    _token_ids(schemas["OllamaGenerateRequest"]["properties"]["context"], bounds.vocab_size - 1)
+    _bound(schemas["OllamaOptions"]["properties"]["num_predict"], "integer", maximum=bounds.max_model_len)
+    if not bounds.thinking:
+        for name in ("OllamaChatRequest", "OllamaGenerateRequest"):
+            schemas[name]["properties"]["think"] = {"anyOf": [{"const": False}, {"type": "null"}], "title": "Think"}
+
+
 def _add_form_rules(schemas: dict[str, Any]) -> None:
     """Rules across a form's fields: a file's expiry anchor needs its seconds."""
     for schema in schemas.values():
@@ -250,6 +275,12 @@ def _add_bounds(schemas: dict[str, Any], bounds: ServerBounds) -> None:
         "required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}},
     }  # fmt: skip
     schemas["ChatCompletionRequest"]["then"] = {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}
+    # continue_final_message continues the last message; add_generation_prompt would open a new one.
+    for name in ("ChatCompletionRequest", "TokenizeChatRequest"):
+        schemas[name]["not"] = {
+            "required": ["add_generation_prompt", "continue_final_message"],
+            "properties": {"add_generation_prompt": {"const": True}, "continue_final_message": {"const": True}},
+        }
     completion = schemas["CompletionRequest"]["properties"]
     embedding = schemas["EmbeddingRequest"]["properties"]
     if not bounds.empty_text_has_tokens:  # "" would be a prompt (or input) of no tokens: refused
@@ -296,7 +327,9 @@ def _add_bounds(schemas: dict[str, Any], bounds: ServerBounds) -> None:
     for prop in (score["text_1"], score["text_2"], rerank["documents"]):
         _bound(prop, "array", maxItems=limits.max_prompts_per_request)
     if bounds.embedding_dimensions:
-        _bound(embedding["dimensions"], "integer", enum=list(bounds.embedding_dimensions))
+        for prop in (embedding["dimensions"], schemas["OllamaEmbedRequest"]["properties"]["dimensions"]):
+            _bound(prop, "integer", enum=list(bounds.embedding_dimensions))
+    _add_ollama_bounds(schemas, bounds)
     _token_ids(embedding["input"], max_id)
     for form in _variants(embedding["input"]):
         if form.get("type") == "array":

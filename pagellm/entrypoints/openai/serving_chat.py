@@ -7,6 +7,7 @@ template writes any BOS itself. One engine request carries all n choices.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -64,9 +65,11 @@ from pagellm.entrypoints.openai.tool_calls import (
     tool_constraint,
     tool_mode,
 )
+from pagellm.errors import InvalidRequestError
 from pagellm.lora.request import LoRARequest
 from pagellm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from pagellm.sampling_params import SamplingParams
+from pagellm.structured_outputs_params import KINDS as CONSTRAINT_KINDS
 from pagellm.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -105,7 +108,10 @@ def chat_prompt_text(
         extra.update(tool_extra)
     for reserved in ("add_generation_prompt", "continue_final_message", "messages", "tokenize", "chat_template"):
         extra.pop(reserved, None)  # the server's own arguments (the request's fields say them)
-    continue_final = request is not None and request.continue_final_message
+    # A last message without text has nothing to continue: the model answers in a turn of
+    # its own, as with no prefill (Anthropic's rule for an empty one).
+    final = dicts[-1].get("content") if dicts else None
+    continue_final = request is not None and request.continue_final_message and isinstance(final, str) and bool(final.strip())
     add_generation_prompt = not continue_final
     if request is not None and request.add_generation_prompt is not None:
         add_generation_prompt = request.add_generation_prompt
@@ -220,7 +226,24 @@ class ChatServing:
         """POST /v1/chat/completions/input_tokens: the prompt this request would run with
         (template, tools, a continued final message), counted without running it."""
         prepared = await self.prepare(body, "count")
+        await self.check_runnable(prepared)
         return JSONResponse({"object": "chat.completion.input_tokens", "input_tokens": len(prepared.prompt_ids)})
+
+    async def check_runnable(self, prepared: PreparedChat) -> None:
+        """What running a prepared request would refuse besides its length (counting its
+        tokens refuses it too): parameters the model cannot take, n beyond the running
+        seats, a constraint that does not compile."""
+        engine = self.context.async_llm.engine
+        params = prepared.params
+        try:
+            params.check_against_model(self.context.vocab_size, engine.max_logprobs)
+            if params.n > engine.config.scheduler_config.max_num_seqs:
+                raise InvalidRequestError(f"n={params.n} is more than max_num_seqs ({engine.config.scheduler_config.max_num_seqs})", "n")
+            if params.structured_outputs is not None:
+                await asyncio.to_thread(engine.grammars.compile, params.structured_outputs)
+        except InvalidRequestError as e:
+            field = prepared.constraint_field if e.parameter in CONSTRAINT_KINDS and prepared.constraint_field else e.parameter
+            raise APIError(400, str(e), param=field) from None
 
     async def create(self, body: ChatCompletionRequest, raw: Request) -> Response:
         arrival_time = time.time()  # queueing in the server counts toward latency

@@ -241,6 +241,7 @@ class ResponsesServing:
         system = [{"role": "system", "content": body.instructions}] if body.instructions else []
         self._check_limits(body)
         prepared = await self.chat.prepare(chat_request(body, system + self._conversation(body)), "count", check_limits=False)
+        await self.chat.check_runnable(prepared)
         return JSONResponse({"object": "response.input_tokens", "input_tokens": len(prepared.prompt_ids)})
 
     def _response_object(self, body: ResponsesRequest, response_id: str, model: str) -> ResponseObject:

@@ -48,7 +48,11 @@ DOCUMENTED_REFUSALS = [
 def documented_refusal(status: int, body: object) -> bool:
     if status == 413:  # the body is over --max-request-body-bytes
         return True
-    if status != 400 or not isinstance(body, dict) or not isinstance(body.get("error"), dict):
+    if status != 400 or not isinstance(body, dict):
+        return False
+    if isinstance(body.get("error"), str):  # Ollama's shape names no field: any documented rule's message
+        return any(re.search(pattern, body["error"]) for _, pattern in DOCUMENTED_REFUSALS)
+    if not isinstance(body.get("error"), dict):
         return False
     if body.get("type") == "error":  # Anthropic's shape names no field: any documented rule's message
         message = body["error"].get("message") or ""
