@@ -279,6 +279,12 @@ class KVCacheManager(KVSwap, KVTierAccess):
     def reset_prefix_cache(self) -> int:
         return self.device_pool.reset_prefix_cache()
 
+    def forget_device_contents(self) -> None:
+        """The device's KV blocks and state snapshots were freed (the engine sleeps, idle):
+        nothing cached in them is a hit any more. The disk tier's entries stay hits."""
+        self.reset_prefix_cache()
+        self.snapshots.forget_all()
+
     # ------------------------------------------------------------- allocation
 
     def free_passed_blocks(self, request: Request) -> int:

@@ -133,6 +133,13 @@ class StateSnapshots:
             self._planned.pop(block_hash, None)
             self._free.append(slot)
 
+    def forget_all(self) -> None:
+        """The snapshot slots' contents are gone (the engine sleeps): none is a hit any more."""
+        self._free = list(range(self.num_slots - 1, -1, -1))
+        self._slot_of.clear()
+        self._planned.clear()
+        self._latest_of.clear()
+
     def check_integrity(self) -> None:
         owned = list(self._slot_of.values())
         assert sorted(owned + self._free) == list(range(self.num_slots)), "a snapshot slot is lost or held twice"

@@ -63,6 +63,15 @@ class _AbortCommand:
 
 
 @dataclass
+class _SleepCommand:
+    """Sleep at `level` once no request is in flight (0: wake up now); `done` is answered then."""
+
+    level: int
+    done: asyncio.Future[None]
+    loop: asyncio.AbstractEventLoop
+
+
+@dataclass
 class _RejectedCommand:
     """A request refused before it reached the engine: counted in its metrics."""
 
@@ -90,9 +99,17 @@ class AsyncLLM:
         engine: LLMEngine,
         max_num_queued_requests: int | None = None,
         engine_thread: EngineThread[LLMEngine] | None = None,
+        sleep_idle_seconds: float | None = None,
+        sleep_idle_level: int = 1,
     ) -> None:
         """`engine_thread`: the thread that built `engine`, to step it too (see
-        engine_thread.py for why that matters); without one, `start()` makes a thread."""
+        engine_thread.py for why that matters); without one, `start()` makes a thread.
+        `sleep_idle_seconds`: after that long without requests the engine sleeps at
+        `sleep_idle_level` (LLMEngine.sleep); the next request wakes it."""
+        if sleep_idle_level not in (1, 2):
+            raise ValueError(f"sleep_idle_level must be 1 or 2, got {sleep_idle_level}")
+        self.sleep_idle_seconds = sleep_idle_seconds or None
+        self.sleep_idle_level = sleep_idle_level
         if max_num_queued_requests is not None and max_num_queued_requests < 1:
             raise ValueError(
                 f"max_num_queued_requests must be at least 1, got {max_num_queued_requests}"
@@ -110,6 +127,8 @@ class AsyncLLM:
         # Owned by the engine thread.
         self._streams: dict[str, OutputStream] = {}
         self._last_progress = time.monotonic()  # stalled_for: the last step completed, or work arrived
+        self._idle_since = time.monotonic()  # the idle timer's start (sleep_idle_seconds)
+        self._pending_sleeps: list[_SleepCommand] = []  # asked for while requests were in flight
         # Commands taken off the queue and not yet applied (answered if the loop dies).
         self._taken: deque[object] = deque()
         self._deliveries: list[Callable[[], None]] = []
@@ -119,11 +138,12 @@ class AsyncLLM:
 
     @classmethod
     def from_engine_args(
-        cls, args: EngineArgs, max_num_queued_requests: int | None = None
-    ) -> AsyncLLM:
+        cls, args: EngineArgs, max_num_queued_requests: int | None = None, sleep_idle_seconds: float | None = None,
+        sleep_idle_level: int = 1,
+    ) -> AsyncLLM:  # fmt: skip
         """Build the engine on the thread that will step it (and wait for it)."""
         engine_thread = EngineThread(lambda: LLMEngine.from_engine_args(args))
-        return cls(engine_thread.result(), max_num_queued_requests, engine_thread)
+        return cls(engine_thread.result(), max_num_queued_requests, engine_thread, sleep_idle_seconds, sleep_idle_level)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -173,6 +193,25 @@ class AsyncLLM:
         if self._thread is not None and not self._thread.is_alive():
             return EngineDeadError("the engine thread has exited")
         return None
+
+    async def sleep(self, level: int = 1) -> None:
+        """Sleep (LLMEngine.sleep) once the requests in flight have finished; returns
+        asleep. Requests that come meanwhile, or later, run first and wake it."""
+        await self._sleep_command(level)
+
+    async def wake_up(self) -> None:
+        await self._sleep_command(0)
+
+    async def _sleep_command(self, level: int) -> None:
+        loop = self._bind_loop()
+        done: asyncio.Future[None] = loop.create_future()
+        self._send(_SleepCommand(level, done, loop))
+        await done
+
+    @property
+    def sleep_level(self) -> int | None:
+        """None awake; 1 or 2 asleep (readable from any thread)."""
+        return self.engine.sleep_level
 
     def stalled_for(self) -> float | None:
         """Seconds since the engine last made progress (a step completed, or work arrived
@@ -315,9 +354,15 @@ class AsyncLLM:
         engine = self.engine
         while True:
             idle = not engine.has_unfinished_requests()
-            self._taken.extend(self._next_commands(block=idle))
+            timeout = self._idle_timeout() if idle else None
+            commands = self._next_commands(block=idle, timeout=timeout)
             if idle:
                 self._last_progress = time.monotonic()  # new work: its first step starts now
+                if not commands and timeout is not None:  # idle for sleep_idle_seconds
+                    logger.info("no request for %g s: sleeping", self.sleep_idle_seconds)
+                    engine.sleep(self.sleep_idle_level)
+                    continue
+            self._taken.extend(commands)
             while self._taken:
                 command = self._taken[0]
                 if command is _STOP:
@@ -330,12 +375,39 @@ class AsyncLLM:
             if engine.has_unfinished_requests():
                 self._route(engine.step())
                 self._last_progress = time.monotonic()
+                if not engine.has_unfinished_requests():
+                    self._idle_since = self._last_progress
+            self._sleep_if_asked()
             self._snapshot = self._make_snapshot()
             self._flush()
 
-    def _next_commands(self, block: bool) -> list[object]:
-        """Every queued command; when idle, wait for at least one."""
-        commands = [self._commands.get()] if block else []
+    def _idle_timeout(self) -> float | None:
+        """How long an idle engine waits for a command before the idle timer puts it to sleep."""
+        if self.sleep_idle_seconds is None or self.engine.sleep_level is not None:
+            return None
+        return max(0.0, self._idle_since + self.sleep_idle_seconds - time.monotonic())
+
+    def _sleep_if_asked(self) -> None:
+        """Sleep for the callers that asked, now that no request is in flight."""
+        if not self._pending_sleeps or self.engine.has_unfinished_requests():
+            return
+        asked, self._pending_sleeps = self._pending_sleeps, []
+        error: BaseException | None = None
+        try:
+            self.engine.sleep(max(command.level for command in asked))
+        except Exception as e:  # noqa: BLE001 - the callers get the error, the engine lives on
+            error = e
+        for command in asked:
+            command.loop.call_soon_threadsafe(_set_result, command.done, None, error)
+
+    def _next_commands(self, block: bool, timeout: float | None = None) -> list[object]:
+        """Every queued command; when idle, wait for at least one (or `timeout` seconds)."""
+        commands: list[object] = []
+        if block:
+            try:
+                commands.append(self._commands.get(timeout=timeout))
+            except queue.Empty:
+                return commands
         while True:
             try:
                 commands.append(self._commands.get_nowait())
@@ -350,6 +422,17 @@ class AsyncLLM:
             self._route(self.engine.abort_request(request_ids))
         elif isinstance(command, _AddCommand):
             self._add(command)
+        elif isinstance(command, _SleepCommand):
+            if command.level:
+                self._pending_sleeps.append(command)  # asleep once idle: _sleep_if_asked
+                return
+            error: BaseException | None = None
+            try:
+                self.engine.wake_up()
+            except Exception as e:  # noqa: BLE001
+                error = e
+            self._idle_since = time.monotonic()
+            command.loop.call_soon_threadsafe(_set_result, command.done, None, error)
         elif isinstance(command, _RejectedCommand):
             self.engine.metrics.request_rejected(command.reason)
         elif isinstance(command, _QueryCommand):
@@ -451,6 +534,9 @@ class AsyncLLM:
         for stream in set(self._streams.values()):
             self._deliveries.append(functools.partial(stream._put, error))
         self._streams.clear()
+        for command in self._pending_sleeps:
+            command.loop.call_soon_threadsafe(_set_result, command.done, None, error)
+        self._pending_sleeps.clear()
         self._refuse_queued(error)
         self._flush()
 

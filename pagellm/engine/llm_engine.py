@@ -133,6 +133,7 @@ class LLMEngine:
         threading.Thread(target=self.grammars.ll_tokenizer, name="pagellm-grammar-setup", daemon=True).start()
         self.max_logprobs = config.max_logprobs
         self.metrics = metrics or EngineMetrics(config.source.name, log_stats_interval=None)
+        self.sleep_level: int | None = None  # sleep(): 1 the KV cache freed, 2 the weights too
         self.num_steps = 0
         self.kv_events: KVEventLog | None = None
         if config.kv_events_file:
@@ -264,6 +265,8 @@ class LLMEngine:
         A background request (a batch line) runs only where the others leave room.
         lora_request: the adapter it runs under (with enable_lora), read and checked here
         the first time its id is seen."""
+        if self.sleep_level is not None:  # a request wakes a sleeping engine: it waits, never fails
+            self.wake_up()
         pooling = None
         if isinstance(params, PoolingParams):
             config = self.model_config
@@ -416,6 +419,37 @@ class LLMEngine:
     def runner(self) -> ModelRunner:
         """The driver's runner (rank 0: its model share, its KV cache)."""
         return self.executor.runner
+
+    # --------------------------------------------------------------------- sleep
+
+    def sleep(self, level: int = 1) -> None:
+        """Free memory while idle: level 1 the KV cache (and the runner's states and step
+        buffers), level 2 the weights too (wake_up loads them again from the checkpoint).
+        What the device's prefix cache held is forgotten; the disk tier's entries stay
+        (its queued writes are sent and written first). A new request wakes the engine."""
+        if level not in (1, 2):
+            raise InvalidRequestError(f"level must be 1 or 2, got {level}", "level")
+        if self.has_unfinished_requests():
+            raise InvalidRequestError("the engine has requests in flight; it can sleep once they finish", "level")
+        if self.sleep_level is not None and self.sleep_level >= level:
+            return
+        if self.scheduler.has_unsent_tier_work():
+            self._flush_tier()
+        self.scheduler.kv_cache_manager.forget_device_contents()
+        self.executor.sleep(level)
+        self.sleep_level = level
+        self.metrics.prom.sleep_level.set(level)
+        logger.info("asleep (level %d): %s freed", level, "the KV cache" if level == 1 else "the KV cache and the weights")
+
+    def wake_up(self) -> None:
+        """Load back what sleep freed; the engine serves as before (a no-op when awake)."""
+        if self.sleep_level is None:
+            return
+        started = time.perf_counter()
+        self.executor.wake_up()
+        logger.info("awake (from level %d) in %.2f s", self.sleep_level, time.perf_counter() - started)
+        self.sleep_level = None
+        self.metrics.prom.sleep_level.set(0)
 
     def close(self) -> None:
         """Stop the workers and release files the engine writes (event log, metrics series)."""

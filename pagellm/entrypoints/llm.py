@@ -44,6 +44,14 @@ class LLM:
     def __exit__(self, *exc_info: object) -> None:
         self.shutdown()
 
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV cache (level 1) and the weights too (level 2) until wake_up or the
+        next request (as vLLM's LLM.sleep)."""
+        self.engine.sleep(level)
+
+    def wake_up(self) -> None:
+        self.engine.wake_up()
+
     def get_metrics(self):  # noqa: ANN201 - pagellm.metrics.engine_metrics.MetricsSnapshot
         """The engine's counters, gauges and latency summaries (see README: Metrics)."""
         return self.engine.get_metrics()

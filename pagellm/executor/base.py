@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pagellm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from pagellm.errors import PagellmError
+from pagellm.errors import InvalidRequestError, PagellmError
 from pagellm.config.cache import CacheSize
 from pagellm.model.linear_plans import kernel_info
 from pagellm.worker.memory_report import memory_by_component, weight_bytes_by_format
@@ -78,6 +78,14 @@ class Executor(ABC):
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
 
+    def sleep(self, level: int) -> None:
+        """Free the KV cache (level 1) and the weights (level 2) of every rank."""
+        raise InvalidRequestError("sleep is not supported with several ranks (tensor parallelism) yet", "level")
+
+    def wake_up(self) -> None:
+        """Load back what sleep freed."""
+        raise InvalidRequestError("sleep is not supported with several ranks (tensor parallelism) yet", "level")
+
     @abstractmethod
     def shutdown(self) -> None:
         """Stop every worker; safe to call more than once."""
@@ -118,6 +126,12 @@ class UniProcExecutor(Executor):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.driver.execute_model(scheduler_output)
+
+    def sleep(self, level: int) -> None:
+        self.driver.sleep(level)
+
+    def wake_up(self) -> None:
+        self.driver.wake_up()
 
     def shutdown(self) -> None:
         self.driver.close_kv_tier()

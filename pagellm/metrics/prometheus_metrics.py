@@ -40,6 +40,7 @@ class PrometheusMetrics:
 
         self.memory = MemoryCollector(model_name)  # pagellm:memory_bytes, by component
         reg.register(self.memory)
+        self.sleep_level = gauge("sleep_level", "0: awake; 1: asleep, KV cache freed; 2: the weights freed too.")
         self.num_requests_running = gauge("num_requests_running", "Requests in the running set.")
         self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting for admission.")
         self.num_requests_swapped = gauge("num_requests_swapped", "Requests swapped out to host memory.")

@@ -12,11 +12,13 @@ is all a rank needs, in this process or another one. Each rank then:
 
 from __future__ import annotations
 
+import gc
 import logging
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from pagellm.attention.kv_cache_dtype import torch_dtype
 from pagellm.attention.selector import get_attention_backend
@@ -24,6 +26,8 @@ from pagellm.config.cache import CacheSize, MemoryFacts, decide_cache_size, kv_b
 from pagellm.config.engine_config import EngineConfig
 from pagellm.config.units import GiB
 from pagellm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from pagellm.errors import InvalidRequestError
+from pagellm.metrics.resident_memory import return_freed_heap
 from pagellm.model.loader import load_model
 from pagellm.model.tensor_parallel import TPLayout
 from pagellm.spec_decode.draft_model import DraftModelProposer
@@ -106,10 +110,7 @@ class Worker:
         if parallel.tensor_parallel_size > 1:
             self.tp = DistributedTPGroup(TPLayout.of(config.model_config, rank, parallel.tensor_parallel_size))
         self.backend = get_attention_backend(config.attention_backend, device)
-        self.model = load_model(
-            config.source, config.model_config, self.backend, self.dtype, device, config.load_format,
-            config.quantization, self.tp, config.int8_activations,
-        )  # fmt: skip
+        self.model = self._load_model()
         # --enable-lora: the adapters' slots, handed to the model's linear layers here.
         self.lora_manager: LoRAManager | None = None
         if config.lora_config is not None:
@@ -123,10 +124,21 @@ class Worker:
         self.draft_model = None
         if config.draft is not None:
             assert self.tp is None
-            self.draft_model = load_model(
-                config.draft.source, config.draft.model_config, self.backend, self.dtype, device, "auto", "auto"
-            )
+            self.draft_model = self._load_draft_model()
         self.runner: ModelRunner | None = None
+        self._cache_blocks = (0, 0)
+
+    def _load_model(self) -> nn.Module:
+        config = self.config
+        return load_model(
+            config.source, config.model_config, self.backend, self.dtype, self.device, config.load_format,
+            config.quantization, self.tp, config.int8_activations,
+        )  # fmt: skip
+
+    def _load_draft_model(self) -> nn.Module:
+        draft = self.config.draft
+        assert draft is not None
+        return load_model(draft.source, draft.model_config, self.backend, self.dtype, self.device, "auto", "auto")
 
     @property
     def is_driver(self) -> bool:
@@ -185,6 +197,7 @@ class Worker:
         return MemoryFacts(device_total_bytes=properties.total_memory, used_bytes=profile.total_bytes, device_name=properties.name)
 
     def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+        self._cache_blocks = (num_gpu_blocks, num_cpu_blocks)  # what wake_up allocates again
         block_size = self.config.cache_budget.block_size
         draft = None
         if self.draft_model is not None:
@@ -246,6 +259,31 @@ class Worker:
         if sampled_token_ids:
             self.runner.append_sampled(sampled_token_ids)
         return self.runner.execute_model(scheduler_output)
+
+    def sleep(self, level: int) -> None:
+        """Free the KV cache (and the runner's states and buffers): level 1; the weights
+        too: level 2 (wake_up loads them again from the checkpoint). The disk tier's queued
+        writes reach the disk first, so that its prefix cache outlives the sleep."""
+        if level >= 2 and self.lora_manager is not None:
+            raise InvalidRequestError("level 2 sleep with LoRA adapters is not supported; use level 1", "level")
+        self.close_kv_tier()
+        self.runner = None
+        if level >= 2:
+            self.model = None
+            self.draft_model = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return_freed_heap()
+
+    def wake_up(self) -> None:
+        """Load what sleep freed: the weights (level 2) and the KV cache, as at start."""
+        if self.model is None:
+            self.model = self._load_model()
+            if self.config.draft is not None:
+                self.draft_model = self._load_draft_model()
+        if self.runner is None:
+            self.init_cache(*self._cache_blocks)
 
     def close_kv_tier(self) -> None:
         """Let the tier's queued writes reach the disk and stop its threads."""

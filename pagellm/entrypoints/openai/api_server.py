@@ -32,7 +32,17 @@ from pagellm.entrypoints.openai.errors import UnhandledErrorMiddleware, install_
 from pagellm.entrypoints.openai.openapi_docs import LORA_ADAPTER, ServerBounds, install_openapi
 from pagellm.entrypoints.openai.reasoning import REASONING_FORMATS
 from pagellm.entrypoints.openai.request_limits import BodySizeLimitMiddleware
-from pagellm.entrypoints.openai.routes import completions, dashboard, embeddings, messages, ollama, responses, status, tokens
+from pagellm.entrypoints.openai.routes import (
+    completions,
+    dashboard,
+    embeddings,
+    messages,
+    ollama,
+    responses,
+    sleep,
+    status,
+    tokens,
+)
 from pagellm.entrypoints.openai.routes.services import Services
 from pagellm.entrypoints.openai.server_config import ServerConfig
 from pagellm.entrypoints.openai.serving_batch import (
@@ -129,7 +139,7 @@ def build_app(async_llm: AsyncLLM, config: ServerConfig | None = None, on_ready:
     if config.api_key:  # added last: runs first, so that no body is read for a bad key
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
     # In this order: the schema lists the paths as they are added.
-    for group in (status, completions, responses, messages, embeddings, ollama):
+    for group in (status, sleep, completions, responses, messages, embeddings, ollama):
         app.include_router(group.router)
     add_batch_routes(app, batches)
     add_lora_routes(app, adapters, LORA_ADAPTER)
@@ -174,7 +184,9 @@ def _ready_message(async_llm: AsyncLLM, name: str, sock: socket.socket) -> str:
 def run_server(server_config: ServerConfig, engine_args: EngineArgs) -> None:
     """`pagellm serve`: serve until SIGINT/SIGTERM, then shut down gracefully."""
     sock = bind_socket(server_config.host, server_config.port)
-    async_llm = AsyncLLM.from_engine_args(engine_args, server_config.max_num_queued_requests)
+    async_llm = AsyncLLM.from_engine_args(
+        engine_args, server_config.max_num_queued_requests, server_config.sleep_idle_seconds, server_config.sleep_idle_level
+    )
     name = server_config.served_model_name or async_llm.engine.config.source.name
     app = build_app(
         async_llm, server_config, on_ready=lambda: logger.info("%s", _ready_message(async_llm, name, sock))

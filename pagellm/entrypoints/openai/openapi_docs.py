@@ -133,6 +133,7 @@ def _ollama_error(description: str) -> dict[str, Any]:
 
 
 OLLAMA_READ = {401: _ollama_error("Missing or wrong API key (when the server has one).")}
+SLEEP = {**AUTH, 400: _error("A level other than 1 or 2, or sleep under tensor parallelism (`param`: level).")}
 OLLAMA = {
     400: _ollama_error("An invalid body or field."), 413: _ollama_error("The body is larger than --max-request-body-bytes."),
     **OLLAMA_READ, 404: _ollama_error("No served model or adapter of that name."),

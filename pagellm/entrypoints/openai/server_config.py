@@ -57,6 +57,8 @@ class ServerConfig:
     # this long (0: never). Generous: one prefill step of a large model on a small CPU
     # takes minutes.
     health_stall_seconds: float = 300.0
+    sleep_idle_seconds: float = 0.0  # > 0: the engine sleeps after this long without requests
+    sleep_idle_level: int = 1
     enable_per_request_metrics: bool = False  # every answer carries `timings`
     data_parallel_size: int = 1
     data_parallel_routing: str = "affinity"
@@ -76,6 +78,10 @@ class ServerConfig:
             raise ConfigError(f"--port must be in [0, 65535], got {self.port}")
         if self.shutdown_timeout < 0:
             raise ConfigError(f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout}")
+        if self.sleep_idle_seconds < 0:
+            raise ConfigError(f"--sleep-idle-seconds must be >= 0, got {self.sleep_idle_seconds}")
+        if self.sleep_idle_level not in (1, 2):
+            raise ConfigError(f"--sleep-idle-level must be 1 or 2, got {self.sleep_idle_level}")
         if self.health_stall_seconds < 0:
             raise ConfigError(f"--health-stall-seconds must be >= 0, got {self.health_stall_seconds}")
         if self.data_parallel_size < 1:
@@ -168,6 +174,17 @@ SERVER_FLAGS = (
         "GET /health answers 503 (engine_stalled) when requests are in flight and no engine step "
         "has completed for this many seconds; 0 turns the check off (default: 300)",
         float, _DEFAULTS.health_stall_seconds,
+    ),  # fmt: skip
+    FlagSpec(
+        "sleep_idle_seconds",
+        "after this many seconds without requests the engine sleeps (frees its KV cache, and its weights "
+        "at --sleep-idle-level 2); the next request wakes it and waits meanwhile (default: 0, never)",
+        float, _DEFAULTS.sleep_idle_seconds,
+    ),  # fmt: skip
+    FlagSpec(
+        "sleep_idle_level",
+        "how deep the idle sleep goes: 1 frees the KV cache, 2 the weights too (reloaded on wake-up) (default: 1)",
+        int, _DEFAULTS.sleep_idle_level,
     ),  # fmt: skip
     FlagSpec(
         "enable_per_request_metrics",

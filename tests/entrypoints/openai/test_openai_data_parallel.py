@@ -242,3 +242,15 @@ def test_a_batch_runs_across_the_replicas(server):
     assert metric(metrics, "pagellm:batch_requests_total", outcome="completed") == 8
     # Both replicas answered lines (the router spreads them by load).
     assert all(metric(metrics, "pagellm:router_requests_total", replica=r) > 0 for r in ("0", "1"))
+
+
+def test_sleep_and_wake_up_reach_every_replica(server):
+    with httpx.Client(base_url=server.base_url, timeout=120) as client:
+        before = complete(client, "sleep well").json()["choices"][0]["text"]
+        asleep = client.post("/sleep", params={"level": 1})
+        assert asleep.status_code == 200 and asleep.json()["is_sleeping"]
+        state = client.get("/is_sleeping").json()
+        assert state["is_sleeping"] and set(state["replicas"]) == {"0", "1"}
+        assert complete(client, "sleep well").json()["choices"][0]["text"] == before  # woken by the request
+        client.post("/wake_up")
+        assert not any(replica["is_sleeping"] for replica in client.get("/is_sleeping").json()["replicas"].values())

@@ -25,7 +25,7 @@ import logging
 import os
 import re
 import secrets
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import httpx2 as httpx
@@ -44,7 +44,7 @@ from pagellm.entrypoints.openai.api_server import bind_socket, keep_signals_from
 from pagellm.entrypoints.openai.auth import ApiKeyMiddleware
 from pagellm.entrypoints.openai.server_config import ServerConfig
 from pagellm.entrypoints.openai.errors import APIError
-from pagellm.entrypoints.openai.routes import completions, embeddings, messages, ollama, responses, status, tokens
+from pagellm.entrypoints.openai.routes import completions, embeddings, messages, ollama, responses, sleep, status, tokens
 from pagellm.entrypoints.openai.routes.dashboard import add_dashboard_page
 from pagellm.entrypoints.openai.data_parallel.replicas import Replica, start_process_replicas, start_ray_replicas
 from pagellm.entrypoints.openai.data_parallel.router import PrefixAffinityRouter
@@ -246,6 +246,27 @@ class ReplicaRouter:
         except httpx.TransportError:
             return None
 
+    async def broadcast(self, request: Request, path: str) -> Response:
+        """The request sent to every live replica (sleep and wake-up: the whole endpoint
+        sleeps); the first failure's answer, else each replica's answer by index."""
+        headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARDED_HEADERS}
+        live = self.live()
+
+        async def send(index: int) -> httpx.Response:
+            url = self.replicas[index].url + path
+            return await self.client.request(request.method, url, headers=headers, params=request.query_params)
+
+        try:
+            answers = await asyncio.gather(*(send(index) for index in live))
+        except httpx.TransportError as e:
+            raise APIError(503, f"An engine replica cannot be reached: {e}", code="replica_unreachable") from None
+        for answer in answers:
+            if answer.status_code != 200:
+                return Response(answer.content, status_code=answer.status_code, media_type="application/json")
+        replicas = {str(index): answer.json() for index, answer in zip(live, answers, strict=True)}
+        sleeping = all(answer.get("is_sleeping") for answer in replicas.values())
+        return JSONResponse({"is_sleeping": sleeping, "replicas": replicas})
+
     async def metrics_text(self) -> bytes:
         """The router's metrics, then every live replica's with a `replica` label."""
         texts = await asyncio.gather(*(self._replica_metrics(i) for i in self.live()))
@@ -323,6 +344,14 @@ def build_router_app(
     # /v1/models (and one by name) is the replicas' (with their adapters); /health and /metrics are the router's.
     forward_routes(app, status.router, router, only={"/v1/models", "/v1/models/{model:path}"})
     add_batch_routes(app, batches)
+    # Sleep and wake-up: every replica at once.
+    for route in sleep.router.routes:
+        if isinstance(route, APIRoute):
+            app.add_api_route(
+                route.path, _broadcast_endpoint(router, route.path),
+                methods=sorted(route.methods), name=route.name, responses=route.responses,
+                operation_id=route.operation_id,
+            )  # fmt: skip
 
     @app.get("/v1/engine/state")
     async def engine_state(request: Request, replica: int = 0) -> Response:
@@ -334,6 +363,13 @@ def build_router_app(
 
     add_dashboard_page(app)  # the same page; its state comes from a replica (above)
     return app
+
+
+def _broadcast_endpoint(router: ReplicaRouter, path: str) -> Callable[[Request], Awaitable[Response]]:
+    async def endpoint(request: Request) -> Response:
+        return await router.broadcast(request, path)
+
+    return endpoint
 
 
 def forward_routes(app: FastAPI, group: APIRouter, router: ReplicaRouter, only: set[str] | None = None) -> None:
