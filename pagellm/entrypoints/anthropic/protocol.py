@@ -118,6 +118,10 @@ class OutputConfig(RequestModel):
     effort: None = None
 
 
+class DiagnosticsRequest(RequestModel):
+    previous_message_id: str | None = Field(None, min_length=1)  # null: opted in, nothing to compare yet
+
+
 class MessagesRequest(CountTokensRequest):
     max_tokens: PositiveInt
     stop_sequences: list[Annotated[str, Field(min_length=1)]] | None = None
@@ -133,6 +137,7 @@ class MessagesRequest(CountTokensRequest):
     output_config: OutputConfig | None = None
     output_format: JsonOutputFormat | None = None
     timings: bool = False  # pagellm's, as on the chat endpoint: the answer carries `timings`
+    diagnostics: DiagnosticsRequest | None = None  # previous_message_id: the answer's cache diagnostics
 
 
 class Usage(OpenAIModel):

@@ -36,6 +36,7 @@ from pagellm.entrypoints.anthropic.protocol import (
     Usage,
 )
 from pagellm.entrypoints.openai.errors import APIError, to_api_error
+from pagellm.entrypoints.openai.prompt_cache_diagnostics import PromptRecord, messages_diagnostics
 from pagellm.entrypoints.openai.protocol import ChatCompletionRequest
 from pagellm.entrypoints.openai.serving_chat import ChatServing, PreparedChat
 from pagellm.entrypoints.openai.serving_common import ServingContext, collect_finals, timings_of, with_timings
@@ -201,11 +202,12 @@ class MessagesServing:
             [prepared.new_request(message_id, 0, arrival_time)], prepared.constraint_field
         )
         if body.stream:
-            return EventStreamResponse(self._events(message_id, prepared, stream), on_close=stream.cancel)
+            return EventStreamResponse(self._events(body, message_id, prepared, stream), on_close=stream.cancel)
         finals = await cancel_on_disconnect(raw, collect_finals(stream))
         answer = self._message(message_id, prepared, finals[message_id]).model_dump(mode="json")
         if self.context.wants_timings(body):
             answer = with_timings(answer, [finals[message_id]])
+        answer.update(self._diagnostics(body, message_id, prepared, finals[message_id]))
         return JSONResponse(answer)
 
     def _blocks(self, prepared: PreparedChat, completion: CompletionOutput) -> tuple[list[dict[str, Any]], str, str | None]:
@@ -232,7 +234,25 @@ class MessagesServing:
             stop_sequence=stop_sequence, usage=self._usage(output),
         )  # fmt: skip
 
-    async def _events(self, message_id: str, prepared: PreparedChat, stream: OutputStream) -> AsyncIterator[str]:
+    def _diagnostics(self, body: MessagesRequest, message_id: str, prepared: PreparedChat, output: RequestOutput) -> dict[str, Any]:
+        """Remember this message's prompt; {"diagnostics": ...} against the message its
+        `diagnostics.previous_message_id` names, when it names one."""
+        service = self.context.diagnostics
+        if service is None:
+            return {}
+        record = PromptRecord.of(
+            self.context.model_name(prepared.adapter), output.prompt_token_ids,
+            None if body.system is None else _text(body.system),
+            [tool.model_dump(mode="json", exclude_none=True) for tool in body.tools or []],
+            [message.model_dump(mode="json", exclude_none=True) for message in body.messages],
+        )  # fmt: skip
+        previous = body.diagnostics.previous_message_id if body.diagnostics else None
+        diagnosis = service.record(message_id, record, output.num_cached_tokens, previous)
+        return {"diagnostics": messages_diagnostics(diagnosis, previous)} if body.diagnostics is not None else {}
+
+    async def _events(
+        self, body: MessagesRequest, message_id: str, prepared: PreparedChat, stream: OutputStream
+    ) -> AsyncIterator[str]:
         def event(kind: str, **fields: Any) -> str:
             return f"event: {kind}\ndata: {json.dumps({'type': kind, **fields}, ensure_ascii=False)}\n\n"
 
@@ -284,8 +304,9 @@ class MessagesServing:
                 yield event("content_block_stop", index=index)
                 index += 1
             usage = self._usage(final)  # the whole usage, as the API's current message_delta has it
-            timings = {"timings": timings_of(final)} if self.context.wants_timings(prepared.job.body) else {}
-            yield event("message_delta", delta={"stop_reason": stop_reason, "stop_sequence": stop_sequence}, usage=usage.model_dump(), **timings)
+            extra = {"timings": timings_of(final)} if self.context.wants_timings(prepared.job.body) else {}
+            extra.update(self._diagnostics(body, message_id, prepared, final))
+            yield event("message_delta", delta={"stop_reason": stop_reason, "stop_sequence": stop_sequence}, usage=usage.model_dump(), **extra)
             yield event("message_stop")
         except Exception as error:  # noqa: BLE001 - the status is sent: report in the stream
             api = to_api_error(error)

@@ -30,6 +30,7 @@ from pagellm.entrypoints.openai import metrics
 from pagellm.entrypoints.openai.auth import ApiKeyMiddleware
 from pagellm.entrypoints.openai.errors import UnhandledErrorMiddleware, install_error_handlers
 from pagellm.entrypoints.openai.openapi_docs import LORA_ADAPTER, ServerBounds, install_openapi
+from pagellm.entrypoints.openai.prompt_cache_diagnostics import DiagnosticsService
 from pagellm.entrypoints.openai.reasoning import REASONING_FORMATS
 from pagellm.entrypoints.openai.request_limits import BodySizeLimitMiddleware
 from pagellm.entrypoints.openai.routes import (
@@ -86,6 +87,10 @@ def build_app(async_llm: AsyncLLM, config: ServerConfig | None = None, on_ready:
     context = ServingContext(
         async_llm, name, limits, reasoning, config.structured_outputs_in_reasoning, config.data_parallel_rank, adapters,
         per_request_metrics=config.enable_per_request_metrics,
+        diagnostics=DiagnosticsService(
+            limits.max_stored_responses, engine.config.cache_config.block_size,
+            engine.config.cache_config.enable_prefix_caching, engine.config.cache_budget.kv_offload_path is not None,
+        ),
     )  # fmt: skip
     chat = ChatServing(context)
     batches = BatchServing(batch_dir_for(config.batch_dir, name), limits.max_batch_file_bytes)

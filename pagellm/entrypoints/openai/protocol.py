@@ -252,6 +252,15 @@ class NamedToolChoice(RequestModel):
     function: NamedFunction
 
 
+class PromptCacheOptions(RequestModel):
+    comparison_id: str | None = Field(None, min_length=1)  # an earlier answer's id (chat)
+    comparison_response_id: str | None = Field(None, min_length=1)  # the Responses API's name for it
+
+    @property
+    def compare_with(self) -> str | None:
+        return self.comparison_id or self.comparison_response_id
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[ToolDefinition] | None = None
@@ -268,6 +277,9 @@ class ChatCompletionRequest(SamplingFields):
     # left open for the model to continue.
     add_generation_prompt: bool | None = None
     continue_final_message: bool = False
+    # pagellm's, as the Responses API's: diagnose this prompt's cache hits against an earlier
+    # chat completion's (its id); the answer carries prompt_cache_diagnostics.
+    prompt_cache_options: PromptCacheOptions | None = None
 
 
 class TokenizeFields(RequestModel):

@@ -13,7 +13,14 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag
 
-from pagellm.entrypoints.openai.protocol import OpenAIModel, PositiveInt, RequestModel, SafeInt, StructuredOutputsFields
+from pagellm.entrypoints.openai.protocol import (
+    OpenAIModel,
+    PositiveInt,
+    PromptCacheOptions,
+    RequestModel,
+    SafeInt,
+    StructuredOutputsFields,
+)
 
 
 class InputTextPart(RequestModel):
@@ -127,6 +134,7 @@ class ResponsesRequest(RequestModel):
     seed: SafeInt | None = None
     priority: SafeInt = 0
     timings: bool = False  # pagellm's, as on the chat endpoint: the response carries `timings`
+    prompt_cache_options: PromptCacheOptions | None = None  # comparison_response_id: prompt_cache_diagnostics
     # vLLM's extension (as on the chat endpoint): an output constraint (json, regex, choice, grammar).
     structured_outputs: StructuredOutputsFields | None = None
 

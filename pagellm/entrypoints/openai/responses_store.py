@@ -24,6 +24,8 @@ class StoredResponse:
     tools: list[dict[str, Any]] = field(default_factory=list)  # chat-shaped tools it was offered
     input_items: list[dict[str, Any]] = field(default_factory=list)  # its request's input, as GET .../input_items lists it
     timings: dict[str, Any] | None = None  # serving_common.timings_of, when asked for
+    compare_with: str | None = None  # prompt_cache_options.comparison_response_id
+    diagnostics: dict[str, Any] | None = None  # prompt_cache_diagnostics, once finished
     task: asyncio.Task[None] | None = None  # a background response still running
 
 

@@ -35,6 +35,7 @@ from pagellm.entrypoints.openai.protocol import (
     ToolCall,
     UsageInfo,
 )
+from pagellm.entrypoints.openai.prompt_cache_diagnostics import PromptRecord, responses_diagnostics
 from pagellm.entrypoints.openai.reasoning import ReasoningSplit, StreamingReasoning
 from pagellm.entrypoints.openai.sampling import (
     common_sampling_fields,
@@ -261,6 +262,7 @@ class ChatServing:
         answer = self._response(job, finals[response_id]).model_dump(mode="json")
         if context.wants_timings(body):
             answer = with_timings(answer, [finals[response_id]])
+        answer.update(self._diagnostics(job, finals[response_id]))
         return JSONResponse(answer)
 
     def _logprobs(
@@ -307,9 +309,13 @@ class ChatServing:
                     if (choice := self._delta_choice(job, completion, splitters.get(completion.index)))
                 ]
                 if choices:
-                    # The last chunk carries the timings, when asked for.
-                    timed = [output] if output.finished and self.context.wants_timings(body) else []
-                    yield self._chunk(job, choices, continuous_usage(body, [output]), timed)
+                    # The last chunk carries the timings and diagnostics, when asked for.
+                    extra: dict[str, Any] = {}
+                    if output.finished:
+                        extra = self._diagnostics(job, output)
+                        if self.context.wants_timings(body):
+                            extra = with_timings(extra, [output])
+                    yield self._chunk(job, choices, continuous_usage(body, [output]), extra)
             if body.stream_options is not None and body.stream_options.include_usage:
                 yield self._chunk(job, [], usage_of([latest] if latest else []))
         except Exception as e:  # noqa: BLE001 - the status is sent: report in the stream
@@ -389,11 +395,26 @@ class ChatServing:
 
     @staticmethod
     def _chunk(
-        job: _Job, choices: list[ChatChunkChoice], usage: UsageInfo | None = None, timed: list[RequestOutput] | None = None
+        job: _Job, choices: list[ChatChunkChoice], usage: UsageInfo | None = None, extra: dict[str, Any] | None = None
     ) -> str:
         chunk = ChatCompletionChunk(
             id=job.response_id, model=job.model, choices=choices, usage=usage
         )
-        if timed:
-            return sse_event(json.dumps(with_timings(chunk.model_dump(mode="json"), timed), ensure_ascii=False))
+        if extra:
+            return sse_event(json.dumps({**chunk.model_dump(mode="json"), **extra}, ensure_ascii=False))
         return sse_event(chunk.model_dump_json())
+
+    def _diagnostics(self, job: _Job, output: RequestOutput) -> dict[str, Any]:
+        """Remember this completion's prompt; {"prompt_cache_diagnostics": ...} against the
+        one its prompt_cache_options names, when it names one."""
+        service = self.context.diagnostics
+        if service is None or not output.finished:
+            return {}
+        body = job.body
+        system = [m.content for m in body.messages if m.role in ("system", "developer")]
+        turns = [m.model_dump(mode="json", exclude_none=True) for m in body.messages if m.role not in ("system", "developer")]
+        tools = [t.model_dump(mode="json", exclude_none=True) for t in body.tools or []]
+        record = PromptRecord.of(job.model, output.prompt_token_ids, system, tools, turns)
+        options = body.prompt_cache_options
+        diagnosis = service.record(job.response_id, record, output.num_cached_tokens, options.compare_with if options else None)
+        return {"prompt_cache_diagnostics": responses_diagnostics(diagnosis)} if diagnosis is not None else {}

@@ -21,6 +21,7 @@ from pagellm.structured_outputs_params import KINDS as CONSTRAINT_KINDS
 from pagellm.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
+    from pagellm.entrypoints.openai.prompt_cache_diagnostics import DiagnosticsService
     from pagellm.entrypoints.openai.serving_lora import AdapterRegistry
 
 
@@ -41,6 +42,7 @@ class ServingContext:
     data_parallel_rank: int | None = None  # this server is that replica of a data-parallel one
     adapters: AdapterRegistry | None = None  # LoRA adapters served by name (serving_lora.py)
     per_request_metrics: bool = False  # --enable-per-request-metrics: every answer carries `timings`
+    diagnostics: DiagnosticsService | None = None  # prompt-cache diagnostics against earlier answers
 
     def wants_timings(self, body: object) -> bool:
         """Whether this answer carries `timings`: the server flag, or the request's own `timings: true`."""

@@ -42,6 +42,7 @@ from pagellm.entrypoints.openai.protocol_responses import (
 )
 from pagellm.entrypoints.openai.responses_store import ResponseStore, StoredResponse
 from pagellm.entrypoints.openai.serving_chat import ChatServing, PreparedChat
+from pagellm.entrypoints.openai.prompt_cache_diagnostics import PromptRecord, responses_diagnostics
 from pagellm.entrypoints.openai.serving_common import ServingContext, collect_finals, timings_of
 from pagellm.entrypoints.openai.streaming import EventStreamResponse, cancel_on_disconnect
 from pagellm.outputs import RequestOutput
@@ -178,9 +179,10 @@ class ResponsesServing:
         prepared = await self.chat.prepare(chat_request(body, system + conversation), response_id, check_limits=False)
         if body.max_output_tokens is None:  # no limit but the context (chat's default is 16)
             prepared = dataclasses.replace(prepared, params=dataclasses.replace(prepared.params, max_tokens=None))
+        options = body.prompt_cache_options
         entry = StoredResponse(
             self._response_object(body, response_id, self.context.model_name(prepared.adapter)), conversation,
-            input_items=listed_input_items(body),
+            input_items=listed_input_items(body), compare_with=options.compare_with if options else None,
         )  # fmt: skip
         stream = await self.context.add_requests(
             [prepared.new_request(response_id, body.priority, arrival_time)],
@@ -265,6 +267,8 @@ class ResponsesServing:
         answer = entry.response.model_dump(mode="json")
         if entry.timings is not None:  # asked for, and finished
             answer["timings"] = entry.timings
+        if entry.diagnostics is not None:
+            answer["prompt_cache_diagnostics"] = entry.diagnostics
         return answer
 
     def _output(self, prepared: PreparedChat, output: RequestOutput) -> tuple[list[dict[str, Any]], dict[str, Any]]:
@@ -301,6 +305,14 @@ class ResponsesServing:
             input_tokens=num_input, output_tokens=num_output, total_tokens=num_input + num_output,
             input_tokens_details={"cached_tokens": output.num_cached_tokens}, output_tokens_details={"reasoning_tokens": 0},
         )  # fmt: skip
+        if self.context.diagnostics is not None:  # this response's prompt, for later diagnostics
+            response_object = entry.response
+            record = PromptRecord.of(
+                response_object.model, output.prompt_token_ids, response_object.instructions, response_object.tools,
+                entry.conversation,
+            )  # fmt: skip
+            diagnosis = self.context.diagnostics.record(response_object.id, record, output.num_cached_tokens, entry.compare_with)
+            entry.diagnostics = responses_diagnostics(diagnosis) if diagnosis is not None else None
         entry.conversation = [*entry.conversation, turn]
         if self.context.wants_timings(prepared.job.body):
             entry.timings = timings_of(output)

@@ -42,3 +42,38 @@ def test_a_returning_conversation_is_served_from_the_tier(tier_server, model_nam
     assert metrics["pagellm:kv_tier_written_blocks_total"] >= 16
     assert metrics["pagellm:kv_tier_read_bytes_total"] > 0 and metrics["pagellm:kv_tier_bytes"] > 0
     assert metrics["pagellm:kv_tier_load_seconds_count"] == 1
+
+
+def test_cache_diagnostics_tell_a_tier_hit_from_a_tier_miss(tier_server, model_name, tiny_model, tmp_path) -> None:
+    """A conversation evicted from the KV cache and found in the tier is a hit; on a server
+    whose tier holds almost nothing (--kv-offload-bytes), the same is a miss the diagnosis
+    puts on the tier."""
+    anthropic = pytest.importorskip("anthropic")
+    rng = random.Random(9)
+
+    def words(count: int) -> str:
+        return " ".join(f"w{rng.randrange(1000)}" for _ in range(count))
+
+    turn, others = [{"role": "user", "content": words(12)}], [words(12) for _ in range(4)]
+
+    def evict_and_return(server: ServerProcess) -> dict:
+        with anthropic.Anthropic(base_url=server.base_url, api_key=API_KEY, max_retries=0, timeout=120) as claude:
+            first = claude.messages.create(model=model_name, max_tokens=2, messages=turn)
+            for other in others:  # evicts the conversation from the 12-block KV cache
+                claude.messages.create(model=model_name, max_tokens=2, messages=[{"role": "user", "content": other}])
+            back = claude.messages.create(
+                model=model_name, max_tokens=2, messages=turn, extra_body={"diagnostics": {"previous_message_id": first.id}}
+            )
+            return back.model_dump()["diagnostics"] | back.diagnostics.model_extra
+
+    found = evict_and_return(tier_server)
+    assert found["cache_miss_reason"] is None and found["cached_tokens"] > 0  # served from the tier
+    flags = engine_cli_flags(max_model_len=128, num_gpu_blocks_override=13)
+    small_tier = ServerProcess(
+        ["--model", tiny_model, *flags, "--kv-offload-path", str(tmp_path / "tier"), "--kv-offload-bytes", "1"], api_key=API_KEY
+    )
+    try:
+        lost = evict_and_return(small_tier)
+    finally:
+        assert small_tier.stop(signal.SIGINT) == 0, small_tier.log
+    assert lost["cache_miss_reason"]["type"] == "tier_miss" and lost["cache_miss_reason"]["cache_missed_input_tokens"] > 0

@@ -146,3 +146,17 @@ def test_a_server_without_enable_lora_refuses_adapters(files):
         assert response.status_code == 400 and "--enable-lora" in response.json()["error"]["message"]
     finally:
         process.stop()
+
+
+def test_a_prompt_under_another_adapter_is_a_cache_miss_by_model(client):
+    """The same prompt under the base model, then under an adapter: its blocks are the
+    adapter's own, so the diagnosis names the model change."""
+    messages = [{"role": "user", "content": "same prompt " * 8}]  # whole blocks to share
+    base = client.chat.completions.create(model="base", messages=messages, max_tokens=1)
+    under_adapter = client.chat.completions.create(
+        model="sql", messages=messages, max_tokens=1, extra_body={"prompt_cache_options": {"comparison_id": base.id}}
+    )
+    diagnosis = under_adapter.model_extra["prompt_cache_diagnostics"]
+    assert diagnosis["type"] == "cache_miss" and diagnosis["reason"] == "model_changed"
+    assert diagnosis["cache_missed_tokens"] == diagnosis["comparison_reusable_tokens"] > 0
+    assert diagnosis["first_divergent_token"] is None  # the same tokens: the adapter alone made the difference
