@@ -129,6 +129,7 @@ def build_app(async_llm: AsyncLLM, config: ServerConfig | None = None, on_ready:
         embedding_dimensions=embedding_dimensions(engine.model_config),
         empty_text_has_tokens=bool(context.tokenizer.encode("")),
         thinking=reasoning is not None,
+        max_sleep_level=1 if engine.config.lora_config is not None else 2,
     )
     install_openapi(app, bounds)
     # Innermost first: the size limit bounds what the encoding check buffers, and a bug's

@@ -95,7 +95,7 @@ def validation_error(errors: Sequence[Any]) -> APIError:
     if first.get("type") == "json_invalid":
         detail = first.get("ctx", {}).get("error", "")
         return APIError(400, f"The request body is not valid JSON: {detail}".rstrip(": "))
-    loc = [part for part in first.get("loc", ()) if part != "body"]
+    loc = [part for part in first.get("loc", ()) if part not in ("body", "query", "path")]
     if not loc and first.get("type") == "missing":
         return APIError(400, "The request needs a JSON body.")
     param = str(loc[0]) if loc else None

@@ -171,6 +171,7 @@ class ServerBounds:
     # Whether "" becomes any token (a tokenizer that adds BOS): if not, text is minLength 1.
     empty_text_has_tokens: bool = True
     thinking: bool = False  # --reasoning-parser: Ollama's `think` can be honoured
+    max_sleep_level: int = 2  # 1 with LoRA adapters (level 2 would drop the weights they are on)
 
 
 def install_openapi(app: FastAPI, bounds: ServerBounds) -> None:
@@ -187,6 +188,9 @@ def install_openapi(app: FastAPI, bounds: ServerBounds) -> None:
                 schemas.pop(name, None)
             _add_bounds(schemas, bounds)
             _add_form_rules(schemas)
+            for parameter in schema.get("paths", {}).get("/sleep", {}).get("post", {}).get("parameters", []):
+                if parameter.get("name") == "level":
+                    parameter["schema"]["maximum"] = bounds.max_sleep_level
             if bounds.api_key:
                 _add_bearer_auth(schema)
             app.openapi_schema = schema

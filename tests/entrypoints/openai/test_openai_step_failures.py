@@ -58,12 +58,12 @@ def test_steps_failing_over_and_over_stop_the_server(tiny_model, monkeypatch):
 
 
 def test_a_step_that_hangs_fails_health_until_it_returns(tiny_model, monkeypatch):
-    """A step blocked for 5 s (a stuck kernel) against --health-stall-seconds 1: /health
+    """A step blocked for 3 s (a stuck kernel) against --health-stall-seconds 1: /health
     turns 503 engine_stalled while it hangs, 200 again once steps complete, and the request
     it held up is answered."""
     import threading
 
-    monkeypatch.setenv(ENV_VAR, "hang=2:5")
+    monkeypatch.setenv(ENV_VAR, "hang=2:3")
     server = ServerProcess(["--model", tiny_model, "--max-model-len", "256", "--health-stall-seconds", "1"])
     try:
         assert httpx2.get(server.base_url + "/health", timeout=30).status_code == 200  # idle: no stall

@@ -3,7 +3,9 @@ GET /is_sleeping. A request that comes while the engine sleeps wakes it and wait
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from typing import Annotated
+
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
 
 from pagellm.entrypoints.openai.openapi_docs import READ, SLEEP
@@ -13,7 +15,7 @@ router = APIRouter()
 
 
 @router.post("/sleep", responses=SLEEP)
-async def sleep(raw: Request, level: int = 1) -> Response:
+async def sleep(raw: Request, level: Annotated[int, Query(ge=1, le=2)] = 1) -> Response:
     """Free the KV cache (level 1) or the weights too (level 2) once the requests in flight
     have finished; answers when asleep."""
     await services_of(raw).async_llm.sleep(level)
