@@ -89,7 +89,11 @@ _ANTHROPIC_ERRORS = {
 }
 MESSAGES = {
     200: {"model": MessageResponse, "description": "The message (JSON), or with stream Anthropic's events.",
-          "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+          "content": {"text/event-stream": {"schema": {
+              "type": "object", "required": ["event", "data"],
+              "properties": {"event": {"type": "string"}, "data": {"type": "string"}},
+              "description": "event: the event's type; data: its JSON object.",
+          }}}},
     **_ANTHROPIC_ERRORS,
     500: _anthropic_error("The engine step computing the request failed (api_error)."),
     529: _anthropic_error("Too many requests waiting, or the engine has stopped (overloaded_error)."),

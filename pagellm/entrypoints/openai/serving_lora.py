@@ -100,12 +100,16 @@ def parse_lora_modules(values: Iterable[str]) -> list[tuple[str, str]]:
 
 
 def add_lora_routes(app: FastAPI, adapters: AdapterRegistry, responses: dict) -> None:
-    @app.post("/v1/load_lora_adapter", responses=responses)
+    """The adapter routes; in the published schema only where --enable-lora makes them
+    usable (without it they answer 400, saying so)."""
+    published = adapters.lora_config is not None
+
+    @app.post("/v1/load_lora_adapter", responses=responses, include_in_schema=published)
     async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> JSONResponse:
         request = await asyncio.to_thread(adapters.add, body.lora_name, body.lora_path)
         return JSONResponse({"object": "lora_adapter", "lora_name": request.lora_name, "status": "loaded"})
 
-    @app.post("/v1/unload_lora_adapter", responses=responses)
+    @app.post("/v1/unload_lora_adapter", responses=responses, include_in_schema=published)
     async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> JSONResponse:
         adapters.remove(body.lora_name)
         return JSONResponse({"object": "lora_adapter", "lora_name": body.lora_name, "status": "unloaded"})
