@@ -28,7 +28,14 @@ from pydantic import ValidationError
 
 from pagellm.engine.async_requests import NewRequest, OutputStream
 from pagellm.engine.input_processor import TokenizedPrompt
-from pagellm.entrypoints.ollama.protocol import OllamaChatRequest, OllamaEmbedRequest, OllamaGenerateRequest, OllamaMessage, OllamaOptions, OllamaShowRequest
+from pagellm.entrypoints.ollama.protocol import (
+    OllamaChatRequest,
+    OllamaEmbedRequest,
+    OllamaGenerateRequest,
+    OllamaMessage,
+    OllamaOptions,
+    OllamaShowRequest,
+)
 from pagellm.entrypoints.openai.errors import APIError, to_api_error
 from pagellm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from pagellm.entrypoints.openai.sampling import common_sampling_fields, make_sampling_params, structured_outputs
@@ -41,17 +48,8 @@ from pagellm.outputs import RequestOutput
 from pagellm.pooling_params import PoolingParams
 from pagellm.version import package_version
 
-OLLAMA_PATH = "/api/"
 LATEST = ":latest"
 NDJSON = "application/x-ndjson"
-
-
-def is_ollama_path(path: str) -> bool:
-    return path.startswith(OLLAMA_PATH)
-
-
-def ollama_error_response(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"error": message}, status_code=status)
 
 
 class NDJSONResponse(EventStreamResponse):

@@ -87,15 +87,6 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return result
 
 
-def chat_prompt_ids(
-    tokenizer: Tokenizer,
-    messages: list[ChatMessage],
-    request: ChatCompletionRequest | None = None,
-    tools: ToolMode = ToolMode("none"),
-) -> list[int]:
-    return tokenizer.encode(chat_prompt_text(tokenizer, messages, request, tools), add_special_tokens=False)
-
-
 def chat_prompt_text(
     tokenizer: Tokenizer,
     messages: list[ChatMessage],

@@ -88,7 +88,7 @@ def test_chat_template_kwargs_reach_the_template(tmp_path):
     from hf_models import make_tiny_hf_checkpoint
 
     from pagellm.entrypoints.openai.protocol import ChatCompletionRequest
-    from pagellm.entrypoints.openai.serving_chat import chat_prompt_ids
+    from pagellm.entrypoints.openai.serving_chat import chat_prompt_text
     from pagellm.model.loader import load_model_config, load_tokenizer, resolve_model_source
 
     folder = make_tiny_hf_checkpoint(tmp_path / "tiny", "llama")
@@ -104,7 +104,7 @@ def test_chat_template_kwargs_reach_the_template(tmp_path):
 
     def prompt(**kwargs: object) -> str:
         request = ChatCompletionRequest.model_validate({"messages": MESSAGES, **kwargs})
-        return tokenizer.decode(chat_prompt_ids(tokenizer, request.messages, request))
+        return chat_prompt_text(tokenizer, request.messages, request)
 
     assert prompt().endswith("sky?\n>")
     # The template sees the request's variables; the server keeps opening the assistant's turn.
