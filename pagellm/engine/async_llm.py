@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import math
 import logging
+import math
 import queue
 import threading
 import time
@@ -359,8 +359,7 @@ class AsyncLLM:
             if idle:
                 self._last_progress = time.monotonic()  # new work: its first step starts now
                 if not commands and timeout is not None:  # idle for sleep_idle_seconds
-                    logger.info("no request for %g s: sleeping", self.sleep_idle_seconds)
-                    engine.sleep(self.sleep_idle_level)
+                    self._sleep_when_idle()
                     continue
             self._taken.extend(commands)
             while self._taken:
@@ -386,6 +385,16 @@ class AsyncLLM:
         if self.sleep_idle_seconds is None or self.engine.sleep_level is not None:
             return None
         return max(0.0, self._idle_since + self.sleep_idle_seconds - time.monotonic())
+
+    def _sleep_when_idle(self) -> None:
+        """The idle timer's sleep. An executor that cannot sleep (several ranks) turns the
+        timer off rather than end the engine loop."""
+        logger.info("no request for %g s: sleeping", self.sleep_idle_seconds)
+        try:
+            self.engine.sleep(self.sleep_idle_level)
+        except InvalidRequestError as e:
+            logger.warning("the idle timer is off: %s", e)
+            self.sleep_idle_seconds = None
 
     def _sleep_if_asked(self) -> None:
         """Sleep for the callers that asked, now that no request is in flight."""

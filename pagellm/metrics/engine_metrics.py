@@ -26,6 +26,7 @@ from pagellm.metrics.spec_decode_stats import SpecDecodeStats
 from pagellm.metrics.utilization import Ceilings, Utilization, step_cost
 from pagellm.model.costs import ModelCosts
 from pagellm.outputs import RequestMetrics, RequestOutput
+from pagellm.request import child_request_id
 from pagellm.workload.latency import percentile
 
 logger = logging.getLogger(__name__)
@@ -303,7 +304,8 @@ class EngineMetrics:
         if not drafts:
             return
         gained = {
-            output.request_id if completion.index == 0 else f"{output.request_id}#{completion.index}": len(completion.delta_token_ids)
+            output.request_id if completion.index == 0 else child_request_id(output.request_id, completion.index):
+            len(completion.delta_token_ids)
             for output in outputs for completion in output.outputs
         }  # fmt: skip
         for scheduler_id, proposed in drafts.items():

@@ -19,9 +19,6 @@ from prometheus_client.registry import Collector
 
 from pagellm.metrics.resident_memory import read_resident_memory
 
-STATIC_COMPONENTS = ("weights", "kv_cache", "kv_swap_space", "recurrent_state", "tier_host_cache")
-
-
 def memory_components(static: Mapping[str, int], device_type: str) -> dict[str, int]:
     """The static components and, read now, the process's and the device's."""
     values = dict(static)

@@ -223,3 +223,31 @@ def test_retry_after_grows_with_the_queue_and_the_recent_request_time():
     assert estimate(None, 10) == 1
     assert estimate(2.0, 8) == 4 and estimate(2.0, 9) == 5
     assert estimate(0.01, 1) == 1 and estimate(100.0, 100) == 60
+
+
+def test_an_idle_timer_the_engine_cannot_honour_turns_itself_off(folder, offline):
+    """Under an executor that cannot sleep (several ranks), the idle timer is switched off
+    with a warning; the engine loop goes on serving."""
+    from pagellm.errors import InvalidRequestError
+
+    llm = AsyncLLM.from_engine_args(EngineArgs(model=folder, **ENGINE), sleep_idle_seconds=0.01)
+
+    def cannot_sleep(level: int = 1) -> None:
+        raise InvalidRequestError("sleep is not supported with several ranks (tensor parallelism) yet", "level")
+
+    llm.engine.sleep = cannot_sleep  # type: ignore[method-assign]
+
+    async def scenario() -> list:
+        llm.start()
+        for _ in range(500):  # the timer fires once the engine has been idle for 0.01 s
+            if llm.sleep_idle_seconds is None:
+                break
+            await asyncio.sleep(0.01)
+        outputs = await collect(llm, [5, 6, 7], "after-timer")
+        await llm.shutdown()
+        return outputs
+
+    outputs = run(scenario())
+    assert llm.sleep_idle_seconds is None
+    expected = offline.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    assert outputs[-1].outputs[0].token_ids == expected

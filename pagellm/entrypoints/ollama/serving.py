@@ -131,11 +131,9 @@ class OllamaServing:
 
     # ------------------------------------------------------------------ models
 
-    def resolve(self, name: str | None) -> tuple[str, LoRARequest | None]:
+    def resolve(self, name: str) -> tuple[str, LoRARequest | None]:
         """The served name (or adapter) an Ollama model name means: as served, with or
         without ':latest'; 404 in Ollama's words otherwise."""
-        if not name:
-            raise APIError(400, "model is required", param="model")
         for candidate in (name, name.removesuffix(LATEST)):
             try:
                 return candidate, self.context.check_model(candidate)
@@ -294,7 +292,7 @@ class OllamaServing:
             raise APIError(400, f"invalid request: {e.errors()[0]['msg']}", param="options") from None
         sampling = common_sampling_fields(request)
         sampling["structured_outputs"], constraint_field = structured_outputs(request)
-        sampling["max_tokens"] = request.max_tokens if "max_tokens" in fields else None
+        sampling["max_tokens"] = fields.get("max_tokens")  # None: up to the context
         params = make_sampling_params(sampling)
         ids = await self.context.async_llm.tokenize(body.prompt, add_special_tokens=not body.context) if body.prompt else []
         if body.context:

@@ -23,6 +23,7 @@ from pagellm.engine.input_processor import TokenizedPrompt
 from pagellm.entrypoints.openai.errors import APIError, to_api_error
 from pagellm.entrypoints.openai.request_limits import check_chat
 from pagellm.entrypoints.openai.logprobs import chat_logprobs
+from pagellm.entrypoints.openai.prompt_cache_diagnostics import PromptRecord, responses_diagnostics
 from pagellm.entrypoints.openai.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -35,7 +36,6 @@ from pagellm.entrypoints.openai.protocol import (
     ToolCall,
     UsageInfo,
 )
-from pagellm.entrypoints.openai.prompt_cache_diagnostics import PromptRecord, responses_diagnostics
 from pagellm.entrypoints.openai.reasoning import ReasoningSplit, StreamingReasoning
 from pagellm.entrypoints.openai.sampling import (
     common_sampling_fields,

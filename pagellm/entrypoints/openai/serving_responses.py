@@ -28,6 +28,7 @@ from pydantic import ValidationError
 
 from pagellm.engine.async_requests import OutputStream
 from pagellm.entrypoints.openai.errors import APIError, to_api_error
+from pagellm.entrypoints.openai.prompt_cache_diagnostics import PromptRecord, responses_diagnostics
 from pagellm.entrypoints.openai.protocol import ChatCompletionRequest, ToolCall
 from pagellm.entrypoints.openai.protocol_responses import (
     DeletedResponse,
@@ -42,7 +43,6 @@ from pagellm.entrypoints.openai.protocol_responses import (
 )
 from pagellm.entrypoints.openai.responses_store import ResponseStore, StoredResponse
 from pagellm.entrypoints.openai.serving_chat import ChatServing, PreparedChat
-from pagellm.entrypoints.openai.prompt_cache_diagnostics import PromptRecord, responses_diagnostics
 from pagellm.entrypoints.openai.serving_common import ServingContext, collect_finals, timings_of
 from pagellm.entrypoints.openai.streaming import EventStreamResponse, cancel_on_disconnect
 from pagellm.outputs import RequestOutput
@@ -407,14 +407,10 @@ class ResponsesServing:
     def input_items(self, response_id: str, limit: int, order: str, after: str | None, before: str | None) -> Response:
         """A stored response's input items, a page of them as OpenAI's list does: `order`
         asc or desc (the default), `after` / `before` an item id the page starts after or
-        ends before, at most `limit` (1-100) items."""
+        ends before, at most `limit` items (the route bounds limit and order)."""
         entry = self.store.get(response_id)
         if entry is None:
             raise _not_found(response_id)
-        if not 1 <= limit <= 100:
-            raise APIError(400, f"limit must be between 1 and 100, got {limit}.", param="limit")
-        if order not in ("asc", "desc"):
-            raise APIError(400, f"order must be asc or desc, got {order!r}.", param="order")
         items = entry.input_items if order == "asc" else entry.input_items[::-1]
         ids = [item["id"] for item in items]
         for name, cursor in (("after", after), ("before", before)):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 
 from pagellm.entrypoints.openai.openapi_docs import INPUT_TOKENS, RESPONSE_BY_ID, RESPONSES, add_route_per_method
@@ -34,8 +36,9 @@ add_route_per_method(router, "/v1/responses/{response_id}", response_by_id, ["DE
 
 @router.get("/v1/responses/{response_id}/input_items", responses=RESPONSE_BY_ID)
 async def list_input_items(
-    response_id: str, raw: Request, limit: int = 20, order: str = "desc", after: str | None = None, before: str | None = None
-) -> Response:
+    response_id: str, raw: Request, limit: Annotated[int, Query(ge=1, le=100)] = 20,
+    order: Literal["asc", "desc"] = "desc", after: str | None = None, before: str | None = None,
+) -> Response:  # fmt: skip
     return services_of(raw).responses.input_items(response_id, limit, order, after, before)
 
 
