@@ -154,9 +154,9 @@ def write_gguf_from_hf(
             value = value + 1.0  # llama.cpp's converter stores Gemma's norms as 1 + w
         if arch in QWEN35_ARCHES:
             value = _qwen35_converted(name, value, cfg, tiled=arch != "qwen3next")
-        if kind == "attn_q" and arch == "llama":
+        if kind == "attn_q" and arch in ("llama", "smollm3"):
             value = llama_cpp_permute(value, cfg["num_attention_heads"])
-        elif kind == "attn_k" and arch == "llama":
+        elif kind == "attn_k" and arch in ("llama", "smollm3"):
             value = llama_cpp_permute(value, cfg["num_key_value_heads"])
         qtype = types.get(kind, gguf.GGMLQuantizationType.F32)
         if value.ndim == 1:

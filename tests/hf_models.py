@@ -31,7 +31,7 @@ def make_tiny_hf_checkpoint(
     folder: Path, arch: str = "llama", seed: int = 0, **overrides: object
 ) -> Path:
     """Save a random tiny Llama/Qwen2/Mistral/Qwen3/Phi-3/Mixtral/Qwen3-MoE/Gemma 2/Gemma 3/
-    Qwen3.5/Qwen3-Next model as an HF folder; return its path."""
+    Qwen3.5/Qwen3-Next/SmolLM3 model as an HF folder; return its path."""
     import transformers
 
     classes = {
@@ -48,6 +48,7 @@ def make_tiny_hf_checkpoint(
         "qwen3_5": (transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM),
         "qwen3_5_moe": (transformers.Qwen3_5MoeTextConfig, transformers.Qwen3_5MoeForCausalLM),
         "qwen3_next": (transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM),
+        "smollm3": (transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM),
     }
     config_cls, model_cls = classes[arch]
     shape = {**TINY_SHAPE, "rope_theta": 10000.0, "tie_word_embeddings": False}
@@ -60,8 +61,8 @@ def make_tiny_hf_checkpoint(
         shape.setdefault("query_pre_attn_scalar", 16)
         shape.setdefault("sliding_window", 8)
         shape.setdefault("pad_token_id", 0)
-    if arch == "phi3":
-        shape.setdefault("pad_token_id", 0)  # its default, 32000, lies outside the tiny vocabulary
+    if arch in ("phi3", "smollm3"):
+        shape.setdefault("pad_token_id", 0)  # its default (32000, 128004) lies outside the tiny vocabulary
     if arch.startswith(("qwen3_5", "qwen3_next")):
         # Three linear-attention layers and a gated attention one (its own default order),
         # GQA-like sharing of q/k heads by value heads, and heads small enough to be quick.

@@ -172,6 +172,9 @@ class ModelConfig:
     attention_output_gate: bool = False
     # RMSNorm weights are stored as offsets from 1 (x * (1 + w): Gemma, Qwen3.5).
     norm_weight_offset: bool = False
+    # Layers whose attention has no rotary embedding at all (SmolLM3's NoPE layers: q and k
+    # reach attention as projected).
+    nope_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.hidden_activation not in HIDDEN_ACTIVATIONS:
@@ -211,6 +214,8 @@ class ModelConfig:
         ]  # fmt: skip
         if self.attention_output_gate:
             parts[-1] += ", output gate"
+        if self.nope_layers:
+            parts[-1] += f", no rotary in {len(self.nope_layers)} layers"
         spec = self.linear_attention
         if spec is not None:
             parts.append(
@@ -260,6 +265,10 @@ class ModelConfig:
         if self.sliding_window_layers is None or layer in self.sliding_window_layers:
             return self.sliding_window
         return None
+
+    def layer_rotates(self, layer: int) -> bool:
+        """Whether layer `layer` turns q and k by their positions (not a NoPE layer)."""
+        return layer not in self.nope_layers
 
     @property
     def expert_intermediate_size(self) -> int:

@@ -55,7 +55,7 @@ class LayerWeights(ctypes.Structure):
     # down are the MLP, a sparse layer's shared expert, or NULL; experts is NULL in a dense layer.
     _fields_ = [(name, c_void_p) for name in (
         "input_norm", "post_norm", "q_norm", "k_norm", "qkv", "qkv_bias", "o", "o_bias", "gate_up", "down",
-    )] + [("mlp_width", c_int64), ("experts", ctypes.POINTER(Experts))]  # fmt: skip
+    )] + [("mlp_width", c_int64), ("experts", ctypes.POINTER(Experts)), ("no_rope", c_int)]  # fmt: skip
 
 
 class LayerShape(ctypes.Structure):

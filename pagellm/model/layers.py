@@ -168,8 +168,11 @@ class RotaryEmbedding(nn.Module):
 def apply_rotary(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-    cos_sin: tuple[torch.Tensor, torch.Tensor],
+    cos_sin: tuple[torch.Tensor, torch.Tensor] | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k turned by their positions' angles (`cos_sin` None: a layer without rotary, unchanged)."""
+    if cos_sin is None:
+        return query, key
     cos, sin = cos_sin
     return _rotate(query, cos, sin), _rotate(key, cos, sin)
 

@@ -58,7 +58,7 @@ class LlamaAttention(nn.Module):
 
     def forward(
         self,
-        cos_sin: tuple[torch.Tensor, torch.Tensor],  # rotary tables of this step's positions
+        cos_sin: tuple[torch.Tensor, torch.Tensor] | None,  # rotary tables of this step's positions; None: NoPE
         hidden: torch.Tensor,  # [num_tokens, hidden_size]
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
@@ -77,7 +77,7 @@ class LlamaAttention(nn.Module):
         return projected if self.tp is None else self.tp.all_reduce(projected)
 
     def position_qk(
-        self, q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
+        self, q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor] | None
     ) -> tuple[torch.Tensor, torch.Tensor]:  # [num_tokens, heads, head_dim] each
         """q and k as attention reads them: rotated by their positions (a family may
         normalize them first)."""
@@ -203,8 +203,10 @@ class LlamaForCausalLM(nn.Module):
         hidden = self.embed(input_ids)
         cos_sin = self.rotary.lookup(positions, hidden.dtype)
         local_cos_sin = cos_sin if self.local_rotary is None else self.local_rotary.lookup(positions, hidden.dtype)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             layer_cos_sin = cos_sin if layer.self_attn.sliding_window is None else local_cos_sin
+            if not self.config.layer_rotates(index):
+                layer_cos_sin = None  # a NoPE layer (SmolLM3)
             hidden = layer(layer_cos_sin, hidden, kv_cache, metadata, self.backend)
         return self.norm(hidden)
 

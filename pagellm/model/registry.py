@@ -33,6 +33,8 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
     # The same computation: its fused projections are cut apart at load (loader/checkpoint_layouts.py).
     "Qwen3NextForCausalLM": Qwen3_5MoeForCausalLM,
+    # Llama's layers; its NoPE layers are ModelConfig.nope_layers, read by the attention.
+    "SmolLM3ForCausalLM": LlamaForCausalLM,
 }
 
 

@@ -26,7 +26,7 @@ def _preset(name: str, repo: str, architecture: str, **shape: object) -> ModelPr
     config = ModelConfig(architecture=architecture, **shape)  # type: ignore[arg-type]
     fields = ", ".join(
         f"{key}={value}" for key, value in shape.items()
-        if key not in ("rms_norm_eps", "rope_scaling", "qk_norm", "norm_topk_prob", "sliding_window_layers")
+        if key not in ("rms_norm_eps", "rope_scaling", "qk_norm", "norm_topk_prob", "sliding_window_layers", "nope_layers")
     )
     return ModelPreset(name, config, 2, f"huggingface.co/{repo} config.json: {fields}, bfloat16")
 
@@ -142,6 +142,14 @@ MODEL_PRESETS: dict[str, ModelPreset] = {
             sliding_window=1024, sliding_window_layers=tuple(i for i in range(62) if (i + 1) % 6),
             rope_theta=1000000.0, local_rope_theta=10000.0, rope_scaling=RopeScaling("linear", factor=8.0),
             qk_norm=True, rms_norm_eps=1e-6,
+        ),
+        # SmolLM3: Llama's shape; every fourth layer without rotary (NoPE) costs the same.
+        _preset(
+            "SmolLM3-3B", "HuggingFaceTB/SmolLM3-3B", "SmolLM3ForCausalLM",
+            vocab_size=128256, hidden_size=2048, intermediate_size=11008,
+            num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=4,
+            head_dim=128, max_position_embeddings=65536, tie_word_embeddings=True,
+            rope_theta=5000000.0, nope_layers=tuple(range(3, 36, 4)), rms_norm_eps=1e-6,
         ),
         _preset(
             "Qwen2.5-7B", "Qwen/Qwen2.5-7B-Instruct", "Qwen2ForCausalLM",

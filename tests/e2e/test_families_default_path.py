@@ -34,6 +34,8 @@ FAMILIES = {
     # biases, and a dense layer between sparse ones (the one-call layer runs both kinds).
     "qwen2_moe": ("qwen2_moe", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 96,
                                 "shared_expert_intermediate_size": 160, "mlp_only_layers": [1]}),  # fmt: skip
+    # SmolLM3: the middle layer of three has no rotary (the C stages leave its q and k as projected).
+    "smollm3": ("smollm3", {"head_dim": 64, "no_rope_layers": [1, 0, 1]}),
 }
 
 

@@ -56,6 +56,8 @@ FAMILIES = {
     # Qwen3-MoE: q/k norms, 8 narrow experts, top-2 unnormalized, one dense layer.
     "qwen3_moe": ("qwen3_moe", {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
                                 "mlp_only_layers": [0]}),  # fmt: skip
+    # SmolLM3: every second layer without rotary (NoPE), q/k/v/o biases.
+    "smollm3": ("smollm3", {"no_rope_layer_interval": 2, "attention_bias": True}),
 }
 
 

@@ -34,7 +34,7 @@ static const AbiEntry ABI_ENTRIES[] = {
     ABI_FIELD(LayerWeights, q_norm), ABI_FIELD(LayerWeights, k_norm), ABI_FIELD(LayerWeights, qkv),
     ABI_FIELD(LayerWeights, qkv_bias), ABI_FIELD(LayerWeights, o), ABI_FIELD(LayerWeights, o_bias),
     ABI_FIELD(LayerWeights, gate_up), ABI_FIELD(LayerWeights, down), ABI_FIELD(LayerWeights, mlp_width),
-    ABI_FIELD(LayerWeights, experts),
+    ABI_FIELD(LayerWeights, experts), ABI_FIELD(LayerWeights, no_rope),
 
     ABI_SIZE(LayerShape), ABI_FIELD(LayerShape, hidden), ABI_FIELD(LayerShape, num_heads),
     ABI_FIELD(LayerShape, num_kv_heads), ABI_FIELD(LayerShape, head_dim), ABI_FIELD(LayerShape, block_size),

@@ -136,8 +136,8 @@ void decode_layer_bf16(float *hidden, const LayerWeights *w, void *key_cache, vo
 #pragma omp barrier
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < m; r++) {
-            const float *cos = in->cos_table + in->positions[r] * half;
-            const float *sin = in->sin_table + in->positions[r] * half;
+            const float *cos = w->no_rope ? NULL : in->cos_table + in->positions[r] * half;
+            const float *sin = w->no_rope ? NULL : in->sin_table + in->positions[r] * half;
             rotate_and_store_row(scratch->qkv + r * qkv_size, s->num_heads, s->num_kv_heads, s->head_dim, qk_norm, cos, sin,
                                  scratch->query + r * q_size, in->slots[r], key_cache, value_cache, s->cache_type,
                                  scratch->kv_row + r * 2 * kv_size);

@@ -51,7 +51,9 @@ void rotary_store(float *qkv, int64_t m, int64_t stride, const int64_t *position
         uint16_t kv_row[2 * kv_size];
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < m; r++) {
-            const float *cos = cos_table + positions[r] * half, *sin = sin_table + positions[r] * half;
+            /* NULL tables: a layer without rotary (rotate_heads leaves the heads as they are) */
+            const float *cos = cos_table ? cos_table + positions[r] * half : NULL;
+            const float *sin = sin_table ? sin_table + positions[r] * half : NULL;
             rotate_and_store_row(qkv + r * stride, num_heads, num_kv_heads, head_dim, qk_norm, cos, sin, query + r * q_size,
                                  slots[r], key_cache, value_cache, cache_type, kv_row);
         }

@@ -44,6 +44,10 @@ static inline void rms_norm_heads(float *heads, int num_heads, int head_dim, con
 static inline void rotate_heads(const float *heads, int num_heads, int head_dim, const float *cos, const float *sin,
                                 uint16_t *out) {
     const int half = head_dim / 2;
+    if (cos == NULL) { /* a layer without rotary (NoPE): the heads as projected */
+        for (int64_t i = 0; i < (int64_t)num_heads * head_dim; i++) out[i] = float_to_bf16(heads[i]);
+        return;
+    }
     for (int h = 0; h < num_heads; h++) {
         const float *x = heads + (int64_t)h * head_dim;
         uint16_t *y = out + (int64_t)h * head_dim;

@@ -32,6 +32,7 @@ typedef struct {
                                                 shared expert, or NULL (a sparse layer without one) */
     int64_t mlp_width;
     const Experts *experts;                  /* a sparse layer's routed experts, or NULL */
+    int no_rope;                             /* 1: q and k are not rotated (a NoPE layer) */
 } LayerWeights;
 
 typedef struct {

@@ -25,6 +25,7 @@ SUPPORTED_HF_ARCHITECTURES = (
     "Qwen3_5ForCausalLM",  # Qwen3.5 / 3.6 dense: a hybrid (linear attention); the multimodal checkpoints' text part too
     "Qwen3_5MoeForCausalLM",  # ... and its mixture of experts (35B-A3B and larger)
     "Qwen3NextForCausalLM",  # Qwen3-Next: Qwen3.5-MoE's layers, its projections fused per key head
+    "SmolLM3ForCausalLM",  # Llama's layers; every n-th has no rotary (NoPE)
 )
 # A config saved without a model names no architecture; its model_type still says which.
 ARCHITECTURE_BY_MODEL_TYPE = {
@@ -41,6 +42,7 @@ ARCHITECTURE_BY_MODEL_TYPE = {
     "qwen3_5_text": "Qwen3_5ForCausalLM",
     "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
     "qwen3_next": "Qwen3NextForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
 }
 # A multimodal checkpoint whose language model runs alone (its vision tower not loaded):
 # its architecture (or model_type) -> the text model's, read from its text_config.
@@ -63,6 +65,7 @@ ARCHITECTURE_BY_GGUF_NAME = {
     "qwen35": "Qwen3_5ForCausalLM",
     "qwen35moe": "Qwen3_5MoeForCausalLM",
     "qwen3next": "Qwen3NextForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
 }
 SUPPORTED_GGUF_ARCHITECTURES = tuple(ARCHITECTURE_BY_GGUF_NAME)
 # A base model (e5-mistral's MistralModel, a Qwen3Model): the family's layers, no LM head.

@@ -212,6 +212,9 @@ def gguf_model_config(reader: GGUFReader, path: Path) -> ModelConfig:
         bos_token_id=meta.number("tokenizer.ggml.bos_token_id", int, minimum=0) if bos is not None else None,
         eos_token_ids=(meta.number("tokenizer.ggml.eos_token_id", int, minimum=0),) if eos is not None else (),
         pooling_type=_gguf_pooling(meta, arch),
+        # llama.cpp's smollm3: every fourth layer has no rotary, a rule of the architecture
+        # (no metadata key says it).
+        nope_layers=tuple(i for i in range(num_layers) if (i + 1) % 4 == 0) if arch == "smollm3" else (),
     )
 
 

@@ -98,6 +98,7 @@ def hf_model_config(folder: Path) -> ModelConfig:
             **_gemma(arch, cfg, hidden),
             **_experts(arch, cfg),
             **_hybrid(arch, cfg),
+            nope_layers=_nope_layers(arch, cfg),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=_eos_ids(cfg, folder),
             pooling_type=_sentence_transformers_pooling(folder),
@@ -250,6 +251,22 @@ def _hybrid(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     return {"linear_attention": spec, "attention_output_gate": True, "norm_weight_offset": True}
 
 
+def _nope_layers(arch: str, cfg: dict[str, Any]) -> tuple[int, ...]:
+    """SmolLM3's layers without rotary: `no_rope_layers` holds 1 for a layer that rotates,
+    0 for one that does not; without it every `no_rope_layer_interval`-th layer (4 by
+    default) is NoPE, as transformers fills it in."""
+    if arch != "SmolLM3ForCausalLM":
+        return ()
+    num_layers = int(cfg["num_hidden_layers"])
+    flags = cfg.get("no_rope_layers")
+    if flags is None:
+        interval = int(cfg.get("no_rope_layer_interval") or 4)
+        flags = [int((layer + 1) % interval != 0) for layer in range(num_layers)]
+    if not isinstance(flags, list) or len(flags) != num_layers or not set(flags) <= {0, 1}:
+        raise ModelLoadError(f"no_rope_layers must hold 0 or 1 for each of the {num_layers} layers, got {flags!r}")
+    return tuple(layer for layer, rotates in enumerate(flags) if not rotates)
+
+
 def _activation(cfg: dict[str, Any]) -> str:
     name = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
     return _ACTIVATIONS.get(name, name)  # an unknown one is refused by ModelConfig, named
@@ -305,7 +322,8 @@ def _sliding_window(arch: str, cfg: dict[str, Any]) -> tuple[int | None, tuple[i
     window = cfg.get("sliding_window")
     num_layers = int(cfg["num_hidden_layers"])
     qwen = arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM")
-    if not window or (qwen and not cfg.get("use_sliding_window", False)):
+    switched = qwen or arch == "SmolLM3ForCausalLM"  # the window counts only with use_sliding_window
+    if not window or (switched and not cfg.get("use_sliding_window", False)):
         return None, None
     layer_types = cfg.get("layer_types")
     if layer_types:

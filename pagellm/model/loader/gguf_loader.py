@@ -194,8 +194,9 @@ def _piece_name(hf_name: str, config: ModelConfig) -> str:
 
 
 def _permuted_heads(hf_name: str, config: ModelConfig) -> int | None:
-    """The head count whose rows llama.cpp's converter permuted (Llama's q and k only)."""
-    if config.architecture != "llama":
+    """The head count whose rows llama.cpp's converter permuted (Llama's q and k, and those
+    of the families it converts as Llama: SmolLM3)."""
+    if config.architecture not in ("llama", "smollm3"):
         return None
     if ".q_proj." in hf_name:
         return config.num_attention_heads

@@ -200,7 +200,7 @@ class FusedDecode:
         self._sparse = [SparseLayer(layer.mlp) if is_sparse(layer) else None for layer in model.layers]
         self._layers = []
         widths = [1]
-        for layer, sparse in zip(model.layers, self._sparse, strict=True):
+        for index, (layer, sparse) in enumerate(zip(model.layers, self._sparse, strict=True)):
             attention, mlp = layer.self_attn, mlp_linears(layer)
             q_norm, k_norm = qk_norms(attention)
             mlp_width = 0 if mlp is None else mlp[1].in_features
@@ -213,6 +213,7 @@ class FusedDecode:
                 None if mlp is None else mlp[0].kernel_weight().struct_address(),
                 None if mlp is None else mlp[1].kernel_weight().struct_address(),
                 mlp_width, None if sparse is None else ctypes.pointer(sparse.struct),
+                int(not config.layer_rotates(index)),
             ))  # fmt: skip
         q_size = config.num_attention_heads * config.head_dim
         kv_size = config.num_key_value_heads * config.head_dim

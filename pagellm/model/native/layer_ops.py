@@ -108,8 +108,9 @@ class NativeLayers:
         act = torch.empty(m, config.intermediate_size, dtype=torch.bfloat16)
         f32 = torch.float32
         delta: torch.Tensor | None = None
-        for layer, cache, sparse in zip(model.layers, kv_caches, self._sparse, strict=True):
+        for index, (layer, cache, sparse) in enumerate(zip(model.layers, kv_caches, self._sparse, strict=True)):
             attention, mlp = layer.self_attn, layer.mlp
+            rotates = config.layer_rotates(index)  # NULL tables: a NoPE layer
             library.rms_norm_residual(
                 hidden.data_ptr(), data_ptr_or_null(delta), layer.input_layernorm.weight.data_ptr(),
                 layer.input_layernorm.eps, normed.data_ptr(), m, size, threads,
@@ -117,7 +118,8 @@ class NativeLayers:
             qkv = attention.qkv_proj.compute(normed, f32)
             q_norm, k_norm = qk_norms(attention)
             library.rotary_store(
-                qkv.data_ptr(), m, qkv.stride(0), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                qkv.data_ptr(), m, qkv.stride(0), positions.data_ptr(),
+                cos.data_ptr() if rotates else None, sin.data_ptr() if rotates else None,
                 heads, kv_heads, head_dim, data_ptr_or_null(q_norm), data_ptr_or_null(k_norm), config.rms_norm_eps,
                 slots.data_ptr(), query.data_ptr(), cache[0].data_ptr(), cache[1].data_ptr(),
                 ELEMENT_TYPES[cache.dtype], threads,
