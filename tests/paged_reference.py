@@ -6,10 +6,11 @@ from __future__ import annotations
 import torch
 
 
-def dense_attention(q, cache, metadata, scale, window=None, softcap=None):  # noqa: ANN001, ANN201
+def dense_attention(q, cache, metadata, scale, window=None, softcap=None, sinks=None):  # noqa: ANN001, ANN201
     """Each query row over its request's positions read through the block table: a query
     at position p sees p - window + 1 .. p (all of 0 .. p without a window), each scaled
-    score s capped to softcap * tanh(s / softcap) where a cap is given."""
+    score s capped to softcap * tanh(s / softcap) where a cap is given; with `sinks`
+    ([heads]), head h's softmax has sinks[h] as one more logit, dropped after."""
     block_size = cache.shape[2]
     out = torch.empty(q.shape, dtype=torch.float64)
     group = q.shape[1] // cache.shape[3]
@@ -25,5 +26,9 @@ def dense_attention(q, cache, metadata, scale, window=None, softcap=None):  # no
             scores = torch.einsum("hd,khd->hk", q[row].double(), keys[first : position + 1]) * scale
             if softcap is not None:
                 scores = torch.tanh(scores / softcap) * softcap
-            out[row] = torch.einsum("hk,khd->hd", scores.softmax(-1), values[first : position + 1])
+            if sinks is None:
+                probs = scores.softmax(-1)
+            else:
+                probs = torch.cat([scores, sinks.double()[:, None]], dim=-1).softmax(-1)[:, :-1]
+            out[row] = torch.einsum("hk,khd->hd", probs, values[first : position + 1])
     return out

@@ -66,9 +66,11 @@ class AttentionBackend(ABC):
         scale: float,
         sliding_window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,  # [num_heads]
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Store key/value in the cache, then attend over each request's context: with a
         sliding window, a query at position p over positions p - sliding_window + 1 .. p
         only (blocks wholly before that may already hold other requests' tokens). With
         `softcap` (Gemma 2), each scaled score s becomes softcap * tanh(s / softcap) before
-        the softmax."""
+        the softmax. With `sinks` (gpt-oss), head h's softmax has one more logit, sinks[h],
+        in its denominator, which weighs no value row (the weights sum to less than 1)."""

@@ -55,11 +55,12 @@ class CpuAttentionBackend(TorchAttentionBackend):
         scale: float,
         sliding_window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         if not _kernel_can_run(query, kv_cache):
-            return super().forward(query, key, value, kv_cache, metadata, scale, sliding_window, softcap)
+            return super().forward(query, key, value, kv_cache, metadata, scale, sliding_window, softcap, sinks)
         write_kv_to_cache(key, value, kv_cache, metadata.slot_mapping)
-        return self.attend_cached(query, kv_cache, metadata, scale, sliding_window, softcap)
+        return self.attend_cached(query, kv_cache, metadata, scale, sliding_window, softcap, sinks)
 
     def attend_cached(
         self,
@@ -69,6 +70,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         scale: float,
         sliding_window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Attention of every query row over its context, the step's new K/V already in the
         cache (the caller wrote them)."""
@@ -79,7 +81,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
             plan = metadata.backend_plan["native", sliding_window] = _plan_step(metadata, sliding_window)
         output = torch.empty(query.shape, dtype=query.dtype)
         if plan.rows.numel():
-            self._attend(query, kv_cache, metadata, plan, scale, output, softcap)
+            self._attend(query, kv_cache, metadata, plan, scale, output, softcap, sinks)
         return output
 
     def _attend(
@@ -91,6 +93,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         scale: float,
         output: torch.Tensor,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> None:
         num_heads, head_dim = query.shape[1:]
         _, _, block_size, num_kv_heads, _ = kv_cache.shape
@@ -98,6 +101,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
         if self._workspace.numel() < needed:
             self._workspace = torch.empty(needed, dtype=torch.float32)
         tables = metadata.block_tables
+        if sinks is not None:
+            sinks = sinks.to(torch.float32).contiguous()  # [num_heads]: a few bytes, read by the kernel
         self._kernels.paged_decode_attention(
             query.data_ptr(), query.stride(0),
             kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
@@ -105,7 +110,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
             plan.rows.data_ptr(), plan.reqs.data_ptr(), plan.seq_lens.data_ptr(),
             None if plan.key_starts is None else plan.key_starts.data_ptr(), plan.rows.numel(),
             num_heads, num_kv_heads, head_dim, block_size,
-            scale, softcap or 0.0, ELEMENT_TYPES[query.dtype], ELEMENT_TYPES[kv_cache.dtype], plan.num_threads, plan.max_seq_len,
+            scale, softcap or 0.0, None if sinks is None else sinks.data_ptr(), ELEMENT_TYPES[query.dtype], ELEMENT_TYPES[kv_cache.dtype], plan.num_threads, plan.max_seq_len,
             output.data_ptr(), output.stride(0), self._workspace.data_ptr(),
         )  # fmt: skip
 

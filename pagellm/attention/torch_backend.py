@@ -77,6 +77,7 @@ class TorchAttentionBackend(AttentionBackend):
         scale: float,
         sliding_window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         write_kv_to_cache(key, value, kv_cache, metadata.slot_mapping)
         if metadata.backend_plan is None:
@@ -87,9 +88,9 @@ class TorchAttentionBackend(AttentionBackend):
             metadata.backend_plan["torch", sliding_window] = plan
         output = torch.empty_like(query)
         for group in plan.decode_groups:
-            self._batched_decode(query, kv_cache, group, scale, output, softcap)
+            self._batched_decode(query, kv_cache, group, scale, output, softcap, sinks)
         for r in plan.others:
-            self._one_request(query, key, value, kv_cache, metadata, r, scale, output, sliding_window, softcap)
+            self._one_request(query, key, value, kv_cache, metadata, r, scale, output, sliding_window, softcap, sinks)
         return output
 
     @staticmethod
@@ -104,6 +105,7 @@ class TorchAttentionBackend(AttentionBackend):
         output: torch.Tensor,
         sliding_window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> None:
         start, end = metadata.query_start_loc[r], metadata.query_start_loc[r + 1]
         seq_len = metadata.seq_lens[r]
@@ -118,13 +120,13 @@ class TorchAttentionBackend(AttentionBackend):
             q_pos = torch.arange(seq_len - query_len, seq_len, device=device).unsqueeze(1)
             k_pos = torch.arange(first_key, seq_len, device=device).unsqueeze(0)
             mask = (k_pos <= q_pos) & (k_pos > q_pos - sliding_window)
-            out = _sdpa(q, k.to(q.dtype), v.to(q.dtype), mask, scale, softcap=softcap)
+            out = _sdpa(q, k.to(q.dtype), v.to(q.dtype), mask, scale, softcap=softcap, sinks=sinks)
         elif query_len == seq_len:
             # Nothing cached before this chunk: attend over its own new K/V directly,
             # rounded as the cache holds them (what every later read sees).
             k = as_stored(key[start:end], kv_cache.dtype).transpose(0, 1)
             v = as_stored(value[start:end], kv_cache.dtype).transpose(0, 1)
-            out = _sdpa(q, k.to(q.dtype), v.to(q.dtype), None, scale, causal=query_len > 1, softcap=softcap)
+            out = _sdpa(q, k.to(q.dtype), v.to(q.dtype), None, scale, causal=query_len > 1, softcap=softcap, sinks=sinks)
         else:
             k = gather_context(kv_cache[0], metadata.block_tables[r], seq_len).transpose(0, 1)
             v = gather_context(kv_cache[1], metadata.block_tables[r], seq_len).transpose(0, 1)
@@ -134,7 +136,7 @@ class TorchAttentionBackend(AttentionBackend):
                 device = query.device
                 q_pos = torch.arange(seq_len - query_len, seq_len, device=device).unsqueeze(1)
                 mask = torch.arange(seq_len, device=device).unsqueeze(0) <= q_pos
-            out = _sdpa(q, k.to(q.dtype), v.to(q.dtype), mask, scale, softcap=softcap)
+            out = _sdpa(q, k.to(q.dtype), v.to(q.dtype), mask, scale, softcap=softcap, sinks=sinks)
         output[start:end] = out.transpose(0, 1)
 
     @staticmethod
@@ -145,6 +147,7 @@ class TorchAttentionBackend(AttentionBackend):
         scale: float,
         output: torch.Tensor,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> None:
         num, num_blocks = group.tables.shape
         num_kv_heads, head_dim = kv_cache.shape[-2:]
@@ -160,7 +163,10 @@ class TorchAttentionBackend(AttentionBackend):
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
         scores.masked_fill_(group.padding[:, None, None, :], float("-inf"))
-        probs = scores.softmax(dim=-1).to(q.dtype)  # [num, kv_heads, group_size, width]
+        if sinks is None:
+            probs = scores.softmax(dim=-1).to(q.dtype)  # [num, kv_heads, group_size, width]
+        else:
+            probs = _softmax_with_sinks(scores, sinks.view(num_kv_heads, group_size, 1)).to(q.dtype)
         out = torch.matmul(probs, v.to(q.dtype))  # [num, kv_heads, group_size, head_dim]
         output[group.rows] = out.view(num, num_kv_heads * group_size, head_dim)
 
@@ -230,12 +236,13 @@ def _sdpa(
     scale: float,
     causal: bool = False,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [heads]
 ) -> torch.Tensor:
     """Scaled dot-product attention with grouped K/V heads shared by several query heads
     (mask: True where a key is visible)."""
     group = q.shape[-3] // k.shape[-3]
-    if softcap is not None:  # SDPA has no soft-capping: the scores in the open
-        return _capped_attention(q, k, v, mask, scale, causal, softcap)
+    if softcap is not None or sinks is not None:  # SDPA has neither soft-capping nor sinks: the scores in the open
+        return _open_attention(q, k, v, mask, scale, causal, softcap, sinks)
     if group > 1 and _HAS_GQA:
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, scale=scale, is_causal=causal, enable_gqa=True
@@ -246,20 +253,31 @@ def _sdpa(
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, is_causal=causal)
 
 
-def _capped_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float, causal: bool, softcap: float
+def _open_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float, causal: bool,
+    softcap: float | None, sinks: torch.Tensor | None,
 ) -> torch.Tensor:
     group = q.shape[-3] // k.shape[-3]
     k = k.repeat_interleave(group, dim=-3)
     v = v.repeat_interleave(group, dim=-3)
     scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if causal:
         q_len, k_len = scores.shape[-2:]
         mask = torch.ones(q_len, k_len, dtype=torch.bool, device=q.device).tril(k_len - q_len)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(scores.softmax(dim=-1).to(q.dtype), v)
+    probs = scores.softmax(dim=-1) if sinks is None else _softmax_with_sinks(scores, sinks.view(-1, 1, 1))
+    return torch.matmul(probs.to(q.dtype), v)
+
+
+def _softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last axis of `scores` (float32) with each row's sink logit as one more
+    column, dropped after (its probability goes to no value row); `sinks` is shaped as
+    scores' rows with a last axis of 1 ([heads, 1, 1] for [heads, rows, keys]), broadcast."""
+    sink_column = sinks.float().expand(*scores.shape[:-1], 1)
+    return torch.cat([scores, sink_column], dim=-1).softmax(dim=-1)[..., :-1]
 
 
 # enable_gqa arrived in torch 2.5; older builds repeat the K/V heads instead.

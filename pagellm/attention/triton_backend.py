@@ -87,6 +87,7 @@ class TritonAttentionBackend(AttentionBackend):
         scale: float,
         sliding_window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         assert kv_cache.is_contiguous(), "the kernels index the cache as contiguous"
         store_kv(key, value, kv_cache, metadata.slot_mapping)
@@ -97,7 +98,8 @@ class TritonAttentionBackend(AttentionBackend):
         output = torch.empty_like(query)
         for launch in plan.launches:
             _run_launch(
-                query, kv_cache, metadata.block_tables, plan, launch, scale, output, self.tuning, sliding_window, softcap
+                query, kv_cache, metadata.block_tables, plan, launch, scale, output, self.tuning, sliding_window, softcap,
+                sinks,
             )
         return output
 
@@ -231,8 +233,11 @@ def _run_launch(
     tuning: TritonTuning,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     num_heads, head_dim = query.shape[1:]
+    # The kernels work in base 2: the sink logits too (a dummy pointer without them).
+    sinks_log2 = output if sinks is None else (sinks.to(torch.float32) * LOG2E).contiguous()
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     assert query.stride(2) == 1
     block_d = max(_MIN_DOT, _next_power_of_2(head_dim))
@@ -243,7 +248,7 @@ def _run_launch(
     grid = (launch.tile_req.shape[0], num_kv_heads, launch.num_splits)
     paged_attention_kernel[grid](
         query, kv_cache[0], kv_cache[1], block_tables, plan.seq_lens, plan.query_start_loc,
-        launch.tile_req, launch.tile_start, output, partial_out, partial_max, partial_sum,
+        launch.tile_req, launch.tile_start, output, partial_out, partial_max, partial_sum, sinks_log2,
         query.stride(0), query.stride(1), output.stride(0), output.stride(1),
         block_tables.stride(0), scale * LOG2E, sliding_window or 0,
         scale / softcap if softcap else 0.0, softcap * LOG2E if softcap else 0.0,
@@ -251,12 +256,13 @@ def _run_launch(
         BLOCK_SIZE=block_size, GROUP=num_heads // num_kv_heads, BLOCK_Q=launch.block_q,
         BLOCK_M=launch.block_m, BLOCK_N=max(_MIN_DOT, tuning.block_n), BLOCK_D=block_d,
         NUM_SPLITS=launch.num_splits, IEEE_FP32=query.dtype == torch.float32,
-        DOT_IN_FP32=_INTERPRETED, SOFTCAP=bool(softcap),
+        DOT_IN_FP32=_INTERPRETED, SOFTCAP=bool(softcap), HAS_SINKS=sinks is not None,
     )  # fmt: skip
     if launch.workspace is not None:
         assert launch.merge_rows is not None
         merge_splits_kernel[(launch.merge_rows.shape[0], num_heads)](
-            partial_out, partial_max, partial_sum, output, launch.merge_rows,
+            partial_out, partial_max, partial_sum, output, launch.merge_rows, sinks_log2,
             output.stride(0), output.stride(1),
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=launch.num_splits, BLOCK_D=block_d,
+            HAS_SINKS=sinks is not None,
         )  # fmt: skip

@@ -106,6 +106,7 @@ def paged_attention_kernel(
     partial_out_ptr,  # [num_tokens, num_heads, NUM_SPLITS, head_dim] fp32 (NUM_SPLITS > 1)
     partial_max_ptr,  # [num_tokens, num_heads, NUM_SPLITS] fp32
     partial_sum_ptr,  # [num_tokens, num_heads, NUM_SPLITS] fp32
+    sinks_ptr,  # [num_heads] fp32: each head's sink logit times log2(e) (gpt-oss); read with HAS_SINKS
     query_stride_token,
     query_stride_head,
     output_stride_token,
@@ -131,6 +132,7 @@ def paged_attention_kernel(
     # pipeliner fails on that branch once the key cache's pointer is known aligned (on an
     # H200, every bf16 kernel failed to compile).
     SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -222,6 +224,9 @@ def paged_attention_kernel(
 
     out_mask = row_valid[:, None] & dim_valid[None, :]
     if NUM_SPLITS == 1:
+        if HAS_SINKS:  # the sink's weight joins the denominator (the splits' merge adds it there)
+            sink = tl.load(sinks_ptr + row_head, mask=row_valid, other=0.0)
+            running_sum += tl.exp2(sink - running_max)
         out = acc / running_sum[:, None]
         tl.store(
             output_ptr + flat_row[:, None] * output_stride_token + row_head[:, None] * output_stride_head + dims[None, :],
@@ -243,12 +248,14 @@ def merge_splits_kernel(
     partial_sum_ptr,  # [num_tokens, num_heads, NUM_SPLITS] fp32
     output_ptr,  # [num_tokens, num_heads, head_dim]
     rows_ptr,  # [num_rows] int32: tokens to merge
+    sinks_ptr,  # [num_heads] fp32 sink logits times log2(e); read with HAS_SINKS
     output_stride_token,
     output_stride_head,
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     token = tl.load(rows_ptr + tl.program_id(0)).to(tl.int64)
     head = tl.program_id(1)
@@ -261,6 +268,8 @@ def merge_splits_kernel(
     overall = tl.max(maxes, axis=0)
     weights = tl.exp2(maxes - overall)
     total = tl.sum(sums * weights, axis=0)
+    if HAS_SINKS:
+        total += tl.exp2(tl.load(sinks_ptr + head) - overall)
     partial = tl.load(
         partial_out_ptr + (stat_base + splits)[:, None] * HEAD_DIM + dims[None, :],
         mask=dim_valid[None, :],

@@ -123,7 +123,8 @@ SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
         c_void_p, c_int64,  # block tables, table row stride
         c_void_p, c_void_p, c_void_p, c_void_p, c_int64,  # rows, request indices, seq lens, key starts (or NULL), num decodes
         c_int, c_int, c_int, c_int,  # num heads, num kv heads, head dim, block size
-        c_float, c_float, c_int, c_int,  # scale, soft cap (0: none), query/output element type, cache element type (ELEMENT_TYPES)
+        c_float, c_float, c_void_p,  # scale, soft cap (0: none), sinks ([num_heads] float32, or NULL)
+        c_int, c_int,  # query/output element type, cache element type (ELEMENT_TYPES)
         c_int, c_int64,  # num threads, max seq len
         c_void_p, c_int64, c_void_p,  # out, out row stride, workspace
     ]),

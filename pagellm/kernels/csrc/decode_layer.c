@@ -144,7 +144,7 @@ void decode_layer_bf16(float *hidden, const LayerWeights *w, void *key_cache, vo
         }
         paged_decode_attention_in_region(scratch->query, q_size, key_cache, value_cache, in->block_tables,
                                          in->table_stride, in->rows, in->reqs, in->seq_lens, NULL, m, s->num_heads,
-                                         s->num_kv_heads, s->head_dim, s->block_size, s->scale, 0.0f, ELEM_BF16,
+                                         s->num_kv_heads, s->head_dim, s->block_size, s->scale, 0.0f, NULL, ELEM_BF16,
                                          s->cache_type, nt,
                                          in->max_seq_len, scratch->attn, q_size, scratch->attn_scratch);
         linear_weight_part(scratch->attn, q_size, w->o, w->o_bias, scratch->proj, h, 1, m, q_size, s->linear_impl[1], t,

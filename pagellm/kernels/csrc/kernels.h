@@ -103,13 +103,21 @@ void linear_weight_part(const uint16_t *x, int64_t x_stride, const Weight *w, co
  * paged_decode.c); its workspace is this many times larger per thread. */
 #define MAX_SEGMENT_ROWS 8
 int attention_segment_rows(void);
+
+/* An attention sink's weight in the softmax denominator of head h, whose scores' maximum
+ * is `top` (gpt-oss: a learned logit per head that takes probability from every key and
+ * adds no value row); 0 without sinks. exp overflows to inf only where the sink outweighs
+ * every key by e^88, and the output is then 0, the limit. */
+static inline float sink_weight(const float *sinks, int h, float top) {
+    return sinks ? expf(sinks[h] - top) : 0.0f;
+}
 void paged_decode_attention_in_region(
     const void *query, int64_t query_row_stride,
     const void *key_cache, const void *value_cache,
     const int64_t *block_tables, int64_t table_stride,
     const int64_t *rows, const int64_t *reqs, const int64_t *seq_lens, const int64_t *key_starts,
     int64_t num_decodes, int num_heads, int num_kv_heads, int head_dim, int block_size,
-    float scale, float softcap, int dtype, int cache_type, int num_threads, int64_t max_seq_len,
+    float scale, float softcap, const float *sinks, int dtype, int cache_type, int num_threads, int64_t max_seq_len,
     void *out, int64_t out_row_stride, float *workspace);
 
 /* paged_decode.c: thread t of nt's share of the step's K/V blocks, prefetched into L2. */
@@ -124,14 +132,15 @@ void paged_decode_prefetch_in_region(const void *key_cache, const void *value_ca
 int attend_bf16_supported(int head_dim);
 void attend_bf16(const uint16_t *q, const void *key_cache, const void *value_cache, int cache_type, const int64_t *table,
                  int64_t seq_len, int kv_head, int span, int num_kv_heads, int group, int head_dim,
-                 int block_size, float scale, float *scores, float *acc, const int64_t *head_lens);
+                 int block_size, float scale, float *scores, float *acc, const int64_t *head_lens,
+                 const float *sinks, int sink_period);
 
 /* paged_decode_avx2.c: one work item in AVX2 float32 (float32 queries; a cache of cache_type;
  * a sliding window from `start`; soft-capping where softcap > 0). */
 int attend_avx2_supported(int head_dim);
 void attend_avx2(const float *q, const void *key_cache, const void *value_cache, const int64_t *table, int64_t start,
                  int64_t seq_len, int kv_head, int span, int num_kv_heads, int group, int head_dim, int block_size,
-                 float scale, float softcap, int cache_type, float *scores, float *acc);
+                 float scale, float softcap, const float *sinks, int cache_type, float *scores, float *acc);
 
 /* moe_experts.c: a mixture-of-experts layer's experts, inside a region (see there). */
 typedef struct {

@@ -58,8 +58,8 @@ static inline void load_row(const void *base, int64_t offset, int head_dim, int 
  */
 static void attend_scalar(const float *q, const void *key_cache, const void *value_cache, const int64_t *table,
                           int64_t start, int64_t seq_len, int kv_head, int span, int num_kv_heads, int group,
-                          int head_dim, int block_size, float scale, float softcap, int cache_type, float *scores,
-                          float *acc) {
+                          int head_dim, int block_size, float scale, float softcap, const float *sinks,
+                          int cache_type, float *scores, float *acc) {
     const int heads = span * group;
     const int64_t row_stride = (int64_t)num_kv_heads * head_dim;
     float row[span * head_dim];
@@ -91,7 +91,7 @@ static void attend_scalar(const float *q, const void *key_cache, const void *val
             s[pos] = expf(fmaxf(s[pos] - top, SOFTMAX_EXP_FLOOR));
             sum += s[pos];
         }
-        total[h] = sum;
+        total[h] = sum + sink_weight(sinks, h, top);
     }
     /* Pass 2: weighted sum of the value rows. */
     for (int i = 0; i < heads * head_dim; i++) acc[i] = 0.0f;
@@ -125,6 +125,8 @@ static void attend_scalar(const float *q, const void *key_cache, const void *val
  *               (a sliding window; such rows take the float32 path, one row per item)
  * softcap:      > 0: each scaled score s becomes softcap * tanh(s / softcap) (Gemma 2;
  *               the float32 path); 0: none
+ * sinks:        NULL, or [num_heads] float32: each head's learned logit that joins its
+ *               softmax's denominator and weighs no value row (gpt-oss's attention sinks)
  * out:          [*, num_heads, head_dim], row r starts at r * out_row_stride elements
  * workspace:    num_threads * max_seq_len * num_heads * MAX_SEGMENT_ROWS floats
  */
@@ -138,7 +140,7 @@ void paged_decode_attention_in_region(
     const int64_t *block_tables, int64_t table_stride,
     const int64_t *rows, const int64_t *reqs, const int64_t *seq_lens, const int64_t *key_starts,
     int64_t num_decodes, int num_heads, int num_kv_heads, int head_dim, int block_size,
-    float scale, float softcap, int dtype, int cache_type, int num_threads, int64_t max_seq_len,
+    float scale, float softcap, const float *sinks, int dtype, int cache_type, int num_threads, int64_t max_seq_len,
     void *out, int64_t out_row_stride, float *workspace)
 {
     const int group = num_heads / num_kv_heads;
@@ -190,6 +192,7 @@ void paged_decode_attention_in_region(
         float q[heads * head_dim], acc[count * heads * head_dim];
         const int64_t first_head = (int64_t)kv_head * group * head_dim;
         const int64_t query_offset = rows[decode] * query_row_stride + first_head;
+        const float *item_sinks = sinks ? sinks + (int64_t)kv_head * group : NULL;  /* from the item's first head */
         if (fast_bf16 && count > 1) {  /* span is 1: the rows' query heads side by side */
             uint16_t rows_q[count * heads * head_dim];
             int64_t head_lens[count * heads];
@@ -200,20 +203,20 @@ void paged_decode_attention_in_region(
                 for (int h = 0; h < heads; h++) head_lens[j * heads + h] = seq_lens[decode + j];
             }
             attend_bf16(rows_q, key_cache, value_cache, cache_type, table, seq_lens[decode + count - 1], kv_head, 1,
-                        num_kv_heads, count * heads, head_dim, block_size, scale, scores, acc, head_lens);
+                        num_kv_heads, count * heads, head_dim, block_size, scale, scores, acc, head_lens, item_sinks, heads);
         } else if (fast_bf16) {
             attend_bf16((const uint16_t *)query + query_offset, key_cache, value_cache, cache_type, table,
                         seq_lens[decode], kv_head, span, num_kv_heads, group, head_dim, block_size, scale, scores,
-                        acc, NULL);
+                        acc, NULL, item_sinks, heads);
         } else {
             load_row(query, query_offset, heads * head_dim, dtype, q);
             const int64_t start = key_starts ? key_starts[decode] : 0;
             if (attend_avx2_supported(head_dim))
                 attend_avx2(q, key_cache, value_cache, table, start, seq_lens[decode], kv_head, span, num_kv_heads,
-                            group, head_dim, block_size, scale, softcap, cache_type, scores, acc);
+                            group, head_dim, block_size, scale, softcap, item_sinks, cache_type, scores, acc);
             else
                 attend_scalar(q, key_cache, value_cache, table, start, seq_lens[decode], kv_head, span, num_kv_heads,
-                              group, head_dim, block_size, scale, softcap, cache_type, scores, acc);
+                              group, head_dim, block_size, scale, softcap, item_sinks, cache_type, scores, acc);
         }
         for (int j = 0; j < count; j++) {
             const int64_t offset = rows[decode + j] * out_row_stride + first_head;
@@ -262,7 +265,7 @@ void paged_decode_attention(
     const int64_t *block_tables, int64_t table_stride,
     const int64_t *rows, const int64_t *reqs, const int64_t *seq_lens, const int64_t *key_starts,
     int64_t num_decodes, int num_heads, int num_kv_heads, int head_dim, int block_size,
-    float scale, float softcap, int dtype, int cache_type, int num_threads, int64_t max_seq_len,
+    float scale, float softcap, const float *sinks, int dtype, int cache_type, int num_threads, int64_t max_seq_len,
     void *out, int64_t out_row_stride, float *workspace)
 {
 #pragma omp parallel num_threads(num_threads)
@@ -270,7 +273,7 @@ void paged_decode_attention(
         const unsigned float_mode = subnormals_flushed();
         paged_decode_attention_in_region(query, query_row_stride, key_cache, value_cache, block_tables,
                                          table_stride, rows, reqs, seq_lens, key_starts, num_decodes, num_heads,
-                                         num_kv_heads, head_dim, block_size, scale, softcap, dtype, cache_type, num_threads,
+                                         num_kv_heads, head_dim, block_size, scale, softcap, sinks, dtype, cache_type, num_threads,
                                          max_seq_len, out, out_row_stride, workspace);
         float_mode_restore(float_mode);
     }

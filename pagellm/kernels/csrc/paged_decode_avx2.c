@@ -130,7 +130,7 @@ static const value_heads_fn value_heads[VALUE_HEADS + 1] = {0, value_heads_1, va
 static inline __attribute__((always_inline)) void attend_item(
     int HEAD_DIM, const float *q, const void *key_cache, const void *value_cache, const int64_t *table, int64_t start,
     int64_t seq_len, int kv_head, int span, int num_kv_heads, int group, int head_dim_arg, int block_size, float scale,
-    float softcap, int cache_type, float *scores, float *acc) {
+    float softcap, const float *sinks, int cache_type, float *scores, float *acc) {
     const int head_dim = HEAD_DIM ? HEAD_DIM : head_dim_arg;
     const int heads = span * group, slices = head_dim / 8;
     const int64_t row_stride = (int64_t)num_kv_heads * head_dim;
@@ -184,7 +184,7 @@ static inline __attribute__((always_inline)) void attend_item(
             s[pos] = expf(fmaxf(s[pos] - top, SOFTMAX_EXP_FLOOR));
             sum += s[pos];
         }
-        inverse[h] = 1.0f / sum;
+        inverse[h] = 1.0f / (sum + sink_weight(sinks, h, top));
     }
     /* Pass 2: weighted sums of the value rows, up to VALUE_HEADS query heads of one kv head
      * at a time (value_slices). */
@@ -201,9 +201,10 @@ static inline __attribute__((always_inline)) void attend_item(
 #define ATTEND_FN(NAME, HEAD_DIM)                                                                                    \
     static void NAME(const float *q, const void *key_cache, const void *value_cache, const int64_t *table,           \
                      int64_t start, int64_t seq_len, int kv_head, int span, int num_kv_heads, int group, int head_dim,  \
-                     int block_size, float scale, float softcap, int cache_type, float *scores, float *acc) {           \
+                     int block_size, float scale, float softcap, const float *sinks, int cache_type, float *scores,     \
+                     float *acc) {                                                                                    \
         attend_item(HEAD_DIM, q, key_cache, value_cache, table, start, seq_len, kv_head, span, num_kv_heads, group,   \
-                    head_dim, block_size, scale, softcap, cache_type, scores, acc);                                   \
+                    head_dim, block_size, scale, softcap, sinks, cache_type, scores, acc);                            \
     }
 ATTEND_FN(attend_64, 64)
 ATTEND_FN(attend_128, 128)
@@ -211,10 +212,10 @@ ATTEND_FN(attend_any, 0)
 
 void attend_avx2(const float *q, const void *key_cache, const void *value_cache, const int64_t *table, int64_t start,
                  int64_t seq_len, int kv_head, int span, int num_kv_heads, int group, int head_dim, int block_size,
-                 float scale, float softcap, int cache_type, float *scores, float *acc) {
+                 float scale, float softcap, const float *sinks, int cache_type, float *scores, float *acc) {
     const __typeof__(&attend_any) item = head_dim == 64 ? attend_64 : head_dim == 128 ? attend_128 : attend_any;
     item(q, key_cache, value_cache, table, start, seq_len, kv_head, span, num_kv_heads, group, head_dim, block_size,
-         scale, softcap, cache_type, scores, acc);
+         scale, softcap, sinks, cache_type, scores, acc);
 }
 #else
 int attend_avx2_supported(int head_dim) {
@@ -223,7 +224,8 @@ int attend_avx2_supported(int head_dim) {
 }
 void attend_avx2(const float *q, const void *key_cache, const void *value_cache, const int64_t *table, int64_t start,
                  int64_t seq_len, int kv_head, int span, int num_kv_heads, int group, int head_dim, int block_size,
-                 float scale, float softcap, int cache_type, float *scores, float *acc) {
+                 float scale, float softcap, const float *sinks, int cache_type, float *scores, float *acc) {
+    (void)sinks;
     (void)q; (void)key_cache; (void)value_cache; (void)table; (void)start; (void)seq_len; (void)kv_head; (void)span;
     (void)num_kv_heads; (void)group; (void)head_dim; (void)block_size; (void)scale; (void)softcap; (void)cache_type;
     (void)scores; (void)acc;

@@ -210,7 +210,8 @@ static void scores_fp8(const uint16_t *q, const uint8_t *rows, int64_t row_strid
  * positions it attends to (<= seq_len: several query rows of one request in one item). */
 void attend_bf16(const uint16_t *q, const void *key_cache, const void *value_cache, int cache_type,
                  const int64_t *table, int64_t seq_len, int kv_head, int span, int num_kv_heads, int group,
-                 int head_dim, int block_size, float scale, float *scores, float *acc, const int64_t *head_lens) {
+                 int head_dim, int block_size, float scale, float *scores, float *acc, const int64_t *head_lens,
+                 const float *sinks, int sink_period) {
     const int heads = span * group;
     const int64_t row_stride = (int64_t)num_kv_heads * head_dim;  /* elements */
     const int element_bytes = elem_bytes(cache_type);
@@ -259,7 +260,7 @@ void attend_bf16(const uint16_t *q, const void *key_cache, const void *value_cac
             s[pos] = expf(fmaxf(s[pos] - best, SOFTMAX_EXP_FLOOR));
             sum += s[pos];
         }
-        total[h] = sum;
+        total[h] = sum + sink_weight(sinks, h % sink_period, best);  /* head h is row h / sink_period's */
     }
     for (int i = 0; i < heads * head_dim; i++) acc[i] = 0.0f;
     for (int64_t first = 0; first < seq_len; first += block_size) {
@@ -288,8 +289,9 @@ int attend_bf16_supported(int head_dim) {
 }
 void attend_bf16(const uint16_t *q, const void *key_cache, const void *value_cache, int cache_type,
                  const int64_t *table, int64_t seq_len, int kv_head, int span, int num_kv_heads, int group,
-                 int head_dim, int block_size, float scale, float *scores, float *acc, const int64_t *head_lens) {
-    (void)head_lens;
+                 int head_dim, int block_size, float scale, float *scores, float *acc, const int64_t *head_lens,
+                 const float *sinks, int sink_period) {
+    (void)head_lens; (void)sinks; (void)sink_period;
     (void)q; (void)key_cache; (void)value_cache; (void)cache_type; (void)table; (void)seq_len; (void)kv_head; (void)span;
     (void)num_kv_heads; (void)group; (void)head_dim; (void)block_size; (void)scale; (void)scores; (void)acc;
 }
