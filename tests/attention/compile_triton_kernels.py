@@ -39,8 +39,9 @@ def compile_one(fn, types: dict[str, str], constexprs: dict[str, object]) -> int
 
 def main() -> None:
     tuning = TritonTuning()
-    # (heads, kv heads, head_dim, soft-capping): Llama-3-8B, SmolLM2, Gemma-2-9B.
-    for num_heads, num_kv_heads, head_dim, softcap in ((32, 8, 128, False), (9, 3, 64, False), (16, 8, 256, True)):
+    # (heads, kv heads, head_dim, soft-capping, sinks): Llama-3-8B, SmolLM2, Gemma-2-9B, gpt-oss-20b.
+    shapes = ((32, 8, 128, False, False), (9, 3, 64, False, False), (16, 8, 256, True, False), (64, 8, 64, False, True))
+    for num_heads, num_kv_heads, head_dim, softcap, sinks in shapes:
         group = num_heads // num_kv_heads
         decode_m = max(16, _next_power_of_2(group))
         prefill_m = max(16, tuning.prefill_block_m, _next_power_of_2(group))
@@ -51,6 +52,8 @@ def main() -> None:
                  ("fp32", "fp8e4nv"))
         if num_heads != 32:
             pairs = (("bf16", "bf16"), ("fp32", "fp32")) if softcap else (("bf16", "bf16"), ("bf16", "fp8e4nv"))
+        if sinks:
+            pairs = (("bf16", "bf16"),)
         for dtype, cache in pairs:
             fp8 = {"fp8e4nv": (3, 7, 0x43E00000), "fp8e5": (2, 15, 0x47600000)}.get(cache)
             stored = "u8" if fp8 else cache  # store_kv writes fp8 caches' bytes
@@ -68,7 +71,7 @@ def main() -> None:
                 query_ptr=f"*{dtype}", key_cache_ptr=f"*{cache}", value_cache_ptr=f"*{cache}",
                 block_tables_ptr="*i64", seq_lens_ptr="*i32", query_start_loc_ptr="*i32",
                 tile_req_ptr="*i32", tile_start_ptr="*i32", output_ptr=f"*{dtype}",
-                partial_out_ptr="*fp32", partial_max_ptr="*fp32", partial_sum_ptr="*fp32",
+                partial_out_ptr="*fp32", partial_max_ptr="*fp32", partial_sum_ptr="*fp32", sinks_ptr="*fp32",
                 query_stride_token="i32", query_stride_head="i32", output_stride_token="i32",
                 output_stride_head="i32", block_table_stride="i32", scale_log2="fp32", window="i32",
                 softcap_in="fp32", softcap_out="fp32",
@@ -83,17 +86,17 @@ def main() -> None:
                     dict(NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
                          BLOCK_SIZE=16, GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m,
                          BLOCK_N=tuning.block_n, BLOCK_D=head_dim, NUM_SPLITS=splits,
-                         IEEE_FP32=dtype == "fp32", DOT_IN_FP32=False, SOFTCAP=softcap),
+                         IEEE_FP32=dtype == "fp32", DOT_IN_FP32=False, SOFTCAP=softcap, HAS_SINKS=sinks),
                 )  # fmt: skip
                 print(f"paged_attention {name} {dtype} (cache {cache}) heads {num_heads}/{num_kv_heads}x{head_dim}"
-                      f"{' softcap' if softcap else ''}: "
+                      f"{' softcap' if softcap else ''}{' sinks' if sinks else ''}: "
                       f"shared {shared} B")
             compile_one(
                 kernels.merge_splits_kernel,
                 dict(partial_out_ptr="*fp32", partial_max_ptr="*fp32", partial_sum_ptr="*fp32",
-                     output_ptr=f"*{dtype}", rows_ptr="*i32", output_stride_token="i32",
+                     output_ptr=f"*{dtype}", rows_ptr="*i32", sinks_ptr="*fp32", output_stride_token="i32",
                      output_stride_head="i32"),
-                dict(NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=8, BLOCK_D=head_dim),
+                dict(NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=8, BLOCK_D=head_dim, HAS_SINKS=sinks),
             )  # fmt: skip
     # The Gated DeltaNet decode step (attention/triton_gated_delta.py): Qwen3.5-27B's layer
     # (16 key / 48 value heads of 128, tiled as llama.cpp orders them) and Qwen3-Next's.
