@@ -55,6 +55,8 @@ _GEMMA_LAYER = {
     "post_feedforward_layernorm": "post_ffw_norm",
 }
 GEMMA_ARCHES = ("gemma2", "gemma3")
+# gpt-oss's: the norm before the MLP, the sinks (a `.weight` added by the converter).
+_GPT_OSS_LAYER = {**_LAYER, "post_attention_layernorm": "post_attention_norm", "self_attn.sinks": "attn_sinks"}
 QWEN35_ARCHES = ("qwen35", "qwen35moe", "qwen3next")  # Qwen3.5's tensors, and Qwen3-Next's
 # Qwen3.5: the norm before the MLP is `post_attention_norm`; a Gated DeltaNet's tensors are
 # `attn_qkv`/`attn_gate` and `ssm_*` (llama.cpp's gguf-py constants).
@@ -140,7 +142,10 @@ def write_gguf_from_hf(
     writer.add_pad_token_id(0)  # inside the tiny vocabulary (transformers defaults Phi-3 to 32000)
     types = QUANT_BY_KIND if quant_by_kind is None else quant_by_kind
     rng = np.random.default_rng(seed)
-    tensors = _stack_experts(tensors, writer, cfg)
+    if arch == "gpt-oss":
+        tensors = _gpt_oss_converted(tensors, writer, cfg)
+    else:
+        tensors = _stack_experts(tensors, writer, cfg)
     if arch == "qwen3next":
         tensors = _split_qkvz(tensors, cfg)
     if arch in QWEN35_ARCHES and mtp_blocks:
@@ -159,7 +164,7 @@ def write_gguf_from_hf(
         elif kind == "attn_k" and arch in ("llama", "smollm3"):
             value = llama_cpp_permute(value, cfg["num_key_value_heads"])
         qtype = types.get(kind, gguf.GGMLQuantizationType.F32)
-        if value.ndim == 1:
+        if value.ndim == 1 or gguf_name.endswith(".bias"):
             qtype = gguf.GGMLQuantizationType.F32
         if qtype in _RANDOM_BLOCK_SCALE:
             from pagellm.bench.quant_blocks import random_blocks
@@ -206,6 +211,36 @@ def _stack_experts(tensors: dict, writer: gguf.GGUFWriter, cfg: dict) -> dict:
     for (layer, kind), experts in stacks.items():
         rest[f"model.layers.{layer}.mlp.experts.{kind}_exps.weight"] = np.stack([experts[e] for e in sorted(experts)])
     return rest
+
+
+def _gpt_oss_converted(tensors: dict, writer: gguf.GGUFWriter, cfg: dict) -> dict:
+    """gpt-oss's tensors as llama.cpp's converter writes an unquantized checkpoint: the
+    experts' matrices transposed to [experts, out, in], gate and up (interleaved column by
+    column in HF's) apart, their biases likewise, the router as `ffn_gate_inp`, the sinks as
+    a weight; the window and the expert metadata."""
+    writer.add_expert_count(cfg["num_local_experts"])
+    writer.add_expert_used_count(cfg["num_experts_per_tok"])
+    writer.add_expert_feed_forward_length(cfg["intermediate_size"])
+    writer.add_sliding_window(cfg["sliding_window"])
+    out = {}
+    for name, value in tensors.items():
+        prefix = name.rsplit(".mlp.", 1)[0]
+        if name.endswith(".mlp.experts.gate_up_proj"):
+            value = value.transpose(0, 2, 1)
+            out[f"{prefix}.mlp.experts.gate_exps.weight"], out[f"{prefix}.mlp.experts.up_exps.weight"] = value[:, 0::2], value[:, 1::2]
+        elif name.endswith(".mlp.experts.gate_up_proj_bias"):
+            out[f"{prefix}.mlp.experts.gate_exps.bias"], out[f"{prefix}.mlp.experts.up_exps.bias"] = value[:, 0::2], value[:, 1::2]
+        elif name.endswith(".mlp.experts.down_proj"):
+            out[f"{prefix}.mlp.experts.down_exps.weight"] = value.transpose(0, 2, 1)
+        elif name.endswith(".mlp.experts.down_proj_bias"):
+            out[f"{prefix}.mlp.experts.down_exps.bias"] = value
+        elif ".mlp.router." in name:
+            out[name.replace(".mlp.router.", ".mlp.gate.")] = value
+        elif name.endswith(".self_attn.sinks"):
+            out[name + ".weight"] = value
+        else:
+            out[name] = value
+    return {name: np.ascontiguousarray(value) for name, value in out.items()}
 
 
 def _add_qwen35(writer: gguf.GGUFWriter, cfg: dict, arch: str) -> None:
@@ -340,6 +375,8 @@ def _gguf_name(hf_name: str, arch: str = "llama") -> tuple[str, str]:
             return f"blk.{layer}.{rest}", "nextn"
     module, suffix = rest.rsplit(".", 1)
     layers = _GEMMA_LAYER if arch in GEMMA_ARCHES else _QWEN35_LAYER if arch in QWEN35_ARCHES else _LAYER
+    if arch == "gpt-oss":
+        layers = _GPT_OSS_LAYER
     kind = layers[module]
     return f"blk.{layer}.{kind}.{suffix}", kind
 

@@ -27,11 +27,21 @@ QWEN3_5_SHAPE = dict(
 )  # fmt: skip
 
 
+# gpt-oss at a tiny size: 4 experts (top 2), a window of 8 tokens in the first of each two
+# layers, a SwiGLU clamp (1.0) below the experts' typical gate and up values, and YaRN
+# whose original context (128) lies inside the model's.
+GPT_OSS_SHAPE = dict(
+    num_local_experts=4, num_experts_per_tok=2, sliding_window=8, swiglu_limit=1.0, head_dim=16,
+    rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "beta_fast": 32.0,
+                     "beta_slow": 1.0, "truncate": False, "rope_theta": 10000.0},
+)  # fmt: skip
+
+
 def make_tiny_hf_checkpoint(
     folder: Path, arch: str = "llama", seed: int = 0, **overrides: object
 ) -> Path:
     """Save a random tiny Llama/Qwen2/Mistral/Qwen3/Phi-3/Mixtral/Qwen3-MoE/Gemma 2/Gemma 3/
-    Qwen3.5/Qwen3-Next/SmolLM3 model as an HF folder; return its path."""
+    Qwen3.5/Qwen3-Next/SmolLM3/gpt-oss model as an HF folder; return its path."""
     import transformers
 
     classes = {
@@ -49,6 +59,7 @@ def make_tiny_hf_checkpoint(
         "qwen3_5_moe": (transformers.Qwen3_5MoeTextConfig, transformers.Qwen3_5MoeForCausalLM),
         "qwen3_next": (transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM),
         "smollm3": (transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM),
+        "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM),
     }
     config_cls, model_cls = classes[arch]
     shape = {**TINY_SHAPE, "rope_theta": 10000.0, "tie_word_embeddings": False}
@@ -67,6 +78,9 @@ def make_tiny_hf_checkpoint(
         # Three linear-attention layers and a gated attention one (its own default order),
         # GQA-like sharing of q/k heads by value heads, and heads small enough to be quick.
         shape.update({**QWEN3_5_SHAPE, **overrides})
+    if arch == "gpt_oss":
+        shape = {**shape, **GPT_OSS_SHAPE, **overrides}
+        shape.pop("rope_theta")  # inside rope_parameters
     config = config_cls(bos_token_id=1, eos_token_id=2, **shape)
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32)
@@ -83,6 +97,9 @@ def make_tiny_hf_checkpoint(
                 param.normal_(0.0, 0.3 if config.tie_word_embeddings else 1.0)
             elif name.endswith("bias"):
                 param.normal_(0.0, 0.1)
+            elif name.endswith("sinks"):
+                # gpt-oss's sink logits, of the scores' size: they take a share of every softmax.
+                param.normal_(0.0, 1.5)
             else:
                 param.normal_(0.0, 0.15)
     model.save_pretrained(folder, safe_serialization=True)

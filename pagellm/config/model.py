@@ -175,6 +175,16 @@ class ModelConfig:
     # Layers whose attention has no rotary embedding at all (SmolLM3's NoPE layers: q and k
     # reach attention as projected).
     nope_layers: tuple[int, ...] = ()
+    # gpt-oss: a learned logit per attention head that joins its softmax's denominator
+    # (attention sinks); biases on the router and on every expert's projections; the
+    # experts' clamped SwiGLU, (clamp(up, +-limit) + 1) * g * sigmoid(alpha * g) with
+    # g = min(gate, limit) (None: the plain SwiGLU); the router's top-k taken from its
+    # logits, then a softmax over those k (else a softmax over all, then the top-k).
+    attention_sinks: bool = False
+    expert_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.0
+    softmax_after_topk: bool = False
 
     def __post_init__(self) -> None:
         if self.hidden_activation not in HIDDEN_ACTIVATIONS:
@@ -214,6 +224,8 @@ class ModelConfig:
         ]  # fmt: skip
         if self.attention_output_gate:
             parts[-1] += ", output gate"
+        if self.attention_sinks:
+            parts[-1] += ", sinks"
         if self.nope_layers:
             parts[-1] += f", no rotary in {len(self.nope_layers)} layers"
         spec = self.linear_attention
@@ -237,6 +249,7 @@ class ModelConfig:
                 f"experts: {self.num_experts}, {self.num_experts_per_tok} per token, "
                 f"{self.expert_intermediate_size} wide, in {sparse} layers"
                 + (f", a shared one {self.shared_expert_intermediate_size} wide" if self.shared_expert_intermediate_size else "")
+                + (f", clamped SwiGLU (limit {self.swiglu_limit:g}, alpha {self.swiglu_alpha:g})" if self.swiglu_limit else "")
             )
         if self.num_labels:
             parts.append(f"classification head: {self.num_labels} label(s), no LM head (scores only)")

@@ -55,6 +55,8 @@ class LlamaAttention(nn.Module):
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias, kernel=kernel
         )
         self.o_proj = PackableLinear(self.q_size, config.hidden_size, bias=config.attention_out_bias, kernel=kernel)
+        # gpt-oss: each head's learned logit in its softmax's denominator (the backends read it).
+        self.sinks = nn.Parameter(torch.zeros(self.num_heads)) if config.attention_sinks else None
 
     def forward(
         self,
@@ -72,7 +74,9 @@ class LlamaAttention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = self.position_qk(q, k, cos_sin)
         group_metadata = metadata.for_group(self.kv_group)
-        out = backend.forward(q, k, v, kv_cache, group_metadata, self.scale, self.sliding_window, self.softcap)
+        out = backend.forward(
+            q, k, v, kv_cache, group_metadata, self.scale, self.sliding_window, self.softcap, self.sinks
+        )
         projected = self.o_proj(out.reshape(num_tokens, self.q_size))
         return projected if self.tp is None else self.tp.all_reduce(projected)
 

@@ -68,7 +68,7 @@ class SparseMoeBlock(nn.Module):
     native: ExpertsRunner | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [rows, hidden] -> [rows, hidden]
-        weights, experts = route(self.router_logits(x), self.top_k, self.renormalize)
+        weights, experts = self.route(self.router_logits(x))
         out = None if self.native is None else self.native.run(x, weights, experts)
         if out is None:
             out = self.run_experts(x, weights, experts)
@@ -79,6 +79,10 @@ class SparseMoeBlock(nn.Module):
             # one all-reduce below sums both.
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out if self.tp is None else self.tp.all_reduce(out)
+
+    def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's experts and their weights ([rows, top_k] float32, int64)."""
+        return route(router_logits, self.top_k, self.renormalize)
 
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:  # [rows, num_experts] float32
         """The router in float32 whatever the model's dtype: it is small (experts x hidden),

@@ -12,6 +12,7 @@ from pagellm.config.model import ModelConfig
 from pagellm.errors import UnsupportedModelError
 from pagellm.model.checkpoint.architectures import SUPPORTED_HF_ARCHITECTURES, hf_architecture
 from pagellm.model.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
+from pagellm.model.gpt_oss import GptOssForCausalLM
 from pagellm.model.llama import LlamaForCausalLM
 from pagellm.model.mixture_of_experts import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from pagellm.model.qwen3 import Qwen3ForCausalLM
@@ -35,6 +36,7 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "Qwen3NextForCausalLM": Qwen3_5MoeForCausalLM,
     # Llama's layers; its NoPE layers are ModelConfig.nope_layers, read by the attention.
     "SmolLM3ForCausalLM": LlamaForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
 }
 
 

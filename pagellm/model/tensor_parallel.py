@@ -112,6 +112,8 @@ class TPLayout:
             return range(self.rank * size, (self.rank + 1) * size)
         if kind in ("embed_tokens", "lm_head"):
             return range(self.vocab_start, self.vocab_start + self.vocab_per_rank)
+        if hf_name.endswith(".self_attn.sinks"):  # one per q head
+            return range(self.rank * self.num_heads, (self.rank + 1) * self.num_heads)
         return None
 
     def in_columns(self, hf_name: str) -> range | None:

@@ -58,6 +58,9 @@ FAMILIES = {
                                 "mlp_only_layers": [0]}),  # fmt: skip
     # SmolLM3: every second layer without rotary (NoPE), q/k/v/o biases.
     "smollm3": ("smollm3", {"no_rope_layer_interval": 2, "attention_bias": True}),
+    # gpt-oss: attention sinks, a window of 8 in every other layer, biased router and
+    # experts, a SwiGLU clamp low enough to bite, YaRN (tests/hf_models.py GPT_OSS_SHAPE).
+    "gpt_oss": ("gpt_oss", {}),
 }
 
 

@@ -49,3 +49,68 @@ def test_smollm3_gguf_equals_the_hf_folder(smollm3, tmp_path):
     ref = load_hf_reference(smollm3)
     expected = [hf_greedy(ref, prompt, NEW_TOKENS) for prompt in PROMPTS]
     assert pagellm_greedy(LLM(str(path), max_model_len=128), PROMPTS, NEW_TOKENS) == expected
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory):
+    folder = make_tiny_hf_checkpoint(tmp_path_factory.mktemp("gpt_oss"), "gpt_oss", seed=5)
+    ref = load_hf_reference(folder)
+    return folder, ref, [hf_greedy(ref, prompt, NEW_TOKENS) for prompt in PROMPTS]
+
+
+def _switch_off(ref, feature: str) -> None:  # noqa: ANN001
+    """One gpt-oss feature switched off in the reference, in place."""
+    for layer in ref.model.layers:
+        attention, experts = layer.self_attn, layer.mlp.experts
+        if feature == "sinks":
+            attention.sinks.data.fill_(-1e4)  # a sink of weight e^-10000: none
+        elif feature == "window":
+            attention.sliding_window = None
+        elif feature == "clamp":
+            experts.limit = 1e9
+        elif feature == "expert biases":
+            experts.gate_up_proj_bias.data.zero_()
+            experts.down_proj_bias.data.zero_()
+        elif feature == "router bias":
+            layer.mlp.router.bias.data.zero_()
+    if feature == "window":
+        ref.config.layer_types = ["full_attention"] * len(ref.model.layers)
+        ref.model.config.layer_types = ref.config.layer_types
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("feature", ["sinks", "window", "clamp", "expert biases", "router bias"])
+def test_gpt_oss_features_bite(gpt_oss, feature):
+    folder, _, expected = gpt_oss
+    ref = load_hf_reference(folder)  # a fresh copy to switch a feature off in
+    _switch_off(ref, feature)
+    assert [hf_greedy(ref, prompt, NEW_TOKENS) for prompt in PROMPTS] != expected, f"the {feature} changed nothing"
+
+
+@torch.inference_mode()
+def test_gpt_oss_equals_hf(gpt_oss):
+    folder, _, expected = gpt_oss
+    llm = LLM(str(folder), max_model_len=128, max_num_batched_tokens=16)
+    config = llm.engine.runner.model.config
+    assert config.attention_sinks and config.expert_bias and config.swiglu_limit == 1.0
+    assert config.sliding_window == 8 and config.sliding_window_layers == (0,)
+    assert pagellm_greedy(llm, PROMPTS, NEW_TOKENS) == expected
+    assert_engine_drained(llm)
+
+
+@torch.inference_mode()
+def test_gpt_oss_gguf_equals_the_hf_folder(tmp_path_factory):
+    """llama.cpp's gpt-oss file: the clamp at the architecture's 7 and 1.702 (the folder's
+    too), experts and their biases stacked, the router as ffn_gate_inp, Q8_0 attention."""
+    folder = make_tiny_hf_checkpoint(tmp_path_factory.mktemp("gpt_oss_gguf"), "gpt_oss", seed=7, swiglu_limit=7.0)
+    cfg = json.loads((folder / "config.json").read_text())
+    import gguf
+
+    path = write_gguf_from_hf(folder, folder.parent / "gpt-oss.gguf", cfg, arch="gpt-oss",
+                              quant_by_kind={"attn_q": gguf.GGMLQuantizationType.F16})  # fmt: skip
+    config = load_model_config(resolve_model_source(str(path)))
+    assert config.architecture == "gpt-oss" and config.attention_sinks and config.sliding_window_layers == (0,)
+    assert config.rope_scaling is not None and not config.rope_scaling.truncate
+    ref = load_hf_reference(folder)
+    expected = [hf_greedy(ref, prompt, NEW_TOKENS) for prompt in PROMPTS]
+    assert pagellm_greedy(LLM(str(path), max_model_len=128), PROMPTS, NEW_TOKENS) == expected

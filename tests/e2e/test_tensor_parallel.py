@@ -149,6 +149,15 @@ def test_gemma_sliding_groups_and_soft_caps_per_rank(tmp_path_factory, arch):
     assert outputs == expected
 
 
+def test_gpt_oss_sinks_and_biased_experts_split_per_rank(tmp_path_factory):
+    # Each rank keeps its heads' sinks, its share of every expert (gate and up de-interleaved
+    # before the split, biases with their rows; the down bias added once, by rank 0), the
+    # biased router whole, and both KV cache groups (sliding and full).
+    folder, expected = checkpoint(tmp_path_factory, "gpt_oss", "gpt_oss")
+    outputs, _ = run(folder, 2, max_num_batched_tokens=7)
+    assert outputs == expected
+
+
 def test_three_ranks_with_a_vocabulary_that_does_not_divide(tmp_path_factory):
     # 256 tokens over 3 ranks: 86 rows each, the last two padded.
     folder, expected = checkpoint(

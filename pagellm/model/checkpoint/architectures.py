@@ -26,6 +26,7 @@ SUPPORTED_HF_ARCHITECTURES = (
     "Qwen3_5MoeForCausalLM",  # ... and its mixture of experts (35B-A3B and larger)
     "Qwen3NextForCausalLM",  # Qwen3-Next: Qwen3.5-MoE's layers, its projections fused per key head
     "SmolLM3ForCausalLM",  # Llama's layers; every n-th has no rotary (NoPE)
+    "GptOssForCausalLM",  # gpt-oss: attention sinks, sliding and full layers, biased experts with a clamped SwiGLU
 )
 # A config saved without a model names no architecture; its model_type still says which.
 ARCHITECTURE_BY_MODEL_TYPE = {
@@ -43,6 +44,7 @@ ARCHITECTURE_BY_MODEL_TYPE = {
     "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
     "qwen3_next": "Qwen3NextForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 # A multimodal checkpoint whose language model runs alone (its vision tower not loaded):
 # its architecture (or model_type) -> the text model's, read from its text_config.
@@ -66,6 +68,7 @@ ARCHITECTURE_BY_GGUF_NAME = {
     "qwen35moe": "Qwen3_5MoeForCausalLM",
     "qwen3next": "Qwen3NextForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
+    "gpt-oss": "GptOssForCausalLM",
 }
 SUPPORTED_GGUF_ARCHITECTURES = tuple(ARCHITECTURE_BY_GGUF_NAME)
 # A base model (e5-mistral's MistralModel, a Qwen3Model): the family's layers, no LM head.

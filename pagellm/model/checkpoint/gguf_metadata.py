@@ -7,6 +7,7 @@ a ModelLoadError naming its key; a missing optional key takes llama.cpp's defaul
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 from typing import Any
@@ -176,7 +177,13 @@ def gguf_model_config(reader: GGUFReader, path: Path) -> ModelConfig:
     eos = meta.raw("tokenizer.ggml.eos_token_id")
     bos = meta.raw("tokenizer.ggml.bos_token_id")
     num_layers = integer("block_count")
-    gemma = _gemma_fields(meta, arch, hidden, num_heads, head_dim, num_layers) if arch in GEMMA_ARCHITECTURES else {}
+    family: dict[str, Any] = {}  # what a family adds to Llama's layer
+    if arch in GEMMA_ARCHITECTURES:
+        family = _gemma_fields(meta, arch, hidden, num_heads, head_dim, num_layers)
+    if arch == "gpt-oss":
+        family = _gpt_oss_fields(meta, arch, num_layers)
+        # The original YaRN does not round its ramp's ends (HF's config says truncate: false).
+        scaling = None if scaling is None else dataclasses.replace(scaling, truncate=False)
     hybrid: dict[str, Any] = {}
     if arch in HYBRID_GGUF_ARCHITECTURES:
         # Multi-token-prediction blocks follow the model's own (not run here, skipped at load).
@@ -207,7 +214,7 @@ def gguf_model_config(reader: GGUFReader, path: Path) -> ModelConfig:
         qk_norm=any(name.endswith(".attn_q_norm.weight") for name in names),  # a hybrid's first layer may not attend
         partial_rotary_factor=rotary_dims / head_dim,
         **experts,
-        **gemma,
+        **family,
         **hybrid,
         bos_token_id=meta.number("tokenizer.ggml.bos_token_id", int, minimum=0) if bos is not None else None,
         eos_token_ids=(meta.number("tokenizer.ggml.eos_token_id", int, minimum=0),) if eos is not None else (),
@@ -270,6 +277,18 @@ def _gemma_fields(meta: _Metadata, arch: str, hidden: int, num_heads: int, head_
         fields["local_rope_theta"] = optional("rope.freq_base_swa", _GEMMA3_LOCAL_ROPE_BASE)
         fields["final_logit_softcapping"] = optional("final_logit_softcapping", None)
     return fields
+
+
+def _gpt_oss_fields(meta: _Metadata, arch: str, num_layers: int) -> dict[str, Any]:
+    """gpt-oss as llama.cpp runs it: the window on every other layer from the first, the
+    sinks, biased router and experts, and the clamped SwiGLU at the architecture's constants
+    (limit 7, alpha 1.702: no metadata key says them)."""
+    return {
+        "sliding_window": meta.number(f"{arch}.attention.sliding_window", int),
+        "sliding_window_layers": tuple(range(0, num_layers, 2)),
+        "attention_sinks": True, "expert_bias": True, "softmax_after_topk": True,
+        "swiglu_limit": 7.0, "swiglu_alpha": 1.702,
+    }  # fmt: skip
 
 
 def _hybrid_fields(meta: _Metadata, arch: str, num_layers: int) -> dict[str, Any]:

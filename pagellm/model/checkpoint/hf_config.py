@@ -68,7 +68,7 @@ def hf_model_config(folder: Path) -> ModelConfig:
         rope_theta = float(rope.get("rope_theta") or 10000.0)
         # Qwen2 (and Qwen2-MoE, `qkv_bias` in transformers 5.x) bias q/k/v only.
         is_qwen2 = arch == "Qwen2ForCausalLM" or (arch == "Qwen2MoeForCausalLM" and bool(cfg.get("qkv_bias", True)))
-        attention_bias = bool(cfg.get("attention_bias", False))
+        attention_bias = bool(cfg.get("attention_bias", arch == "GptOssForCausalLM"))  # transformers' defaults
         sliding_window, sliding_layers = _sliding_window(arch, cfg)
         return ModelConfig(
             architecture=arch,
@@ -99,6 +99,7 @@ def hf_model_config(folder: Path) -> ModelConfig:
             **_experts(arch, cfg),
             **_hybrid(arch, cfg),
             nope_layers=_nope_layers(arch, cfg),
+            **_gpt_oss(arch, cfg),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=_eos_ids(cfg, folder),
             pooling_type=_sentence_transformers_pooling(folder),
@@ -251,6 +252,17 @@ def _hybrid(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     return {"linear_attention": spec, "attention_output_gate": True, "norm_weight_offset": True}
 
 
+def _gpt_oss(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """gpt-oss's attention sinks, biased router and experts, and the experts' clamped SwiGLU
+    (transformers' defaults: limit 7, alpha 1.702)."""
+    if arch != "GptOssForCausalLM":
+        return {}
+    return {
+        "attention_sinks": True, "expert_bias": True, "softmax_after_topk": True,
+        "swiglu_limit": float(cfg.get("swiglu_limit", 7.0)), "swiglu_alpha": float(cfg.get("swiglu_alpha", 1.702)),
+    }  # fmt: skip
+
+
 def _nope_layers(arch: str, cfg: dict[str, Any]) -> tuple[int, ...]:
     """SmolLM3's layers without rotary: `no_rope_layers` holds 1 for a layer that rotates,
     0 for one that does not; without it every `no_rope_layer_interval`-th layer (4 by
@@ -307,6 +319,9 @@ def _rope_by_layer_kind(arch: str, cfg: dict[str, Any]) -> tuple[dict[str, Any],
     else:
         rope = rope_settings(cfg)
         local_theta = cfg.get("rope_local_base_freq")
+    if arch == "GptOssForCausalLM" and rope.get("rope_type") is None:  # transformers' defaults
+        rope.update({"rope_theta": rope.get("rope_theta") or 150000.0, "rope_type": "yarn", "factor": 32.0,
+                     "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096})  # fmt: skip
     if arch == "Gemma3ForCausalLM":
         rope.setdefault("rope_theta", 1_000_000.0)
         return rope, float(local_theta or 10_000.0)
@@ -335,6 +350,8 @@ def _sliding_window(arch: str, cfg: dict[str, Any]) -> tuple[int | None, tuple[i
         layers = tuple(i for i, kind in enumerate(layer_types) if kind == "sliding_attention")
     elif qwen:
         layers = tuple(range(int(cfg.get("max_window_layers") or 0), num_layers))
+    elif arch == "GptOssForCausalLM":  # transformers' default: every other layer slides, from the first
+        layers = tuple(range(0, num_layers, 2))
     elif arch in _GEMMA_DEFAULT_PATTERN:
         pattern = int(cfg.get("sliding_window_pattern") or _GEMMA_DEFAULT_PATTERN[arch])
         layers = tuple(i for i in range(num_layers) if (i + 1) % pattern)
@@ -350,6 +367,12 @@ def _experts(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     Qwen2-MoE's `num_experts` (`num_local_experts` as transformers 5.x writes it), their own
     expert width, `norm_topk_prob`, the layers that keep a dense MLP, Qwen2-MoE's and
     Qwen3.5-MoE's shared expert."""
+    if arch == "GptOssForCausalLM":  # every layer sparse, each expert intermediate_size wide
+        return {
+            "num_experts": int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0),
+            "num_experts_per_tok": int(cfg["num_experts_per_tok"]),
+            "moe_intermediate_size": int(cfg["intermediate_size"]),
+        }
     if arch not in ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM"):
         return {}
     num_experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)

@@ -58,7 +58,8 @@ def fused_pieces(hf_name: str, config: ModelConfig) -> list[tuple[str, int, int]
 _MIXTRAL_EXPERT = re.compile(r"\.block_sparse_moe\.(gate|experts\.\d+\.(w[123]))\.")
 _MIXTRAL_PROJECTION = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
 # Experts stacked in one tensor: [experts, rows, cols] (transformers' names end without .weight).
-_STACKED_EXPERTS = re.compile(r"\.mlp\.experts\.(gate_up_proj|gate_proj|up_proj|down_proj)(\.weight)?$")
+# gpt-oss's files stack the experts' biases too ([experts, rows]).
+_STACKED_EXPERTS = re.compile(r"\.mlp\.experts\.(gate_up_proj|gate_proj|up_proj|down_proj)(\.weight|\.bias)?$")
 
 
 _LANGUAGE_MODEL_PREFIXES = (
@@ -124,20 +125,54 @@ def _per_key_head_pieces(name: str, config: ModelConfig) -> list[tuple[str, list
     return [(prefix + "b.weight", rows["b"]), (prefix + "a.weight", rows["a"])]
 
 
+# gpt-oss's experts as transformers stores them unquantized: stacked, each matrix transposed
+# ([experts, in, out]), gate and up interleaved column by column; its router is `mlp.router`.
+_GPT_OSS_EXPERTS = re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?$")
+_GPT_OSS_ROUTER = re.compile(r"\.mlp\.router\.(weight|bias)$")
+
+
+def _gpt_oss_pieces(name: str, rows: Rows) -> Iterator[tuple[str, Rows]] | None:
+    """Llama's per-expert projections of a gpt-oss expert tensor (None: not one)."""
+    match = _GPT_OSS_EXPERTS.search(name)
+    if match is None:
+        return None
+    prefix, projection, suffix = name[: match.start()], match.group(1), "bias" if match.group(2) else "weight"
+
+    def pieces() -> Iterator[tuple[str, Rows]]:
+        for expert in range(rows.shape[0]):  # type: ignore[attr-defined]
+            # A weight's [in, out] transposed to Llama's [out, in]; a bias is [out] already.
+            one = rows[expert] if suffix == "bias" else rows[expert].T  # type: ignore[index,union-attr]
+            base = f"{prefix}.mlp.experts.{expert}"
+            if projection == "down_proj":
+                yield f"{base}.down_proj.{suffix}", one
+            else:  # columns 0, 2, 4, ... are the gate's, 1, 3, 5, ... the up projection's
+                yield f"{base}.gate_proj.{suffix}", one[0::2]
+                yield f"{base}.up_proj.{suffix}", one[1::2]
+
+    return pieces()
+
+
 def split_fused(name: str, rows: Rows, config: ModelConfig) -> Iterator[tuple[str, Rows]]:
     """The tensor (renamed), or its projections when it is a fused or stacked one. A fused
     tensor whose rows do not add up to the config's sizes is left whole (the model names it)."""
     name = renamed(name)
+    if config.expert_bias:  # gpt-oss
+        name = _GPT_OSS_ROUTER.sub(r".mlp.gate.\1", name)
+        gpt_oss = _gpt_oss_pieces(name, rows)
+        if gpt_oss is not None:
+            yield from gpt_oss
+            return
     gathered = _per_key_head_pieces(name, config)
     if gathered is not None and sum(len(r) for _, r in gathered) == rows.shape[0]:  # type: ignore[attr-defined]
         for piece, indices in gathered:
             yield piece, rows[indices]  # type: ignore[index]
         return
     stacked = _STACKED_EXPERTS.search(name)
-    if stacked is not None and rows.ndim == 3:  # type: ignore[attr-defined]
-        prefix = name[: stacked.start()]
+    is_bias = stacked is not None and stacked.group(2) == ".bias"
+    if stacked is not None and rows.ndim == (2 if is_bias else 3):  # type: ignore[attr-defined]
+        prefix, suffix = name[: stacked.start()], "bias" if is_bias else "weight"
         for expert in range(rows.shape[0]):  # type: ignore[attr-defined]
-            yield from split_fused(f"{prefix}.mlp.experts.{expert}.{stacked.group(1)}.weight", rows[expert], config)  # type: ignore[index]
+            yield from split_fused(f"{prefix}.mlp.experts.{expert}.{stacked.group(1)}.{suffix}", rows[expert], config)  # type: ignore[index]
         return
     pieces = fused_pieces(name, config)
     if pieces is None or pieces[-1][2] != rows.shape[0]:  # type: ignore[attr-defined]

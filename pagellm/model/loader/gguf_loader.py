@@ -90,6 +90,10 @@ _HYBRID_LAYER_NAMES = {
 # Parameters llama.cpp names apart from the rule: the decay's bias, and its rate, which the
 # file holds as A = -exp(A_log) and without a suffix.
 _HYBRID_PARAMETERS = {"ssm_dt.bias": "linear_attn.dt_bias", "ssm_a": "linear_attn.A_log"}
+# gpt-oss's: the norm before the MLP is `post_attention_norm`; the sinks, a parameter without
+# a suffix in HF's checkpoint, are `attn_sinks.weight`.
+_GPT_OSS_LAYER_NAMES = {**_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm"}
+_GPT_OSS_PARAMETERS = {"attn_sinks.weight": "self_attn.sinks"}
 _LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.([a-z0-9_]+)\.(weight|bias)$")
 _LAYER_INDEX = re.compile(r"^blk\.(\d+)\.")
 
@@ -281,6 +285,12 @@ def hf_tensor_name(gguf_name: str, architecture: str) -> str:
             return f"model.layers.{layer_prefix.group(1)}.{_HYBRID_PARAMETERS[parameter]}"  # type: ignore[union-attr]
     elif architecture in GEMMA_ARCHITECTURES:
         names = _GEMMA_LAYER_NAMES
+    elif architecture == "gpt-oss":
+        names = _GPT_OSS_LAYER_NAMES
+        layer_prefix = _LAYER_INDEX.match(gguf_name)
+        parameter = gguf_name[layer_prefix.end() :] if layer_prefix is not None else ""
+        if parameter in _GPT_OSS_PARAMETERS:
+            return f"model.layers.{layer_prefix.group(1)}.{_GPT_OSS_PARAMETERS[parameter]}"  # type: ignore[union-attr]
     else:
         names = _LAYER_NAMES
     match = _LAYER_TENSOR.match(gguf_name)
