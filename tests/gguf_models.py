@@ -144,6 +144,9 @@ def write_gguf_from_hf(
     rng = np.random.default_rng(seed)
     if arch == "gpt-oss":
         tensors = _gpt_oss_converted(tensors, writer, cfg)
+        for name in [n for n in tensors if n.endswith("_exps.mxfp4")]:  # stored bytes, written as they are
+            gguf_name, _ = _gguf_name(name.removesuffix(".mxfp4") + ".weight", arch)
+            writer.add_tensor(gguf_name, tensors.pop(name), raw_dtype=gguf.GGMLQuantizationType.MXFP4)
     else:
         tensors = _stack_experts(tensors, writer, cfg)
     if arch == "qwen3next":
@@ -225,7 +228,15 @@ def _gpt_oss_converted(tensors: dict, writer: gguf.GGUFWriter, cfg: dict) -> dic
     out = {}
     for name, value in tensors.items():
         prefix = name.rsplit(".mlp.", 1)[0]
-        if name.endswith(".mlp.experts.gate_up_proj"):
+        if name.endswith("_proj_scales"):
+            continue  # with its blocks
+        if name.endswith("_proj_blocks"):  # MXFP4 (OpenAI's folders): the bytes repacked, as llama.cpp's converter does
+            stored = _mxfp4_gguf_blocks(value, tensors[name.replace("_blocks", "_scales")])
+            if ".gate_up_proj" in name:  # rows interleave gate and up
+                out[f"{prefix}.mlp.experts.gate_exps.mxfp4"], out[f"{prefix}.mlp.experts.up_exps.mxfp4"] = stored[:, 0::2], stored[:, 1::2]
+            else:
+                out[f"{prefix}.mlp.experts.down_exps.mxfp4"] = stored
+        elif name.endswith(".mlp.experts.gate_up_proj"):
             value = value.transpose(0, 2, 1)
             out[f"{prefix}.mlp.experts.gate_exps.weight"], out[f"{prefix}.mlp.experts.up_exps.weight"] = value[:, 0::2], value[:, 1::2]
         elif name.endswith(".mlp.experts.gate_up_proj_bias"):
@@ -241,6 +252,16 @@ def _gpt_oss_converted(tensors: dict, writer: gguf.GGUFWriter, cfg: dict) -> dic
         else:
             out[name] = value
     return {name: np.ascontiguousarray(value) for name, value in out.items()}
+
+
+def _mxfp4_gguf_blocks(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:  # uint8 [experts, rows, groups * 17]
+    """OpenAI's MXFP4 (byte j of a group: elements 2j and 2j + 1) as GGML blocks (an exponent
+    byte, then byte j: elements j and j + 16)."""
+    low, high = blocks & 0x0F, blocks >> 4
+    elements = np.stack([low, high], axis=-1).reshape(*blocks.shape[:-1], 32)
+    nibbles = elements[..., :16] | (elements[..., 16:] << 4)
+    stored = np.concatenate([scales[..., None], nibbles], axis=-1)
+    return stored.reshape(*blocks.shape[:2], -1)
 
 
 def _add_qwen35(writer: gguf.GGUFWriter, cfg: dict, arch: str) -> None:

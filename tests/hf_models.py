@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -175,3 +176,40 @@ def load_hf_multimodal_reference(folder: Path) -> torch.nn.Module:
     import transformers
 
     return transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def make_tiny_gpt_oss_mxfp4(root: Path, seed: int = 5, **overrides: object) -> tuple[Path, Path]:
+    """A tiny gpt-oss checkpoint whose experts are MXFP4 as OpenAI's folders store them
+    (`*_blocks` [experts, rows, groups, 16], byte j = elements 2j | 2j + 1 << 4, `*_scales`
+    [experts, rows, groups] E8M0 exponents; rows = output features, gate and up interleaved),
+    and the same model in float32 with the experts' dequantized values (the reference).
+    Returns (MXFP4 folder, float folder)."""
+    import gguf
+    from safetensors.torch import load_file, save_file
+
+    reference = make_tiny_hf_checkpoint(root / "float", "gpt_oss", seed=seed, **overrides)
+    tensors = load_file(str(reference / "model.safetensors"))
+    packed = {}
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        weight = tensors[name].transpose(1, 2).contiguous().numpy()  # [experts, out, in]
+        experts, rows, k = weight.shape
+        blocks = gguf.quants.quantize(weight.reshape(-1, k), gguf.GGMLQuantizationType.MXFP4)
+        blocks = blocks.reshape(experts, rows, k // 32, 17)
+        values = gguf.quants.dequantize(blocks.reshape(experts * rows, -1), gguf.GGMLQuantizationType.MXFP4)
+        tensors[name] = torch.from_numpy(values.reshape(experts, rows, k).astype("float32")).transpose(1, 2).contiguous()
+        codes = torch.from_numpy(blocks[..., 1:].copy())
+        elements = torch.cat([codes & 0x0F, codes >> 4], dim=-1)  # llama.cpp's order: j, then j + 16
+        packed[name + "_blocks"] = (elements[..., 0::2] | (elements[..., 1::2] << 4)).contiguous()
+        packed[name + "_scales"] = torch.from_numpy(blocks[..., 0].copy())
+    save_file(tensors, str(reference / "model.safetensors"), metadata={"format": "pt"})
+    folder = root / "mxfp4"
+    folder.mkdir()
+    quantized = {name: value for name, value in tensors.items() if not name.endswith(("gate_up_proj", "down_proj"))}
+    save_file({**quantized, **packed}, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((reference / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (folder / "config.json").write_text(json.dumps(config))
+    for extra in reference.iterdir():
+        if extra.name not in ("config.json", "model.safetensors"):
+            (folder / extra.name).write_bytes(extra.read_bytes())
+    return folder, reference

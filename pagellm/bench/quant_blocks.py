@@ -2,8 +2,8 @@
 quantized benchmarks (benchmarks/quant_1b.py, quant_linear.py) and the kernel tests.
 
 Quantized bytes are uniformly random (every bit pattern of the integers is a valid
-block); the fp16 scales are drawn at a chosen magnitude, so a test can push them to
-extremes. The reference is the `gguf` package's own dequantization.
+block); the fp16 scales (MXFP4: its E8M0 exponents) are drawn at a chosen magnitude, so a
+test can push them to extremes. The reference is the `gguf` package's own dequantization.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from pagellm.kernels.weights import WeightType, file_row_bytes, pack_rows
 # Byte offsets of each block's fp16 fields (scale d, and min / dmin where there is one).
 _HALF_FIELDS = {
     WeightType.Q4_0: (0,), WeightType.Q4_1: (0, 2), WeightType.Q8_0: (0,),
-    WeightType.Q4_K: (0, 2), WeightType.Q5_K: (0, 2), WeightType.Q6_K: (208,),
+    WeightType.Q4_K: (0, 2), WeightType.Q5_K: (0, 2), WeightType.Q6_K: (208,), WeightType.MXFP4: (),
 }  # fmt: skip
 _BLOCK_BYTES = {WeightType.Q4_0: 18, WeightType.Q4_1: 20, WeightType.Q8_0: 34,
-                WeightType.Q4_K: 144, WeightType.Q5_K: 176, WeightType.Q6_K: 210}  # fmt: skip
+                WeightType.Q4_K: 144, WeightType.Q5_K: 176, WeightType.Q6_K: 210, WeightType.MXFP4: 17}  # fmt: skip
 QUANT_TYPES = tuple(_HALF_FIELDS)
 
 
@@ -32,6 +32,9 @@ def random_blocks(
     for offset in _HALF_FIELDS[weight_type]:
         halves = (rng.standard_normal(blocks.shape[:2]) * scale).astype(np.float16)
         blocks[:, :, offset : offset + 2] = halves.view(np.uint8).reshape(*blocks.shape[:2], 2)
+    if weight_type is WeightType.MXFP4:  # each block's exponent byte E (2^(E - 127)) around the scale
+        exponent = round(np.log2(scale)) + 127 + rng.integers(-3, 4, size=blocks.shape[:2])
+        blocks[:, :, 0] = np.clip(exponent, 2, 254).astype(np.uint8)
     return data
 
 

@@ -2,7 +2,7 @@
 
 A `PackedWeight` is one to three parts stacked along the output dimension, each either
 bf16 rows or rows of quantization blocks exactly as a GGUF file stores them (Q4_0, Q4_1,
-Q8_0, Q4_K, Q5_K, Q6_K), or int8 rows with one float32 scale per row (`--quantization
+Q8_0, Q4_K, Q5_K, Q6_K, MXFP4), or int8 rows with one float32 scale per row (`--quantization
 int8`). The kernels multiply by it without a dequantized copy (csrc/quant_linear.c).
 """
 
@@ -30,6 +30,7 @@ class WeightType(enum.IntEnum):
     Q5_K = 13
     Q6_K = 14
     BF16 = 30
+    MXFP4 = 39  # OCP microscaling: 32 E2M1 values sharing an E8M0 exponent (gpt-oss's experts)
     I8_ROW = 1000  # int8 rows, per-row float32 scales
     Q4_0_VNNI = 1002  # Q4_0 repacked for the int8-activation kernel (vnni_part)
     Q4_1_VNNI = 1003
@@ -47,13 +48,15 @@ class WeightType(enum.IntEnum):
 
 _BLOCK_BYTES = {
     WeightType.Q4_0: 18, WeightType.Q4_1: 20, WeightType.Q8_0: 34,
-    WeightType.Q4_K: 144, WeightType.Q5_K: 176, WeightType.Q6_K: 210,
+    WeightType.Q4_K: 144, WeightType.Q5_K: 176, WeightType.Q6_K: 210, WeightType.MXFP4: 17,
 }  # fmt: skip
 QUANTIZED_TYPES = frozenset(_BLOCK_BYTES)
 MAX_PARTS = abi.MAX_PARTS
 
 
-ROW_PACKED_TYPES = frozenset({WeightType.Q4_0, WeightType.Q4_1, WeightType.Q8_0})
+ROW_PACKED_TYPES = frozenset({WeightType.Q4_0, WeightType.Q4_1, WeightType.Q8_0, WeightType.MXFP4})
+# The types whose rows pair their groups' nibbles (pack_rows), and each block's header bytes.
+_NIBBLE_HEADER = {WeightType.Q4_0: 2, WeightType.Q4_1: 4, WeightType.MXFP4: 1}
 # The int8-activation kernel's layout of each type it reads (vnni_part).
 VNNI_OF = {WeightType.Q4_0: WeightType.Q4_0_VNNI, WeightType.Q4_1: WeightType.Q4_1_VNNI}
 
@@ -75,7 +78,7 @@ def row_bytes(weight_type: WeightType, k: int) -> int:
         return k
     if weight_type in VNNI_OF.values():
         weight_type = next(t for t, vnni in VNNI_OF.items() if vnni is weight_type)
-    if weight_type in (WeightType.Q4_0, WeightType.Q4_1):
+    if weight_type in _NIBBLE_HEADER:
         return _padded_groups(k) * _BLOCK_BYTES[weight_type]
     return file_row_bytes(weight_type, k)
 
@@ -88,10 +91,10 @@ def file_row_bytes(weight_type: WeightType, k: int) -> int:
 def pack_rows(weight_type: WeightType, blocks: np.ndarray, k: int) -> np.ndarray:
     """GGUF rows of blocks (uint8 [rows, file_row_bytes]) in the layout the kernels read.
 
-    Q4_0 / Q4_1 / Q8_0 are rearranged (same bytes, see csrc/quant_linear.c): Q4 rows keep
-    the nibbles of groups 2p and 2p + 1 in one 32-byte run (2p low, 2p + 1 high, element
-    order) then the fp16 scales (and mins); Q8_0 rows keep all int8 values then the
-    scales. K-quant blocks stay exactly as stored.
+    Q4_0 / Q4_1 / MXFP4 / Q8_0 are rearranged (same bytes, see csrc/quant_linear.c): 4-bit
+    rows keep the nibbles of groups 2p and 2p + 1 in one 32-byte run (2p low, 2p + 1 high,
+    element order) then the fp16 scales (and mins; MXFP4: the one-byte exponents); Q8_0 rows
+    keep all int8 values then the scales. K-quant blocks stay exactly as stored.
     """
     if weight_type not in ROW_PACKED_TYPES:
         return blocks
@@ -100,7 +103,7 @@ def pack_rows(weight_type: WeightType, blocks: np.ndarray, k: int) -> np.ndarray
     per_block = blocks.reshape(rows, groups, _BLOCK_BYTES[weight_type])
     if weight_type is WeightType.Q8_0:
         return np.concatenate([per_block[:, :, 2:].reshape(rows, -1), per_block[:, :, :2].reshape(rows, -1)], axis=1)
-    header = 2 if weight_type is WeightType.Q4_0 else 4
+    header = _NIBBLE_HEADER[weight_type]
     padded = _padded_groups(k)
     if padded != groups:  # a zero group (scale 0, min 0) completes the last pair
         per_block = np.concatenate([per_block, np.zeros((rows, 1, per_block.shape[2]), np.uint8)], axis=1)
@@ -108,7 +111,7 @@ def pack_rows(weight_type: WeightType, blocks: np.ndarray, k: int) -> np.ndarray
     values = np.concatenate([packed & 0x0F, packed >> 4], axis=2)  # [rows, padded, 32] in element order
     pairs = values.reshape(rows, padded // 2, 2, 32)
     nibbles = (pairs[:, :, 0, :] | (pairs[:, :, 1, :] << 4)).reshape(rows, -1)
-    scales = [per_block[:, :, 0:2].reshape(rows, -1)]
+    scales = [per_block[:, :, 0 : min(header, 2)].reshape(rows, -1)]
     if weight_type is WeightType.Q4_1:
         scales.append(per_block[:, :, 2:4].reshape(rows, -1))
     return np.ascontiguousarray(np.concatenate([nibbles, *scales], axis=1))

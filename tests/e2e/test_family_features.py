@@ -11,7 +11,7 @@ import pytest
 import torch
 from engine_checks import assert_engine_drained
 from gguf_models import write_gguf_from_hf
-from hf_models import load_hf_reference, make_tiny_hf_checkpoint
+from hf_models import load_hf_reference, make_tiny_gpt_oss_mxfp4, make_tiny_hf_checkpoint
 from reference import hf_greedy, pagellm_greedy
 
 from pagellm import LLM
@@ -114,3 +114,41 @@ def test_gpt_oss_gguf_equals_the_hf_folder(tmp_path_factory):
     ref = load_hf_reference(folder)
     expected = [hf_greedy(ref, prompt, NEW_TOKENS) for prompt in PROMPTS]
     assert pagellm_greedy(LLM(str(path), max_model_len=128), PROMPTS, NEW_TOKENS) == expected
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_mxfp4(tmp_path_factory):
+    """An MXFP4 folder as OpenAI ships gpt-oss, its float twin (the reference) and the GGUF
+    llama.cpp's converter makes of it (the experts' bytes repacked, not requantized)."""
+    root = tmp_path_factory.mktemp("gpt_oss_mxfp4")
+    folder, reference = make_tiny_gpt_oss_mxfp4(root, swiglu_limit=7.0)  # llama.cpp's fixed clamp
+    cfg = json.loads((folder / "config.json").read_text())
+    path = write_gguf_from_hf(folder, root / "gpt-oss-mxfp4.gguf", cfg, arch="gpt-oss", quant_by_kind={})
+    ref = load_hf_reference(reference)
+    return folder, path, [hf_greedy(ref, prompt, NEW_TOKENS) for prompt in PROMPTS]
+
+
+@torch.inference_mode()
+def test_mxfp4_experts_equal_hf_in_float32(gpt_oss_mxfp4):
+    folder, path, expected = gpt_oss_mxfp4
+    for source in (folder, path):
+        assert pagellm_greedy(LLM(str(source), max_model_len=128), PROMPTS, NEW_TOKENS) == expected, source
+
+
+@torch.inference_mode()
+def test_mxfp4_experts_stay_as_stored_and_the_gguf_equals_the_folder(gpt_oss_mxfp4):
+    from pagellm.kernels.weights import WeightType, kernels_support
+
+    if not kernels_support(WeightType.MXFP4):
+        pytest.skip("MXFP4 stays as stored on the native CPU kernels (x86-64 with AVX2, and a C compiler)")
+    folder, path, _ = gpt_oss_mxfp4
+    outputs = []
+    for source in (folder, path):
+        llm = LLM(str(source), max_model_len=128, dtype="bfloat16")
+        model = llm.engine.runner.model
+        experts = [expert for layer in model.layers for expert in layer.mlp.experts]
+        assert all(e.gate_up_proj.packed.types == [WeightType.MXFP4] * 2 for e in experts)
+        assert all(e.down_proj.packed.types == [WeightType.MXFP4] for e in experts)
+        assert "MXFP4 as stored" in model.weight_bytes_by_format()
+        outputs.append(pagellm_greedy(llm, PROMPTS, NEW_TOKENS))
+    assert outputs[0] == outputs[1]  # the same bytes through the same kernels

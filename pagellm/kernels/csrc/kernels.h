@@ -3,6 +3,7 @@
 #ifndef PAGELLM_KERNELS_H
 #define PAGELLM_KERNELS_H
 
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 

@@ -105,7 +105,15 @@ static inline __attribute__((always_inline)) void group_floats(int type, const u
     GroupScale gs;
     __m256i bytes;
     int is_signed = 0;
-    if (type == WEIGHT_Q4_0 || type == WEIGHT_Q4_1) {
+    if (type == WEIGHT_MXFP4) { /* signed codes, d = 2^(E - 128) (quant_groups.h) */
+        const __m256i packed = _mm256_loadu_si256((const __m256i *)(row + 32 * (g >> 1)));
+        const __m256i codes = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i *)MXFP4_SIGNED_TABLE));
+        bytes = _mm256_shuffle_epi8(codes, _mm256_and_si256((g & 1) ? _mm256_srli_epi16(packed, 4) : packed,
+                                                            _mm256_set1_epi8(0x0F)));
+        is_signed = 1;
+        gs.scale_lo = gs.scale_hi = e8m0_half(row[padded_groups(k) * 16 + g]);
+        gs.min_lo = gs.min_hi = 0.0f;
+    } else if (type == WEIGHT_Q4_0 || type == WEIGHT_Q4_1) {
         const int64_t stored = padded_groups(k);
         const __m256i packed = _mm256_loadu_si256((const __m256i *)(row + 32 * (g >> 1)));
         bytes = _mm256_and_si256((g & 1) ? _mm256_srli_epi16(packed, 4) : packed, _mm256_set1_epi8(0x0F));
@@ -209,7 +217,7 @@ static inline __m256 halves8(const uint8_t *half, int count) {
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)bits));
 }
 
-/* Groups g0 .. g0 + count - 1 (count <= 8) of a Q4_0 / Q4_1 / Q8_0 / int8 / Q4_K / Q5_K row
+/* Groups g0 .. g0 + count - 1 (count <= 8) of a Q4_0 / Q4_1 / MXFP4 / Q8_0 / int8 / Q4_K / Q5_K row
  * into the sums. Per group and row of x: the integer dot product of the weights' integers
  * with x's 16-bit integers (two vpmaddwd of 16 pairs, exact in int32 and in its float
  * conversion: at most 4 x 128 x 2^15 per lane), converted once and multiplied by the weight
@@ -267,6 +275,10 @@ static inline __attribute__((always_inline)) void dot16_span(int type, int M, co
                              _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((int64_t)mins))));
         pairs = block + (type == WEIGHT_Q4_K ? 16 : 48);
         if (type == WEIGHT_Q5_K) high_bits = block + 16; /* bit t of byte i: element i's fifth bit in group t */
+    } else if (type == WEIGHT_MXFP4) { /* signed codes below: no offset */
+        d8 = e8m0_half8(row + padded_groups(k) * 16 + g0, count);
+        min8 = _mm256_setzero_ps();
+        pairs = row + 16 * g0;
     } else {
         const int64_t stored = padded_groups(k);
         d8 = halves8(row + stored * 16 + 2 * g0, count);
@@ -290,6 +302,15 @@ static inline __attribute__((always_inline)) void dot16_span(int type, int M, co
         const __m256i b1 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(pairs + 16 * t + 16)));
         __m256i lo0 = _mm256_and_si256(b0, low4), lo1 = _mm256_and_si256(b1, low4);
         __m256i hi0 = _mm256_srli_epi16(b0, 4), hi1 = _mm256_srli_epi16(b1, 4);
+        if (type == WEIGHT_MXFP4) { /* each nibble as its signed code, looked up in bytes, then widened */
+            const __m128i codes = _mm_load_si128((const __m128i *)MXFP4_SIGNED_TABLE), nibble = _mm_set1_epi8(0x0F);
+            const __m128i r0 = _mm_loadu_si128((const __m128i *)(pairs + 16 * t));
+            const __m128i r1 = _mm_loadu_si128((const __m128i *)(pairs + 16 * t + 16));
+            lo0 = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(codes, _mm_and_si128(r0, nibble)));
+            lo1 = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(codes, _mm_and_si128(r1, nibble)));
+            hi0 = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(codes, _mm_and_si128(_mm_srli_epi16(r0, 4), nibble)));
+            hi1 = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(codes, _mm_and_si128(_mm_srli_epi16(r1, 4), nibble)));
+        }
         if (high_bits != NULL) { /* Q5_K: bit t (t + 1) moved to bit 4 */
             const __m128i low_shift = _mm_cvtsi32_si128(t), high_shift = _mm_cvtsi32_si128(t + 1);
             lo0 = _mm256_or_si256(lo0, _mm256_and_si256(_mm256_slli_epi16(_mm256_srl_epi16(h0, low_shift), 4), bit4));
@@ -442,6 +463,7 @@ typedef void (*stream_fn)(const float *x, const XGroups *xg, int64_t k, const We
 STREAM_KERNELS(stream_q4_0, WEIGHT_Q4_0)
 STREAM_KERNELS(stream_q4_1, WEIGHT_Q4_1)
 STREAM_KERNELS(stream_q8_0, WEIGHT_Q8_0)
+STREAM_KERNELS(stream_mxfp4, WEIGHT_MXFP4)
 STREAM_KERNELS(stream_q4_k, WEIGHT_Q4_K)
 STREAM_KERNELS(stream_q5_k, WEIGHT_Q5_K)
 STREAM_KERNELS(stream_q6_k, WEIGHT_Q6_K)
@@ -452,7 +474,7 @@ STREAM_KERNELS(stream_bf16, WEIGHT_BF16)
 static const stream_fn *const STREAM_KERNELS_BY_TYPE[WEIGHT_TYPE_COUNT] = {
     [WEIGHT_INDEX_Q4_0] = stream_q4_0, [WEIGHT_INDEX_Q4_1] = stream_q4_1, [WEIGHT_INDEX_Q8_0] = stream_q8_0,
     [WEIGHT_INDEX_Q4_K] = stream_q4_k, [WEIGHT_INDEX_Q5_K] = stream_q5_k, [WEIGHT_INDEX_Q6_K] = stream_q6_k,
-    [WEIGHT_INDEX_I8_ROW] = stream_i8_row, [WEIGHT_INDEX_BF16] = stream_bf16,
+    [WEIGHT_INDEX_I8_ROW] = stream_i8_row, [WEIGHT_INDEX_BF16] = stream_bf16, [WEIGHT_INDEX_MXFP4] = stream_mxfp4,
 };
 
 static const stream_fn *stream_kernels(int type) {
@@ -503,6 +525,7 @@ static void dequantize_float(const WeightPart *p, int64_t row0, int64_t count, i
             case WEIGHT_Q4_0: group_floats(WEIGHT_Q4_0, row, g, k, row_scale, w); break;
             case WEIGHT_Q4_1: group_floats(WEIGHT_Q4_1, row, g, k, row_scale, w); break;
             case WEIGHT_Q8_0: group_floats(WEIGHT_Q8_0, row, g, k, row_scale, w); break;
+            case WEIGHT_MXFP4: group_floats(WEIGHT_MXFP4, row, g, k, row_scale, w); break;
             case WEIGHT_Q4_K: group_floats(WEIGHT_Q4_K, row, g, k, row_scale, w); break;
             case WEIGHT_Q5_K: group_floats(WEIGHT_Q5_K, row, g, k, row_scale, w); break;
             case WEIGHT_Q6_K: group_floats(WEIGHT_Q6_K, row, g, k, row_scale, w); break;

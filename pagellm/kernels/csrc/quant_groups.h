@@ -12,6 +12,12 @@
  * values of all groups followed by d[groups]. The same bytes as the file's blocks, laid
  * out so that a 32-byte load feeds two groups and the scales of 16 groups convert at once.
  * The K-quants are read in the file's own layout.
+ *
+ * MXFP4 (gpt-oss's experts) is row-packed as Q4_0 is, its one-byte E8M0 exponents in place
+ * of the fp16 scales. Its 4-bit codes are E2M1 numbers, not integers: sign, two exponent
+ * bits e, one mantissa bit m, worth m / 2 for e = 0 and 2^(e - 1) (1 + m / 2) above. Twice
+ * that is an integer, MXFP4_CODES below, so a group is d * code with d = 2^(E - 128) (the
+ * exponent E's 2^(E - 127), halved for the doubling).
  */
 #ifndef PAGELLM_QUANT_GROUPS_H
 #define PAGELLM_QUANT_GROUPS_H
@@ -33,7 +39,38 @@ static inline float half_to_float(const uint8_t *p) {
 static inline int64_t padded_groups(int64_t k) { return (k / 32 + 1) / 2 * 2; }
 
 static inline int is_row_packed(int type) {
-    return type == WEIGHT_Q4_0 || type == WEIGHT_Q4_1 || type == WEIGHT_Q8_0;
+    return type == WEIGHT_Q4_0 || type == WEIGHT_Q4_1 || type == WEIGHT_Q8_0 || type == WEIGHT_MXFP4;
+}
+
+/* Twice the E2M1 value of each 4-bit code (bit 3 the sign): 0, 0.5, 1, 1.5, 2, 3, 4, 6 doubled. */
+#define MXFP4_CODES 0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12
+/* The same plus 12, 0 to 24: an unsigned integer for the kernels that take groups as u >= 0
+ * (w = d u - 12 d). */
+#define MXFP4_UNSIGNED_CODES 12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0
+static const int8_t MXFP4_SIGNED_TABLE[16] __attribute__((aligned(16))) = {MXFP4_CODES};
+static const uint8_t MXFP4_UNSIGNED_TABLE[16] __attribute__((aligned(16))) = {MXFP4_UNSIGNED_CODES};
+static const float MXFP4_FLOAT_TABLE[16] __attribute__((aligned(64))) = {MXFP4_CODES};
+
+/* d = 2^(E - 128) of an E8M0 exponent byte (GGML's reading: E < 2 gives the subnormal 2^-128
+ * or 2^-127, which the kernels' flush-to-zero mode reads as 0 anyway). */
+static inline float e8m0_half(uint8_t e) {
+    const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float d;
+    memcpy(&d, &bits, sizeof d);
+    return d;
+}
+
+/* 8 exponent bytes as their d (as e8m0_half), for the AVX2 loops. */
+static inline __m256 e8m0_half8(const uint8_t *e, int count) {
+    uint8_t bytes[8] = {0};
+    memcpy(bytes, e, (size_t)count);
+    int64_t packed;
+    memcpy(&packed, bytes, 8);
+    const __m256i exponent = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(packed));
+    const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(exponent, _mm256_set1_epi32(1)), 23);
+    const __m256i tiny = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), exponent);
+    const __m256i is_tiny = _mm256_cmpgt_epi32(_mm256_set1_epi32(2), exponent);
+    return _mm256_castsi256_ps(_mm256_blendv_epi8(normal, tiny, is_tiny));
 }
 
 /* The scale and offset of a group: w = scale * u + min for its first 16 elements (lo) and

@@ -1,5 +1,5 @@
 /* Kernels, CPU: y = x W^T (+ b) with W in GGUF quantization blocks (Q4_0, Q4_1, Q8_0,
- * Q4_K, Q5_K, Q6_K) or int8 rows, x and y in bf16.
+ * Q4_K, Q5_K, Q6_K, MXFP4) or int8 rows, x and y in bf16.
  *
  * Every supported type is, per group of 32 weights along k, small integers u with a
  * scale and an offset: w = scale * u + bias (Q6_K has two scales per group, one per 16).
@@ -94,6 +94,15 @@ static inline __m512 scale_vector(const GroupScale *gs) {
     return _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(gs->scale_lo), _mm512_set1_ps(gs->scale_hi));
 }
 
+/* 16 E8M0 exponent bytes (the first `mask` ones) as their d = 2^(E - 128) (quant_groups.h e8m0_half). */
+static inline __m512 e8m0_half16(const uint8_t *e, __mmask16 mask) {
+    const __m512i exponent = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mask, e));
+    const __m512i normal = _mm512_slli_epi32(_mm512_sub_epi32(exponent, _mm512_set1_epi32(1)), 23);
+    const __m512i tiny = _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), exponent);
+    const __mmask16 is_tiny = _mm512_cmplt_epi32_mask(exponent, _mm512_set1_epi32(2));
+    return _mm512_castsi512_ps(_mm512_mask_blend_epi32(is_tiny, normal, tiny));
+}
+
 /* Per-thread scratch, grown as needed and kept (OpenMP reuses its threads). */
 static _Thread_local float *sums_buffer;
 static _Thread_local size_t sums_capacity;
@@ -161,7 +170,7 @@ static inline __attribute__((always_inline)) void stream_row(int type, int M, co
     for (int r = 0; r < M; r++) result[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[r], acc1[r])) + corr[r];
 }
 
-/* The same for the row-packed types (Q4_0, Q4_1, Q8_0; layout above padded_groups): the
+/* The same for the row-packed types (Q4_0, Q4_1, Q8_0, MXFP4; layout above padded_groups): the
  * scales of 16 groups convert in one instruction, the Q4 nibbles of two groups come from
  * one 32-byte load, and the offsets' contribution sum_g (min_g - 128 d_g) * sum(x_g) is a
  * vector product over 16 groups at a time (`sums` here: x summed over each 32 columns). */
@@ -171,22 +180,27 @@ static inline __attribute__((always_inline)) void stream_packed_row(int type, in
                                                                     float row_scale, int64_t k, float *result) {
     (void)row_scale;
     const int64_t groups = k / GROUP;
-    const int is_q8 = type == WEIGHT_Q8_0;
+    const int is_q8 = type == WEIGHT_Q8_0, is_mx = type == WEIGHT_MXFP4;
     const int64_t stored = is_q8 ? groups : padded_groups(k);
     const uint16_t *d_half = (const uint16_t *)(row + (is_q8 ? k : stored * 16));
     const uint16_t *m_half = d_half + stored;
     const __m256i low4 = _mm256_set1_epi8(0x0F);
+    /* MXFP4: each nibble looked up as its unsigned code (0..24), w = d u - 12 d. */
+    const __m128i codes128 = _mm_load_si128((const __m128i *)MXFP4_UNSIGNED_TABLE);
+    const __m256i codes256 = _mm256_broadcastsi128_si256(codes128);
+    const __m512i codes512 = _mm512_broadcast_i32x4(codes128);
     __m512 acc0[STREAM_ROWS], acc1[STREAM_ROWS], corr[STREAM_ROWS];
     for (int r = 0; r < M; r++) acc0[r] = acc1[r] = corr[r] = _mm512_setzero_ps();
     float d_buf[16] __attribute__((aligned(64)));
     for (int64_t g0 = 0; g0 < groups; g0 += 16) {
         const int count = groups - g0 < 16 ? (int)(groups - g0) : 16;
         const __mmask16 mask = (__mmask16)((1u << count) - 1);
-        const __m512 d16 = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, d_half + g0));
+        const __m512 d16 = is_mx ? e8m0_half16((const uint8_t *)d_half + g0, mask)
+                                 : _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, d_half + g0));
         _mm512_store_ps(d_buf, d16);
         if (!is_q8) {
             const __m512 min16 = type == WEIGHT_Q4_1 ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, m_half + g0))
-                                                     : _mm512_mul_ps(d16, _mm512_set1_ps(-8.0f));
+                                                     : _mm512_mul_ps(d16, _mm512_set1_ps(is_mx ? -12.0f : -8.0f));
             const __m512 bias16 = _mm512_fnmadd_ps(d16, _mm512_set1_ps(128.0f), min16);
             for (int r = 0; r < M; r++)
                 corr[r] = _mm512_fmadd_ps(bias16, _mm512_maskz_loadu_ps(mask, sums + r * sums_stride + g0), corr[r]);
@@ -205,8 +219,12 @@ static inline __attribute__((always_inline)) void stream_packed_row(int type, in
             for (; g + 4 <= count && g0 + g + 4 <= (groups / 4) * 4; g += 4) {
                 const int64_t group = g0 + g;
                 const __m512i packed = _mm512_loadu_si512((const void *)(row + 16 * group));
-                const __m512i low = _mm512_and_si512(packed, low4x);
-                const __m512i high = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4x);
+                __m512i low = _mm512_and_si512(packed, low4x);
+                __m512i high = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4x);
+                if (is_mx) {
+                    low = _mm512_shuffle_epi8(codes512, low);
+                    high = _mm512_shuffle_epi8(codes512, high);
+                }
                 const __m512bh wa0 = (__m512bh)_mm512_unpacklo_epi8(low, bf16_high);
                 const __m512bh wa1 = (__m512bh)_mm512_unpackhi_epi8(low, bf16_high);
                 const __m512bh wb0 = (__m512bh)_mm512_unpacklo_epi8(high, bf16_high);
@@ -233,8 +251,13 @@ static inline __attribute__((always_inline)) void stream_packed_row(int type, in
                 w1 = (__m512bh)signed_words((const int8_t *)(row + 32 * group + 32));
             } else {
                 const __m256i packed = _mm256_loadu_si256((const __m256i *)(row + 16 * group));
-                w0 = (__m512bh)unsigned_words(_mm256_and_si256(packed, low4));
-                w1 = (__m512bh)unsigned_words(_mm256_and_si256(_mm256_srli_epi16(packed, 4), low4));
+                __m256i u0 = _mm256_and_si256(packed, low4), u1 = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
+                if (is_mx) {
+                    u0 = _mm256_shuffle_epi8(codes256, u0);
+                    u1 = _mm256_shuffle_epi8(codes256, u1);
+                }
+                w0 = (__m512bh)unsigned_words(u0);
+                w1 = (__m512bh)unsigned_words(u1);
             }
             const __m512 s0 = _mm512_set1_ps(d_buf[g]), s1 = _mm512_set1_ps(d_buf[g + 1]);
             for (int r = 0; r < M; r++) {
@@ -252,7 +275,8 @@ static inline __attribute__((always_inline)) void stream_packed_row(int type, in
                 w = (__m512bh)signed_words((const int8_t *)(row + 32 * group));
             } else {
                 const __m256i packed = _mm256_loadu_si256((const __m256i *)(row + 16 * group));
-                w = (__m512bh)unsigned_words(_mm256_and_si256(packed, low4));
+                const __m256i u = _mm256_and_si256(packed, low4);
+                w = (__m512bh)unsigned_words(is_mx ? _mm256_shuffle_epi8(codes256, u) : u);
             }
             const __m512 scale = _mm512_set1_ps(d_buf[g]);
             for (int r = 0; r < M; r++) {
@@ -282,6 +306,7 @@ typedef void (*stream_fn)(const uint16_t *, int64_t, const float *, int64_t, con
 STREAM_KERNELS(stream_q4_0, stream_packed_row, WEIGHT_Q4_0)
 STREAM_KERNELS(stream_q4_1, stream_packed_row, WEIGHT_Q4_1)
 STREAM_KERNELS(stream_q8_0, stream_packed_row, WEIGHT_Q8_0)
+STREAM_KERNELS(stream_mxfp4, stream_packed_row, WEIGHT_MXFP4)
 STREAM_KERNELS(stream_q4_k, stream_row, WEIGHT_Q4_K)
 STREAM_KERNELS(stream_q5_k, stream_row, WEIGHT_Q5_K)
 STREAM_KERNELS(stream_q6_k, stream_row, WEIGHT_Q6_K)
@@ -291,7 +316,7 @@ STREAM_KERNELS(stream_i8_row, stream_row, WEIGHT_I8_ROW)
 static const stream_fn *const STREAM_KERNELS_BY_TYPE[WEIGHT_TYPE_COUNT] = {
     [WEIGHT_INDEX_Q4_0] = stream_q4_0, [WEIGHT_INDEX_Q4_1] = stream_q4_1, [WEIGHT_INDEX_Q8_0] = stream_q8_0,
     [WEIGHT_INDEX_Q4_K] = stream_q4_k, [WEIGHT_INDEX_Q5_K] = stream_q5_k, [WEIGHT_INDEX_Q6_K] = stream_q6_k,
-    [WEIGHT_INDEX_I8_ROW] = stream_i8_row,
+    [WEIGHT_INDEX_I8_ROW] = stream_i8_row, [WEIGHT_INDEX_MXFP4] = stream_mxfp4,
 };
 
 static const stream_fn *stream_kernels(int type) {
@@ -340,7 +365,7 @@ static void quant_stream_part(const uint16_t *x, int64_t x_stride, const WeightP
     const int64_t sums_stride = k / span;
     float *sums = grow_buffer((void **)&sums_buffer, &sums_capacity, sizeof(float) * (size_t)(m * sums_stride));
     column_sums(x, x_stride, m, k, span, sums);
-    if (p->type == WEIGHT_Q4_0 || p->type == WEIGHT_Q4_1) {
+    if (p->type == WEIGHT_Q4_0 || p->type == WEIGHT_Q4_1 || p->type == WEIGHT_MXFP4) {
         uint16_t *permuted = grow_buffer((void **)&permuted_buffer, &permuted_capacity, sizeof(uint16_t) * (size_t)(m * k));
         permute_x_for_q4(x, x_stride, m, k, permuted);
         x = permuted;
@@ -407,6 +432,7 @@ static inline __attribute__((always_inline)) void dequantize_packed(int type, co
     const __m256i low4 = _mm256_set1_epi8(0x0F);
     float d_buf[16] __attribute__((aligned(64))), m_buf[16] __attribute__((aligned(64)));
     const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 mx_codes = _mm512_load_ps(MXFP4_FLOAT_TABLE);
     for (int64_t n = 0; n < count; n++) {
         const uint8_t *row = p->data + (row0 + n) * p->row_bytes;
         const uint16_t *d_half = (const uint16_t *)(row + (is_q8 ? k : stored * 16));
@@ -414,7 +440,8 @@ static inline __attribute__((always_inline)) void dequantize_packed(int type, co
         for (int64_t g0 = 0; g0 < groups; g0 += 16) {
             const int chunk = groups - g0 < 16 ? (int)(groups - g0) : 16;
             const __mmask16 mask = (__mmask16)((1u << chunk) - 1);
-            const __m512 d16 = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, d_half + g0));
+            const __m512 d16 = type == WEIGHT_MXFP4 ? e8m0_half16((const uint8_t *)d_half + g0, mask)
+                                                    : _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, d_half + g0));
             __m512 min16 = _mm512_setzero_ps();
             if (type == WEIGHT_Q4_1 || type == WEIGHT_Q4_1_VNNI)
                 min16 = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, d_half + stored + g0));
@@ -444,7 +471,9 @@ static inline __attribute__((always_inline)) void dequantize_packed(int type, co
                         const __m256i packed = _mm256_loadu_si256((const __m256i *)(row + 16 * (group & ~(int64_t)1)));
                         values = _mm256_and_si256((group & 1) ? _mm256_srli_epi16(packed, 4) : packed, low4);
                     }
-                    const __m512i table = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(iota, d, min)));
+                    /* MXFP4's codes are the doubled E2M1 values (d halved for them), no offset */
+                    const __m512 values16 = type == WEIGHT_MXFP4 ? _mm512_mul_ps(mx_codes, d) : _mm512_fmadd_ps(iota, d, min);
+                    const __m512i table = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(values16));
                     _mm512_storeu_si512((void *)(dst + group * GROUP),
                                         _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(values), table));
                 }
@@ -460,6 +489,7 @@ static void dequantize_part_rows(const WeightPart *p, int64_t row0, int64_t coun
     case WEIGHT_Q4_0_VNNI: dequantize_packed(WEIGHT_Q4_0_VNNI, p, row0, count, k, out); break;
     case WEIGHT_Q4_1_VNNI: dequantize_packed(WEIGHT_Q4_1_VNNI, p, row0, count, k, out); break;
     case WEIGHT_Q8_0: dequantize_packed(WEIGHT_Q8_0, p, row0, count, k, out); break;
+    case WEIGHT_MXFP4: dequantize_packed(WEIGHT_MXFP4, p, row0, count, k, out); break;
     case WEIGHT_Q4_K: dequantize_typed(WEIGHT_Q4_K, p, row0, count, k, out); break;
     case WEIGHT_Q5_K: dequantize_typed(WEIGHT_Q5_K, p, row0, count, k, out); break;
     case WEIGHT_Q6_K: dequantize_typed(WEIGHT_Q6_K, p, row0, count, k, out); break;

@@ -19,6 +19,7 @@ enum {
     WEIGHT_Q5_K = 13,
     WEIGHT_Q6_K = 14,
     WEIGHT_BF16 = 30,
+    WEIGHT_MXFP4 = 39,  /* OCP microscaling: 32 E2M1 values sharing an E8M0 exponent */
     WEIGHT_I8_ROW = 1000,  /* not a GGML type: int8 rows, per-row float32 scales */
     /* Not GGML types: Q4_0 / Q4_1 rows repacked for the int8-activation kernel (the same
      * bytes as quant_groups.h's layout, the nibbles of each 16 groups in quant_int8.c's lane
@@ -50,6 +51,7 @@ enum {
     WEIGHT_INDEX_I8_ROW,
     WEIGHT_INDEX_Q4_0_VNNI,
     WEIGHT_INDEX_Q4_1_VNNI,
+    WEIGHT_INDEX_MXFP4,
     WEIGHT_TYPE_COUNT
 };
 
@@ -68,6 +70,7 @@ static const WeightTypeTraits WEIGHT_TYPES[WEIGHT_TYPE_COUNT] = {
     [WEIGHT_INDEX_I8_ROW] = {WEIGHT_I8_ROW, 1, 1, 0},
     [WEIGHT_INDEX_Q4_0_VNNI] = {WEIGHT_Q4_0_VNNI, 32, 18, 1},
     [WEIGHT_INDEX_Q4_1_VNNI] = {WEIGHT_Q4_1_VNNI, 32, 20, 1},
+    [WEIGHT_INDEX_MXFP4] = {WEIGHT_MXFP4, 32, 17, 1},
 };
 
 /* The type's row in WEIGHT_TYPES, or -1 for a type the kernels do not know. */

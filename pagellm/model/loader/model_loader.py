@@ -20,6 +20,7 @@ from pagellm.kernels.linear_bindings import cpu_linear_kernels
 from pagellm.model.checkpoint import gguf_reader
 from pagellm.model.loader import gguf_loader, hf_loader
 from pagellm.model.loader.checkpoint_layouts import language_model_name, split_fused
+from pagellm.model.loader.mxfp4_experts import mxfp4_experts
 from pagellm.model.native.after_load import prepare_cpu_kernels
 
 logger = logging.getLogger(__name__)
@@ -57,7 +58,10 @@ def load_model(
             weights = gguf_loader.iter_gguf_weights(reader, config, keep_types, None if tp is None else tp.layout)
         divisors = gguf_loader.rope_freq_divisors(reader)
     elif load_format != "dummy":
-        weights = _unfused(hf_loader.iter_hf_weights(source.path), config)
+        stored = mxfp4_experts(
+            hf_loader.iter_hf_weights(source.path), WeightType.MXFP4 in keep_types, None if tp is None else tp.layout
+        )
+        weights = _unfused(stored, config)
         if tp is not None:
             weights = _sharded(weights, tp.layout)
     if weights is not None and quantization == "int8":
@@ -162,7 +166,7 @@ def _plan_quantization(
 Weights = Iterator[tuple[str, torch.Tensor | WeightPart]]
 
 
-def _unfused(weights: Iterator[tuple[str, torch.Tensor]], config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def _unfused(weights: Weights, config: ModelConfig) -> Weights:
     for name, tensor in weights:
         language_name = language_model_name(name)
         if language_name is not None:
@@ -171,8 +175,8 @@ def _unfused(weights: Iterator[tuple[str, torch.Tensor]], config: ModelConfig) -
 
 def _sharded(weights: Weights, layout: TPLayout) -> Weights:
     for name, tensor in weights:
-        assert isinstance(tensor, torch.Tensor), "HF checkpoints hold float tensors"
-        yield name, shard_float(layout, name, tensor)
+        # An HF folder's quantized parts (MXFP4 experts) arrive as this rank's share already.
+        yield name, tensor if isinstance(tensor, WeightPart) else shard_float(layout, name, tensor)
 
 
 def _int8_rows(weights: Weights) -> Weights:
