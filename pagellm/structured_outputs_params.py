@@ -40,6 +40,16 @@ class ThinkBlock:
 
 
 @dataclass(frozen=True)
+class HarmonyAnswer:
+    """The message a constraint holds in a harmony output (gpt-oss): the analysis messages
+    before it are the model's own, then the answer's header is written for it: the final
+    channel, or a call (commentary to=functions.NAME, JSON) to one of `recipients`."""
+
+    channel: str = "final"
+    recipients: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class StructuredOutputsParams:
     """One constraint on a request's output.
 
@@ -53,7 +63,9 @@ class StructuredOutputsParams:
     regex: str | None = None
     choice: Sequence[str] | None = None
     grammar: str | None = None
-    after_think: ThinkBlock | None = None  # the constraint starts after this block
+    # The constraint starts after this block: a think block, or a harmony output's analysis
+    # messages and the answer's header.
+    after_think: ThinkBlock | HarmonyAnswer | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.json, Mapping):
@@ -104,7 +116,7 @@ class StructuredOutputsParams:
         return str(getattr(self, kind))
 
     @property
-    def key(self) -> tuple[str, str, ThinkBlock | None]:
+    def key(self) -> tuple[str, str, ThinkBlock | HarmonyAnswer | None]:
         """What identifies the compiled grammar (the cache key)."""
         return self.kind, self.text, self.after_think
 

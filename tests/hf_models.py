@@ -213,3 +213,32 @@ def make_tiny_gpt_oss_mxfp4(root: Path, seed: int = 5, **overrides: object) -> t
         if extra.name not in ("config.json", "model.safetensors"):
             (folder / extra.name).write_bytes(extra.read_bytes())
     return folder, reference
+
+
+# Harmony's special tokens, after the tiny vocabulary's 256 bytes (as gpt-oss's vocabulary
+# has them, one token each; <|return|> and <|call|> end a turn).
+HARMONY_SPECIALS = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>", "<|endoftext|>")
+
+
+def make_tiny_harmony_model(folder: Path, seed: int = 5) -> Path:
+    """A tiny gpt-oss whose tokenizer has harmony's special tokens (ids 256-263), ending its
+    turn at <|return|> or <|call|>: what the server renders and parses harmony for."""
+    from tokenizers import AddedToken, Tokenizer
+
+    # A context for harmony's system and developer messages (one token per byte here).
+    make_tiny_hf_checkpoint(folder, "gpt_oss", seed=seed, vocab_size=256 + len(HARMONY_SPECIALS), max_position_embeddings=2048)
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tokenizer.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in HARMONY_SPECIALS])
+    tokenizer.save(str(folder / "tokenizer.json"))
+    tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text())
+    tokenizer_config["eos_token"] = "<|return|>"  # as gpt-oss's (the byte tokenizer's is byte 2)
+    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    config = json.loads((folder / "config.json").read_text())
+    config["eos_token_id"] = [tokenizer.token_to_id("<|return|>"), tokenizer.token_to_id("<|call|>")]
+    (folder / "config.json").write_text(json.dumps(config))
+    generation = folder / "generation_config.json"
+    if generation.is_file():
+        settings = json.loads(generation.read_text())
+        settings["eos_token_id"] = config["eos_token_id"]
+        generation.write_text(json.dumps(settings))
+    return folder

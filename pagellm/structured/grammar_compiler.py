@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagellm.errors import InvalidRequestError
-from pagellm.structured_outputs_params import StructuredOutputsParams, ThinkBlock
+from pagellm.structured_outputs_params import HarmonyAnswer, StructuredOutputsParams, ThinkBlock
 from pagellm.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -65,8 +65,8 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self._tokenizer_lock = threading.Lock()  # building it must not hold up cache hits
         self._ll_tokenizer: Any = None
-        self._cache: OrderedDict[tuple[str, str, ThinkBlock | None], CompiledGrammar] = OrderedDict()
-        self._in_progress: dict[tuple[str, str, ThinkBlock | None], threading.Event] = {}
+        self._cache: OrderedDict[tuple[str, str, ThinkBlock | HarmonyAnswer | None], CompiledGrammar] = OrderedDict()
+        self._in_progress: dict[tuple[str, str, ThinkBlock | HarmonyAnswer | None], threading.Event] = {}
         self.stats = GrammarStats()
 
     def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
@@ -135,7 +135,9 @@ class GrammarCompiler:
                 grammar = llguidance.grammar_from(kind, text)  # regex, choice, grammar (GBNF or Lark)
         except ValueError as e:
             raise InvalidRequestError(f"invalid {kind}: {e}", kind) from None
-        if params.after_think is not None:
+        if isinstance(params.after_think, HarmonyAnswer):
+            grammar = harmony_answer(grammar, params.after_think)
+        elif params.after_think is not None:
             grammar = after_think_block(grammar, params.after_think)
         matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
         if matcher.is_error():
@@ -145,6 +147,39 @@ class GrammarCompiler:
         return CompiledGrammar(matcher, seconds)
 
 
+def _named_answer(answer: str) -> list[dict[str, Any]]:
+    """`answer` (an llguidance grammar: a JSON grammar list or Lark text) as sub-grammars, the
+    first named "answer"."""
+    if answer.lstrip().startswith("{"):
+        grammars = json.loads(answer)["grammars"]
+    else:
+        grammars = [{"lark_grammar": answer}]
+    grammars[0] = {**grammars[0], "name": "answer"}
+    return grammars
+
+
+def harmony_answer(answer: str, block: HarmonyAnswer) -> str:
+    """An llguidance grammar for a harmony output (gpt-oss): any analysis messages, free,
+    then the answer's header (the final channel, or a JSON call to one of the recipients)
+    and `answer` as its content. Harmony's markers are special tokens (`<|channel|>` in
+    Lark names the token, never text); the model ends the message with <|return|> or
+    <|call|>, the end of the turn."""
+    if block.recipients:
+        names = " | ".join(json.dumps(f"commentary to=functions.{name} ") for name in block.recipients)
+        header = f"header: <|channel|> ({names}) <|constrain|> \"json\" <|message|>"
+    else:
+        header = f"header: <|channel|> {json.dumps(block.channel)} <|message|>"
+    wrapper = "\n".join([
+        "%llguidance {}",
+        "start: analysis* header answer",
+        'analysis: <|channel|> "analysis" <|message|> TEXT <|end|> <|start|> "assistant"',
+        "TEXT: /(.|\\n)*/",
+        header,
+        "answer: @answer",
+    ])  # fmt: skip
+    return json.dumps({"grammars": [{"lark_grammar": wrapper}, *_named_answer(answer)]})
+
+
 def after_think_block(answer: str, block: ThinkBlock) -> str:
     """An llguidance grammar that leaves a think block free and holds the text after it
     (past the newlines that follow the end tag) to `answer`, an llguidance grammar.
@@ -152,11 +187,7 @@ def after_think_block(answer: str, block: ThinkBlock) -> str:
     The block's text is one lazy lexeme: it ends at the first end tag. `answer` becomes a
     named sub-grammar, whatever form the grammar engine wrote it in (a JSON grammar list, or
     Lark text)."""
-    if answer.lstrip().startswith("{"):
-        grammars = json.loads(answer)["grammars"]
-    else:
-        grammars = [{"lark_grammar": answer}]
-    grammars[0] = {**grammars[0], "name": "answer"}
+    grammars = _named_answer(answer)
     start, end = json.dumps(block.start), json.dumps(block.end)
     if block.opened:
         top = "start: reasoning answer"

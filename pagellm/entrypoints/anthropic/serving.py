@@ -268,7 +268,7 @@ class MessagesServing:
 
         # With tools the text may turn out to be calls, with a reasoning parser thinking:
         # then the blocks are sent once the output is known.
-        streams_text = prepared.job.tools.kind == "none" and prepared.job.reasoning is None
+        streams_text = prepared.job.tools.kind == "none" and prepared.job.reasoning is None and not prepared.job.harmony
         try:
             opened = False
             final: RequestOutput | None = None

@@ -280,6 +280,9 @@ class ChatCompletionRequest(SamplingFields):
     # pagellm's, as the Responses API's: diagnose this prompt's cache hits against an earlier
     # chat completion's (its id); the answer carries prompt_cache_diagnostics.
     prompt_cache_options: PromptCacheOptions | None = None
+    # OpenAI's: how hard a reasoning model thinks (gpt-oss: the harmony system message's
+    # "Reasoning:" line; "minimal" is its low). Other models ignore it, as OpenAI's do.
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
 
 
 class TokenizeFields(RequestModel):

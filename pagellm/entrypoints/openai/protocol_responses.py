@@ -111,6 +111,14 @@ class TextConfig(RequestModel):
     format: Annotated[TextFormatText | TextFormatJsonObject | TextFormatJsonSchema, Field(discriminator="type")] | None = None
 
 
+class ReasoningConfig(RequestModel):
+    """How hard a reasoning model thinks (gpt-oss: harmony's "Reasoning:" line) and whether
+    it summarises its reasoning (accepted; the reasoning items carry the text itself)."""
+
+    effort: Literal["minimal", "low", "medium", "high"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+
+
 class ResponsesRequest(RequestModel):
     model: str | None = None
     input: Annotated[str, Field(min_length=1)] | Annotated[list[InputItem], Field(min_length=1)]
@@ -122,6 +130,7 @@ class ResponsesRequest(RequestModel):
     tool_choice: Literal["none", "auto", "required"] | NamedFunctionChoice | None = None
     parallel_tool_calls: bool = True
     text: TextConfig | None = None
+    reasoning: ReasoningConfig | None = None
     stream: bool = False
     # Kept (in this server's memory, the oldest evicted first) for GET and previous_response_id.
     store: bool = True

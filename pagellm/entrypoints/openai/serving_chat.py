@@ -20,6 +20,8 @@ from fastapi.responses import JSONResponse, Response
 
 from pagellm.engine.async_requests import NewRequest, OutputStream
 from pagellm.engine.input_processor import TokenizedPrompt
+from pagellm.entrypoints.harmony.chat import call_deltas, harmony_prompt, harmony_sampling, reasoning_effort
+from pagellm.entrypoints.harmony.parse import FINAL, HarmonyParser, parse_harmony
 from pagellm.entrypoints.openai.errors import APIError, to_api_error
 from pagellm.entrypoints.openai.request_limits import check_chat
 from pagellm.entrypoints.openai.logprobs import chat_logprobs
@@ -33,6 +35,7 @@ from pagellm.entrypoints.openai.protocol import (
     ChatLogprobs,
     ChatMessage,
     ChatResponseMessage,
+    FunctionCall,
     ToolCall,
     UsageInfo,
 )
@@ -71,6 +74,7 @@ from pagellm.lora.request import LoRARequest
 from pagellm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from pagellm.sampling_params import SamplingParams
 from pagellm.structured_outputs_params import KINDS as CONSTRAINT_KINDS
+from pagellm.structured_outputs_params import HarmonyAnswer, StructuredOutputsParams
 from pagellm.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -114,6 +118,24 @@ def chat_prompt_text(
     return text
 
 
+def harmony_chat_prompt(body: ChatCompletionRequest, tools: ToolMode = ToolMode("none")) -> tuple[str, bool]:
+    """A harmony model's prompt for a chat request (entrypoints/harmony/render.py), and
+    whether it continues the final (assistant) message rather than opening a turn."""
+    dicts = message_dicts(body.messages)
+    final = dicts[-1] if dicts else {}
+    continue_final = (
+        body.continue_final_message and final.get("role") == "assistant" and bool(str(final.get("content") or "").strip())
+    )  # fmt: skip
+    offered = [tool.model_dump(exclude_none=True) for tool in body.tools or []] if tools.kind != "none" else None
+    response_format = None
+    if body.response_format is not None and getattr(body.response_format, "json_schema", None) is not None:
+        schema = body.response_format.json_schema
+        response_format = {"name": schema.name, "description": schema.description, "schema": schema.schema_}
+    effort = reasoning_effort(body.reasoning_effort, body.chat_template_kwargs)
+    add_generation_prompt = body.add_generation_prompt is not False
+    return harmony_prompt(dicts, offered, effort, response_format, continue_final, add_generation_prompt), continue_final
+
+
 def _finish_reason(completion: CompletionOutput, calls: list[ToolCall]) -> str | None:
     """"tool_calls" when the model ended with calls; "length" stays (calls cut short)."""
     if calls and completion.finish_reason == "stop":
@@ -133,6 +155,10 @@ class _Job:
     num_top_logprobs: int | None  # None: no logprobs asked for
     tools: ToolMode = ToolMode("none")
     reasoning: ReasoningSplit | None = None  # how the output splits (--reasoning-parser)
+    # A harmony model (gpt-oss): its output's channels are parsed; the channel the prompt left
+    # open (a continued final answer), if any.
+    harmony: bool = False
+    harmony_open_channel: str | None = None
 
 
 @dataclass(frozen=True)
@@ -193,6 +219,8 @@ class ChatServing:
             check_chat(context.limits, body)
         tools = tool_mode(body)
         params, constraint_field = self._sampling_params(body, tools)
+        if context.harmony:
+            return await self._prepare_harmony(body, response_id, tools, params, constraint_field, adapter)
         prompt = chat_prompt_text(context.tokenizer, body.messages, body, tools)
         split = ReasoningSplit.for_prompt(context.reasoning, prompt) if context.reasoning is not None else None
         constraint = params.structured_outputs
@@ -213,6 +241,32 @@ class ChatServing:
         )
         prompt_ids = await context.async_llm.tokenize(prompt, add_special_tokens=False)
         return PreparedChat(job, prompt_ids, params, constraint_field, adapter)
+
+    async def _prepare_harmony(
+        self, body: ChatCompletionRequest, response_id: str, tools: ToolMode, params: SamplingParams,
+        constraint_field: str, adapter: LoRARequest | None,
+    ) -> PreparedChat:  # fmt: skip
+        """A harmony model's request: the conversation rendered in harmony, the output kept
+        with its special tokens for the parser (entrypoints/harmony/)."""
+        context = self.context
+        prompt, continue_final = harmony_chat_prompt(body, tools)
+        constraint = params.structured_outputs
+        if constraint is not None and not context.structured_outputs_in_reasoning:
+            # The constraint holds the answer's message; the analysis before it is the model's.
+            if tools.kind == "named":
+                constraint = replace(constraint, after_think=HarmonyAnswer("commentary", (str(tools.name),)))
+            elif tools.kind == "required":  # any offered function, its arguments a JSON object
+                names = tuple(tool.function.name for tool in body.tools or [])
+                constraint = StructuredOutputsParams(json_object=True, after_think=HarmonyAnswer("commentary", names))
+            else:
+                constraint = replace(constraint, after_think=HarmonyAnswer())
+            params = replace(params, structured_outputs=constraint)
+        job = _Job(
+            response_id, context.model_name(adapter), body, (body.top_logprobs or 0) if body.logprobs else None, tools,
+            harmony=True, harmony_open_channel=FINAL if continue_final else None,
+        )  # fmt: skip
+        prompt_ids = await context.async_llm.tokenize(prompt, add_special_tokens=False)
+        return PreparedChat(job, prompt_ids, harmony_sampling(params, context.tokenizer), constraint_field, adapter)
 
     async def count_input_tokens(self, body: ChatCompletionRequest) -> Response:
         """POST /v1/chat/completions/input_tokens: the prompt this request would run with
@@ -292,12 +346,18 @@ class ChatServing:
             yield self._chunk(job, opening)
             split = job.reasoning
             splitters = {i: split.streaming() for i in range(body.n)} if split is not None else {}
+            parsers = {i: HarmonyParser(job.harmony_open_channel) for i in range(body.n)} if job.harmony else {}
+            call_ids: dict[int, dict[int, str]] = {i: {} for i in range(body.n)}
             async for output in stream:
                 latest = output
                 choices = [
                     choice
                     for completion in output.outputs
-                    if (choice := self._delta_choice(job, completion, splitters.get(completion.index)))
+                    if (
+                        choice := self._harmony_delta(job, completion, parsers[completion.index], call_ids[completion.index])
+                        if job.harmony
+                        else self._delta_choice(job, completion, splitters.get(completion.index))
+                    )
                 ]
                 if choices:
                     # The last chunk carries the timings and diagnostics, when asked for.
@@ -322,6 +382,10 @@ class ChatServing:
         calls, parsed from the text after the reasoning. A forced call ("required", named)
         cut short by max_tokens is a call with its arguments as far as they got, never
         text; with "auto", what was cut is the text it is."""
+        if job.harmony:
+            parsed = parse_harmony(completion.text, job.harmony_open_channel)
+            calls = [ToolCall(id=new_call_id(), function=FunctionCall(name=c.name, arguments=c.arguments)) for c in parsed.calls]
+            return parsed.reasoning, parsed.content, calls if job.tools.kind != "none" else []
         reasoning, text = None, completion.text
         if job.reasoning is not None:
             reasoning, text = job.reasoning.split(completion.text)
@@ -376,10 +440,42 @@ class ChatServing:
             stop_reason=completion.stop_reason,
         )
 
+    def _harmony_delta(
+        self, job: _Job, completion: CompletionOutput, parser: HarmonyParser, call_ids: dict[int, str]
+    ) -> ChatChunkChoice | None:
+        """A harmony model's chunk: the analysis channel as `reasoning_content`, the answer as
+        `content`, calls to functions as `tool_calls` (each opening with its id and name), as
+        the parser finds them."""
+        if not (completion.delta_text or completion.delta_token_ids or completion.finished):
+            return None
+        parsed = parser.feed(completion.delta_text)
+        if completion.finished:
+            rest = parser.finish()
+            parsed.reasoning, parsed.content, parsed.calls = (
+                parsed.reasoning + rest.reasoning, parsed.content + rest.content, parsed.calls + rest.calls
+            )  # fmt: skip
+        delta: dict[str, Any] = {}
+        if parsed.reasoning:
+            delta["reasoning_content"] = parsed.reasoning
+        if parsed.content:
+            delta["content"] = parsed.content
+        if parsed.calls and job.tools.kind != "none":
+            delta["tool_calls"] = call_deltas(parsed, call_ids)
+        finish_reason = completion.finish_reason
+        if completion.finished and finish_reason == "stop" and call_ids:
+            finish_reason = "tool_calls"
+        if not delta and not completion.finished:
+            return None
+        return ChatChunkChoice(
+            index=completion.index, delta=delta, finish_reason=finish_reason, stop_reason=completion.stop_reason,
+            logprobs=self._logprobs(job, completion.delta_token_ids, completion.delta_logprobs),
+        )  # fmt: skip
+
     @staticmethod
     def _opening_delta(job: _Job) -> dict[str, Any]:
-        """The assistant's role opens every choice; a named function's call opens too."""
-        if job.tools.kind != "named":
+        """The assistant's role opens every choice; a named function's call opens too (a
+        harmony model's calls open as its parser finds them)."""
+        if job.tools.kind != "named" or job.harmony:
             return {"role": "assistant", "content": ""}
         call = {"index": 0, "id": new_call_id(), "type": "function", "function": {"name": job.tools.name, "arguments": ""}}
         return {"role": "assistant", "content": None, "tool_calls": [call]}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextvars
+import functools
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
@@ -10,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from pagellm.engine.async_llm import AsyncLLM
 from pagellm.engine.async_requests import NewRequest, OutputStream
+from pagellm.entrypoints.harmony.chat import speaks_harmony
 from pagellm.entrypoints.openai.limits_config import RequestLimits
 from pagellm.entrypoints.openai.errors import APIError
 from pagellm.entrypoints.openai.protocol import PromptTokensDetails, UsageInfo
@@ -51,6 +53,11 @@ class ServingContext:
     @property
     def tokenizer(self) -> Tokenizer:
         return self.async_llm.engine.tokenizer
+
+    @functools.cached_property
+    def harmony(self) -> bool:
+        """Whether the model speaks harmony (gpt-oss): its chats are rendered and parsed so."""
+        return speaks_harmony(self.async_llm.engine.config.model_config.architecture, self.tokenizer)
 
     @property
     def max_model_len(self) -> int:

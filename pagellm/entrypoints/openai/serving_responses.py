@@ -118,6 +118,7 @@ def chat_request(body: ResponsesRequest, messages: list[dict[str, Any]]) -> Chat
         "user": body.user, "parallel_tool_calls": body.parallel_tool_calls, "timings": body.timings,
         "structured_outputs": body.structured_outputs.model_dump(by_alias=True, exclude_none=True)
         if body.structured_outputs else None,
+        "reasoning_effort": body.reasoning.effort if body.reasoning else None,
     }  # fmt: skip
     if body.tools:
         fields["tools"] = [
@@ -347,7 +348,7 @@ class ResponsesServing:
         yield event("response.in_progress", response=self._dump(entry))
         # With tools the text may turn out to be calls, with a reasoning parser reasoning:
         # then the items are sent once the output is known.
-        streams_text = prepared.job.tools.kind == "none" and prepared.job.reasoning is None
+        streams_text = prepared.job.tools.kind == "none" and prepared.job.reasoning is None and not prepared.job.harmony
         item_id = _new_id("msg")
         opened = False
         try:

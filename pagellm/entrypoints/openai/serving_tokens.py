@@ -11,7 +11,7 @@ from pagellm.entrypoints.openai.protocol import (
     TokenizeResponse,
 )
 from pagellm.entrypoints.openai.request_limits import check_messages, check_text_length
-from pagellm.entrypoints.openai.serving_chat import chat_prompt_text
+from pagellm.entrypoints.openai.serving_chat import chat_prompt_text, harmony_chat_prompt
 from pagellm.entrypoints.openai.serving_common import ServingContext
 
 
@@ -30,7 +30,8 @@ class TokenServing:
                 messages=body.messages, add_generation_prompt=body.add_generation_prompt,
                 continue_final_message=body.continue_final_message,
             )  # fmt: skip
-            text, add_special_tokens, param = chat_prompt_text(context.tokenizer, body.messages, chat), False, "prompt"
+            prompt = harmony_chat_prompt(chat)[0] if context.harmony else chat_prompt_text(context.tokenizer, body.messages, chat)
+            text, add_special_tokens, param = prompt, False, "prompt"
         else:
             check_text_length(context.limits, body.prompt, "prompt")
             text, add_special_tokens, param = body.prompt, body.add_special_tokens, "prompt"

@@ -1,0 +1,1 @@
+"""Entrypoints stage: the harmony response format (gpt-oss): rendering conversations, parsing outputs."""
