@@ -13,7 +13,9 @@ import pytest
 from hf_models import load_hf_reference
 
 import default_path as dp
+from pagellm.config.kv_layout import kv_cache_layout
 from pagellm.kernels.decode_layer import MAX_ROWS
+from pagellm.model.loader import load_model_config, resolve_model_source
 
 NUM_LAYERS = dp.DEFAULT_PATH_SHAPE["num_hidden_layers"]
 SCENARIOS = {s.name: s for s in dp.standard_scenarios(256)}
@@ -36,7 +38,14 @@ FAMILIES = {
                                 "shared_expert_intermediate_size": 160, "mlp_only_layers": [1]}),  # fmt: skip
     # SmolLM3: the middle layer of three has no rotary (the C stages leave its q and k as projected).
     "smollm3": ("smollm3", {"head_dim": 64, "no_rope_layers": [1, 0, 1]}),
+    # gpt-oss: sinks in the attention kernel, sliding and full layers in their own KV groups
+    # (the layer ops only: the one-call layer has neither sinks nor biased experts). Every
+    # expert runs for every row: with a choice of 2 of 4, this tiny model's bf16 routing flips
+    # often enough that HF's own bf16 run is off by 1.3 nats at some position (measured); the
+    # routing is checked exactly in float32 (test_families_vs_hf.py).
+    "gpt_oss": ("gpt_oss", {"head_dim": 64, "num_local_experts": 4, "num_experts_per_tok": 4, "sliding_window": 12}),
 }
+LAYER_OPS_ONLY = {"gpt_oss"}
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
@@ -50,6 +59,8 @@ def family(request, tmp_path_factory):
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_bf16_agrees_with_hf_float32(family, name, decode_path, monkeypatch):
     folder, reference = family
+    if decode_path == "fused" and any(name in folder for name in LAYER_OPS_ONLY):
+        pytest.skip("the one-call decode layer does not compute this family: the layer ops run it")
     monkeypatch.setenv("PAGELLM_DECODE_PATH", decode_path)
     if decode_path == "fused":
         # The one-call layer runs a step only where every linear's measured kernel is a
@@ -57,7 +68,11 @@ def test_bf16_agrees_with_hf_float32(family, name, decode_path, monkeypatch):
         # step takes the layer ops instead. The native streaming kernel everywhere keeps
         # this case what it tests.
         monkeypatch.setenv("PAGELLM_LINEAR_KERNEL", "streaming")
-    run = dp.run_scenario(folder, SCENARIOS[name], "bfloat16")
+    # A tight cache (the preemption scenarios) holds its blocks in every KV cache group.
+    blocks = SCENARIOS[name].engine_args.get("num_gpu_blocks_override")
+    groups = len(kv_cache_layout(load_model_config(resolve_model_source(folder))).groups)
+    extra = {} if blocks is None else {"num_gpu_blocks_override": blocks * groups}
+    run = dp.run_scenario(folder, SCENARIOS[name], "bfloat16", **extra)
     dp.check_native_paths(run)
     if decode_path == "layers":
         assert not run.paths.fused_decode
@@ -65,7 +80,8 @@ def test_bf16_agrees_with_hf_float32(family, name, decode_path, monkeypatch):
         assert all(rows > MAX_ROWS for rows in run.paths.native_layers_decode), run.paths
         assert run.paths.fused_decode or name == "parallel_sampling", run.paths  # that one decodes 24 at a time
     result = dp.teacher_forced(reference, run.completions)
-    calibrated = dp.hf_bf16_worst_logprob_error(reference, run.completions) if "moe" in folder else None
+    routed = "moe" in folder or "gpt_oss" in folder  # experts: bf16 may route a row elsewhere, as HF bf16 does
+    calibrated = dp.hf_bf16_worst_logprob_error(reference, run.completions) if routed else None
     dp.check_against_reference(result, NUM_LAYERS, name, reference_bf16_worst=calibrated)
 
 
@@ -78,6 +94,7 @@ def test_linear_layers_take_the_measured_kernels(family):
     linears = [m for m in model.modules() if type(m).__name__ == "PackableLinear" and m is not model.lm_head]
     assert all(m.plan is not None for m in linears)  # experts and routers too (the head has lm_head_plan)
     assert model.lm_head_plan is not None
-    assert {"fused", "layers"} <= set(runner.step_paths.names)
+    assert {"layers"} <= set(runner.step_paths.names)
+    assert ("fused" in runner.step_paths.names) == (not any(name in family[0] for name in LAYER_OPS_ONLY))
     blocks = [m for m in model.modules() if type(m).__name__ == "SparseMoeBlock"]
     assert all(block.native is not None for block in blocks)  # each layer's experts in one C call

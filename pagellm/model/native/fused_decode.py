@@ -239,6 +239,7 @@ class FusedDecode:
             and all(type(getattr(layer.self_attn, "q_norm", None)) in (type(None), RMSNorm) for layer in model.layers)
             # One KV cache group; a window only while every context fits in it (applies()).
             and len(kv_cache_layout(config).groups) == 1
+            and not config.attention_sinks  # the C layer's softmax has no sinks
             and config.rotary_dim == config.head_dim  # the C paths rotate whole heads
             and config.head_dim % 2 == 0
         )

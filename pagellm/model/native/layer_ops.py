@@ -15,6 +15,10 @@ several milliseconds per step. Per layer here:
     act = silu(gate) * up of normed Wgu^T       linear, native, act to bf16
     delta = act Wd^T                            linear
 
+Sliding and full layers (gpt-oss, Qwen2 with max_window_layers) each read and write their
+own KV cache group (its slots and block tables); attention sinks and soft caps go to the
+attention kernel with the layer's window.
+
 A family whose layer differs only inside attention's q and k (Qwen3's per-head q/k
 norms: applied in C to the float32 q and k between the qkv projection and rotary) or only
 in its MLP (a mixture of experts: the MLP module runs on the bf16 normed rows, its output
@@ -53,14 +57,14 @@ class NativeLayers:
 
     @staticmethod
     def supports(model: torch.nn.Module) -> bool:
-        """bf16 weights on the CPU, the native attention kernel, one KV cache group (no
-        window, or the same window in every layer: Mistral, Phi-3)."""
+        """bf16 weights on the CPU, the native attention kernel, every layer on the global
+        rotary table (sliding and full layers alike: each reads its own KV cache group)."""
         config = model.config
         return (
             computes_llama_layers(model)
             and isinstance(model.backend, CpuAttentionBackend)
             and all(p.dtype is torch.bfloat16 and p.device.type == "cpu" and p.is_contiguous() for p in model.parameters())
-            and len(kv_cache_layout(config).groups) == 1
+            and model.local_rotary is None
             and config.rotary_dim == config.head_dim  # the C paths rotate whole heads
             and config.head_dim % 2 == 0
             and config.hidden_activation == "silu"
@@ -101,7 +105,8 @@ class NativeLayers:
         heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
         q_size = heads * head_dim
         positions = positions.contiguous()
-        slots = metadata.slot_mapping.contiguous()
+        groups = [metadata.for_group(group) for group in range(len(kv_cache_layout(config).groups))]
+        slots_of = [group.slot_mapping.contiguous() for group in groups]  # each group's blocks, its own slots
         cos, sin = model.rotary.cos_cache, model.rotary.sin_cache
         normed = torch.empty(m, size, dtype=torch.bfloat16)
         query = torch.empty(m, q_size, dtype=torch.bfloat16)
@@ -111,6 +116,8 @@ class NativeLayers:
         for index, (layer, cache, sparse) in enumerate(zip(model.layers, kv_caches, self._sparse, strict=True)):
             attention, mlp = layer.self_attn, layer.mlp
             rotates = config.layer_rotates(index)  # NULL tables: a NoPE layer
+            group = attention.kv_group
+            slots = slots_of[group]
             library.rms_norm_residual(
                 hidden.data_ptr(), data_ptr_or_null(delta), layer.input_layernorm.weight.data_ptr(),
                 layer.input_layernorm.eps, normed.data_ptr(), m, size, threads,
@@ -125,8 +132,9 @@ class NativeLayers:
                 ELEMENT_TYPES[cache.dtype], threads,
             )  # fmt: skip
             attended = model.backend.attend_cached(
-                query.view(m, heads, head_dim), cache, metadata, attention.scale, attention.sliding_window
-            )
+                query.view(m, heads, head_dim), cache, groups[group], attention.scale, attention.sliding_window,
+                attention.softcap, attention.sinks,
+            )  # fmt: skip
             projected = attention.o_proj.compute(attended.view(m, q_size), f32)
             if model.tp is not None:
                 projected = model.tp.all_reduce(projected)
