@@ -192,7 +192,10 @@ SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
         c_void_p, c_void_p,  # per expert: gate_up Weight*, down Weight* (arrays of pointers)
         c_void_p, c_void_p, c_void_p, c_void_p,  # offsets [experts + 1], rows, scales float32, impls int32 [experts, 2]
         c_void_p, c_void_p, c_void_p, c_void_p, c_void_p,  # out float32, 4 scratch buffers
-        c_void_p, c_int,  # partials float32 [threads, m, hidden] or None (see moe_experts.c), num threads
+        c_void_p,  # partials float32 [threads, m, hidden] or None (see moe_experts.c)
+        c_void_p, c_void_p, c_float, c_float,  # per expert gate_up / down bias bf16 (arrays of pointers) or None;
+        # the clamped SwiGLU's limit (0: silu(gate) * up) and alpha (csrc/kernels.h ExpertForm)
+        c_int,  # num threads
     ]),
     # The one-call decode layer's routing (moe_experts.c; tests call it).
     "route_rows": (None, [

@@ -199,3 +199,67 @@ def test_the_decode_layers_routing_breaks_exact_ties_toward_the_lower_expert():
     assert offsets.tolist() == [0, 2, 4, 6, 6, 6, 6]  # experts 0, 1 and 2, each for both rows
     assert rows.tolist() == [0, 1, 0, 1, 0, 1]
     torch.testing.assert_close(scales, torch.full((6,), 1 / 6))
+
+
+def gpt_oss_config(limit: float = 0.8) -> ModelConfig:
+    return ModelConfig(
+        architecture="GptOssForCausalLM", vocab_size=16, hidden_size=32, intermediate_size=24, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, rms_norm_eps=1e-6, num_experts=6,
+        num_experts_per_tok=2, moe_intermediate_size=24, expert_bias=True, swiglu_limit=limit, swiglu_alpha=1.702,
+        softmax_after_topk=True, attention_sinks=True,
+    )  # fmt: skip
+
+
+def gpt_oss_reference(moe, x: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+    """Each token on its own, as transformers' gpt-oss: the router's top-k logits (with its
+    bias) softmaxed, each chosen expert's biased projections, the clamped SwiGLU."""
+    out = torch.zeros_like(x, dtype=torch.float64)
+    for row in range(x.shape[0]):
+        logits = (x[row].double() @ moe.gate.weight.double().T) + moe.gate.bias.double()
+        top, chosen = torch.topk(logits, moe.top_k)
+        for weight, expert_id in sorted(zip(torch.softmax(top, -1).tolist(), chosen.tolist()), key=lambda pair: pair[1]):
+            expert = moe.experts[expert_id]
+            gate_up = x[row].double() @ expert.gate_up_proj.weight.double().T + expert.gate_up_proj.bias.double()
+            gate, up = gate_up.split(expert.intermediate_size)
+            gate, up = gate.clamp(max=expert.limit), up.clamp(-expert.limit, expert.limit)
+            act = (up + 1) * gate * torch.sigmoid(expert.alpha * gate)
+            out[row] += weight * (act @ expert.down_proj.weight.double().T + expert.down_proj.bias.double())
+    return out
+
+
+@pytest.mark.parametrize("rows", [1, 5, 40])
+def test_gpt_oss_experts_in_python_and_in_c_equal_the_reference(kernel_isa, rows):
+    """gpt-oss's block (model/gpt_oss.py): the router's bias, the experts' biases and the clamped
+    SwiGLU (a limit of 0.8 clamps most gate and up values here), in the Python loop (float32) and
+    in csrc/moe_experts.c (bf16, every kernel build the host runs)."""
+    from pagellm.kernels.build import load_kernels
+    from pagellm.kernels.linear_bindings import cpu_linear_kernels
+    from pagellm.model.gpt_oss import GptOssMoeBlock
+    from pagellm.model.native.experts import NativeExperts
+
+    torch.manual_seed(rows)
+    moe = GptOssMoeBlock(gpt_oss_config())
+    for param in moe.parameters():
+        torch.nn.init.normal_(param, std=0.3)
+    x = torch.randn(rows, 32)
+    with torch.no_grad():
+        reference = gpt_oss_reference(moe, x)
+        torch.testing.assert_close(moe(x).double(), reference, rtol=1e-5, atol=1e-5)
+        unclamped = GptOssMoeBlock(gpt_oss_config(limit=1e6))
+        unclamped.load_state_dict(moe.state_dict())
+        assert (unclamped(x).double() - reference).abs().max() > 0.1, "the clamp must matter here"
+    library, kernel = load_kernels(), cpu_linear_kernels()
+    if library is None or kernel is None:
+        pytest.skip("the native bf16 kernels need x86-64 with AVX2 and a C compiler")
+    moe = moe.to(torch.bfloat16)
+    for expert in moe.experts:
+        expert.gate_up_proj.kernel = expert.down_proj.kernel = kernel
+    assert NativeExperts.supports(moe)
+    native = NativeExperts(library, moe)
+    xb = x.to(torch.bfloat16)
+    with torch.no_grad():
+        weights, experts = moe.route(moe.router_logits(xb))
+        out = native.run(xb, weights, experts)
+        reference = gpt_oss_reference(moe.float(), xb.float())
+    assert out is not None
+    torch.testing.assert_close(out.double(), reference, rtol=3e-2, atol=3e-2 * float(reference.abs().mean()))

@@ -75,7 +75,7 @@ void layer_mlp_in_region(const LayerWeights *w, const LayerShape *s, int64_t m, 
                                scratch->partials};
         moe_experts_in_region(scratch->normed, m, h, experts->width, num_experts, experts->gate_up, experts->down,
                               scratch->offsets, scratch->choice_rows, scratch->choice_scales, experts->impls,
-                              scratch->proj, &moe, t, nt);
+                              scratch->proj, &moe, NULL, t, nt);
     }
     if (w->gate_up != NULL) { /* the MLP, or the shared expert */
         const int64_t width = w->mlp_width;

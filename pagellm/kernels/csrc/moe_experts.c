@@ -33,6 +33,19 @@
  * against 2.72 ms; 32 requests 516 against 481 tok/s. Worth it when the experts divide
  * nearly evenly: at a few rows an expert costs the reading of its weights, whatever its row
  * count. */
+/* bf16 of an expert's activation of one element (ExpertForm: gpt-oss's clamped SwiGLU). */
+static inline uint16_t expert_activation(const ExpertForm *form, float gate, float up) {
+    if (form == NULL || form->swiglu_limit <= 0.0f) return silu_mul(gate, up);
+    const float limit = form->swiglu_limit;
+    const float g = gate < limit ? gate : limit;
+    const float u = up < -limit ? -limit : (up > limit ? limit : up);
+    return float_to_bf16((u + 1.0f) * (g / (1.0f + expf(-form->swiglu_alpha * g))));
+}
+
+static inline const uint16_t *expert_bias(const uint16_t *const *biases, int64_t expert) {
+    return biases == NULL ? NULL : biases[expert];
+}
+
 static int experts_per_thread(const int64_t *offsets, int64_t num_experts, int64_t m, int nt) {
     if (nt < 2 || m > EXPERTS_PER_THREAD_MAX_ROWS) return 0;
     int64_t active = 0;
@@ -45,8 +58,9 @@ static int experts_per_thread(const int64_t *offsets, int64_t num_experts, int64
  * its own partial output [m, hidden]; the caller adds the threads' partials. */
 static void own_experts(const uint16_t *x, int64_t m, int64_t hidden, int64_t inter, int64_t num_experts,
                         const Weight *const *gate_up, const Weight *const *down, const int64_t *offsets,
-                        const int64_t *rows, const float *scales, const int32_t *impls, float *partial, int t,
-                        int nt) {
+                        const int64_t *rows, const float *scales, const int32_t *impls, const ExpertForm *form,
+                        float *partial, int t, int nt) {
+    const uint16_t *const *gate_up_bias = form ? form->gate_up_bias : NULL, *const *down_bias = form ? form->down_bias : NULL;
     static _Thread_local void *buffer;
     static _Thread_local size_t capacity;
     memset(partial, 0, sizeof(float) * (size_t)(m * hidden));
@@ -61,13 +75,14 @@ static void own_experts(const uint16_t *x, int64_t m, int64_t hidden, int64_t in
         float *expert_out = (float *)(act + count * inter);
         for (int64_t i = 0; i < count; i++)
             memcpy(gathered + i * hidden, x + rows[first + i] * hidden, sizeof(uint16_t) * (size_t)hidden);
-        linear_weight_part(gathered, hidden, gate_up[e], NULL, gate_up_out, 2 * inter, 1, count, hidden,
-                           impls[2 * count], 0, 1);
+        linear_weight_part(gathered, hidden, gate_up[e], expert_bias(gate_up_bias, e), gate_up_out, 2 * inter, 1, count,
+                           hidden, impls[2 * count], 0, 1);
         for (int64_t i = 0; i < count; i++) {
             const float *gate = gate_up_out + i * 2 * inter, *up = gate + inter;
-            for (int64_t j = 0; j < inter; j++) act[i * inter + j] = silu_mul(gate[j], up[j]);
+            for (int64_t j = 0; j < inter; j++) act[i * inter + j] = expert_activation(form, gate[j], up[j]);
         }
-        linear_weight_part(act, inter, down[e], NULL, expert_out, hidden, 1, count, inter, impls[2 * count + 1], 0, 1);
+        linear_weight_part(act, inter, down[e], expert_bias(down_bias, e), expert_out, hidden, 1, count, inter,
+                           impls[2 * count + 1], 0, 1);
         for (int64_t i = 0; i < count; i++) {
             float *dst = partial + rows[first + i] * hidden;
             const float *src = expert_out + i * hidden;
@@ -80,9 +95,10 @@ static void own_experts(const uint16_t *x, int64_t m, int64_t hidden, int64_t in
 void moe_experts_in_region(const uint16_t *x, int64_t m, int64_t hidden, int64_t inter, int64_t num_experts,
                            const Weight *const *gate_up, const Weight *const *down, const int64_t *offsets,
                            const int64_t *rows, const float *scales, const int32_t *impls, float *out,
-                           const MoeScratch *scratch, int t, int nt) {
+                           const MoeScratch *scratch, const ExpertForm *form, int t, int nt) {
+    const uint16_t *const *gate_up_bias = form ? form->gate_up_bias : NULL, *const *down_bias = form ? form->down_bias : NULL;
     if (scratch->partials != NULL && experts_per_thread(offsets, num_experts, m, nt)) {
-        own_experts(x, m, hidden, inter, num_experts, gate_up, down, offsets, rows, scales, impls,
+        own_experts(x, m, hidden, inter, num_experts, gate_up, down, offsets, rows, scales, impls, form,
                     scratch->partials + t * m * hidden, t, nt);
 #pragma omp barrier
 #pragma omp for schedule(static)
@@ -101,17 +117,17 @@ void moe_experts_in_region(const uint16_t *x, int64_t m, int64_t hidden, int64_t
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < count; i++)
             memcpy(scratch->gathered + i * hidden, x + rows[first + i] * hidden, sizeof(uint16_t) * (size_t)hidden);
-        linear_weight_part(scratch->gathered, hidden, gate_up[e], NULL, scratch->gate_up, 2 * inter, 1, count, hidden,
-                           impls[2 * count], t, nt);
+        linear_weight_part(scratch->gathered, hidden, gate_up[e], expert_bias(gate_up_bias, e), scratch->gate_up,
+                           2 * inter, 1, count, hidden, impls[2 * count], t, nt);
 #pragma omp barrier
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < count; i++) {
             const float *gate = scratch->gate_up + i * 2 * inter, *up = gate + inter;
             uint16_t *dst = scratch->act + i * inter;
-            for (int64_t j = 0; j < inter; j++) dst[j] = silu_mul(gate[j], up[j]);
+            for (int64_t j = 0; j < inter; j++) dst[j] = expert_activation(form, gate[j], up[j]);
         }
-        linear_weight_part(scratch->act, inter, down[e], NULL, scratch->expert_out, hidden, 1, count, inter,
-                           impls[2 * count + 1], t, nt);
+        linear_weight_part(scratch->act, inter, down[e], expert_bias(down_bias, e), scratch->expert_out, hidden, 1, count,
+                           inter, impls[2 * count + 1], t, nt);
 #pragma omp barrier
         /* A row takes each expert once: the rows of one expert are distinct. */
 #pragma omp for schedule(static)
@@ -179,13 +195,17 @@ void route_rows(const float *logits, int64_t m, int64_t num_experts, int top_k, 
  * scratch:    gathered rows [max_rows, hidden] bf16, gate_up [max_rows, 2 * inter] float32,
  *             act [max_rows, inter] bf16, expert output [max_rows, hidden] float32, and
  *             partials [num_threads, m, hidden] float32 or NULL (experts_per_thread)
+ * gate_up_bias, down_bias, swiglu_limit, swiglu_alpha: the experts' form (kernels.h ExpertForm;
+ *             NULL, NULL, 0: Llama's gated MLP)
  */
 void moe_experts_bf16(const uint16_t *x, int64_t m, int64_t hidden, int64_t inter, int64_t num_experts,
                       const Weight *const *gate_up, const Weight *const *down, const int64_t *offsets,
                       const int64_t *rows, const float *scales, const int32_t *impls, float *out,
                       uint16_t *gathered, float *gate_up_out, uint16_t *act, float *expert_out, float *partials,
-                      int num_threads) {
+                      const uint16_t *const *gate_up_bias, const uint16_t *const *down_bias, float swiglu_limit,
+                      float swiglu_alpha, int num_threads) {
     const MoeScratch scratch = {gathered, gate_up_out, act, expert_out, partials};
+    const ExpertForm form = {gate_up_bias, down_bias, swiglu_limit, swiglu_alpha};
 #pragma omp parallel num_threads(num_threads)
     {
         const unsigned float_mode = subnormals_flushed();
@@ -195,7 +215,7 @@ void moe_experts_bf16(const uint16_t *x, int64_t m, int64_t hidden, int64_t inte
         nt = omp_get_num_threads();
 #endif
         moe_experts_in_region(x, m, hidden, inter, num_experts, gate_up, down, offsets, rows, scales, impls, out,
-                              &scratch, t, nt);
+                              &scratch, &form, t, nt);
         float_mode_restore(float_mode);
     }
 }

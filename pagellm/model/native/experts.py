@@ -36,17 +36,24 @@ class NativeExperts:
         # Every expert of a layer has the same shape and (from one stacked tensor) type, so
         # one plan per projection serves them all: the kernels by row count, grown as needed.
         self._projections = (experts[0].gate_up_proj, experts[0].down_proj)
+        # gpt-oss's experts: biases (bf16, as the layer holds them) and the clamped SwiGLU.
+        biased = experts[0].gate_up_proj.bias is not None
+        self._gate_up_bias = pointers(*(e.gate_up_proj.bias.data_ptr() for e in experts)) if biased else None
+        self._down_bias = pointers(*(e.down_proj.bias.data_ptr() for e in experts)) if biased else None
+        self._swiglu = (float(getattr(experts[0], "limit", 0.0) or 0.0), float(getattr(experts[0], "alpha", 1.0)))
         self._kernels = torch.zeros(2, dtype=torch.int32)
         self._scratch_rows = 0
 
     @staticmethod
     def supports(block: SparseMoeBlock) -> bool:
         """bf16 experts whose linears share one plan per projection (so one kernel choice
-        per row count serves every expert)."""
+        per row count serves every expert), either all with biases or none (gpt-oss's have
+        them)."""
         experts = list(block.experts)
         linears = [linear for e in experts for linear in (e.gate_up_proj, e.down_proj)]
         return (
-            all(linear.kernel is not None and linear.bias is None for linear in linears)
+            all(linear.kernel is not None for linear in linears)
+            and len({linear.bias is None for linear in linears}) == 1
             and all(e.gate_up_proj.plan is experts[0].gate_up_proj.plan for e in experts)
             and all(e.down_proj.plan is experts[0].down_proj.plan for e in experts)
             and not any(e.gelu for e in experts)
@@ -87,6 +94,8 @@ class NativeExperts:
             ctypes.addressof(self._gate_up), ctypes.addressof(self._down),
             offsets.data_ptr(), rows.data_ptr(), scales.data_ptr(), self._kernels.data_ptr(),
             out.data_ptr(), *(buffer.data_ptr() for buffer in self._scratch), data_ptr_or_null(partials),
-            self._num_threads,
+            None if self._gate_up_bias is None else ctypes.addressof(self._gate_up_bias),
+            None if self._down_bias is None else ctypes.addressof(self._down_bias),
+            *self._swiglu, self._num_threads,
         )  # fmt: skip
         return out

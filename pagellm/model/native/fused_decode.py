@@ -119,6 +119,8 @@ class SparseLayer:
         plan per projection (so one kernel table serves them all)."""
         return (
             block.gate.weight is not None
+            and block.gate.bias is None  # the C router has no bias, its experts neither (gpt-oss's have)
+            and block.experts[0].gate_up_proj.bias is None
             and (block.shared_expert is None or block.shared_expert_gate.weight is not None)
             and NativeExperts.supports(block)
         )
