@@ -42,6 +42,7 @@ class NativeExperts:
         self._down_bias = pointers(*(e.down_proj.bias.data_ptr() for e in experts)) if biased else None
         self._swiglu = (float(getattr(experts[0], "limit", 0.0) or 0.0), float(getattr(experts[0], "alpha", 1.0)))
         self._kernels = torch.zeros(2, dtype=torch.int32)
+        self._native_at = [True]  # per row count: both projections on a native kernel (the table's rows, in Python)
         self._scratch_rows = 0
 
     @staticmethod
@@ -69,10 +70,12 @@ class NativeExperts:
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self._num_experts)
-        most = int(counts.max())
+        counted = counts.tolist()
+        most = max(counted)
         if 2 * (most + 1) > self._kernels.numel():
             self._kernels = expert_kernel_table(*self._projections, max(most, self._kernels.numel()))
-        if bool((self._kernels.view(-1, 2)[counts].min(dim=1).values < 0).any()):
+            self._native_at = [min(pair) >= 0 for pair in self._kernels.view(-1, 2).tolist()]
+        if not all(self._native_at[count] for count in counted):  # a torch check cost ~6 ops a layer
             return None
         offsets = torch.zeros(self._num_experts + 1, dtype=torch.int64)
         torch.cumsum(counts, 0, out=offsets[1:])
