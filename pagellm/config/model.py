@@ -185,6 +185,9 @@ class ModelConfig:
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.0
     softmax_after_topk: bool = False
+    # The experts' weights as the checkpoint stores them, in bits per weight (gpt-oss: MXFP4,
+    # 4.25); None: the model's dtype. What the cost model counts for them.
+    expert_bits_per_weight: float | None = None
 
     def __post_init__(self) -> None:
         if self.hidden_activation not in HIDDEN_ACTIVATIONS:

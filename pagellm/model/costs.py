@@ -71,19 +71,21 @@ class ModelCosts:
         linear_params = attention_params + dense_mlp_params + expert_params + sparse * config.num_experts * h
         head_params = config.vocab_size * h
         kv_bytes = dtype_bytes if kv_dtype_bytes is None else kv_dtype_bytes
+        # Experts held as stored (gpt-oss's MXFP4): their own bytes per weight.
+        expert_bytes = dtype_bytes if config.expert_bits_per_weight is None else config.expert_bits_per_weight / 8
         windows: dict[int | None, int] = {}
         for layer in attending:
             windows[config.layer_window(layer)] = windows.get(config.layer_window(layer), 0) + 1
         return cls(
             linear_flops_per_token=2.0 * (attention_params + dense_mlp_params + active_expert_params),
-            linear_weight_bytes=float(linear_params * dtype_bytes),
+            linear_weight_bytes=float((linear_params - expert_params) * dtype_bytes + expert_params * expert_bytes),
             lm_head_flops_per_row=2.0 * head_params,
             lm_head_weight_bytes=float(head_params * dtype_bytes),
             # Scores (q . k) and the weighted sum of values: 2 MACs per head dimension.
             attention_flops_per_pair=4.0 * len(attending) * config.num_attention_heads * config.head_dim,
             kv_bytes_per_token=2.0 * len(attending) * kv * kv_bytes,
-            weight_bytes=float(config.num_parameters() * dtype_bytes),
-            expert_weight_bytes=float(expert_params * dtype_bytes),
+            weight_bytes=float((config.num_parameters() - expert_params) * dtype_bytes + expert_params * expert_bytes),
+            expert_weight_bytes=float(expert_params * expert_bytes),
             expert_share_per_token=config.num_experts_per_tok / config.num_experts if config.num_experts else 0.0,
             layer_windows=tuple((window, count / len(attending)) for window, count in windows.items()) or ((None, 1.0),),
             recurrent_flops_per_token=float(recurrent_flops),

@@ -132,6 +132,7 @@ def gpt_oss_mxfp4(tmp_path_factory):
 def test_mxfp4_experts_equal_hf_in_float32(gpt_oss_mxfp4):
     folder, path, expected = gpt_oss_mxfp4
     for source in (folder, path):
+        assert load_model_config(resolve_model_source(str(source))).expert_bits_per_weight == 4.25  # what costs count
         assert pagellm_greedy(LLM(str(source), max_model_len=128), PROMPTS, NEW_TOKENS) == expected, source
 
 

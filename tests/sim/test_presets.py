@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from pagellm.errors import ConfigError
@@ -85,3 +87,17 @@ def test_unknown_names_list_the_presets():
     with pytest.raises(ConfigError, match="Llama-3-8B"):
         get_model_preset("gpt-5")
     assert get_gpu_preset("h200").name == "H200"
+
+
+@pytest.mark.parametrize("name,parameters,weight_gb", [("gpt-oss-20b", 21e9, 13.8), ("gpt-oss-120b", 117e9, 65.2)])
+def test_gpt_oss_presets_count_the_experts_as_mxfp4(name, parameters, weight_gb):
+    """OpenAI's figures: 21B and 117B parameters; the checkpoints (MXFP4 experts, the rest
+    bf16) are 13.8 and 65.2 GB. At bf16 throughout the experts alone would be ~40 and ~230 GB."""
+    from pagellm.model.costs import ModelCosts
+
+    preset = get_model_preset(name)
+    costs = ModelCosts.from_config(preset.config, preset.dtype_bytes)
+    assert abs(preset.config.num_parameters() / parameters - 1) < 0.01
+    assert abs(costs.weight_bytes / 1e9 / weight_gb - 1) < 0.02
+    bf16 = ModelCosts.from_config(replace(preset.config, expert_bits_per_weight=None), preset.dtype_bytes)
+    assert bf16.expert_weight_bytes / costs.expert_weight_bytes == pytest.approx(16 / 4.25)

@@ -182,6 +182,9 @@ def gguf_model_config(reader: GGUFReader, path: Path) -> ModelConfig:
         family = _gemma_fields(meta, arch, hidden, num_heads, head_dim, num_layers)
     if arch == "gpt-oss":
         family = _gpt_oss_fields(meta, arch, num_layers)
+        expert_types = {t.tensor_type for t in reader.tensors if "_exps.weight" in t.name}
+        if expert_types == {GGMLQuantizationType.MXFP4}:
+            family["expert_bits_per_weight"] = 4.25
         # The original YaRN does not round its ramp's ends (HF's config says truncate: false).
         scaling = None if scaling is None else dataclasses.replace(scaling, truncate=False)
     hybrid: dict[str, Any] = {}

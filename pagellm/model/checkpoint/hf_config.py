@@ -257,9 +257,12 @@ def _gpt_oss(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     (transformers' defaults: limit 7, alpha 1.702)."""
     if arch != "GptOssForCausalLM":
         return {}
+    quantization = cfg.get("quantization_config") or {}
     return {
         "attention_sinks": True, "expert_bias": True, "softmax_after_topk": True,
         "swiglu_limit": float(cfg.get("swiglu_limit", 7.0)), "swiglu_alpha": float(cfg.get("swiglu_alpha", 1.702)),
+        # OpenAI's folders: the experts in MXFP4 (32 four-bit values and an exponent byte).
+        "expert_bits_per_weight": 4.25 if quantization.get("quant_method") == "mxfp4" else None,
     }  # fmt: skip
 
 
