@@ -38,6 +38,13 @@ class Weight(ctypes.Structure):
     _fields_ = [("num_parts", c_int32), ("parts", WeightPart * MAX_PARTS)]
 
 
+class ExpertForm(ctypes.Structure):
+    """csrc/layer_structs.h ExpertForm: the experts' biases (arrays of bf16 pointers, or NULL)
+    and gpt-oss's clamped SwiGLU (limit 0: silu(gate) * up)."""
+
+    _fields_ = [("gate_up_bias", c_void_p), ("down_bias", c_void_p), ("swiglu_limit", c_float), ("swiglu_alpha", c_float)]
+
+
 class Experts(ctypes.Structure):
     """A sparse layer's routed experts (csrc/layer_structs.h): the router as float32, each
     expert's gate_up and down Weight*, their kernels by row count, and the shared expert's
@@ -46,7 +53,7 @@ class Experts(ctypes.Structure):
     _fields_ = [
         ("router", c_void_p), ("gate_up", c_void_p), ("down", c_void_p), ("impls", c_void_p),
         ("shared_gate", c_void_p), ("num_experts", c_int64), ("width", c_int64),
-        ("top_k", c_int), ("renormalize", c_int),
+        ("top_k", c_int), ("renormalize", c_int), ("router_bias", c_void_p), ("form", ExpertForm),
     ]  # fmt: skip
 
 
@@ -55,7 +62,7 @@ class LayerWeights(ctypes.Structure):
     # down are the MLP, a sparse layer's shared expert, or NULL; experts is NULL in a dense layer.
     _fields_ = [(name, c_void_p) for name in (
         "input_norm", "post_norm", "q_norm", "k_norm", "qkv", "qkv_bias", "o", "o_bias", "gate_up", "down",
-    )] + [("mlp_width", c_int64), ("experts", ctypes.POINTER(Experts)), ("no_rope", c_int)]  # fmt: skip
+    )] + [("mlp_width", c_int64), ("experts", ctypes.POINTER(Experts)), ("no_rope", c_int), ("sinks", c_void_p)]  # fmt: skip
 
 
 class LayerShape(ctypes.Structure):
@@ -71,7 +78,7 @@ class StepInputs(ctypes.Structure):
     _fields_ = [
         ("m", c_int64), ("positions", c_void_p), ("slots", c_void_p), ("block_tables", c_void_p),
         ("table_stride", c_int64), ("rows", c_void_p), ("reqs", c_void_p), ("seq_lens", c_void_p),
-        ("max_seq_len", c_int64), ("cos_table", c_void_p), ("sin_table", c_void_p),
+        ("max_seq_len", c_int64), ("cos_table", c_void_p), ("sin_table", c_void_p), ("key_starts", c_void_p),
     ]  # fmt: skip
 
 
@@ -110,7 +117,7 @@ class HybridLayer(ctypes.Structure):
 
 # Every structure Python fills, by its C name.
 STRUCTS: dict[str, type[ctypes.Structure]] = {
-    "WeightPart": WeightPart, "Weight": Weight, "Experts": Experts, "LayerWeights": LayerWeights,
+    "WeightPart": WeightPart, "Weight": Weight, "ExpertForm": ExpertForm, "Experts": Experts, "LayerWeights": LayerWeights,
     "LayerShape": LayerShape, "StepInputs": StepInputs, "Scratch": Scratch, "LinearMixer": LinearMixer,
     "HybridLayer": HybridLayer,
 }  # fmt: skip

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import torch
 
-from pagellm.kernels.abi import Experts, LayerShape, LayerWeights, Scratch, StepInputs
+from pagellm.kernels.abi import ExpertForm, Experts, LayerShape, LayerWeights, Scratch, StepInputs
 from pagellm.kernels.linear_bindings import LinearImpl
 
 # The structures the layer takes are kernels/abi.py's (checked against the library's).
-__all__ = ["Experts", "LayerShape", "LayerWeights", "Scratch", "StepInputs"]
+__all__ = ["ExpertForm", "Experts", "LayerShape", "LayerWeights", "Scratch", "StepInputs"]
 
 # Caches the native layers write and read: bf16, or fp8 (stored rounded and saturated
 # in C as torch's path does, read by the attention kernel's fp8 path).

@@ -49,6 +49,8 @@ class GptOssMoeBlock(SparseMoeBlock):
     """The experts' block: a biased router whose top-k logits are softmaxed, biased experts
     with the clamped SwiGLU, no shared expert."""
 
+    topk_then_softmax = True
+
     def __init__(self, config: ModelConfig, tp: TPGroup | None = None, kernel: CpuLinearKernels | None = None) -> None:
         nn.Module.__init__(self)
         self.tp = tp

@@ -66,6 +66,9 @@ class SparseMoeBlock(nn.Module):
     # CPU bf16: the experts in one C call (model/native/experts.py), handed over by the
     # after-load pass; None: the loop below.
     native: ExpertsRunner | None = None
+    # The top-k taken from the router's logits, then softmaxed (gpt-oss): the same weights as a
+    # softmax over all experts renormalized over the top-k, which is how the C router computes it.
+    topk_then_softmax = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [rows, hidden] -> [rows, hidden]
         weights, experts = self.route(self.router_logits(x))

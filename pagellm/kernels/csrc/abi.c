@@ -29,12 +29,16 @@ static const AbiEntry ABI_ENTRIES[] = {
     ABI_SIZE(Experts), ABI_FIELD(Experts, router), ABI_FIELD(Experts, gate_up), ABI_FIELD(Experts, down),
     ABI_FIELD(Experts, impls), ABI_FIELD(Experts, shared_gate), ABI_FIELD(Experts, num_experts),
     ABI_FIELD(Experts, width), ABI_FIELD(Experts, top_k), ABI_FIELD(Experts, renormalize),
+    ABI_FIELD(Experts, router_bias), ABI_FIELD(Experts, form),
+
+    ABI_SIZE(ExpertForm), ABI_FIELD(ExpertForm, gate_up_bias), ABI_FIELD(ExpertForm, down_bias),
+    ABI_FIELD(ExpertForm, swiglu_limit), ABI_FIELD(ExpertForm, swiglu_alpha),
 
     ABI_SIZE(LayerWeights), ABI_FIELD(LayerWeights, input_norm), ABI_FIELD(LayerWeights, post_norm),
     ABI_FIELD(LayerWeights, q_norm), ABI_FIELD(LayerWeights, k_norm), ABI_FIELD(LayerWeights, qkv),
     ABI_FIELD(LayerWeights, qkv_bias), ABI_FIELD(LayerWeights, o), ABI_FIELD(LayerWeights, o_bias),
     ABI_FIELD(LayerWeights, gate_up), ABI_FIELD(LayerWeights, down), ABI_FIELD(LayerWeights, mlp_width),
-    ABI_FIELD(LayerWeights, experts), ABI_FIELD(LayerWeights, no_rope),
+    ABI_FIELD(LayerWeights, experts), ABI_FIELD(LayerWeights, no_rope), ABI_FIELD(LayerWeights, sinks),
 
     ABI_SIZE(LayerShape), ABI_FIELD(LayerShape, hidden), ABI_FIELD(LayerShape, num_heads),
     ABI_FIELD(LayerShape, num_kv_heads), ABI_FIELD(LayerShape, head_dim), ABI_FIELD(LayerShape, block_size),
@@ -44,7 +48,7 @@ static const AbiEntry ABI_ENTRIES[] = {
     ABI_SIZE(StepInputs), ABI_FIELD(StepInputs, m), ABI_FIELD(StepInputs, positions), ABI_FIELD(StepInputs, slots),
     ABI_FIELD(StepInputs, block_tables), ABI_FIELD(StepInputs, table_stride), ABI_FIELD(StepInputs, rows),
     ABI_FIELD(StepInputs, reqs), ABI_FIELD(StepInputs, seq_lens), ABI_FIELD(StepInputs, max_seq_len),
-    ABI_FIELD(StepInputs, cos_table), ABI_FIELD(StepInputs, sin_table),
+    ABI_FIELD(StepInputs, cos_table), ABI_FIELD(StepInputs, sin_table), ABI_FIELD(StepInputs, key_starts),
 
     ABI_SIZE(Scratch), ABI_FIELD(Scratch, normed), ABI_FIELD(Scratch, qkv), ABI_FIELD(Scratch, query),
     ABI_FIELD(Scratch, attn), ABI_FIELD(Scratch, proj), ABI_FIELD(Scratch, gate_up), ABI_FIELD(Scratch, act),

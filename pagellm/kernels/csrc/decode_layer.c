@@ -64,7 +64,7 @@ void layer_mlp_in_region(const LayerWeights *w, const LayerShape *s, int64_t m, 
         for (int64_t index = 0; index < m * num_experts; index++) {
             const uint16_t *x = scratch->normed + (index / num_experts) * h;
             const float *router = experts->router + (index % num_experts) * h;
-            float logit = 0.0f;
+            float logit = experts->router_bias ? experts->router_bias[index % num_experts] : 0.0f;
             for (int64_t i = 0; i < h; i++) logit += bf16_to_float(x[i]) * router[i];
             scratch->router_logits[index] = logit;
         }
@@ -75,7 +75,7 @@ void layer_mlp_in_region(const LayerWeights *w, const LayerShape *s, int64_t m, 
                                scratch->partials};
         moe_experts_in_region(scratch->normed, m, h, experts->width, num_experts, experts->gate_up, experts->down,
                               scratch->offsets, scratch->choice_rows, scratch->choice_scales, experts->impls,
-                              scratch->proj, &moe, NULL, t, nt);
+                              scratch->proj, &moe, &experts->form, t, nt);
     }
     if (w->gate_up != NULL) { /* the MLP, or the shared expert */
         const int64_t width = w->mlp_width;
@@ -143,8 +143,8 @@ void decode_layer_bf16(float *hidden, const LayerWeights *w, void *key_cache, vo
                                  scratch->kv_row + r * 2 * kv_size);
         }
         paged_decode_attention_in_region(scratch->query, q_size, key_cache, value_cache, in->block_tables,
-                                         in->table_stride, in->rows, in->reqs, in->seq_lens, NULL, m, s->num_heads,
-                                         s->num_kv_heads, s->head_dim, s->block_size, s->scale, 0.0f, NULL, ELEM_BF16,
+                                         in->table_stride, in->rows, in->reqs, in->seq_lens, in->key_starts, m, s->num_heads,
+                                         s->num_kv_heads, s->head_dim, s->block_size, s->scale, 0.0f, w->sinks, ELEM_BF16,
                                          s->cache_type, nt,
                                          in->max_seq_len, scratch->attn, q_size, scratch->attn_scratch);
         linear_weight_part(scratch->attn, q_size, w->o, w->o_bias, scratch->proj, h, 1, m, q_size, s->linear_impl[1], t,

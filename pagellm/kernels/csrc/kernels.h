@@ -151,15 +151,6 @@ typedef struct {
     float *expert_out;  /* [rows, hidden] */
     float *partials;    /* [threads, m, hidden], or NULL: the experts are never shared out whole */
 } MoeScratch;
-/* What a family's experts add to the gated MLP (NULL: nothing): biases on each expert's gate_up
- * and down, and gpt-oss's clamped SwiGLU, (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha g)
- * with g = min(gate, limit), in place of silu(gate) * up. */
-typedef struct {
-    const uint16_t *const *gate_up_bias; /* [experts] bf16 [2 width] each, or NULL */
-    const uint16_t *const *down_bias;    /* [experts] bf16 [hidden] each, or NULL */
-    float swiglu_limit;                  /* > 0: the clamped SwiGLU; 0: silu(gate) * up */
-    float swiglu_alpha;
-} ExpertForm;
 /* Steps of up to this many rows may share out whole experts among the threads. */
 #define EXPERTS_PER_THREAD_MAX_ROWS 32
 void moe_experts_in_region(const uint16_t *x, int64_t m, int64_t hidden, int64_t inter, int64_t num_experts,

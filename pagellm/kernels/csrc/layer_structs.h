@@ -11,6 +11,16 @@
 
 #include "weights.h"
 
+/* What a family's experts add to the gated MLP (NULL: nothing): biases on each expert's gate_up
+ * and down, and gpt-oss's clamped SwiGLU, (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha g)
+ * with g = min(gate, limit), in place of silu(gate) * up. */
+typedef struct {
+    const uint16_t *const *gate_up_bias; /* [experts] bf16 [2 width] each, or NULL */
+    const uint16_t *const *down_bias;    /* [experts] bf16 [hidden] each, or NULL */
+    float swiglu_limit;                  /* > 0: the clamped SwiGLU; 0: silu(gate) * up */
+    float swiglu_alpha;
+} ExpertForm;
+
 typedef struct {
     const float *router;          /* [num_experts, hidden] float32 */
     const Weight *const *gate_up; /* [num_experts] Weight* of [2 width, hidden] */
@@ -19,6 +29,8 @@ typedef struct {
     const float *shared_gate;     /* [hidden] float32: the shared expert's gate, or NULL (none, or not gated) */
     int64_t num_experts, width;
     int top_k, renormalize;
+    const float *router_bias;     /* [num_experts] float32, or NULL (gpt-oss's router has one) */
+    ExpertForm form;              /* kernels.h: the experts' biases and clamped SwiGLU (gpt-oss), or none */
 } Experts;
 
 typedef struct {
@@ -33,6 +45,7 @@ typedef struct {
     int64_t mlp_width;
     const Experts *experts;                  /* a sparse layer's routed experts, or NULL */
     int no_rope;                             /* 1: q and k are not rotated (a NoPE layer) */
+    const float *sinks;                      /* [heads] float32: attention sinks (gpt-oss), or NULL */
 } LayerWeights;
 
 typedef struct {
@@ -54,6 +67,7 @@ typedef struct {
     const int64_t *seq_lens;        /* [m] context including the new token */
     int64_t max_seq_len;
     const float *cos_table, *sin_table;  /* [max_positions, head_dim / 2] */
+    const int64_t *key_starts;      /* [m] the first position each row attends to (a sliding window), or NULL */
 } StepInputs;
 
 typedef struct {

@@ -44,6 +44,7 @@ from pagellm.kernels.decode_layer import (
     CACHE_DTYPES,
     MAX_ROWS,
     MAX_ROWS_PER_REQUEST,
+    ExpertForm,
     Experts,
     LayerShape,
     LayerWeights,
@@ -99,6 +100,7 @@ class SparseLayer:
     def __init__(self, block: torch.nn.Module) -> None:
         experts = list(block.experts)
         self.router = block.gate.weight.detach().float().contiguous()
+        self.router_bias = None if block.gate.bias is None else block.gate.bias.detach().float().contiguous()
         shared = block.shared_expert is not None
         self.shared_gate = block.shared_expert_gate.weight.detach().float().reshape(-1).contiguous() if shared else None
         pointers = ctypes.c_void_p * len(experts)
@@ -107,10 +109,19 @@ class SparseLayer:
         self.table = expert_kernel_table(experts[0].gate_up_proj, experts[0].down_proj, MAX_ROWS)
         self.native_rows = _native_expert_rows(self.table)
         self.width = experts[0].intermediate_size
+        # gpt-oss's experts: their biases (bf16, as the layers hold them) and the clamped SwiGLU.
+        biased = experts[0].gate_up_proj.bias is not None
+        self.gate_up_bias = pointers(*(e.gate_up_proj.bias.data_ptr() for e in experts)) if biased else None
+        self.down_bias = pointers(*(e.down_proj.bias.data_ptr() for e in experts)) if biased else None
+        form = ExpertForm(
+            None if self.gate_up_bias is None else ctypes.addressof(self.gate_up_bias),
+            None if self.down_bias is None else ctypes.addressof(self.down_bias),
+            float(getattr(experts[0], "limit", 0.0) or 0.0), float(getattr(experts[0], "alpha", 1.0)),
+        )  # fmt: skip
         self.struct = Experts(
             self.router.data_ptr(), ctypes.addressof(self.gate_up), ctypes.addressof(self.down),
             self.table.data_ptr(), data_ptr_or_null(self.shared_gate), len(experts), self.width,
-            block.top_k, int(block.renormalize),
+            block.top_k, int(block.renormalize or block.topk_then_softmax), data_ptr_or_null(self.router_bias), form,
         )  # fmt: skip
 
     @staticmethod
@@ -119,8 +130,6 @@ class SparseLayer:
         plan per projection (so one kernel table serves them all)."""
         return (
             block.gate.weight is not None
-            and block.gate.bias is None  # the C router has no bias, its experts neither (gpt-oss's have)
-            and block.experts[0].gate_up_proj.bias is None
             and (block.shared_expert is None or block.shared_expert_gate.weight is not None)
             and NativeExperts.supports(block)
         )
@@ -200,6 +209,9 @@ class FusedDecode:
         )  # fmt: skip
         # The Weight structures live as long as their layers (PackableLinear keeps them).
         self._sparse = [SparseLayer(layer.mlp) if is_sparse(layer) else None for layer in model.layers]
+        # gpt-oss's sinks, float32 as the attention kernel reads them (kept alive here).
+        self._sinks = [None if layer.self_attn.sinks is None else layer.self_attn.sinks.detach().float().contiguous()
+                       for layer in model.layers]  # fmt: skip
         self._layers = []
         widths = [1]
         for index, (layer, sparse) in enumerate(zip(model.layers, self._sparse, strict=True)):
@@ -215,7 +227,7 @@ class FusedDecode:
                 None if mlp is None else mlp[0].kernel_weight().struct_address(),
                 None if mlp is None else mlp[1].kernel_weight().struct_address(),
                 mlp_width, None if sparse is None else ctypes.pointer(sparse.struct),
-                int(not config.layer_rotates(index)),
+                int(not config.layer_rotates(index)), data_ptr_or_null(self._sinks[index]),
             ))  # fmt: skip
         q_size = config.num_attention_heads * config.head_dim
         kv_size = config.num_key_value_heads * config.head_dim
@@ -225,7 +237,11 @@ class FusedDecode:
         )  # fmt: skip
         self._impls = impls_by_rows(list(model.layers), _layer_impls, self._sparse)
         self._rotary = model.rotary
-        self._window = model.config.sliding_window
+        # Each layer reads its KV cache group (sliding and full layers: gpt-oss); a sliding
+        # group's rows start at their window.
+        layout = kv_cache_layout(config)
+        self._groups = [layer.self_attn.kv_group for layer in model.layers]
+        self._windows = list(layout.windows)
 
     @staticmethod
     def supports(model: torch.nn.Module) -> bool:
@@ -239,9 +255,7 @@ class FusedDecode:
             and all(SparseLayer.supports(layer.mlp) for layer in model.layers if is_sparse(layer))
             # Qwen3's q/k norms are plain RMSNorms over float32 heads (csrc/layer_rows.h).
             and all(type(getattr(layer.self_attn, "q_norm", None)) in (type(None), RMSNorm) for layer in model.layers)
-            # One KV cache group; a window only while every context fits in it (applies()).
-            and len(kv_cache_layout(config).groups) == 1
-            and not config.attention_sinks  # the C layer's softmax has no sinks
+            and model.local_rotary is None  # every layer on the global rotary table
             and config.rotary_dim == config.head_dim  # the C paths rotate whole heads
             and config.head_dim % 2 == 0
         )
@@ -249,12 +263,8 @@ class FusedDecode:
     def applies(self, num_tokens: int, kv_caches: list[torch.Tensor], metadata: AttentionMetadata) -> bool:
         """Whether a step of `num_tokens` rows over these caches runs here (its embeddings
         are bf16: every parameter is, supports())."""
-        window = self._window
         return (
             0 < num_tokens <= MAX_ROWS
-            # The C layer attends from position 0: exact for a sliding window only while
-            # every context is within it (then the window hides nothing).
-            and (window is None or max(metadata.seq_lens) <= window)
             and self._impls[num_tokens] is not None
             and (metadata.num_reqs == num_tokens or _longest_query(metadata) <= MAX_ROWS_PER_REQUEST)
             and kv_caches[0].dtype in CACHE_DTYPES
@@ -288,19 +298,26 @@ class FusedDecode:
         scratch = self._scratch.struct(max_seq_len, shape.num_heads)
         shape.block_size = kv_caches[0].shape[2]
         shape.cache_type = ELEMENT_TYPES[kv_caches[0].dtype]
-        tables = metadata.block_tables
-        inputs = StepInputs(
-            m, positions.data_ptr(), metadata.slot_mapping.data_ptr(), tables.data_ptr(), tables.stride(0),
-            rows.data_ptr(), reqs.data_ptr(), seq_lens.data_ptr(), max_seq_len,
-            self._rotary.cos_cache.data_ptr(), self._rotary.sin_cache.data_ptr(),
-        )  # fmt: skip
+        inputs, keep = [], []
+        for group, window in enumerate(self._windows):  # each KV cache group's tables and slots
+            group_metadata = metadata.for_group(group)
+            tables = group_metadata.block_tables
+            # A sliding group's row attends from its window's first position (its context ends at seq_lens).
+            starts = None if window is None else (seq_lens - window).clamp(min=0).contiguous()
+            keep.append(starts)
+            inputs.append(StepInputs(
+                m, positions.data_ptr(), group_metadata.slot_mapping.data_ptr(), tables.data_ptr(), tables.stride(0),
+                rows.data_ptr(), reqs.data_ptr(), seq_lens.data_ptr(), max_seq_len,
+                self._rotary.cos_cache.data_ptr(), self._rotary.sin_cache.data_ptr(), data_ptr_or_null(starts),
+            ))  # fmt: skip
         hidden = hidden.to(torch.float32).contiguous()
         hidden_ptr = hidden.data_ptr()
-        shape_ref, inputs_ref, scratch_ref = ctypes.byref(shape), ctypes.byref(inputs), ctypes.byref(scratch)
-        for weights, cache, impls in zip(self._layers, kv_caches, self._impls[m], strict=True):
+        shape_ref, scratch_ref = ctypes.byref(shape), ctypes.byref(scratch)
+        inputs_refs = [ctypes.byref(group_inputs) for group_inputs in inputs]
+        for weights, cache, impls, group in zip(self._layers, kv_caches, self._impls[m], self._groups, strict=True):
             shape.linear_impl = impls
             self._run_layer(
                 hidden_ptr, ctypes.byref(weights), cache[0].data_ptr(), cache[1].data_ptr(),
-                shape_ref, inputs_ref, scratch_ref,
+                shape_ref, inputs_refs[group], scratch_ref,
             )  # fmt: skip
         return hidden
