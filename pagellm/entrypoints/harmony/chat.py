@@ -16,6 +16,7 @@ from typing import Any
 from pagellm.entrypoints.harmony import tokens
 from pagellm.entrypoints.harmony.parse import HarmonyDelta
 from pagellm.entrypoints.harmony.render import EFFORTS, render_conversation
+from pagellm.entrypoints.openai.tool_calls import new_call_id
 from pagellm.sampling_params import SamplingParams
 from pagellm.tokenizer import Tokenizer
 
@@ -61,8 +62,6 @@ def harmony_sampling(params: SamplingParams, tokenizer: Tokenizer) -> SamplingPa
 
 def call_deltas(delta: HarmonyDelta, call_ids: dict[int, str]) -> list[dict[str, Any]]:
     """OpenAI's streamed tool_calls entries of a parser delta (a new call with its id and name)."""
-    from pagellm.entrypoints.openai.tool_calls import new_call_id
-
     entries: list[dict[str, Any]] = []
     for index, name, arguments in delta.calls:
         if name is not None:
