@@ -26,16 +26,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import gguf
 import numpy as np
-from quant_1b import SPEC_KEY, add_vocabulary, block_scale, check_llamacpp_loads, file_spec, run_throughput
+from quant_1b import SPEC_KEY, add_vocabulary, block_scale, check_llamacpp_loads, file_spec
+from llamacpp_decode import compare_decode, report
 
 from pagellm.bench.machine import cpu_info, describe_cpu
 from pagellm.bench.quant_blocks import random_blocks
@@ -150,32 +148,11 @@ def main() -> int:
         write_gguf(path, spec)
     cpu = cpu_info()
     print(describe_cpu(cpu), flush=True)
-    backends = ["pagellm"]
-    if "llamacpp" not in args.skip:
+    with_llamacpp = "llamacpp" not in args.skip
+    if with_llamacpp:
         print(check_llamacpp_loads(path), flush=True)
-        backends.append("llamacpp")
-    results: dict[str, dict[str, Any]] = {}
-    with tempfile.TemporaryDirectory() as scratch:
-        for scenario, workload in SCENARIOS.items():
-            rounds: dict[str, list[float]] = {b: [] for b in backends}
-            for _ in range(args.rounds):
-                for backend in backends:
-                    record = run_throughput(path, backend, workload, Path(scratch) / f"{backend}.jsonl")
-                    rounds[backend].append(record.get("output_tok_s", float("nan")))
-            row: dict[str, Any] = {b: statistics.median(v) for b, v in rounds.items()}
-            if "llamacpp" in rounds:
-                row["ratio"] = statistics.median(p / l for p, l in zip(rounds["pagellm"], rounds["llamacpp"], strict=True))
-            row["rounds"] = rounds
-            results[scenario] = row
-            print(scenario, json.dumps(row), flush=True)
-    record = {"spec": spec, "file_mib": path.stat().st_size / 2**20, "cpu": cpu, "results": results,
-              "date": time.strftime("%Y-%m-%d")}  # fmt: skip
-    print(f"\n{'scenario':<16}{'pagellm tok/s':>15}{'llama.cpp tok/s':>17}{'ratio':>8}")
-    for scenario, row in results.items():
-        print(f"{scenario:<16}{row['pagellm']:>15.2f}{row.get('llamacpp', float('nan')):>17.2f}{row.get('ratio', float('nan')):>8.2f}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=1) + "\n")
-    print(json.dumps(record))
+    results = compare_decode(path, SCENARIOS, args.rounds, with_llamacpp)
+    report(path, spec, cpu, results, args.out)
     return 0
 
 

@@ -58,6 +58,20 @@ def _hybrid_preset(
 _GPT_OSS_ROPE = RopeScaling(
     "yarn", factor=32.0, original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0, truncate=False
 )
+
+
+def _gpt_oss_preset(name: str, repo: str, num_hidden_layers: int, num_experts: int) -> ModelPreset:
+    """gpt-oss-20b and -120b differ only in depth and experts (their config.json files)."""
+    return _preset(
+        name, repo, "GptOssForCausalLM",
+        vocab_size=201088, hidden_size=2880, intermediate_size=2880,
+        num_hidden_layers=num_hidden_layers, num_attention_heads=64, num_key_value_heads=8,
+        head_dim=64, max_position_embeddings=131072, tie_word_embeddings=False,
+        num_experts=num_experts, num_experts_per_tok=4, moe_intermediate_size=2880, expert_bits_per_weight=4.25,
+        sliding_window=128, sliding_window_layers=tuple(range(0, num_hidden_layers, 2)), rope_theta=150000.0,
+        rope_scaling=_GPT_OSS_ROPE, attention_bias=True, attention_out_bias=True, attention_sinks=True,
+        expert_bias=True, swiglu_limit=7.0, swiglu_alpha=1.702, softmax_after_topk=True, rms_norm_eps=1e-5,
+    )  # fmt: skip
 # Llama 3.1's long-context rotary scaling, as its config.json has it.
 _LLAMA31_ROPE = RopeScaling(
     "llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
@@ -149,26 +163,8 @@ MODEL_PRESETS: dict[str, ModelPreset] = {
         ),
         # gpt-oss: every layer sparse (top 4), sliding (128) and full layers alternating, the
         # experts in MXFP4 (4.25 bits per weight) as OpenAI ships them, the rest bfloat16.
-        _preset(
-            "gpt-oss-20b", "openai/gpt-oss-20b", "GptOssForCausalLM",
-            vocab_size=201088, hidden_size=2880, intermediate_size=2880,
-            num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8,
-            head_dim=64, max_position_embeddings=131072, tie_word_embeddings=False,
-            num_experts=32, num_experts_per_tok=4, moe_intermediate_size=2880, expert_bits_per_weight=4.25,
-            sliding_window=128, sliding_window_layers=tuple(range(0, 24, 2)), rope_theta=150000.0,
-            rope_scaling=_GPT_OSS_ROPE, attention_bias=True, attention_out_bias=True, attention_sinks=True,
-            expert_bias=True, swiglu_limit=7.0, swiglu_alpha=1.702, softmax_after_topk=True, rms_norm_eps=1e-5,
-        ),
-        _preset(
-            "gpt-oss-120b", "openai/gpt-oss-120b", "GptOssForCausalLM",
-            vocab_size=201088, hidden_size=2880, intermediate_size=2880,
-            num_hidden_layers=36, num_attention_heads=64, num_key_value_heads=8,
-            head_dim=64, max_position_embeddings=131072, tie_word_embeddings=False,
-            num_experts=128, num_experts_per_tok=4, moe_intermediate_size=2880, expert_bits_per_weight=4.25,
-            sliding_window=128, sliding_window_layers=tuple(range(0, 36, 2)), rope_theta=150000.0,
-            rope_scaling=_GPT_OSS_ROPE, attention_bias=True, attention_out_bias=True, attention_sinks=True,
-            expert_bias=True, swiglu_limit=7.0, swiglu_alpha=1.702, softmax_after_topk=True, rms_norm_eps=1e-5,
-        ),
+        _gpt_oss_preset("gpt-oss-20b", "openai/gpt-oss-20b", num_hidden_layers=24, num_experts=32),
+        _gpt_oss_preset("gpt-oss-120b", "openai/gpt-oss-120b", num_hidden_layers=36, num_experts=128),
         # SmolLM3: Llama's shape; every fourth layer without rotary (NoPE) costs the same.
         _preset(
             "SmolLM3-3B", "HuggingFaceTB/SmolLM3-3B", "SmolLM3ForCausalLM",
