@@ -67,22 +67,6 @@ class GptOssMoeBlock(SparseMoeBlock):
         top, experts = torch.topk(router_logits.float(), self.top_k, dim=-1)
         return torch.softmax(top, dim=-1), experts
 
-    def router_logits(self, x: torch.Tensor) -> torch.Tensor:  # [rows, num_experts] float32
-        if x.dtype == torch.float32 or self.gate.weight is None:
-            return self.gate(x).float()
-        weight, bias = self._float_router()
-        return torch.nn.functional.linear(x.float(), weight, bias)
-
-    def _float_router(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The router's weight and bias in float32, made once per loaded weight (a copy of
-        experts x hidden: small, and converting it every step cost more than the product)."""
-        weight = self.gate.weight
-        cached = getattr(self, "_router_f32", None)
-        if cached is None or cached[0] != weight.data_ptr():
-            bias = None if self.gate.bias is None else self.gate.bias.float()
-            cached = self._router_f32 = (weight.data_ptr(), weight.float(), bias)
-        return cached[1], cached[2]
-
 
 class GptOssForCausalLM(LlamaForCausalLM):
     def make_mlp(self, config: ModelConfig, tp: TPGroup | None, layer: int, kernel: CpuLinearKernels | None = None) -> nn.Module:

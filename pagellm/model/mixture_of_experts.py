@@ -93,7 +93,18 @@ class SparseMoeBlock(nn.Module):
         would send a row to another expert altogether."""
         if x.dtype == torch.float32 or self.gate.weight is None:
             return self.gate(x).float()
-        return F.linear(x.float(), self.gate.weight.float())
+        weight, bias = self._float_router()
+        return F.linear(x.float(), weight, bias)
+
+    def _float_router(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The router's weight (and bias, gpt-oss's) in float32, made once per loaded weight:
+        converting it on every step cost more than the product."""
+        weight = self.gate.weight
+        cached = getattr(self, "_router_f32", None)
+        if cached is None or cached[0] != weight.data_ptr():
+            bias = None if self.gate.bias is None else self.gate.bias.float()
+            cached = self._router_f32 = (weight.data_ptr(), weight.float(), bias)
+        return cached[1], cached[2]
 
     def run_experts(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """The experts' weighted outputs summed per row, one call per expert over its rows."""

@@ -14,10 +14,11 @@ from dataclasses import replace
 from typing import Any
 
 from pagellm.entrypoints.harmony import tokens
-from pagellm.entrypoints.harmony.parse import HarmonyDelta
+from pagellm.entrypoints.harmony.parse import HarmonyDelta, HarmonyParser
 from pagellm.entrypoints.harmony.render import EFFORTS, render_conversation
 from pagellm.entrypoints.openai.tool_calls import new_call_id
 from pagellm.sampling_params import SamplingParams
+from pagellm.structured_outputs_params import HarmonyAnswer, StructuredOutputsParams
 from pagellm.tokenizer import Tokenizer
 
 HARMONY_ARCHITECTURES = ("GptOssForCausalLM", "gpt-oss")
@@ -58,6 +59,38 @@ def harmony_sampling(params: SamplingParams, tokenizer: Tokenizer) -> SamplingPa
     stops = tuple(tokenizer.token_to_id(t) for t in tokens.STOPS)
     extra = tuple(t for t in stops if t is not None and t not in params.stop_token_ids)
     return replace(params, skip_special_tokens=False, stop_token_ids=params.stop_token_ids + extra)
+
+
+def answer_constraint(
+    constraint: StructuredOutputsParams, tool_kind: str, tool_name: str | None, offered: tuple[str, ...]
+) -> StructuredOutputsParams:
+    """A request's constraint holding the answer's message, the analysis before it the
+    model's own: a named tool's arguments, a call to any offered function ("required", its
+    arguments a JSON object), or the final channel."""
+    if tool_kind == "named":
+        return replace(constraint, after_think=HarmonyAnswer("commentary", (str(tool_name),)))
+    if tool_kind == "required":
+        return StructuredOutputsParams(json_object=True, after_think=HarmonyAnswer("commentary", offered))
+    return replace(constraint, after_think=HarmonyAnswer())
+
+
+def chunk_delta(
+    parser: HarmonyParser, text: str, finished: bool, with_tools: bool, call_ids: dict[int, str]
+) -> dict[str, Any]:
+    """A streamed chat chunk's delta for this piece of output: reasoning_content, content and
+    (with tools) tool_calls, as the parser finds them; at the end, what it held back too."""
+    parsed = parser.feed(text)
+    if finished:
+        rest = parser.finish()
+        parsed = HarmonyDelta(parsed.reasoning + rest.reasoning, parsed.content + rest.content, parsed.calls + rest.calls)
+    delta: dict[str, Any] = {}
+    if parsed.reasoning:
+        delta["reasoning_content"] = parsed.reasoning
+    if parsed.content:
+        delta["content"] = parsed.content
+    if parsed.calls and with_tools:
+        delta["tool_calls"] = call_deltas(parsed, call_ids)
+    return delta
 
 
 def call_deltas(delta: HarmonyDelta, call_ids: dict[int, str]) -> list[dict[str, Any]]:

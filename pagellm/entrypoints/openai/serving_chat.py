@@ -20,7 +20,13 @@ from fastapi.responses import JSONResponse, Response
 
 from pagellm.engine.async_requests import NewRequest, OutputStream
 from pagellm.engine.input_processor import TokenizedPrompt
-from pagellm.entrypoints.harmony.chat import call_deltas, harmony_prompt, harmony_sampling, reasoning_effort
+from pagellm.entrypoints.harmony.chat import (
+    answer_constraint,
+    chunk_delta,
+    harmony_prompt,
+    harmony_sampling,
+    reasoning_effort,
+)
 from pagellm.entrypoints.harmony.parse import FINAL, HarmonyParser, parse_harmony
 from pagellm.entrypoints.openai.errors import APIError, to_api_error
 from pagellm.entrypoints.openai.request_limits import check_chat
@@ -74,7 +80,6 @@ from pagellm.lora.request import LoRARequest
 from pagellm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from pagellm.sampling_params import SamplingParams
 from pagellm.structured_outputs_params import KINDS as CONSTRAINT_KINDS
-from pagellm.structured_outputs_params import HarmonyAnswer, StructuredOutputsParams
 from pagellm.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -252,15 +257,8 @@ class ChatServing:
         prompt, continue_final = harmony_chat_prompt(body, tools)
         constraint = params.structured_outputs
         if constraint is not None and not context.structured_outputs_in_reasoning:
-            # The constraint holds the answer's message; the analysis before it is the model's.
-            if tools.kind == "named":
-                constraint = replace(constraint, after_think=HarmonyAnswer("commentary", (str(tools.name),)))
-            elif tools.kind == "required":  # any offered function, its arguments a JSON object
-                names = tuple(tool.function.name for tool in body.tools or [])
-                constraint = StructuredOutputsParams(json_object=True, after_think=HarmonyAnswer("commentary", names))
-            else:
-                constraint = replace(constraint, after_think=HarmonyAnswer())
-            params = replace(params, structured_outputs=constraint)
+            offered = tuple(tool.function.name for tool in body.tools or [])
+            params = replace(params, structured_outputs=answer_constraint(constraint, tools.kind, tools.name, offered))
         job = _Job(
             response_id, context.model_name(adapter), body, (body.top_logprobs or 0) if body.logprobs else None, tools,
             harmony=True, harmony_open_channel=FINAL if continue_final else None,
@@ -448,19 +446,7 @@ class ChatServing:
         the parser finds them."""
         if not (completion.delta_text or completion.delta_token_ids or completion.finished):
             return None
-        parsed = parser.feed(completion.delta_text)
-        if completion.finished:
-            rest = parser.finish()
-            parsed.reasoning, parsed.content, parsed.calls = (
-                parsed.reasoning + rest.reasoning, parsed.content + rest.content, parsed.calls + rest.calls
-            )  # fmt: skip
-        delta: dict[str, Any] = {}
-        if parsed.reasoning:
-            delta["reasoning_content"] = parsed.reasoning
-        if parsed.content:
-            delta["content"] = parsed.content
-        if parsed.calls and job.tools.kind != "none":
-            delta["tool_calls"] = call_deltas(parsed, call_ids)
+        delta = chunk_delta(parser, completion.delta_text, completion.finished, job.tools.kind != "none", call_ids)
         finish_reason = completion.finish_reason
         if completion.finished and finish_reason == "stop" and call_ids:
             finish_reason = "tool_calls"

@@ -277,22 +277,18 @@ def hf_tensor_name(gguf_name: str, architecture: str) -> str:
     `model.layers.3.self_attn.q_proj.weight`); UnsupportedModelError for an unknown one."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    parameters: dict[str, str] = {}  # a family's parameters named apart from the rule
     if architecture in HYBRID_GGUF_ARCHITECTURES:
-        names = _HYBRID_LAYER_NAMES
-        layer_prefix = _LAYER_INDEX.match(gguf_name)
-        parameter = gguf_name[layer_prefix.end() :] if layer_prefix is not None else ""
-        if parameter in _HYBRID_PARAMETERS:
-            return f"model.layers.{layer_prefix.group(1)}.{_HYBRID_PARAMETERS[parameter]}"  # type: ignore[union-attr]
+        names, parameters = _HYBRID_LAYER_NAMES, _HYBRID_PARAMETERS
     elif architecture in GEMMA_ARCHITECTURES:
         names = _GEMMA_LAYER_NAMES
     elif architecture == "gpt-oss":
-        names = _GPT_OSS_LAYER_NAMES
-        layer_prefix = _LAYER_INDEX.match(gguf_name)
-        parameter = gguf_name[layer_prefix.end() :] if layer_prefix is not None else ""
-        if parameter in _GPT_OSS_PARAMETERS:
-            return f"model.layers.{layer_prefix.group(1)}.{_GPT_OSS_PARAMETERS[parameter]}"  # type: ignore[union-attr]
+        names, parameters = _GPT_OSS_LAYER_NAMES, _GPT_OSS_PARAMETERS
     else:
         names = _LAYER_NAMES
+    layer_prefix = _LAYER_INDEX.match(gguf_name)
+    if layer_prefix is not None and gguf_name[layer_prefix.end() :] in parameters:
+        return f"model.layers.{layer_prefix.group(1)}.{parameters[gguf_name[layer_prefix.end() :]]}"
     match = _LAYER_TENSOR.match(gguf_name)
     if match is None or match.group(2) not in names:
         raise UnsupportedModelError(f"unexpected tensor {gguf_name!r} in GGUF file")

@@ -54,6 +54,7 @@ class NativeLayers:
         self._num_threads = torch.get_num_threads()
         # Layers whose MLP is an experts' block (called as a module), not a gated MLP.
         self._sparse = [not hasattr(layer.mlp, "gate_up_proj") for layer in model.layers]
+        self._num_groups = len(kv_cache_layout(model.config).groups)
 
     @staticmethod
     def supports(model: torch.nn.Module) -> bool:
@@ -105,7 +106,7 @@ class NativeLayers:
         heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
         q_size = heads * head_dim
         positions = positions.contiguous()
-        groups = [metadata.for_group(group) for group in range(len(kv_cache_layout(config).groups))]
+        groups = [metadata.for_group(group) for group in range(self._num_groups)]
         slots_of = [group.slot_mapping.contiguous() for group in groups]  # each group's blocks, its own slots
         cos, sin = model.rotary.cos_cache, model.rotary.sin_cache
         normed = torch.empty(m, size, dtype=torch.bfloat16)
