@@ -38,6 +38,25 @@ GPT_OSS_SHAPE = dict(
 )  # fmt: skip
 
 
+# Gemma 4 at a tiny size: six layers (sliding, sliding, full, three times), the last two
+# reading the K/V of layers 3 (sliding) and 2 (full), per-layer inputs 8 wide, global heads
+# twice the sliding ones' size (so two sliding layers share a cache tensor's width), the
+# shared layers' MLPs double-wide, a window of 8, "proportional" rotary on the global layers.
+GEMMA4_SHAPE = dict(
+    num_hidden_layers=6, head_dim=16, global_head_dim=32, sliding_window=8,
+    layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2, num_kv_shared_layers=2,
+    hidden_size_per_layer_input=8, vocab_size_per_layer_input=256, use_double_wide_mlp=True,
+    final_logit_softcapping=30.0, pad_token_id=0, tie_word_embeddings=True,
+)  # fmt: skip
+# ... and the 26B-A4B / 31B kind: keys as values in the global layers (one KV head, so
+# two global layers share a cache tensor's width), experts beside every MLP, no sharing.
+GEMMA4_MOE_SHAPE = dict(
+    num_key_value_heads=4, attention_k_eq_v=True, num_global_key_value_heads=1, num_kv_shared_layers=0,
+    hidden_size_per_layer_input=0, use_double_wide_mlp=False, enable_moe_block=True, num_experts=4,
+    top_k_experts=2, moe_intermediate_size=32,
+)  # fmt: skip
+
+
 def make_tiny_hf_checkpoint(
     folder: Path, arch: str = "llama", seed: int = 0, **overrides: object
 ) -> Path:
@@ -61,13 +80,17 @@ def make_tiny_hf_checkpoint(
         "qwen3_next": (transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM),
         "smollm3": (transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM),
         "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM),
+        "gemma4": (transformers.Gemma4TextConfig, transformers.Gemma4ForCausalLM),
     }
     config_cls, model_cls = classes[arch]
     shape = {**TINY_SHAPE, "rope_theta": 10000.0, "tie_word_embeddings": False}
     shape.update(overrides)
     if arch in ("mistral", "phi3", "mixtral"):
         shape.setdefault("sliding_window", None)
-    if arch.startswith("gemma"):
+    if arch == "gemma4":
+        shape = {**shape, **GEMMA4_SHAPE, **overrides}
+        shape.pop("rope_theta")  # rope_parameters by layer kind (transformers' defaults)
+    elif arch.startswith("gemma"):
         # Gemma's own head size (256 by default) and window (4096) are too large here.
         shape.setdefault("head_dim", 16)
         shape.setdefault("query_pre_attn_scalar", 16)
@@ -89,13 +112,18 @@ def make_tiny_hf_checkpoint(
     # token; wider weights make the output varied, so a mismatch would show.
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if "norm" in name:
-                # Gemma's norms scale by (1 + w): the same spread around 1.
-                offset = arch.startswith("gemma") or (arch.startswith(("qwen3_5", "qwen3_next")) and "linear_attn.norm" not in name)
+            if name.endswith(("router.scale", "per_expert_scale")):
+                param.uniform_(0.5, 1.5)  # Gemma 4's learned multipliers
+            elif "norm" in name:
+                # Gemma's norms scale by (1 + w) (Gemma 4's by w): the same spread around 1.
+                offset = arch in ("gemma2", "gemma3") or (arch.startswith(("qwen3_5", "qwen3_next")) and "linear_attn.norm" not in name)
                 param.uniform_(-0.2, 0.2) if offset else param.uniform_(0.8, 1.2)
             elif "embed" in name:
                 # A tied head reads the embedding too: keep it moderate there.
-                param.normal_(0.0, 0.3 if config.tie_word_embeddings else 1.0)
+                # Gemma 4 multiplies it by sqrt(hidden) on the way in: smaller still, or
+                # each token's own embedding would outweigh the layers and repeat itself.
+                std = 0.3 if config.tie_word_embeddings else 1.0
+                param.normal_(0.0, std / 4 if arch == "gemma4" and name.endswith("embed_tokens.weight") else std)
             elif name.endswith("bias"):
                 param.normal_(0.0, 0.1)
             elif name.endswith("sinks"):
@@ -103,6 +131,9 @@ def make_tiny_hf_checkpoint(
                 param.normal_(0.0, 1.5)
             else:
                 param.normal_(0.0, 0.15)
+        for name, buffer in model.named_buffers():
+            if name.endswith("layer_scalar"):  # Gemma 4's output multiplier per layer
+                buffer.uniform_(0.5, 1.5)
     model.save_pretrained(folder, safe_serialization=True)
     write_byte_tokenizer(folder)  # one token per byte, as the tiny vocabulary of 256
     return folder

@@ -156,8 +156,9 @@ def kv_bytes_per_block(config: ModelConfig, block_size: int, kv_cache_dtype: str
     """Bytes one block takes (K and V) across the layers of one KV cache group of `config`
     (config/kv_layout.py: all layers for most models), with one rank's heads under tensor
     parallelism, in the cache's dtype (fp8: one byte per element)."""
-    per_token = 2 * config.num_key_value_heads * config.head_dim * DTYPE_BYTES[kv_cache_dtype]
-    return kv_cache_layout(config).layers_per_block * block_size * per_token
+    layout = kv_cache_layout(config)
+    per_token = 2 * layout.tensor_width * DTYPE_BYTES[kv_cache_dtype]
+    return layout.layers_per_block * block_size * per_token
 
 
 def decide_cache_size(

@@ -188,6 +188,27 @@ class ModelConfig:
     # The experts' weights as the checkpoint stores them, in bits per weight (gpt-oss: MXFP4,
     # 4.25); None: the model's dtype. What the cost model counts for them.
     expert_bits_per_weight: float | None = None
+    # Gemma 4. Its full-attention layers have heads of their own size and count
+    # (global_head_dim, num_global_key_value_heads; None: as the sliding ones), their keys
+    # serve as values too (attention_k_eq_v: no v projection), and their rotary turns only
+    # the first global_rotated_share of each head's frequencies ("proportional" rope: the
+    # others have frequency 0, their dimension pairs pass unchanged). The last
+    # num_kv_shared_layers layers compute no K/V: each reads the K/V of the last earlier layer
+    # of its kind (sliding or full), and holds no KV cache of its own; with
+    # double_wide_shared_mlp their MLPs are twice intermediate_size. Every layer may add a
+    # per-layer input (per_layer_input_size wide, its own embedding of
+    # per_layer_input_vocab_size rows per layer; 0: none), and v is RMS-normalized without a
+    # scale (value_norm). experts_beside_mlp: the experts' block runs beside the dense MLP.
+    global_head_dim: int | None = None
+    num_global_key_value_heads: int | None = None
+    attention_k_eq_v: bool = False
+    global_rotated_share: float = 1.0
+    num_kv_shared_layers: int = 0
+    double_wide_shared_mlp: bool = False
+    per_layer_input_size: int = 0
+    per_layer_input_vocab_size: int = 0
+    value_norm: bool = False
+    experts_beside_mlp: bool = False
 
     def __post_init__(self) -> None:
         if self.hidden_activation not in HIDDEN_ACTIVATIONS:
@@ -204,11 +225,18 @@ class ModelConfig:
             raise UnsupportedModelError(
                 f"num_experts_per_tok ({self.num_experts_per_tok}) must be between 1 and num_experts ({self.num_experts})."
             )
-        if self.num_attention_heads % self.num_key_value_heads != 0:
+        for layer in self.attention_layers:
+            if self.num_attention_heads % self.layer_kv_heads(layer) != 0:
+                raise UnsupportedModelError(
+                    f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                    f"the KV heads ({self.layer_kv_heads(layer)}) of layer {layer}."
+                )
+        if not 0 <= self.num_kv_shared_layers < self.num_hidden_layers:
             raise UnsupportedModelError(
-                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                f"num_key_value_heads ({self.num_key_value_heads})."
+                f"num_kv_shared_layers ({self.num_kv_shared_layers}) must be below the layer count ({self.num_hidden_layers})"
             )
+        for layer in range(self.num_hidden_layers - self.num_kv_shared_layers, self.num_hidden_layers):
+            self.kv_owner(layer)  # raises where no earlier layer of its kind computes K/V
 
     def describe(self) -> str:
         """The startup report's architecture line, e.g. `Qwen3MoeForCausalLM: 48 layers;
@@ -231,6 +259,15 @@ class ModelConfig:
             parts[-1] += ", sinks"
         if self.nope_layers:
             parts[-1] += f", no rotary in {len(self.nope_layers)} layers"
+        if self.global_head_dim is not None or self.num_global_key_value_heads is not None:
+            parts[-1] += (
+                f", global layers {self.num_attention_heads} query / {self.layer_kv_heads(self.num_hidden_layers - 1)} "
+                f"KV heads of {self.global_head_dim or self.head_dim}" + (" (k = v)" if self.attention_k_eq_v else "")
+            )
+        if self.num_kv_shared_layers:
+            parts[-1] += f", the last {self.num_kv_shared_layers} layers reuse earlier layers' K/V"
+        if self.per_layer_input_size:
+            parts.append(f"per-layer inputs: {self.per_layer_input_size} wide")
         spec = self.linear_attention
         if spec is not None:
             parts.append(
@@ -282,6 +319,50 @@ class ModelConfig:
             return self.sliding_window
         return None
 
+    def is_global_layer(self, layer: int) -> bool:
+        return self.layer_window(layer) is None
+
+    def layer_head_dim(self, layer: int) -> int:
+        """The head size of layer `layer`'s attention (Gemma 4: its global layers' own)."""
+        if self.global_head_dim is not None and self.is_global_layer(layer):
+            return self.global_head_dim
+        return self.head_dim
+
+    def layer_kv_heads(self, layer: int) -> int:
+        if self.num_global_key_value_heads is not None and self.is_global_layer(layer):
+            return self.num_global_key_value_heads
+        return self.num_key_value_heads
+
+    def layer_kv_width(self, layer: int) -> int:
+        """Elements of one token's K (or V) in layer `layer`."""
+        return self.layer_kv_heads(layer) * self.layer_head_dim(layer)
+
+    def layer_has_value_projection(self, layer: int) -> bool:
+        return not (self.attention_k_eq_v and self.is_global_layer(layer))
+
+    def kv_owner(self, layer: int) -> int:
+        """The layer whose K/V layer `layer` attends over: itself, or for a KV-shared layer
+        (Gemma 4's last num_kv_shared_layers) the last earlier layer of its kind that computes K/V."""
+        first_shared = self.num_hidden_layers - self.num_kv_shared_layers
+        if layer < first_shared:
+            return layer
+        window = self.layer_window(layer)
+        for owner in range(first_shared - 1, -1, -1):
+            if not self.is_linear_attention_layer(owner) and self.layer_window(owner) == window:
+                return owner
+        raise UnsupportedModelError(f"layer {layer} shares K/V, but no earlier layer of its kind computes them")
+
+    @property
+    def kv_layers(self) -> tuple[int, ...]:
+        """The attending layers that compute and keep K/V (all but the KV-shared ones)."""
+        return tuple(layer for layer in self.attention_layers if self.kv_owner(layer) == layer)
+
+    def mlp_intermediate_size(self, layer: int) -> int:
+        """The dense MLP's width in layer `layer` (Gemma 4's KV-shared layers: twice, with double_wide_shared_mlp)."""
+        if self.double_wide_shared_mlp and self.kv_owner(layer) != layer:
+            return 2 * self.intermediate_size
+        return self.intermediate_size
+
     def layer_rotates(self, layer: int) -> bool:
         """Whether layer `layer` turns q and k by their positions (not a NoPE layer)."""
         return layer not in self.nope_layers
@@ -300,11 +381,7 @@ class ModelConfig:
 
     def num_parameters(self) -> int:
         """Parameter count, used for FLOP estimates and logging."""
-        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
-        q = self.num_attention_heads * self.head_dim
-        kv = self.num_key_value_heads * self.head_dim
-        gate = q if self.attention_output_gate else 0
-        full_attention = h * (q + gate + 2 * kv) + q * h + 2 * h + (2 * self.head_dim if self.qk_norm else 0)
+        h, v = self.hidden_size, self.vocab_size
         spec = self.linear_attention
         linear_attention = 0
         if spec is not None:
@@ -315,11 +392,29 @@ class ModelConfig:
             )  # fmt: skip
         total = 0
         for layer in range(self.num_hidden_layers):
-            attention = linear_attention if self.is_linear_attention_layer(layer) else full_attention
-            if self.is_sparse_layer(layer):  # every expert and the router (and a shared expert with its gate)
-                total += attention + self.num_experts * 3 * h * self.expert_intermediate_size + self.num_experts * h
-                total += (3 * h * self.shared_expert_intermediate_size + h) if self.shared_expert_intermediate_size else 0
+            if self.is_linear_attention_layer(layer):
+                total += linear_attention
             else:
-                total += attention + 3 * h * i
+                head_dim = self.layer_head_dim(layer)
+                norms = 2 * h + (2 * head_dim if self.qk_norm else 0)
+                total += self.attention_projection_parameters(layer) + norms
+            if self.is_sparse_layer(layer):  # every expert and the router (and a shared expert with its gate)
+                total += self.num_experts * 3 * h * self.expert_intermediate_size + self.num_experts * h
+                total += (3 * h * self.shared_expert_intermediate_size + h) if self.shared_expert_intermediate_size else 0
+            if not self.is_sparse_layer(layer) or self.experts_beside_mlp:
+                total += 3 * h * self.mlp_intermediate_size(layer)
+            total += 2 * h * self.per_layer_input_size
         embed = v * h * (1 if self.tie_word_embeddings else 2)
-        return total + embed + h
+        per_layer_inputs = self.num_hidden_layers * self.per_layer_input_size * (self.per_layer_input_vocab_size + h)
+        return total + embed + h + per_layer_inputs
+
+    def attention_projection_parameters(self, layer: int) -> int:
+        """Weights of attending layer `layer`'s q, k, v (and gate) and o projections: a
+        KV-shared layer has no k or v, a k = v layer no v."""
+        h = self.hidden_size
+        q = self.num_attention_heads * self.layer_head_dim(layer)
+        gate = q if self.attention_output_gate else 0
+        kv = 0
+        if self.kv_owner(layer) == layer:
+            kv = self.layer_kv_width(layer) * (2 if self.layer_has_value_projection(layer) else 1)
+        return h * (q + gate + kv) + q * h

@@ -31,6 +31,8 @@ def tp_split_error(config: ModelConfig, size: int) -> str | None:
     """Why `config` cannot be split over `size` ranks (None: it can)."""
     if size < 1:
         return f"tensor_parallel_size must be >= 1, got {size}"
+    if size > 1 and (config.per_layer_input_size or config.global_head_dim or config.num_kv_shared_layers):
+        return "Gemma 4's per-layer inputs, global head shapes and KV-shared layers are not yet split across ranks"
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     if heads % size:
         return f"num_attention_heads={heads} does not split over TP={size}"

@@ -14,8 +14,8 @@ import time
 import torch
 
 from pagellm.attention.kv_cache_dtype import torch_dtype
-from pagellm.config.cache import DTYPE_BYTES, CacheConfig, CacheSize, kv_bytes_per_block
-from pagellm.config.kv_layout import kv_cache_layout
+from pagellm.config.cache import DTYPE_BYTES, CacheConfig, CacheSize
+from pagellm.config.kv_layout import kv_bytes_per_token, kv_cache_layout
 from pagellm.config.engine_args import EngineArgs
 from pagellm.config.model import CLASSIFIER_ONLY, NO_CLASSIFIER, NO_LM_HEAD
 from pagellm.config.engine_config import DraftModel, EngineConfig, resolve_engine_config
@@ -54,15 +54,12 @@ def _log_cache(config: EngineConfig, cache_config: CacheConfig, size: CacheSize)
     capacity = cache_config.max_num_cached_tokens
     model_config = config.model_config
     layout = kv_cache_layout(model_config)
-    per_layer = kv_bytes_per_block(model_config, 1, config.kv_cache_dtype) // layout.layers_per_block
-    attention_layers = model_config.attention_layers
-    num_global = sum(model_config.layer_window(layer) is None for layer in attention_layers)
-    held = f"{per_layer * num_global} bytes per token of context in global layers"
-    if num_global < len(attention_layers):
-        held += (
-            f", {per_layer * (len(attention_layers) - num_global)} per token of the last window "
-            "in sliding-window layers"
-        )
+    global_bytes, sliding_bytes = kv_bytes_per_token(model_config, DTYPE_BYTES[config.kv_cache_dtype])
+    held = f"{global_bytes:g} bytes per token of context in global layers"
+    if sliding_bytes:
+        held += f", {sliding_bytes:g} per token of the last window in sliding-window layers"
+    if model_config.num_kv_shared_layers:
+        held += f" ({model_config.num_kv_shared_layers} layers read others' K/V and hold none)"
     if model_config.linear_attention is not None:
         held += (
             f"; recurrent state (float32): {model_config.state_bytes_per_request()} bytes per request in "
@@ -232,11 +229,9 @@ class LLMEngine:
             device_ceilings(config.device_type, torch_dtype(config.dtype)),
             config.scheduler_config.max_num_seqs,
         )
-        layout = kv_cache_layout(model_config)
-        kv_per_layer = kv_bytes_per_block(model_config, 1, config.kv_cache_dtype) // layout.layers_per_block
-        num_global = sum(model_config.layer_window(layer) is None for layer in model_config.attention_layers)
+        global_bytes, _ = kv_bytes_per_token(model_config, DTYPE_BYTES[config.kv_cache_dtype])
         metrics.set_cache_shape(
-            kv_per_layer * num_global, model_config.state_bytes_per_request(),
+            int(global_bytes), model_config.state_bytes_per_request(),
             cache_config.num_state_slots, cache_config.num_state_snapshots,
         )  # fmt: skip
         engine = cls(config, tokenizer, executor, grammars, metrics)

@@ -44,15 +44,12 @@ class ModelCosts:
         cls, config: ModelConfig, dtype_bytes: float, kv_dtype_bytes: float | None = None
     ) -> ModelCosts:
         h = config.hidden_size
-        q = config.num_attention_heads * config.head_dim
-        kv = config.num_key_value_heads * config.head_dim
         layers = config.num_hidden_layers
         attending = config.attention_layers
         # 2 FLOPs (multiply + add) per weight per token: a mixture of experts computes with
         # its router and the top_k experts a token is sent to, and holds all of them.
         sparse = sum(config.is_sparse_layer(layer) for layer in range(layers))
-        gate = q if config.attention_output_gate else 0
-        attention_params = len(attending) * (h * (q + gate + 2 * kv) + q * h)
+        attention_params = sum(config.attention_projection_parameters(layer) for layer in attending)
         recurrent_flops = 0.0
         spec = config.linear_attention
         if spec is not None:  # the Gated DeltaNets' input and output projections
@@ -64,7 +61,12 @@ class ModelCosts:
             recurrent_flops = len(spec.layers) * (per_token + 2 * spec.conv_kernel_size * spec.conv_dim)
         # A shared expert (Qwen2-MoE) and its gate run for every token: dense weights.
         shared_params = sparse * (3 * h * config.shared_expert_intermediate_size + h) if config.shared_expert_intermediate_size else 0
-        dense_mlp_params = (layers - sparse) * 3 * h * config.intermediate_size + shared_params
+        dense_mlp_params = shared_params + sum(
+            3 * h * config.mlp_intermediate_size(layer)
+            for layer in range(layers) if not config.is_sparse_layer(layer) or config.experts_beside_mlp
+        )  # fmt: skip
+        # Gemma 4's per-layer inputs: a projection of the embeddings and each layer's gate and projection.
+        dense_mlp_params += layers * config.per_layer_input_size * 3 * h
         expert_params = sparse * config.num_experts * 3 * h * config.expert_intermediate_size
         active_expert_params = sparse * (config.num_experts_per_tok * 3 * h * config.expert_intermediate_size
                                          + config.num_experts * h)  # fmt: skip
@@ -82,8 +84,8 @@ class ModelCosts:
             lm_head_flops_per_row=2.0 * head_params,
             lm_head_weight_bytes=float(head_params * dtype_bytes),
             # Scores (q . k) and the weighted sum of values: 2 MACs per head dimension.
-            attention_flops_per_pair=4.0 * len(attending) * config.num_attention_heads * config.head_dim,
-            kv_bytes_per_token=2.0 * len(attending) * kv * kv_bytes,
+            attention_flops_per_pair=4.0 * config.num_attention_heads * sum(config.layer_head_dim(layer) for layer in attending),
+            kv_bytes_per_token=2.0 * sum(config.layer_kv_width(layer) for layer in config.kv_layers) * kv_bytes,
             weight_bytes=float((config.num_parameters() - expert_params) * dtype_bytes + expert_params * expert_bytes),
             expert_weight_bytes=float(expert_params * expert_bytes),
             expert_share_per_token=config.num_experts_per_tok / config.num_experts if config.num_experts else 0.0,

@@ -177,6 +177,11 @@ def apply_rotary(
     return _rotate(query, cos, sin), _rotate(key, cos, sin)
 
 
+def apply_rotary_one(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """One of q or k turned by its positions' angles (a layer that reads another's keys turns only q)."""
+    return x if cos_sin is None else _rotate(x, *cos_sin)
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = cos.shape[-1]  # rotary_dim // 2: the dimensions past rotary_dim pass unchanged
     x1, x2 = x[..., :half], x[..., half : 2 * half]

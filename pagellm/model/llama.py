@@ -182,7 +182,7 @@ class LlamaForCausalLM(nn.Module):
         self.tp = tp
         self.vocab_size = config.vocab_size if tp is None else tp.layout.vocab_size
         self.backend = backend
-        self.rotary, self.local_rotary = rotary_tables(config, rope_freq_divisors)
+        self.rotary, self.local_rotary = self.rotary_tables_for(config, rope_freq_divisors)
         self.embed_tokens = PackableEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             self.layer_class(config, tp, self.attention_class, self.make_mlp(config, tp, i, kernel), i, kernel)
@@ -229,6 +229,14 @@ class LlamaForCausalLM(nn.Module):
     lm_head_plan: LinearPlan | None = None  # the measured kernel choice of the LM head (float32 logits)
     linear_choice: LinearChoice | None = None  # every linear group's plan and timings (model/linear_plans.py)
     linear_groups: list[LinearGroup] | None = None
+
+    @staticmethod
+    def rotary_tables_for(
+        config: ModelConfig, freq_divisors: torch.Tensor | None = None
+    ) -> tuple[RotaryEmbedding, RotaryEmbedding | None]:
+        """The global layers' rotary table and the sliding layers' own, if any (a family
+        whose layers turn otherwise has its own)."""
+        return rotary_tables(config, freq_divisors)
 
     def make_mlp(self, config: ModelConfig, tp: TPGroup | None, layer: int, kernel: CpuLinearKernels | None = None) -> nn.Module:
         """Layer `layer`'s MLP (a family with experts returns its sparse block)."""

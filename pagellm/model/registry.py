@@ -12,6 +12,7 @@ from pagellm.config.model import ModelConfig
 from pagellm.errors import UnsupportedModelError
 from pagellm.model.checkpoint.architectures import SUPPORTED_HF_ARCHITECTURES, hf_architecture
 from pagellm.model.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
+from pagellm.model.gemma4 import Gemma4ForCausalLM
 from pagellm.model.gpt_oss import GptOssForCausalLM
 from pagellm.model.llama import LlamaForCausalLM
 from pagellm.model.mixture_of_experts import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
@@ -30,6 +31,7 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Gemma4ForCausalLM": Gemma4ForCausalLM,
     "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
     "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
     # The same computation: its fused projections are cut apart at load (loader/checkpoint_layouts.py).

@@ -101,6 +101,9 @@ class TierIdentity:
     @staticmethod
     def for_engine(config: EngineConfig, element_bytes: int) -> TierIdentity:
         model_config = config.model_config
+        layout = kv_cache_layout(model_config)
+        # A cache of one head shape names it; Gemma 4's (several) its tensors' width.
+        heads, head_dim = (model_config.num_key_value_heads, model_config.head_dim) if layout.uniform else (1, layout.tensor_width)
         weights = (
             f"dummy(seed={config.seed})" if config.load_format == "dummy" else weights_digest(config.source.path)
         )
@@ -110,9 +113,9 @@ class TierIdentity:
             dtype=str(config.dtype),
             kv_cache_dtype=str(config.kv_cache_dtype),
             block_size=config.cache_budget.block_size,
-            num_tensors=kv_cache_layout(model_config).layers_per_block,
-            num_kv_heads=model_config.num_key_value_heads,
-            head_dim=model_config.head_dim,
+            num_tensors=layout.layers_per_block,
+            num_kv_heads=heads,
+            head_dim=head_dim,
             element_bytes=element_bytes,
             state_payload_bytes=model_config.state_bytes_per_request(),
         )

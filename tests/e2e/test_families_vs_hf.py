@@ -14,7 +14,7 @@ import random
 import pytest
 import torch
 from engine_checks import assert_engine_drained
-from hf_models import load_hf_reference, make_tiny_hf_checkpoint
+from hf_models import GEMMA4_MOE_SHAPE, load_hf_reference, make_tiny_hf_checkpoint
 from reference import hf_greedy, pagellm_greedy
 
 from pagellm import LLM, SamplingParams
@@ -61,6 +61,13 @@ FAMILIES = {
     # gpt-oss: attention sinks, a window of 8 in every other layer, biased router and
     # experts, a SwiGLU clamp low enough to bite, YaRN (tests/hf_models.py GPT_OSS_SHAPE).
     "gpt_oss": ("gpt_oss", {}),
+    # Gemma 4 (tests/hf_models.py GEMMA4_SHAPE): per-layer inputs, the last two layers
+    # reading earlier layers' K/V, global heads twice the sliding ones' size (two sliding
+    # layers side by side in a cache tensor), "proportional" rotary, double-wide MLPs in
+    # the shared layers, logits soft-capped; and the experts' kind (GEMMA4_MOE_SHAPE):
+    # keys as values in the global layers, experts beside every MLP.
+    "gemma4": ("gemma4", {}),
+    "gemma4_moe": ("gemma4", GEMMA4_MOE_SHAPE),
 }
 
 

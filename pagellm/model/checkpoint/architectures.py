@@ -27,6 +27,7 @@ SUPPORTED_HF_ARCHITECTURES = (
     "Qwen3NextForCausalLM",  # Qwen3-Next: Qwen3.5-MoE's layers, its projections fused per key head
     "SmolLM3ForCausalLM",  # Llama's layers; every n-th has no rotary (NoPE)
     "GptOssForCausalLM",  # gpt-oss: attention sinks, sliding and full layers, biased experts with a clamped SwiGLU
+    "Gemma4ForCausalLM",  # Gemma 4 text: per-layer inputs, KV-shared layers, global heads of their own shape
 )
 # A config saved without a model names no architecture; its model_type still says which.
 ARCHITECTURE_BY_MODEL_TYPE = {
@@ -45,6 +46,7 @@ ARCHITECTURE_BY_MODEL_TYPE = {
     "qwen3_next": "Qwen3NextForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
+    "gemma4_text": "Gemma4ForCausalLM",
 }
 # A multimodal checkpoint whose language model runs alone (its vision tower not loaded):
 # its architecture (or model_type) -> the text model's, read from its text_config.
@@ -53,6 +55,8 @@ TEXT_MODEL_OF_MULTIMODAL = {
     "qwen3_5": "Qwen3_5ForCausalLM",
     "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
     "qwen3_5_moe": "Qwen3_5MoeForCausalLM",
+    "Gemma4ForConditionalGeneration": "Gemma4ForCausalLM",  # its vision and audio towers not loaded
+    "gemma4": "Gemma4ForCausalLM",
 }
 # llama.cpp's `general.architecture` -> the HF architecture it was converted from.
 ARCHITECTURE_BY_GGUF_NAME = {

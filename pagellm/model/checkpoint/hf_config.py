@@ -88,7 +88,7 @@ def hf_model_config(folder: Path) -> ModelConfig:
             attention_out_bias=(not is_qwen2) and attention_bias,
             sliding_window=sliding_window,
             sliding_window_layers=sliding_layers,
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", *HYBRID_ARCHITECTURES),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", "Gemma4ForCausalLM", *HYBRID_ARCHITECTURES),
             partial_rotary_factor=float(
                 cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor")
                 or (0.25 if arch in HYBRID_ARCHITECTURES else 1.0)
@@ -100,6 +100,7 @@ def hf_model_config(folder: Path) -> ModelConfig:
             **_hybrid(arch, cfg),
             nope_layers=_nope_layers(arch, cfg),
             **_gpt_oss(arch, cfg),
+            **_gemma4(arch, cfg),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=_eos_ids(cfg, folder),
             pooling_type=_sentence_transformers_pooling(folder),
@@ -173,10 +174,10 @@ def _stores_lm_head(folder: Path) -> bool:
     return False
 
 
-GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma4ForCausalLM")
 # Gemma's sliding layers when a config has no layer_types: all but every n-th (n = the
 # pattern: fixed 2 in Gemma 2, `sliding_window_pattern` in Gemma 3, 6 by default).
-_GEMMA_DEFAULT_PATTERN = {"Gemma2ForCausalLM": 2, "Gemma3ForCausalLM": 6}
+_GEMMA_DEFAULT_PATTERN = {"Gemma2ForCausalLM": 2, "Gemma3ForCausalLM": 6, "Gemma4ForCausalLM": 6}
 # HF activation names -> ModelConfig.hidden_activation.
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 
@@ -266,6 +267,58 @@ def _gpt_oss(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def _gemma4(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 4's layers (transformers' Gemma4TextConfig defaults where a key is left out):
+    the global layers' head shape (`per_layer_config`, as transformers saves it, else
+    `global_head_dim`, and `num_global_key_value_heads` where keys serve as values), the
+    KV-shared last layers, per-layer inputs, the experts beside the MLP, the "proportional"
+    rotary of the global layers."""
+    if arch != "Gemma4ForCausalLM":
+        return {}
+    if cfg.get("use_bidirectional_attention") == "all":
+        raise UnsupportedModelError("Gemma 4 with bidirectional attention (an embedding model) is not supported")
+    num_layers = int(cfg["num_hidden_layers"])
+    k_eq_v = bool(cfg.get("attention_k_eq_v", False))
+    _, global_layers = _sliding_window(arch, cfg)
+    overrides = cfg.get("per_layer_config")
+    if isinstance(overrides, dict) and not overrides:  # as transformers saves global heads shaped like the rest
+        global_head_dim = global_kv_heads = None
+    elif isinstance(overrides, dict):
+        shapes = {json.dumps(value, sort_keys=True) for value in overrides.values()}
+        full = {int(layer) for layer in overrides}
+        sliding = set(global_layers or ())
+        if len(shapes) != 1 or full & sliding or not set(overrides[next(iter(overrides))]) <= {"head_dim", "num_key_value_heads"}:
+            raise UnsupportedModelError(f"per_layer_config {overrides!r}: only the global layers' head shape may differ")
+        shape = next(iter(overrides.values()))
+        global_head_dim, global_kv_heads = shape.get("head_dim"), shape.get("num_key_value_heads")
+    else:
+        global_head_dim = cfg.get("global_head_dim", 512)
+        global_kv_heads = cfg.get("num_global_key_value_heads") if k_eq_v else None
+    rope = cfg.get("rope_parameters") or {}
+    full_rope = rope.get("full_attention") if isinstance(rope, dict) else None
+    share = 0.25 if full_rope is None else float(full_rope.get("partial_rotary_factor", 1.0)) if full_rope.get("rope_type") == "proportional" else 1.0
+    per_layer_size = int(cfg.get("hidden_size_per_layer_input", 256) or 0)
+    experts: dict[str, Any] = {}
+    if cfg.get("enable_moe_block"):
+        experts = {
+            "num_experts": int(cfg["num_experts"]), "num_experts_per_tok": int(cfg["top_k_experts"]),
+            "moe_intermediate_size": int(cfg["moe_intermediate_size"]), "norm_topk_prob": True,
+            "experts_beside_mlp": True,
+        }  # fmt: skip
+    return {
+        "global_head_dim": None if global_head_dim is None else int(global_head_dim),
+        "num_global_key_value_heads": None if global_kv_heads is None else int(global_kv_heads),
+        "attention_k_eq_v": k_eq_v,
+        "global_rotated_share": share,
+        "num_kv_shared_layers": int(cfg.get("num_kv_shared_layers") or 0),
+        "double_wide_shared_mlp": bool(cfg.get("use_double_wide_mlp", False)),
+        "per_layer_input_size": per_layer_size,
+        "per_layer_input_vocab_size": int(cfg.get("vocab_size_per_layer_input", 262_144)) if per_layer_size else 0,
+        "value_norm": True,
+        **experts,
+    }  # fmt: skip
+
+
 def _nope_layers(arch: str, cfg: dict[str, Any]) -> tuple[int, ...]:
     """SmolLM3's layers without rotary: `no_rope_layers` holds 1 for a layer that rotates,
     0 for one that does not; without it every `no_rope_layer_interval`-th layer (4 by
@@ -300,7 +353,8 @@ def _gemma(arch: str, cfg: dict[str, Any], hidden: int) -> dict[str, Any]:
 
     return {
         "embedding_multiplier": hidden**0.5,
-        "attention_scale": float(cfg.get("query_pre_attn_scalar") or 256) ** -0.5,
+        # Gemma 4 normalizes q and k per head and scores them unscaled.
+        "attention_scale": 1.0 if arch == "Gemma4ForCausalLM" else float(cfg.get("query_pre_attn_scalar") or 256) ** -0.5,
         "attn_logit_softcapping": cap("attn_logit_softcapping", default_caps[0]),
         "final_logit_softcapping": cap("final_logit_softcapping", default_caps[1]),
     }
@@ -327,6 +381,15 @@ def _rope_by_layer_kind(arch: str, cfg: dict[str, Any]) -> tuple[dict[str, Any],
                      "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096})  # fmt: skip
     if arch == "Gemma3ForCausalLM":
         rope.setdefault("rope_theta", 1_000_000.0)
+        return rope, float(local_theta or 10_000.0)
+    if arch == "Gemma4ForCausalLM":
+        # The global layers' "proportional" rotary is the plain one with the tail of the
+        # frequencies at 0 (ModelConfig.global_rotated_share, read by _gemma4); its factor
+        # divides every frequency, as linear scaling does.
+        rope.setdefault("rope_theta", 1_000_000.0)
+        if rope.get("rope_type") in (None, "proportional"):
+            factor = float(rope.get("factor", 1.0))
+            rope = {"rope_theta": rope["rope_theta"], "rope_type": "default" if factor == 1.0 else "linear", "factor": factor}
         return rope, float(local_theta or 10_000.0)
     return rope, None if local_theta is None else float(local_theta)
 

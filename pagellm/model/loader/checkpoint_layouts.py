@@ -72,6 +72,8 @@ _LANGUAGE_MODEL_PREFIXES = (
 _VISION_PREFIXES = (
     "vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.",
     "model.visual.", "visual.", "mtp.", "model.mtp.",
+    # Gemma 4's audio tower and its vision and audio embedders.
+    "model.audio_tower.", "model.embed_vision.", "model.embed_audio.",
 )  # fmt: skip
 
 
@@ -152,10 +154,39 @@ def _gpt_oss_pieces(name: str, rows: Rows) -> Iterator[tuple[str, Rows]] | None:
     return pieces()
 
 
+# Gemma 4's experts beside the MLP: stacked [experts, rows, cols] under the layer itself,
+# gate_up_proj holding the gate's rows, then the up projection's.
+_GEMMA4_EXPERTS = re.compile(r"\.layers\.(\d+)\.experts\.(gate_up_proj|down_proj)$")
+
+
+def _gemma4_pieces(name: str, rows: Rows, config: ModelConfig) -> Iterator[tuple[str, Rows]] | None:
+    """Llama's per-expert projections (under the layer's `moe` block) of a Gemma 4 expert tensor (None: not one)."""
+    match = _GEMMA4_EXPERTS.search(name)
+    if match is None or not config.experts_beside_mlp:
+        return None
+    prefix, projection, width = name[: match.start()], match.group(2), config.expert_intermediate_size
+
+    def pieces() -> Iterator[tuple[str, Rows]]:
+        for expert in range(rows.shape[0]):  # type: ignore[attr-defined]
+            base = f"{prefix}.layers.{match.group(1)}.moe.experts.{expert}"
+            one = rows[expert]  # type: ignore[index]
+            if projection == "down_proj":
+                yield f"{base}.down_proj.weight", one
+            else:
+                yield f"{base}.gate_proj.weight", one[:width]
+                yield f"{base}.up_proj.weight", one[width:]
+
+    return pieces()
+
+
 def split_fused(name: str, rows: Rows, config: ModelConfig) -> Iterator[tuple[str, Rows]]:
     """The tensor (renamed), or its projections when it is a fused or stacked one. A fused
     tensor whose rows do not add up to the config's sizes is left whole (the model names it)."""
     name = renamed(name)
+    gemma4 = _gemma4_pieces(name, rows, config)
+    if gemma4 is not None:
+        yield from gemma4
+        return
     if config.expert_bias:  # gpt-oss
         name = _GPT_OSS_ROUTER.sub(r".mlp.gate.\1", name)
         gpt_oss = _gpt_oss_pieces(name, rows)

@@ -13,7 +13,7 @@ from pagellm.config.engine_args import QUANTIZATION_CHOICES
 from pagellm.config.model import ModelConfig, ModelSource
 from pagellm.errors import ConfigError
 from pagellm.kernels.weights import WeightPart, WeightType, kernels_support, quantize_int8_rows
-from pagellm.model.llama import LlamaForCausalLM, rotary_tables
+from pagellm.model.llama import LlamaForCausalLM
 from pagellm.model.registry import model_class
 from pagellm.model.tensor_parallel import TPGroup, TPLayout, shard_float
 from pagellm.kernels.linear_bindings import cpu_linear_kernels
@@ -79,7 +79,7 @@ def load_model(
             local_config = config if tp is None else tp.layout.local_config(config)
             model = model_class(config)(local_config, backend, rope_freq_divisors=divisors, tp=tp, kernel=kernel)
         with torch.device(device):
-            model.rotary, model.local_rotary = rotary_tables(config, divisors)
+            model.rotary, model.local_rotary = model.rotary_tables_for(config, divisors)
     finally:
         torch.set_default_dtype(previous_dtype)
     if weights is None:
