@@ -72,6 +72,20 @@ def _gpt_oss_preset(name: str, repo: str, num_hidden_layers: int, num_experts: i
         rope_scaling=_GPT_OSS_ROPE, attention_bias=True, attention_out_bias=True, attention_sinks=True,
         expert_bias=True, swiglu_limit=7.0, swiglu_alpha=1.702, softmax_after_topk=True, rms_norm_eps=1e-5,
     )  # fmt: skip
+def _gemma4_preset(name: str, repo: str, num_hidden_layers: int, sliding_window: int, **shape: object) -> ModelPreset:
+    """Gemma 4 (the text model of each multimodal checkpoint's config.json): five sliding
+    layers to one global, global heads of 512 turning a quarter of their frequencies
+    ("proportional" rotary), 256-wide sliding heads, logits soft-capped at 30."""
+    hidden = int(shape["hidden_size"])  # type: ignore[call-overload]
+    return _preset(
+        name, repo, "Gemma4ForCausalLM", vocab_size=262144, num_hidden_layers=num_hidden_layers, head_dim=256,
+        global_head_dim=512, max_position_embeddings=131072, tie_word_embeddings=True, hidden_activation="gelu_tanh",
+        sliding_window=sliding_window, sliding_window_layers=tuple(i for i in range(num_hidden_layers) if (i + 1) % 6),
+        rope_theta=1000000.0, local_rope_theta=10000.0, global_rotated_share=0.25, qk_norm=True, value_norm=True,
+        embedding_multiplier=hidden**0.5, attention_scale=1.0, final_logit_softcapping=30.0, rms_norm_eps=1e-6, **shape,
+    )  # fmt: skip
+
+
 # Llama 3.1's long-context rotary scaling, as its config.json has it.
 _LLAMA31_ROPE = RopeScaling(
     "llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
@@ -165,6 +179,26 @@ MODEL_PRESETS: dict[str, ModelPreset] = {
         # experts in MXFP4 (4.25 bits per weight) as OpenAI ships them, the rest bfloat16.
         _gpt_oss_preset("gpt-oss-20b", "openai/gpt-oss-20b", num_hidden_layers=24, num_experts=32),
         _gpt_oss_preset("gpt-oss-120b", "openai/gpt-oss-120b", num_hidden_layers=36, num_experts=128),
+        # Gemma 4: E4B's last 18 layers read earlier layers' K/V (24 of 42 layers hold a KV
+        # cache) and every layer adds a 256-wide per-layer input; 31B and 26B-A4B use keys as
+        # values in their global layers (4 and 2 KV heads there), 26B-A4B runs 128 experts
+        # (top 8) beside each layer's MLP.
+        _gemma4_preset(
+            "Gemma-4-E4B", "google/gemma-4-E4B-it", num_hidden_layers=42, sliding_window=512, hidden_size=2560,
+            intermediate_size=10240, num_attention_heads=8, num_key_value_heads=2, num_kv_shared_layers=18,
+            per_layer_input_size=256, per_layer_input_vocab_size=262144,
+        ),
+        _gemma4_preset(
+            "Gemma-4-31B", "google/gemma-4-31B-it", num_hidden_layers=60, sliding_window=1024, hidden_size=5376,
+            intermediate_size=21504, num_attention_heads=32, num_key_value_heads=16, num_global_key_value_heads=4,
+            attention_k_eq_v=True,
+        ),
+        _gemma4_preset(
+            "Gemma-4-26B-A4B", "google/gemma-4-26B-A4B-it", num_hidden_layers=30, sliding_window=1024, hidden_size=2816,
+            intermediate_size=2112, num_attention_heads=16, num_key_value_heads=8, num_global_key_value_heads=2,
+            attention_k_eq_v=True, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=704,
+            norm_topk_prob=True, experts_beside_mlp=True,
+        ),
         # SmolLM3: Llama's shape; every fourth layer without rotary (NoPE) costs the same.
         _preset(
             "SmolLM3-3B", "HuggingFaceTB/SmolLM3-3B", "SmolLM3ForCausalLM",
