@@ -101,3 +101,26 @@ def test_gpt_oss_presets_count_the_experts_as_mxfp4(name, parameters, weight_gb)
     assert abs(costs.weight_bytes / 1e9 / weight_gb - 1) < 0.02
     bf16 = ModelCosts.from_config(replace(preset.config, expert_bits_per_weight=None), preset.dtype_bytes)
     assert bf16.expert_weight_bytes / costs.expert_weight_bytes == pytest.approx(16 / 4.25)
+
+
+@pytest.mark.parametrize("name,parameters", [("Gemma-4-31B", 30.7e9), ("Gemma-4-26B-A4B", 25.2e9)])
+def test_gemma4_presets_count_their_parameters(name, parameters):
+    """Google's figures for the 31B dense and the 26B mixture of experts (total parameters)."""
+    assert abs(get_model_preset(name).config.num_parameters() / parameters - 1) < 0.01
+
+
+def test_gemma4_e4b_counts_only_the_layers_that_keep_kv():
+    """E4B's last 18 of 42 layers read earlier layers' K/V: the cost model and the cache
+    count the 24 others (4 global with 2 heads of 512, 20 sliding with 2 heads of 256)."""
+    from pagellm.config.kv_layout import kv_bytes_per_token, kv_cache_layout
+    from pagellm.model.costs import ModelCosts
+
+    preset = get_model_preset("Gemma-4-E4B")
+    config = preset.config
+    assert len(config.kv_layers) == 24
+    global_bytes, sliding_bytes = kv_bytes_per_token(config, 2)
+    assert (global_bytes, sliding_bytes) == (4 * 2 * 1024 * 2, 20 * 2 * 512 * 2)
+    assert ModelCosts.from_config(config, 2).kv_bytes_per_token == global_bytes + sliding_bytes
+    layout = kv_cache_layout(config)
+    assert len(layout.shared) == 18 and layout.wasted_share == 0
+    assert sorted(layer for group in layout.groups for layer in group.layers) == list(config.kv_layers)
