@@ -431,3 +431,116 @@ def write_gguf_lora_from_peft(peft_folder: Path, out: Path, cfg: dict, arch: str
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+# Gemma 4's tensors as llama.cpp's gguf-py maps them (its norms stored as they are: w, not 1 + w).
+_GEMMA4_LAYER = {
+    **_GEMMA_LAYER,
+    "pre_feedforward_layernorm_2": "pre_ffw_norm_2",
+    "post_feedforward_layernorm_1": "post_ffw_norm_1",
+    "post_feedforward_layernorm_2": "post_ffw_norm_2",
+    "router.proj": "ffn_gate_inp",
+    "per_layer_input_gate": "inp_gate",
+    "per_layer_projection": "proj",
+    "post_per_layer_input_norm": "post_norm",
+}
+_GEMMA4_GLOBAL = {
+    "model.embed_tokens_per_layer.weight": "per_layer_token_embd.weight",
+    "model.per_layer_model_projection.weight": "per_layer_model_proj.weight",
+    "model.per_layer_projection_norm.weight": "per_layer_proj_norm.weight",
+}
+
+
+def write_gemma4_gguf(
+    folder: Path, out: Path, cfg: dict, quant_by_kind: dict[str, gguf.GGMLQuantizationType] | None = None
+) -> Path:
+    """A tiny HF Gemma 4 as llama.cpp's converter writes it: the global layers' head size
+    as key_length (the sliding ones' as key_length_swa), per-layer KV head counts and MLP
+    widths as arrays where they differ, one sliding flag per layer, the shared layers'
+    count, the per-layer input width; "proportional" rotary as a rope_freqs tensor (1 for a
+    turning frequency, 1e30 for the others); the router's scale as `ffn_gate_inp.scale`, the
+    per-expert scale as `ffn_down_exps.scale`, the experts stacked (`ffn_gate_up_exps`),
+    each layer's scalar as `layer_output_scale.weight`."""
+    tensors = load_file(str(folder / "model.safetensors"))
+    arch = "gemma4"
+    writer = gguf.GGUFWriter(str(out), arch)
+    layers = cfg["num_hidden_layers"]
+    sliding = [kind == "sliding_attention" for kind in cfg["layer_types"]]
+    per_layer = cfg.get("per_layer_config") or {}
+    global_shape = next(iter(per_layer.values()), {})
+    head_dim = cfg["head_dim"]
+    global_head_dim = global_shape.get("head_dim", head_dim)
+    writer.add_block_count(layers)
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    first_shared = layers - cfg.get("num_kv_shared_layers", 0)
+    widths = [cfg["intermediate_size"] * (2 if cfg.get("use_double_wide_mlp") and i >= first_shared else 1) for i in range(layers)]
+    writer.add_feed_forward_length(widths if len(set(widths)) > 1 else widths[0])
+    writer.add_head_count(cfg["num_attention_heads"])
+    kv_heads = [cfg["num_key_value_heads"] if flag else global_shape.get("num_key_value_heads", cfg["num_key_value_heads"]) for flag in sliding]
+    writer.add_head_count_kv(kv_heads if len(set(kv_heads)) > 1 else kv_heads[0])
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    rope = cfg["rope_parameters"]
+    writer.add_rope_freq_base(rope["full_attention"]["rope_theta"])
+    writer.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
+    writer.add_key_length(global_head_dim)
+    writer.add_value_length(global_head_dim)
+    writer.add_key_length_swa(head_dim)
+    writer.add_value_length_swa(head_dim)
+    writer.add_rope_dimension_count(global_head_dim)
+    writer.add_rope_dimension_count_swa(head_dim)
+    writer.add_sliding_window(cfg["sliding_window"])
+    writer.add_sliding_window_pattern(sliding)
+    writer.add_shared_kv_layers(cfg.get("num_kv_shared_layers", 0))
+    writer.add_embedding_length_per_layer_input(cfg.get("hidden_size_per_layer_input") or 0)
+    if cfg.get("final_logit_softcapping"):
+        writer.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+    if cfg.get("enable_moe_block"):
+        writer.add_expert_count(cfg["num_experts"])
+        writer.add_expert_used_count(cfg["top_k_experts"])
+        writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    writer.add_vocab_size(cfg["vocab_size"])
+    tokens = [_byte_char(b) for b in range(cfg["vocab_size"])]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * len(tokens))
+    writer.add_token_merges([])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_pad_token_id(0)
+    turning = int(global_head_dim * rope["full_attention"].get("partial_rotary_factor", 1.0) / 2)
+    divisors = [1.0] * turning + [1e30] * (global_head_dim // 2 - turning)
+    writer.add_tensor("rope_freqs.weight", np.asarray(divisors, dtype=np.float32))
+    types = quant_by_kind or {}
+    for name, value in tensors.items():
+        value = value.astype(np.float32)
+        if name in _GEMMA4_GLOBAL:
+            gguf_name, kind = _GEMMA4_GLOBAL[name], _GEMMA4_GLOBAL[name].split(".")[0]
+        elif name.startswith("model.layers."):
+            _, _, layer, rest = name.split(".", 3)
+            if rest == "layer_scalar":
+                gguf_name, kind = f"blk.{layer}.layer_output_scale.weight", "layer_output_scale"
+            elif rest == "router.scale":
+                gguf_name, kind = f"blk.{layer}.ffn_gate_inp.scale", "router_scale"
+            elif rest == "router.per_expert_scale":
+                gguf_name, kind = f"blk.{layer}.ffn_down_exps.scale", "expert_scale"
+            elif rest in ("experts.gate_up_proj", "experts.down_proj"):
+                kind = "ffn_gate_up_exps" if "gate_up" in rest else "ffn_down_exps"
+                gguf_name = f"blk.{layer}.{kind}.weight"
+            else:
+                module, suffix = rest.rsplit(".", 1)
+                kind = _GEMMA4_LAYER[module]
+                gguf_name = f"blk.{layer}.{kind}.{suffix}"
+        else:
+            gguf_name, kind = _gguf_name(name, arch)
+        qtype = types.get(kind, gguf.GGMLQuantizationType.F32)
+        if value.ndim == 1:
+            qtype = gguf.GGMLQuantizationType.F32
+        data = value if qtype == gguf.GGMLQuantizationType.F32 else gguf.quants.quantize(value, qtype)
+        writer.add_tensor(gguf_name, data, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out

@@ -17,6 +17,7 @@ import torch
 
 from pagellm.attention.backend import AttentionBackend, AttentionMetadata
 from pagellm.attention.kv_cache_dtype import copyable
+from pagellm.attention.torch_backend import TorchAttentionBackend
 from pagellm.attention.triton_kernels import (
     LOG2E,
     merge_splits_kernel,
@@ -89,7 +90,10 @@ class TritonAttentionBackend(AttentionBackend):
         softcap: float | None = None,
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        assert kv_cache.is_contiguous(), "the kernels index the cache as contiguous"
+        if not kv_cache.is_contiguous():
+            # A narrower layer's columns of a wider cache tensor (Gemma 4: worker/kv_cache.py):
+            # the kernels index the cache as contiguous; the torch path reads any view.
+            return TorchAttentionBackend().forward(query, key, value, kv_cache, metadata, scale, sliding_window, softcap, sinks)
         store_kv(key, value, kv_cache, metadata.slot_mapping)
         if metadata.backend_plan is None:
             num_heads, head_dim = query.shape[1:]

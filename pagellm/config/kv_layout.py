@@ -125,8 +125,8 @@ class KVCacheLayout:
 def kv_cache_layout(config: ModelConfig) -> KVCacheLayout:
     """The groups of `config`'s layers: one per kind when every layer is alike, else as
     many groups of layers_per_block tensors as the kinds need, layers_per_block chosen for
-    the least padding among layouts of at most MAX_KV_CACHE_GROUPS groups (ties: fewer
-    groups). A kind is a window and a head shape."""
+    the least padding in the global groups, then in all, among layouts of at most
+    MAX_KV_CACHE_GROUPS groups (ties: fewer groups). A kind is a window and a head shape."""
     layers_by_kind: dict[tuple[int | None, int, int], list[int]] = {}
     # A hybrid's linear-attention layers keep recurrent state, not K/V: in no group; nor
     # do the layers that read another's K/V.
@@ -149,8 +149,18 @@ def kv_cache_layout(config: ModelConfig) -> KVCacheLayout:
     def num_groups(size: int) -> int:
         return sum(cdiv(count, size * each) for count, each in zip(counts, per_tensor, strict=True))
 
+    def padding(size: int, global_only: bool) -> int:
+        """Unused elements per token of context in the groups (the global kinds' alone)."""
+        unused = 0
+        for ((window, heads, dim), layers), each in zip(kinds, per_tensor, strict=True):
+            if not (global_only and window is not None):
+                unused += cdiv(len(layers), size * each) * size * tensor_width - len(layers) * heads * dim
+        return unused
+
     feasible = [size for size in range(1, max(counts) + 1) if num_groups(size) <= MAX_KV_CACHE_GROUPS]
-    size = min(feasible, key=lambda s: (num_groups(s) * s, num_groups(s)))
+    # A global group's blocks live as long as its request, a sliding group's only for the
+    # window: padding in a global group costs in proportion to the context, so it goes first.
+    size = min(feasible, key=lambda s: (padding(s, True), padding(s, False), num_groups(s)))
     groups = tuple(
         KVCacheGroup(window, tuple(layers[start : start + size * each]), heads, dim, each)
         for ((window, heads, dim), layers), each in zip(kinds, per_tensor, strict=True)

@@ -11,15 +11,17 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 
 import pytest
 import torch
 from engine_checks import assert_engine_drained
+from gguf_models import write_gemma4_gguf
 from hf_models import GEMMA4_MOE_SHAPE, load_hf_reference, make_tiny_hf_checkpoint
 from reference import hf_greedy, pagellm_greedy
 
 import default_path as dp
-from pagellm import LLM
+from pagellm import LLM, SamplingParams
 from pagellm.config.cache import kv_bytes_per_block
 from pagellm.config.kv_layout import kv_bytes_per_token, kv_cache_layout
 from pagellm.model.loader import load_model_config, resolve_model_source
@@ -202,3 +204,56 @@ def test_bf16_agrees_with_hf_float32(gemma4_default_path, name):
     hf_agreed, hf_worst = _hf_bf16_against_float32(reference, greedy)
     assert result.agreed >= hf_agreed - dp.allowed_mismatches(result.positions), (result.agreed, hf_agreed)
     assert result.logprob_errors and result.max_logprob_error <= 2 * hf_worst + 1e-3, (result.max_logprob_error, hf_worst)
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("kind", ["gemma4", "gemma4_moe"])
+def test_gguf_equals_the_hf_folder(kind, request, tmp_path):
+    """llama.cpp's gemma4 file of the same weights (tests/gguf_models.py writes it as its
+    converter does): the config read from its metadata, and HF's greedy tokens."""
+    folder, _, expected = request.getfixturevalue(kind)
+    cfg = json.loads((folder / "config.json").read_text())
+    path = write_gemma4_gguf(folder, tmp_path / f"{kind}.gguf", cfg)
+    config = load_model_config(resolve_model_source(str(path)))
+    hf = load_model_config(resolve_model_source(str(folder)))
+    for field in ("head_dim", "global_head_dim", "num_key_value_heads", "num_global_key_value_heads", "attention_k_eq_v",
+                  "global_rotated_share", "num_kv_shared_layers", "double_wide_shared_mlp", "per_layer_input_size",
+                  "sliding_window", "sliding_window_layers", "num_experts", "experts_beside_mlp", "local_rope_theta",
+                  "rope_theta", "final_logit_softcapping", "attention_scale", "intermediate_size"):  # fmt: skip
+        assert getattr(config, field) == getattr(hf, field), field
+    llm = LLM(str(path), max_model_len=128, max_num_batched_tokens=16)
+    assert pagellm_greedy(llm, PROMPTS, NEW_TOKENS) == expected
+    assert_engine_drained(llm)
+
+
+@torch.inference_mode()
+def test_quantized_gguf_stays_as_stored(tmp_path):
+    """A Q8_0 file on the bf16 CPU path: the projections, the per-layer inputs' table and
+    projection, and the embedding stay Q8_0 as stored; teacher-forced on the float32 run's
+    greedy tokens (the same file dequantized), its argmax agrees at most positions: bf16
+    alone moves this tiny model's argmax at ~11% of positions (HF's own bf16 against its
+    float32, test_bf16_agrees_with_hf_float32), a wrong stored kernel at nearly all."""
+    import gguf
+
+    # Per-layer inputs 16 wide: the table's rows (6 layers x 16) split into Q8_0's blocks of 32.
+    folder = make_tiny_hf_checkpoint(tmp_path / "hf", "gemma4", seed=5, hidden_size_per_layer_input=16)
+    cfg = json.loads((folder / "config.json").read_text())
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    kinds = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "token_embd",
+             "per_layer_token_embd", "per_layer_model_proj")  # fmt: skip
+    path = write_gemma4_gguf(folder, tmp_path / "q8.gguf", cfg, quant_by_kind={kind: q8 for kind in kinds})
+    bf16 = LLM(str(path), dtype="bfloat16", max_model_len=128)
+    model = bf16.engine.runner.model
+    assert model.embed_tokens_per_layer.packed is not None and model.per_layer_model_projection.packed is not None
+    assert model.layers[0].self_attn.q_proj.packed is not None and model.embed_tokens.packed is not None
+    assert model.weight_bytes_by_format().get("Q8_0 as stored", 0) > 0
+    reference = pagellm_greedy(LLM(str(path), dtype="float32", max_model_len=128), PROMPTS, NEW_TOKENS)
+    sequences = [prompt + tokens for prompt, tokens in zip(PROMPTS, reference, strict=True)]
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
+    agreed = 0
+    for prompt, sequence, output in zip(PROMPTS, sequences, bf16.generate(sequences, params, use_tqdm=False), strict=True):
+        for position in range(len(prompt), len(sequence)):
+            ranked = output.prompt_logprobs[position]
+            agreed += ranked[sequence[position]].rank == 1
+    assert agreed >= 0.75 * len(PROMPTS) * NEW_TOKENS, agreed
+    assert_engine_drained(bf16)

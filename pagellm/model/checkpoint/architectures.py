@@ -73,6 +73,7 @@ ARCHITECTURE_BY_GGUF_NAME = {
     "qwen3next": "Qwen3NextForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
     "gpt-oss": "GptOssForCausalLM",
+    "gemma4": "Gemma4ForCausalLM",
 }
 SUPPORTED_GGUF_ARCHITECTURES = tuple(ARCHITECTURE_BY_GGUF_NAME)
 # A base model (e5-mistral's MistralModel, a Qwen3Model): the family's layers, no LM head.

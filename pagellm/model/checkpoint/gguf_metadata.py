@@ -118,7 +118,10 @@ def gguf_model_config(reader: GGUFReader, path: Path) -> ModelConfig:
     names = {t.name for t in reader.tensors}
     hidden = integer("embedding_length")
     num_heads = integer("attention.head_count")
-    num_kv_heads = integer("attention.head_count_kv", num_heads)  # optional: no grouped-query attention
+    gemma4: dict[str, Any] = {}
+    if arch == "gemma4":  # per-layer head counts and MLP widths, read first (arrays)
+        gemma4 = _gemma4_fields(meta, reader, arch, names, hidden)
+    num_kv_heads = gemma4.pop("_kv_heads", None) or integer("attention.head_count_kv", num_heads)  # optional: no GQA
     if num_heads % num_kv_heads:
         raise ModelLoadError(f"GGUF metadata in {path}: {num_heads} attention heads do not split into {num_kv_heads} KV heads")
     if meta.raw(f"{arch}.vocab_size") is not None:
@@ -159,6 +162,9 @@ def gguf_model_config(reader: GGUFReader, path: Path) -> ModelConfig:
         )
     head_dim = integer("attention.key_length", hidden // num_heads)
     rotary_dims = integer("rope.dimension_count", head_dim)
+    if gemma4:  # key_length is the global layers' head size there; the sliding layers' is key_length_swa
+        head_dim = integer("attention.key_length_swa")
+        rotary_dims = integer("rope.dimension_count_swa", head_dim)
     experts: dict[str, Any] = {}
     if meta.raw(f"{arch}.expert_count"):  # Mixtral (filed as llama), Qwen3-MoE, Qwen2-MoE
         norm = meta.raw(f"{arch}.expert_weights_norm")
@@ -193,8 +199,14 @@ def gguf_model_config(reader: GGUFReader, path: Path) -> ModelConfig:
         num_layers -= integer("nextn_predict_layers", 0) if meta.raw(f"{arch}.nextn_predict_layers") is not None else 0
         hybrid = _hybrid_fields(meta, arch, num_layers)
     feed_forward = meta.raw(f"{arch}.feed_forward_length")
+    if gemma4:
+        family = gemma4
+        if experts:
+            experts.update({"experts_beside_mlp": True, "norm_topk_prob": True})
     if feed_forward is None and experts:  # Qwen3.5-MoE's files: no dense MLP anywhere
         intermediate_size = experts["moe_intermediate_size"] or 0
+    elif isinstance(feed_forward, list) and gemma4:  # the KV-shared layers' double-wide MLPs
+        intermediate_size = int(min(feed_forward))
     else:
         intermediate_size = integer("feed_forward_length")
     return ModelConfig(
@@ -279,6 +291,70 @@ def _gemma_fields(meta: _Metadata, arch: str, hidden: int, num_heads: int, head_
     else:
         fields["local_rope_theta"] = optional("rope.freq_base_swa", _GEMMA3_LOCAL_ROPE_BASE)
         fields["final_logit_softcapping"] = optional("final_logit_softcapping", None)
+    return fields
+
+
+def _gemma4_fields(meta: _Metadata, reader: GGUFReader, arch: str, names: set[str], hidden: int) -> dict[str, Any]:
+    """Gemma 4 as llama.cpp's converter records it: one sliding flag per layer, the global
+    layers' head size as key_length (the sliding ones' as key_length_swa), per-layer KV
+    head counts and MLP widths as arrays where they differ, the shared layers' count, the
+    per-layer input width (its vocabulary from its embedding), "proportional" rotary as a
+    rope_freqs tensor of divisors (1: the frequency turns; 1e30: it does not), keys as
+    values where a global layer has no attn_v. Its norms are stored as they are (w)."""
+    num_layers = meta.number(f"{arch}.block_count", int)
+    pattern = meta.raw(f"{arch}.attention.sliding_window_pattern")
+    if not isinstance(pattern, list) or len(pattern) != num_layers:
+        raise ModelLoadError(f"GGUF metadata {arch}.attention.sliding_window_pattern must flag each of the {num_layers} layers")
+    sliding = tuple(i for i, flag in enumerate(pattern) if flag)
+    full = [i for i in range(num_layers) if i not in sliding]
+    if not full:
+        raise ModelLoadError(f"GGUF file {meta.path}: Gemma 4 needs a global (full-attention) layer")
+
+    def per_layer(key: str) -> list[int] | None:
+        value = meta.raw(f"{arch}.{key}")
+        if isinstance(value, list):
+            if len(value) != num_layers or not all(isinstance(v, int) and v > 0 for v in value):
+                raise ModelLoadError(f"GGUF metadata {arch}.{key} must hold a positive integer for each of the {num_layers} layers")
+            return [int(v) for v in value]
+        return None
+
+    kv_heads = per_layer("attention.head_count_kv")
+    widths = per_layer("feed_forward_length")
+    shared = meta.number(f"{arch}.attention.shared_kv_layers", int, 0, minimum=0)
+    divisors = next((t for t in reader.tensors if t.name == ROPE_FREQS_TENSOR), None)
+    share = 1.0
+    if divisors is not None:
+        values = dequantize_tensor(divisors).reshape(-1)
+        share = float((values < 1e29).sum()) / len(values)
+    per_layer_size = meta.number(f"{arch}.embedding_length_per_layer_input", int, 0, minimum=0)
+    per_layer_vocab = 0
+    if per_layer_size:
+        table = next((t for t in reader.tensors if t.name == "per_layer_token_embd.weight"), None)
+        if table is None:
+            raise ModelLoadError(f"GGUF file {meta.path} has per-layer inputs but no per_layer_token_embd.weight")
+        per_layer_vocab = int(table.shape[1])
+    local_theta = meta.raw(f"{arch}.rope.freq_base_swa")
+    cap = meta.raw(f"{arch}.final_logit_softcapping")
+    fields: dict[str, Any] = {
+        "hidden_activation": "gelu_tanh",
+        "embedding_multiplier": hidden**0.5,
+        "attention_scale": 1.0,
+        "sliding_window": meta.number(f"{arch}.attention.sliding_window", int) if sliding else None,
+        "sliding_window_layers": sliding if sliding else None,
+        "local_rope_theta": 10_000.0 if local_theta is None else meta.number(f"{arch}.rope.freq_base_swa", float, minimum=1e-6),
+        "final_logit_softcapping": None if cap is None else meta.number(f"{arch}.final_logit_softcapping", float, minimum=1e-9),
+        "global_head_dim": meta.number(f"{arch}.attention.key_length", int),
+        "num_global_key_value_heads": None if kv_heads is None else kv_heads[full[0]],
+        "attention_k_eq_v": f"blk.{full[0]}.attn_v.weight" not in names,
+        "global_rotated_share": share,
+        "num_kv_shared_layers": shared,
+        "double_wide_shared_mlp": widths is not None and max(widths) == 2 * min(widths),
+        "per_layer_input_size": per_layer_size,
+        "per_layer_input_vocab_size": per_layer_vocab,
+        "value_norm": True,
+    }
+    if kv_heads is not None:
+        fields["_kv_heads"] = kv_heads[sliding[0]] if sliding else kv_heads[0]
     return fields
 
 

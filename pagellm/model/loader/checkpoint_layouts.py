@@ -156,7 +156,7 @@ def _gpt_oss_pieces(name: str, rows: Rows) -> Iterator[tuple[str, Rows]] | None:
 
 # Gemma 4's experts beside the MLP: stacked [experts, rows, cols] under the layer itself,
 # gate_up_proj holding the gate's rows, then the up projection's.
-_GEMMA4_EXPERTS = re.compile(r"\.layers\.(\d+)\.experts\.(gate_up_proj|down_proj)$")
+_GEMMA4_EXPERTS = re.compile(r"\.layers\.(\d+)\.experts\.(gate_up_proj|down_proj)(\.weight)?$")  # .weight: a GGUF's
 
 
 def _gemma4_pieces(name: str, rows: Rows, config: ModelConfig) -> Iterator[tuple[str, Rows]] | None:

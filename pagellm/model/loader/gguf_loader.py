@@ -94,6 +94,31 @@ _HYBRID_PARAMETERS = {"ssm_dt.bias": "linear_attn.dt_bias", "ssm_a": "linear_att
 # a suffix in HF's checkpoint, are `attn_sinks.weight`.
 _GPT_OSS_LAYER_NAMES = {**_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm"}
 _GPT_OSS_PARAMETERS = {"attn_sinks.weight": "self_attn.sinks"}
+# Gemma 4's: Gemma's four norms, the experts' block's own three, the router (its scale, and
+# the per-expert scale filed under the down projections), the stacked experts (gate and up
+# in one), the per-layer inputs' gate, projection and norm, the layer's scalar.
+_GEMMA4_LAYER_NAMES = {
+    **_GEMMA_LAYER_NAMES,
+    "pre_ffw_norm_2": "pre_feedforward_layernorm_2",
+    "post_ffw_norm_1": "post_feedforward_layernorm_1",
+    "post_ffw_norm_2": "post_feedforward_layernorm_2",
+    "ffn_gate_inp": "router.proj",
+    "ffn_gate_up_exps": "experts.gate_up_proj",
+    "ffn_down_exps": "experts.down_proj",
+    "inp_gate": "per_layer_input_gate",
+    "proj": "per_layer_projection",
+    "post_norm": "post_per_layer_input_norm",
+}
+_GEMMA4_PARAMETERS = {
+    "layer_output_scale.weight": "layer_scalar",
+    "ffn_gate_inp.scale": "router.scale",
+    "ffn_down_exps.scale": "router.per_expert_scale",
+}
+_GEMMA4_GLOBAL_NAMES = {
+    "per_layer_token_embd.weight": "model.embed_tokens_per_layer.weight",
+    "per_layer_model_proj.weight": "model.per_layer_model_projection.weight",
+    "per_layer_proj_norm.weight": "model.per_layer_projection_norm.weight",
+}
 _LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.([a-z0-9_]+)\.(weight|bias)$")
 _LAYER_INDEX = re.compile(r"^blk\.(\d+)\.")
 
@@ -112,7 +137,10 @@ def undo_rope_permutation(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 # Tensors that may stay in their stored quantization: the linear layers and the embedding
 # (the LM head too, or the embedding when the head is tied to it).
-_KEEPABLE = re.compile(r"(_proj\.weight|in_proj_(qkvz|qkv|z|ba|b|a)\.weight|embed_tokens\.weight|lm_head\.weight)$")
+_KEEPABLE = re.compile(
+    r"(_proj\.weight|in_proj_(qkvz|qkv|z|ba|b|a)\.weight|embed_tokens\.weight|lm_head\.weight"
+    r"|embed_tokens_per_layer\.weight|_projection\.weight|per_layer_input_gate\.weight)$"  # Gemma 4's per-layer inputs
+)
 
 
 def iter_gguf_weights(
@@ -277,8 +305,12 @@ def hf_tensor_name(gguf_name: str, architecture: str) -> str:
     `model.layers.3.self_attn.q_proj.weight`); UnsupportedModelError for an unknown one."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    if architecture == "gemma4" and gguf_name in _GEMMA4_GLOBAL_NAMES:
+        return _GEMMA4_GLOBAL_NAMES[gguf_name]
     parameters: dict[str, str] = {}  # a family's parameters named apart from the rule
-    if architecture in HYBRID_GGUF_ARCHITECTURES:
+    if architecture == "gemma4":
+        names, parameters = _GEMMA4_LAYER_NAMES, _GEMMA4_PARAMETERS
+    elif architecture in HYBRID_GGUF_ARCHITECTURES:
         names, parameters = _HYBRID_LAYER_NAMES, _HYBRID_PARAMETERS
     elif architecture in GEMMA_ARCHITECTURES:
         names = _GEMMA_LAYER_NAMES
