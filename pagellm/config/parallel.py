@@ -31,13 +31,14 @@ def tp_split_error(config: ModelConfig, size: int) -> str | None:
     """Why `config` cannot be split over `size` ranks (None: it can)."""
     if size < 1:
         return f"tensor_parallel_size must be >= 1, got {size}"
-    if size > 1 and (config.per_layer_input_size or config.global_head_dim or config.num_kv_shared_layers):
-        return "Gemma 4's per-layer inputs, global head shapes and KV-shared layers are not yet split across ranks"
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     if heads % size:
         return f"num_attention_heads={heads} does not split over TP={size}"
     if kv_heads % size and size % kv_heads:
         return f"num_key_value_heads={kv_heads} neither splits over nor replicates across TP={size}"
+    global_kv_heads = config.num_global_key_value_heads
+    if global_kv_heads and global_kv_heads % size and size % global_kv_heads:
+        return f"num_global_key_value_heads={global_kv_heads} neither splits over nor replicates across TP={size}"
     if config.intermediate_size % size:
         return f"intermediate_size={config.intermediate_size} does not split over TP={size}"
     if config.num_experts and config.expert_intermediate_size % size:
@@ -87,6 +88,9 @@ def rank_model_config(config: ModelConfig, size: int) -> ModelConfig:
         ),
         num_attention_heads=config.num_attention_heads // size,
         num_key_value_heads=kv_heads_per_rank(config.num_key_value_heads, size),
+        num_global_key_value_heads=(
+            None if config.num_global_key_value_heads is None else kv_heads_per_rank(config.num_global_key_value_heads, size)
+        ),
         intermediate_size=config.intermediate_size // size,
         moe_intermediate_size=None if config.moe_intermediate_size is None else config.moe_intermediate_size // size,
         shared_expert_intermediate_size=config.shared_expert_intermediate_size // size,

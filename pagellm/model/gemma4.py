@@ -64,7 +64,7 @@ class Gemma4Attention(nn.Module):
         self, config: ModelConfig, tp: TPGroup | None = None, layer: int = 0, kernel: CpuLinearKernels | None = None
     ) -> None:
         super().__init__()
-        assert tp is None, "Gemma 4 runs on one rank (config/parallel.py refuses a split)"
+        self.tp = tp  # o_proj is row-parallel: its partial sums are all-reduced
         self.layer = layer
         self.owner = config.kv_owner(layer)
         self.sliding_window = config.layer_window(layer)
@@ -111,7 +111,8 @@ class Gemma4Attention(nn.Module):
         out = backend.forward(
             q, k, v, kv_cache, metadata.for_group(self.kv_group), self.scale, self.sliding_window, self.softcap, None
         )
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+        projected = self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+        return projected if self.tp is None else self.tp.all_reduce(projected)
 
 
 class Gemma4MoeBlock(SparseMoeBlock):
@@ -119,8 +120,8 @@ class Gemma4MoeBlock(SparseMoeBlock):
     without a weight, times its own scale and hidden_size^-0.5), softmaxes over all
     experts, keeps the top-k renormalized and scales each by its expert's learned factor."""
 
-    def __init__(self, config: ModelConfig, kernel: CpuLinearKernels | None = None) -> None:
-        super().__init__(config, None, kernel)
+    def __init__(self, config: ModelConfig, tp: TPGroup | None = None, kernel: CpuLinearKernels | None = None) -> None:
+        super().__init__(config, tp, kernel)
         self.router_norm = Gemma4RMSNorm(config.hidden_size, config.rms_norm_eps, with_scale=False)
         self.router_scale = nn.Parameter(torch.ones(config.hidden_size))
         self.per_expert_scale = nn.Parameter(torch.ones(config.num_experts))
@@ -131,7 +132,9 @@ class Gemma4MoeBlock(SparseMoeBlock):
         routed = self.router_norm(residual) * self.router_scale * self.root_size
         weights, experts = self.route(self.router_logits(routed))
         weights = weights * self.per_expert_scale.float()[experts]
-        return self.run_experts(x, weights, experts)
+        out = self.run_experts(x, weights, experts)
+        # Each rank holds a slice of every expert: the sum is whole before its norm.
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class Gemma4DecoderLayer(nn.Module):
@@ -155,7 +158,7 @@ class Gemma4DecoderLayer(nn.Module):
         self.post_feedforward_layernorm = Gemma4RMSNorm(h, eps)
         self.moe: Gemma4MoeBlock | None = None
         if config.experts_beside_mlp:
-            self.moe = Gemma4MoeBlock(config, kernel)
+            self.moe = Gemma4MoeBlock(config, tp, kernel)
             self.post_feedforward_layernorm_1 = Gemma4RMSNorm(h, eps)
             self.pre_feedforward_layernorm_2 = Gemma4RMSNorm(h, eps)
             self.post_feedforward_layernorm_2 = Gemma4RMSNorm(h, eps)

@@ -64,6 +64,13 @@ class TPLayout:
     linear_key_dim: int = 0
     linear_value_dim: int = 0
     linear_value_heads_tiled: bool = False
+    # Gemma 4: its global layers' heads (their size, this rank's KV heads and the first),
+    # and the layers whose MLP is twice intermediate_size wide.
+    global_layers: frozenset[int] = frozenset()
+    global_head_dim: int = 0
+    num_global_kv_heads: int = 0
+    first_global_kv_head: int = 0
+    double_wide_layers: frozenset[int] = frozenset()
 
     @classmethod
     def of(cls, config: ModelConfig, rank: int, size: int) -> TPLayout:
@@ -86,6 +93,7 @@ class TPLayout:
             head_dim=config.head_dim,
             q_rows_per_head=config.head_dim * (2 if config.attention_output_gate else 1),
             **_linear_fields(config, size),
+            **_gemma4_fields(config, rank, size),
         )
 
     @property
@@ -100,13 +108,15 @@ class TPLayout:
 
     def out_rows(self, hf_name: str) -> range | None:
         """Rows (output features) of a column-parallel tensor this rank keeps."""
-        hd = self.head_dim
+        hd, kv_heads, first_kv, q_rows = self.head_dim, self.num_kv_heads, self.first_kv_head, self.q_rows_per_head
+        if self._is_global(hf_name):
+            hd, kv_heads, first_kv, q_rows = self.global_head_dim, self.num_global_kv_heads, self.first_global_kv_head, self.global_head_dim
         kind = _kind(hf_name)
         if kind == "q_proj":
-            width = self.num_heads * self.q_rows_per_head
+            width = self.num_heads * q_rows
             return range(self.rank * width, (self.rank + 1) * width)
         if kind in ("k_proj", "v_proj"):
-            return range(self.first_kv_head * hd, (self.first_kv_head + self.num_kv_heads) * hd)
+            return range(first_kv * hd, (first_kv + kv_heads) * hd)
         if kind in ("gate_proj", "up_proj"):
             size = self._mlp_width(hf_name)
             return range(self.rank * size, (self.rank + 1) * size)
@@ -120,7 +130,7 @@ class TPLayout:
         """Columns (input features) of a row-parallel weight this rank keeps."""
         kind = _kind(hf_name)
         if kind == "o_proj" and hf_name.endswith(".weight"):
-            width = self.num_heads * self.head_dim
+            width = self.num_heads * (self.global_head_dim if self._is_global(hf_name) else self.head_dim)
             return range(self.rank * width, (self.rank + 1) * width)
         if kind == "down_proj" and hf_name.endswith(".weight"):
             size = self._mlp_width(hf_name)
@@ -171,7 +181,13 @@ class TPLayout:
     def _mlp_width(self, hf_name: str) -> int:
         if ".shared_expert." in hf_name:
             return self.shared_expert_intermediate_size
-        return self.expert_intermediate_size if ".experts." in hf_name else self.intermediate_size
+        if ".experts." in hf_name:
+            return self.expert_intermediate_size
+        return self.intermediate_size * (2 if _layer_of(hf_name) in self.double_wide_layers else 1)
+
+    def _is_global(self, hf_name: str) -> bool:
+        """Whether the tensor is a Gemma 4 global layer's (heads of their own shape)."""
+        return bool(self.global_layers) and _layer_of(hf_name) in self.global_layers
 
     def drops_bias(self, hf_name: str) -> bool:
         """A row-parallel layer's bias is added once: by rank 0, after the all-reduce sums."""
@@ -193,6 +209,31 @@ def _linear_kind(hf_name: str) -> str | None:
     """Which part of a linear-attention layer a tensor is (None: not one)."""
     match = _LINEAR_KIND.search(hf_name)
     return None if match is None else match.group(1) or match.group(2)
+
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def _layer_of(hf_name: str) -> int | None:
+    match = _LAYER.search(hf_name)
+    return None if match is None else int(match.group(1))
+
+
+def _gemma4_fields(config: ModelConfig, rank: int, size: int) -> dict[str, object]:
+    fields: dict[str, object] = {}
+    if config.global_head_dim is not None or config.num_global_key_value_heads is not None:
+        global_layers = [layer for layer in config.attention_layers if config.is_global_layer(layer)]
+        kv = config.layer_kv_heads(global_layers[0])
+        per_rank = max(1, kv // size)
+        fields.update(
+            global_layers=frozenset(global_layers), global_head_dim=config.layer_head_dim(global_layers[0]),
+            num_global_kv_heads=per_rank, first_global_kv_head=rank * per_rank if kv % size == 0 else rank // (size // kv),
+        )  # fmt: skip
+    if config.double_wide_shared_mlp:
+        fields["double_wide_layers"] = frozenset(
+            layer for layer in range(config.num_hidden_layers) if config.mlp_intermediate_size(layer) != config.intermediate_size
+        )
+    return fields
 
 
 def _linear_fields(config: ModelConfig, size: int) -> dict[str, object]:

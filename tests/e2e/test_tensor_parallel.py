@@ -10,7 +10,7 @@ import random
 
 import pytest
 from engine_checks import assert_engine_drained
-from hf_models import load_hf_reference, make_tiny_hf_checkpoint
+from hf_models import GEMMA4_MOE_SHAPE, load_hf_reference, make_tiny_hf_checkpoint
 from reference import hf_greedy, pagellm_greedy
 
 from pagellm import LLM, SamplingParams
@@ -172,3 +172,15 @@ def test_a_size_that_does_not_split_the_heads_is_refused(llama):
     folder, _ = llama
     with pytest.raises(ConfigError, match=r"tensor_parallel_size=3 does not split.*sizes that work: \[1, 2, 4\]"):
         LLM(folder, tensor_parallel_size=3)
+
+
+@pytest.mark.parametrize("kind", ["gemma4", "gemma4_moe"])
+def test_gemma4_heads_of_two_shapes_and_shared_kv_split_per_rank(tmp_path_factory, kind):
+    # Each rank keeps its share of the sliding heads and of the global ones (their own size;
+    # gemma4_moe's single global KV head replicated on both ranks, its keys as values), of
+    # every MLP (the KV-shared layers' double-wide ones) and expert, whole norms, router and
+    # per-layer inputs; the shared layers read their owners' K/V on each rank.
+    overrides = GEMMA4_MOE_SHAPE if kind == "gemma4_moe" else {}
+    folder, expected = checkpoint(tmp_path_factory, kind, "gemma4", **overrides)
+    outputs, _ = run(folder, 2, max_num_batched_tokens=7)
+    assert outputs == expected
