@@ -102,8 +102,10 @@ class TierIdentity:
     def for_engine(config: EngineConfig, element_bytes: int) -> TierIdentity:
         model_config = config.model_config
         layout = kv_cache_layout(model_config)
-        # A cache of one head shape names it; Gemma 4's (several) its tensors' width.
-        heads, head_dim = (model_config.num_key_value_heads, model_config.head_dim) if layout.uniform else (1, layout.tensor_width)
+        # A cache of one head shape names it (Gemma 4's global heads, where every layer is
+        # global); several shapes, its tensors' width.
+        group = layout.groups[0]
+        heads, head_dim = (group.num_kv_heads, group.head_dim) if layout.uniform else (1, layout.tensor_width)
         weights = (
             f"dummy(seed={config.seed})" if config.load_format == "dummy" else weights_digest(config.source.path)
         )

@@ -257,3 +257,31 @@ def test_quantized_gguf_stays_as_stored(tmp_path):
             agreed += ranked[sequence[position]].rank == 1
     assert agreed >= 0.75 * len(PROMPTS) * NEW_TOKENS, agreed
     assert_engine_drained(bf16)
+
+
+def test_the_disk_tier_stores_only_the_layers_that_keep_kv(tmp_path):
+    """The tier stores each block's cache tensors: the four layers that compute K/V, none
+    for the two that read them. A new engine on the same path loads turn 1's blocks and
+    continues turn 2 as HF does. (Every layer global here: the tier does not serve sliding
+    windows yet, so a model with them runs without it.)"""
+    folder = make_tiny_hf_checkpoint(tmp_path / "hf", "gemma4", seed=5, layer_types=["full_attention"] * 6)
+    ref = load_hf_reference(folder)
+    turn1 = PROMPTS[0] + PROMPTS[2]  # 46 tokens
+    answer = hf_greedy(ref, turn1, NEW_TOKENS)
+    turn2 = turn1 + answer + PROMPTS[1]
+    args = dict(max_model_len=128, kv_offload_path=str(tmp_path / "tier"))
+    first = LLM(str(folder), **args)
+    assert pagellm_greedy(first, [turn1], NEW_TOKENS) == [answer]
+    written = first.engine.get_stats()
+    assert written.num_tier_written_blocks > 0
+    # Per block: 4 layers x K and V x 16 tokens x 2 heads of 32 x 4 bytes (float32) and the
+    # entry's small header; all six layers would take 49152 bytes.
+    per_block = written.num_tier_bytes_written / written.num_tier_written_blocks
+    assert 4 * 2 * 16 * 64 * 4 <= per_block < 4 * 2 * 16 * 64 * 4 + 256
+    first.shutdown()
+    second = LLM(str(folder), **args)
+    assert pagellm_greedy(second, [turn2], NEW_TOKENS) == [hf_greedy(ref, turn2, NEW_TOKENS)]
+    stats = second.engine.get_stats()
+    assert stats.num_tier_hit_blocks > 0 and stats.num_tier_failed_loads == 0
+    assert_engine_drained(second)
+    second.shutdown()

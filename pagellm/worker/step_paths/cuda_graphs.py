@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import torch
 
 from pagellm.attention.backend import AttentionMetadata
+from pagellm.config.kv_layout import kv_cache_layout
 from pagellm.worker.model_inputs import ScheduledSequence
 from pagellm.worker.step_paths.base import StepInputs
 
@@ -85,6 +86,7 @@ class DecodeGraphs:
         if not isinstance(backend, TritonAttentionBackend):
             raise TypeError("decode graphs need the Triton attention backend (its plans read static buffers)")
         config = model.config
+        group = kv_cache_layout(config).groups[0]  # the one group's head shape (Gemma 4's global heads may differ from head_dim)
         self.sizes = sorted(sizes)
         self.block_size = block_size
         self.max_blocks = -(-max_model_len // block_size)
@@ -101,8 +103,8 @@ class DecodeGraphs:
             plan = backend.decode_graph_plan(
                 self._seq_lens[:size],
                 config.num_attention_heads,
-                config.num_key_value_heads,
-                config.head_dim,
+                group.num_kv_heads,
+                group.head_dim,
                 max_model_len,
             )
             metadata = AttentionMetadata(
