@@ -129,17 +129,7 @@ def write_gguf_from_hf(
         _add_gemma(writer, cfg, arch)
     if arch in QWEN35_ARCHES:
         _add_qwen35(writer, cfg, arch)
-    writer.add_vocab_size(cfg["vocab_size"])
-    # A byte-level vocabulary: one token per byte value (spelled as GPT-2 does).
-    tokens = vocab or [_byte_char(b) for b in range(cfg["vocab_size"])]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_types([1] * len(tokens))
-    writer.add_token_merges([])
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_pad_token_id(0)  # inside the tiny vocabulary (transformers defaults Phi-3 to 32000)
+    _add_vocabulary(writer, cfg["vocab_size"], vocab)
     types = QUANT_BY_KIND if quant_by_kind is None else quant_by_kind
     rng = np.random.default_rng(seed)
     if arch == "gpt-oss":
@@ -179,11 +169,30 @@ def write_gguf_from_hf(
         else:
             data = value
         writer.add_tensor(gguf_name, data, raw_dtype=qtype)
+    _write_out(writer)
+    return out
+
+
+def _write_out(writer: gguf.GGUFWriter) -> None:
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return out
+
+
+def _add_vocabulary(writer: gguf.GGUFWriter, vocab_size: int, vocab: list[str] | None = None) -> None:
+    """A byte-level vocabulary (one token per byte value, spelled as GPT-2 does) unless
+    `vocab` is given, and the tiny models' special ids."""
+    writer.add_vocab_size(vocab_size)
+    tokens = vocab or [_byte_char(b) for b in range(vocab_size)]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * len(tokens))
+    writer.add_token_merges([])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_pad_token_id(0)  # inside the tiny vocabulary (transformers defaults Phi-3 to 32000)
 
 
 def _stack_experts(tensors: dict, writer: gguf.GGUFWriter, cfg: dict) -> dict:
@@ -499,16 +508,7 @@ def write_gemma4_gguf(
         writer.add_expert_count(cfg["num_experts"])
         writer.add_expert_used_count(cfg["top_k_experts"])
         writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
-    writer.add_vocab_size(cfg["vocab_size"])
-    tokens = [_byte_char(b) for b in range(cfg["vocab_size"])]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_types([1] * len(tokens))
-    writer.add_token_merges([])
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_pad_token_id(0)
+    _add_vocabulary(writer, cfg["vocab_size"])
     turning = int(global_head_dim * rope["full_attention"].get("partial_rotary_factor", 1.0) / 2)
     divisors = [1.0] * turning + [1e30] * (global_head_dim // 2 - turning)
     writer.add_tensor("rope_freqs.weight", np.asarray(divisors, dtype=np.float32))
@@ -539,8 +539,5 @@ def write_gemma4_gguf(
             qtype = gguf.GGMLQuantizationType.F32
         data = value if qtype == gguf.GGMLQuantizationType.F32 else gguf.quants.quantize(value, qtype)
         writer.add_tensor(gguf_name, data, raw_dtype=qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    _write_out(writer)
     return out
