@@ -13,8 +13,8 @@ needs the blocks its window has passed: after each step they are freed and their
 become NULL_BLOCK_ID (always a run at the table's start), so a long request holds a window
 of blocks in its sliding groups and all of them in its global ones.
 
-With a second tier (core/kv_tier.py; models without sliding-window layers), every block
-registered in the prefix cache is also queued for writing to the tier, and a lookup that
+With a second tier (core/kv_tier.py), every block registered in the prefix cache is also
+queued for writing to the tier (one entry per KV cache group), and a lookup that
 misses the device cache continues in the tier: the blocks found there are allocated
 fresh and loaded (allocate_for_load) before the request computes anything. A hybrid's
 snapshots go there too (core/kv_tier_access.py).
@@ -70,10 +70,11 @@ class KVCacheManager(KVSwap, KVTierAccess):
         self._pending_copies: list[tuple[int, int]] = []
         self.stats = KVCacheStats()
         self.events: KVEventLog | None = None
-        # The prefix cache's second tier: only under prefix caching, and only for models
-        # without sliding windows (a sliding group's hit rule is not the tier's).
+        # The prefix cache's second tier: only under prefix caching. Each KV cache group's
+        # block is an entry of its own (core/kv_tier.group_key); a block index is in the
+        # tier when every group's entry is.
         self.tier: TierIndex | None = None
-        if cache_config.kv_offload_bytes and self.enable_caching and self.group_windows == (None,):
+        if cache_config.kv_offload_bytes and self.enable_caching:
             self.tier = TierIndex(cache_config.kv_offload_bytes, cache_config.kv_offload_max_pending_writes)
         self.tier_cost = TierCostModel(self.block_size)
         self._pending_offloads: list[tuple[bytes, int]] = []  # (digest, device block)
@@ -271,7 +272,7 @@ class KVCacheManager(KVSwap, KVTierAccess):
                 block_id = table[index]
                 if block_id != NULL_BLOCK_ID and self.device_pool.cache_block(blocks[block_id], hashes[index], group):
                     newly_cached.append(block_id)
-                    self._offer_block(request, hashes[index], block_id)
+                    self._offer_block(request, hashes[index], block_id, group)
         self._num_cached_blocks[request_id] = num_full
         if self.events is not None and newly_cached:
             self.events.record("cache", request_id, newly_cached)

@@ -65,6 +65,18 @@ def block_digest(block_hash: BlockHash) -> bytes:
     return digest
 
 
+GROUP_KEY_PERSON = b"pagellm-group"
+
+
+def group_key(digest: bytes, group: int) -> bytes:
+    """The tier key of a block's K/V in KV cache group `group` (sliding and global layers:
+    config/kv_layout.py): the block's digest for the first group, as for a model of one
+    group, a digest of it and the group for the others."""
+    if group == 0:
+        return digest
+    return hashlib.blake2b(digest + group.to_bytes(2, "little"), digest_size=DIGEST_BYTES, person=GROUP_KEY_PERSON).digest()
+
+
 def state_key(digest: bytes) -> bytes:
     """The tier key of the recurrent-state snapshot after the block of `digest` (never
     equal to a block's digest, so both kinds share one index)."""

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, NamedTuple
 
-from pagellm.core.kv_tier import TierCostModel, TierIndex, block_digest, state_key
+from pagellm.core.block_pool import NULL_BLOCK_ID
+from pagellm.core.kv_tier import TierCostModel, TierIndex, block_digest, group_key, state_key
 from pagellm.request import BlockHash, Request
 
 if TYPE_CHECKING:
@@ -70,16 +71,25 @@ class KVTierAccess:
 
     # ----------------------------------------------------------------- lookups
 
+    def group_keys(self, digest: bytes) -> list[bytes]:
+        """The tier keys of a block's entries, one per KV cache group."""
+        return [group_key(digest, group) for group in range(self.num_groups)]
+
     def _tier_run(self, hashes: list[BlockHash], start: int, end: int) -> list[bytes]:
-        """The digests of the blocks start, start + 1, ... before `end` that the tier holds, up to its first miss."""
+        """The digests of the blocks start, start + 1, ... before `end` that the tier holds
+        (every group's entry), up to its first miss."""
         assert self.tier is not None
         digests: list[bytes] = []
         for index in range(start, end):
             digest = block_digest(hashes[index])
-            if digest not in self.tier:
+            if not all(key in self.tier for key in self.group_keys(digest)):
                 break
             digests.append(digest)
         return digests
+
+    def _entries_bytes(self, digests: tuple[bytes, ...] | list[bytes]) -> int:
+        assert self.tier is not None
+        return sum(self.tier.entry_bytes(key) for digest in digests for key in self.group_keys(digest))
 
     def _tier_lookup(self, request: Request, hashes: list[BlockHash], num_hit: int, max_hit_blocks: int) -> TierLookup:
         """The run of blocks after the device hit that the tier holds, to load unless the
@@ -88,7 +98,7 @@ class KVTierAccess:
             return TierLookup(num_hit_blocks=num_hit)
         digests = self._tier_run(hashes, num_hit, max_hit_blocks)
         num_misses = max_hit_blocks - num_hit - len(digests)
-        num_bytes = sum(self.tier.entry_bytes(digest) for digest in digests)
+        num_bytes = self._entries_bytes(digests)
         if digests and not self.tier_cost.loading_pays(num_bytes, len(digests) * self.block_size):
             return TierLookup((), num_misses, len(digests), num_hit)
         return TierLookup(tuple(digests), num_misses, 0, num_hit)
@@ -111,7 +121,7 @@ class KVTierAccess:
             if key is not None and key not in self.tier:
                 continue
             loads = tuple(digests[: max(0, end - device_hit)])
-            num_bytes = sum(self.tier.entry_bytes(digest) for digest in loads)
+            num_bytes = self._entries_bytes(loads)
             num_bytes += self.tier.entry_bytes(key) if key is not None else 0
             if not self.tier_cost.loading_pays(num_bytes, (end - device_resume) * self.block_size):
                 return TierLookup((), num_misses, len(loads) + (key is not None), 0)
@@ -122,28 +132,30 @@ class KVTierAccess:
 
     def allocate_for_load(self, request: Request, computed: ComputedBlocks) -> TierLoad | None:
         """Admit a request whose prefix continues in the tier: take its device hit, fresh
-        blocks for the tier's part and (a hybrid) a state slot, restored from a device
-        snapshot or loaded. Returns what the step loads (the block loads are queued for
-        take_pending_loads), or None when the pool lacks room (nothing changed). No slots
-        for new tokens: the request computes from the next step on, once the loads are
-        verified."""
+        blocks for the tier's part (in every KV cache group: a sliding group's that its
+        window will have passed are freed once it computes) and (a hybrid) a state slot,
+        restored from a device snapshot or loaded. Returns what the step loads (the block
+        loads are queued for take_pending_loads), or None when the pool lacks room (nothing
+        changed). No slots for new tokens: the request computes from the next step on,
+        once the loads are verified."""
         assert self.tier is not None and (computed.tier_digests or computed.state_key is not None)
-        assert self.num_groups == 1
         request_id = request.request_id
         assert request_id not in self._block_tables, "request already holds blocks"
         pool = self.device_pool
-        hit_table = computed.blocks[0] if computed.blocks else []
-        hit_blocks = [pool.blocks[i] for i in hit_table]
+        hit_tables = computed.blocks or [[] for _ in range(self.num_groups)]
+        hit_blocks = [pool.blocks[i] for table in hit_tables for i in table if i != NULL_BLOCK_ID]
         num_free_hits = sum(1 for block in hit_blocks if block.ref_cnt == 0)
         num_load = len(computed.tier_digests)
         self.stats.num_allocation_attempts += 1
-        if num_load + num_free_hits > pool.num_free_blocks or (self.state_slots.enabled and not self.state_slots.num_free):
+        if num_load * self.num_groups + num_free_hits > pool.num_free_blocks or (
+            self.state_slots.enabled and not self.state_slots.num_free
+        ):
             self.stats.num_allocation_failures += 1
             return None
         pool.touch(hit_blocks)
-        load_ids = [block.block_id for block in pool.allocate(num_load)]
-        self._block_tables[request_id] = [list(hit_table) + load_ids]
-        self._num_cached_blocks[request_id] = len(hit_table)
+        load_ids = [[block.block_id for block in pool.allocate(num_load)] for _ in range(self.num_groups)]
+        self._block_tables[request_id] = [list(table) + ids for table, ids in zip(hit_tables, load_ids, strict=True)]
+        self._num_cached_blocks[request_id] = len(hit_tables[0])
         if self.state_slots.enabled:
             slot = self.state_slots.allocate(request_id)
             if computed.state_key is not None:
@@ -151,7 +163,8 @@ class KVTierAccess:
             else:
                 assert computed.snapshot_slot is not None, "a hybrid resumes from a snapshot"
                 self._pending_restores.append((computed.snapshot_slot, slot))
-        loaded_keys = [*computed.tier_digests, *([computed.state_key] if computed.state_key is not None else [])]
+        block_keys = [key for digest in computed.tier_digests for key in self.group_keys(digest)]
+        loaded_keys = [*block_keys, *([computed.state_key] if computed.state_key is not None else [])]
         self.tier.touch(loaded_keys)
         tier_stats = self.tier.stats
         tier_stats.num_hit_blocks += num_load
@@ -160,10 +173,12 @@ class KVTierAccess:
         self.stats.num_prefix_hit_tokens += computed.num_computed_tokens
         if self.events is not None:
             if hit_blocks:
-                self.events.record("cache_hit", request_id, hit_table)
-            if load_ids:
-                self.events.record("allocate", request_id, load_ids)
-        self._pending_loads.extend(zip(computed.tier_digests, load_ids, strict=True))
+                self.events.record("cache_hit", request_id, [block.block_id for block in hit_blocks])
+            if num_load:
+                self.events.record("allocate", request_id, [i for ids in load_ids for i in ids])
+        for group, ids in enumerate(load_ids):
+            keys = [group_key(digest, group) for digest in computed.tier_digests]
+            self._pending_loads.extend(zip(keys, ids, strict=True))
         return TierLoad(list(computed.tier_digests), computed.state_key)
 
     def count_tier_lookup(self, computed: ComputedBlocks) -> None:
@@ -174,10 +189,11 @@ class KVTierAccess:
 
     # ------------------------------------------------------------------ writes
 
-    def _offer_block(self, request: Request, block_hash: BlockHash, block_id: int) -> None:
-        """A block just cached: queue it for the tier unless it is there or on its way."""
+    def _offer_block(self, request: Request, block_hash: BlockHash, block_id: int, group: int = 0) -> None:
+        """A block just cached (in KV cache group `group`): queue it for the tier unless
+        it is there or on its way."""
         if self.tier is not None and request.lora_request is None:
-            digest = block_digest(block_hash)
+            digest = group_key(block_digest(block_hash), group)
             if self.tier.offer_write(digest):
                 self._pending_offloads.append((digest, block_id))
 

@@ -218,7 +218,10 @@ class StepAccounting:
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # aborted meanwhile
             digests = load.block_digests
-            num_loaded = next((i for i, digest in enumerate(digests) if digest in failed), len(digests))
+            # A block index loaded when every KV cache group's entry of it did.
+            num_loaded = next(
+                (i for i, digest in enumerate(digests) if any(key in failed for key in kv.group_keys(digest))), len(digests)
+            )  # fmt: skip
             if kv.state_slots.enabled and (num_loaded < len(digests) or load.state_key in failed):
                 logger.info("request %s: its prefix failed to load from the tier; looked up again", request_id)
                 self.running.remove(request)

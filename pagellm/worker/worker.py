@@ -234,9 +234,6 @@ class Worker:
         if not self.config.cache_budget.enable_prefix_caching:
             logger.warning("kv_offload_path is ignored: the tier holds prefix-cache blocks and prefix caching is off")
             return None
-        if any(model_config.layer_window(layer) is not None for layer in range(model_config.num_hidden_layers)):
-            logger.warning("kv_offload_path is ignored: the tier does not serve sliding-window layers yet")
-            return None
         element_bytes = torch.empty((), dtype=self.kv_cache_dtype).element_size()
         store = TierStore(path, TierIdentity.for_engine(self.config, element_bytes))
         logger.info(

@@ -24,7 +24,9 @@ import default_path as dp
 from pagellm import LLM, SamplingParams
 from pagellm.config.cache import kv_bytes_per_block
 from pagellm.config.kv_layout import kv_bytes_per_token, kv_cache_layout
+from pagellm.core.kv_tier import block_digest, group_key
 from pagellm.model.loader import load_model_config, resolve_model_source
+from pagellm.request import Request
 from pagellm.worker.memory_report import storage_bytes
 
 PROMPTS = [list(range(5, 40)), [40, 41, 42], [7, 200, 13, 90, 91, 92, 93, 17, 250, 3, 4]]
@@ -262,8 +264,8 @@ def test_quantized_gguf_stays_as_stored(tmp_path):
 def test_the_disk_tier_stores_only_the_layers_that_keep_kv(tmp_path):
     """The tier stores each block's cache tensors: the four layers that compute K/V, none
     for the two that read them. A new engine on the same path loads turn 1's blocks and
-    continues turn 2 as HF does. (Every layer global here: the tier does not serve sliding
-    windows yet, so a model with them runs without it.)"""
+    continues turn 2 as HF does. (Every layer global here: one KV cache group, so the bytes
+    per block are the owning layers' alone.)"""
     folder = make_tiny_hf_checkpoint(tmp_path / "hf", "gemma4", seed=5, layer_types=["full_attention"] * 6)
     ref = load_hf_reference(folder)
     turn1 = PROMPTS[0] + PROMPTS[2]  # 46 tokens
@@ -285,3 +287,46 @@ def test_the_disk_tier_stores_only_the_layers_that_keep_kv(tmp_path):
     assert stats.num_tier_hit_blocks > 0 and stats.num_tier_failed_loads == 0
     assert_engine_drained(second)
     second.shutdown()
+
+
+def test_the_disk_tier_restores_sliding_and_global_groups(gemma4, tmp_path):
+    """Each KV cache group's block is a tier entry of its own (the global group's, and the
+    sliding ones' whose layers sit side by side in a tensor): a new engine on the same path
+    finds every group's entries of turn 1's blocks, loads them, and continues turn 2 as HF
+    does. With one sliding group's entry of block 4 gone from the disk the tier's run stops
+    before block 4 (every group's entry is needed); with another group's entry of block 2
+    corrupted, its load fails and the request computes from block 2 on, to the same tokens."""
+    folder, ref, _ = gemma4
+    turn1 = PROMPTS[0] + PROMPTS[2] + PROMPTS[0]  # 81 tokens: the window (8) passes blocks during the prefill
+    answer = hf_greedy(ref, turn1, NEW_TOKENS)
+    turn2 = turn1 + answer + PROMPTS[1]
+    expected = hf_greedy(ref, turn2, NEW_TOKENS)
+    args = dict(max_model_len=160, kv_offload_path=str(tmp_path / "tier"))
+    first = LLM(str(folder), **args)
+    assert pagellm_greedy(first, [turn1], NEW_TOKENS) == [answer]
+    written = first.engine.get_stats().num_tier_written_blocks
+    num_groups = len(kv_cache_layout(first.engine.config.model_config).groups)
+    # Each full block in every group (the last block's write may still be on its way).
+    assert num_groups == 3 and written % num_groups == 0 and written >= num_groups * 5
+    first.shutdown()
+    second = LLM(str(folder), **args)
+    assert pagellm_greedy(second, [turn2], NEW_TOKENS) == [expected]
+    stats = second.engine.get_stats()
+    assert stats.num_tier_hit_blocks >= 5 and stats.num_tier_failed_loads == 0
+    assert_engine_drained(second)
+    second.shutdown()
+
+    [store] = [path for path in (tmp_path / "tier").iterdir() if path.is_dir()]
+    digests = [block_digest(h) for h in Request("turn1", turn2, SamplingParams()).get_block_hashes(16)]
+    (store / f"{group_key(digests[4], 2).hex()}.kv").unlink()
+    corrupt = store / f"{group_key(digests[2], 1).hex()}.kv"
+    data = bytearray(corrupt.read_bytes())
+    data[-7] ^= 0x10
+    corrupt.write_bytes(bytes(data))
+    third = LLM(str(folder), **args)
+    output = third.generate([turn2], SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True), use_tqdm=False)[0]
+    assert list(output.outputs[0].token_ids) == expected
+    stats = third.engine.get_stats()
+    assert stats.num_tier_hit_blocks == 4 and stats.num_tier_failed_loads == 1 and output.num_cached_tokens == 2 * 16
+    assert_engine_drained(third)
+    third.shutdown()
