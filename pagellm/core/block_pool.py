@@ -186,6 +186,11 @@ class BlockPool:
         if self.on_evict is not None:
             self.on_evict([block.block_id])
 
+    def forget(self, block: KVBlock) -> None:
+        """Drop the cached content of a block its one holder is about to overwrite."""
+        assert block.ref_cnt == 1, "only a block no one else holds may change content"
+        self._evict(block)
+
     def touch(self, blocks: Iterable[KVBlock]) -> None:
         """Take one more reference on prefix-hit blocks, pulling free ones out of the queue."""
         for block in blocks:

@@ -145,6 +145,10 @@ class KVCacheManager(KVSwap, KVTierAccess):
     def num_blocks_for_tokens(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
 
+    @property
+    def has_sliding_groups(self) -> bool:
+        return any(window is not None for window in self.group_windows)
+
     def num_passed_blocks(self, group: int, num_computed_tokens: int) -> int:
         """Leading blocks of a group's table that no layer of it reads again once
         `num_computed_tokens` are computed: the next query, at that position, sees keys
@@ -342,10 +346,14 @@ class KVCacheManager(KVSwap, KVTierAccess):
         # Hit blocks sitting in the free queue stop being free once touched.
         num_free_hits = sum(1 for block in hit_blocks if block.ref_cnt == 0)
         copy_groups = self._groups_to_copy(request_id, tables)
+        needed = num_new_per_group * self.num_groups + num_free_hits + len(copy_groups)
+        if needed > pool.num_free_blocks and tables is not None:
+            copy_groups = self._take_over_cached_blocks(request_id, tables, copy_groups, needed - pool.num_free_blocks)
+            needed = num_new_per_group * self.num_groups + num_free_hits + len(copy_groups)
 
         self.stats.num_allocation_attempts += 1
         needs_state_slot = tables is None and self.state_slots.enabled
-        if num_new_per_group * self.num_groups + num_free_hits + len(copy_groups) > pool.num_free_blocks or (
+        if needed > pool.num_free_blocks or (
             needs_state_slot and not self.state_slots.num_free
         ):
             self.stats.num_allocation_failures += 1
@@ -465,6 +473,24 @@ class KVCacheManager(KVSwap, KVTierAccess):
         if not copy:  # everyone else let go of the blocks: they are this request's own now
             self._copy_on_write.discard(request_id)
         return copy
+
+    def _take_over_cached_blocks(
+        self, request_id: str, tables: list[list[int]], copy_groups: list[int], shortage: int
+    ) -> list[int]:
+        """Where the pool lacks the blocks a fork's copies need: the shared last blocks that
+        only the parent's cache entry still holds (ref count 1) leave the prefix cache and
+        are written in place, if that makes up the shortage (else nothing changes, and the
+        scheduler preempts). Returns the groups still to copy."""
+        blocks = self.device_pool.blocks
+        sole = [group for group in copy_groups if blocks[tables[group][-1]].ref_cnt == 1]
+        if len(sole) < shortage:
+            return copy_groups
+        for group in sole:
+            self.device_pool.forget(blocks[tables[group][-1]])
+        remaining = [group for group in copy_groups if group not in sole]
+        if not remaining:
+            self._copy_on_write.discard(request_id)
+        return remaining
 
     def _copy_last_blocks(self, request_id: str, tables: list[list[int]], groups: list[int]) -> None:
         pool = self.device_pool

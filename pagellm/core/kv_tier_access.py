@@ -132,12 +132,12 @@ class KVTierAccess:
 
     def allocate_for_load(self, request: Request, computed: ComputedBlocks) -> TierLoad | None:
         """Admit a request whose prefix continues in the tier: take its device hit, fresh
-        blocks for the tier's part (in every KV cache group: a sliding group's that its
-        window will have passed are freed once it computes) and (a hybrid) a state slot,
-        restored from a device snapshot or loaded. Returns what the step loads (the block
-        loads are queued for take_pending_loads), or None when the pool lacks room (nothing
-        changed). No slots for new tokens: the request computes from the next step on,
-        once the loads are verified."""
+        blocks for the tier's part (every block in a global group; in a sliding group those
+        its window reads after the loaded run, NULL_BLOCK_ID before them) and (a hybrid) a
+        state slot, restored from a device snapshot or loaded. Returns what the step loads
+        (the block loads are queued for take_pending_loads), or None when the pool lacks
+        room (nothing changed). No slots for new tokens: the request computes from the next
+        step on, once the loads are verified."""
         assert self.tier is not None and (computed.tier_digests or computed.state_key is not None)
         request_id = request.request_id
         assert request_id not in self._block_tables, "request already holds blocks"
@@ -146,16 +146,21 @@ class KVTierAccess:
         hit_blocks = [pool.blocks[i] for table in hit_tables for i in table if i != NULL_BLOCK_ID]
         num_free_hits = sum(1 for block in hit_blocks if block.ref_cnt == 0)
         num_load = len(computed.tier_digests)
+        start = len(hit_tables[0])
+        end = start + num_load
+        # Per group, the first loaded index its window still reads at the run's end.
+        first_read = [max(start, self.num_passed_blocks(group, end * self.block_size)) for group in range(self.num_groups)]
+        num_new = sum(end - first for first in first_read)
         self.stats.num_allocation_attempts += 1
-        if num_load * self.num_groups + num_free_hits > pool.num_free_blocks or (
-            self.state_slots.enabled and not self.state_slots.num_free
-        ):
+        if num_new + num_free_hits > pool.num_free_blocks or (self.state_slots.enabled and not self.state_slots.num_free):
             self.stats.num_allocation_failures += 1
             return None
         pool.touch(hit_blocks)
-        load_ids = [[block.block_id for block in pool.allocate(num_load)] for _ in range(self.num_groups)]
+        load_ids = [
+            [NULL_BLOCK_ID] * (first - start) + [block.block_id for block in pool.allocate(end - first)] for first in first_read
+        ]
         self._block_tables[request_id] = [list(table) + ids for table, ids in zip(hit_tables, load_ids, strict=True)]
-        self._num_cached_blocks[request_id] = len(hit_tables[0])
+        self._num_cached_blocks[request_id] = start
         if self.state_slots.enabled:
             slot = self.state_slots.allocate(request_id)
             if computed.state_key is not None:
@@ -174,11 +179,11 @@ class KVTierAccess:
         if self.events is not None:
             if hit_blocks:
                 self.events.record("cache_hit", request_id, [block.block_id for block in hit_blocks])
-            if num_load:
-                self.events.record("allocate", request_id, [i for ids in load_ids for i in ids])
+            if num_new:
+                self.events.record("allocate", request_id, [i for ids in load_ids for i in ids if i != NULL_BLOCK_ID])
         for group, ids in enumerate(load_ids):
             keys = [group_key(digest, group) for digest in computed.tier_digests]
-            self._pending_loads.extend(zip(keys, ids, strict=True))
+            self._pending_loads.extend((key, block_id) for key, block_id in zip(keys, ids, strict=True) if block_id != NULL_BLOCK_ID)
         return TierLoad(list(computed.tier_digests), computed.state_key)
 
     def count_tier_lookup(self, computed: ComputedBlocks) -> None:

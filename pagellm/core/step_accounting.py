@@ -222,7 +222,10 @@ class StepAccounting:
             num_loaded = next(
                 (i for i, digest in enumerate(digests) if any(key in failed for key in kv.group_keys(digest))), len(digests)
             )  # fmt: skip
-            if kv.state_slots.enabled and (num_loaded < len(digests) or load.state_key in failed):
+            # A hybrid needs the state at the end of its loads, a sliding group the blocks its
+            # window reads there (loaded only for the run's end): a failed load sends either back.
+            partial = num_loaded < len(digests) and (kv.state_slots.enabled or kv.has_sliding_groups)
+            if partial or (kv.state_slots.enabled and load.state_key in failed):
                 logger.info("request %s: its prefix failed to load from the tier; looked up again", request_id)
                 self.running.remove(request)
                 kv.free(request)

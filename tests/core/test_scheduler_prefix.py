@@ -129,3 +129,28 @@ def test_a_fork_copies_its_shared_block_once_the_parent_filled_and_cached_it() -
     assert follower.num_cached_tokens == 2  # it read the parent's block from the cache
     step(scheduler, runner)
     assert_drained(scheduler)
+
+
+def test_a_fork_in_a_full_pool_takes_over_the_block_only_the_cache_holds() -> None:
+    """As above, but the pool has no block to copy into: the shared block, which only its
+    cache entry still holds, leaves the prefix cache and the child writes it in place. No
+    step idles (a preemption would free the child's own block and schedule nothing), and
+    the child's tokens are its own (the fake runner checks what it reads)."""
+    from core_harness import FakeRunner, assert_drained, make_request, make_scheduler, step
+
+    def by_request(request_id: str, tokens: list[int]) -> int:
+        return 50 + len(tokens) + (100 if "#" in request_id else 0)  # children differ
+
+    scheduler = make_scheduler(block_size=2, num_gpu_blocks=2, max_num_batched_tokens=1, max_model_len=3)
+    runner = FakeRunner(2, sample=by_request)
+    parent = make_request("p", [11], max_tokens=2, n=2)
+    scheduler.add_request(parent)
+    step(scheduler, runner)  # the prompt: both completions' first token
+    step(scheduler, runner)  # a budget of 1: only the parent runs, fills the block, ends
+    assert parent.is_finished and scheduler.kv_cache_manager.num_free_blocks == 0
+    output = step(scheduler, runner).output  # the child's turn, in the one usable block
+    assert output.num_scheduled_tokens and not output.blocks_to_copy
+    while scheduler.has_unfinished_requests():
+        assert not step(scheduler, runner).output.is_empty
+    step(scheduler, runner)
+    assert_drained(scheduler)

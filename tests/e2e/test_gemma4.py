@@ -294,8 +294,10 @@ def test_the_disk_tier_restores_sliding_and_global_groups(gemma4, tmp_path):
     sliding ones' whose layers sit side by side in a tensor): a new engine on the same path
     finds every group's entries of turn 1's blocks, loads them, and continues turn 2 as HF
     does. With one sliding group's entry of block 4 gone from the disk the tier's run stops
-    before block 4 (every group's entry is needed); with another group's entry of block 2
-    corrupted, its load fails and the request computes from block 2 on, to the same tokens."""
+    before block 4 (every group's entry is needed; a sliding group loads only what its window
+    reads at the run's end); with the global group's entry of block 2 corrupted, its load
+    fails, the request is looked up again (the bad entry is gone), loads blocks 0 and 1 and
+    computes from block 2 on, to the same tokens."""
     folder, ref, _ = gemma4
     turn1 = PROMPTS[0] + PROMPTS[2] + PROMPTS[0]  # 81 tokens: the window (8) passes blocks during the prefill
     answer = hf_greedy(ref, turn1, NEW_TOKENS)
@@ -319,7 +321,7 @@ def test_the_disk_tier_restores_sliding_and_global_groups(gemma4, tmp_path):
     [store] = [path for path in (tmp_path / "tier").iterdir() if path.is_dir()]
     digests = [block_digest(h) for h in Request("turn1", turn2, SamplingParams()).get_block_hashes(16)]
     (store / f"{group_key(digests[4], 2).hex()}.kv").unlink()
-    corrupt = store / f"{group_key(digests[2], 1).hex()}.kv"
+    corrupt = store / f"{group_key(digests[2], 0).hex()}.kv"
     data = bytearray(corrupt.read_bytes())
     data[-7] ^= 0x10
     corrupt.write_bytes(bytes(data))
@@ -327,6 +329,6 @@ def test_the_disk_tier_restores_sliding_and_global_groups(gemma4, tmp_path):
     output = third.generate([turn2], SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True), use_tqdm=False)[0]
     assert list(output.outputs[0].token_ids) == expected
     stats = third.engine.get_stats()
-    assert stats.num_tier_hit_blocks == 4 and stats.num_tier_failed_loads == 1 and output.num_cached_tokens == 2 * 16
+    assert stats.num_tier_hit_blocks == 4 + 2 and stats.num_tier_failed_loads == 1 and output.num_cached_tokens == 2 * 16
     assert_engine_drained(third)
     third.shutdown()

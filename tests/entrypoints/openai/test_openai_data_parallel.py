@@ -125,7 +125,9 @@ def test_a_flood_of_one_prefix_is_spread_by_the_load_bound(server):
         codes: list[int] = []
 
         def send(i: int) -> None:
-            codes.append(complete(client, "flood " + PREFIX + str(i), max_tokens=48).status_code)
+            # Long enough that the flood is in flight at once even when the threads start
+            # slowly (a busy machine): 48 tokens once let 14 of 16 finish one by one on a replica.
+            codes.append(complete(client, "flood " + PREFIX + str(i), max_tokens=160).status_code)
 
         threads = [threading.Thread(target=send, args=(i,)) for i in range(16)]
         for t in threads:
