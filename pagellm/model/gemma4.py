@@ -82,8 +82,9 @@ class Gemma4Attention(nn.Module):
             self.k_proj = PackableLinear(h, kv_size, bias=config.attention_bias, kernel=kernel)
             self.k_norm = Gemma4RMSNorm(self.head_dim, config.rms_norm_eps)
             self.v_norm = Gemma4RMSNorm(self.head_dim, config.rms_norm_eps, with_scale=False)
-            if config.layer_has_value_projection(layer):
-                self.v_proj = PackableLinear(h, kv_size, bias=config.attention_bias, kernel=kernel)
+            # Keys as values (attention_k_eq_v): no v projection.
+            has_value = config.layer_has_value_projection(layer)
+            self.v_proj = PackableLinear(h, kv_size, bias=config.attention_bias, kernel=kernel) if has_value else None
         self.o_proj = PackableLinear(q_size, h, bias=config.attention_bias, kernel=kernel)
 
     def forward(
@@ -99,7 +100,7 @@ class Gemma4Attention(nn.Module):
         q = self.q_norm(self.q_proj(hidden).view(num_tokens, self.num_heads, self.head_dim))
         if self.owner == self.layer:
             raw_k = self.k_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
-            raw_v = raw_k if not hasattr(self, "v_proj") else self.v_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
+            raw_v = raw_k if self.v_proj is None else self.v_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
             q, k = apply_rotary(q, self.k_norm(raw_k), cos_sin)
             v = self.v_norm(raw_v)
             step_kv[self.layer] = (k, v)

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from pagellm.config.model import ModelConfig
-from pagellm.config.parallel import check_tp_size, rank_model_config
+from pagellm.config.parallel import check_tp_size, kv_heads_per_rank, rank_model_config
 
 
 @dataclass(frozen=True)
@@ -76,15 +76,12 @@ class TPLayout:
     def of(cls, config: ModelConfig, rank: int, size: int) -> TPLayout:
         check_tp_size(config, size)
         share = rank_model_config(config, size)
-        kv = config.num_key_value_heads
-        # Fewer KV heads than ranks: each is replicated on size // kv ranks.
-        first_kv = rank * share.num_key_value_heads if kv % size == 0 else rank // (size // kv)
         return cls(
             rank=rank,
             size=size,
             num_heads=share.num_attention_heads,
             num_kv_heads=share.num_key_value_heads,
-            first_kv_head=first_kv,
+            first_kv_head=_first_kv_head(config.num_key_value_heads, rank, size),
             intermediate_size=share.intermediate_size,
             expert_intermediate_size=share.expert_intermediate_size,
             shared_expert_intermediate_size=share.shared_expert_intermediate_size,
@@ -219,15 +216,22 @@ def _layer_of(hf_name: str) -> int | None:
     return None if match is None else int(match.group(1))
 
 
+def _first_kv_head(num_kv_heads: int, rank: int, size: int) -> int:
+    """The first of rank `rank`'s KV heads: its share's, or where there are fewer heads than
+    ranks the one it replicates (each on size // num_kv_heads ranks)."""
+    if num_kv_heads % size == 0:
+        return rank * kv_heads_per_rank(num_kv_heads, size)
+    return rank // (size // num_kv_heads)
+
+
 def _gemma4_fields(config: ModelConfig, rank: int, size: int) -> dict[str, object]:
     fields: dict[str, object] = {}
     if config.global_head_dim is not None or config.num_global_key_value_heads is not None:
         global_layers = [layer for layer in config.attention_layers if config.is_global_layer(layer)]
         kv = config.layer_kv_heads(global_layers[0])
-        per_rank = max(1, kv // size)
         fields.update(
             global_layers=frozenset(global_layers), global_head_dim=config.layer_head_dim(global_layers[0]),
-            num_global_kv_heads=per_rank, first_global_kv_head=rank * per_rank if kv % size == 0 else rank // (size // kv),
+            num_global_kv_heads=kv_heads_per_rank(kv, size), first_global_kv_head=_first_kv_head(kv, rank, size),
         )  # fmt: skip
     if config.double_wide_shared_mlp:
         fields["double_wide_layers"] = frozenset(

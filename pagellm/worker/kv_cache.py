@@ -45,20 +45,17 @@ def allocate_kv_caches(
             torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
             for _ in range(layout.layers_per_block)
         ]
-    # A hybrid's linear-attention layers keep recurrent state instead (worker/recurrent_state.py).
-    if layout.uniform:
-        return [
-            NO_KV_CACHE if config.is_linear_attention_layer(layer) else tensors[layout.tensor_of_layer(layer)]
-            for layer in range(config.num_hidden_layers)
-        ]
     caches = []
     for layer in range(config.num_hidden_layers):
-        if config.is_linear_attention_layer(layer):
+        if config.is_linear_attention_layer(layer):  # recurrent state instead (worker/recurrent_state.py)
             caches.append(NO_KV_CACHE)
             continue
         place = layout.place_of_layer(layer)
-        columns = tensors[place.tensor][..., place.column : place.column + place.num_kv_heads * place.head_dim]
-        caches.append(columns.unflatten(-1, (place.num_kv_heads, place.head_dim)))
+        tensor = tensors[place.tensor]
+        if not layout.uniform:  # the layer's columns
+            columns = tensor[..., place.column : place.column + place.num_kv_heads * place.head_dim]
+            tensor = columns.unflatten(-1, (place.num_kv_heads, place.head_dim))
+        caches.append(tensor)
     return caches
 
 
