@@ -150,6 +150,7 @@ SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
         c_int64, c_int64, c_int, c_int,  # m, k, kernel (csrc/kernels.h LINEAR_*), num threads
     ]),
     "quant_type_supported": (c_int, [c_int]),
+    "quant_set_codebooks": (None, [c_void_p] * 7),  # iq2xxs, iq2xs, iq2s, iq3xxs, iq3s, iq1s, iq4nl (codebooks.py)
     "weight_row_bytes": (c_int64, [c_int, c_int64]),
     "dequantize_rows_bf16": (None, [c_void_p, c_int64, c_int64, c_int64, c_void_p]),  # part*, row0, count, k, out
     "quant_int8_repack": (None, [c_void_p, c_void_p, c_int64, c_int64, c_int64]),  # src, dst, rows, row bytes, k

@@ -23,13 +23,29 @@ from pagellm.kernels.build import load_kernels
 class WeightType(enum.IntEnum):
     """The types the kernels know; GGML's numbers where GGML has the type."""
 
+    F16 = 1
     Q4_0 = 2
     Q4_1 = 3
+    Q5_0 = 6
+    Q5_1 = 7
     Q8_0 = 8
+    Q2_K = 10
+    Q3_K = 11
     Q4_K = 12
     Q5_K = 13
     Q6_K = 14
+    IQ2_XXS = 16
+    IQ2_XS = 17
+    IQ3_XXS = 18
+    IQ1_S = 19
+    IQ4_NL = 20
+    IQ3_S = 21
+    IQ2_S = 22
+    IQ4_XS = 23
+    IQ1_M = 29
     BF16 = 30
+    TQ1_0 = 34
+    TQ2_0 = 35
     MXFP4 = 39  # OCP microscaling: 32 E2M1 values sharing an E8M0 exponent (gpt-oss's experts)
     I8_ROW = 1000  # int8 rows, per-row float32 scales
     Q4_0_VNNI = 1002  # Q4_0 repacked for the int8-activation kernel (vnni_part)
@@ -37,7 +53,8 @@ class WeightType(enum.IntEnum):
 
     @property
     def block_elements(self) -> int:
-        return 256 if self in (WeightType.Q4_K, WeightType.Q5_K, WeightType.Q6_K) else 32
+        """Weights per block along a row (F16: the kernels read 32 at a time)."""
+        return 32 if self in _GROUP_TYPES else 256
 
     @property
     def label(self) -> str:
@@ -46,10 +63,20 @@ class WeightType(enum.IntEnum):
         )
 
 
+# Bytes of one block as a GGUF file stores it (F16: 32 values, the kernels' unit).
 _BLOCK_BYTES = {
-    WeightType.Q4_0: 18, WeightType.Q4_1: 20, WeightType.Q8_0: 34,
-    WeightType.Q4_K: 144, WeightType.Q5_K: 176, WeightType.Q6_K: 210, WeightType.MXFP4: 17,
+    WeightType.Q4_0: 18, WeightType.Q4_1: 20, WeightType.Q8_0: 34, WeightType.MXFP4: 17,
+    WeightType.Q5_0: 22, WeightType.Q5_1: 24, WeightType.IQ4_NL: 18, WeightType.F16: 64,
+    WeightType.Q4_K: 144, WeightType.Q5_K: 176, WeightType.Q6_K: 210, WeightType.Q2_K: 84, WeightType.Q3_K: 110,
+    WeightType.IQ4_XS: 136, WeightType.IQ3_XXS: 98, WeightType.IQ3_S: 110, WeightType.IQ2_XXS: 66,
+    WeightType.IQ2_XS: 74, WeightType.IQ2_S: 82, WeightType.IQ1_S: 50, WeightType.IQ1_M: 56,
+    WeightType.TQ1_0: 54, WeightType.TQ2_0: 66,
 }  # fmt: skip
+# The types whose blocks hold 32 weights (the others 256; BF16 and int8 rows are not blocks).
+_GROUP_TYPES = frozenset({
+    WeightType.Q4_0, WeightType.Q4_1, WeightType.Q8_0, WeightType.MXFP4, WeightType.Q5_0, WeightType.Q5_1,
+    WeightType.IQ4_NL, WeightType.F16, WeightType.BF16, WeightType.I8_ROW, WeightType.Q4_0_VNNI, WeightType.Q4_1_VNNI,
+})  # fmt: skip
 QUANTIZED_TYPES = frozenset(_BLOCK_BYTES)
 MAX_PARTS = abi.MAX_PARTS
 

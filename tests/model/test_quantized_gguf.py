@@ -152,11 +152,16 @@ def test_dequantized_path_is_still_exact(quantized_gguf, hf_reference):
         torch.testing.assert_close(prefill_logits(model, ids, torch.float32), ref, rtol=1e-4, atol=1e-4)
 
 
-def test_unknown_type_is_dequantized_and_named(tmp_path, caplog):
+def test_unknown_type_is_dequantized_and_named(tmp_path, caplog, monkeypatch):
+    from pagellm.model.loader import model_loader
+
     folder = make_tiny_hf_checkpoint(tmp_path / "hf", "llama", **SHAPE)
     cfg = json.loads((folder / "config.json").read_text())
-    types = {**TYPE_MAPS["legacy"], "ffn_up": T.Q5_0}  # no kernel for Q5_0
+    types = {**TYPE_MAPS["legacy"], "ffn_up": T.Q5_0}
     path = write_gguf_from_hf(folder, tmp_path / "m.gguf", cfg, quant_by_kind=types)
+    # A kernel build without Q5_0 (every type gguf can write has kernels now).
+    supported = model_loader.kernels_support
+    monkeypatch.setattr(model_loader, "kernels_support", lambda t: t is not WeightType.Q5_0 and supported(t))
     with caplog.at_level(logging.INFO, logger="pagellm.model.loader.gguf_loader"):
         model = load(path, torch.bfloat16, "auto")
     assert "blk.0.ffn_up.weight (Q5_0) has no native kernel here: dequantized" in caplog.text

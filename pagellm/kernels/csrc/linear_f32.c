@@ -105,6 +105,10 @@ static inline __attribute__((always_inline)) void group_floats(int type, const u
     GroupScale gs;
     __m256i bytes;
     int is_signed = 0;
+    if (type == WEIGHT_F16) { /* exact in float32 */
+        for (int j = 0; j < 4; j++) w[j] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + 64 * g + 16 * j)));
+        return;
+    }
     if (type == WEIGHT_MXFP4) { /* signed codes, d = 2^(E - 128) (quant_groups.h) */
         const __m256i packed = _mm256_loadu_si256((const __m256i *)(row + 32 * (g >> 1)));
         const __m256i codes = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i *)MXFP4_SIGNED_TABLE));
@@ -126,7 +130,8 @@ static inline __attribute__((always_inline)) void group_floats(int type, const u
         gs.scale_lo = gs.scale_hi = type == WEIGHT_Q8_0 ? half_to_float(row + k + 2 * g) : row_scale;
         gs.min_lo = gs.min_hi = 0.0f;
     } else {
-        bytes = k_group_bytes(type, row, g, &gs);
+        bytes = group_bytes(type, row, g, &gs);
+        is_signed = group_bytes_signed(type);
     }
     __m256 f[4];
     bytes_to_floats(bytes, is_signed, f);
@@ -385,6 +390,32 @@ static inline __attribute__((always_inline)) void dot16_q6k_block(int M, const X
     }
 }
 
+/* The types dot16_row reads; the others stream through stream_group_row. */
+static inline int dot16_type(int type) {
+    return type == WEIGHT_Q4_0 || type == WEIGHT_Q4_1 || type == WEIGHT_Q8_0 || type == WEIGHT_I8_ROW ||
+           type == WEIGHT_MXFP4 || type == WEIGHT_Q4_K || type == WEIGHT_Q5_K || type == WEIGHT_Q6_K;
+}
+
+/* One row of any other type against M rows of float32 x: each group dequantized to float32
+ * in registers (group_floats) and multiplied in, two accumulators per row. */
+static inline __attribute__((always_inline)) void stream_group_row(int type, int M, const float *x, int64_t k,
+                                                                   const uint8_t *row, float *result) {
+    __m256 acc0[F32_STREAM_ROWS], acc1[F32_STREAM_ROWS];
+    for (int r = 0; r < M; r++) acc0[r] = acc1[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < k / GROUP; g++) {
+        __m256 w[4];
+        group_floats(type, row, g, k, 1.0f, w);
+        for (int r = 0; r < M; r++) {
+            const float *xg = x + r * k + g * GROUP;
+            acc0[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xg), w[0], acc0[r]);
+            acc1[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xg + 8), w[1], acc1[r]);
+            acc0[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xg + 16), w[2], acc0[r]);
+            acc1[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xg + 24), w[3], acc1[r]);
+        }
+    }
+    for (int r = 0; r < M; r++) result[r] = sum8(_mm256_add_ps(acc0[r], acc1[r]));
+}
+
 /* One Q4_0 / Q4_1 / Q8_0 / int8 / K-quant row against M (<= F32_STREAM_ROWS) rows of x:
  * result[r] = x[r] . w. */
 static inline __attribute__((always_inline)) void dot16_row(int type, int M, const XGroups *xg, int64_t k,
@@ -448,8 +479,10 @@ typedef void (*stream_fn)(const float *x, const XGroups *xg, int64_t k, const We
             const float row_scale = p->row_scales ? p->row_scales[n] : 1.0f;                                     \
             if (TYPE == WEIGHT_BF16)                                                                             \
                 stream_bf16_row(M, x, k, (const uint16_t *)row, result);                                         \
-            else                                                                                                 \
+            else if (dot16_type(TYPE))                                                                           \
                 dot16_row(TYPE, M, xg, k, row, row_scale, result);                                               \
+            else                                                                                                 \
+                stream_group_row(TYPE, M, x, k, row, result);                                                    \
             const float b = bias ? bf16_to_float(bias[n]) : 0.0f;                                                \
             for (int r = 0; r < M; r++) store_float(out, r * out_stride + n, result[r] + b, out_f32);            \
         }                                                                                                        \
@@ -469,12 +502,34 @@ STREAM_KERNELS(stream_q5_k, WEIGHT_Q5_K)
 STREAM_KERNELS(stream_q6_k, WEIGHT_Q6_K)
 STREAM_KERNELS(stream_i8_row, WEIGHT_I8_ROW)
 STREAM_KERNELS(stream_bf16, WEIGHT_BF16)
+STREAM_KERNELS(stream_q5_0, WEIGHT_Q5_0)
+STREAM_KERNELS(stream_q5_1, WEIGHT_Q5_1)
+STREAM_KERNELS(stream_q2_k, WEIGHT_Q2_K)
+STREAM_KERNELS(stream_q3_k, WEIGHT_Q3_K)
+STREAM_KERNELS(stream_iq4_nl, WEIGHT_IQ4_NL)
+STREAM_KERNELS(stream_iq4_xs, WEIGHT_IQ4_XS)
+STREAM_KERNELS(stream_iq3_xxs, WEIGHT_IQ3_XXS)
+STREAM_KERNELS(stream_iq3_s, WEIGHT_IQ3_S)
+STREAM_KERNELS(stream_iq2_xxs, WEIGHT_IQ2_XXS)
+STREAM_KERNELS(stream_iq2_xs, WEIGHT_IQ2_XS)
+STREAM_KERNELS(stream_iq2_s, WEIGHT_IQ2_S)
+STREAM_KERNELS(stream_iq1_s, WEIGHT_IQ1_S)
+STREAM_KERNELS(stream_iq1_m, WEIGHT_IQ1_M)
+STREAM_KERNELS(stream_tq1_0, WEIGHT_TQ1_0)
+STREAM_KERNELS(stream_tq2_0, WEIGHT_TQ2_0)
+STREAM_KERNELS(stream_f16, WEIGHT_F16)
 
 /* Indexed like WEIGHT_TYPES. */
 static const stream_fn *const STREAM_KERNELS_BY_TYPE[WEIGHT_TYPE_COUNT] = {
     [WEIGHT_INDEX_Q4_0] = stream_q4_0, [WEIGHT_INDEX_Q4_1] = stream_q4_1, [WEIGHT_INDEX_Q8_0] = stream_q8_0,
     [WEIGHT_INDEX_Q4_K] = stream_q4_k, [WEIGHT_INDEX_Q5_K] = stream_q5_k, [WEIGHT_INDEX_Q6_K] = stream_q6_k,
     [WEIGHT_INDEX_I8_ROW] = stream_i8_row, [WEIGHT_INDEX_BF16] = stream_bf16, [WEIGHT_INDEX_MXFP4] = stream_mxfp4,
+    [WEIGHT_INDEX_Q5_0] = stream_q5_0, [WEIGHT_INDEX_Q5_1] = stream_q5_1, [WEIGHT_INDEX_Q2_K] = stream_q2_k,
+    [WEIGHT_INDEX_Q3_K] = stream_q3_k, [WEIGHT_INDEX_IQ4_NL] = stream_iq4_nl, [WEIGHT_INDEX_IQ4_XS] = stream_iq4_xs,
+    [WEIGHT_INDEX_IQ3_XXS] = stream_iq3_xxs, [WEIGHT_INDEX_IQ3_S] = stream_iq3_s,
+    [WEIGHT_INDEX_IQ2_XXS] = stream_iq2_xxs, [WEIGHT_INDEX_IQ2_XS] = stream_iq2_xs, [WEIGHT_INDEX_IQ2_S] = stream_iq2_s,
+    [WEIGHT_INDEX_IQ1_S] = stream_iq1_s, [WEIGHT_INDEX_IQ1_M] = stream_iq1_m, [WEIGHT_INDEX_TQ1_0] = stream_tq1_0,
+    [WEIGHT_INDEX_TQ2_0] = stream_tq2_0, [WEIGHT_INDEX_F16] = stream_f16,
 };
 
 static const stream_fn *stream_kernels(int type) {
@@ -529,6 +584,22 @@ static void dequantize_float(const WeightPart *p, int64_t row0, int64_t count, i
             case WEIGHT_Q4_K: group_floats(WEIGHT_Q4_K, row, g, k, row_scale, w); break;
             case WEIGHT_Q5_K: group_floats(WEIGHT_Q5_K, row, g, k, row_scale, w); break;
             case WEIGHT_Q6_K: group_floats(WEIGHT_Q6_K, row, g, k, row_scale, w); break;
+            case WEIGHT_Q5_0: group_floats(WEIGHT_Q5_0, row, g, k, row_scale, w); break;
+            case WEIGHT_Q5_1: group_floats(WEIGHT_Q5_1, row, g, k, row_scale, w); break;
+            case WEIGHT_Q2_K: group_floats(WEIGHT_Q2_K, row, g, k, row_scale, w); break;
+            case WEIGHT_Q3_K: group_floats(WEIGHT_Q3_K, row, g, k, row_scale, w); break;
+            case WEIGHT_IQ4_NL: group_floats(WEIGHT_IQ4_NL, row, g, k, row_scale, w); break;
+            case WEIGHT_IQ4_XS: group_floats(WEIGHT_IQ4_XS, row, g, k, row_scale, w); break;
+            case WEIGHT_IQ3_XXS: group_floats(WEIGHT_IQ3_XXS, row, g, k, row_scale, w); break;
+            case WEIGHT_IQ3_S: group_floats(WEIGHT_IQ3_S, row, g, k, row_scale, w); break;
+            case WEIGHT_IQ2_XXS: group_floats(WEIGHT_IQ2_XXS, row, g, k, row_scale, w); break;
+            case WEIGHT_IQ2_XS: group_floats(WEIGHT_IQ2_XS, row, g, k, row_scale, w); break;
+            case WEIGHT_IQ2_S: group_floats(WEIGHT_IQ2_S, row, g, k, row_scale, w); break;
+            case WEIGHT_IQ1_S: group_floats(WEIGHT_IQ1_S, row, g, k, row_scale, w); break;
+            case WEIGHT_IQ1_M: group_floats(WEIGHT_IQ1_M, row, g, k, row_scale, w); break;
+            case WEIGHT_TQ1_0: group_floats(WEIGHT_TQ1_0, row, g, k, row_scale, w); break;
+            case WEIGHT_TQ2_0: group_floats(WEIGHT_TQ2_0, row, g, k, row_scale, w); break;
+            case WEIGHT_F16: group_floats(WEIGHT_F16, row, g, k, row_scale, w); break;
             default: group_floats(WEIGHT_I8_ROW, row, g, k, row_scale, w); break;
             }
             for (int j = 0; j < 4; j++) _mm256_storeu_ps(dst + g * GROUP + 8 * j, w[j]);
@@ -619,7 +690,7 @@ void linear_weight_part(const uint16_t *x, int64_t x_stride, const Weight *w, co
                 xf = grow_buffer((void **)&x_buffer, &x_capacity, sizeof(float) * (size_t)(m * k));
                 x_to_float(x, x_stride, m, k, xf);
             }
-            if (stream && groups.q == NULL && p->type != WEIGHT_BF16) {
+            if (stream && groups.q == NULL && dot16_type(p->type)) {
                 const size_t per_row = sizeof(float) * 2 * (size_t)group_sums_stride(k) + sizeof(int16_t) * (size_t)k;
                 char *buffer = grow_buffer((void **)&groups_buffer, &groups_capacity, per_row * (size_t)m);
                 groups.sums = (float *)buffer;

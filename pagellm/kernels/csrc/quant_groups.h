@@ -128,4 +128,292 @@ static inline __attribute__((always_inline)) __m256i k_group_bytes(int type, con
     return u;
 }
 
+/* The other GGUF types, read in the file's own layout, 32 weights at a time as unsigned
+ * integers u <= 127 with a scale and an offset per 16 (so the kernels' arithmetic on u is
+ * the K-quants'), except IQ4_NL / IQ4_XS, whose 4-bit codes index a table of signed
+ * values (-127..113), and the ternary TQ types: those come out as their signed values
+ * (group_bytes_signed). Each type's
+ * integers, from its definition (the `gguf` package's reference dequantization is the
+ * test's reference):
+ *   Q5_0 / Q5_1  (32)  a nibble plus a fifth bit from the block's 32-bit qh: u 0..31,
+ *                      w = d (u - 16), or d u + m;
+ *   Q2_K  (256)   2-bit u, each 16 with a 4-bit scale and a 4-bit min: w = d sc u - dmin m;
+ *   Q3_K  (256)   2 bits plus a high bit (set means no offset): u 0..7, w = d (sc - 32) (u - 4);
+ *   TQ2_0 / TQ1_0 (256)  ternary digits (2 bits, or base 3 packed 5 to a byte) t: w = d (t - 1);
+ *   IQ2_XXS / IQ2_XS / IQ2_S, IQ3_XXS / IQ3_S (256)  runs of 8 (IQ3: 4) magnitudes from a
+ *                      codebook indexed by 8-10 bits, with sign bits (XXS / XS: 7 stored, the
+ *                      eighth making their count even): v = sign * grid value, u = v + 64;
+ *   IQ1_S / IQ1_M (256)  runs of 8 values in {-1, 0, 1} from an 11-bit codebook index, plus
+ *                      a shift of +-1/8 per 32 (IQ1_M: per 8): v = 8 grid +- 1, u = v + 16,
+ *                      the scale divided by 8.
+ * The codebooks are kernels/codebooks.py's, set once per library (quant_set_codebooks). */
+typedef struct {
+    const uint64_t *iq2xxs, *iq2xs, *iq2s; /* 8 magnitudes a byte each: [256], [512], [1024] */
+    const uint32_t *iq3xxs, *iq3s;         /* 4 magnitudes a byte each: [256], [512] */
+    const uint64_t *iq1s;                  /* 8 int8 in {-1, 0, 1}: [2048] */
+    const int8_t *iq4nl;                   /* [16] */
+} Codebooks;
+extern Codebooks quant_codebooks;
+
+#define Q2_K_BLOCK_BYTES 84
+#define Q3_K_BLOCK_BYTES 110
+#define IQ4_XS_BLOCK_BYTES 136
+#define IQ3_XXS_BLOCK_BYTES 98
+#define IQ3_S_BLOCK_BYTES 110
+#define IQ2_XXS_BLOCK_BYTES 66
+#define IQ2_XS_BLOCK_BYTES 74
+#define IQ2_S_BLOCK_BYTES 82
+#define IQ1_S_BLOCK_BYTES 50
+#define IQ1_M_BLOCK_BYTES 56
+#define TQ1_0_BLOCK_BYTES 54
+#define TQ2_0_BLOCK_BYTES 66
+
+/* The types whose groups come out as signed values rather than u: IQ4's (beyond 7 bits) and
+ * the ternary ones (-1, 0, 1: as 128 + u, their dot products would be mostly offset). */
+static inline int group_bytes_signed(int type) {
+    return type == WEIGHT_IQ4_NL || type == WEIGHT_IQ4_XS || type == WEIGHT_TQ1_0 || type == WEIGHT_TQ2_0;
+}
+
+static inline uint32_t load_u32(const uint8_t *p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+static inline uint16_t load_u16(const uint8_t *p) {
+    uint16_t v;
+    memcpy(&v, p, 2);
+    return v;
+}
+
+/* Byte i of the result is `value` where bit i of `bits` is set, else 0. */
+static inline __m256i bits32_to_bytes(uint32_t bits, char value) {
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits),
+                                               _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2,
+                                                                2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ull);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(value));
+}
+
+/* 16 bytes of nibbles as 32 bytes: the low nibbles (elements 0-15), then the high ones. */
+static inline __m256i nibbles_in_order(const uint8_t *qs) {
+    const __m128i packed = _mm_loadu_si128((const __m128i *)qs), low4 = _mm_set1_epi8(0x0F);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(packed, 4), low4), _mm_and_si128(packed, low4));
+}
+
+/* Eight sign bits as +-1 factors applied to 8 magnitudes, plus `offset`: u = offset + sign * m. */
+static inline void signed_run(uint8_t *u, uint64_t magnitudes, unsigned signs, int offset) {
+    for (int j = 0; j < 8; j++) {
+        const int m = (int)((magnitudes >> (8 * j)) & 0xFF);
+        u[j] = (uint8_t)(offset + ((signs >> j) & 1 ? -m : m));
+    }
+}
+
+/* The eighth sign of IQ2_XXS / IQ2_XS / IQ3_XXS's 7 stored ones: their count is even. */
+static inline unsigned even_signs(unsigned seven) { return seven | ((unsigned)__builtin_parity(seven) << 7); }
+
+/* Groups of the codebook types and TQ1_0, decoded in scalar code into u[32]. */
+static inline void codebook_group(int type, const uint8_t *row, int64_t g, uint8_t *u, GroupScale *gs) {
+    const int64_t ib = g & 7;
+    const Codebooks *cb = &quant_codebooks;
+    switch (type) {
+    case WEIGHT_IQ2_XXS: {
+        const uint8_t *block = row + (g >> 3) * IQ2_XXS_BLOCK_BYTES, *q = block + 2 + 8 * ib;
+        const uint32_t aux = load_u32(q + 4);
+        gs->scale_lo = gs->scale_hi = half_to_float(block) * (0.5f + (float)(aux >> 28)) * 0.25f;
+        for (int l = 0; l < 4; l++) signed_run(u + 8 * l, cb->iq2xxs[q[l]], even_signs((aux >> (7 * l)) & 127), 64);
+        gs->min_lo = gs->min_hi = -64.0f * gs->scale_lo;
+        return;
+    }
+    case WEIGHT_IQ2_XS: {
+        const uint8_t *block = row + (g >> 3) * IQ2_XS_BLOCK_BYTES, *q = block + 2 + 8 * ib;
+        const float d = half_to_float(block);
+        const uint8_t scales = block[66 + ib];
+        gs->scale_lo = d * (0.5f + (float)(scales & 0xF)) * 0.25f;
+        gs->scale_hi = d * (0.5f + (float)(scales >> 4)) * 0.25f;
+        for (int l = 0; l < 4; l++) {
+            const uint16_t entry = load_u16(q + 2 * l);
+            signed_run(u + 8 * l, cb->iq2xs[entry & 511], even_signs(entry >> 9), 64);
+        }
+        break;
+    }
+    case WEIGHT_IQ2_S: {
+        const uint8_t *block = row + (g >> 3) * IQ2_S_BLOCK_BYTES;
+        const float d = half_to_float(block);
+        const uint8_t scales = block[74 + ib], high = block[66 + ib];
+        gs->scale_lo = d * (0.5f + (float)(scales & 0xF)) * 0.25f;
+        gs->scale_hi = d * (0.5f + (float)(scales >> 4)) * 0.25f;
+        for (int l = 0; l < 4; l++) {
+            const int index = block[2 + 4 * ib + l] | (((high >> (2 * l)) & 3) << 8);
+            signed_run(u + 8 * l, cb->iq2s[index], block[34 + 4 * ib + l], 64);
+        }
+        break;
+    }
+    case WEIGHT_IQ3_XXS: {
+        const uint8_t *block = row + (g >> 3) * IQ3_XXS_BLOCK_BYTES, *q = block + 2 + 8 * ib;
+        const uint32_t aux = load_u32(block + 66 + 4 * ib);
+        gs->scale_lo = gs->scale_hi = half_to_float(block) * (0.5f + (float)(aux >> 28)) * 0.5f;
+        for (int l = 0; l < 4; l++) {
+            const uint64_t magnitudes = (uint64_t)cb->iq3xxs[q[2 * l]] | (uint64_t)cb->iq3xxs[q[2 * l + 1]] << 32;
+            signed_run(u + 8 * l, magnitudes, even_signs((aux >> (7 * l)) & 127), 64);
+        }
+        gs->min_lo = gs->min_hi = -64.0f * gs->scale_lo;
+        return;
+    }
+    case WEIGHT_IQ3_S: {
+        const uint8_t *block = row + (g >> 3) * IQ3_S_BLOCK_BYTES, *q = block + 2 + 8 * ib;
+        const uint8_t high = block[66 + ib];
+        gs->scale_lo = gs->scale_hi = half_to_float(block) * (float)(1 + 2 * ((block[106 + ib / 2] >> (4 * (ib & 1))) & 0xF));
+        for (int l = 0; l < 4; l++) {
+            const int first = q[2 * l] | (((high >> (2 * l)) & 1) << 8);
+            const int second = q[2 * l + 1] | (((high >> (2 * l + 1)) & 1) << 8);
+            signed_run(u + 8 * l, (uint64_t)cb->iq3s[first] | (uint64_t)cb->iq3s[second] << 32, block[74 + 4 * ib + l], 64);
+        }
+        gs->min_lo = gs->min_hi = -64.0f * gs->scale_lo;
+        return;
+    }
+    case WEIGHT_IQ1_S: {
+        const uint8_t *block = row + (g >> 3) * IQ1_S_BLOCK_BYTES;
+        const uint16_t high = load_u16(block + 34 + 2 * ib);
+        const int shift = (high & 0x8000) ? -1 : 1; /* the delta, 1/8, times 8 */
+        gs->scale_lo = gs->scale_hi = half_to_float(block) * (float)(2 * ((high >> 12) & 7) + 1) * 0.125f;
+        for (int l = 0; l < 4; l++) {
+            const uint64_t values = cb->iq1s[block[2 + 4 * ib + l] | (((high >> (3 * l)) & 7) << 8)];
+            for (int j = 0; j < 8; j++) u[8 * l + j] = (uint8_t)(16 + 8 * (int8_t)(values >> (8 * j)) + shift);
+        }
+        gs->min_lo = gs->min_hi = -16.0f * gs->scale_lo;
+        return;
+    }
+    case WEIGHT_IQ1_M: {
+        const uint8_t *block = row + (g >> 3) * IQ1_M_BLOCK_BYTES;
+        uint16_t sc[4];
+        memcpy(sc, block + 48, 8);
+        const uint16_t d_bits = (uint16_t)((sc[0] >> 12) | ((sc[1] >> 8) & 0xF0) | ((sc[2] >> 4) & 0xF00) | (sc[3] & 0xF000));
+        const float d = _cvtsh_ss(d_bits);
+        const int shift = 6 * (int)(ib & 1);
+        gs->scale_lo = d * (float)(2 * ((sc[ib / 2] >> shift) & 7) + 1) * 0.125f;
+        gs->scale_hi = d * (float)(2 * ((sc[ib / 2] >> (shift + 3)) & 7) + 1) * 0.125f;
+        for (int l = 0; l < 4; l++) {
+            const int nibble = (block[32 + 2 * ib + l / 2] >> (4 * (l & 1))) & 0xF;
+            const uint64_t values = cb->iq1s[block[4 * ib + l] | ((nibble & 7) << 8)];
+            const int delta = (nibble & 8) ? -1 : 1;
+            for (int j = 0; j < 8; j++) u[8 * l + j] = (uint8_t)(16 + 8 * (int8_t)(values >> (8 * j)) + delta);
+        }
+        gs->min_lo = -16.0f * gs->scale_lo;
+        gs->min_hi = -16.0f * gs->scale_hi;
+        return;
+    }
+    case WEIGHT_TQ1_0: { /* digit of a byte q at place p: ((uint8)(q * 3^p) * 3) >> 8 */
+        static const uint8_t powers[5] = {1, 3, 9, 27, 81};
+        const uint8_t *block = row + (g >> 3) * TQ1_0_BLOCK_BYTES;
+        gs->scale_lo = gs->scale_hi = half_to_float(block + 52);
+        gs->min_lo = gs->min_hi = 0.0f;
+        for (int i = 0; i < 32; i++) {
+            int byte, place;
+            if (ib < 5) { /* elements 32 p + i of the first 32 bytes */
+                byte = block[i];
+                place = (int)ib;
+            } else { /* then 16 p + i of the next 16, then 4 p + i of the last 4 */
+                const int e = 32 * (int)ib + i - 160;
+                if (e < 80) {
+                    byte = block[32 + e % 16];
+                    place = e / 16;
+                } else {
+                    byte = block[48 + (e - 80) % 4];
+                    place = (e - 80) / 4;
+                }
+            }
+            u[i] = (uint8_t)((((uint8_t)(byte * powers[place]) * 3) >> 8) - 1); /* the signed digit */
+        }
+        return;
+    }
+    default: break;
+    }
+    gs->min_lo = -64.0f * gs->scale_lo; /* the types with a scale per 16 */
+    gs->min_hi = -64.0f * gs->scale_hi;
+}
+
+/* Group g of any type read in the file's own layout (the K-quants and the types above):
+ * 32 bytes, unsigned u (signed values for group_bytes_signed types), and the scales. */
+static inline __attribute__((always_inline)) __m256i group_bytes(int type, const uint8_t *row, int64_t g,
+                                                                 GroupScale *gs) {
+    const int64_t sub = g & 7;
+    switch (type) {
+    case WEIGHT_Q4_K:
+    case WEIGHT_Q5_K:
+    case WEIGHT_Q6_K: return k_group_bytes(type, row, g, gs);
+    case WEIGHT_Q5_0:
+    case WEIGHT_Q5_1: {
+        const uint8_t *block = row + g * (type == WEIGHT_Q5_0 ? 22 : 24);
+        const uint8_t *qh = block + (type == WEIGHT_Q5_0 ? 2 : 4);
+        const float d = half_to_float(block);
+        gs->scale_lo = gs->scale_hi = d;
+        gs->min_lo = gs->min_hi = type == WEIGHT_Q5_0 ? -16.0f * d : half_to_float(block + 2);
+        return _mm256_or_si256(nibbles_in_order(qh + 4), bits32_to_bytes(load_u32(qh), 0x10));
+    }
+    case WEIGHT_Q2_K:
+    case WEIGHT_TQ2_0: { /* group 4 h + s: bits 2 s of the 32 bytes at 32 h */
+        const int is_q2 = type == WEIGHT_Q2_K;
+        const uint8_t *block = row + (g >> 3) * (is_q2 ? Q2_K_BLOCK_BYTES : TQ2_0_BLOCK_BYTES);
+        const __m256i packed = _mm256_loadu_si256((const __m256i *)(block + (is_q2 ? 16 : 0) + 32 * (sub >> 2)));
+        const __m256i u = _mm256_and_si256(_mm256_srl_epi16(packed, _mm_cvtsi64_si128(2 * (sub & 3))), _mm256_set1_epi8(3));
+        if (is_q2) {
+            const float d = half_to_float(block + 80), dmin = half_to_float(block + 82);
+            const uint8_t lo = block[2 * sub], hi = block[2 * sub + 1];
+            gs->scale_lo = d * (float)(lo & 0xF);
+            gs->scale_hi = d * (float)(hi & 0xF);
+            gs->min_lo = -dmin * (float)(lo >> 4);
+            gs->min_hi = -dmin * (float)(hi >> 4);
+            return u;
+        }
+        gs->scale_lo = gs->scale_hi = half_to_float(block + 64);
+        gs->min_lo = gs->min_hi = 0.0f;
+        return _mm256_sub_epi8(u, _mm256_set1_epi8(1)); /* signed t - 1 (3, which no quantizer writes, reads as 2) */
+    }
+    case WEIGHT_Q3_K: {
+        const uint8_t *block = row + (g >> 3) * Q3_K_BLOCK_BYTES, *scales = block + 96;
+        const __m256i packed = _mm256_loadu_si256((const __m256i *)(block + 32 + 32 * (sub >> 2)));
+        const __m256i low = _mm256_and_si256(_mm256_srl_epi16(packed, _mm_cvtsi64_si128(2 * (sub & 3))), _mm256_set1_epi8(3));
+        const __m256i mask = _mm256_loadu_si256((const __m256i *)block);
+        const __m256i high = _mm256_and_si256(_mm256_srl_epi16(mask, _mm_cvtsi64_si128(sub)), _mm256_set1_epi8(1));
+        const float d = half_to_float(block + 108);
+        float scale[2];
+        for (int h = 0; h < 2; h++) {
+            const int j = 2 * (int)sub + h;
+            const int low4 = j < 8 ? scales[j] & 0xF : scales[j - 8] >> 4;
+            const int high2 = (scales[8 + j % 4] >> (2 * (j / 4))) & 3;
+            scale[h] = d * (float)((low4 | (high2 << 4)) - 32);
+        }
+        gs->scale_lo = scale[0];
+        gs->scale_hi = scale[1];
+        gs->min_lo = -4.0f * scale[0];
+        gs->min_hi = -4.0f * scale[1];
+        return _mm256_or_si256(low, _mm256_slli_epi16(high, 2));
+    }
+    case WEIGHT_IQ4_NL:
+    case WEIGHT_IQ4_XS: {
+        const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)quant_codebooks.iq4nl));
+        const uint8_t *qs;
+        if (type == WEIGHT_IQ4_NL) {
+            const uint8_t *block = row + g * 18;
+            gs->scale_lo = gs->scale_hi = half_to_float(block);
+            qs = block + 2;
+        } else {
+            const uint8_t *block = row + (g >> 3) * IQ4_XS_BLOCK_BYTES;
+            const int low4 = (block[4 + sub / 2] >> (4 * (sub & 1))) & 0xF;
+            const int high2 = (load_u16(block + 2) >> (2 * sub)) & 3;
+            gs->scale_lo = gs->scale_hi = half_to_float(block) * (float)((low4 | (high2 << 4)) - 32);
+            qs = block + 8 + 16 * sub;
+        }
+        gs->min_lo = gs->min_hi = 0.0f;
+        return _mm256_shuffle_epi8(table, nibbles_in_order(qs));
+    }
+    default: {
+        uint8_t u[32] __attribute__((aligned(32)));
+        codebook_group(type, row, g, u, gs);
+        return _mm256_load_si256((const __m256i *)u);
+    }
+    }
+}
+
 #endif

@@ -56,19 +56,24 @@ int64_t weight_row_bytes(int type, int64_t k) {
 #if defined(__AVX512BF16__)
 int quant_type_supported(int type) { return weight_row_bytes(type, 256) > 0 && type != WEIGHT_BF16; }
 
-/* Whether group_words gives 128 + u (unsigned types) rather than u itself (signed ones). */
-static inline int words_shifted(int type) { return type != WEIGHT_I8_ROW; }
+/* Whether group_words gives 128 + u (unsigned types) rather than the values themselves
+ * (int8 rows, the IQ4 codes' signed values, F16). */
+static inline int words_shifted(int type) {
+    return type != WEIGHT_I8_ROW && type != WEIGHT_F16 && !group_bytes_signed(type);
+}
 
 static inline __m512i unsigned_words(__m256i bytes) {
     return _mm512_or_si512(_mm512_cvtepu8_epi16(bytes), _mm512_set1_epi16(0x4300));
 }
 
-static inline __m512i signed_words(const int8_t *q) {
-    __m128i lo = _mm_loadu_si128((const __m128i *)q), hi = _mm_loadu_si128((const __m128i *)(q + 16));
-    __m512 flo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo));
-    __m512 fhi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi));
+/* 32 signed bytes as bf16 words (exact: |v| <= 128). */
+static inline __m512i signed_words_of(__m256i bytes) {
+    __m512 flo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(bytes)));
+    __m512 fhi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(bytes, 1)));
     return (__m512i)_mm512_cvtne2ps_pbh(fhi, flo);
 }
+
+static inline __m512i signed_words(const int8_t *q) { return signed_words_of(_mm256_loadu_si256((const __m256i *)q)); }
 
 /* Group g (32 elements along k) of one weight row as 32 bf16 words, with its scale, for
  * the types read in their own layout (K-quants, int8 rows; the row-packed Q4_0 / Q4_1 /
@@ -77,12 +82,16 @@ static inline __m512i signed_words(const int8_t *q) {
 static inline __attribute__((always_inline)) __m512i group_words(int type, const uint8_t *row, int64_t g,
                                                                  int64_t k, float row_scale, GroupScale *gs) {
     (void)k;
-    if (type == WEIGHT_I8_ROW) {
-        gs->scale_lo = gs->scale_hi = row_scale;
+    if (type == WEIGHT_I8_ROW || type == WEIGHT_F16) {
+        gs->scale_lo = gs->scale_hi = type == WEIGHT_F16 ? 1.0f : row_scale;
         gs->min_lo = gs->min_hi = 0.0f;
-        return signed_words((const int8_t *)(row + g * 32));
+        if (type == WEIGHT_I8_ROW) return signed_words((const int8_t *)(row + g * 32));
+        const __m512 lo = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(row + 64 * g)));
+        const __m512 hi = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(row + 64 * g + 32)));
+        return (__m512i)_mm512_cvtne2ps_pbh(hi, lo); /* rounded to bf16, as the bf16 model holds it */
     }
-    return unsigned_words(k_group_bytes(type, row, g, gs));
+    const __m256i bytes = group_bytes(type, row, g, gs);
+    return group_bytes_signed(type) ? signed_words_of(bytes) : unsigned_words(bytes);
 }
 
 /* What sum_i x_i of a half group contributes: w = scale * (128 + u) + min - 128 * scale. */
@@ -289,6 +298,29 @@ static inline __attribute__((always_inline)) void stream_packed_row(int type, in
         result[r] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc0[r], acc1[r]), corr[r]));
 }
 
+/* An F16 row: its values widened to float32 (exact) and multiplied into x in float32, so a
+ * streamed F16 layer keeps the weights' 11 significant bits (the panel path's bf16 does not). */
+static inline __attribute__((always_inline)) void stream_f16_row(int type, int M, const uint16_t *x, int64_t x_stride,
+                                                                 const float *sums, int64_t sums_stride,
+                                                                 const uint8_t *row, float row_scale, int64_t k,
+                                                                 float *result) {
+    (void)type, (void)sums, (void)sums_stride, (void)row_scale;
+    __m512 acc0[STREAM_ROWS], acc1[STREAM_ROWS];
+    for (int r = 0; r < M; r++) acc0[r] = acc1[r] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < k; i += 32) {
+        const __m512 w0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(row + 2 * i)));
+        const __m512 w1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(row + 2 * i + 32)));
+        for (int r = 0; r < M; r++) {
+            const uint16_t *xr = x + r * x_stride + i;
+            const __m512 x0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)xr)), 16));
+            const __m512 x1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(xr + 16))), 16));
+            acc0[r] = _mm512_fmadd_ps(x0, w0, acc0[r]);
+            acc1[r] = _mm512_fmadd_ps(x1, w1, acc1[r]);
+        }
+    }
+    for (int r = 0; r < M; r++) result[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[r], acc1[r]));
+}
+
 #define STREAM_FN(NAME, BODY, TYPE, M)                                                                     \
     static __attribute__((noinline)) void NAME##_##M(const uint16_t *x, int64_t x_stride, const float *sums, \
                                                      int64_t sums_stride, const uint8_t *row, float row_scale, \
@@ -311,12 +343,34 @@ STREAM_KERNELS(stream_q4_k, stream_row, WEIGHT_Q4_K)
 STREAM_KERNELS(stream_q5_k, stream_row, WEIGHT_Q5_K)
 STREAM_KERNELS(stream_q6_k, stream_row, WEIGHT_Q6_K)
 STREAM_KERNELS(stream_i8_row, stream_row, WEIGHT_I8_ROW)
+STREAM_KERNELS(stream_q5_0, stream_row, WEIGHT_Q5_0)
+STREAM_KERNELS(stream_q5_1, stream_row, WEIGHT_Q5_1)
+STREAM_KERNELS(stream_q2_k, stream_row, WEIGHT_Q2_K)
+STREAM_KERNELS(stream_q3_k, stream_row, WEIGHT_Q3_K)
+STREAM_KERNELS(stream_iq4_nl, stream_row, WEIGHT_IQ4_NL)
+STREAM_KERNELS(stream_iq4_xs, stream_row, WEIGHT_IQ4_XS)
+STREAM_KERNELS(stream_iq3_xxs, stream_row, WEIGHT_IQ3_XXS)
+STREAM_KERNELS(stream_iq3_s, stream_row, WEIGHT_IQ3_S)
+STREAM_KERNELS(stream_iq2_xxs, stream_row, WEIGHT_IQ2_XXS)
+STREAM_KERNELS(stream_iq2_xs, stream_row, WEIGHT_IQ2_XS)
+STREAM_KERNELS(stream_iq2_s, stream_row, WEIGHT_IQ2_S)
+STREAM_KERNELS(stream_iq1_s, stream_row, WEIGHT_IQ1_S)
+STREAM_KERNELS(stream_iq1_m, stream_row, WEIGHT_IQ1_M)
+STREAM_KERNELS(stream_tq1_0, stream_row, WEIGHT_TQ1_0)
+STREAM_KERNELS(stream_tq2_0, stream_row, WEIGHT_TQ2_0)
+STREAM_KERNELS(stream_f16, stream_f16_row, WEIGHT_F16)
 
 /* Indexed like WEIGHT_TYPES; the types with none here are dequantized to a panel first. */
 static const stream_fn *const STREAM_KERNELS_BY_TYPE[WEIGHT_TYPE_COUNT] = {
     [WEIGHT_INDEX_Q4_0] = stream_q4_0, [WEIGHT_INDEX_Q4_1] = stream_q4_1, [WEIGHT_INDEX_Q8_0] = stream_q8_0,
     [WEIGHT_INDEX_Q4_K] = stream_q4_k, [WEIGHT_INDEX_Q5_K] = stream_q5_k, [WEIGHT_INDEX_Q6_K] = stream_q6_k,
     [WEIGHT_INDEX_I8_ROW] = stream_i8_row, [WEIGHT_INDEX_MXFP4] = stream_mxfp4,
+    [WEIGHT_INDEX_Q5_0] = stream_q5_0, [WEIGHT_INDEX_Q5_1] = stream_q5_1, [WEIGHT_INDEX_Q2_K] = stream_q2_k,
+    [WEIGHT_INDEX_Q3_K] = stream_q3_k, [WEIGHT_INDEX_IQ4_NL] = stream_iq4_nl, [WEIGHT_INDEX_IQ4_XS] = stream_iq4_xs,
+    [WEIGHT_INDEX_IQ3_XXS] = stream_iq3_xxs, [WEIGHT_INDEX_IQ3_S] = stream_iq3_s,
+    [WEIGHT_INDEX_IQ2_XXS] = stream_iq2_xxs, [WEIGHT_INDEX_IQ2_XS] = stream_iq2_xs, [WEIGHT_INDEX_IQ2_S] = stream_iq2_s,
+    [WEIGHT_INDEX_IQ1_S] = stream_iq1_s, [WEIGHT_INDEX_IQ1_M] = stream_iq1_m, [WEIGHT_INDEX_TQ1_0] = stream_tq1_0,
+    [WEIGHT_INDEX_TQ2_0] = stream_tq2_0, [WEIGHT_INDEX_F16] = stream_f16,
 };
 
 static const stream_fn *stream_kernels(int type) {
@@ -494,6 +548,22 @@ static void dequantize_part_rows(const WeightPart *p, int64_t row0, int64_t coun
     case WEIGHT_Q5_K: dequantize_typed(WEIGHT_Q5_K, p, row0, count, k, out); break;
     case WEIGHT_Q6_K: dequantize_typed(WEIGHT_Q6_K, p, row0, count, k, out); break;
     case WEIGHT_I8_ROW: dequantize_typed(WEIGHT_I8_ROW, p, row0, count, k, out); break;
+    case WEIGHT_Q5_0: dequantize_typed(WEIGHT_Q5_0, p, row0, count, k, out); break;
+    case WEIGHT_Q5_1: dequantize_typed(WEIGHT_Q5_1, p, row0, count, k, out); break;
+    case WEIGHT_Q2_K: dequantize_typed(WEIGHT_Q2_K, p, row0, count, k, out); break;
+    case WEIGHT_Q3_K: dequantize_typed(WEIGHT_Q3_K, p, row0, count, k, out); break;
+    case WEIGHT_IQ4_NL: dequantize_typed(WEIGHT_IQ4_NL, p, row0, count, k, out); break;
+    case WEIGHT_IQ4_XS: dequantize_typed(WEIGHT_IQ4_XS, p, row0, count, k, out); break;
+    case WEIGHT_IQ3_XXS: dequantize_typed(WEIGHT_IQ3_XXS, p, row0, count, k, out); break;
+    case WEIGHT_IQ3_S: dequantize_typed(WEIGHT_IQ3_S, p, row0, count, k, out); break;
+    case WEIGHT_IQ2_XXS: dequantize_typed(WEIGHT_IQ2_XXS, p, row0, count, k, out); break;
+    case WEIGHT_IQ2_XS: dequantize_typed(WEIGHT_IQ2_XS, p, row0, count, k, out); break;
+    case WEIGHT_IQ2_S: dequantize_typed(WEIGHT_IQ2_S, p, row0, count, k, out); break;
+    case WEIGHT_IQ1_S: dequantize_typed(WEIGHT_IQ1_S, p, row0, count, k, out); break;
+    case WEIGHT_IQ1_M: dequantize_typed(WEIGHT_IQ1_M, p, row0, count, k, out); break;
+    case WEIGHT_TQ1_0: dequantize_typed(WEIGHT_TQ1_0, p, row0, count, k, out); break;
+    case WEIGHT_TQ2_0: dequantize_typed(WEIGHT_TQ2_0, p, row0, count, k, out); break;
+    case WEIGHT_F16: dequantize_typed(WEIGHT_F16, p, row0, count, k, out); break;
     case WEIGHT_BF16: memcpy(out, p->data + row0 * p->row_bytes, (size_t)(count * k * 2)); break;
     default: break;
     }

@@ -12,13 +12,29 @@
 #include <stdint.h>
 
 enum {
+    WEIGHT_F16 = 1,
     WEIGHT_Q4_0 = 2,
     WEIGHT_Q4_1 = 3,
+    WEIGHT_Q5_0 = 6,
+    WEIGHT_Q5_1 = 7,
     WEIGHT_Q8_0 = 8,
+    WEIGHT_Q2_K = 10,
+    WEIGHT_Q3_K = 11,
     WEIGHT_Q4_K = 12,
     WEIGHT_Q5_K = 13,
     WEIGHT_Q6_K = 14,
+    WEIGHT_IQ2_XXS = 16,
+    WEIGHT_IQ2_XS = 17,
+    WEIGHT_IQ3_XXS = 18,
+    WEIGHT_IQ1_S = 19,
+    WEIGHT_IQ4_NL = 20,
+    WEIGHT_IQ3_S = 21,
+    WEIGHT_IQ2_S = 22,
+    WEIGHT_IQ4_XS = 23,
+    WEIGHT_IQ1_M = 29,
     WEIGHT_BF16 = 30,
+    WEIGHT_TQ1_0 = 34,
+    WEIGHT_TQ2_0 = 35,
     WEIGHT_MXFP4 = 39,  /* OCP microscaling: 32 E2M1 values sharing an E8M0 exponent */
     WEIGHT_I8_ROW = 1000,  /* not a GGML type: int8 rows, per-row float32 scales */
     /* Not GGML types: Q4_0 / Q4_1 rows repacked for the int8-activation kernel (the same
@@ -52,6 +68,22 @@ enum {
     WEIGHT_INDEX_Q4_0_VNNI,
     WEIGHT_INDEX_Q4_1_VNNI,
     WEIGHT_INDEX_MXFP4,
+    WEIGHT_INDEX_Q5_0,
+    WEIGHT_INDEX_Q5_1,
+    WEIGHT_INDEX_Q2_K,
+    WEIGHT_INDEX_Q3_K,
+    WEIGHT_INDEX_IQ4_NL,
+    WEIGHT_INDEX_IQ4_XS,
+    WEIGHT_INDEX_IQ3_XXS,
+    WEIGHT_INDEX_IQ3_S,
+    WEIGHT_INDEX_IQ2_XXS,
+    WEIGHT_INDEX_IQ2_XS,
+    WEIGHT_INDEX_IQ2_S,
+    WEIGHT_INDEX_IQ1_S,
+    WEIGHT_INDEX_IQ1_M,
+    WEIGHT_INDEX_TQ1_0,
+    WEIGHT_INDEX_TQ2_0,
+    WEIGHT_INDEX_F16,
     WEIGHT_TYPE_COUNT
 };
 
@@ -71,6 +103,22 @@ static const WeightTypeTraits WEIGHT_TYPES[WEIGHT_TYPE_COUNT] = {
     [WEIGHT_INDEX_Q4_0_VNNI] = {WEIGHT_Q4_0_VNNI, 32, 18, 1},
     [WEIGHT_INDEX_Q4_1_VNNI] = {WEIGHT_Q4_1_VNNI, 32, 20, 1},
     [WEIGHT_INDEX_MXFP4] = {WEIGHT_MXFP4, 32, 17, 1},
+    [WEIGHT_INDEX_Q5_0] = {WEIGHT_Q5_0, 32, 22, 0},
+    [WEIGHT_INDEX_Q5_1] = {WEIGHT_Q5_1, 32, 24, 0},
+    [WEIGHT_INDEX_Q2_K] = {WEIGHT_Q2_K, 256, 84, 0},
+    [WEIGHT_INDEX_Q3_K] = {WEIGHT_Q3_K, 256, 110, 0},
+    [WEIGHT_INDEX_IQ4_NL] = {WEIGHT_IQ4_NL, 32, 18, 0},
+    [WEIGHT_INDEX_IQ4_XS] = {WEIGHT_IQ4_XS, 256, 136, 0},
+    [WEIGHT_INDEX_IQ3_XXS] = {WEIGHT_IQ3_XXS, 256, 98, 0},
+    [WEIGHT_INDEX_IQ3_S] = {WEIGHT_IQ3_S, 256, 110, 0},
+    [WEIGHT_INDEX_IQ2_XXS] = {WEIGHT_IQ2_XXS, 256, 66, 0},
+    [WEIGHT_INDEX_IQ2_XS] = {WEIGHT_IQ2_XS, 256, 74, 0},
+    [WEIGHT_INDEX_IQ2_S] = {WEIGHT_IQ2_S, 256, 82, 0},
+    [WEIGHT_INDEX_IQ1_S] = {WEIGHT_IQ1_S, 256, 50, 0},
+    [WEIGHT_INDEX_IQ1_M] = {WEIGHT_IQ1_M, 256, 56, 0},
+    [WEIGHT_INDEX_TQ1_0] = {WEIGHT_TQ1_0, 256, 54, 0},
+    [WEIGHT_INDEX_TQ2_0] = {WEIGHT_TQ2_0, 256, 66, 0},
+    [WEIGHT_INDEX_F16] = {WEIGHT_F16, 32, 64, 0},
 };
 
 /* The type's row in WEIGHT_TYPES, or -1 for a type the kernels do not know. */

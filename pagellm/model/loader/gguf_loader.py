@@ -261,11 +261,14 @@ def keepable(hf_name: str) -> bool:
 
 
 def _stored_type(qtype: GGMLQuantizationType) -> WeightType | None:
+    """The kernels' type for a tensor's stored one, where they multiply by it as stored.
+    F16 is not taken from files yet: read as bf16 it is no smaller, and its exact kernels
+    would change the tokens of every F16 file against the bf16 reading users have."""
     try:
         weight_type = WeightType(int(qtype))
     except ValueError:
         return None
-    return weight_type if weight_type in QUANTIZED_TYPES else None
+    return weight_type if weight_type in QUANTIZED_TYPES and weight_type is not WeightType.F16 else None
 
 
 def _stored_rows(tensor: Any) -> np.ndarray:  # uint8 [rows, row_bytes], a copy of the file's bytes
