@@ -164,7 +164,12 @@ def test_unknown_type_is_dequantized_and_named(tmp_path, caplog, monkeypatch):
     monkeypatch.setattr(model_loader, "kernels_support", lambda t: t is not WeightType.Q5_0 and supported(t))
     with caplog.at_level(logging.INFO, logger="pagellm.model.loader.gguf_loader"):
         model = load(path, torch.bfloat16, "auto")
-    assert "blk.0.ffn_up.weight (Q5_0) has no native kernel here: dequantized" in caplog.text
+    # Which tensor, its bytes as stored and as bf16, and why; then the total.
+    elements = SHAPE["intermediate_size"] * SHAPE["hidden_size"]
+    stored = elements // 32 * 22  # 22-byte blocks of 32
+    assert f"blk.0.ffn_up.weight (Q5_0, {stored} bytes as stored): dequantized to {elements * 2} bytes of bf16: " \
+           "it has no native kernel here" in caplog.text
+    assert f"{cfg['num_hidden_layers']} quantized tensors dequantized" in caplog.text
     gate_up = model.layers[0].mlp.gate_up_proj.packed
     assert [t.name for t in gate_up.types] == ["Q4_1", "BF16"]  # gate stays, up became bf16 rows
     assert torch.isfinite(prefill_logits(model, PROMPTS[0], torch.bfloat16)).all()

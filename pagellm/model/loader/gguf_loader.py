@@ -152,10 +152,12 @@ def iter_gguf_weights(
     """(HF name, tensor) for every model tensor of the file: float32, or a `WeightPart`
     holding the stored blocks where the tensor's type is in `keep_types`.
 
-    A quantized tensor of a type not kept is dequantized with one log line naming it.
+    A quantized tensor of a type not kept is dequantized with one log line naming it, its
+    bytes as stored and dequantized, and why; a last line totals them.
     With `shard`, each tensor is this tensor-parallel rank's share of it; quantized blocks
     are split as stored, except where a column split would cut a block (dequantized then).
     """
+    dequantized = DequantizedTally()
     for tensor in reader.tensors:
         if tensor.name in NOT_PARAMETERS:
             continue
@@ -176,10 +178,7 @@ def iter_gguf_weights(
                 part = _stored_part(name, rows, stored, config, shard)
                 if part is None:
                     to_dequantize.append(name)
-                    logger.info(
-                        "tensor %s (%s): its tensor-parallel split cuts quantization blocks: dequantized",
-                        tensor.name, qtype.name,
-                    )  # fmt: skip
+                    dequantized.add(tensor, "its tensor-parallel split cuts quantization blocks")
                 else:
                     yield name, part
             if not to_dequantize:
@@ -187,7 +186,8 @@ def iter_gguf_weights(
         else:
             to_dequantize = None  # every piece
             if qtype not in _FLOAT_TYPES and keep_types:
-                logger.info("tensor %s (%s) has no native kernel here: dequantized", tensor.name, qtype.name)
+                reason = "it has no native kernel here" if stored is None or stored not in keep_types else "not a linear layer"
+                dequantized.add(tensor, reason)
         values = dequantize_tensor(tensor)
         for name, piece in split_fused(hf_name, values, config):
             if to_dequantize is not None and name not in to_dequantize:
@@ -200,6 +200,32 @@ def iter_gguf_weights(
             piece = _undo_converter_changes(name, piece, config)
             weight = torch.from_numpy(piece)
             yield name, weight if shard is None else shard_float(shard, name, weight)
+    dequantized.report()
+
+
+class DequantizedTally:
+    """The quantized tensors a load dequantizes: one log line each (name, type, bytes as
+    stored and as bf16, why), and their total at the end."""
+
+    def __init__(self) -> None:
+        self.count = self.stored_bytes = self.bf16_bytes = 0
+
+    def add(self, tensor: Any, reason: str) -> None:
+        stored, bf16 = int(tensor.n_bytes), 2 * int(np.prod([int(d) for d in tensor.shape]))
+        self.count += 1
+        self.stored_bytes += stored
+        self.bf16_bytes += bf16
+        logger.info(
+            "tensor %s (%s, %d bytes as stored): dequantized to %d bytes of bf16: %s",
+            tensor.name, GGMLQuantizationType(tensor.tensor_type).name, stored, bf16, reason,
+        )  # fmt: skip
+
+    def report(self) -> None:
+        if self.count:
+            logger.info(
+                "%d quantized tensors dequantized: %.1f MiB as stored held as %.1f MiB of bf16",
+                self.count, self.stored_bytes / 2**20, self.bf16_bytes / 2**20,
+            )  # fmt: skip
 
 
 def _undo_converter_changes(hf_name: str, values: np.ndarray, config: ModelConfig) -> np.ndarray:
