@@ -261,18 +261,9 @@ static inline __attribute__((always_inline)) void dot16_span(int type, int M, co
     __m256 d8, min8;
     if (type == WEIGHT_Q4_K || type == WEIGHT_Q5_K) {
         const uint8_t *block = row + g0 / 8 * (type == WEIGHT_Q4_K ? Q4_K_BLOCK_BYTES : Q5_K_BLOCK_BYTES);
-        /* The 12 bytes of 6-bit scales and mins (k_scale_min's packing) as three words a, b, c,
-         * each byte a lane: scales 0-3 are a's low 6 bits, mins 0-3 b's; scales 4-7 are c's
-         * low nibbles with a's top 2 bits above them, mins 4-7 c's high nibbles with b's. */
-        uint32_t a, b, c, d_dmin_bits;
-        memcpy(&d_dmin_bits, block, 4);
-        memcpy(&a, block + 4, 4);
-        memcpy(&b, block + 8, 4);
-        memcpy(&c, block + 12, 4);
-        const uint64_t scales = (uint64_t)(a & 0x3F3F3F3Fu) |
-                                (uint64_t)((c & 0x0F0F0F0Fu) | (((a >> 6) & 0x03030303u) << 4)) << 32;
-        const uint64_t mins = (uint64_t)(b & 0x3F3F3F3Fu) |
-                              (uint64_t)(((c >> 4) & 0x0F0F0F0Fu) | (((b >> 6) & 0x03030303u) << 4)) << 32;
+        uint64_t scales, mins;
+        k_scales_mins(block + 4, &scales, &mins);
+        const uint32_t d_dmin_bits = load_u32(block);
         const __m128 d_dmin = _mm_cvtph_ps(_mm_cvtsi32_si128((int32_t)d_dmin_bits)); /* d, dmin */
         d8 = _mm256_mul_ps(_mm256_broadcastss_ps(d_dmin),
                            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((int64_t)scales))));

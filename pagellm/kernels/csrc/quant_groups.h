@@ -36,6 +36,18 @@ static inline float half_to_float(const uint8_t *p) {
     return _cvtsh_ss(bits);
 }
 
+static inline uint32_t load_u32(const uint8_t *p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+static inline uint16_t load_u16(const uint8_t *p) {
+    uint16_t v;
+    memcpy(&v, p, 2);
+    return v;
+}
+
 static inline int64_t padded_groups(int64_t k) { return (k / 32 + 1) / 2 * 2; }
 
 static inline int is_row_packed(int type) {
@@ -88,6 +100,26 @@ static inline void k_scale_min(const uint8_t *s, int j, int *scale, int *min) {
         *scale = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
         *min = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
     }
+}
+
+/* All 8 scales and mins of a Q4_K / Q5_K super-block at once, a byte each (k_scale_min's
+ * packing read as three words a, b, c, each byte a lane: scales 0-3 are a's low 6 bits, mins
+ * 0-3 b's; scales 4-7 are c's low nibbles with a's top 2 bits above them, mins 4-7 c's high
+ * nibbles with b's). */
+static inline void k_scales_mins(const uint8_t *packed, uint64_t *scales, uint64_t *mins) {
+    const uint32_t a = load_u32(packed), b = load_u32(packed + 4), c = load_u32(packed + 8);
+    *scales = (uint64_t)(a & 0x3F3F3F3Fu) | (uint64_t)((c & 0x0F0F0F0Fu) | (((a >> 6) & 0x03030303u) << 4)) << 32;
+    *mins = (uint64_t)(b & 0x3F3F3F3Fu) | (uint64_t)(((c >> 4) & 0x0F0F0F0Fu) | (((b >> 6) & 0x03030303u) << 4)) << 32;
+}
+
+/* Q3_K's 16 signed 6-bit scales (12 bytes: low nibbles of bytes 0-7 for scales 0-7, their
+ * high nibbles for 8-15; bits 2a, 2a + 1 of byte 8 + b the top bits of scale 4a + b), minus 32. */
+static inline __m128i q3_k_scales(const uint8_t *packed) {
+    const __m128i low = _mm_loadl_epi64((const __m128i *)packed), nibble = _mm_set1_epi8(0x0F);
+    const __m128i low4 = _mm_unpacklo_epi64(_mm_and_si128(low, nibble), _mm_and_si128(_mm_srli_epi16(low, 4), nibble));
+    const __m128i high = _mm_srlv_epi32(_mm_set1_epi32((int)load_u32(packed + 8)), _mm_setr_epi32(0, 2, 4, 6));
+    const __m128i high2 = _mm_slli_epi16(_mm_and_si128(high, _mm_set1_epi8(3)), 4);
+    return _mm_sub_epi8(_mm_or_si128(low4, high2), _mm_set1_epi8(32));
 }
 
 /* Group g of a K-quant row (Q4_K, Q5_K, Q6_K): its 32 unsigned integers u as bytes, and
@@ -172,18 +204,6 @@ extern Codebooks quant_codebooks;
  * the ternary ones (-1, 0, 1: as 128 + u, their dot products would be mostly offset). */
 static inline int group_bytes_signed(int type) {
     return type == WEIGHT_IQ4_NL || type == WEIGHT_IQ4_XS || type == WEIGHT_TQ1_0 || type == WEIGHT_TQ2_0;
-}
-
-static inline uint32_t load_u32(const uint8_t *p) {
-    uint32_t v;
-    memcpy(&v, p, 4);
-    return v;
-}
-
-static inline uint16_t load_u16(const uint8_t *p) {
-    uint16_t v;
-    memcpy(&v, p, 2);
-    return v;
 }
 
 /* Byte i of the result is `value` where bit i of `bits` is set, else 0. */
@@ -333,6 +353,22 @@ static inline void codebook_group(int type, const uint8_t *row, int64_t g, uint8
     gs->min_hi = -64.0f * gs->scale_hi;
 }
 
+/* An IQ4_NL / IQ4_XS group's 16 bytes of 4-bit codes, and its scale (the values are signed). */
+static inline const uint8_t *iq4_group(int type, const uint8_t *row, int64_t g, GroupScale *gs) {
+    gs->min_lo = gs->min_hi = 0.0f;
+    if (type == WEIGHT_IQ4_NL) {
+        const uint8_t *block = row + g * 18;
+        gs->scale_lo = gs->scale_hi = half_to_float(block);
+        return block + 2;
+    }
+    const int64_t sub = g & 7;
+    const uint8_t *block = row + (g >> 3) * IQ4_XS_BLOCK_BYTES;
+    const int low4 = (block[4 + sub / 2] >> (4 * (sub & 1))) & 0xF;
+    const int high2 = (load_u16(block + 2) >> (2 * sub)) & 3;
+    gs->scale_lo = gs->scale_hi = half_to_float(block) * (float)((low4 | (high2 << 4)) - 32);
+    return block + 8 + 16 * sub;
+}
+
 /* Group g of any type read in the file's own layout (the K-quants and the types above):
  * 32 bytes, unsigned u (signed values for group_bytes_signed types), and the scales. */
 static inline __attribute__((always_inline)) __m256i group_bytes(int type, const uint8_t *row, int64_t g,
@@ -393,20 +429,7 @@ static inline __attribute__((always_inline)) __m256i group_bytes(int type, const
     case WEIGHT_IQ4_NL:
     case WEIGHT_IQ4_XS: {
         const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)quant_codebooks.iq4nl));
-        const uint8_t *qs;
-        if (type == WEIGHT_IQ4_NL) {
-            const uint8_t *block = row + g * 18;
-            gs->scale_lo = gs->scale_hi = half_to_float(block);
-            qs = block + 2;
-        } else {
-            const uint8_t *block = row + (g >> 3) * IQ4_XS_BLOCK_BYTES;
-            const int low4 = (block[4 + sub / 2] >> (4 * (sub & 1))) & 0xF;
-            const int high2 = (load_u16(block + 2) >> (2 * sub)) & 3;
-            gs->scale_lo = gs->scale_hi = half_to_float(block) * (float)((low4 | (high2 << 4)) - 32);
-            qs = block + 8 + 16 * sub;
-        }
-        gs->min_lo = gs->min_hi = 0.0f;
-        return _mm256_shuffle_epi8(table, nibbles_in_order(qs));
+        return _mm256_shuffle_epi8(table, nibbles_in_order(iq4_group(type, row, g, gs)));
     }
     default: {
         uint8_t u[32] __attribute__((aligned(32)));

@@ -90,6 +90,11 @@ static inline __attribute__((always_inline)) __m512i group_words(int type, const
         const __m512 hi = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(row + 64 * g + 32)));
         return (__m512i)_mm512_cvtne2ps_pbh(hi, lo); /* rounded to bf16, as the bf16 model holds it */
     }
+    if (type == WEIGHT_IQ4_NL || type == WEIGHT_IQ4_XS) { /* each code's value looked up as a bf16 word */
+        const __m512 values = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)quant_codebooks.iq4nl)));
+        const __m512i table = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(values));
+        return _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(nibbles_in_order(iq4_group(type, row, g, gs))), table);
+    }
     const __m256i bytes = group_bytes(type, row, g, gs);
     return group_bytes_signed(type) ? signed_words_of(bytes) : unsigned_words(bytes);
 }
@@ -177,6 +182,100 @@ static inline __attribute__((always_inline)) void stream_row(int type, int M, co
         }
     }
     for (int r = 0; r < M; r++) result[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[r], acc1[r])) + corr[r];
+}
+
+/* The 16 scales and offsets (one per 16 weights) of a super-block of 256, as vectors: the
+ * K-quants', Q2_K's, Q3_K's and IQ4_XS's scales decoded once per block instead of per group. */
+static inline __attribute__((always_inline)) void superblock_scales(int type, const uint8_t *block, __m512 *scale16,
+                                                                    __m512 *min16) {
+    if (type == WEIGHT_Q2_K) { /* a byte per 16: scale in the low nibble, min in the high one */
+        const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)block));
+        const __m512 low = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(0xF)));
+        const __m512 high = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
+        *scale16 = _mm512_mul_ps(_mm512_set1_ps(half_to_float(block + 80)), low);
+        *min16 = _mm512_mul_ps(_mm512_set1_ps(-half_to_float(block + 82)), high);
+        return;
+    }
+    if (type == WEIGHT_Q6_K) { /* an int8 per 16; u - 32 */
+        const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(block + 192))));
+        *scale16 = _mm512_mul_ps(_mm512_set1_ps(half_to_float(block + 208)), sc);
+        *min16 = _mm512_mul_ps(_mm512_set1_ps(-32.0f), *scale16);
+        return;
+    }
+    if (type == WEIGHT_Q3_K) { /* u - 4 */
+        *scale16 = _mm512_mul_ps(_mm512_set1_ps(half_to_float(block + 108)),
+                                 _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q3_k_scales(block + 96))));
+        *min16 = _mm512_mul_ps(_mm512_set1_ps(-4.0f), *scale16);
+        return;
+    }
+    if (type == WEIGHT_Q4_K || type == WEIGHT_Q5_K) { /* a 6-bit scale and min per 32: each twice */
+        uint64_t scales, mins;
+        k_scales_mins(block + 4, &scales, &mins);
+        const __m512i twice = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+        const __m512 sc = _mm512_cvtepi32_ps(_mm512_permutexvar_epi32(twice, _mm512_cvtepu8_epi32(_mm_cvtsi64_si128((int64_t)scales))));
+        const __m512 mn = _mm512_cvtepi32_ps(_mm512_permutexvar_epi32(twice, _mm512_cvtepu8_epi32(_mm_cvtsi64_si128((int64_t)mins))));
+        *scale16 = _mm512_mul_ps(_mm512_set1_ps(half_to_float(block)), sc);
+        *min16 = _mm512_mul_ps(_mm512_set1_ps(-half_to_float(block + 2)), mn);
+        return;
+    }
+    float scale[16] __attribute__((aligned(64))), min[16] __attribute__((aligned(64)));
+    { /* IQ4_XS: a 6-bit scale per 32, minus 32; signed values */
+        const float d = half_to_float(block);
+        const uint16_t high = load_u16(block + 2);
+        for (int j = 0; j < 8; j++) {
+            const int low4 = (block[4 + j / 2] >> (4 * (j & 1))) & 0xF;
+            scale[2 * j] = scale[2 * j + 1] = d * (float)((low4 | (((high >> (2 * j)) & 3) << 4)) - 32);
+            min[2 * j] = min[2 * j + 1] = 0.0f;
+        }
+    }
+    *scale16 = _mm512_load_ps(scale);
+    *min16 = _mm512_load_ps(min);
+}
+
+static inline int superblock_type(int type) {
+    return type == WEIGHT_Q2_K || type == WEIGHT_Q3_K || type == WEIGHT_Q4_K || type == WEIGHT_Q5_K ||
+           type == WEIGHT_Q6_K || type == WEIGHT_IQ4_XS;
+}
+
+/* One row of a superblock_type against M rows of x, as stream_row with the scales decoded per
+ * super-block: each group's words (group_words; its scale arithmetic, unused, is dropped when
+ * inlined), one dot product per row, scaled by a permute of the block's scale vector; the
+ * offsets' part a 16-lane product with x's sums per 16. */
+static inline __attribute__((always_inline)) void stream_superblock_row(int type, int M, const uint16_t *x,
+                                                                        int64_t x_stride, const float *sums,
+                                                                        int64_t sums_stride, const uint8_t *row,
+                                                                        float row_scale, int64_t k, float *result) {
+    (void)row_scale;
+    const int block_bytes = WEIGHT_TYPES[weight_type_index(type)].block_bytes;
+    const int is_signed = !words_shifted(type);
+    __m512 acc0[STREAM_ROWS], acc1[STREAM_ROWS], corr[STREAM_ROWS];
+    for (int r = 0; r < M; r++) acc0[r] = acc1[r] = corr[r] = _mm512_setzero_ps();
+    const __m512i pick = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    for (int64_t b = 0; b < k / 256; b++) {
+        __m512 scale16, min16;
+        superblock_scales(type, row + b * block_bytes, &scale16, &min16);
+        if (!is_signed) { /* w = scale (128 + u) + min - 128 scale */
+            const __m512 bias16 = _mm512_fnmadd_ps(scale16, _mm512_set1_ps(128.0f), min16);
+            for (int r = 0; r < M; r++)
+                corr[r] = _mm512_fmadd_ps(bias16, _mm512_loadu_ps(sums + r * sums_stride + 16 * b), corr[r]);
+        }
+        for (int sub = 0; sub < 8; sub += 2) {
+            GroupScale unused0, unused1;
+            const __m512bh w0 = (__m512bh)group_words(type, row, 8 * b + sub, k, 1.0f, &unused0);
+            const __m512bh w1 = (__m512bh)group_words(type, row, 8 * b + sub + 1, k, 1.0f, &unused1);
+            const __m512 s0 = _mm512_permutexvar_ps(_mm512_add_epi32(pick, _mm512_set1_epi32(2 * sub)), scale16);
+            const __m512 s1 = _mm512_permutexvar_ps(_mm512_add_epi32(pick, _mm512_set1_epi32(2 * sub + 2)), scale16);
+            for (int r = 0; r < M; r++) {
+                const uint16_t *xg = x + r * x_stride + (8 * b + sub) * GROUP;
+                const __m512bh x0 = (__m512bh)_mm512_loadu_si512((const void *)xg);
+                const __m512bh x1 = (__m512bh)_mm512_loadu_si512((const void *)(xg + GROUP));
+                acc0[r] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), x0, w0), s0, acc0[r]);
+                acc1[r] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), x1, w1), s1, acc1[r]);
+            }
+        }
+    }
+    for (int r = 0; r < M; r++)
+        result[r] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc0[r], acc1[r]), corr[r]));
 }
 
 /* The same for the row-packed types (Q4_0, Q4_1, Q8_0, MXFP4; layout above padded_groups): the
@@ -339,16 +438,16 @@ STREAM_KERNELS(stream_q4_0, stream_packed_row, WEIGHT_Q4_0)
 STREAM_KERNELS(stream_q4_1, stream_packed_row, WEIGHT_Q4_1)
 STREAM_KERNELS(stream_q8_0, stream_packed_row, WEIGHT_Q8_0)
 STREAM_KERNELS(stream_mxfp4, stream_packed_row, WEIGHT_MXFP4)
-STREAM_KERNELS(stream_q4_k, stream_row, WEIGHT_Q4_K)
-STREAM_KERNELS(stream_q5_k, stream_row, WEIGHT_Q5_K)
-STREAM_KERNELS(stream_q6_k, stream_row, WEIGHT_Q6_K)
+STREAM_KERNELS(stream_q4_k, stream_superblock_row, WEIGHT_Q4_K)
+STREAM_KERNELS(stream_q5_k, stream_superblock_row, WEIGHT_Q5_K)
+STREAM_KERNELS(stream_q6_k, stream_superblock_row, WEIGHT_Q6_K)
 STREAM_KERNELS(stream_i8_row, stream_row, WEIGHT_I8_ROW)
 STREAM_KERNELS(stream_q5_0, stream_row, WEIGHT_Q5_0)
 STREAM_KERNELS(stream_q5_1, stream_row, WEIGHT_Q5_1)
-STREAM_KERNELS(stream_q2_k, stream_row, WEIGHT_Q2_K)
-STREAM_KERNELS(stream_q3_k, stream_row, WEIGHT_Q3_K)
+STREAM_KERNELS(stream_q2_k, stream_superblock_row, WEIGHT_Q2_K)
+STREAM_KERNELS(stream_q3_k, stream_superblock_row, WEIGHT_Q3_K)
 STREAM_KERNELS(stream_iq4_nl, stream_row, WEIGHT_IQ4_NL)
-STREAM_KERNELS(stream_iq4_xs, stream_row, WEIGHT_IQ4_XS)
+STREAM_KERNELS(stream_iq4_xs, stream_superblock_row, WEIGHT_IQ4_XS)
 STREAM_KERNELS(stream_iq3_xxs, stream_row, WEIGHT_IQ3_XXS)
 STREAM_KERNELS(stream_iq3_s, stream_row, WEIGHT_IQ3_S)
 STREAM_KERNELS(stream_iq2_xxs, stream_row, WEIGHT_IQ2_XXS)
