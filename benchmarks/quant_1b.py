@@ -69,7 +69,7 @@ WEIGHT_RMS = 0.02
 LINEAR = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 SPEC_KEY = "pagellm.bench.spec"  # the spec a file was written from (reuse check)
 FORMAT_VERSION = 3  # of what write_gguf writes: a file of another version is written again
-FILE_TYPES = {"Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0, "Q4_K": gguf.LlamaFileType.MOSTLY_Q4_K_S,
+FILE_TYPES = {"F16": gguf.LlamaFileType.MOSTLY_F16, "Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0, "Q4_K": gguf.LlamaFileType.MOSTLY_Q4_K_S,
               "Q6_K": gguf.LlamaFileType.MOSTLY_Q6_K, "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}  # fmt: skip
 
 
