@@ -221,77 +221,98 @@ static inline __m256i nibbles_in_order(const uint8_t *qs) {
     return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(packed, 4), low4), _mm_and_si128(packed, low4));
 }
 
-/* Eight sign bits as +-1 factors applied to 8 magnitudes, plus `offset`: u = offset + sign * m. */
-static inline void signed_run(uint8_t *u, uint64_t magnitudes, unsigned signs, int offset) {
-    for (int j = 0; j < 8; j++) {
-        const int m = (int)((magnitudes >> (8 * j)) & 0xFF);
-        u[j] = (uint8_t)(offset + ((signs >> j) & 1 ? -m : m));
-    }
-}
-
 /* The eighth sign of IQ2_XXS / IQ2_XS / IQ3_XXS's 7 stored ones: their count is even. */
 static inline unsigned even_signs(unsigned seven) { return seven | ((unsigned)__builtin_parity(seven) << 7); }
 
-/* Groups of the codebook types and TQ1_0, decoded in scalar code into u[32]. */
+/* u = offset + m where sign bit i (of 32) is clear, offset - m where it is set, per byte. */
+static inline __m256i signed_offset(__m256i magnitudes, uint32_t signs, char offset) {
+    const __m256i base = _mm256_set1_epi8(offset);
+    return _mm256_blendv_epi8(_mm256_add_epi8(base, magnitudes), _mm256_sub_epi8(base, magnitudes),
+                              bits32_to_bytes(signs, (char)0xFF));
+}
+
+/* 4 runs' 7 stored sign bits (at bits 0, 7, 14, 21 of `packed`) as their 32 signs. */
+static inline uint32_t four_even_signs(uint32_t packed) {
+    uint32_t signs = 0;
+    for (int l = 0; l < 4; l++) signs |= even_signs((packed >> (7 * l)) & 127) << (8 * l);
+    return signs;
+}
+
+/* The scales of sub-block ib (32 weights; lo and hi 16 each) of a grid i-quant's super-block. */
+static inline void grid_scales(int type, const uint8_t *block, int64_t ib, float *lo, float *hi) {
+    const float d = half_to_float(block);
+    switch (type) {
+    case WEIGHT_IQ3_S: *lo = *hi = d * (float)(1 + 2 * ((block[106 + ib / 2] >> (4 * (ib & 1))) & 0xF)); return;
+    case WEIGHT_IQ3_XXS: *lo = *hi = d * (0.5f + (float)(load_u32(block + 66 + 4 * ib) >> 28)) * 0.5f; return;
+    case WEIGHT_IQ2_XXS: *lo = *hi = d * (0.5f + (float)(load_u32(block + 6 + 8 * ib) >> 28)) * 0.25f; return;
+    default: { /* IQ2_XS, IQ2_S: a 4-bit scale per 16 */
+        const uint8_t scales = block[(type == WEIGHT_IQ2_XS ? 66 : 74) + ib];
+        *lo = d * (0.5f + (float)(scales & 0xF)) * 0.25f;
+        *hi = d * (0.5f + (float)(scales >> 4)) * 0.25f;
+    }
+    }
+}
+
+/* Groups of the grid i-quants (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S): the 4 (IQ3: 8)
+ * entries' magnitudes gathered from their codebook, signs applied around an offset of 64. */
+static inline __attribute__((always_inline)) __m256i grid_group(int type, const uint8_t *row, int64_t g,
+                                                                GroupScale *gs) {
+    const int64_t ib = g & 7;
+    const Codebooks *cb = &quant_codebooks;
+    __m256i magnitudes;
+    uint32_t signs;
+    if (type == WEIGHT_IQ3_XXS || type == WEIGHT_IQ3_S) {
+        const int is_s = type == WEIGHT_IQ3_S;
+        const uint8_t *block = row + (g >> 3) * (is_s ? IQ3_S_BLOCK_BYTES : IQ3_XXS_BLOCK_BYTES);
+        __m256i index = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(block + 2 + 8 * ib)));
+        if (is_s) { /* the ninth bit of entry i: bit i of qh[ib] */
+            const __m256i high = _mm256_srlv_epi32(_mm256_set1_epi32(block[66 + ib]), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+            index = _mm256_or_si256(index, _mm256_slli_epi32(_mm256_and_si256(high, _mm256_set1_epi32(1)), 8));
+            signs = load_u32(block + 74 + 4 * ib);
+        } else {
+            signs = four_even_signs(load_u32(block + 66 + 4 * ib));
+        }
+        grid_scales(type, block, ib, &gs->scale_lo, &gs->scale_hi);
+        magnitudes = _mm256_i32gather_epi32((const int *)(is_s ? cb->iq3s : cb->iq3xxs), index, 4);
+    } else {
+        int32_t index[4];
+        const uint8_t *block;
+        if (type == WEIGHT_IQ2_XXS) {
+            block = row + (g >> 3) * IQ2_XXS_BLOCK_BYTES;
+            const uint8_t *q = block + 2 + 8 * ib;
+            for (int l = 0; l < 4; l++) index[l] = q[l];
+            signs = four_even_signs(load_u32(q + 4));
+        } else {
+            if (type == WEIGHT_IQ2_XS) { /* 16-bit entries: a 9-bit index, 7 sign bits */
+                block = row + (g >> 3) * IQ2_XS_BLOCK_BYTES;
+                uint32_t packed = 0;
+                for (int l = 0; l < 4; l++) {
+                    const uint16_t entry = load_u16(block + 2 + 8 * ib + 2 * l);
+                    index[l] = entry & 511;
+                    packed |= (uint32_t)(entry >> 9) << (7 * l);
+                }
+                signs = four_even_signs(packed);
+            } else { /* IQ2_S: an index byte plus 2 high bits, explicit sign bytes */
+                block = row + (g >> 3) * IQ2_S_BLOCK_BYTES;
+                const uint8_t high = block[66 + ib];
+                for (int l = 0; l < 4; l++) index[l] = block[2 + 4 * ib + l] | (((high >> (2 * l)) & 3) << 8);
+                signs = load_u32(block + 34 + 4 * ib);
+            }
+        }
+        grid_scales(type, block, ib, &gs->scale_lo, &gs->scale_hi);
+        const uint64_t *grid = type == WEIGHT_IQ2_XXS ? cb->iq2xxs : (type == WEIGHT_IQ2_XS ? cb->iq2xs : cb->iq2s);
+        magnitudes = _mm256_i32gather_epi64((const long long *)grid, _mm_loadu_si128((const __m128i *)index), 8);
+    }
+    gs->min_lo = -64.0f * gs->scale_lo;
+    gs->min_hi = -64.0f * gs->scale_hi;
+    return signed_offset(magnitudes, signs, 64);
+}
+
+/* Groups of IQ1_S, IQ1_M and TQ1_0, decoded in scalar code into u[32]. */
 static inline void codebook_group(int type, const uint8_t *row, int64_t g, uint8_t *u, GroupScale *gs) {
     const int64_t ib = g & 7;
     const Codebooks *cb = &quant_codebooks;
     switch (type) {
-    case WEIGHT_IQ2_XXS: {
-        const uint8_t *block = row + (g >> 3) * IQ2_XXS_BLOCK_BYTES, *q = block + 2 + 8 * ib;
-        const uint32_t aux = load_u32(q + 4);
-        gs->scale_lo = gs->scale_hi = half_to_float(block) * (0.5f + (float)(aux >> 28)) * 0.25f;
-        for (int l = 0; l < 4; l++) signed_run(u + 8 * l, cb->iq2xxs[q[l]], even_signs((aux >> (7 * l)) & 127), 64);
-        gs->min_lo = gs->min_hi = -64.0f * gs->scale_lo;
-        return;
-    }
-    case WEIGHT_IQ2_XS: {
-        const uint8_t *block = row + (g >> 3) * IQ2_XS_BLOCK_BYTES, *q = block + 2 + 8 * ib;
-        const float d = half_to_float(block);
-        const uint8_t scales = block[66 + ib];
-        gs->scale_lo = d * (0.5f + (float)(scales & 0xF)) * 0.25f;
-        gs->scale_hi = d * (0.5f + (float)(scales >> 4)) * 0.25f;
-        for (int l = 0; l < 4; l++) {
-            const uint16_t entry = load_u16(q + 2 * l);
-            signed_run(u + 8 * l, cb->iq2xs[entry & 511], even_signs(entry >> 9), 64);
-        }
-        break;
-    }
-    case WEIGHT_IQ2_S: {
-        const uint8_t *block = row + (g >> 3) * IQ2_S_BLOCK_BYTES;
-        const float d = half_to_float(block);
-        const uint8_t scales = block[74 + ib], high = block[66 + ib];
-        gs->scale_lo = d * (0.5f + (float)(scales & 0xF)) * 0.25f;
-        gs->scale_hi = d * (0.5f + (float)(scales >> 4)) * 0.25f;
-        for (int l = 0; l < 4; l++) {
-            const int index = block[2 + 4 * ib + l] | (((high >> (2 * l)) & 3) << 8);
-            signed_run(u + 8 * l, cb->iq2s[index], block[34 + 4 * ib + l], 64);
-        }
-        break;
-    }
-    case WEIGHT_IQ3_XXS: {
-        const uint8_t *block = row + (g >> 3) * IQ3_XXS_BLOCK_BYTES, *q = block + 2 + 8 * ib;
-        const uint32_t aux = load_u32(block + 66 + 4 * ib);
-        gs->scale_lo = gs->scale_hi = half_to_float(block) * (0.5f + (float)(aux >> 28)) * 0.5f;
-        for (int l = 0; l < 4; l++) {
-            const uint64_t magnitudes = (uint64_t)cb->iq3xxs[q[2 * l]] | (uint64_t)cb->iq3xxs[q[2 * l + 1]] << 32;
-            signed_run(u + 8 * l, magnitudes, even_signs((aux >> (7 * l)) & 127), 64);
-        }
-        gs->min_lo = gs->min_hi = -64.0f * gs->scale_lo;
-        return;
-    }
-    case WEIGHT_IQ3_S: {
-        const uint8_t *block = row + (g >> 3) * IQ3_S_BLOCK_BYTES, *q = block + 2 + 8 * ib;
-        const uint8_t high = block[66 + ib];
-        gs->scale_lo = gs->scale_hi = half_to_float(block) * (float)(1 + 2 * ((block[106 + ib / 2] >> (4 * (ib & 1))) & 0xF));
-        for (int l = 0; l < 4; l++) {
-            const int first = q[2 * l] | (((high >> (2 * l)) & 1) << 8);
-            const int second = q[2 * l + 1] | (((high >> (2 * l + 1)) & 1) << 8);
-            signed_run(u + 8 * l, (uint64_t)cb->iq3s[first] | (uint64_t)cb->iq3s[second] << 32, block[74 + 4 * ib + l], 64);
-        }
-        gs->min_lo = gs->min_hi = -64.0f * gs->scale_lo;
-        return;
-    }
     case WEIGHT_IQ1_S: {
         const uint8_t *block = row + (g >> 3) * IQ1_S_BLOCK_BYTES;
         const uint16_t high = load_u16(block + 34 + 2 * ib);
@@ -349,8 +370,6 @@ static inline void codebook_group(int type, const uint8_t *row, int64_t g, uint8
     }
     default: break;
     }
-    gs->min_lo = -64.0f * gs->scale_lo; /* the types with a scale per 16 */
-    gs->min_hi = -64.0f * gs->scale_hi;
 }
 
 /* An IQ4_NL / IQ4_XS group's 16 bytes of 4-bit codes, and its scale (the values are signed). */
@@ -431,6 +450,11 @@ static inline __attribute__((always_inline)) __m256i group_bytes(int type, const
         const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)quant_codebooks.iq4nl));
         return _mm256_shuffle_epi8(table, nibbles_in_order(iq4_group(type, row, g, gs)));
     }
+    case WEIGHT_IQ2_XXS:
+    case WEIGHT_IQ2_XS:
+    case WEIGHT_IQ2_S:
+    case WEIGHT_IQ3_XXS:
+    case WEIGHT_IQ3_S: return grid_group(type, row, g, gs);
     default: {
         uint8_t u[32] __attribute__((aligned(32)));
         codebook_group(type, row, g, u, gs);

@@ -185,7 +185,8 @@ static inline __attribute__((always_inline)) void stream_row(int type, int M, co
 }
 
 /* The 16 scales and offsets (one per 16 weights) of a super-block of 256, as vectors: the
- * K-quants', Q2_K's, Q3_K's and IQ4_XS's scales decoded once per block instead of per group. */
+ * K-quants', Q2_K's, Q3_K's, IQ4_XS's and the grid i-quants' scales decoded once per block
+ * instead of per group. */
 static inline __attribute__((always_inline)) void superblock_scales(int type, const uint8_t *block, __m512 *scale16,
                                                                     __m512 *min16) {
     if (type == WEIGHT_Q2_K) { /* a byte per 16: scale in the low nibble, min in the high one */
@@ -219,7 +220,13 @@ static inline __attribute__((always_inline)) void superblock_scales(int type, co
         return;
     }
     float scale[16] __attribute__((aligned(64))), min[16] __attribute__((aligned(64)));
-    { /* IQ4_XS: a 6-bit scale per 32, minus 32; signed values */
+    if (type != WEIGHT_IQ4_XS) { /* the grid i-quants: u = v + 64 */
+        for (int ib = 0; ib < 8; ib++) {
+            grid_scales(type, block, ib, &scale[2 * ib], &scale[2 * ib + 1]);
+            min[2 * ib] = -64.0f * scale[2 * ib];
+            min[2 * ib + 1] = -64.0f * scale[2 * ib + 1];
+        }
+    } else { /* IQ4_XS: a 6-bit scale per 32, minus 32; signed values */
         const float d = half_to_float(block);
         const uint16_t high = load_u16(block + 2);
         for (int j = 0; j < 8; j++) {
@@ -232,12 +239,7 @@ static inline __attribute__((always_inline)) void superblock_scales(int type, co
     *min16 = _mm512_load_ps(min);
 }
 
-static inline int superblock_type(int type) {
-    return type == WEIGHT_Q2_K || type == WEIGHT_Q3_K || type == WEIGHT_Q4_K || type == WEIGHT_Q5_K ||
-           type == WEIGHT_Q6_K || type == WEIGHT_IQ4_XS;
-}
-
-/* One row of a superblock_type against M rows of x, as stream_row with the scales decoded per
+/* One row of a 256-weight super-block type against M rows of x, as stream_row with the scales decoded per
  * super-block: each group's words (group_words; its scale arithmetic, unused, is dropped when
  * inlined), one dot product per row, scaled by a permute of the block's scale vector; the
  * offsets' part a 16-lane product with x's sums per 16. */
@@ -448,11 +450,11 @@ STREAM_KERNELS(stream_q2_k, stream_superblock_row, WEIGHT_Q2_K)
 STREAM_KERNELS(stream_q3_k, stream_superblock_row, WEIGHT_Q3_K)
 STREAM_KERNELS(stream_iq4_nl, stream_row, WEIGHT_IQ4_NL)
 STREAM_KERNELS(stream_iq4_xs, stream_superblock_row, WEIGHT_IQ4_XS)
-STREAM_KERNELS(stream_iq3_xxs, stream_row, WEIGHT_IQ3_XXS)
-STREAM_KERNELS(stream_iq3_s, stream_row, WEIGHT_IQ3_S)
-STREAM_KERNELS(stream_iq2_xxs, stream_row, WEIGHT_IQ2_XXS)
-STREAM_KERNELS(stream_iq2_xs, stream_row, WEIGHT_IQ2_XS)
-STREAM_KERNELS(stream_iq2_s, stream_row, WEIGHT_IQ2_S)
+STREAM_KERNELS(stream_iq3_xxs, stream_superblock_row, WEIGHT_IQ3_XXS)
+STREAM_KERNELS(stream_iq3_s, stream_superblock_row, WEIGHT_IQ3_S)
+STREAM_KERNELS(stream_iq2_xxs, stream_superblock_row, WEIGHT_IQ2_XXS)
+STREAM_KERNELS(stream_iq2_xs, stream_superblock_row, WEIGHT_IQ2_XS)
+STREAM_KERNELS(stream_iq2_s, stream_superblock_row, WEIGHT_IQ2_S)
 STREAM_KERNELS(stream_iq1_s, stream_row, WEIGHT_IQ1_S)
 STREAM_KERNELS(stream_iq1_m, stream_row, WEIGHT_IQ1_M)
 STREAM_KERNELS(stream_tq1_0, stream_row, WEIGHT_TQ1_0)
