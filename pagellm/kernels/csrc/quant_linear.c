@@ -280,6 +280,58 @@ static inline __attribute__((always_inline)) void stream_superblock_row(int type
         result[r] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc0[r], acc1[r]), corr[r]));
 }
 
+/* A Q4_K row against M rows of x. Its super-blocks' 128 bytes of nibbles pair groups as the
+ * row-packed Q4_0 does (32-byte runs, group 2j in the low nibbles, 2j + 1 in the high), so the
+ * same 64-byte loads feed four groups through the 0x43 unpacking, against x permuted as for
+ * Q4_0 (permute_x_for_q4); each super-block's 8 scales and mins are decoded once
+ * (k_scales_mins), the mins' part a vector product with x's sums per 32. */
+static inline __attribute__((always_inline)) void stream_q4k_row(int type, int M, const uint16_t *x, int64_t x_stride,
+                                                                 const float *sums, int64_t sums_stride,
+                                                                 const uint8_t *row, float row_scale, int64_t k,
+                                                                 float *result) {
+    (void)type, (void)row_scale;
+    __m512 acc0[STREAM_ROWS], acc1[STREAM_ROWS], corr[STREAM_ROWS];
+    for (int r = 0; r < M; r++) acc0[r] = acc1[r] = corr[r] = _mm512_setzero_ps();
+    const __m512i bf16_high = _mm512_set1_epi8(0x43), low4 = _mm512_set1_epi8(0x0F);
+    const __m512i pick_ac = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
+    const __m512i pick_bd = _mm512_add_epi32(pick_ac, _mm512_set1_epi32(1));
+    for (int64_t b = 0; b < k / 256; b++) {
+        const uint8_t *block = row + b * Q4_K_BLOCK_BYTES;
+        uint64_t scales, mins;
+        k_scales_mins(block + 4, &scales, &mins);
+        const __m512 d8 = _mm512_mul_ps(_mm512_set1_ps(half_to_float(block)),
+                                        _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_cvtsi64_si128((int64_t)scales))));
+        const __m512 m8 = _mm512_mul_ps(_mm512_set1_ps(-half_to_float(block + 2)),
+                                        _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_cvtsi64_si128((int64_t)mins))));
+        const __m512 bias8 = _mm512_fnmadd_ps(d8, _mm512_set1_ps(128.0f), m8); /* w = d (128 + u) + m - 128 d */
+        for (int r = 0; r < M; r++)
+            corr[r] = _mm512_fmadd_ps(bias8, _mm512_maskz_loadu_ps(0xFF, sums + r * sums_stride + 8 * b), corr[r]);
+        for (int run = 0; run < 2; run++) {
+            const __m512i packed = _mm512_loadu_si512((const void *)(block + 16 + 64 * run));
+            const __m512i low = _mm512_and_si512(packed, low4);
+            const __m512i high = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
+            const __m512bh wa0 = (__m512bh)_mm512_unpacklo_epi8(low, bf16_high);
+            const __m512bh wa1 = (__m512bh)_mm512_unpackhi_epi8(low, bf16_high);
+            const __m512bh wb0 = (__m512bh)_mm512_unpacklo_epi8(high, bf16_high);
+            const __m512bh wb1 = (__m512bh)_mm512_unpackhi_epi8(high, bf16_high);
+            const __m512i offset = _mm512_set1_epi32(4 * run);
+            const __m512 s_ac = _mm512_permutexvar_ps(_mm512_add_epi32(pick_ac, offset), d8);
+            const __m512 s_bd = _mm512_permutexvar_ps(_mm512_add_epi32(pick_bd, offset), d8);
+            for (int r = 0; r < M; r++) {
+                const uint16_t *xg = x + r * x_stride + (8 * b + 4 * run) * GROUP;
+                __m512 ac = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512((const void *)xg), wa0);
+                ac = _mm512_dpbf16_ps(ac, (__m512bh)_mm512_loadu_si512((const void *)(xg + 32)), wa1);
+                __m512 bd = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512((const void *)(xg + 64)), wb0);
+                bd = _mm512_dpbf16_ps(bd, (__m512bh)_mm512_loadu_si512((const void *)(xg + 96)), wb1);
+                acc0[r] = _mm512_fmadd_ps(ac, s_ac, acc0[r]);
+                acc1[r] = _mm512_fmadd_ps(bd, s_bd, acc1[r]);
+            }
+        }
+    }
+    for (int r = 0; r < M; r++)
+        result[r] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc0[r], acc1[r]), corr[r]));
+}
+
 /* The same for the row-packed types (Q4_0, Q4_1, Q8_0, MXFP4; layout above padded_groups): the
  * scales of 16 groups convert in one instruction, the Q4 nibbles of two groups come from
  * one 32-byte load, and the offsets' contribution sum_g (min_g - 128 d_g) * sum(x_g) is a
@@ -440,7 +492,7 @@ STREAM_KERNELS(stream_q4_0, stream_packed_row, WEIGHT_Q4_0)
 STREAM_KERNELS(stream_q4_1, stream_packed_row, WEIGHT_Q4_1)
 STREAM_KERNELS(stream_q8_0, stream_packed_row, WEIGHT_Q8_0)
 STREAM_KERNELS(stream_mxfp4, stream_packed_row, WEIGHT_MXFP4)
-STREAM_KERNELS(stream_q4_k, stream_superblock_row, WEIGHT_Q4_K)
+STREAM_KERNELS(stream_q4_k, stream_q4k_row, WEIGHT_Q4_K)
 STREAM_KERNELS(stream_q5_k, stream_superblock_row, WEIGHT_Q5_K)
 STREAM_KERNELS(stream_q6_k, stream_superblock_row, WEIGHT_Q6_K)
 STREAM_KERNELS(stream_i8_row, stream_row, WEIGHT_I8_ROW)
@@ -516,11 +568,13 @@ static void quant_stream_part(const uint16_t *x, int64_t x_stride, const WeightP
     thread_share(p->rows, 16, t, nt, &begin, &end);
     if (begin >= end) return;
     /* Sums of x over 32 columns for the row-packed types, over 16 for the others. */
-    const int span = is_row_packed(p->type) ? 32 : 16;
+    const int nibble_pairs = p->type == WEIGHT_Q4_0 || p->type == WEIGHT_Q4_1 || p->type == WEIGHT_MXFP4 ||
+                             p->type == WEIGHT_Q4_K;
+    const int span = is_row_packed(p->type) || p->type == WEIGHT_Q4_K ? 32 : 16;
     const int64_t sums_stride = k / span;
     float *sums = grow_buffer((void **)&sums_buffer, &sums_capacity, sizeof(float) * (size_t)(m * sums_stride));
     column_sums(x, x_stride, m, k, span, sums);
-    if (p->type == WEIGHT_Q4_0 || p->type == WEIGHT_Q4_1 || p->type == WEIGHT_MXFP4) {
+    if (nibble_pairs) {
         uint16_t *permuted = grow_buffer((void **)&permuted_buffer, &permuted_capacity, sizeof(uint16_t) * (size_t)(m * k));
         permute_x_for_q4(x, x_stride, m, k, permuted);
         x = permuted;
