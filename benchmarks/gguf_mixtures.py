@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from llamacpp_decode import compare_decode
+from llamacpp_decode import SCENARIOS, compare_decode
 from quant_1b import DEFAULT_SHAPE, default_path, file_bytes, file_spec, measure_memory, write_gguf
 
 from pagellm.bench.llamacpp_quantize import quantize
@@ -36,12 +36,6 @@ from pagellm.bench.machine import cpu_info, describe_cpu
 from pagellm.metrics.ceilings import measure_bandwidth
 
 MIXTURES = ("Q4_K_M", "Q3_K_M", "Q2_K", "IQ4_XS", "IQ3_M")
-SCENARIOS = {
-    "single stream": ["--workload", "fixed", "--num-requests", "1", "--prompt-len", "16", "16",
-                      "--output-len", "64", "64"],
-    "32 requests": ["--workload", "fixed", "--num-requests", "32", "--prompt-len", "16", "16",
-                    "--output-len", "32", "32"],
-}  # fmt: skip
 
 
 def main() -> int:

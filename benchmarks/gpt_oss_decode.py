@@ -33,7 +33,7 @@ from typing import Any
 import gguf
 import numpy as np
 from quant_1b import SPEC_KEY, add_vocabulary, block_scale, check_llamacpp_loads, file_spec
-from llamacpp_decode import compare_decode, report
+from llamacpp_decode import SCENARIOS, compare_decode, report
 
 from pagellm.bench.machine import cpu_info, describe_cpu
 from pagellm.bench.quant_blocks import random_blocks
@@ -42,12 +42,6 @@ from pagellm.kernels.weights import WeightType, file_row_bytes
 SHAPE = {"layers": 12, "hidden": 1024, "intermediate": 1024, "heads": 16, "kv_heads": 4, "head_dim": 64,
          "experts": 32, "experts_used": 4, "window": 128, "vocab": 32000}  # fmt: skip
 FORMAT_VERSION = 1
-SCENARIOS = {
-    "single stream": ["--workload", "fixed", "--num-requests", "1", "--prompt-len", "16", "16",
-                      "--output-len", "64", "64"],
-    "32 requests": ["--workload", "fixed", "--num-requests", "32", "--prompt-len", "16", "16",
-                    "--output-len", "32", "32"],
-}  # fmt: skip
 
 
 def tensor_plan(spec: dict[str, Any]) -> list[tuple[str, str, tuple[int, ...]]]:

@@ -32,7 +32,7 @@ from typing import Any
 import gguf
 import numpy as np
 from quant_1b import SPEC_KEY, add_vocabulary, block_scale, file_spec
-from llamacpp_decode import compare_decode, report
+from llamacpp_decode import SCENARIOS, compare_decode, report
 
 from pagellm.bench.machine import cpu_info, describe_cpu
 from pagellm.bench.quant_blocks import random_blocks
@@ -42,12 +42,6 @@ SHAPE = {"layers": 24, "hidden": 2048, "intermediate": 4096, "heads": 8, "kv_hea
          "linear_key_heads": 16, "linear_value_heads": 16, "linear_head_dim": 128, "conv_kernel": 4,
          "vocab": 32000}  # fmt: skip
 FORMAT_VERSION = 1
-SCENARIOS = {
-    "single stream": ["--workload", "fixed", "--num-requests", "1", "--prompt-len", "16", "16",
-                      "--output-len", "64", "64"],
-    "32 requests": ["--workload", "fixed", "--num-requests", "32", "--prompt-len", "16", "16",
-                    "--output-len", "32", "32"],
-}  # fmt: skip
 
 
 def tensor_plan(spec: dict[str, Any]) -> list[tuple[str, str, tuple[int, ...]]]:

@@ -18,6 +18,15 @@ from typing import Any
 
 from quant_1b import run_throughput
 
+# The two decode scenarios: single stream (1 request, 16 prompt tokens, 64 output) and 32
+# requests (16 prompt, 32 output each), as `pagellm bench throughput` workloads.
+SCENARIOS = {
+    "single stream": ["--workload", "fixed", "--num-requests", "1", "--prompt-len", "16", "16",
+                      "--output-len", "64", "64"],
+    "32 requests": ["--workload", "fixed", "--num-requests", "32", "--prompt-len", "16", "16",
+                    "--output-len", "32", "32"],
+}  # fmt: skip
+
 
 def compare_decode(path: Path, scenarios: dict[str, list[str]], rounds: int, with_llamacpp: bool) -> dict[str, dict[str, Any]]:
     backends = ["pagellm"] + (["llamacpp"] if with_llamacpp else [])

@@ -280,6 +280,30 @@ static inline __attribute__((always_inline)) void stream_superblock_row(int type
         result[r] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc0[r], acc1[r]), corr[r]));
 }
 
+/* Four groups a, b, c, d from one 64-byte load of paired nibbles (a and c in `low`, b and d in
+ * `high`, values 0..15 a byte each): unpacked against 0x43 into bf16 words 128 + u in the order
+ * permute_x_for_q4 put x in, each dot product's lanes 0-7 from one group and 8-15 from the
+ * other, scaled by s_ac / s_bd into the accumulators of M rows of x. */
+static inline __attribute__((always_inline)) void nibble_pair_groups(int M, const uint16_t *x, int64_t x_stride,
+                                                                     int64_t group, __m512i low, __m512i high,
+                                                                     __m512 s_ac, __m512 s_bd, __m512 *acc0,
+                                                                     __m512 *acc1) {
+    const __m512i bf16_high = _mm512_set1_epi8(0x43);
+    const __m512bh wa0 = (__m512bh)_mm512_unpacklo_epi8(low, bf16_high);
+    const __m512bh wa1 = (__m512bh)_mm512_unpackhi_epi8(low, bf16_high);
+    const __m512bh wb0 = (__m512bh)_mm512_unpacklo_epi8(high, bf16_high);
+    const __m512bh wb1 = (__m512bh)_mm512_unpackhi_epi8(high, bf16_high);
+    for (int r = 0; r < M; r++) {
+        const uint16_t *xg = x + r * x_stride + group * GROUP;
+        __m512 ac = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512((const void *)xg), wa0);
+        ac = _mm512_dpbf16_ps(ac, (__m512bh)_mm512_loadu_si512((const void *)(xg + 32)), wa1);
+        __m512 bd = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512((const void *)(xg + 64)), wb0);
+        bd = _mm512_dpbf16_ps(bd, (__m512bh)_mm512_loadu_si512((const void *)(xg + 96)), wb1);
+        acc0[r] = _mm512_fmadd_ps(ac, s_ac, acc0[r]);
+        acc1[r] = _mm512_fmadd_ps(bd, s_bd, acc1[r]);
+    }
+}
+
 /* A Q4_K row against M rows of x. Its super-blocks' 128 bytes of nibbles pair groups as the
  * row-packed Q4_0 does (32-byte runs, group 2j in the low nibbles, 2j + 1 in the high), so the
  * same 64-byte loads feed four groups through the 0x43 unpacking, against x permuted as for
@@ -292,7 +316,7 @@ static inline __attribute__((always_inline)) void stream_q4k_row(int type, int M
     (void)type, (void)row_scale;
     __m512 acc0[STREAM_ROWS], acc1[STREAM_ROWS], corr[STREAM_ROWS];
     for (int r = 0; r < M; r++) acc0[r] = acc1[r] = corr[r] = _mm512_setzero_ps();
-    const __m512i bf16_high = _mm512_set1_epi8(0x43), low4 = _mm512_set1_epi8(0x0F);
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
     const __m512i pick_ac = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
     const __m512i pick_bd = _mm512_add_epi32(pick_ac, _mm512_set1_epi32(1));
     for (int64_t b = 0; b < k / 256; b++) {
@@ -308,24 +332,11 @@ static inline __attribute__((always_inline)) void stream_q4k_row(int type, int M
             corr[r] = _mm512_fmadd_ps(bias8, _mm512_maskz_loadu_ps(0xFF, sums + r * sums_stride + 8 * b), corr[r]);
         for (int run = 0; run < 2; run++) {
             const __m512i packed = _mm512_loadu_si512((const void *)(block + 16 + 64 * run));
-            const __m512i low = _mm512_and_si512(packed, low4);
-            const __m512i high = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
-            const __m512bh wa0 = (__m512bh)_mm512_unpacklo_epi8(low, bf16_high);
-            const __m512bh wa1 = (__m512bh)_mm512_unpackhi_epi8(low, bf16_high);
-            const __m512bh wb0 = (__m512bh)_mm512_unpacklo_epi8(high, bf16_high);
-            const __m512bh wb1 = (__m512bh)_mm512_unpackhi_epi8(high, bf16_high);
             const __m512i offset = _mm512_set1_epi32(4 * run);
-            const __m512 s_ac = _mm512_permutexvar_ps(_mm512_add_epi32(pick_ac, offset), d8);
-            const __m512 s_bd = _mm512_permutexvar_ps(_mm512_add_epi32(pick_bd, offset), d8);
-            for (int r = 0; r < M; r++) {
-                const uint16_t *xg = x + r * x_stride + (8 * b + 4 * run) * GROUP;
-                __m512 ac = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512((const void *)xg), wa0);
-                ac = _mm512_dpbf16_ps(ac, (__m512bh)_mm512_loadu_si512((const void *)(xg + 32)), wa1);
-                __m512 bd = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512((const void *)(xg + 64)), wb0);
-                bd = _mm512_dpbf16_ps(bd, (__m512bh)_mm512_loadu_si512((const void *)(xg + 96)), wb1);
-                acc0[r] = _mm512_fmadd_ps(ac, s_ac, acc0[r]);
-                acc1[r] = _mm512_fmadd_ps(bd, s_bd, acc1[r]);
-            }
+            nibble_pair_groups(M, x, x_stride, 8 * b + 4 * run, _mm512_and_si512(packed, low4),
+                               _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4),
+                               _mm512_permutexvar_ps(_mm512_add_epi32(pick_ac, offset), d8),
+                               _mm512_permutexvar_ps(_mm512_add_epi32(pick_bd, offset), d8), acc0, acc1);
         }
     }
     for (int r = 0; r < M; r++)
@@ -374,7 +385,7 @@ static inline __attribute__((always_inline)) void stream_packed_row(int type, in
              * permute_x_for_q4 put x in, each dot product's lanes 0-7 from one group and
              * 8-15 from the other. Two groups that share a scale vector share an
              * accumulation before it is scaled. */
-            const __m512i bf16_high = _mm512_set1_epi8(0x43), low4x = _mm512_set1_epi8(0x0F);
+            const __m512i low4x = _mm512_set1_epi8(0x0F);
             const __m512i pick_ac = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
             const __m512i pick_bd = _mm512_add_epi32(pick_ac, _mm512_set1_epi32(1));
             const __m512 d_vector = _mm512_load_ps(d_buf);
@@ -387,22 +398,10 @@ static inline __attribute__((always_inline)) void stream_packed_row(int type, in
                     low = _mm512_shuffle_epi8(codes512, low);
                     high = _mm512_shuffle_epi8(codes512, high);
                 }
-                const __m512bh wa0 = (__m512bh)_mm512_unpacklo_epi8(low, bf16_high);
-                const __m512bh wa1 = (__m512bh)_mm512_unpackhi_epi8(low, bf16_high);
-                const __m512bh wb0 = (__m512bh)_mm512_unpacklo_epi8(high, bf16_high);
-                const __m512bh wb1 = (__m512bh)_mm512_unpackhi_epi8(high, bf16_high);
                 const __m512i offset = _mm512_set1_epi32(g);
-                const __m512 s_ac = _mm512_permutexvar_ps(_mm512_add_epi32(pick_ac, offset), d_vector);
-                const __m512 s_bd = _mm512_permutexvar_ps(_mm512_add_epi32(pick_bd, offset), d_vector);
-                for (int r = 0; r < M; r++) {
-                    const uint16_t *xg = x + r * x_stride + group * GROUP;
-                    __m512 ac = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512((const void *)xg), wa0);
-                    ac = _mm512_dpbf16_ps(ac, (__m512bh)_mm512_loadu_si512((const void *)(xg + 32)), wa1);
-                    __m512 bd = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512((const void *)(xg + 64)), wb0);
-                    bd = _mm512_dpbf16_ps(bd, (__m512bh)_mm512_loadu_si512((const void *)(xg + 96)), wb1);
-                    acc0[r] = _mm512_fmadd_ps(ac, s_ac, acc0[r]);
-                    acc1[r] = _mm512_fmadd_ps(bd, s_bd, acc1[r]);
-                }
+                nibble_pair_groups(M, x, x_stride, group, low, high,
+                                   _mm512_permutexvar_ps(_mm512_add_epi32(pick_ac, offset), d_vector),
+                                   _mm512_permutexvar_ps(_mm512_add_epi32(pick_bd, offset), d_vector), acc0, acc1);
             }
         }
         for (; g + 2 <= count; g += 2) {
