@@ -35,17 +35,19 @@ def _check(y: torch.Tensor, x: torch.Tensor, w: np.ndarray, bias: np.ndarray | N
 
 
 @pytest.mark.parametrize("weight_type", QUANT_TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("rows", [*range(1, 18), 64])
 @pytest.mark.parametrize("odd", [False, True], ids=["even", "odd"])
-def test_linear_matches_gguf_dequantization(weight_type, rows, odd, kernel_isa):
+def test_linear_matches_gguf_dequantization(weight_type, odd, kernel_isa):
     # odd: 33 groups of 32 (the row-packed types pad a pair), or 3 K-quant super-blocks.
+    # Every row count 1-17 (streamed to 8, then the panels) and 64, one weight for all.
     k = (1056 if weight_type.block_elements == 32 else 768) if odd else 512
-    rng = np.random.default_rng(int(weight_type) * 100 + rows)
+    rng = np.random.default_rng(int(weight_type) * 100 + odd)
     n = 40
     data = random_blocks(weight_type, n, k, rng)
     weight = PackedWeight([WeightPart(weight_type, packed(weight_type, data, k))], k)
-    x = torch.from_numpy(rng.standard_normal((rows, k)).astype(np.float32)).to(torch.bfloat16)
-    _check(weight.linear(x, None, 2), x, reference_weight(weight_type, data, k))
+    reference = reference_weight(weight_type, data, k)
+    for rows in [*range(1, 18), 64]:
+        x = torch.from_numpy(rng.standard_normal((rows, k)).astype(np.float32)).to(torch.bfloat16)
+        _check(weight.linear(x, None, 2), x, reference)
 
 
 @pytest.mark.parametrize("weight_type", QUANT_TYPES, ids=lambda t: t.name)
@@ -169,8 +171,9 @@ def test_nan_or_inf_in_x_is_not_hidden(weight_type, bad, kernel_isa):
 # The row counts at every bucket edge of the measured kernel choice (kernels/linear_choice.py).
 BUCKET_EDGE_ROWS = [1, 2, 4, 5, 8, 9, 16, 17, 32, 33, 64, 65, 256, 257]
 # The types read through quant_groups.h's generic group decoder share every loop past the
-# decoding, whose edges (streamed 8 rows at a time up to 8 or 16, panels above) these cover.
-GENERIC_EDGE_ROWS = [1, 8, 9, 16, 17, 64, 65, 257]
+# decoding (tested at every row count 1-17 above), whose edges (streamed 8 rows at a time,
+# panels above 8 or 16, the GEMM's larger tiles) these cross.
+GENERIC_EDGE_ROWS = [1, 8, 9, 17, 65, 257]
 HAND_KERNEL_TYPES = {WeightType.Q4_0, WeightType.Q4_1, WeightType.Q8_0, WeightType.MXFP4, WeightType.Q4_K,
                      WeightType.Q5_K, WeightType.Q6_K, WeightType.I8_ROW, WeightType.BF16}  # fmt: skip
 
