@@ -432,17 +432,12 @@ static inline __attribute__((always_inline)) __m256i group_bytes(int type, const
         const __m256i mask = _mm256_loadu_si256((const __m256i *)block);
         const __m256i high = _mm256_and_si256(_mm256_srl_epi16(mask, _mm_cvtsi64_si128(sub)), _mm256_set1_epi8(1));
         const float d = half_to_float(block + 108);
-        float scale[2];
-        for (int h = 0; h < 2; h++) {
-            const int j = 2 * (int)sub + h;
-            const int low4 = j < 8 ? scales[j] & 0xF : scales[j - 8] >> 4;
-            const int high2 = (scales[8 + j % 4] >> (2 * (j / 4))) & 3;
-            scale[h] = d * (float)((low4 | (high2 << 4)) - 32);
-        }
-        gs->scale_lo = scale[0];
-        gs->scale_hi = scale[1];
-        gs->min_lo = -4.0f * scale[0];
-        gs->min_hi = -4.0f * scale[1];
+        int8_t scale[16];
+        _mm_storeu_si128((__m128i *)scale, q3_k_scales(scales));
+        gs->scale_lo = d * (float)scale[2 * sub];
+        gs->scale_hi = d * (float)scale[2 * sub + 1];
+        gs->min_lo = -4.0f * gs->scale_lo;
+        gs->min_hi = -4.0f * gs->scale_hi;
         return _mm256_or_si256(low, _mm256_slli_epi16(high, 2));
     }
     case WEIGHT_IQ4_NL:
