@@ -226,11 +226,12 @@ static inline __attribute__((always_inline)) void superblock_scales(int type, co
             min[2 * ib] = -64.0f * scale[2 * ib];
             min[2 * ib + 1] = -64.0f * scale[2 * ib + 1];
         }
-    } else { /* IQ4_XS: a scale per 32 (iq4_group's, the block read as a row of one); signed values */
+    } else { /* IQ4_XS: a 6-bit scale per 32, minus 32; signed values */
+        const float d = half_to_float(block);
+        const uint16_t high = load_u16(block + 2);
         for (int j = 0; j < 8; j++) {
-            GroupScale gs;
-            iq4_group(WEIGHT_IQ4_XS, block, j, &gs);
-            scale[2 * j] = scale[2 * j + 1] = gs.scale_lo;
+            const int low4 = (block[4 + j / 2] >> (4 * (j & 1))) & 0xF;
+            scale[2 * j] = scale[2 * j + 1] = d * (float)((low4 | (((high >> (2 * j)) & 3) << 4)) - 32);
             min[2 * j] = min[2 * j + 1] = 0.0f;
         }
     }
