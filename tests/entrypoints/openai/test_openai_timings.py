@@ -21,7 +21,8 @@ def check(timings: dict, prompt_tokens: int, output_tokens: int) -> None:
     assert timings["predicted_n"] == output_tokens
     assert 0 <= timings["queue_ms"] <= timings["ttft_ms"] <= timings["total_ms"]
     assert timings["prompt_ms"] > 0 and timings["predicted_ms"] > 0
-    assert timings["ttft_ms"] >= timings["queue_ms"] + timings["prompt_ms"] - 1e-3
+    # Each figure is rounded to a microsecond on its own: the sum may be off by 1.5 of them.
+    assert timings["ttft_ms"] >= timings["queue_ms"] + timings["prompt_ms"] - 2e-3
     assert abs(timings["predicted_per_token_ms"] * (output_tokens - 1) - timings["predicted_ms"]) < 1e-2
     assert timings["preemptions"] == 0 and timings["draft_n"] == timings["draft_n_accepted"] == 0
     assert timings["cache_n_tier"] == 0  # no disk tier here
