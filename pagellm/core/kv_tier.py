@@ -182,6 +182,7 @@ class TierIndex:
         self._entries: OrderedDict[bytes, int] = OrderedDict()  # digest -> bytes on disk
         self.num_bytes = 0
         self.pending_writes: set[bytes] = set()
+        self._last_entry_bytes = 0
         self._pending_states: set[bytes] = set()  # the snapshots among them
         self._deletions: list[bytes] = []  # decided, not yet sent to the runner
         self.stats = TierStats()
@@ -192,9 +193,16 @@ class TierIndex:
     def __contains__(self, digest: bytes) -> bool:
         return digest in self._entries
 
+    def holds(self, digest: bytes) -> bool:
+        """Whether a block's entry can be loaded: written, or its write in flight (the
+        runner's loader waits for a write it has queued before reading that entry, so a
+        conversation that comes back while its blocks are being written still finds them)."""
+        return digest in self._entries or (digest in self.pending_writes and digest not in self._pending_states)
+
     def entry_bytes(self, digest: bytes) -> int:
-        """Bytes on disk of an entry the tier holds."""
-        return self._entries[digest]
+        """Bytes on disk of an entry the tier holds (one in flight: the size of the last
+        entry written, which is every block's size for one model; 0 before the first)."""
+        return self._entries.get(digest, self._last_entry_bytes)
 
     def seed(self, entries: Iterable[tuple[bytes, int]]) -> None:
         """Entries found on disk at start, least recently used first."""
@@ -270,6 +278,7 @@ class TierIndex:
             self.num_bytes -= old
         self._entries[digest] = num_bytes
         self.num_bytes += num_bytes
+        self._last_entry_bytes = num_bytes
 
     def _evict_over_capacity(self) -> None:
         while self.num_bytes > self.capacity_bytes and self._entries:

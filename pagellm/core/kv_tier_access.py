@@ -77,12 +77,12 @@ class KVTierAccess:
 
     def _tier_run(self, hashes: list[BlockHash], start: int, end: int) -> list[bytes]:
         """The digests of the blocks start, start + 1, ... before `end` that the tier holds
-        (every group's entry), up to its first miss."""
+        (every group's entry, written or being written), up to its first miss."""
         assert self.tier is not None
         digests: list[bytes] = []
         for index in range(start, end):
             digest = block_digest(hashes[index])
-            if not all(key in self.tier for key in self.group_keys(digest)):
+            if not all(self.tier.holds(key) for key in self.group_keys(digest)):
                 break
             digests.append(digest)
         return digests

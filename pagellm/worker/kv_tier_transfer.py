@@ -11,7 +11,8 @@ GPU) keeps the latest blocks written or read in RAM in front of the disk, least 
 used out: a load found there is a memory copy, not a file read and check.
 
 Loads: the blocks to load go to a loader thread that reads and checks each entry and
-copies it into its device block while the step's forward pass runs (no request of the
+copies it into its device block while the step's forward pass runs (an entry whose write is
+still queued, which the scheduler counts as held, is waited for first) (no request of the
 step reads those blocks: their request computes from the next step on). The step waits
 for the loads before it returns, so no load is ever in flight across steps.
 
@@ -109,6 +110,7 @@ class KVTierTransfer:
         self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._written: list[tuple[bytes, int]] = []
+        self._queued: set[bytes] = set()  # keys of the writes queued and not yet done
         self._failed_writes: list[bytes] = []
         self._writer = threading.Thread(target=self._write_loop, name="pagellm-kv-tier-writer", daemon=True)
         self._writer.start()
@@ -130,6 +132,8 @@ class KVTierTransfer:
             for (key, _), row in zip(snapshots, rows, strict=True):
                 if self.host is not None:
                     self.host.put(key, row.clone())
+                with self._lock:
+                    self._queued.add(key)
                 self._queue.put(("write_state", key, row))
         if not blocks:
             return
@@ -140,6 +144,8 @@ class KVTierTransfer:
         for (digest, _), row in zip(blocks, rows, strict=True):
             if self.host is not None:
                 self.host.put(digest, row.clone())  # its own memory: the batch may go
+            with self._lock:
+                self._queued.add(digest)
             self._queue.put(("write", digest, row))
 
     def _write_loop(self) -> None:
@@ -161,9 +167,11 @@ class KVTierTransfer:
                 if kind != "delete":
                     with self._lock:
                         self._failed_writes.append(digest)
+                        self._queued.discard(digest)
                 continue
             with self._lock:
                 self._written.append((digest, num_bytes))
+                self._queued.discard(digest)
 
     def flush(self, timeout: float = 60.0) -> None:
         """Wait until every queued write is on disk (tests, shutdown)."""
@@ -185,6 +193,13 @@ class KVTierTransfer:
     def _load(self, loads: list[tuple[bytes, int]], state_loads: list[tuple[bytes, int]]) -> LoadResult:
         result = LoadResult()
         started = time.perf_counter()
+        # The scheduler counts an entry whose write is in flight as held: wait for the
+        # writes queued before this load (in order) unless host memory has the entry.
+        keys = [key for key, _ in (*loads, *state_loads)]
+        with self._lock:
+            in_flight = [key for key in keys if key in self._queued]
+        if any(self.host is None or self.host.get(key) is None for key in in_flight):
+            self.flush()
         if loads:
             self._load_blocks(loads, result)
         if state_loads:

@@ -128,6 +128,10 @@ class FakeRunner:
         fail_load: Callable[[bytes], bool] = lambda digest: False,
     ) -> None:
         self.block_size = block_size
+        # While True, the writes finish (a load finds them, as the runner's loader waits for
+        # a queued write) but are not reported yet: the scheduler sees them in flight.
+        self.hold_write_reports = False
+        self._unreported_writes: list[tuple[bytes, int]] = []
         # The prefix cache's tier: digest -> the slots of the block written there (or, for a
         # hybrid's snapshot, its key -> the history it holds). Every write finishes within
         # its step (reported as TIER_ENTRY_BYTES each); a load for which fail_load says
@@ -201,6 +205,10 @@ class FakeRunner:
             self.states[target] = list(self.tier[key])
             num_states += 1
         num_entries = num_loaded + num_states
+        self._unreported_writes.extend(written)
+        written = [] if self.hold_write_reports else self._unreported_writes
+        if not self.hold_write_reports:
+            self._unreported_writes = []
         report = TierReport(
             written, [], failed_loads, num_loaded, num_entries * TIER_ENTRY_BYTES, 0.0,
             (num_entries + len(failed_loads)) * TIER_ENTRY_BYTES, num_states,

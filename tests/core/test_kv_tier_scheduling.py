@@ -106,6 +106,29 @@ def test_an_evicted_prefix_is_loaded_back_in_a_step_of_its_own() -> None:
     assert_drained(scheduler)
 
 
+def test_a_prefix_whose_writes_are_in_flight_is_loaded() -> None:
+    """A conversation back before the tier reported its blocks written: they count as held
+    (the runner's loader waits for its queued writes), so it loads rather than computes."""
+    scheduler = tier_scheduler()
+    runner = FakeRunner(BLOCK)
+    runner.hold_write_reports = True
+    first = make_request("a", 20, max_tokens=2)
+    serve(scheduler, runner, first)
+    serve(scheduler, runner, make_request("b", 30, max_tokens=2))
+    tier = scheduler.kv_cache_manager.tier
+    assert tier is not None and len(tier) == 0 and len(tier.pending_writes) >= 5  # nothing reported written
+    again = make_request("a2", list(first.prompt_token_ids) + [5, 6, 7], max_tokens=2)
+    scheduler.add_request(again)
+    loading = step(scheduler, runner)
+    assert len(loading.output.blocks_to_load) == 5
+    runner.hold_write_reports = False
+    run_to_completion(scheduler, runner)  # the fake runner checks every position read
+    assert again.num_cached_tokens == again.num_tier_tokens == 20
+    assert len(tier) >= 5  # reported since
+    tier.check_integrity()
+    assert_drained(scheduler)
+
+
 def test_a_failed_load_computes_from_that_block_on() -> None:
     scheduler = tier_scheduler()
     failing: set[bytes] = set()

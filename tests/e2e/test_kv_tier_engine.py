@@ -246,3 +246,47 @@ def test_the_host_memory_cache_keeps_its_bound() -> None:
     assert cache.get(b"big") is None and cache.num_bytes == 200
     cache.drop(b"\x03")
     assert cache.num_bytes == 100
+
+
+def test_a_load_waits_for_the_write_of_its_entry(tmp_path) -> None:
+    """The scheduler counts an entry whose write is queued as held, so the loader waits for
+    that write before reading: held up here until the test lets the write go, the load
+    still finds the entry (without the wait it would read a file not written yet)."""
+    import threading
+
+    import torch
+
+    from pagellm.worker.kv_tier_transfer import KVTierTransfer
+
+    identity = TierIdentity("m", "w", "float32", "float32", 16, 1, 2, 8, 4)
+    release, loader_there = threading.Event(), threading.Event()
+
+    class HeldStore(TierStore):
+        def write(self, digest: bytes, payload: memoryview, state: bool = False) -> int:
+            assert release.wait(60)
+            return super().write(digest, payload, state)
+
+        def read_into(self, digest: bytes, out: memoryview, state: bool = False) -> None:
+            loader_there.set()  # (a loader that did not wait reads before the write)
+            super().read_into(digest, out, state)
+
+    cache = torch.randn(2, 4, 16, 2, 8)  # [K/V, blocks, block_size, heads, dim]
+    transfer = KVTierTransfer(HeldStore(tmp_path, identity), [cache])
+    flush = transfer.flush
+
+    def waiting_flush(timeout: float = 60.0) -> None:
+        loader_there.set()
+        flush(timeout)
+
+    transfer.flush = waiting_flush
+    try:
+        transfer.offload([(b"a" * 16, 1)], [])
+        loading = transfer.start_loads([(b"a" * 16, 3)])
+        assert loading is not None and loader_there.wait(60)  # reading, or waiting for the write
+        release.set()
+        report = transfer.report(loading)
+        assert report.failed_loads == [] and report.num_loaded == 1
+        assert torch.equal(cache[:, 3], cache[:, 1])
+    finally:
+        release.set()
+        transfer.close()
