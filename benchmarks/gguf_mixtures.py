@@ -12,11 +12,12 @@ to Q4_K_M, Q3_K_M, Q2_K, IQ4_XS and IQ3_M; for each file, pagellm against llama.
 2. Memory: a child process loads each file with pagellm (bfloat16, weights as stored) and
    reports the resident weight bytes by stored type against the file's tensor bytes
    (target: <= 1.05x).
-3. Speed: `pagellm bench throughput` single stream (1 request, 16 prompt tokens, 64 output)
+3. Speed: `pagellm bench throughput` (--backends: bf16 activations, and --int8-activations,
+   llama.cpp's arithmetic, for the types its kernels read) single stream (1 request, 16 prompt tokens, 64 output)
    and 32 requests (16 prompt, 32 output each), pagellm and llama.cpp on the same file, --rounds
    times in turn; the ratio is the median of the rounds' ratios. Weights read per token (every
-   linear layer and the LM head as stored) x single-stream tok/s, against the measured copy
-   bandwidth.
+   linear layer and the LM head as stored) x the faster backend's single-stream tok/s, against
+   the measured copy bandwidth.
 Prints the CPU and a table; writes benchmarks/results/gguf_mixtures.json (--out).
 """
 
@@ -44,6 +45,8 @@ def main() -> int:
         parser.add_argument("--" + key.replace("_", "-"), type=int, default=value)
     parser.add_argument("--mixtures", nargs="+", default=list(MIXTURES))
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--backends", nargs="+", default=["pagellm", "pagellm-int8"],
+                        help="pagellm's variants: pagellm (bf16 activations), pagellm-int8 (--int8-activations)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/gguf_mixtures.json"))
     args = parser.parse_args()
@@ -65,8 +68,8 @@ def main() -> int:
         sizes = file_bytes(target)
         memory = measure_memory(target, 1024, 256 << 20)
         resident = sum(memory.get("weight_bytes_by_format", {}).values())
-        speed = compare_decode(target, SCENARIOS, args.rounds, with_llamacpp=True)
-        single = speed["single stream"]["pagellm"]
+        speed = compare_decode(target, SCENARIOS, args.rounds, with_llamacpp=True, ours=tuple(args.backends))
+        single = max(speed["single stream"][b] for b in args.backends)
         records[mixture] = {
             "types": sizes["tensor_bytes_by_type"],
             "file_bytes": sizes["tensor_bytes"],
@@ -77,12 +80,14 @@ def main() -> int:
             "speed": speed,
         }
         print(mixture, json.dumps(records[mixture]), flush=True)
-    print(f"\n{'mixture':<9}{'MiB':>8}{'resident':>10}{'1 stream':>10}{'llama.cpp':>11}{'ratio':>7}{'32 req':>9}{'ratio':>7}{'GB/s':>7}")
+    print(f"\n{'mixture':<9}{'backend':<14}{'MiB':>8}{'resident':>10}{'1 stream':>10}{'llama.cpp':>11}{'ratio':>7}"
+          f"{'32 req':>9}{'llama.cpp':>11}{'ratio':>7}{'GB/s':>7}")  # fmt: skip
     for mixture, r in records.items():
         one, many = r["speed"]["single stream"], r["speed"]["32 requests"]
-        print(f"{mixture:<9}{r['file_bytes'] / 2**20:>8.0f}{r['resident_over_file']:>9.2f}x{one['pagellm']:>10.1f}"
-              f"{one['llamacpp']:>11.1f}{one['ratio']:>7.2f}{many['pagellm']:>9.1f}{many['ratio']:>7.2f}"
-              f"{r['single_stream_weight_gbps']:>7.1f}")  # fmt: skip
+        for b in args.backends:
+            print(f"{mixture:<9}{b:<14}{r['file_bytes'] / 2**20:>8.0f}{r['resident_over_file']:>9.2f}x{one[b]:>10.1f}"
+                  f"{one['llamacpp']:>11.1f}{one['ratios'][b]:>7.2f}{many[b]:>9.1f}{many['llamacpp']:>11.1f}"
+                  f"{many['ratios'][b]:>7.2f}{r['single_stream_weight_gbps']:>7.1f}")  # fmt: skip
     out = {"spec": spec, "cpu": cpu, "copy_bandwidth_GBps": round(copy_gbs, 1), "date": time.strftime("%Y-%m-%d"),
            "results": records}  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -28,8 +28,12 @@ SCENARIOS = {
 }  # fmt: skip
 
 
-def compare_decode(path: Path, scenarios: dict[str, list[str]], rounds: int, with_llamacpp: bool) -> dict[str, dict[str, Any]]:
-    backends = ["pagellm"] + (["llamacpp"] if with_llamacpp else [])
+def compare_decode(
+    path: Path, scenarios: dict[str, list[str]], rounds: int, with_llamacpp: bool, ours: tuple[str, ...] = ("pagellm",)
+) -> dict[str, dict[str, Any]]:
+    """`ours`: pagellm's variants (run_throughput's backends: pagellm, pagellm-int8, ...);
+    `ratio` is the first one's against llama.cpp, `ratios` each one's."""
+    backends = [*ours] + (["llamacpp"] if with_llamacpp else [])
     results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as scratch:
         for scenario, workload in scenarios.items():
@@ -40,8 +44,10 @@ def compare_decode(path: Path, scenarios: dict[str, list[str]], rounds: int, wit
                     samples[backend].append(record.get("output_tok_s", float("nan")))
             row: dict[str, Any] = {b: statistics.median(v) for b, v in samples.items()}
             if with_llamacpp:
-                pairs = zip(samples["pagellm"], samples["llamacpp"], strict=True)
-                row["ratio"] = statistics.median(ours / theirs for ours, theirs in pairs)
+                row["ratios"] = {
+                    b: statistics.median(a / c for a, c in zip(samples[b], samples["llamacpp"], strict=True)) for b in ours
+                }
+                row["ratio"] = row["ratios"][ours[0]]
             row["rounds"] = samples
             results[scenario] = row
             print(scenario, json.dumps(row), flush=True)

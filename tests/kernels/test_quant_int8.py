@@ -1,6 +1,6 @@
-"""The int8-activation streaming kernel (csrc/quant_int8.c) for Q4_0 and Q4_1 weights: on
-the VNNI builds repacked into its lane order (weights.vnni_part), on the AVX2 builds as
-stored. Every test runs on each kernel build the host executes (the kernel_isa fixture), so
+"""The int8-activation streaming kernels for Q4_0 and Q4_1 weights (csrc/quant_int8.c: on
+the VNNI builds repacked into its lane order, weights.vnni_part; on the AVX2 builds as
+stored) and for Q4_K and Q6_K weights as stored (csrc/quant_int8_k.c, VNNI builds). Every test runs on each kernel build the host executes (the kernel_isa fixture), so
 an AVX-512 VNNI machine tests the AVX2 kernel too.
 
 Two checks. Against an emulation of its arithmetic in numpy (x rounded to int8 per group of
@@ -28,6 +28,9 @@ from pagellm.kernels.linear_bindings import LinearImpl
 from pagellm.kernels.weights import PackedWeight, WeightPart, WeightType, bf16_weight, int8_kernel_part, vnni_part
 
 INT8_TYPES = (WeightType.Q4_0, WeightType.Q4_1)
+K_TYPES = (WeightType.Q4_K, WeightType.Q6_K)  # read as stored, on the VNNI builds (csrc/quant_int8_k.c)
+# Widths: blocks of 16 groups, with an odd or even tail, tails only; whole super-blocks for K.
+CASES = [(t, k) for t in INT8_TYPES for k in (512, 1056, 576, 160, 64)] + [(t, k) for t in K_TYPES for k in (256, 1280)]
 
 
 @pytest.fixture(autouse=True)
@@ -63,10 +66,11 @@ def _run(weight: PackedWeight, x: torch.Tensor, impl: LinearImpl) -> np.ndarray:
     return weight.linear(x, None, 2, int(impl), torch.float32).double().numpy()
 
 
-@pytest.mark.parametrize("weight_type", INT8_TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("k", [512, 1056, 576, 160, 64])  # blocks of 16 groups, with an odd or even tail, tails only
+@pytest.mark.parametrize(("weight_type", "k"), CASES, ids=lambda v: getattr(v, "name", str(v)))
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 17])
 def test_int8_kernel_equals_its_arithmetic_and_bounds_the_error(weight_type, k, rows):
+    if weight_type in K_TYPES and not load_kernels().quant_int8_supported(int(weight_type)):
+        pytest.skip(f"this build streams {weight_type.name} with bf16 activations only (no AVX-512 VNNI)")
     rng = np.random.default_rng(k * 10 + rows + int(weight_type))
     n = 37 if rows % 2 else 40  # an odd count: a thread's last weight row alone (one row of x takes two at a time)
     data = random_blocks(weight_type, n, k, rng)

@@ -378,7 +378,7 @@ static inline __attribute__((always_inline)) void int8_rows(int type, int NR, in
 #endif
 
 #if defined(INT8_KERNEL)
-int quant_int8_supported(int type) { return type == INT8_Q4_0 || type == INT8_Q4_1; }
+int quant_int8_supported(int type) { return type == INT8_Q4_0 || type == INT8_Q4_1 || quant_int8_k_supported(type); }
 
 typedef void (*int8_fn)(const QuantizedX *, const uint8_t *const *, int64_t, float *);
 #define INT8_FN(TYPE, NAME, NR, M)                                                                             \
@@ -403,6 +403,10 @@ static inline void prefetch_row(const uint8_t *row, int64_t bytes) {
 
 void quant_int8_stream_part(const uint16_t *x, int64_t x_stride, const WeightPart *p, const uint16_t *bias,
                             void *out, int64_t out_stride, int out_f32, int64_t m, int64_t k, int t, int nt) {
+    if (quant_int8_k_supported(p->type)) { /* Q4_K / Q6_K: quant_int8_k.c */
+        quant_int8_k_stream_part(x, x_stride, p, bias, out, out_stride, out_f32, m, k, t, nt);
+        return;
+    }
     int64_t begin, end;
     thread_share(p->rows, 16, t, nt, &begin, &end);
     if (begin >= end) return;

@@ -772,7 +772,8 @@ void linear_weight_part(const uint16_t *x, int64_t x_stride, const Weight *w, co
         if (p->type == WEIGHT_BF16)
             linear_bf16_part(x, x_stride, (const uint16_t *)p->data, part_bias, part_out, out_stride, out_f32, m,
                              p->rows, k, impl, t, nt);
-        else if ((impl == LINEAR_STREAMING_INT8 || stream) && quant_int8_supported(p->type))
+        else if (quant_int8_supported(p->type) &&
+                 (impl == LINEAR_STREAMING_INT8 || (stream && (p->type == WEIGHT_Q4_0_VNNI || p->type == WEIGHT_Q4_1_VNNI))))
             /* a VNNI part's only streaming kernel; other parts stream in bf16 below */
             quant_int8_stream_part(x, x_stride, p, part_bias, part_out, out_stride, out_f32, m, k, t, nt);
         else if (stream)
