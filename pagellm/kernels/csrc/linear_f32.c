@@ -45,9 +45,6 @@
 /* Up to this many rows the streaming loop is the default (the rule when no measured choice
  * is attached): above, a row of W would be decoded again for every 8 rows of x. */
 #define F32_STREAMING_MAX_ROWS 8
-/* Weight rows read ahead, whole, while streaming (as quant_linear.c). */
-#define PREFETCH_ROWS 2
-
 static _Thread_local float *x_buffer;
 static _Thread_local size_t x_capacity;
 static _Thread_local void *groups_buffer;
@@ -462,11 +459,7 @@ typedef void (*stream_fn)(const float *x, const XGroups *xg, int64_t k, const We
         float result[M];                                                                                         \
         for (int64_t n = begin; n < end; n++) {                                                                  \
             const uint8_t *row = p->data + n * p->row_bytes;                                                     \
-            if (n + PREFETCH_ROWS < prefetch_end) { /* the whole row a few rows ahead, not just its first line */ \
-                const char *ahead = (const char *)(row + PREFETCH_ROWS * p->row_bytes);                          \
-                for (int64_t offset = 0; offset < p->row_bytes; offset += 64)                                    \
-                    _mm_prefetch(ahead + offset, _MM_HINT_T0);                                                   \
-            }                                                                                                    \
+            stream_prefetch(row, p->row_bytes, n, stream_prefetch_rows(p->row_bytes), prefetch_end);             \
             const float row_scale = p->row_scales ? p->row_scales[n] : 1.0f;                                     \
             if (TYPE == WEIGHT_BF16)                                                                             \
                 stream_bf16_row(M, x, k, (const uint16_t *)row, result);                                         \

@@ -198,8 +198,6 @@ typedef void (*k_fn)(const KQuantizedX *, const uint8_t *, int64_t, float *);
 K_KERNELS(q4_k_rows)
 K_KERNELS(q6_k_rows)
 
-#define K_PREFETCH_ROWS 4 /* weight rows read ahead, whole (as quant_linear.c's streaming loop) */
-
 int quant_int8_k_supported(int type) { return type == WEIGHT_Q4_K || type == WEIGHT_Q6_K; }
 
 void quant_int8_k_stream_part(const uint16_t *x, int64_t x_stride, const WeightPart *p, const uint16_t *bias,
@@ -209,12 +207,11 @@ void quant_int8_k_stream_part(const uint16_t *x, int64_t x_stride, const WeightP
     if (begin >= end) return;
     const KQuantizedX qx = quantize_x_k(p->type, x, x_stride, m, k);
     const k_fn *kernels = p->type == WEIGHT_Q4_K ? q4_k_rows_by_rows : q6_k_rows_by_rows;
+    const int64_t ahead = stream_prefetch_rows(p->row_bytes);
     float result[K_ROWS];
     for (int64_t n = begin; n < end; n++) {
         const uint8_t *row = p->data + n * p->row_bytes;
-        if (n + K_PREFETCH_ROWS < end)
-            for (int64_t offset = 0; offset < p->row_bytes; offset += 64)
-                _mm_prefetch((const char *)row + K_PREFETCH_ROWS * p->row_bytes + offset, _MM_HINT_T0);
+        stream_prefetch(row, p->row_bytes, n, ahead, end);
         const float b = bias ? bf16_to_float(bias[n]) : 0.0f;
         for (int64_t first = 0; first < m; first += K_ROWS) {
             const int rows = m - first < K_ROWS ? (int)(m - first) : K_ROWS;

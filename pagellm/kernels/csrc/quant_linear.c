@@ -35,9 +35,6 @@
 #include "weights.h"
 
 #define STREAM_ROWS 8 /* rows of x per pass over a weight row */
-/* Weight rows read ahead, whole, while streaming (a 1B-sized Q4_0 layer at one row:
- * 0.220 ms against 0.232-0.245 without; 1, 4 and 8 rows ahead within noise of 2). */
-#define PREFETCH_ROWS 2
 /* Up to this many rows of x the kernels stream the stored weights (unpacking each group
  * per 8 rows); above, a panel is dequantized to bf16 and multiplied from L2 (measured on
  * SmolLM2's Q4_1 layers, all 30 layers' linears, one thread: 8 rows 16.5 vs 19.4 ms,
@@ -580,14 +577,12 @@ static void quant_stream_part(const uint16_t *x, int64_t x_stride, const WeightP
         x_stride = k;
     }
     const stream_fn *kernels = stream_kernels(p->type);
+    const int64_t ahead = stream_prefetch_rows(p->row_bytes);
     float result[STREAM_ROWS];
     for (int64_t n = begin; n < end; n++) {
         const uint8_t *row = p->data + n * p->row_bytes;
         const float row_scale = p->row_scales ? p->row_scales[n] : 1.0f;
-        if (n + PREFETCH_ROWS < end) { /* the whole row a few rows ahead, not just its first line */
-            const char *ahead = (const char *)(row + PREFETCH_ROWS * p->row_bytes);
-            for (int64_t offset = 0; offset < p->row_bytes; offset += 64) _mm_prefetch(ahead + offset, _MM_HINT_T0);
-        }
+        stream_prefetch(row, p->row_bytes, n, ahead, end);
         const float b = bias ? bf16_to_float(bias[n]) : 0.0f;
         for (int64_t first = 0; first < m; first += STREAM_ROWS) {
             const int rows = m - first < STREAM_ROWS ? (int)(m - first) : STREAM_ROWS;
