@@ -310,7 +310,7 @@ def _int8_kernel_types() -> set[WeightType]:
 @pytest.mark.skipif(not _int8_kernel_types(), reason="the int8-activation kernel needs the native CPU kernels")
 def test_int8_activations_through_the_engine(quantized_gguf, hf_reference, monkeypatch):
     """--int8-activations: the layers of a type the int8 kernels read (Q4_0 / Q4_1, repacked
-    into its lane order on the VNNI builds; Q4_K / Q6_K as stored on the VNNI builds) are
+    into its lane order on the VNNI builds; the K-quants as stored on the VNNI builds) are
     offered it, and only they; forced on every linear of every step (prefill chunks, the
     one-call decode layer, preemption, prefix hits), the greedy tokens stay HF float32's
     top-1 or near-ties."""

@@ -405,7 +405,7 @@ static inline void prefetch_row(const uint8_t *row, int64_t bytes) {
 
 void quant_int8_stream_part(const uint16_t *x, int64_t x_stride, const WeightPart *p, const uint16_t *bias,
                             void *out, int64_t out_stride, int out_f32, int64_t m, int64_t k, int t, int nt) {
-    if (quant_int8_k_supported(p->type)) { /* Q4_K / Q6_K: quant_int8_k.c */
+    if (quant_int8_k_supported(p->type)) { /* the K-quants: quant_int8_k.c */
         quant_int8_k_stream_part(x, x_stride, p, bias, out, out_stride, out_f32, m, k, t, nt);
         return;
     }
