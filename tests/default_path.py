@@ -26,7 +26,7 @@ import contextlib
 import copy
 import math
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -266,10 +266,15 @@ def count_native_paths(llm: LLM) -> Iterator[PathCalls | None]:
             del target.run  # the class's method again
 
 
-def run_scenario(model: str, scenario: Scenario, dtype: str, **engine_args: object) -> ScenarioRun:
-    """Run the scenario's requests on a fresh engine; the engine must end drained."""
+def run_scenario(
+    model: str, scenario: Scenario, dtype: str, inspect: Callable[[LLM], None] | None = None, **engine_args: object
+) -> ScenarioRun:
+    """Run the scenario's requests on a fresh engine; the engine must end drained.
+    `inspect` sees the engine once it is built (what a test checks of its load)."""
     args = {"dtype": dtype, "disable_log_stats": True, **scenario.engine_args, **engine_args}
     llm = LLM(model, **args)
+    if inspect is not None:
+        inspect(llm)
     completions: list[Completion] = []
     with count_native_paths(llm) as paths:
         outputs = llm.generate(scenario.prompts, scenario.params, use_tqdm=False)

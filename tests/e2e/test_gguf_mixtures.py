@@ -46,22 +46,26 @@ def test_mixture_is_held_as_stored_and_agrees_with_its_dequantization(mixture, c
     in_file = _file_bytes_by_type(path)
     quantized = {t: n for t, n in in_file.items() if t not in FLOAT_TYPES}
     assert len(quantized) >= 2, in_file  # a mixture, not one type
-    with caplog.at_level(logging.INFO, logger="pagellm"):
-        llm = LLM(str(path), dtype="bfloat16", quantization="auto", disable_log_stats=True)
-    assert not [r.message for r in caplog.records if "dequantized" in r.message]
-    resident = llm.engine.runner.model.weight_bytes_by_format()
-    # Every quantized type of the file held as stored, in its bytes (Q4_0 rows gain a zero
-    # group where their group count is odd: 352 / 32 = 11).
-    for weight_type, file_bytes in quantized.items():
-        held = resident.get(f"{weight_type} as stored", 0)
-        assert file_bytes <= held <= 1.1 * file_bytes, (weight_type, held, file_bytes, resident)
-    assert set(resident) - {f"{t} as stored" for t in quantized} <= {"bfloat16", "float32"}  # norms, tables
-    assert sum(resident.values()) <= 1.05 * sum(in_file.values()), (resident, in_file)
-    llm.shutdown()
+
+    checked: list[bool] = []
+
+    def held_as_stored(llm: LLM) -> None:
+        assert not [r.message for r in caplog.records if "dequantized" in r.message]
+        resident = llm.engine.runner.model.weight_bytes_by_format()
+        # Every quantized type of the file held as stored, in its bytes (Q4_0 rows gain a
+        # zero group where their group count is odd: 352 / 32 = 11).
+        for weight_type, file_bytes in quantized.items():
+            held = resident.get(f"{weight_type} as stored", 0)
+            assert file_bytes <= held <= 1.1 * file_bytes, (weight_type, held, file_bytes, resident)
+        assert set(resident) - {f"{t} as stored" for t in quantized} <= {"bfloat16", "float32"}  # norms, tables
+        assert sum(resident.values()) <= 1.05 * sum(in_file.values()), (resident, in_file)
+        checked.append(True)
 
     reference = transformers.AutoModelForCausalLM.from_pretrained(str(FOLDER), gguf_file=path.name, dtype=torch.float32)
     scenario = {s.name: s for s in dp.standard_scenarios(reference.config.vocab_size)}["plain"]
-    run = dp.run_scenario(str(path), scenario, "bfloat16", quantization="auto")
+    with caplog.at_level(logging.INFO, logger="pagellm"):
+        run = dp.run_scenario(str(path), scenario, "bfloat16", inspect=held_as_stored, quantization="auto")
+    assert checked
     dp.check_native_paths(run)
     result = dp.teacher_forced(reference.eval(), run.completions)
     print(f"{mixture}: top-1 {result.agreed}/{result.positions} = {result.agreement:.2%}, widest gap {result.max_gap:.4f}")

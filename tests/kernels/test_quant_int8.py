@@ -1,6 +1,7 @@
 """The int8-activation streaming kernels for Q4_0 and Q4_1 weights (csrc/quant_int8.c: on
 the VNNI builds repacked into its lane order, weights.vnni_part; on the AVX2 builds as
-stored) and for the K-quants (Q2_K to Q6_K) as stored (csrc/quant_int8_k.c, VNNI builds). Every test runs on each kernel build the host executes (the kernel_isa fixture), so
+stored) and for the K-quants (Q2_K to Q6_K) and IQ4_XS as stored (csrc/quant_int8_k.c, VNNI
+builds). Every test runs on each kernel build the host executes (the kernel_isa fixture), so
 an AVX-512 VNNI machine tests the AVX2 kernel too.
 
 Two checks. Against an emulation of its arithmetic in numpy (x rounded to int8 per group of
@@ -28,7 +29,8 @@ from pagellm.kernels.linear_bindings import LinearImpl
 from pagellm.kernels.weights import PackedWeight, WeightPart, WeightType, bf16_weight, int8_kernel_part, vnni_part
 
 INT8_TYPES = (WeightType.Q4_0, WeightType.Q4_1)
-K_TYPES = (WeightType.Q2_K, WeightType.Q3_K, WeightType.Q4_K, WeightType.Q5_K, WeightType.Q6_K)  # as stored, VNNI builds (quant_int8_k.c)
+# As stored, on the VNNI builds (quant_int8_k.c):
+K_TYPES = (WeightType.Q2_K, WeightType.Q3_K, WeightType.Q4_K, WeightType.Q5_K, WeightType.Q6_K, WeightType.IQ4_XS)
 # Widths: blocks of 16 groups, with an odd or even tail, tails only; whole super-blocks for K.
 CASES = [(t, k) for t in INT8_TYPES for k in (512, 1056, 576, 160, 64)] + [(t, k) for t in K_TYPES for k in (256, 1280)]
 

@@ -1,4 +1,4 @@
-/* Kernels, CPU: y = x W^T for the K-quants (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) as stored, with x
+/* Kernels, CPU: y = x W^T for the K-quants (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) and IQ4_XS as stored, with x
  * rounded to int8 per 32 values (the opt-in int8-activation path,
  * EngineArgs.int8_activations; quant_int8.c serves Q4_0 / Q4_1). AVX-512 VNNI builds only:
  * the AVX2 builds stream these types with bf16 activations.
@@ -16,6 +16,9 @@
  *  - Q4_K, Q5_K: 32 bytes of nibbles hold groups 2p (low) and 2p + 1 (high), so one load of
  *    64 bytes is groups a, b, c, d with a and c in the low nibbles; x is rounded with the
  *    groups of each run of four in the order a, c, b, d (Q5_K's fifth bits join from qh).
+ *  - IQ4_XS: 16 bytes per group, low nibbles its values 0-15, high ones 16-31, looked up in
+ *    IQ4's table plus 128 (unsigned bytes; the offset -128 scale takes the 128 back); x holds
+ *    values 0-15 of each run of four groups, then values 16-31.
  * The bf16 path spends eight byte unpackings and eight bf16 dot products per 256 weights.
  * Precision as quant_int8.c: x rounded to int8 costs about 2^-8 of each group's largest
  * value; tests bound it.
@@ -49,6 +52,7 @@ static _Thread_local void *k_buffer;
 static _Thread_local size_t k_capacity;
 
 static inline int pair_order(int type) { return type == WEIGHT_Q4_K || type == WEIGHT_Q5_K; }
+static inline int half_order(int type) { return type == WEIGHT_IQ4_XS; }
 
 /* The slot of group g within its run of four: a, c, b, d for the pair-order types. */
 static inline int64_t pair_slot(int64_t g) {
@@ -76,9 +80,14 @@ static KQuantizedX quantize_x_k(int type, const uint16_t *x, int64_t x_stride, i
             const float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
             const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(inv)));
             const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(inv)));
-            int8_t *q = qx.q + r * k + 32 * (pair_order(type) ? pair_slot(g) : g);
-            _mm_storeu_si128((__m128i *)q, _mm512_cvtsepi32_epi8(qlo));
-            _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtsepi32_epi8(qhi));
+            /* where values 0-15 and 16-31 of the group go (file comment) */
+            int8_t *first = qx.q + r * k + 32 * (pair_order(type) ? pair_slot(g) : g), *second = first + 16;
+            if (half_order(type)) {
+                first = qx.q + r * k + 128 * (g >> 2) + 16 * (g & 3);
+                second = first + 64;
+            }
+            _mm_storeu_si128((__m128i *)first, _mm512_cvtsepi32_epi8(qlo));
+            _mm_storeu_si128((__m128i *)second, _mm512_cvtsepi32_epi8(qhi));
             qx.dx[r * qx.groups + g] = d;
             qx.xsum16[2 * (r * qx.groups + g)] = d * (float)_mm512_reduce_add_epi32(qlo);
             qx.xsum16[2 * (r * qx.groups + g) + 1] = d * (float)_mm512_reduce_add_epi32(qhi);
@@ -113,9 +122,32 @@ static inline void k_scales16(const uint8_t *block, KBlock *kb) {
     kb->offset16 = _mm512_permutexvar_ps(twice, _mm512_mul_ps(_mm512_set1_ps(-half_to_float(block + 2)), mn));
 }
 
-static inline __attribute__((always_inline)) void k_decode(int type, const uint8_t *block, KBlock *kb) {
+/* IQ4_XS's 8 scales d (ls - 32), ls 6 bits: low nibbles from bytes 4-7, top 2 bits from
+ * the 16-bit word at byte 2; as per-16 floats. */
+static inline __m512 iq4_xs_scales16(const uint8_t *block) {
+    const __m256i index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i low4 = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)load_u32(block + 4)), _mm256_slli_epi32(index, 2)),
+                                          _mm256_set1_epi32(15));
+    const __m256i high2 = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(load_u16(block + 2)), _mm256_slli_epi32(index, 1)),
+                                           _mm256_set1_epi32(3));
+    const __m256i ls = _mm256_sub_epi32(_mm256_or_si256(low4, _mm256_slli_epi32(high2, 4)), _mm256_set1_epi32(32));
+    const __m256 scales = _mm256_mul_ps(_mm256_set1_ps(half_to_float(block)), _mm256_cvtepi32_ps(ls));
+    const __m512i twice = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    return _mm512_permutexvar_ps(twice, _mm512_castps256_ps512(scales));
+}
+
+/* `iq4_table`: IQ4's 16 signed values plus 128 (unsigned bytes) in every 128-bit lane. */
+static inline __attribute__((always_inline)) void k_decode(int type, const uint8_t *block, __m512i iq4_table, KBlock *kb) {
     const __m512i low4 = _mm512_set1_epi8(0x0F);
-    if (type == WEIGHT_Q4_K || type == WEIGHT_Q5_K) {
+    if (type == WEIGHT_IQ4_XS) { /* d, scales_h, scales_l 4, qs 128: group g's 16 bytes, low nibbles its values 0-15 */
+        kb->scale16 = iq4_xs_scales16(block);
+        kb->offset16 = _mm512_mul_ps(kb->scale16, _mm512_set1_ps(-128.0f));
+        for (int run = 0; run < 2; run++) {
+            const __m512i packed = _mm512_loadu_si512((const void *)(block + 8 + 64 * run));
+            kb->values[2 * run] = _mm512_shuffle_epi8(iq4_table, _mm512_and_si512(packed, low4));
+            kb->values[2 * run + 1] = _mm512_shuffle_epi8(iq4_table, _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4));
+        }
+    } else if (type == WEIGHT_Q4_K || type == WEIGHT_Q5_K) {
         k_scales16(block, kb);
         const uint8_t *qs = block + (type == WEIGHT_Q5_K ? 48 : 16);
         for (int run = 0; run < 2; run++) {
@@ -166,8 +198,8 @@ static inline __attribute__((always_inline)) void k_decode(int type, const uint8
 }
 
 static inline int k_block_bytes(int type) {
-    return type == WEIGHT_Q2_K ? 84 : type == WEIGHT_Q3_K ? 110 : type == WEIGHT_Q4_K ? Q4_K_BLOCK_BYTES
-           : type == WEIGHT_Q5_K ? Q5_K_BLOCK_BYTES : Q6_K_BLOCK_BYTES;
+    return type == WEIGHT_Q2_K ? Q2_K_BLOCK_BYTES : type == WEIGHT_Q3_K ? Q3_K_BLOCK_BYTES : type == WEIGHT_Q4_K ? Q4_K_BLOCK_BYTES
+           : type == WEIGHT_Q5_K ? Q5_K_BLOCK_BYTES : type == WEIGHT_IQ4_XS ? IQ4_XS_BLOCK_BYTES : Q6_K_BLOCK_BYTES;
 }
 
 /* One weight row of a K-quant type against M rows of x. */
@@ -180,15 +212,21 @@ static inline __attribute__((always_inline)) void k_rows(int type, int M, const 
     if (pair_order(type)) { /* product i: groups {0,1,4,5}[i] (lanes 0-7) and that + 2 (lanes 8-15) */
         const __m512i lanes = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 4, 4, 4, 4, 5, 5, 5, 5);
         for (int i = 0; i < 4; i++) pick[i] = _mm512_add_epi32(lanes, _mm512_set1_epi32(2 * ((i & 1) + 4 * (i >> 1))));
+    } else if (half_order(type)) { /* product i: half i % 2 of groups 4 (i / 2) .. + 3, four lanes each */
+        const __m512i lanes = _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6);
+        for (int i = 0; i < 4; i++) pick[i] = _mm512_add_epi32(lanes, _mm512_set1_epi32(8 * (i >> 1) + (i & 1)));
     } else { /* product i: elements 64 i .. 64 i + 63 */
         const __m512i lanes = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
         for (int i = 0; i < 4; i++) pick[i] = _mm512_add_epi32(lanes, _mm512_set1_epi32(4 * i));
     }
     const __m512i twice = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
     const int block_bytes = k_block_bytes(type);
+    const __m512i iq4_table = type == WEIGHT_IQ4_XS ? _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)quant_codebooks.iq4nl)),
+                                                                       _mm512_set1_epi8((char)0x80))
+                                                    : _mm512_setzero_si512();
     for (int64_t b = 0; b < k / 256; b++) {
         KBlock kb;
-        k_decode(type, row + b * block_bytes, &kb);
+        k_decode(type, row + b * block_bytes, iq4_table, &kb);
         for (int r = 0; r < M; r++) {
             const int64_t at = r * qx->groups + 8 * b;
             corr[r] = _mm512_fmadd_ps(kb.offset16, _mm512_loadu_ps(qx->xsum16 + 2 * at), corr[r]);
@@ -221,9 +259,11 @@ K_KERNELS(WEIGHT_Q3_K, q3_k_rows)
 K_KERNELS(WEIGHT_Q4_K, q4_k_rows)
 K_KERNELS(WEIGHT_Q5_K, q5_k_rows)
 K_KERNELS(WEIGHT_Q6_K, q6_k_rows)
+K_KERNELS(WEIGHT_IQ4_XS, iq4_xs_rows)
 
 int quant_int8_k_supported(int type) {
-    return type == WEIGHT_Q2_K || type == WEIGHT_Q3_K || type == WEIGHT_Q4_K || type == WEIGHT_Q5_K || type == WEIGHT_Q6_K;
+    return type == WEIGHT_Q2_K || type == WEIGHT_Q3_K || type == WEIGHT_Q4_K || type == WEIGHT_Q5_K || type == WEIGHT_Q6_K ||
+           type == WEIGHT_IQ4_XS;
 }
 
 void quant_int8_k_stream_part(const uint16_t *x, int64_t x_stride, const WeightPart *p, const uint16_t *bias,
@@ -233,7 +273,8 @@ void quant_int8_k_stream_part(const uint16_t *x, int64_t x_stride, const WeightP
     if (begin >= end) return;
     const KQuantizedX qx = quantize_x_k(p->type, x, x_stride, m, k);
     const k_fn *kernels = p->type == WEIGHT_Q2_K ? q2_k_rows : p->type == WEIGHT_Q3_K ? q3_k_rows
-                          : p->type == WEIGHT_Q4_K ? q4_k_rows : p->type == WEIGHT_Q5_K ? q5_k_rows : q6_k_rows;
+                          : p->type == WEIGHT_Q4_K ? q4_k_rows : p->type == WEIGHT_Q5_K ? q5_k_rows
+                          : p->type == WEIGHT_IQ4_XS ? iq4_xs_rows : q6_k_rows;
     const int64_t ahead = stream_prefetch_rows(p->row_bytes);
     float result[K_ROWS];
     for (int64_t n = begin; n < end; n++) {
