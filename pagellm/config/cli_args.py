@@ -42,8 +42,9 @@ _HELP = {
     "dtype": "weights and activations; auto = bfloat16 on GPU and on CPUs that run the native kernels (x86-64 with AVX2 and a C compiler), else float32",
     "load_format": "auto = weights from the checkpoint; dummy = random weights of its shapes, made on the "
     "device (benchmarks)",
-    "int8_activations": "Q4_0 / Q4_1 GGUF weights on the CPU kernels: decode with activations rounded to int8 per 32 "
-    "values, as llama.cpp does (faster where measured so, at int8 precision); default: bf16 activations",
+    "int8_activations": "Q4_0 / Q4_1 (and, with AVX-512 VNNI, K-quant and IQ4_XS) GGUF weights on the CPU kernels: "
+    "decode with activations rounded to int8 per 32 values, as llama.cpp does (faster where measured so, at int8 "
+    "precision); default: bf16 activations",
     "attention_backend": "auto = triton on GPU, the compiled kernel on CPU; torch = the reference path",
     "enforce_eager": "no CUDA graphs: run decode steps eagerly",
     "max_capture_batch_size": "largest decode batch captured as a CUDA graph (default: max_num_seqs, at most 512)",
