@@ -210,7 +210,9 @@ def test_every_implementation_at_every_bucket_edge(weight_type, impl, kernel_isa
     kernel = cpu_linear_kernels()
     for rows in BUCKET_EDGE_ROWS if weight_type in HAND_KERNEL_TYPES else GENERIC_EDGE_ROWS:
         x = torch.from_numpy(rng.standard_normal((rows, k)).astype(np.float32)).to(torch.bfloat16)
-        for out_dtype in (torch.bfloat16, torch.float32):
+        # float32 outputs up to 65 rows: past them the GEMM stores the same tiles (65 rows
+        # already end in a partial one), and rows 256/257 are most of the test's time.
+        for out_dtype in (torch.bfloat16, torch.float32) if rows <= 65 else (torch.bfloat16,):
             with torch.inference_mode():
                 y = apply_linear(x, float_weight, packed_weight, bias, kernel, plan, out_dtype)
             assert y.dtype is out_dtype and y.shape == (rows, n)

@@ -50,6 +50,22 @@ static inline uint16_t load_u16(const uint8_t *p) {
 
 static inline int64_t padded_groups(int64_t k) { return (k / 32 + 1) / 2 * 2; }
 
+#if defined(__AVX512BW__)
+/* 32 bf16 values of x rounded to int8 as llama.cpp's Q8 activations (the int8-activation
+ * kernels): q = round(x / dx) with dx = max |x| / 127 (0 for a group of zeros), values 0-15
+ * in *low and 16-31 in *high as int32 lanes; returns dx. */
+static inline float round_group_to_int8(const uint16_t *x, __m512i *low, __m512i *high) {
+    const __m512 sign_off = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
+    const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)x)), 16));
+    const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(x + 16))), 16));
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(lo, sign_off), _mm512_and_ps(hi, sign_off)));
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    *low = _mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(inv)));
+    *high = _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(inv)));
+    return amax / 127.0f;
+}
+#endif
+
 /* The streaming kernels read each weight row once, and ask for the row about
  * STREAM_PREFETCH_BYTES ahead (at least two rows), whole, into L2. Into L1 (T0), long rows
  * (a 1B model's down projection, 3168-byte Q4_K rows, four ahead) pushed x and the current

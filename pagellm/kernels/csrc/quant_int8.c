@@ -113,20 +113,13 @@ static QuantizedX quantize_x(const uint16_t *x, int64_t x_stride, int64_t m, int
     const int64_t groups = k / GROUP, padded = padded_groups(k);
     const int64_t blocked = groups / BLOCK * BLOCK; /* groups in lane blocks; the rest in natural order */
     const QuantizedX qx = quantized_x_buffer(m, k, BLOCK);
-    const __m512 sign_off = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
     for (int64_t r = 0; r < m; r++) {
         const uint16_t *row = x + r * x_stride;
         int8_t *q = qx.q + r * qx.q_stride;
         float *dx = qx.dx + r * qx.group_stride, *xsum = qx.xsum + r * qx.group_stride;
         for (int64_t g = 0; g < groups; g++) {
-            const __m512 lo = _mm512_castsi512_ps(
-                _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(row + 32 * g))), 16));
-            const __m512 hi = _mm512_castsi512_ps(
-                _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(row + 32 * g + 16))), 16));
-            const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(lo, sign_off), _mm512_and_ps(hi, sign_off)));
-            const float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-            const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(inv)));
-            const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(inv)));
+            __m512i qlo, qhi;
+            const float d = round_group_to_int8(row + 32 * g, &qlo, &qhi);
             int8_t values[32];
             _mm_storeu_si128((__m128i *)values, _mm512_cvtsepi32_epi8(qlo));
             _mm_storeu_si128((__m128i *)(values + 16), _mm512_cvtsepi32_epi8(qhi));

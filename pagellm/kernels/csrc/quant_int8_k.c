@@ -68,18 +68,11 @@ static KQuantizedX quantize_x_k(int type, const uint16_t *x, int64_t x_stride, i
     qx.q = (int8_t *)buffer;
     qx.dx = (float *)(buffer + q_bytes);
     qx.xsum16 = qx.dx + m * qx.groups;
-    const __m512 sign_off = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
     for (int64_t r = 0; r < m; r++) {
         const uint16_t *row = x + r * x_stride;
         for (int64_t g = 0; g < qx.groups; g++) {
-            const __m512 lo = _mm512_castsi512_ps(
-                _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(row + 32 * g))), 16));
-            const __m512 hi = _mm512_castsi512_ps(
-                _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(row + 32 * g + 16))), 16));
-            const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(lo, sign_off), _mm512_and_ps(hi, sign_off)));
-            const float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-            const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(inv)));
-            const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(inv)));
+            __m512i qlo, qhi;
+            const float d = round_group_to_int8(row + 32 * g, &qlo, &qhi);
             /* where values 0-15 and 16-31 of the group go (file comment) */
             int8_t *first = qx.q + r * k + 32 * (pair_order(type) ? pair_slot(g) : g), *second = first + 16;
             if (half_order(type)) {
