@@ -143,12 +143,12 @@ static inline __attribute__((always_inline)) void k_decode(int type, const uint8
     } else if (type == WEIGHT_Q4_K || type == WEIGHT_Q5_K) {
         k_scales16(block, kb);
         const uint8_t *qs = block + (type == WEIGHT_Q5_K ? 48 : 16);
+        const __m256i qh = type == WEIGHT_Q5_K ? _mm256_loadu_si256((const __m256i *)(block + 16)) : _mm256_setzero_si256();
         for (int run = 0; run < 2; run++) {
             const __m512i packed = _mm512_loadu_si512((const void *)(qs + 64 * run));
             kb->values[2 * run] = _mm512_and_si512(packed, low4);
             kb->values[2 * run + 1] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
             if (type == WEIGHT_Q5_K) { /* group g's fifth bits: bit g of qh's 32 bytes */
-                const __m256i qh = _mm256_loadu_si256((const __m256i *)(block + 16));
                 kb->values[2 * run] = _mm512_or_si512(kb->values[2 * run], _mm512_slli_epi16(bit_fields(qh, 4 * run, 2, 1), 4));
                 kb->values[2 * run + 1] =
                     _mm512_or_si512(kb->values[2 * run + 1], _mm512_slli_epi16(bit_fields(qh, 4 * run + 1, 2, 1), 4));
