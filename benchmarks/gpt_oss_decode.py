@@ -15,8 +15,9 @@ on the same file, single stream and 32 requests.
    machine decodes in seconds. Written to /tmp/pagellm-bench/ and reused while its spec matches.
 2. Speed: `pagellm bench throughput` subprocesses on the same request lists, one after the
    other, --rounds times in turn: single stream (1 request, 16 prompt tokens, 64 output) and 32
-   requests (16 prompt, 32 output each); pagellm bfloat16 with the weights as stored and
-   llama.cpp (llama-cpp-python) on the file. Each backend reports its median round; the ratio is
+   requests (16 prompt, 32 output each); pagellm bfloat16 with the weights as stored (--backends:
+   pagellm with bf16 activations, pagellm-int8 with --int8-activations, as llama.cpp rounds its
+   activations to 8 bits) and llama.cpp (llama-cpp-python) on the file. Each backend reports its median round; the ratio is
    the median of the rounds' ratios.
 Prints the CPU, the shape and a table; writes benchmarks/results/gpt_oss_decode.json (--out).
 """
@@ -134,6 +135,9 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--skip", nargs="*", default=[], choices=["llamacpp"])
+    parser.add_argument("--backends", nargs="+", default=["pagellm", "pagellm-int8"],
+                        help="pagellm's variants: pagellm (bf16 activations), pagellm-int8 (--int8-activations)")
+    parser.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=list(SCENARIOS))
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/gpt_oss_decode.json"))
     args = parser.parse_args()
     spec = {key: getattr(args, key) for key in SHAPE} | {"seed": args.seed, "format": FORMAT_VERSION}
@@ -145,7 +149,8 @@ def main() -> int:
     with_llamacpp = "llamacpp" not in args.skip
     if with_llamacpp:
         print(check_llamacpp_loads(path), flush=True)
-    results = compare_decode(path, SCENARIOS, args.rounds, with_llamacpp)
+    scenarios = {name: SCENARIOS[name] for name in args.scenarios}
+    results = compare_decode(path, scenarios, args.rounds, with_llamacpp, ours=tuple(args.backends))
     report(path, spec, cpu, results, args.out)
     return 0
 

@@ -57,9 +57,10 @@ def compare_decode(
 def report(path: Path, spec: dict[str, Any], cpu: dict[str, Any], results: dict[str, dict[str, Any]], out: Path) -> None:
     record = {"spec": spec, "file_mib": path.stat().st_size / 2**20, "cpu": cpu, "results": results,
               "date": time.strftime("%Y-%m-%d")}  # fmt: skip
-    print(f"\n{'scenario':<16}{'pagellm tok/s':>15}{'llama.cpp tok/s':>17}{'ratio':>8}")
+    print(f"\n{'scenario':<16}{'backend':<16}{'tok/s':>10}{'llama.cpp tok/s':>17}{'ratio':>8}")
     for scenario, row in results.items():
-        print(f"{scenario:<16}{row['pagellm']:>15.2f}{row.get('llamacpp', float('nan')):>17.2f}{row.get('ratio', float('nan')):>8.2f}")
+        for backend, ratio in row.get("ratios", {"pagellm": float("nan")}).items():
+            print(f"{scenario:<16}{backend:<16}{row[backend]:>10.2f}{row.get('llamacpp', float('nan')):>17.2f}{ratio:>8.2f}")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=1) + "\n")
     print(json.dumps(record))

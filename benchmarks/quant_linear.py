@@ -32,7 +32,8 @@ from pagellm.kernels.build import load_kernels
 from pagellm.kernels.linear_bindings import LinearImpl
 from pagellm.kernels.weights import PackedWeight, WeightPart, WeightType, bf16_weight, int8_kernel_part, quantize_int8_rows
 
-SHAPES = {"smollm2 gate_up 3072x576": (3072, 576), "1B gate_up 11264x2048": (11264, 2048), "1B down 2048x5632": (2048, 5632)}
+SHAPES = {"smollm2 gate_up 3072x576": (3072, 576), "gpt-oss bench expert gate_up 2048x1024": (2048, 1024),
+          "gpt-oss bench LM head 32000x1024": (32000, 1024), "1B gate_up 11264x2048": (11264, 2048), "1B down 2048x5632": (2048, 5632)}
 CACHE_BYTES = 256 << 20  # rotate over copies worth 8x the L3 cache (32 MiB here): at 2x, part of them stayed in it
 
 

@@ -38,10 +38,11 @@ from pagellm.kernels.weights import WeightType
 logger = logging.getLogger(__name__)
 
 # The weight types csrc/quant_int8.c reads: the VNNI builds the repacked Q4_0 / Q4_1
-# (weights.vnni_part, at load) and the K-quants and IQ4_XS as stored (quant_int8_k.c), the AVX2 builds
-# Q4_0 / Q4_1 as stored.
+# (weights.vnni_part, at load), the K-quants and IQ4_XS (quant_int8_k.c) and MXFP4 and Q8_0
+# (quant_int8_groups.c) as stored; the AVX2 builds Q4_0 / Q4_1 and MXFP4 as stored.
 INT8_ACTIVATION_TYPES = (WeightType.Q4_0, WeightType.Q4_1, WeightType.Q4_0_VNNI, WeightType.Q4_1_VNNI, WeightType.Q2_K,
-                         WeightType.Q3_K, WeightType.Q4_K, WeightType.Q5_K, WeightType.Q6_K, WeightType.IQ4_XS)  # fmt: skip
+                         WeightType.Q3_K, WeightType.Q4_K, WeightType.Q5_K, WeightType.Q6_K, WeightType.IQ4_XS,
+                         WeightType.MXFP4, WeightType.Q8_0)  # fmt: skip
 
 
 class LinearImpl(enum.IntEnum):

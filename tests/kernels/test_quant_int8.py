@@ -1,7 +1,8 @@
 """The int8-activation streaming kernels for Q4_0 and Q4_1 weights (csrc/quant_int8.c: on
 the VNNI builds repacked into its lane order, weights.vnni_part; on the AVX2 builds as
-stored) and for the K-quants (Q2_K to Q6_K) and IQ4_XS as stored (csrc/quant_int8_k.c, VNNI
-builds). Every test runs on each kernel build the host executes (the kernel_isa fixture), so
+stored), for the K-quants (Q2_K to Q6_K) and IQ4_XS as stored (csrc/quant_int8_k.c, VNNI
+builds) and for MXFP4 and Q8_0 as stored (csrc/quant_int8_groups.c, VNNI builds; MXFP4 in
+quant_int8.c on the AVX2 builds). Every test runs on each kernel build the host executes (the kernel_isa fixture), so
 an AVX-512 VNNI machine tests the AVX2 kernel too.
 
 Two checks. Against an emulation of its arithmetic in numpy (x rounded to int8 per group of
@@ -31,8 +32,16 @@ from pagellm.kernels.weights import PackedWeight, WeightPart, WeightType, bf16_w
 INT8_TYPES = (WeightType.Q4_0, WeightType.Q4_1)
 # As stored, on the VNNI builds (quant_int8_k.c):
 K_TYPES = (WeightType.Q2_K, WeightType.Q3_K, WeightType.Q4_K, WeightType.Q5_K, WeightType.Q6_K, WeightType.IQ4_XS)
-# Widths: blocks of 16 groups, with an odd or even tail, tails only; whole super-blocks for K.
-CASES = [(t, k) for t in INT8_TYPES for k in (512, 1056, 576, 160, 64)] + [(t, k) for t in K_TYPES for k in (256, 1280)]
+# As stored (quant_int8_groups.c on the VNNI builds; MXFP4 also quant_int8.c on AVX2).
+GROUP_TYPES = (WeightType.MXFP4, WeightType.Q8_0)
+# Widths: blocks of 16 groups, with an odd or even tail, tails only; whole super-blocks for K;
+# for the group types also 3 groups (MXFP4: a run of four with its padding group) and
+# gpt-oss's 2880 (90 groups: a last pair).
+CASES = (
+    [(t, k) for t in INT8_TYPES for k in (512, 1056, 576, 160, 64)]
+    + [(t, k) for t in K_TYPES for k in (256, 1280)]
+    + [(t, k) for t in GROUP_TYPES for k in (512, 1056, 576, 160, 96, 2880)]
+)
 
 
 @pytest.fixture(autouse=True)
@@ -71,7 +80,7 @@ def _run(weight: PackedWeight, x: torch.Tensor, impl: LinearImpl) -> np.ndarray:
 @pytest.mark.parametrize(("weight_type", "k"), CASES, ids=lambda v: getattr(v, "name", str(v)))
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 17])
 def test_int8_kernel_equals_its_arithmetic_and_bounds_the_error(weight_type, k, rows):
-    if weight_type in K_TYPES and not load_kernels().quant_int8_supported(int(weight_type)):
+    if weight_type not in INT8_TYPES and not load_kernels().quant_int8_supported(int(weight_type)):
         pytest.skip(f"this build streams {weight_type.name} with bf16 activations only (no AVX-512 VNNI)")
     rng = np.random.default_rng(k * 10 + rows + int(weight_type))
     n = 37 if rows % 2 else 40  # an odd count: a thread's last weight row alone (one row of x takes two at a time)

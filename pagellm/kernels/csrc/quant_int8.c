@@ -108,6 +108,7 @@ static void clear_tail_groups(const QuantizedX *qx, int64_t r, int64_t groups, i
 #define INT8_KERNEL 1
 #define INT8_Q4_0 WEIGHT_Q4_0_VNNI
 #define INT8_Q4_1 WEIGHT_Q4_1_VNNI
+#define INT8_MXFP4 (-1) /* quant_int8_groups.c reads it on these builds */
 
 static QuantizedX quantize_x(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k) {
     const int64_t groups = k / GROUP, padded = padded_groups(k);
@@ -238,6 +239,8 @@ static inline __attribute__((always_inline)) void int8_rows(int type, int NR, in
 #define INT8_KERNEL 1
 #define INT8_Q4_0 WEIGHT_Q4_0
 #define INT8_Q4_1 WEIGHT_Q4_1
+#define INT8_MXFP4 WEIGHT_MXFP4 /* as stored, in the pair layout Q4_0 has */
+#define INT8_READS_MXFP4 1
 #define SCALE_SPAN 8 /* groups whose scales are converted at once */
 
 static inline float hmax8(__m256 v) {
@@ -314,12 +317,14 @@ static inline __attribute__((always_inline)) void int8_span(int type, int NR, in
                                                             const uint8_t *const *rows, int64_t stored, int64_t g0,
                                                             int count, Int8Sums *sums) {
     const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const __m256i codes = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i *)MXFP4_UNSIGNED_TABLE));
     float ds[2][INT8_ROWS][SCALE_SPAN] __attribute__((aligned(32))); /* d * dx per group */
     for (int j = 0; j < NR; j++) {
-        /* the fp16 scales (and mins) of these groups */
-        const __m256 d8 = scales8(rows[j] + stored * 16 + 2 * g0, count);
+        /* the fp16 scales (and mins) of these groups; MXFP4's exponent bytes (w = d u - 12 d) */
+        const __m256 d8 = type == WEIGHT_MXFP4 ? e8m0_half8(rows[j] + stored * 16 + g0, count)
+                                               : scales8(rows[j] + stored * 16 + 2 * g0, count);
         const __m256 min8 = type == WEIGHT_Q4_1 ? scales8(rows[j] + stored * 18 + 2 * g0, count)
-                                                : _mm256_mul_ps(d8, _mm256_set1_ps(-8.0f));
+                                                : _mm256_mul_ps(d8, _mm256_set1_ps(type == WEIGHT_MXFP4 ? -12.0f : -8.0f));
         for (int r = 0; r < M; r++) { /* the offsets' term: sum over groups of m * dx * sum(xq) */
             const int64_t at = r * qx->group_stride + g0;
             sums->even[j][r] = _mm256_fmadd_ps(min8, _mm256_loadu_ps(qx->xsum + at), sums->even[j][r]);
@@ -334,6 +339,10 @@ static inline __attribute__((always_inline)) void int8_span(int type, int NR, in
             const __m256i packed = _mm256_loadu_si256((const __m256i *)(rows[j] + 16 * group));
             low[j] = _mm256_and_si256(packed, low4);
             high[j] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
+            if (type == WEIGHT_MXFP4) { /* each code as its doubled E2M1 value plus 12 (0 to 24) */
+                low[j] = _mm256_shuffle_epi8(codes, low[j]);
+                high[j] = _mm256_shuffle_epi8(codes, high[j]);
+            }
         }
         for (int r = 0; r < M; r++) {
             const int8_t *xq = qx->q + r * qx->q_stride + 32 * group;
@@ -371,7 +380,10 @@ static inline __attribute__((always_inline)) void int8_rows(int type, int NR, in
 #endif
 
 #if defined(INT8_KERNEL)
-int quant_int8_supported(int type) { return type == INT8_Q4_0 || type == INT8_Q4_1 || quant_int8_k_supported(type); }
+int quant_int8_supported(int type) {
+    return type == INT8_Q4_0 || type == INT8_Q4_1 || type == INT8_MXFP4 || quant_int8_k_supported(type) ||
+           quant_int8_groups_supported(type);
+}
 
 typedef void (*int8_fn)(const QuantizedX *, const uint8_t *const *, int64_t, float *);
 #define INT8_FN(TYPE, NAME, NR, M)                                                                             \
@@ -387,6 +399,9 @@ typedef void (*int8_fn)(const QuantizedX *, const uint8_t *const *, int64_t, flo
                                                 NAME##_1_5, NAME##_1_6, NAME##_1_7, NAME##_1_8};
 INT8_KERNELS(INT8_Q4_0, int8_q4_0)
 INT8_KERNELS(INT8_Q4_1, int8_q4_1)
+#if defined(INT8_READS_MXFP4)
+INT8_KERNELS(WEIGHT_MXFP4, int8_mxfp4)
+#endif
 
 /* Weight rows read ahead, whole, into L1 (as measured for this kernel's 1152-byte rows of a
  * 1B layer; the K-quant kernels' longer rows take quant_groups.h's stream_prefetch). */
@@ -402,19 +417,30 @@ void quant_int8_stream_part(const uint16_t *x, int64_t x_stride, const WeightPar
         quant_int8_k_stream_part(x, x_stride, p, bias, out, out_stride, out_f32, m, k, t, nt);
         return;
     }
+    if (quant_int8_groups_supported(p->type)) { /* MXFP4 and Q8_0 on the VNNI builds: quant_int8_groups.c */
+        quant_int8_groups_stream_part(x, x_stride, p, bias, out, out_stride, out_f32, m, k, t, nt);
+        return;
+    }
     int64_t begin, end;
     thread_share(p->rows, 16, t, nt, &begin, &end);
     if (begin >= end) return;
     const QuantizedX qx = quantize_x(x, x_stride, m, k);
     const int q4_1 = p->type == INT8_Q4_1;
     const int8_fn *kernels = q4_1 ? int8_q4_1 : int8_q4_0;
+    int8_fn pair_kernel = q4_1 ? int8_q4_1_2_1 : int8_q4_0_2_1;
+#if defined(INT8_READS_MXFP4)
+    if (p->type == WEIGHT_MXFP4) {
+        kernels = int8_mxfp4;
+        pair_kernel = int8_mxfp4_2_1;
+    }
+#endif
     float result[INT8_ROWS];
     int64_t n = begin;
     if (m == 1) /* two weight rows at a time (int8_rows' comment) */
         for (; n + 2 <= end; n += 2) {
             const uint8_t *rows[2] = {p->data + n * p->row_bytes, p->data + (n + 1) * p->row_bytes};
             if (n + INT8_PREFETCH_ROWS + 2 <= end) prefetch_row(rows[0] + INT8_PREFETCH_ROWS * p->row_bytes, 2 * p->row_bytes);
-            (q4_1 ? int8_q4_1_2_1 : int8_q4_0_2_1)(&qx, rows, k, result);
+            pair_kernel(&qx, rows, k, result);
             for (int j = 0; j < 2; j++)
                 store_float(out, n + j, result[j] + (bias ? bf16_to_float(bias[n + j]) : 0.0f), out_f32);
         }

@@ -105,15 +105,6 @@ static inline __m512 scale_vector(const GroupScale *gs) {
     return _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(gs->scale_lo), _mm512_set1_ps(gs->scale_hi));
 }
 
-/* 16 E8M0 exponent bytes (the first `mask` ones) as their d = 2^(E - 128) (quant_groups.h e8m0_half). */
-static inline __m512 e8m0_half16(const uint8_t *e, __mmask16 mask) {
-    const __m512i exponent = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mask, e));
-    const __m512i normal = _mm512_slli_epi32(_mm512_sub_epi32(exponent, _mm512_set1_epi32(1)), 23);
-    const __m512i tiny = _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), exponent);
-    const __mmask16 is_tiny = _mm512_cmplt_epi32_mask(exponent, _mm512_set1_epi32(2));
-    return _mm512_castsi512_ps(_mm512_mask_blend_epi32(is_tiny, normal, tiny));
-}
-
 /* Per-thread scratch, grown as needed and kept (OpenMP reuses its threads). */
 static _Thread_local float *sums_buffer;
 static _Thread_local size_t sums_capacity;
