@@ -6,9 +6,10 @@ For each shape and row count it times (median of interleaved repeats, weights ro
 enough copies to exceed the last-level cache, as a model's layers do):
   - pagellm Q4_0 (kernels/weights.py, the stored blocks; --types for others), with bf16
     activations (the default) and, where the build has the kernel, with activations rounded
-    to int8 (--int8-activations, csrc/quant_int8.c: Q4_0 / Q4_1 rows repacked into its lane
-    order as the engine does where the CPU has AVX-512 VNNI, as stored on AVX2;
-    quant_int8_k.c: Q4_K / Q6_K as stored, VNNI only; up to 8 rows),
+    to int8 (--int8-activations, csrc/quant_int8.c: Q4_0 / Q4_1 / MXFP4 rows repacked into its
+    lane order as the engine does where the CPU has AVX-512 VNNI, as stored on AVX2;
+    quant_int8_k.c: the K-quants and IQ4_XS, quant_int8_q8.c: Q8_0, as stored, VNNI only; up
+    to 8 rows),
   - torch `_weight_int4pack_mm_for_cpu` (group-32 affine int4: Q4_0 re-expressed exactly),
   - pagellm int8 rows and torch `_weight_int8pack_mm` (per-channel int8),
   - pagellm's bf16 linear kernel (the dequantized path).
@@ -30,7 +31,7 @@ from pagellm.bench.machine import cpu_info, describe_cpu
 from pagellm.bench.quant_blocks import packed, random_blocks
 from pagellm.kernels.build import load_kernels
 from pagellm.kernels.linear_bindings import LinearImpl
-from pagellm.kernels.weights import PackedWeight, WeightPart, WeightType, bf16_weight, int8_kernel_part, quantize_int8_rows
+from pagellm.kernels.weights import VNNI_OF, PackedWeight, WeightPart, WeightType, bf16_weight, int8_kernel_part, quantize_int8_rows
 
 SHAPES = {"smollm2 gate_up 3072x576": (3072, 576), "gpt-oss bench expert gate_up 2048x1024": (2048, 1024),
           "gpt-oss bench LM head 32000x1024": (32000, 1024), "1B gate_up 11264x2048": (11264, 2048), "1B down 2048x5632": (2048, 5632)}
@@ -48,7 +49,7 @@ def build(n: int, k: int, rng: np.random.Generator, types: list[str]) -> tuple[d
         weight_type = WeightType[name]
         part = WeightPart(weight_type, packed(weight_type, random_blocks(weight_type, n, k, rng), k))
         stored[name.lower()] = PackedWeight([part], k)
-        if int8_kernel_reads(weight_type):  # as --int8-activations holds it (Q4_0 / Q4_1 repacked on VNNI)
+        if int8_kernel_reads(weight_type):  # as --int8-activations holds it (Q4_0 / Q4_1 / MXFP4 repacked on VNNI)
             stored[f"{name.lower()} int8 act"] = PackedWeight([int8_kernel_part(part, k)], k)
     dense = torch.from_numpy(rng.standard_normal((n, k)).astype(np.float32) * 0.02)
     stored["int8 rows"] = PackedWeight([quantize_int8_rows(dense)], k)
@@ -77,7 +78,7 @@ def build(n: int, k: int, rng: np.random.Generator, types: list[str]) -> tuple[d
 
 def int8_kernel_reads(weight_type: WeightType) -> bool:
     library = load_kernels()
-    vnni = {WeightType.Q4_0: WeightType.Q4_0_VNNI, WeightType.Q4_1: WeightType.Q4_1_VNNI}.get(weight_type, weight_type)
+    vnni = VNNI_OF.get(weight_type, weight_type)
     return library is not None and bool(library.quant_int8_supported(int(weight_type)) or library.quant_int8_supported(int(vnni)))
 
 

@@ -34,7 +34,7 @@ from pagellm.kernels import abi, codebooks, cpu_features
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = ("linear_f32.c", "paged_decode.c", "paged_decode_bf16.c", "paged_decode_avx2.c", "small_linear.c", "gemm_bf16.c", "gemm_amx.c", "linear.c", "linear_bf16.c", "quant_linear.c", "quant_int8.c", "quant_int8_k.c", "quant_int8_groups.c", "decode_layer.c", "layer_ops.c", "hybrid_layer_ops.c", "hybrid_decode_layer.c", "moe_experts.c", "lora.c", "token_masks.c", "gated_delta.c", "codebooks.c", "abi.c")
+_SOURCES = ("linear_f32.c", "paged_decode.c", "paged_decode_bf16.c", "paged_decode_avx2.c", "small_linear.c", "gemm_bf16.c", "gemm_amx.c", "linear.c", "linear_bf16.c", "quant_linear.c", "quant_int8.c", "quant_int8_k.c", "quant_int8_q8.c", "decode_layer.c", "layer_ops.c", "hybrid_layer_ops.c", "hybrid_decode_layer.c", "moe_experts.c", "lora.c", "token_masks.c", "gated_delta.c", "codebooks.c", "abi.c")
 _HEADERS = ("bf16.h", "float_mode.h", "fp8.h", "kernels.h", "layer_rows.h", "layer_structs.h", "quant_groups.h", "weights.h", "hybrid_rows.h")  # included by the sources: part of what the cached library is keyed by
 _COMPILE_FLAGS = ("-O3", "-mtune=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11", "-Wall")
 # Linked without -ffast-math: with it, GCC adds crtfastmath.o, whose constructor turns on

@@ -50,6 +50,7 @@ class WeightType(enum.IntEnum):
     I8_ROW = 1000  # int8 rows, per-row float32 scales
     Q4_0_VNNI = 1002  # Q4_0 repacked for the int8-activation kernel (vnni_part)
     Q4_1_VNNI = 1003
+    MXFP4_VNNI = 1004
 
     @property
     def block_elements(self) -> int:
@@ -58,7 +59,8 @@ class WeightType(enum.IntEnum):
 
     @property
     def label(self) -> str:
-        return {WeightType.I8_ROW: "int8", WeightType.Q4_0_VNNI: "Q4_0 VNNI", WeightType.Q4_1_VNNI: "Q4_1 VNNI"}.get(
+        return {WeightType.I8_ROW: "int8", WeightType.Q4_0_VNNI: "Q4_0 VNNI", WeightType.Q4_1_VNNI: "Q4_1 VNNI",
+                WeightType.MXFP4_VNNI: "MXFP4 VNNI"}.get(
             self, self.name
         )
 
@@ -76,6 +78,7 @@ _BLOCK_BYTES = {
 _GROUP_TYPES = frozenset({
     WeightType.Q4_0, WeightType.Q4_1, WeightType.Q8_0, WeightType.MXFP4, WeightType.Q5_0, WeightType.Q5_1,
     WeightType.IQ4_NL, WeightType.F16, WeightType.BF16, WeightType.I8_ROW, WeightType.Q4_0_VNNI, WeightType.Q4_1_VNNI,
+    WeightType.MXFP4_VNNI,
 })  # fmt: skip
 QUANTIZED_TYPES = frozenset(_BLOCK_BYTES)
 MAX_PARTS = abi.MAX_PARTS
@@ -85,7 +88,8 @@ ROW_PACKED_TYPES = frozenset({WeightType.Q4_0, WeightType.Q4_1, WeightType.Q8_0,
 # The types whose rows pair their groups' nibbles (pack_rows), and each block's header bytes.
 _NIBBLE_HEADER = {WeightType.Q4_0: 2, WeightType.Q4_1: 4, WeightType.MXFP4: 1}
 # The int8-activation kernel's layout of each type it reads (vnni_part).
-VNNI_OF = {WeightType.Q4_0: WeightType.Q4_0_VNNI, WeightType.Q4_1: WeightType.Q4_1_VNNI}
+VNNI_OF = {WeightType.Q4_0: WeightType.Q4_0_VNNI, WeightType.Q4_1: WeightType.Q4_1_VNNI,
+           WeightType.MXFP4: WeightType.MXFP4_VNNI}
 
 
 def block_bytes(weight_type: WeightType) -> int:
@@ -176,7 +180,7 @@ def check_part(part: WeightPart, k: int, name: str) -> None:
 
 
 def vnni_part(part: WeightPart, k: int) -> WeightPart:
-    """A Q4_0 / Q4_1 part (pack_rows' layout) in the int8-activation kernel's order: per 16
+    """A Q4_0 / Q4_1 / MXFP4 part (pack_rows' layout) in the int8-activation kernel's order: per 16
     groups (256 bytes of nibbles), byte 64 L + 4 g + i holds element 8 L + i of group g
     (low nibble) and element 8 L + 4 + i (high nibble), so each 32-bit lane of a VNNI dot
     product sums one group (csrc/quant_int8.c, quant_int8_repack). The groups after the last
@@ -187,7 +191,7 @@ def vnni_part(part: WeightPart, k: int) -> WeightPart:
 
 
 def int8_kernel_part(part: WeightPart, k: int) -> WeightPart:
-    """A Q4_0 / Q4_1 part as this machine's int8-activation kernel reads it: repacked into
+    """A Q4_0 / Q4_1 / MXFP4 part as this machine's int8-activation kernel reads it: repacked into
     the lane order on the VNNI builds (vnni_part), as stored on the AVX2 builds."""
     library = load_kernels()
     repack = part.type in VNNI_OF and library is not None and library.quant_int8_supported(int(VNNI_OF[part.type]))

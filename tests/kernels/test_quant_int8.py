@@ -1,8 +1,7 @@
 """The int8-activation streaming kernels for Q4_0 and Q4_1 weights (csrc/quant_int8.c: on
 the VNNI builds repacked into its lane order, weights.vnni_part; on the AVX2 builds as
-stored), for the K-quants (Q2_K to Q6_K) and IQ4_XS as stored (csrc/quant_int8_k.c, VNNI
-builds) and for MXFP4 and Q8_0 as stored (csrc/quant_int8_groups.c, VNNI builds; MXFP4 in
-quant_int8.c on the AVX2 builds). Every test runs on each kernel build the host executes (the kernel_isa fixture), so
+stored; MXFP4 the same way), for the K-quants (Q2_K to Q6_K) and IQ4_XS as stored
+(csrc/quant_int8_k.c, VNNI builds) and for Q8_0 as stored (csrc/quant_int8_q8.c, VNNI builds). Every test runs on each kernel build the host executes (the kernel_isa fixture), so
 an AVX-512 VNNI machine tests the AVX2 kernel too.
 
 Two checks. Against an emulation of its arithmetic in numpy (x rounded to int8 per group of
@@ -10,7 +9,7 @@ Two checks. Against an emulation of its arithmetic in numpy (x rounded to int8 p
 accumulation, which proves the path ran (the bf16 kernel differs from it by the int8
 rounding, hundreds of times more). Against the exact product (float64, gguf's own
 dequantization): within the rounding of x, |x_i - dx q_i| <= dx / 2 per value, summed with
-|w| over each group. Other weight types (on the VNNI builds, Q4_0 / Q4_1 not repacked
+|w| over each group. Other weight types (on the VNNI builds, Q4_0 / Q4_1 / MXFP4 not repacked
 included), and bf16 weights, asked for the int8 kernel stream as the bf16 kernel does, bit
 for bit. A repacked
 part holds the same weights: dequantized, gathered and through the panel (GEMM) kernels it
@@ -29,18 +28,17 @@ from pagellm.kernels.build import load_kernels
 from pagellm.kernels.linear_bindings import LinearImpl
 from pagellm.kernels.weights import PackedWeight, WeightPart, WeightType, bf16_weight, int8_kernel_part, vnni_part
 
-INT8_TYPES = (WeightType.Q4_0, WeightType.Q4_1)
+INT8_TYPES = (WeightType.Q4_0, WeightType.Q4_1, WeightType.MXFP4)
 # As stored, on the VNNI builds (quant_int8_k.c):
 K_TYPES = (WeightType.Q2_K, WeightType.Q3_K, WeightType.Q4_K, WeightType.Q5_K, WeightType.Q6_K, WeightType.IQ4_XS)
-# As stored (quant_int8_groups.c on the VNNI builds; MXFP4 also quant_int8.c on AVX2).
-GROUP_TYPES = (WeightType.MXFP4, WeightType.Q8_0)
 # Widths: blocks of 16 groups, with an odd or even tail, tails only; whole super-blocks for K;
-# for the group types also 3 groups (MXFP4: a run of four with its padding group) and
-# gpt-oss's 2880 (90 groups: a last pair).
+# gpt-oss's 2880 for MXFP4 (90 groups: 5 blocks of 16 and a tail of 10); Q8_0 (as stored,
+# quant_int8_q8.c, VNNI builds) also 3 groups (a short run of four).
 CASES = (
     [(t, k) for t in INT8_TYPES for k in (512, 1056, 576, 160, 64)]
     + [(t, k) for t in K_TYPES for k in (256, 1280)]
-    + [(t, k) for t in GROUP_TYPES for k in (512, 1056, 576, 160, 96, 2880)]
+    + [(WeightType.MXFP4, 2880)]
+    + [(WeightType.Q8_0, k) for k in (512, 1056, 576, 96)]
 )
 
 
@@ -53,7 +51,7 @@ def int8_build(kernel_isa):
 
 
 def _reads_repacked() -> bool:
-    """Whether this build's int8 kernel reads the VNNI layout (else Q4_0 / Q4_1 as stored)."""
+    """Whether this build's int8 kernel reads the VNNI layout (else Q4_0 / Q4_1 / MXFP4 as stored)."""
     return bool(load_kernels().quant_int8_supported(int(WeightType.Q4_0_VNNI)))
 
 
@@ -78,7 +76,7 @@ def _run(weight: PackedWeight, x: torch.Tensor, impl: LinearImpl) -> np.ndarray:
 
 
 @pytest.mark.parametrize(("weight_type", "k"), CASES, ids=lambda v: getattr(v, "name", str(v)))
-@pytest.mark.parametrize("rows", [1, 3, 8, 9, 17])
+@pytest.mark.parametrize("rows", [1, 3, 9, 17])
 def test_int8_kernel_equals_its_arithmetic_and_bounds_the_error(weight_type, k, rows):
     if weight_type not in INT8_TYPES and not load_kernels().quant_int8_supported(int(weight_type)):
         pytest.skip(f"this build streams {weight_type.name} with bf16 activations only (no AVX-512 VNNI)")
@@ -166,7 +164,7 @@ def test_bias_is_added_to_every_row(rows):
 @pytest.mark.parametrize("k", [512, 1056, 576, 96])
 def test_repacked_part_holds_the_same_weights(weight_type, k):
     if not _reads_repacked():
-        pytest.skip("this build keeps Q4_0 / Q4_1 as stored: it never repacks")
+        pytest.skip("this build keeps Q4_0 / Q4_1 / MXFP4 as stored: it never repacks")
     rng = np.random.default_rng(k + int(weight_type))
     n = 24
     plain, repacked = _weights(weight_type, random_blocks(weight_type, n, k, rng), k)
@@ -197,5 +195,6 @@ def test_repacking_follows_the_lane_order(weight_type, k):
     rng = np.random.default_rng(k)
     part = WeightPart(weight_type, packed(weight_type, random_blocks(weight_type, 7, k, rng), k))
     repacked = vnni_part(part, k)
-    assert repacked.type is {WeightType.Q4_0: WeightType.Q4_0_VNNI, WeightType.Q4_1: WeightType.Q4_1_VNNI}[weight_type]
+    assert repacked.type is {WeightType.Q4_0: WeightType.Q4_0_VNNI, WeightType.Q4_1: WeightType.Q4_1_VNNI,
+                             WeightType.MXFP4: WeightType.MXFP4_VNNI}[weight_type]
     assert np.array_equal(repacked.data.numpy(), _lane_order(part.data.numpy(), k))

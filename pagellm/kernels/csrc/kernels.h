@@ -88,9 +88,9 @@ int gemm_amx_part(const uint16_t *x, int64_t x_stride, const uint16_t *w, const 
 int quant_int8_supported(int type);
 void quant_int8_stream_part(const uint16_t *x, int64_t x_stride, const WeightPart *p, const uint16_t *bias,
                             void *out, int64_t out_stride, int out_f32, int64_t m, int64_t k, int t, int nt);
-/* quant_int8_groups.c: the same for MXFP4 and Q8_0 as stored (AVX-512 VNNI builds only). */
-int quant_int8_groups_supported(int type);
-void quant_int8_groups_stream_part(const uint16_t *x, int64_t x_stride, const WeightPart *p, const uint16_t *bias,
+/* quant_int8_q8.c: the same for Q8_0 as stored (AVX-512 VNNI builds only). */
+int quant_int8_q8_supported(int type);
+void quant_int8_q8_stream_part(const uint16_t *x, int64_t x_stride, const WeightPart *p, const uint16_t *bias,
                                    void *out, int64_t out_stride, int out_f32, int64_t m, int64_t k, int t, int nt);
 /* quant_int8_k.c: the same for the K-quants (Q2_K to Q6_K) and IQ4_XS as stored (AVX-512 VNNI builds only). */
 int quant_int8_k_supported(int type);

@@ -108,7 +108,7 @@ static void clear_tail_groups(const QuantizedX *qx, int64_t r, int64_t groups, i
 #define INT8_KERNEL 1
 #define INT8_Q4_0 WEIGHT_Q4_0_VNNI
 #define INT8_Q4_1 WEIGHT_Q4_1_VNNI
-#define INT8_MXFP4 (-1) /* quant_int8_groups.c reads it on these builds */
+#define INT8_MXFP4 WEIGHT_MXFP4_VNNI
 
 static QuantizedX quantize_x(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k) {
     const int64_t groups = k / GROUP, padded = padded_groups(k);
@@ -150,7 +150,9 @@ static inline __attribute__((always_inline)) void int8_rows(int type, int NR, in
         d_half[j] = (const uint16_t *)(rows[j] + stored * 16);
         m_half[j] = d_half[j] + stored;
     }
+    const int mx = type == WEIGHT_MXFP4_VNNI; /* codes looked up as twice their E2M1 value plus 12 */
     const __m512i low4 = _mm512_set1_epi8(0x0F);
+    const __m512i codes = _mm512_broadcast_i32x4(_mm_load_si128((const __m128i *)MXFP4_UNSIGNED_TABLE));
     __m512 acc[2][INT8_ROWS];
     __m256 tail[2][INT8_ROWS];
     for (int j = 0; j < NR; j++)
@@ -163,9 +165,10 @@ static inline __attribute__((always_inline)) void int8_rows(int type, int NR, in
         const __mmask16 mask = (__mmask16)((1u << count) - 1);
         __m512 d16[2], min16[2];
         for (int j = 0; j < NR; j++) {
-            d16[j] = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, d_half[j] + g0));
+            d16[j] = mx ? e8m0_half16((const uint8_t *)d_half[j] + g0, mask)
+                        : _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, d_half[j] + g0));
             min16[j] = type == WEIGHT_Q4_1_VNNI ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, m_half[j] + g0))
-                                                : _mm512_mul_ps(d16[j], _mm512_set1_ps(-8.0f));
+                                                : _mm512_mul_ps(d16[j], _mm512_set1_ps(mx ? -12.0f : -8.0f));
             for (int r = 0; r < M; r++) /* the offsets' term: sum over groups of m * dx * sum(xq) */
                 acc[j][r] = _mm512_fmadd_ps(min16[j], _mm512_loadu_ps(qx->xsum + r * qx->group_stride + g0), acc[j][r]);
         }
@@ -179,6 +182,10 @@ static inline __attribute__((always_inline)) void int8_rows(int type, int NR, in
                     const __m512i packed = _mm512_loadu_si512((const void *)(rows[j] + 16 * g0 + 64 * L));
                     low[j] = _mm512_and_si512(packed, low4);
                     high[j] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
+                    if (mx) {
+                        low[j] = _mm512_shuffle_epi8(codes, low[j]);
+                        high[j] = _mm512_shuffle_epi8(codes, high[j]);
+                    }
                 }
                 for (int r = 0; r < M; r++) {
                     const int8_t *xq = qx->q + r * qx->q_stride + 32 * g0 + 128 * L;
@@ -210,8 +217,12 @@ static inline __attribute__((always_inline)) void int8_rows(int type, int NR, in
             for (int t = 0; t < count; t += 2) {
                 const int64_t group = g0 + t;
                 const __m256i packed = _mm256_loadu_si256((const __m256i *)(rows[j] + 16 * group));
-                const __m256i low = _mm256_and_si256(packed, _mm512_castsi512_si256(low4));
-                const __m256i high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), _mm512_castsi512_si256(low4));
+                __m256i low = _mm256_and_si256(packed, _mm512_castsi512_si256(low4));
+                __m256i high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), _mm512_castsi512_si256(low4));
+                if (mx) {
+                    low = _mm256_shuffle_epi8(_mm512_castsi512_si256(codes), low);
+                    high = _mm256_shuffle_epi8(_mm512_castsi512_si256(codes), high);
+                }
                 for (int r = 0; r < M; r++) {
                     const int8_t *xq = qx->q + r * qx->q_stride + 32 * group;
                     const __m256i pa = _mm256_dpbusd_epi32(_mm256_setzero_si256(), low, _mm256_loadu_si256((const __m256i *)xq));
@@ -239,8 +250,7 @@ static inline __attribute__((always_inline)) void int8_rows(int type, int NR, in
 #define INT8_KERNEL 1
 #define INT8_Q4_0 WEIGHT_Q4_0
 #define INT8_Q4_1 WEIGHT_Q4_1
-#define INT8_MXFP4 WEIGHT_MXFP4 /* as stored, in the pair layout Q4_0 has */
-#define INT8_READS_MXFP4 1
+#define INT8_MXFP4 WEIGHT_MXFP4
 #define SCALE_SPAN 8 /* groups whose scales are converted at once */
 
 static inline float hmax8(__m256 v) {
@@ -382,7 +392,7 @@ static inline __attribute__((always_inline)) void int8_rows(int type, int NR, in
 #if defined(INT8_KERNEL)
 int quant_int8_supported(int type) {
     return type == INT8_Q4_0 || type == INT8_Q4_1 || type == INT8_MXFP4 || quant_int8_k_supported(type) ||
-           quant_int8_groups_supported(type);
+           quant_int8_q8_supported(type);
 }
 
 typedef void (*int8_fn)(const QuantizedX *, const uint8_t *const *, int64_t, float *);
@@ -399,9 +409,7 @@ typedef void (*int8_fn)(const QuantizedX *, const uint8_t *const *, int64_t, flo
                                                 NAME##_1_5, NAME##_1_6, NAME##_1_7, NAME##_1_8};
 INT8_KERNELS(INT8_Q4_0, int8_q4_0)
 INT8_KERNELS(INT8_Q4_1, int8_q4_1)
-#if defined(INT8_READS_MXFP4)
-INT8_KERNELS(WEIGHT_MXFP4, int8_mxfp4)
-#endif
+INT8_KERNELS(INT8_MXFP4, int8_mxfp4)
 
 /* Weight rows read ahead, whole, into L1 (as measured for this kernel's 1152-byte rows of a
  * 1B layer; the K-quant kernels' longer rows take quant_groups.h's stream_prefetch). */
@@ -417,8 +425,8 @@ void quant_int8_stream_part(const uint16_t *x, int64_t x_stride, const WeightPar
         quant_int8_k_stream_part(x, x_stride, p, bias, out, out_stride, out_f32, m, k, t, nt);
         return;
     }
-    if (quant_int8_groups_supported(p->type)) { /* MXFP4 and Q8_0 on the VNNI builds: quant_int8_groups.c */
-        quant_int8_groups_stream_part(x, x_stride, p, bias, out, out_stride, out_f32, m, k, t, nt);
+    if (quant_int8_q8_supported(p->type)) { /* Q8_0 on the VNNI builds: quant_int8_q8.c */
+        quant_int8_q8_stream_part(x, x_stride, p, bias, out, out_stride, out_f32, m, k, t, nt);
         return;
     }
     int64_t begin, end;
@@ -428,12 +436,10 @@ void quant_int8_stream_part(const uint16_t *x, int64_t x_stride, const WeightPar
     const int q4_1 = p->type == INT8_Q4_1;
     const int8_fn *kernels = q4_1 ? int8_q4_1 : int8_q4_0;
     int8_fn pair_kernel = q4_1 ? int8_q4_1_2_1 : int8_q4_0_2_1;
-#if defined(INT8_READS_MXFP4)
-    if (p->type == WEIGHT_MXFP4) {
+    if (p->type == INT8_MXFP4) {
         kernels = int8_mxfp4;
         pair_kernel = int8_mxfp4_2_1;
     }
-#endif
     float result[INT8_ROWS];
     int64_t n = begin;
     if (m == 1) /* two weight rows at a time (int8_rows' comment) */

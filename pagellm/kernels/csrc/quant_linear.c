@@ -621,7 +621,8 @@ static inline __m512 bytes_to_float(__m128i bytes, int is_signed) {
 static inline __attribute__((always_inline)) void dequantize_packed(int type, const WeightPart *p, int64_t row0,
                                                                     int64_t count, int64_t k, uint16_t *out) {
     const int is_q8 = type == WEIGHT_Q8_0;
-    const int vnni = type == WEIGHT_Q4_0_VNNI || type == WEIGHT_Q4_1_VNNI;
+    const int vnni = type == WEIGHT_Q4_0_VNNI || type == WEIGHT_Q4_1_VNNI || type == WEIGHT_MXFP4_VNNI;
+    const int mx = type == WEIGHT_MXFP4 || type == WEIGHT_MXFP4_VNNI;
     const int64_t groups = k / GROUP, stored = is_q8 ? groups : padded_groups(k), blocked = groups / 16 * 16;
     const __m256i low4 = _mm256_set1_epi8(0x0F);
     float d_buf[16] __attribute__((aligned(64))), m_buf[16] __attribute__((aligned(64)));
@@ -634,7 +635,7 @@ static inline __attribute__((always_inline)) void dequantize_packed(int type, co
         for (int64_t g0 = 0; g0 < groups; g0 += 16) {
             const int chunk = groups - g0 < 16 ? (int)(groups - g0) : 16;
             const __mmask16 mask = (__mmask16)((1u << chunk) - 1);
-            const __m512 d16 = type == WEIGHT_MXFP4 ? e8m0_half16((const uint8_t *)d_half + g0, mask)
+            const __m512 d16 = mx ? e8m0_half16((const uint8_t *)d_half + g0, mask)
                                                     : _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, d_half + g0));
             __m512 min16 = _mm512_setzero_ps();
             if (type == WEIGHT_Q4_1 || type == WEIGHT_Q4_1_VNNI)
@@ -666,7 +667,7 @@ static inline __attribute__((always_inline)) void dequantize_packed(int type, co
                         values = _mm256_and_si256((group & 1) ? _mm256_srli_epi16(packed, 4) : packed, low4);
                     }
                     /* MXFP4's codes are the doubled E2M1 values (d halved for them), no offset */
-                    const __m512 values16 = type == WEIGHT_MXFP4 ? _mm512_mul_ps(mx_codes, d) : _mm512_fmadd_ps(iota, d, min);
+                    const __m512 values16 = mx ? _mm512_mul_ps(mx_codes, d) : _mm512_fmadd_ps(iota, d, min);
                     const __m512i table = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(values16));
                     _mm512_storeu_si512((void *)(dst + group * GROUP),
                                         _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(values), table));
@@ -682,6 +683,7 @@ static void dequantize_part_rows(const WeightPart *p, int64_t row0, int64_t coun
     case WEIGHT_Q4_1: dequantize_packed(WEIGHT_Q4_1, p, row0, count, k, out); break;
     case WEIGHT_Q4_0_VNNI: dequantize_packed(WEIGHT_Q4_0_VNNI, p, row0, count, k, out); break;
     case WEIGHT_Q4_1_VNNI: dequantize_packed(WEIGHT_Q4_1_VNNI, p, row0, count, k, out); break;
+    case WEIGHT_MXFP4_VNNI: dequantize_packed(WEIGHT_MXFP4_VNNI, p, row0, count, k, out); break;
     case WEIGHT_Q8_0: dequantize_packed(WEIGHT_Q8_0, p, row0, count, k, out); break;
     case WEIGHT_MXFP4: dequantize_packed(WEIGHT_MXFP4, p, row0, count, k, out); break;
     case WEIGHT_Q4_K: dequantize_typed(WEIGHT_Q4_K, p, row0, count, k, out); break;
@@ -759,7 +761,8 @@ void linear_weight_part(const uint16_t *x, int64_t x_stride, const Weight *w, co
             linear_bf16_part(x, x_stride, (const uint16_t *)p->data, part_bias, part_out, out_stride, out_f32, m,
                              p->rows, k, impl, t, nt);
         else if (quant_int8_supported(p->type) &&
-                 (impl == LINEAR_STREAMING_INT8 || (stream && (p->type == WEIGHT_Q4_0_VNNI || p->type == WEIGHT_Q4_1_VNNI))))
+                 (impl == LINEAR_STREAMING_INT8 || (stream && (p->type == WEIGHT_Q4_0_VNNI || p->type == WEIGHT_Q4_1_VNNI ||
+                                                                  p->type == WEIGHT_MXFP4_VNNI))))
             /* a VNNI part's only streaming kernel; other parts stream in bf16 below */
             quant_int8_stream_part(x, x_stride, p, part_bias, part_out, out_stride, out_f32, m, k, t, nt);
         else if (stream)

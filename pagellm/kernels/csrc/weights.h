@@ -37,11 +37,12 @@ enum {
     WEIGHT_TQ2_0 = 35,
     WEIGHT_MXFP4 = 39,  /* OCP microscaling: 32 E2M1 values sharing an E8M0 exponent */
     WEIGHT_I8_ROW = 1000,  /* not a GGML type: int8 rows, per-row float32 scales */
-    /* Not GGML types: Q4_0 / Q4_1 rows repacked for the int8-activation kernel (the same
+    /* Not GGML types: Q4_0 / Q4_1 / MXFP4 rows repacked for the int8-activation kernel (the same
      * bytes as quant_groups.h's layout, the nibbles of each 16 groups in quant_int8.c's lane
      * order); only where that kernel runs. */
     WEIGHT_Q4_0_VNNI = 1002,
     WEIGHT_Q4_1_VNNI = 1003,
+    WEIGHT_MXFP4_VNNI = 1004,
 };
 
 /* What the kernels need to know of each stored type, in one table: a kernel file that
@@ -67,6 +68,7 @@ enum {
     WEIGHT_INDEX_I8_ROW,
     WEIGHT_INDEX_Q4_0_VNNI,
     WEIGHT_INDEX_Q4_1_VNNI,
+    WEIGHT_INDEX_MXFP4_VNNI,
     WEIGHT_INDEX_MXFP4,
     WEIGHT_INDEX_Q5_0,
     WEIGHT_INDEX_Q5_1,
@@ -102,6 +104,7 @@ static const WeightTypeTraits WEIGHT_TYPES[WEIGHT_TYPE_COUNT] = {
     [WEIGHT_INDEX_I8_ROW] = {WEIGHT_I8_ROW, 1, 1, 0},
     [WEIGHT_INDEX_Q4_0_VNNI] = {WEIGHT_Q4_0_VNNI, 32, 18, 1},
     [WEIGHT_INDEX_Q4_1_VNNI] = {WEIGHT_Q4_1_VNNI, 32, 20, 1},
+    [WEIGHT_INDEX_MXFP4_VNNI] = {WEIGHT_MXFP4_VNNI, 32, 17, 1},
     [WEIGHT_INDEX_MXFP4] = {WEIGHT_MXFP4, 32, 17, 1},
     [WEIGHT_INDEX_Q5_0] = {WEIGHT_Q5_0, 32, 22, 0},
     [WEIGHT_INDEX_Q5_1] = {WEIGHT_Q5_1, 32, 24, 0},

@@ -1,5 +1,5 @@
 """Model stage: the one pass after a bf16 CPU model's weights load (the loader calls it once):
-Q4_0 / Q4_1 weights repacked for the int8-activation kernel where it runs, every linear
+Q4_0 / Q4_1 / MXFP4 weights repacked for the int8-activation kernel where it runs, every linear
 layer (built on the CPU kernels) handed the plan measured for its shape group (the LM head
 its own), each sparse layer its experts' native runner. Which forward runs a step is the
 worker's (worker/step_paths/)."""
@@ -20,7 +20,7 @@ from pagellm.model.packable_layers import PackableEmbedding, PackableLinear
 def prepare_cpu_kernels(model: nn.Module) -> None:
     """A model built on the CPU kernels (bf16, x86-64 with AVX2 or more), once its weights
     are loaded: each linear layer takes the kernel measured fastest for a step's rows
-    (model/linear_plans.py). With int8 activations on a VNNI build, the Q4_0 / Q4_1 weights
+    (model/linear_plans.py). With int8 activations on a VNNI build, the Q4_0 / Q4_1 / MXFP4 weights
     are first repacked into that kernel's order."""
     kernel = model.cpu_linear_kernels
     assert kernel is not None, "the model was built without the CPU kernels"
@@ -52,7 +52,7 @@ def set_linear_kernels(model: nn.Module, kernel: CpuLinearKernels | None) -> Non
 
 
 def repack_for_int8_activations(model: nn.Module) -> int:
-    """With the int8-activation kernel on: every Q4_0 / Q4_1 part of the model's packed
+    """With the int8-activation kernel on: every Q4_0 / Q4_1 / MXFP4 part of the model's packed
     layers in that kernel's lane order (kernels/weights.py vnni_part; the same bytes, so the
     same memory), one layer at a time. Dequantizing, gathering and the panel kernels read
     the new layout as well. Returns the number of parts repacked."""

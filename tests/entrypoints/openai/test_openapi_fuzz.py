@@ -29,7 +29,7 @@ import httpx2
 import pytest
 from serve_helpers import API_KEY, ServerProcess, engine_drained, get_metrics, wait_until
 
-EXAMPLES_PER_OPERATION = 20
+EXAMPLES_PER_OPERATION = 10
 SEED = 20261201
 OPERATIONS = [
     "GET /health", "GET /metrics", "GET /v1/models", "GET /v1/engine/state",
