@@ -38,11 +38,11 @@ from pagellm.kernels.weights import WeightType
 logger = logging.getLogger(__name__)
 
 # The weight types csrc/quant_int8.c reads: the VNNI builds the repacked Q4_0 / Q4_1 / MXFP4
-# (weights.vnni_part, at load), the K-quants and IQ4_XS (quant_int8_k.c) and Q8_0
+# (weights.vnni_part, at load), the K-quants, IQ4_XS and IQ3_S (quant_int8_k.c) and Q8_0
 # (quant_int8_q8.c) as stored; the AVX2 builds Q4_0 / Q4_1 / MXFP4 as stored.
 INT8_ACTIVATION_TYPES = (WeightType.Q4_0, WeightType.Q4_1, WeightType.Q4_0_VNNI, WeightType.Q4_1_VNNI, WeightType.Q2_K,
                          WeightType.Q3_K, WeightType.Q4_K, WeightType.Q5_K, WeightType.Q6_K, WeightType.IQ4_XS,
-                         WeightType.MXFP4, WeightType.MXFP4_VNNI, WeightType.Q8_0)  # fmt: skip
+                         WeightType.IQ3_S, WeightType.MXFP4, WeightType.MXFP4_VNNI, WeightType.Q8_0)  # fmt: skip
 
 
 class LinearImpl(enum.IntEnum):

@@ -1,6 +1,6 @@
 """The int8-activation streaming kernels for Q4_0 and Q4_1 weights (csrc/quant_int8.c: on
 the VNNI builds repacked into its lane order, weights.vnni_part; on the AVX2 builds as
-stored; MXFP4 the same way), for the K-quants (Q2_K to Q6_K) and IQ4_XS as stored
+stored; MXFP4 the same way), for the K-quants (Q2_K to Q6_K), IQ4_XS and IQ3_S as stored
 (csrc/quant_int8_k.c, VNNI builds) and for Q8_0 as stored (csrc/quant_int8_q8.c, VNNI builds). Every test runs on each kernel build the host executes (the kernel_isa fixture), so
 an AVX-512 VNNI machine tests the AVX2 kernel too.
 
@@ -30,7 +30,8 @@ from pagellm.kernels.weights import PackedWeight, WeightPart, WeightType, bf16_w
 
 INT8_TYPES = (WeightType.Q4_0, WeightType.Q4_1, WeightType.MXFP4)
 # As stored, on the VNNI builds (quant_int8_k.c):
-K_TYPES = (WeightType.Q2_K, WeightType.Q3_K, WeightType.Q4_K, WeightType.Q5_K, WeightType.Q6_K, WeightType.IQ4_XS)
+K_TYPES = (WeightType.Q2_K, WeightType.Q3_K, WeightType.Q4_K, WeightType.Q5_K, WeightType.Q6_K, WeightType.IQ4_XS,
+           WeightType.IQ3_S)
 # Widths: blocks of 16 groups, with an odd or even tail, tails only; whole super-blocks for K;
 # gpt-oss's 2880 for MXFP4 (90 groups: 5 blocks of 16 and a tail of 10); Q8_0 (as stored,
 # quant_int8_q8.c, VNNI builds) also 3 groups (a short run of four).

@@ -92,7 +92,7 @@ void quant_int8_stream_part(const uint16_t *x, int64_t x_stride, const WeightPar
 int quant_int8_q8_supported(int type);
 void quant_int8_q8_stream_part(const uint16_t *x, int64_t x_stride, const WeightPart *p, const uint16_t *bias,
                                    void *out, int64_t out_stride, int out_f32, int64_t m, int64_t k, int t, int nt);
-/* quant_int8_k.c: the same for the K-quants (Q2_K to Q6_K) and IQ4_XS as stored (AVX-512 VNNI builds only). */
+/* quant_int8_k.c: the same for the K-quants (Q2_K to Q6_K), IQ4_XS and IQ3_S as stored (AVX-512 VNNI builds only). */
 int quant_int8_k_supported(int type);
 void quant_int8_k_stream_part(const uint16_t *x, int64_t x_stride, const WeightPart *p, const uint16_t *bias,
                               void *out, int64_t out_stride, int out_f32, int64_t m, int64_t k, int t, int nt);

@@ -1,4 +1,4 @@
-/* Kernels, CPU: y = x W^T for the K-quants (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) and IQ4_XS as stored, with x
+/* Kernels, CPU: y = x W^T for the K-quants (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K), IQ4_XS and IQ3_S as stored, with x
  * rounded to int8 per 32 values (the opt-in int8-activation path,
  * EngineArgs.int8_activations; quant_int8.c serves Q4_0 / Q4_1). AVX-512 VNNI builds only:
  * the AVX2 builds stream these types with bf16 activations.
@@ -19,6 +19,11 @@
  *  - IQ4_XS: 16 bytes per group, low nibbles its values 0-15, high ones 16-31, looked up in
  *    IQ4's table plus 128 (unsigned bytes; the offset -128 scale takes the 128 back); x holds
  *    values 0-15 of each run of four groups, then values 16-31.
+ *  - IQ3_S: each 4 weights' magnitudes (odd, 1-15) one 32-bit codebook entry, 16 entries per
+ *    vector in one gather (the index's ninth bit from qh); the sign bits (one per weight, in
+ *    element order) turn each into 16 + signed value (1-31), the offset -16 scale taking the
+ *    16 back; x in its natural order. The bf16 path gathers 8 entries at a time and widens
+ *    each weight to bf16.
  * The bf16 path spends eight byte unpackings and eight bf16 dot products per 256 weights.
  * Precision as quant_int8.c: x rounded to int8 costs about 2^-8 of each group's largest
  * value; tests bound it.
@@ -178,6 +183,31 @@ static inline __attribute__((always_inline)) void k_decode(int type, const uint8
                 kb->values[2 * h + j] = _mm512_or_si512(bit_fields(qs, 4 * j, 2, 3),
                                                         _mm512_slli_epi16(bit_fields(hmask, 4 * h + 2 * j, 1, 1), 2));
         }
+    } else if (type == WEIGHT_IQ3_S) { /* d, qs 64, qh 8, signs 32, scales 4: w = d (1 + 2 s) sign grid[index] */
+        /* per 32 weights one 4-bit scale (duplicated for its two 16s); the magnitudes (odd,
+         * 1 to 15) with their signs held as 16 + signed value (1 to 31), the offset -16 taking the 16 back */
+        const __m256i group = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        const __m256i s4 = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)load_u32(block + 106)), _mm256_slli_epi32(group, 2)),
+                                            _mm256_set1_epi32(15));
+        const __m256 scales = _mm256_mul_ps(_mm256_set1_ps(half_to_float(block)),
+                                            _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_add_epi32(s4, s4), _mm256_set1_epi32(1))));
+        const __m512i twice = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+        kb->scale16 = _mm512_permutexvar_ps(twice, _mm512_castps256_ps512(scales));
+        kb->offset16 = _mm512_mul_ps(kb->scale16, _mm512_set1_ps(-16.0f));
+        const __m512i entry = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        const __m512i sixteen = _mm512_set1_epi8(16);
+        for (int i = 0; i < 4; i++) { /* weights 64 i .. 64 i + 63: index entries 16 i .. 16 i + 15 */
+            const __m512i high = _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32(load_u16(block + 66 + 2 * i)), entry),
+                                                  _mm512_set1_epi32(1));
+            const __m512i index = _mm512_or_si512(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(block + 2 + 16 * i))),
+                                                  _mm512_slli_epi32(high, 8));
+            /* one gather of 16 entries (on Zen 4 about 2 cycles an entry: this bounds the kernel;
+             * 16 scalar loads through a buffer measured no faster) */
+            const __m512i magnitude = _mm512_i32gather_epi32(index, (const void *)quant_codebooks.iq3s, 4);
+            uint64_t sign_bits;
+            memcpy(&sign_bits, block + 74 + 8 * i, 8);
+            kb->values[i] = _mm512_mask_sub_epi8(_mm512_add_epi8(sixteen, magnitude), _cvtu64_mask64(sign_bits), sixteen, magnitude);
+        }
     } else { /* Q2_K: scales 16 (low nibble scale, high nibble min), qs 64, d, dmin */
         const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)block));
         kb->scale16 = _mm512_mul_ps(_mm512_set1_ps(half_to_float(block + 80)),
@@ -192,7 +222,8 @@ static inline __attribute__((always_inline)) void k_decode(int type, const uint8
 
 static inline int k_block_bytes(int type) {
     return type == WEIGHT_Q2_K ? Q2_K_BLOCK_BYTES : type == WEIGHT_Q3_K ? Q3_K_BLOCK_BYTES : type == WEIGHT_Q4_K ? Q4_K_BLOCK_BYTES
-           : type == WEIGHT_Q5_K ? Q5_K_BLOCK_BYTES : type == WEIGHT_IQ4_XS ? IQ4_XS_BLOCK_BYTES : Q6_K_BLOCK_BYTES;
+           : type == WEIGHT_Q5_K ? Q5_K_BLOCK_BYTES : type == WEIGHT_IQ4_XS ? IQ4_XS_BLOCK_BYTES
+           : type == WEIGHT_IQ3_S ? IQ3_S_BLOCK_BYTES : Q6_K_BLOCK_BYTES;
 }
 
 /* One weight row of a K-quant type against M rows of x. */
@@ -253,10 +284,11 @@ K_KERNELS(WEIGHT_Q4_K, q4_k_rows)
 K_KERNELS(WEIGHT_Q5_K, q5_k_rows)
 K_KERNELS(WEIGHT_Q6_K, q6_k_rows)
 K_KERNELS(WEIGHT_IQ4_XS, iq4_xs_rows)
+K_KERNELS(WEIGHT_IQ3_S, iq3_s_rows)
 
 int quant_int8_k_supported(int type) {
     return type == WEIGHT_Q2_K || type == WEIGHT_Q3_K || type == WEIGHT_Q4_K || type == WEIGHT_Q5_K || type == WEIGHT_Q6_K ||
-           type == WEIGHT_IQ4_XS;
+           type == WEIGHT_IQ4_XS || type == WEIGHT_IQ3_S;
 }
 
 void quant_int8_k_stream_part(const uint16_t *x, int64_t x_stride, const WeightPart *p, const uint16_t *bias,
@@ -267,7 +299,7 @@ void quant_int8_k_stream_part(const uint16_t *x, int64_t x_stride, const WeightP
     const KQuantizedX qx = quantize_x_k(p->type, x, x_stride, m, k);
     const k_fn *kernels = p->type == WEIGHT_Q2_K ? q2_k_rows : p->type == WEIGHT_Q3_K ? q3_k_rows
                           : p->type == WEIGHT_Q4_K ? q4_k_rows : p->type == WEIGHT_Q5_K ? q5_k_rows
-                          : p->type == WEIGHT_IQ4_XS ? iq4_xs_rows : q6_k_rows;
+                          : p->type == WEIGHT_IQ4_XS ? iq4_xs_rows : p->type == WEIGHT_IQ3_S ? iq3_s_rows : q6_k_rows;
     const int64_t ahead = stream_prefetch_rows(p->row_bytes);
     float result[K_ROWS];
     for (int64_t n = begin; n < end; n++) {
