@@ -1,5 +1,8 @@
-/* Kernels, CPU: y = x W^T for Q4_0 and Q4_1 weights with x rounded to int8, llama.cpp's
- * arithmetic: the opt-in int8-activation path (EngineArgs.int8_activations).
+/* Kernels, CPU: y = x W^T for Q4_0, Q4_1 and MXFP4 weights with x rounded to int8, llama.cpp's
+ * arithmetic: the opt-in int8-activation path (EngineArgs.int8_activations). MXFP4 is read
+ * as Q4_0 (the same row layout and lane order), each nibble looked up as twice its E2M1
+ * value plus 12 (quant_groups.h MXFP4_UNSIGNED_TABLE, 0 to 24: unsigned bytes) with
+ * m = -12 d and d = 2^(E - 128) from its exponent bytes.
  *
  * quant_linear.c keeps x in bf16, so every 32 weights cost a bf16 dot product of 32 pairs
  * and the byte unpacking that turns nibbles into bf16 words. Here each group of 32 values
