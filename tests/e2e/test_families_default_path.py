@@ -55,8 +55,15 @@ def family(request, tmp_path_factory):
     return str(folder), load_hf_reference(folder)
 
 
-@pytest.mark.parametrize("decode_path", ["fused", "layers"])
-@pytest.mark.parametrize("name", list(SCENARIOS))
+# Every regime on the one-call decode layer; the layer ops forced for small decode steps in
+# two of them (plain batching, chunked prefill). The fused runs take the layer ops too, for
+# their prefill chunks and their decode steps of more than MAX_ROWS requests, in every regime;
+# preemption, swap, prefix hits and forks change which blocks a step reads, not how a layer
+# computes, and the two paths read the same cache.
+PATH_CASES = [(name, "fused") for name in SCENARIOS] + [("plain", "layers"), ("chunked_prefill", "layers")]
+
+
+@pytest.mark.parametrize(("name", "decode_path"), PATH_CASES, ids=[f"{n}-{p}" for n, p in PATH_CASES])
 def test_bf16_agrees_with_hf_float32(family, name, decode_path, monkeypatch):
     folder, reference = family
     if decode_path == "fused" and any(name in folder for name in LAYER_OPS_ONLY):
