@@ -43,6 +43,12 @@ def test_the_wire_shapes():
     assert messages_diagnostics(miss, "msg_1")["cache_miss_reason"] == {"type": "system_changed", "cache_missed_input_tokens": 0}
     assert responses_diagnostics(run(None, record(base), 0)) == {"type": "comparison_response_not_found"}
     assert messages_diagnostics(None, None) == {"cache_miss_reason": None, "previous_message_id": None}
+    # A miss on the engine's side: no reason in Anthropic's vocabulary (null, as its API), the
+    # engine's in pagellm's detail.
+    evicted = messages_diagnostics(run(record(base), record(base + [7], messages=("a", "b")), 32), "msg_1")
+    assert evicted["cache_miss_reason"] is None
+    assert (evicted["detail"], evicted["cache_missed_input_tokens"], evicted["cached_tokens"]) == ("evicted", 64, 32)
+    assert messages_diagnostics(miss, "msg_1")["detail"] == "system_changed"
 
 
 def test_the_records_keep_the_most_recent():

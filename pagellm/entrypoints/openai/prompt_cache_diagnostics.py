@@ -174,9 +174,12 @@ def responses_diagnostics(diagnosis: Diagnosis) -> dict[str, Any]:
 
 def messages_diagnostics(diagnosis: Diagnosis | None, previous_message_id: str | None) -> dict[str, Any]:
     """Anthropic's `diagnostics`: `cache_miss_reason` an object tagged by `type` in its
-    vocabulary (a miss on the engine's side: pagellm's evicted / tier_miss), null when the
-    prefix was reused; with pagellm's further fields. No previous message: opted in, nothing
-    to compare."""
+    vocabulary where the request changed (or nothing could be compared), null otherwise: as
+    Anthropic's API, whose comparison is of the requests' structure, a miss on the engine's
+    side (the blocks evicted, the tier without them) leaves it null and shows in the usage.
+    pagellm's further fields: `detail` (a miss's precise reason, the engine's included) with
+    `cache_missed_input_tokens`, `cached_tokens`, `first_divergent_token`. No previous message:
+    opted in, nothing to compare."""
     answer: dict[str, Any] = {"cache_miss_reason": None, "previous_message_id": previous_message_id}
     if diagnosis is None:
         return answer
@@ -185,6 +188,8 @@ def messages_diagnostics(diagnosis: Diagnosis | None, previous_message_id: str |
     elif diagnosis.status == "unavailable":
         answer["cache_miss_reason"] = {"type": "unavailable"}
     elif diagnosis.status == "cache_miss":
-        answer["cache_miss_reason"] = {"type": diagnosis.reason, "cache_missed_input_tokens": diagnosis.cache_missed_tokens}
+        if diagnosis.change is not None:
+            answer["cache_miss_reason"] = {"type": diagnosis.change, "cache_missed_input_tokens": diagnosis.cache_missed_tokens}
+        answer.update(detail=diagnosis.reason, cache_missed_input_tokens=diagnosis.cache_missed_tokens)
     answer.update(cached_tokens=diagnosis.cached_tokens, first_divergent_token=diagnosis.first_divergent_token)
     return answer
