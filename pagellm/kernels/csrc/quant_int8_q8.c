@@ -24,10 +24,10 @@
 #include "weights.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
-#define G_ROWS 8 /* rows of x per pass over a weight row */
+#define Q8_ROWS 8 /* rows of x per pass over a weight row */
 /* Two accumulators per row of x for one or two rows (the multiply-adds' latency would
  * bound a single chain), one for more (chains enough, and registers are short). */
-#define G_CHAIN(j) (M <= 2 ? (j) : 0)
+#define Q8_CHAIN(j) (M <= 2 ? (j) : 0)
 
 /* x rounded: q[r * q_stride ...] the int8 values (groups past the row's end zero, up to a
  * whole run of four); per group dx[r * group_stride + g] = max |x| / 127 and
@@ -80,14 +80,14 @@ static inline __attribute__((always_inline)) void q8_rows(int M, const Q8X *qx, 
     const int64_t groups = k / GROUP;
     const uint16_t *scales = (const uint16_t *)(row + k);
     const __m512i flip = _mm512_set1_epi8((char)0x80);
-    __m512 acc[2][G_ROWS];
+    __m512 acc[2][Q8_ROWS];
     for (int r = 0; r < M; r++) acc[0][r] = acc[1][r] = _mm512_setzero_ps();
     for (int64_t g0 = 0; g0 < groups; g0 += 16) {
         const int count = groups - g0 < 16 ? (int)(groups - g0) : 16;
         const __mmask16 mask = (__mmask16)((1u << count) - 1);
         const __m512 d16 = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, scales + g0));
         const __m512 min16 = _mm512_mul_ps(d16, _mm512_set1_ps(-128.0f));
-        __m512 ds[G_ROWS];
+        __m512 ds[Q8_ROWS];
         for (int r = 0; r < M; r++) {
             const int64_t at = r * qx->group_stride + g0;
             acc[0][r] = _mm512_fmadd_ps(min16, _mm512_loadu_ps(qx->xsum + at), acc[0][r]);
@@ -105,10 +105,10 @@ static inline __attribute__((always_inline)) void q8_rows(int M, const Q8X *qx, 
             for (int r = 0; r < M; r++) {
                 const int8_t *xq = qx->q + r * qx->q_stride + 32 * group;
                 const __m512i p0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), first, _mm512_loadu_si512((const void *)xq));
-                acc[G_CHAIN(0)][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p0), _mm512_permutexvar_ps(lanes0, ds[r]), acc[G_CHAIN(0)][r]);
+                acc[Q8_CHAIN(0)][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p0), _mm512_permutexvar_ps(lanes0, ds[r]), acc[Q8_CHAIN(0)][r]);
                 if (have > 2) {
                     const __m512i p1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), second, _mm512_loadu_si512((const void *)(xq + 64)));
-                    acc[G_CHAIN(1)][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p1), _mm512_permutexvar_ps(lanes1, ds[r]), acc[G_CHAIN(1)][r]);
+                    acc[Q8_CHAIN(1)][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p1), _mm512_permutexvar_ps(lanes1, ds[r]), acc[Q8_CHAIN(1)][r]);
                 }
             }
         }
@@ -122,7 +122,7 @@ typedef void (*q8_fn)(const Q8X *, const uint8_t *, int64_t, float *);
         q8_rows(M, qx, row, k, result);                                                                     \
     }
 Q8_FN(1) Q8_FN(2) Q8_FN(3) Q8_FN(4) Q8_FN(5) Q8_FN(6) Q8_FN(7) Q8_FN(8)
-static const q8_fn q8_kernels[G_ROWS + 1] = {0, q8_rows_1, q8_rows_2, q8_rows_3, q8_rows_4,
+static const q8_fn q8_kernels[Q8_ROWS + 1] = {0, q8_rows_1, q8_rows_2, q8_rows_3, q8_rows_4,
                                              q8_rows_5, q8_rows_6, q8_rows_7, q8_rows_8};
 
 int quant_int8_q8_supported(int type) { return type == WEIGHT_Q8_0; }
@@ -134,13 +134,13 @@ void quant_int8_q8_stream_part(const uint16_t *x, int64_t x_stride, const Weight
     if (begin >= end) return;
     const Q8X qx = quantize_x_q8(x, x_stride, m, k);
     const int64_t ahead = stream_prefetch_rows(p->row_bytes);
-    float result[G_ROWS];
+    float result[Q8_ROWS];
     for (int64_t n = begin; n < end; n++) {
         const uint8_t *row = p->data + n * p->row_bytes;
         stream_prefetch(row, p->row_bytes, n, ahead, end);
         const float b = bias ? bf16_to_float(bias[n]) : 0.0f;
-        for (int64_t first = 0; first < m; first += G_ROWS) {
-            const int rows = m - first < G_ROWS ? (int)(m - first) : G_ROWS;
+        for (int64_t first = 0; first < m; first += Q8_ROWS) {
+            const int rows = m - first < Q8_ROWS ? (int)(m - first) : Q8_ROWS;
             Q8X part = qx;
             part.q += first * qx.q_stride;
             part.dx += first * qx.group_stride;
