@@ -39,10 +39,7 @@
 
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
 #define K_ROWS 8 /* rows of x per pass over a weight row */
-/* Which of four accumulators a row's j-th product of a super-block adds into: four chains
- * for one or two rows of x (the multiply-adds' latency would bound a single chain), two
- * for more rows (chains enough, and the registers are short). */
-#define CHAIN(j) (M <= 2 ? (j) : (j) & 1)
+#define K_RUN 16 /* weight rows per kernel call */
 
 /* x rounded: q[r * k ...] the int8 values in the weight type's order; per group of 32,
  * dx[r * groups + g] = max |x| / 127; per 16 values, xsum16[r * 2 groups + s] = dx * sum(q)
@@ -226,53 +223,101 @@ static inline int k_block_bytes(int type) {
            : type == WEIGHT_IQ3_S ? IQ3_S_BLOCK_BYTES : Q6_K_BLOCK_BYTES;
 }
 
-/* One weight row of a K-quant type against M rows of x. */
-static inline __attribute__((always_inline)) void k_rows(int type, int M, const KQuantizedX *qx, const uint8_t *row,
-                                                         int64_t k, float *result) {
-    __m512 acc[4][K_ROWS], corr[K_ROWS];
-    for (int r = 0; r < M; r++) acc[0][r] = acc[1][r] = acc[2][r] = acc[3][r] = corr[r] = _mm512_setzero_ps();
-    /* pick[i]: lane L of product i -> its 16-weight sub-block (file comment) */
-    __m512i pick[4];
+/* The lanes of each product's sub-blocks and the constants a run of weight rows shares. */
+typedef struct {
+    __m512i pick[4]; /* pick[i]: lane L of product i -> its 16-weight sub-block (file comment) */
+    __m512i iq4_table;
+} KLanes;
+
+static inline __attribute__((always_inline)) KLanes k_lanes(int type) {
+    KLanes lanes;
     if (pair_order(type)) { /* product i: groups {0,1,4,5}[i] (lanes 0-7) and that + 2 (lanes 8-15) */
-        const __m512i lanes = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 4, 4, 4, 4, 5, 5, 5, 5);
-        for (int i = 0; i < 4; i++) pick[i] = _mm512_add_epi32(lanes, _mm512_set1_epi32(2 * ((i & 1) + 4 * (i >> 1))));
+        const __m512i base = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 4, 4, 4, 4, 5, 5, 5, 5);
+        for (int i = 0; i < 4; i++) lanes.pick[i] = _mm512_add_epi32(base, _mm512_set1_epi32(2 * ((i & 1) + 4 * (i >> 1))));
     } else if (half_order(type)) { /* product i: half i % 2 of groups 4 (i / 2) .. + 3, four lanes each */
-        const __m512i lanes = _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6);
-        for (int i = 0; i < 4; i++) pick[i] = _mm512_add_epi32(lanes, _mm512_set1_epi32(8 * (i >> 1) + (i & 1)));
+        const __m512i base = _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6);
+        for (int i = 0; i < 4; i++) lanes.pick[i] = _mm512_add_epi32(base, _mm512_set1_epi32(8 * (i >> 1) + (i & 1)));
     } else { /* product i: elements 64 i .. 64 i + 63 */
-        const __m512i lanes = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-        for (int i = 0; i < 4; i++) pick[i] = _mm512_add_epi32(lanes, _mm512_set1_epi32(4 * i));
+        const __m512i base = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+        for (int i = 0; i < 4; i++) lanes.pick[i] = _mm512_add_epi32(base, _mm512_set1_epi32(4 * i));
     }
-    const __m512i twice = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-    const int block_bytes = k_block_bytes(type);
-    const __m512i iq4_table = type == WEIGHT_IQ4_XS ? _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)quant_codebooks.iq4nl)),
-                                                                       _mm512_set1_epi8((char)0x80))
-                                                    : _mm512_setzero_si512();
-    for (int64_t b = 0; b < k / 256; b++) {
-        KBlock kb;
-        k_decode(type, row + b * block_bytes, iq4_table, &kb);
-        for (int r = 0; r < M; r++) {
-            const int64_t at = r * qx->groups + 8 * b;
-            corr[r] = _mm512_fmadd_ps(kb.offset16, _mm512_loadu_ps(qx->xsum16 + 2 * at), corr[r]);
-            const __m512 ds = _mm512_mul_ps(kb.scale16, _mm512_permutexvar_ps(twice, _mm512_maskz_loadu_ps(0xFF, qx->dx + at)));
-            const int8_t *xq = qx->q + r * k + 256 * b;
-            for (int i = 0; i < 4; i++) {
-                const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), kb.values[i],
-                                                      _mm512_loadu_si512((const void *)(xq + 64 * i)));
-                acc[CHAIN(i)][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_permutexvar_ps(pick[i], ds), acc[CHAIN(i)][r]);
-            }
-        }
-    }
-    for (int r = 0; r < M; r++)
-        result[r] = _mm512_reduce_add_ps(
-            _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0][r], acc[1][r]), _mm512_add_ps(acc[2][r], acc[3][r])), corr[r]));
+    lanes.iq4_table = type == WEIGHT_IQ4_XS ? _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)quant_codebooks.iq4nl)),
+                                                               _mm512_set1_epi8((char)0x80))
+                                            : _mm512_setzero_si512();
+    return lanes;
 }
 
-typedef void (*k_fn)(const KQuantizedX *, const uint8_t *, int64_t, float *);
-#define K_FN(TYPE, NAME, M)                                                                                \
-    static __attribute__((noinline)) void NAME##_##M(const KQuantizedX *qx, const uint8_t *row, int64_t k, \
-                                                     float *result) {                                      \
-        k_rows(TYPE, M, qx, row, k, result);                                                              \
+/* A decoded super-block b against row r of x: product i into acc[i % chains], the offsets'
+ * term into corr. */
+static inline __attribute__((always_inline)) void k_block_row(const KBlock *kb, const KLanes *lanes, const KQuantizedX *qx,
+                                                              int64_t k, int64_t b, int r, int chains, __m512 *acc, __m512 *corr) {
+    const __m512i twice = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    const int64_t at = r * qx->groups + 8 * b;
+    *corr = _mm512_fmadd_ps(kb->offset16, _mm512_loadu_ps(qx->xsum16 + 2 * at), *corr);
+    const __m512 ds = _mm512_mul_ps(kb->scale16, _mm512_permutexvar_ps(twice, _mm512_maskz_loadu_ps(0xFF, qx->dx + at)));
+    const int8_t *xq = qx->q + r * k + 256 * b;
+    for (int i = 0; i < 4; i++) {
+        const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), kb->values[i], _mm512_loadu_si512((const void *)(xq + 64 * i)));
+        __m512 *chain = acc + (i % chains);
+        *chain = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_permutexvar_ps(lanes->pick[i], ds), *chain);
+    }
+}
+
+/* The sums of two vectors' lanes, together: out[0] of a, out[1] of b. */
+static inline void reduce_pair(__m512 a, __m512 b, float *out) {
+    __m512 s = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(1, 0, 1, 0)), _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
+    s = _mm512_add_ps(s, _mm512_shuffle_f32x4(s, s, _MM_SHUFFLE(2, 3, 0, 1)));
+    s = _mm512_add_ps(s, _mm512_permute_ps(s, 0x4E));
+    s = _mm512_add_ps(s, _mm512_permute_ps(s, 0xB1));
+    out[0] = _mm512_cvtss_f32(s);
+    out[1] = _mm_cvtss_f32(_mm512_extractf32x4_ps(s, 2));
+}
+
+/* Weight rows 0 .. count - 1 (row_bytes apart) against M rows of x: result[j * M + r]. One
+ * call per run of weight rows: the lanes' constants are set once a run, and with one row of
+ * x the rows' sums are reduced two at a time after it. Per row, at one row of x, the call,
+ * its constants and the reduction had cost a fifth of a 2048-wide Q2_K row's time. Each row
+ * asks for the row `ahead` rows on into L2 while that is before `limit` (ahead 0: none). */
+static inline __attribute__((always_inline)) void k_rows(int type, int M, const KQuantizedX *qx, const uint8_t *rows,
+                                                         int64_t row_bytes, int64_t count, int64_t ahead, int64_t limit,
+                                                         int64_t k, float *result) {
+    const KLanes lanes = k_lanes(type);
+    const int block_bytes = k_block_bytes(type);
+    /* four chains for one or two rows of x (the multiply-adds' latency would bound a single
+     * chain), two for more rows (chains enough, and the registers are short) */
+    const int chains = M <= 2 ? 4 : 2;
+    __m512 totals[K_RUN]; /* one row of x: the rows' sums, reduced two at a time after the run */
+    for (int64_t j = 0; j < count; j++) {
+        const uint8_t *row = rows + j * row_bytes;
+        if (ahead) stream_prefetch(row, row_bytes, j, ahead, limit);
+        __m512 acc[K_ROWS][4], corr[K_ROWS];
+        for (int r = 0; r < M; r++) acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = corr[r] = _mm512_setzero_ps();
+        for (int64_t b = 0; b < k / 256; b++) {
+            KBlock kb;
+            k_decode(type, row + b * block_bytes, lanes.iq4_table, &kb);
+            for (int r = 0; r < M; r++) k_block_row(&kb, &lanes, qx, k, b, r, chains, acc[r], &corr[r]);
+        }
+        for (int r = 0; r < M; r++) {
+            const __m512 total =
+                _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]), _mm512_add_ps(acc[r][2], acc[r][3])), corr[r]);
+            if (M == 1)
+                totals[j] = total;
+            else
+                result[j * M + r] = _mm512_reduce_add_ps(total);
+        }
+    }
+    if (M == 1) {
+        for (int64_t j = 0; j + 1 < count; j += 2) reduce_pair(totals[j], totals[j + 1], result + j);
+        if (count & 1) result[count - 1] = _mm512_reduce_add_ps(totals[count - 1]);
+    }
+}
+
+typedef void (*k_fn)(const KQuantizedX *, const uint8_t *, int64_t, int64_t, int64_t, int64_t, int64_t, float *);
+#define K_FN(TYPE, NAME, M)                                                                                         \
+    static __attribute__((noinline)) void NAME##_##M(const KQuantizedX *qx, const uint8_t *rows, int64_t row_bytes, \
+                                                     int64_t count, int64_t ahead, int64_t limit, int64_t k,      \
+                                                     float *result) {                                             \
+        k_rows(TYPE, M, qx, rows, row_bytes, count, ahead, limit, k, result);                                     \
     }
 #define K_KERNELS(TYPE, NAME)                                                                               \
     K_FN(TYPE, NAME, 1) K_FN(TYPE, NAME, 2) K_FN(TYPE, NAME, 3) K_FN(TYPE, NAME, 4) K_FN(TYPE, NAME, 5)     \
@@ -301,19 +346,22 @@ void quant_int8_k_stream_part(const uint16_t *x, int64_t x_stride, const WeightP
                           : p->type == WEIGHT_Q4_K ? q4_k_rows : p->type == WEIGHT_Q5_K ? q5_k_rows
                           : p->type == WEIGHT_IQ4_XS ? iq4_xs_rows : p->type == WEIGHT_IQ3_S ? iq3_s_rows : q6_k_rows;
     const int64_t ahead = stream_prefetch_rows(p->row_bytes);
-    float result[K_ROWS];
-    for (int64_t n = begin; n < end; n++) {
-        const uint8_t *row = p->data + n * p->row_bytes;
-        stream_prefetch(row, p->row_bytes, n, ahead, end);
-        const float b = bias ? bf16_to_float(bias[n]) : 0.0f;
+    float result[K_RUN * K_ROWS];
+    for (int64_t n = begin; n < end; n += K_RUN) {
+        const int64_t count = end - n < K_RUN ? end - n : K_RUN;
+        const uint8_t *rows = p->data + n * p->row_bytes;
         for (int64_t first = 0; first < m; first += K_ROWS) {
-            const int rows = m - first < K_ROWS ? (int)(m - first) : K_ROWS;
+            const int tile = m - first < K_ROWS ? (int)(m - first) : K_ROWS;
             KQuantizedX part = qx;
             part.q += first * k;
             part.dx += first * qx.groups;
             part.xsum16 += 2 * first * qx.groups;
-            kernels[rows](&part, row, k, result);
-            for (int r = 0; r < rows; r++) store_float(out, (first + r) * out_stride + n, result[r] + b, out_f32);
+            /* the first tile of x asks for the rows ahead; the others find the run in cache */
+            kernels[tile](&part, rows, p->row_bytes, count, first == 0 ? ahead : 0, end - n, k, result);
+            for (int64_t j = 0; j < count; j++) {
+                const float b = bias ? bf16_to_float(bias[n + j]) : 0.0f;
+                for (int r = 0; r < tile; r++) store_float(out, (first + r) * out_stride + n + j, result[j * tile + r] + b, out_f32);
+            }
         }
     }
 }
