@@ -230,6 +230,7 @@ typedef struct {
     const int8_t *iq4nl;                   /* [16] */
 } Codebooks;
 extern Codebooks quant_codebooks;
+extern uint16_t quant_iq3s_words[512]; /* IQ3_S's entries as 4-bit magnitudes (codebooks.c) */
 
 #define Q2_K_BLOCK_BYTES 84
 #define Q3_K_BLOCK_BYTES 110

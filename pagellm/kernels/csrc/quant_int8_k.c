@@ -19,10 +19,10 @@
  *  - IQ4_XS: 16 bytes per group, low nibbles its values 0-15, high ones 16-31, looked up in
  *    IQ4's table plus 128 (unsigned bytes; the offset -128 scale takes the 128 back); x holds
  *    values 0-15 of each run of four groups, then values 16-31.
- *  - IQ3_S: each 4 weights' magnitudes (odd, 1-15) one 32-bit codebook entry, 16 entries per
- *    vector in one gather (the index's ninth bit from qh); the sign bits (one per weight, in
- *    element order) turn each into 16 + signed value (1-31), the offset -16 scale taking the
- *    16 back; x in its natural order. The bf16 path gathers 8 entries at a time and widens
+ *  - IQ3_S: each 4 weights' magnitudes (odd, 1-15) one codebook entry of 512, looked up 32
+ *    at a time in registers as 16-bit words (iq3s_lookup; the index's ninth bit from qh); the
+ *    sign bits (one per weight, in element order) turn each into 16 + signed value (1-31),
+ *    the offset -16 scale taking the 16 back; x in its natural order. The bf16 path gathers 8 entries at a time and widens
  *    each weight to bf16.
  * The bf16 path spends eight byte unpackings and eight bf16 dot products per 256 weights.
  * Precision as quant_int8.c: x rounded to int8 costs about 2^-8 of each group's largest
@@ -131,6 +131,22 @@ static inline __m512 iq4_xs_scales16(const uint8_t *block) {
     return _mm512_permutexvar_ps(twice, _mm512_castps256_ps512(scales));
 }
 
+/* IQ3_S's entries for 32 9-bit indices (16-bit lanes) as quant_iq3s_words' words: eight
+ * two-register lookups of 64 entries (index bits 0-5), joined by bits 6, 7 and 8. The
+ * 16-entry gathers this replaced took about 2 cycles an entry on Zen 4 (AMD EPYC), most of
+ * the kernel's time. */
+static inline __m512i iq3s_lookup(__m512i index) {
+    const __m512i *table = (const __m512i *)quant_iq3s_words;
+    __m512i level[8];
+    for (int s = 0; s < 8; s++)
+        level[s] = _mm512_permutex2var_epi16(_mm512_load_si512(table + 2 * s), index, _mm512_load_si512(table + 2 * s + 1));
+    for (int bit = 0, count = 8; count > 1; bit++, count /= 2) {
+        const __mmask32 upper = _mm512_test_epi16_mask(index, _mm512_set1_epi16((short)(64 << bit)));
+        for (int s = 0; s < count / 2; s++) level[s] = _mm512_mask_blend_epi16(upper, level[2 * s], level[2 * s + 1]);
+    }
+    return level[0];
+}
+
 /* `iq4_table`: IQ4's 16 signed values plus 128 (unsigned bytes) in every 128-bit lane. */
 static inline __attribute__((always_inline)) void k_decode(int type, const uint8_t *block, __m512i iq4_table, KBlock *kb) {
     const __m512i low4 = _mm512_set1_epi8(0x0F);
@@ -191,19 +207,22 @@ static inline __attribute__((always_inline)) void k_decode(int type, const uint8
         const __m512i twice = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
         kb->scale16 = _mm512_permutexvar_ps(twice, _mm512_castps256_ps512(scales));
         kb->offset16 = _mm512_mul_ps(kb->scale16, _mm512_set1_ps(-16.0f));
-        const __m512i entry = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
         const __m512i sixteen = _mm512_set1_epi8(16);
-        for (int i = 0; i < 4; i++) { /* weights 64 i .. 64 i + 63: index entries 16 i .. 16 i + 15 */
-            const __m512i high = _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32(load_u16(block + 66 + 2 * i)), entry),
-                                                  _mm512_set1_epi32(1));
-            const __m512i index = _mm512_or_si512(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(block + 2 + 16 * i))),
-                                                  _mm512_slli_epi32(high, 8));
-            /* one gather of 16 entries (on Zen 4 about 2 cycles an entry: this bounds the kernel;
-             * 16 scalar loads through a buffer measured no faster) */
-            const __m512i magnitude = _mm512_i32gather_epi32(index, (const void *)quant_codebooks.iq3s, 4);
-            uint64_t sign_bits;
-            memcpy(&sign_bits, block + 74 + 8 * i, 8);
-            kb->values[i] = _mm512_mask_sub_epi8(_mm512_add_epi8(sixteen, magnitude), _cvtu64_mask64(sign_bits), sixteen, magnitude);
+        uint64_t high_bits; /* the ninth bit of entry e: bit e of qh */
+        memcpy(&high_bits, block + 66, 8);
+        for (int half = 0; half < 2; half++) { /* entries 32 half .. + 31: weights 128 half .. + 127 */
+            __m512i index = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(block + 2 + 32 * half)));
+            index = _mm512_mask_add_epi16(index, _cvtu32_mask32((uint32_t)(high_bits >> (32 * half))), index, _mm512_set1_epi16(256));
+            const __m512i words = iq3s_lookup(index);
+            for (int q = 0; q < 2; q++) { /* entries 16 i .. + 15: weights 64 i .. + 63 */
+                const int i = 2 * half + q;
+                const __m512i entry = _mm512_cvtepu16_epi32(q ? _mm512_extracti64x4_epi64(words, 1) : _mm512_castsi512_si256(words));
+                /* the word's nibbles m0 | m2 << 4 | m1 << 8 | m3 << 12 (codebooks.c) as bytes m0, m1, m2, m3 */
+                const __m512i magnitude = _mm512_ternarylogic_epi32(entry, _mm512_slli_epi32(entry, 12), _mm512_set1_epi32(0x0F0F0F0F), 0xA8);
+                uint64_t sign_bits;
+                memcpy(&sign_bits, block + 74 + 8 * i, 8);
+                kb->values[i] = _mm512_mask_sub_epi8(_mm512_add_epi8(sixteen, magnitude), _cvtu64_mask64(sign_bits), sixteen, magnitude);
+            }
         }
     } else { /* Q2_K: scales 16 (low nibble scale, high nibble min), qs 64, d, dmin */
         const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)block));
