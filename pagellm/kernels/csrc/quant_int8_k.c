@@ -106,6 +106,14 @@ static inline __m512i bit_fields(__m256i bytes, int shift, int step, int mask) {
     return _mm512_and_si512(_mm512_srlv_epi16(_mm512_broadcast_i64x4(bytes), shifts), _mm512_set1_epi8((char)mask));
 }
 
+/* Bit `shift` (first 32 bytes) and bit shift + step (next 32) of each of 32 bytes, as a
+ * mask over 64 byte lanes: a single high bit joins its 2- or 4-bit value by one masked add
+ * (a shift, a mask, a shift and an or as bit_fields). */
+static inline __mmask64 bit_mask(__m256i bytes, int shift, int step) {
+    const __m512i bits = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << shift)), _mm256_set1_epi8((char)(1 << (shift + step))), 1);
+    return _mm512_test_epi8_mask(_mm512_broadcast_i64x4(bytes), bits);
+}
+
 /* Per-32 scales and mins (8 bytes each) as per-16 floats: d sc, -dmin m. */
 static inline void k_scales16(const uint8_t *block, KBlock *kb) {
     uint64_t scales, mins;
@@ -167,9 +175,10 @@ static inline __attribute__((always_inline)) void k_decode(int type, const uint8
             kb->values[2 * run] = _mm512_and_si512(packed, low4);
             kb->values[2 * run + 1] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
             if (type == WEIGHT_Q5_K) { /* group g's fifth bits: bit g of qh's 32 bytes */
-                kb->values[2 * run] = _mm512_or_si512(kb->values[2 * run], _mm512_slli_epi16(bit_fields(qh, 4 * run, 2, 1), 4));
+                const __m512i sixteen = _mm512_set1_epi8(16);
+                kb->values[2 * run] = _mm512_mask_add_epi8(kb->values[2 * run], bit_mask(qh, 4 * run, 2), kb->values[2 * run], sixteen);
                 kb->values[2 * run + 1] =
-                    _mm512_or_si512(kb->values[2 * run + 1], _mm512_slli_epi16(bit_fields(qh, 4 * run + 1, 2, 1), 4));
+                    _mm512_mask_add_epi8(kb->values[2 * run + 1], bit_mask(qh, 4 * run + 1, 2), kb->values[2 * run + 1], sixteen);
             }
         }
     } else if (type == WEIGHT_Q6_K) { /* ql 128, qh 64, scales 16 int8, d */
@@ -192,9 +201,10 @@ static inline __attribute__((always_inline)) void k_decode(int type, const uint8
         const __m256i hmask = _mm256_loadu_si256((const __m256i *)block);
         for (int h = 0; h < 2; h++) {
             const __m256i qs = _mm256_loadu_si256((const __m256i *)(block + 32 + 32 * h));
-            for (int j = 0; j < 2; j++)
-                kb->values[2 * h + j] = _mm512_or_si512(bit_fields(qs, 4 * j, 2, 3),
-                                                        _mm512_slli_epi16(bit_fields(hmask, 4 * h + 2 * j, 1, 1), 2));
+            for (int j = 0; j < 2; j++) {
+                const __m512i low = bit_fields(qs, 4 * j, 2, 3);
+                kb->values[2 * h + j] = _mm512_mask_add_epi8(low, bit_mask(hmask, 4 * h + 2 * j, 1), low, _mm512_set1_epi8(4));
+            }
         }
     } else if (type == WEIGHT_IQ3_S) { /* d, qs 64, qh 8, signs 32, scales 4: w = d (1 + 2 s) sign grid[index] */
         /* per 32 weights one 4-bit scale (duplicated for its two 16s); the magnitudes (odd,
