@@ -17,6 +17,7 @@ symbols (-Bsymbolic), so that several levels can be loaded side by side in one p
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import ctypes
 import dataclasses
 import functools
@@ -27,6 +28,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from pagellm.errors import ConfigError
@@ -95,19 +97,46 @@ def _run(command: list[str]) -> None:
     subprocess.run(command, check=True, capture_output=True, text=True, timeout=120)
 
 
-def _compiled(compiler: str, name: str, sources: list[Path], headers: list[Path], flags: tuple[str, ...]) -> ctypes.CDLL:
-    """The library built from `sources` with `flags`, compiled into the cache if not there yet."""
+def _library_path(compiler: str, name: str, sources: list[Path], headers: list[Path], flags: tuple[str, ...]) -> Path:
+    """Where the library built from `sources` with `flags` lies in the cache."""
     digest = hashlib.sha256()
     # The CPU is part of the key: -mtune=native, and a cache folder shared between machines.
     for part in (compiler, " ".join(flags + _LINK_FLAGS), cpu_features.cpu_signature(), platform.python_implementation()):
         digest.update(part.encode())
     for source in sources + headers:
         digest.update(source.read_bytes())
-    target = _cache_dir() / f"{name}_{digest.hexdigest()[:16]}.so"
+    return _cache_dir() / f"{name}_{digest.hexdigest()[:16]}.so"
+
+
+def _compiled(compiler: str, name: str, sources: list[Path], headers: list[Path], flags: tuple[str, ...]) -> ctypes.CDLL:
+    """The library built from `sources` with `flags`, compiled into the cache if not there yet."""
+    target = _library_path(compiler, name, sources, headers, flags)
     if not target.exists():
-        logger.info("compiling CPU kernels into %s", target)
-        _build(compiler, sources, flags, target)
+        with _build_lock(target):
+            if not target.exists():  # another process may have built it while this one waited
+                logger.info("compiling CPU kernels into %s", target)
+                _build(compiler, sources, flags, target)
     return ctypes.CDLL(str(target))
+
+
+@contextlib.contextmanager
+def _build_lock(target: Path) -> Iterator[None]:
+    """Held while one process builds `target`: processes starting together (a test run's
+    workers, tensor-parallel ranks, data-parallel replicas) build it once and the others wait
+    for it, instead of each compiling the same library on the same cores. Where the platform
+    has no fcntl the builds stay unlocked (their atomic rename keeps them correct)."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.with_name(target.name + ".lock"), "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _csrc(names: tuple[str, ...]) -> list[Path]:
