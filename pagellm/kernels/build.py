@@ -2,7 +2,8 @@
 
 The kernels are compiled from the same sources once per instruction-set level (ISA_LEVELS:
 AVX2+FMA, AVX-512, AVX-512 BF16/VNNI, AMX), each on first use (a few seconds) into a cache
-folder keyed by the source, the flags, the compiler and the CPU, and loaded with ctypes.
+folder keyed by the source, the flags, the compiler and the CPU (one process builds under a
+lock, others starting together wait for its library), and loaded with ctypes.
 Which level runs is decided at run time by CPUID (csrc/isa_probe.c, built for baseline
 x86-64): the highest one this CPU and its operating system allow, or the one
 PAGELLM_KERNEL_ISA names (tests run every level the host can execute; users may pin one).
