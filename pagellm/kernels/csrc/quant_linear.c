@@ -35,7 +35,6 @@
 #include "weights.h"
 
 #define STREAM_ROWS 8 /* rows of x per pass over a weight row */
-#define STREAM_RUN 16 /* weight rows per kernel call */
 /* Up to this many rows of x the kernels stream the stored weights (unpacking each group
  * per 8 rows); above, a panel is dequantized to bf16 and multiplied from L2 (measured on
  * SmolLM2's Q4_1 layers, all 30 layers' linears, one thread: 8 rows 16.5 vs 19.4 ms,
@@ -462,20 +461,11 @@ static inline __attribute__((always_inline)) void stream_f16_row(int type, int M
     for (int r = 0; r < M; r++) result[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[r], acc1[r]));
 }
 
-/* One call per run of weight rows (rows row_bytes apart, result[j * M + r]), so that the
- * constants each row's body sets up are set once a run (at one row of x a call per row cost
- * a tenth or more of a 2048-wide row's time); each row asks for the row `ahead` rows on into
- * L2 while that is before `limit` (ahead 0: none). */
-#define STREAM_FN(NAME, BODY, TYPE, M)                                                                        \
-    static __attribute__((noinline)) void NAME##_##M(const uint16_t *x, int64_t x_stride, const float *sums,    \
-                                                     int64_t sums_stride, const uint8_t *rows, int64_t row_bytes, \
-                                                     const float *row_scales, int64_t count, int64_t ahead,       \
-                                                     int64_t limit, int64_t k, float *result) {                   \
-        for (int64_t j = 0; j < count; j++) {                                                                     \
-            const uint8_t *row = rows + j * row_bytes;                                                            \
-            if (ahead) stream_prefetch(row, row_bytes, j, ahead, limit);                                          \
-            BODY(TYPE, M, x, x_stride, sums, sums_stride, row, row_scales ? row_scales[j] : 1.0f, k, result + j * M); \
-        }                                                                                                         \
+#define STREAM_FN(NAME, BODY, TYPE, M)                                                                     \
+    static __attribute__((noinline)) void NAME##_##M(const uint16_t *x, int64_t x_stride, const float *sums, \
+                                                     int64_t sums_stride, const uint8_t *row, float row_scale, \
+                                                     int64_t k, float *result) {                           \
+        BODY(TYPE, M, x, x_stride, sums, sums_stride, row, row_scale, k, result);                          \
     }
 #define STREAM_KERNELS(NAME, BODY, TYPE)                                                                   \
     STREAM_FN(NAME, BODY, TYPE, 1) STREAM_FN(NAME, BODY, TYPE, 2) STREAM_FN(NAME, BODY, TYPE, 3)            \
@@ -483,8 +473,8 @@ static inline __attribute__((always_inline)) void stream_f16_row(int type, int M
     STREAM_FN(NAME, BODY, TYPE, 7) STREAM_FN(NAME, BODY, TYPE, 8)                                           \
     static const stream_fn NAME[STREAM_ROWS + 1] = {0,         NAME##_1, NAME##_2, NAME##_3, NAME##_4,     \
                                                     NAME##_5, NAME##_6, NAME##_7, NAME##_8};
-typedef void (*stream_fn)(const uint16_t *, int64_t, const float *, int64_t, const uint8_t *, int64_t, const float *,
-                          int64_t, int64_t, int64_t, int64_t, float *);
+typedef void (*stream_fn)(const uint16_t *, int64_t, const float *, int64_t, const uint8_t *, float, int64_t,
+                          float *);
 STREAM_KERNELS(stream_q4_0, stream_packed_row, WEIGHT_Q4_0)
 STREAM_KERNELS(stream_q4_1, stream_packed_row, WEIGHT_Q4_1)
 STREAM_KERNELS(stream_q8_0, stream_packed_row, WEIGHT_Q8_0)
@@ -579,19 +569,17 @@ static void quant_stream_part(const uint16_t *x, int64_t x_stride, const WeightP
     }
     const stream_fn *kernels = stream_kernels(p->type);
     const int64_t ahead = stream_prefetch_rows(p->row_bytes);
-    float result[STREAM_RUN * STREAM_ROWS];
-    for (int64_t n = begin; n < end; n += STREAM_RUN) {
-        const int64_t count = end - n < STREAM_RUN ? end - n : STREAM_RUN;
+    float result[STREAM_ROWS];
+    for (int64_t n = begin; n < end; n++) {
+        const uint8_t *row = p->data + n * p->row_bytes;
+        const float row_scale = p->row_scales ? p->row_scales[n] : 1.0f;
+        stream_prefetch(row, p->row_bytes, n, ahead, end);
+        const float b = bias ? bf16_to_float(bias[n]) : 0.0f;
         for (int64_t first = 0; first < m; first += STREAM_ROWS) {
-            const int tile = m - first < STREAM_ROWS ? (int)(m - first) : STREAM_ROWS;
-            /* the first tile of x asks for the rows ahead; the others find the run in cache */
-            kernels[tile](x + first * x_stride, x_stride, sums + first * sums_stride, sums_stride, p->data + n * p->row_bytes,
-                          p->row_bytes, p->row_scales ? p->row_scales + n : NULL, count, first == 0 ? ahead : 0, end - n, k,
-                          result);
-            for (int64_t j = 0; j < count; j++) {
-                const float b = bias ? bf16_to_float(bias[n + j]) : 0.0f;
-                for (int r = 0; r < tile; r++) store_float(out, (first + r) * out_stride + n + j, result[j * tile + r] + b, out_f32);
-            }
+            const int rows = m - first < STREAM_ROWS ? (int)(m - first) : STREAM_ROWS;
+            kernels[rows](x + first * x_stride, x_stride, sums + first * sums_stride, sums_stride, row, row_scale, k,
+                   result);
+            for (int r = 0; r < rows; r++) store_float(out, (first + r) * out_stride + n, result[r] + b, out_f32);
         }
     }
 }
