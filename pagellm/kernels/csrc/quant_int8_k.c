@@ -22,8 +22,8 @@
  *  - IQ3_S: each 4 weights' magnitudes (odd, 1-15) one codebook entry of 512, looked up 32
  *    at a time in registers as 16-bit words (iq3s_lookup; the index's ninth bit from qh); the
  *    sign bits (one per weight, in element order) turn each into 16 + signed value (1-31),
- *    the offset -16 scale taking the 16 back; x in its natural order. The bf16 path gathers 8 entries at a time and widens
- *    each weight to bf16.
+ *    the offset -16 scale taking the 16 back; x in its natural order. The bf16 path gathers
+ *    8 entries at a time and widens each weight to bf16.
  * The bf16 path spends eight byte unpackings and eight bf16 dot products per 256 weights.
  * Precision as quant_int8.c: x rounded to int8 costs about 2^-8 of each group's largest
  * value; tests bound it.
