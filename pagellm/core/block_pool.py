@@ -8,6 +8,11 @@ class without the null block and without prefix caching.
 Free blocks wait in a queue in eviction order: allocation takes from the head. A freed
 block keeps its prefix-cache hash, so it can still be hit until it is reused; the hash
 is dropped lazily, at the moment the block is taken for a new allocation (eviction).
+
+A block's bookkeeping object is made the first time the block is allocated: until then
+the never-used blocks wait in the queue as one range of ids. A small model's default CPU
+budget holds a million blocks, whose objects took seconds to make at every start and
+hundreds of MB to keep.
 """
 
 from __future__ import annotations
@@ -49,25 +54,60 @@ class FreeBlockQueue:
 
     Removal from the middle is what a prefix hit on a free cached block needs, which is
     why this is not a deque.
+
+    `num_unused` blocks never used yet may wait as one range, made by `make_unused` (in
+    id order) only when popped. The range keeps the place all blocks had in the new
+    queue: blocks queued at the head come before it, blocks queued at the tail after it,
+    so the order is the one a queue of every block made up front would have.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, num_unused: int = 0, make_unused: Callable[[], KVBlock] | None = None) -> None:
+        if num_unused and make_unused is None:
+            raise ValueError("never-used blocks need a way to make them")
         # Sentinels so that no operation has to special-case an empty list.
         self._head = KVBlock(-1)
         self._tail = KVBlock(-1)
         self._head.next_free = self._tail
         self._tail.prev_free = self._head
         self._len = 0
+        self._num_unused = num_unused
+        self._make_unused = make_unused
+        # Stands in the list for the range while any of it is left.
+        self._unused_range = KVBlock(-1)
+        if num_unused:
+            self.append(self._unused_range)
+            self._len -= 1
 
     def __len__(self) -> int:
-        return self._len
+        return self._len + self._num_unused
+
+    @property
+    def num_unused(self) -> int:
+        """Blocks in the queue never used yet (and not made yet)."""
+        return self._num_unused
 
     def __iter__(self) -> Iterator[KVBlock]:
+        """The queued blocks made so far, in order (not the never-used range)."""
         node = self._head.next_free
         while node is not self._tail:
             assert node is not None
-            yield node
+            if node is not self._unused_range:
+                yield node
             node = node.next_free
+
+    def ids(self, first_unused_id: int) -> list[int]:
+        """Every queued block's id in order, the never-used range as the ids from
+        `first_unused_id` on."""
+        result: list[int] = []
+        node = self._head.next_free
+        while node is not self._tail:
+            assert node is not None
+            if node is self._unused_range:
+                result.extend(range(first_unused_id, first_unused_id + self._num_unused))
+            else:
+                result.append(node.block_id)
+            node = node.next_free
+        return result
 
     def _link_after(self, anchor: KVBlock, block: KVBlock) -> None:
         assert block.prev_free is None and block.next_free is None, f"{block} already queued"
@@ -100,6 +140,13 @@ class FreeBlockQueue:
         block = self._head.next_free
         if block is self._tail or block is None:
             raise IndexError("pop from an empty free block queue")
+        if block is self._unused_range:
+            assert self._make_unused is not None
+            self._num_unused -= 1
+            if not self._num_unused:
+                self.remove(block)
+                self._len += 1  # the range's stand-in was never counted
+            return self._make_unused()
         self.remove(block)
         return block
 
@@ -120,14 +167,14 @@ class BlockPool:
             )
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
-        self.blocks: list[KVBlock] = [KVBlock(i) for i in range(num_blocks)]
+        self._first_usable = first_usable
+        # The blocks made so far, by id: every block ever allocated is here (ids are
+        # handed out in order until each block has been used once).
+        self.blocks: list[KVBlock] = [KVBlock(i) for i in range(first_usable)]
         self.null_block: KVBlock | None = (
             self.blocks[NULL_BLOCK_ID] if reserve_null_block else None
         )
-        self._usable_blocks = self.blocks[first_usable:]
-        self.free_queue = FreeBlockQueue()
-        for block in self._usable_blocks:
-            self.free_queue.append(block)
+        self.free_queue = FreeBlockQueue(num_blocks - first_usable, self._make_block)
         self.cached_blocks: dict[tuple[int, BlockHash], KVBlock] = {}
         self.num_evictions = 0
         # Called with the ids of blocks whose cached content is dropped (event log).
@@ -135,9 +182,18 @@ class BlockPool:
         # Told each hash the cache forgets (a hybrid's state snapshot goes with its block).
         self.on_forget: Callable[[BlockHash], None] | None = None
 
+    def _make_block(self) -> KVBlock:
+        block = KVBlock(len(self.blocks))
+        self.blocks.append(block)
+        return block
+
+    def free_block_ids(self) -> list[int]:
+        """The free blocks' ids in the order allocation takes them (never-used ones too)."""
+        return self.free_queue.ids(len(self.blocks))
+
     @property
     def num_usable_blocks(self) -> int:
-        return len(self._usable_blocks)
+        return self.num_blocks - self._first_usable
 
     @property
     def num_free_blocks(self) -> int:
@@ -146,7 +202,7 @@ class BlockPool:
 
     def get_usage(self) -> float:
         """Fraction of usable blocks referenced by some request."""
-        if not self._usable_blocks:
+        if not self.num_usable_blocks:
             return 0.0
         return 1.0 - self.num_free_blocks / self.num_usable_blocks
 
@@ -265,14 +321,18 @@ class BlockPool:
     def check_integrity(self) -> None:
         """Raise AssertionError if the pool's bookkeeping contradicts itself."""
         queued = list(self.free_queue)
-        assert len(queued) == len(self.free_queue), "free count differs from queue length"
+        unused = self.free_queue.num_unused
+        assert len(queued) + unused == len(self.free_queue), "free count differs from queue length"
+        assert len(self.blocks) + unused == self.num_blocks, (
+            f"{len(self.blocks)} blocks made and {unused} never used, of {self.num_blocks}"
+        )
         queued_ids = {b.block_id for b in queued}
         assert len(queued_ids) == len(queued), "a block is queued twice"
         if self.null_block is not None:
             nb = self.null_block
             assert nb.ref_cnt == 0 and nb.block_hash is None, "null block was used"
             assert not self.free_queue.is_queued(nb), "null block is in the free queue"
-        for block in self._usable_blocks:
+        for block in self.blocks[self._first_usable:]:
             assert block.ref_cnt >= 0, f"negative ref count on {block}"
             is_free = block.block_id in queued_ids
             assert is_free == (block.ref_cnt == 0), (

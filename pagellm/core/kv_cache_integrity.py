@@ -48,6 +48,8 @@ def check_kv_cache_integrity(
             held = [block_id for table in tables for block_id in table if block_id != null]
             assert len(set(held)) == len(held), f"{request_id} holds a block twice"
             refs.update(held)
+        unmade = [block_id for block_id in refs if block_id >= len(pool.blocks)]
+        assert not unmade, f"tables hold blocks never allocated: {sorted(unmade)[:8]}"
         for block in pool.blocks:
             assert block.ref_cnt == refs.get(block.block_id, 0), (
                 f"{block} has ref count {block.ref_cnt} but {refs.get(block.block_id, 0)} tables hold it"

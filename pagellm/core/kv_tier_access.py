@@ -143,11 +143,18 @@ class KVTierAccess:
         assert request_id not in self._block_tables, "request already holds blocks"
         pool = self.device_pool
         hit_tables = computed.blocks or [[] for _ in range(self.num_groups)]
-        hit_blocks = [pool.blocks[i] for table in hit_tables for i in table if i != NULL_BLOCK_ID]
-        num_free_hits = sum(1 for block in hit_blocks if block.ref_cnt == 0)
         num_load = len(computed.tier_digests)
         start = len(hit_tables[0])
         end = start + num_load
+        # A sliding group's window at the loaded run's end may have passed device-hit
+        # blocks its window still read at the hit's end: those are not taken.
+        hit_tables = [
+            [NULL_BLOCK_ID] * passed + table[passed:]
+            for group, table in enumerate(hit_tables)
+            for passed in [min(start, self.num_passed_blocks(group, end * self.block_size))]
+        ]
+        hit_blocks = [pool.blocks[i] for table in hit_tables for i in table if i != NULL_BLOCK_ID]
+        num_free_hits = sum(1 for block in hit_blocks if block.ref_cnt == 0)
         # Per group, the first loaded index its window still reads at the run's end.
         first_read = [max(start, self.num_passed_blocks(group, end * self.block_size)) for group in range(self.num_groups)]
         num_new = sum(end - first for first in first_read)

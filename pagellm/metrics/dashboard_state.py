@@ -56,7 +56,7 @@ def dashboard_state(engine: DashboardSource, max_series_points: int = 300) -> di
                     "adapter": None if request.lora_request is None else request.lora_request.lora_name,
                 }
             )
-    num_blocks = len(pool.blocks)
+    num_blocks = pool.num_blocks  # blocks never used are not made: FREE
     state = [FREE] * num_blocks
     owner = [-1] * num_blocks
     for block in pool.blocks:
@@ -94,7 +94,7 @@ def dashboard_state(engine: DashboardSource, max_series_points: int = 300) -> di
         "step": engine.num_steps,
         "block_size": manager.block_size,
         "blocks": {"state": state, "owner": owner},
-        "host_blocks": {"total": len(manager.host_pool.blocks), "usage": stats.host_kv_cache_usage},
+        "host_blocks": {"total": manager.host_pool.num_blocks, "usage": stats.host_kv_cache_usage},
         "requests": requests,
         "queues": {"running": stats.num_running, "waiting": stats.num_waiting, "swapped": stats.num_swapped},
         "kv_usage": stats.kv_cache_usage,

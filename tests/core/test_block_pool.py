@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from pagellm.core.block_pool import BlockPool, FreeBlockQueue, KVBlock
@@ -39,6 +41,70 @@ def test_free_queue_operations() -> None:
         queue.popleft()
     with pytest.raises(IndexError):
         queue.popleft()
+
+
+def test_never_used_blocks_are_made_when_first_allocated() -> None:
+    pool = BlockPool(10_000_000, enable_caching=True)  # a tiny model's CPU budget: no object per block
+    assert len(pool.blocks) == 1 and pool.num_free_blocks == 9_999_999 and pool.get_usage() == 0.0
+    taken = pool.allocate(3)
+    assert ids(taken) == [1, 2, 3] and len(pool.blocks) == 4
+    assert all(pool.blocks[b.block_id] is b for b in taken)
+    pool.free(taken)
+    assert pool.num_free_blocks == 9_999_999
+    pool.check_integrity()
+    # The checks see a block that was never made but counted as free.
+    pool.free_queue._num_unused -= 1
+    with pytest.raises(AssertionError, match="never used"):
+        pool.check_integrity()
+
+
+def test_the_queue_order_is_that_of_every_block_queued_up_front() -> None:
+    # A pool with the never-used range against a plain list holding every block from the
+    # start, through random allocations, frees (cached ones at the tail, others at the
+    # head), prefix hits on free cached blocks and resets: the same ids in the same order.
+    rng = random.Random(3)
+    pool = BlockPool(40, enable_caching=True)
+    model = list(range(1, 40))  # the eager queue, head first
+    held: list[int] = []
+    cached: set[int] = set()
+    for step in range(600):
+        action = rng.random()
+        if action < 0.45 and model:
+            count = rng.randint(1, min(4, len(model)))
+            got = ids(pool.allocate(count))
+            assert got == model[:count], step
+            del model[:count]
+            cached -= set(got)
+            held += got
+        elif action < 0.8 and held:
+            rng.shuffle(held)
+            count = rng.randint(1, len(held))
+            freed, held = held[:count], held[count:]
+            for block_id in freed:
+                if rng.random() < 0.5:
+                    pool.cache_block(pool.blocks[block_id], key(block_id))
+                    cached.add(block_id)
+            pool.free(pool.blocks[b] for b in freed)
+            for block_id in freed:
+                if block_id in cached:
+                    model.append(block_id)
+                else:
+                    model.insert(0, block_id)
+        elif action < 0.9:
+            free_cached = [b for b in model if b in cached]
+            if free_cached:
+                hit = rng.choice(free_cached)
+                pool.touch([pool.blocks[hit]])
+                model.remove(hit)
+                held.append(hit)
+        else:
+            dropped = [b for b in model if b in cached]
+            assert pool.reset_prefix_cache() == len(dropped)
+            model = list(reversed(dropped)) + [b for b in model if b not in cached]
+            cached -= set(dropped)
+        assert pool.free_block_ids() == model, step
+        pool.check_integrity()
+    assert ids(pool.allocate(len(model))) == model
 
 
 def test_null_block_is_never_handed_out() -> None:
@@ -80,7 +146,7 @@ def test_freed_blocks_queue_uncached_first_then_cached_in_lru_order() -> None:
     # A request frees its table tail first.
     pool.free(reversed(blocks))
     # Uncached 4 and 3 jump to the head (worthless), cached 2 then 1 queue at the tail.
-    assert ids(pool.free_queue) == [3, 4, 5, 6, 2, 1]
+    assert pool.free_block_ids() == [3, 4, 5, 6, 2, 1]
     # Cached blocks stay hit-able while free.
     assert pool.get_cached_block(key(1)) is blocks[0]
     assert_all_free(pool)
@@ -92,7 +158,7 @@ def test_lazy_eviction_when_a_cached_free_block_is_reused() -> None:
     pool.cache_block(a, key(1))
     pool.cache_block(b, key(2))
     pool.free([b, a])  # queue: b, a (b evicted first)
-    assert ids(pool.free_queue) == [2, 1]
+    assert pool.free_block_ids() == [2, 1]
     (taken,) = pool.allocate(1)
     assert taken is b and b.block_hash is None
     assert pool.get_cached_block(key(2)) is None  # evicted now, not when freed
@@ -111,9 +177,9 @@ def test_touch_pulls_a_free_cached_block_out_of_the_queue() -> None:
     assert hit is b
     pool.touch([hit])
     assert b.ref_cnt == 1 and not pool.free_queue.is_queued(b)
-    assert ids(pool.free_queue) == [3, 1]
+    assert pool.free_block_ids() == [3, 1]
     pool.free([b])
-    assert ids(pool.free_queue) == [3, 1, 2]
+    assert pool.free_block_ids() == [3, 1, 2]
     assert_all_free(pool)
 
 
@@ -180,6 +246,7 @@ def test_reset_blocks_are_reused_before_never_used_ones() -> None:
 )
 def test_check_integrity_catches_corruption(corrupt: object, message: str) -> None:
     pool = BlockPool(4, enable_caching=True)
+    pool.free(pool.allocate(3))  # every block made
     pool.check_integrity()
     corrupt(pool)  # type: ignore[operator]
     with pytest.raises(AssertionError, match=message):

@@ -209,3 +209,24 @@ def test_an_abort_while_loading_frees_the_blocks() -> None:
     scheduler.update_from_output(out, runner.execute(out))
     step(scheduler, runner)
     assert_drained(scheduler)
+
+
+def test_a_window_that_passes_device_hit_blocks_within_the_loaded_run() -> None:
+    # A sliding-window model (one group, window 3, blocks of one token) whose preempted
+    # request resumes from a device hit of blocks [10] and [10, 11] and loads [10, 11, 12]
+    # from the tier: at the loaded run's end the window has passed the first device-hit
+    # block, which must enter the table as NULL (not be taken and held). Found by
+    # test_scheduler_property.py.
+    scheduler = make_scheduler(
+        block_size=1, num_gpu_blocks=5, max_model_len=5, max_num_seqs=2, max_num_batched_tokens=5,
+        enable_chunked_prefill=False, group_windows=(3,), kv_offload_bytes=30, kv_offload_max_pending_writes=3,
+    )  # fmt: skip
+    runner = FakeRunner(1, group_windows=(3,))
+    for request_id, prompt, max_tokens in (("r0", [10], 3), ("r1", [10], 1), ("r2", [10, 11, 12], 2)):
+        scheduler.add_request(make_request(request_id, prompt, max_tokens=max_tokens, ignore_eos=True))
+    results = run_to_completion(scheduler, runner)
+    loads = [r.output.blocks_to_load for r in results if r.output.blocks_to_load]
+    assert loads, "the scenario no longer resumes through a tier load"
+    stats = scheduler.make_stats()
+    assert stats.num_preemptions_recompute > 0 and scheduler.kv_cache_manager.stats.num_prefix_hit_tokens > 0
+    assert_drained(scheduler)

@@ -13,7 +13,7 @@ from pagellm.request import RequestStatus
 
 
 def free_queue(scheduler) -> list[int]:
-    return [block.block_id for block in scheduler.kv_cache_manager.device_pool.free_queue]
+    return scheduler.kv_cache_manager.device_pool.free_block_ids()
 
 
 def start_two(new_scheduler, **kwargs):
