@@ -13,5 +13,5 @@ fi
 # Two workers, each taking whole test files (their module fixtures, e.g. a started server,
 # are built once); servers bind port 0 and kernel builds land by atomic rename, so the two
 # do not collide. Much of a test's time is waiting (servers, subprocesses, Python), which
-# the second worker fills: the suite takes ~14 minutes instead of ~22 on two cores.
+# the second worker fills: the suite takes about 16 minutes on two cores.
 python -m pytest -q -p no:cacheprovider --durations=15 -n 2 --dist loadfile "$@"
