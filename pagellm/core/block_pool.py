@@ -75,8 +75,7 @@ class FreeBlockQueue:
         # Stands in the list for the range while any of it is left.
         self._unused_range = KVBlock(-1)
         if num_unused:
-            self.append(self._unused_range)
-            self._len -= 1
+            self._link_after(self._head, self._unused_range)  # not counted: __len__ adds the range
 
     def __len__(self) -> int:
         return self._len + self._num_unused
@@ -86,27 +85,27 @@ class FreeBlockQueue:
         """Blocks in the queue never used yet (and not made yet)."""
         return self._num_unused
 
-    def __iter__(self) -> Iterator[KVBlock]:
-        """The queued blocks made so far, in order (not the never-used range)."""
+    def _nodes(self) -> Iterator[KVBlock]:
+        """The list's nodes in order, the never-used range's stand-in included."""
         node = self._head.next_free
         while node is not self._tail:
             assert node is not None
-            if node is not self._unused_range:
-                yield node
+            yield node
             node = node.next_free
+
+    def __iter__(self) -> Iterator[KVBlock]:
+        """The queued blocks made so far, in order (not the never-used range)."""
+        return (node for node in self._nodes() if node is not self._unused_range)
 
     def ids(self, first_unused_id: int) -> list[int]:
         """Every queued block's id in order, the never-used range as the ids from
         `first_unused_id` on."""
         result: list[int] = []
-        node = self._head.next_free
-        while node is not self._tail:
-            assert node is not None
+        for node in self._nodes():
             if node is self._unused_range:
                 result.extend(range(first_unused_id, first_unused_id + self._num_unused))
             else:
                 result.append(node.block_id)
-            node = node.next_free
         return result
 
     def _link_after(self, anchor: KVBlock, block: KVBlock) -> None:
@@ -116,24 +115,28 @@ class FreeBlockQueue:
         block.prev_free, block.next_free = anchor, successor
         anchor.next_free = block
         successor.prev_free = block
-        self._len += 1
+
+    def _unlink(self, block: KVBlock) -> None:
+        prev, nxt = block.prev_free, block.next_free
+        assert prev is not None and nxt is not None, f"{block} is not in the free queue"
+        prev.next_free = nxt
+        nxt.prev_free = prev
+        block.prev_free = block.next_free = None
 
     def append(self, block: KVBlock) -> None:
         """Queue at the tail: evicted last."""
         prev = self._tail.prev_free
         assert prev is not None
         self._link_after(prev, block)
+        self._len += 1
 
     def appendleft(self, block: KVBlock) -> None:
         """Queue at the head: reused first."""
         self._link_after(self._head, block)
+        self._len += 1
 
     def remove(self, block: KVBlock) -> None:
-        prev, nxt = block.prev_free, block.next_free
-        assert prev is not None and nxt is not None, f"{block} is not in the free queue"
-        prev.next_free = nxt
-        nxt.prev_free = prev
-        block.prev_free = block.next_free = None
+        self._unlink(block)
         self._len -= 1
 
     def popleft(self) -> KVBlock:
@@ -144,8 +147,7 @@ class FreeBlockQueue:
             assert self._make_unused is not None
             self._num_unused -= 1
             if not self._num_unused:
-                self.remove(block)
-                self._len += 1  # the range's stand-in was never counted
+                self._unlink(block)
             return self._make_unused()
         self.remove(block)
         return block

@@ -146,17 +146,15 @@ class KVTierAccess:
         num_load = len(computed.tier_digests)
         start = len(hit_tables[0])
         end = start + num_load
-        # A sliding group's window at the loaded run's end may have passed device-hit
-        # blocks its window still read at the hit's end: those are not taken.
-        hit_tables = [
-            [NULL_BLOCK_ID] * passed + table[passed:]
-            for group, table in enumerate(hit_tables)
-            for passed in [min(start, self.num_passed_blocks(group, end * self.block_size))]
-        ]
+        # Per group, the blocks its window has passed at the loaded run's end: device-hit
+        # blocks among them (read at the hit's end) are not taken, loaded ones not loaded.
+        passed = [self.num_passed_blocks(group, end * self.block_size) for group in range(self.num_groups)]
+        skipped = [min(start, num) for num in passed]
+        hit_tables = [[NULL_BLOCK_ID] * n + table[n:] for table, n in zip(hit_tables, skipped, strict=True)]
         hit_blocks = [pool.blocks[i] for table in hit_tables for i in table if i != NULL_BLOCK_ID]
         num_free_hits = sum(1 for block in hit_blocks if block.ref_cnt == 0)
         # Per group, the first loaded index its window still reads at the run's end.
-        first_read = [max(start, self.num_passed_blocks(group, end * self.block_size)) for group in range(self.num_groups)]
+        first_read = [max(start, num) for num in passed]
         num_new = sum(end - first for first in first_read)
         self.stats.num_allocation_attempts += 1
         if num_new + num_free_hits > pool.num_free_blocks or (self.state_slots.enabled and not self.state_slots.num_free):

@@ -503,7 +503,7 @@ typedef void (*stream_run_fn)(const uint16_t *, int64_t, const float *, int64_t,
 #define STREAM_SUPERBLOCK_KERNELS(NAME, BODY, TYPE)                                                            \
     STREAM_KERNELS(NAME, BODY, TYPE)                                                                           \
     STREAM_RUN_FN(NAME##_run, BODY, TYPE, 1) STREAM_RUN_FN(NAME##_run, BODY, TYPE, 2)                         \
-    static const stream_run_fn NAME##_run[STREAM_ROWS + 1] = {0, NAME##_run_1, NAME##_run_2};
+    static const stream_run_fn NAME##_run[3] = {0, NAME##_run_1, NAME##_run_2};
 STREAM_KERNELS(stream_q4_0, stream_packed_row, WEIGHT_Q4_0)
 STREAM_KERNELS(stream_q4_1, stream_packed_row, WEIGHT_Q4_1)
 STREAM_KERNELS(stream_q8_0, stream_packed_row, WEIGHT_Q8_0)
@@ -610,7 +610,6 @@ static void quant_stream_part(const uint16_t *x, int64_t x_stride, const WeightP
         x_stride = k;
     }
     const int64_t ahead = stream_prefetch_rows(p->row_bytes);
-    const stream_fn *kernels = stream_kernels(p->type);
     const stream_run_fn *run_kernels = stream_run_kernels(p->type);
     if (run_kernels && m <= 2) { /* a super-block type at one or two rows of x: runs of rows */
         float results[STREAM_RUN * 2];
@@ -625,6 +624,7 @@ static void quant_stream_part(const uint16_t *x, int64_t x_stride, const WeightP
         }
         return;
     }
+    const stream_fn *kernels = stream_kernels(p->type);
     float result[STREAM_ROWS];
     for (int64_t n = begin; n < end; n++) {
         const uint8_t *row = p->data + n * p->row_bytes;
